@@ -1,0 +1,832 @@
+#include "kvbridge/engine.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <random>
+#include <shared_mutex>
+#include <unordered_map>
+
+#include "core/circuit_breaker.h"
+#include "core/descriptor.h"
+#include "core/host_services.h"
+#include "core/plugin_loader.h"
+#include "util/clock.h"
+#include "util/logging.h"
+
+namespace kvbridge {
+
+using core::CircuitBreaker;
+using core::Descriptor;
+using core::PluginRegistry;
+using core::SegmentDesc;
+
+std::string PeerId::ToString() const {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "@%016llx", static_cast<unsigned long long>(incarnation));
+  return node_id + buf;
+}
+
+namespace {
+
+constexpr uint32_t kErrLen = 512;
+constexpr size_t kWaitSlots = 64;
+
+// One instance of a transport plugin.
+struct TransportSlot {
+  std::string name;
+  uint64_t caps = 0;
+  const kvb_transport_ops_t* ops = nullptr;
+  kvb_transport_t* inst = nullptr;
+  std::string endpoints;
+};
+
+struct LocalRegion {
+  SegmentId id = 0;
+  uintptr_t addr = 0;
+  uint64_t length = 0;
+  MemoryKind kind = MemoryKind::kHost;
+  int device_id = -1;
+  std::map<std::string, std::string> rkeys;  // transport name -> remote key
+};
+
+using SegmentMap = std::unordered_map<uint64_t, SegmentDesc>;
+
+// One known peer incarnation. Batches hold it by shared_ptr, so the transport's peer handle
+// lives until the last batch using it is collected.
+struct PeerRecord {
+  PeerId id;
+  TransportSlot* transport = nullptr;
+  kvb_tpeer_t* tpeer = nullptr;
+  std::shared_ptr<const SegmentMap> segments;  // replaced wholesale on update (under peers_mu)
+  CircuitBreaker breaker;
+  std::atomic<bool> stale{false};
+  std::atomic<uint64_t> fast_failed{0};
+
+  PeerRecord(PeerId pid, TransportSlot* t, const CircuitBreaker::Config& cfg)
+      : id(std::move(pid)), transport(t), breaker(cfg) {}
+  ~PeerRecord() {
+    if (tpeer != nullptr) transport->ops->remove_peer(transport->inst, tpeer);
+  }
+};
+
+// Completion notifications land here; the slot outlives every transport, so a late
+// on_complete never touches freed memory.
+struct WaitSlot {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t seq = 0;
+};
+
+void OnTransportComplete(void* user) {
+  auto* slot = static_cast<WaitSlot*>(user);
+  {
+    std::lock_guard<std::mutex> lock(slot->mu);
+    ++slot->seq;
+  }
+  slot->cv.notify_all();
+}
+
+struct SubRequest {
+  std::shared_ptr<PeerRecord> peer;
+  kvb_treq_t* req = nullptr;
+  std::vector<uint32_t> op_index;
+  bool final = false;
+  bool cancelled_by_deadline = false;
+  kvb_status_t status = KVB_IN_PROGRESS;
+};
+
+struct Batch {
+  BatchId id = 0;
+  uint64_t deadline_ns = 0;
+  WaitSlot* slot = nullptr;
+  std::mutex mu;  // serializes poll passes, cancel and collection of this batch
+  std::vector<Status> op_status;
+  std::vector<SubRequest> subs;
+  bool collected = false;
+};
+
+std::string DefaultNodeId() {
+  char host[256] = {0};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "host");
+  return std::string(host) + "-" + std::to_string(getpid());
+}
+
+uint64_t DrawIncarnation() {
+  std::random_device rd;
+  uint64_t v = 0;
+  while (v == 0) v = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  return v;
+}
+
+bool IsPeerFailure(kvb_status_t code) {
+  return code == KVB_ERR_PEER_UNREACHABLE || code == KVB_ERR_PROGRESS_TIMEOUT ||
+         code == KVB_ERR_DEADLINE_EXCEEDED;
+}
+
+}  // namespace
+
+struct TransferEngine::Impl {
+  EngineOptions options;
+  PeerId self;
+  PluginRegistry registry;
+  std::unique_ptr<core::HostServices> host;
+  std::vector<std::unique_ptr<TransportSlot>> transports;
+  CircuitBreaker::Config breaker_config;
+
+  std::mutex admin_mu;  // serializes Register/Deregister (calls into plugins, never data path)
+  mutable std::shared_mutex regions_mu;
+  std::map<uintptr_t, LocalRegion> regions;  // by start address
+  uint64_t next_segment_id = 1;
+
+  mutable std::shared_mutex peers_mu;
+  std::unordered_map<std::string, std::shared_ptr<PeerRecord>> peers;
+
+  std::mutex batches_mu;
+  std::unordered_map<BatchId, std::shared_ptr<Batch>> batches;
+  std::atomic<BatchId> next_batch_id{1};
+  std::array<WaitSlot, kWaitSlots> wait_slots;
+
+  ~Impl();
+  TransportSlot* FindTransport(std::string_view name) const;
+  // Local region containing [addr, addr+len), or nullptr. Caller holds regions_mu.
+  const LocalRegion* FindLocal(uintptr_t addr, uint64_t len) const;
+  std::shared_ptr<Batch> FindBatch(BatchId id);
+  // One non-blocking pass over the batch's unfinished subs. Returns true when all are final.
+  bool PollPass(Batch& b);
+  void CancelSubs(Batch& b, bool by_deadline);
+  BatchResult Collect(Batch& b);
+  std::optional<BatchResult> PollOrWait(BatchId id, bool block);
+};
+
+TransferEngine::Impl::~Impl() {
+  std::unordered_map<BatchId, std::shared_ptr<Batch>> left;
+  {
+    std::lock_guard<std::mutex> lock(batches_mu);
+    left.swap(batches);
+  }
+  for (auto& [id, b] : left) {
+    std::lock_guard<std::mutex> lock(b->mu);
+    for (auto& s : b->subs) {
+      if (s.req == nullptr) continue;
+      s.peer->transport->ops->cancel(s.peer->transport->inst, s.req);
+      s.peer->transport->ops->release(s.peer->transport->inst, s.req);
+      s.req = nullptr;
+    }
+    b->subs.clear();
+  }
+  left.clear();
+  peers.clear();  // remove_peer on each transport
+  for (auto& t : transports) {
+    if (t->inst != nullptr) t->ops->destroy(t->inst);
+  }
+  transports.clear();
+}
+
+TransportSlot* TransferEngine::Impl::FindTransport(std::string_view name) const {
+  for (const auto& t : transports) {
+    if (t->name == name) return t.get();
+  }
+  return nullptr;
+}
+
+const LocalRegion* TransferEngine::Impl::FindLocal(uintptr_t addr, uint64_t len) const {
+  auto it = regions.upper_bound(addr);
+  if (it == regions.begin()) return nullptr;
+  --it;
+  const LocalRegion& r = it->second;
+  if (addr < r.addr || addr - r.addr > r.length || len > r.length - (addr - r.addr)) {
+    return nullptr;
+  }
+  return &r;
+}
+
+std::shared_ptr<Batch> TransferEngine::Impl::FindBatch(BatchId id) {
+  std::lock_guard<std::mutex> lock(batches_mu);
+  auto it = batches.find(id);
+  return it == batches.end() ? nullptr : it->second;
+}
+
+bool TransferEngine::Impl::PollPass(Batch& b) {
+  bool all_final = true;
+  std::vector<kvb_status_t> codes;
+  char err[kErrLen];
+  for (auto& s : b.subs) {
+    if (s.final) continue;
+    codes.assign(s.op_index.size(), KVB_IN_PROGRESS);
+    err[0] = '\0';
+    kvb_status_t st = s.peer->transport->ops->poll(s.peer->transport->inst, s.req, codes.data(),
+                                                   static_cast<uint32_t>(codes.size()), err,
+                                                   kErrLen);
+    if (st == KVB_IN_PROGRESS) {
+      all_final = false;
+      continue;
+    }
+    s.final = true;
+    s.status = st;
+    const std::string peer_name = s.peer->id.ToString();
+    for (size_t i = 0; i < s.op_index.size(); ++i) {
+      kvb_status_t c = codes[i];
+      if (c == KVB_IN_PROGRESS) c = st == KVB_OK ? KVB_ERR_INTERNAL : st;  // defensive
+      if (c == KVB_ERR_CANCELLED && s.cancelled_by_deadline) c = KVB_ERR_DEADLINE_EXCEEDED;
+      std::string msg;
+      if (c != KVB_OK) {
+        msg = (c == st && err[0] != '\0') ? std::string(err) : StatusCodeName(StatusCode(c));
+        if (c == KVB_ERR_DEADLINE_EXCEEDED && s.cancelled_by_deadline) {
+          msg = "batch deadline passed before the op finished";
+        }
+        msg = "peer " + peer_name + ": " + msg;
+      }
+      b.op_status[s.op_index[i]] = Status::FromAbi(c, msg);
+    }
+  }
+  return all_final;
+}
+
+void TransferEngine::Impl::CancelSubs(Batch& b, bool by_deadline) {
+  for (auto& s : b.subs) {
+    if (s.final || s.req == nullptr) continue;
+    s.cancelled_by_deadline = by_deadline;
+    s.peer->transport->ops->cancel(s.peer->transport->inst, s.req);
+  }
+}
+
+BatchResult TransferEngine::Impl::Collect(Batch& b) {
+  const uint64_t now = util::MonoNs();
+  for (auto& s : b.subs) {
+    PeerRecord& peer = *s.peer;
+    kvb_status_t st = s.status;
+    if (s.cancelled_by_deadline && st == KVB_ERR_CANCELLED) st = KVB_ERR_DEADLINE_EXCEEDED;
+    if (st == KVB_ERR_STALE_PEER) {
+      if (!peer.stale.exchange(true)) {
+        KVB_LOG(WARN) << "peer " << peer.id.ToString()
+                      << " is stale (another incarnation answers at its address); its ops fail "
+                         "fast until AddPeer() gets the new descriptor";
+      }
+    } else if (IsPeerFailure(st)) {
+      peer.breaker.RecordFailure(now);
+    } else if (st != KVB_ERR_CANCELLED) {
+      peer.breaker.RecordSuccess();  // the peer answered, even if it refused an op
+    }
+    peer.transport->ops->release(peer.transport->inst, s.req);
+    s.req = nullptr;
+  }
+  b.subs.clear();
+  b.collected = true;
+  BatchResult r;
+  r.op_status = std::move(b.op_status);
+  for (const auto& st : r.op_status) {
+    if (!st.ok()) {
+      r.status = st;
+      break;
+    }
+  }
+  return r;
+}
+
+std::optional<BatchResult> TransferEngine::Impl::PollOrWait(BatchId id, bool block) {
+  std::shared_ptr<Batch> b = FindBatch(id);
+  if (!b) {
+    BatchResult r;
+    r.status = Status::NotFound("unknown batch " + std::to_string(id) +
+                                " (never submitted, or its result was already returned)");
+    return r;
+  }
+  WaitSlot& slot = *b->slot;
+  for (;;) {
+    uint64_t seq;
+    {
+      std::lock_guard<std::mutex> lock(slot.mu);
+      seq = slot.seq;
+    }
+    {
+      std::lock_guard<std::mutex> lock(b->mu);
+      if (b->collected) {
+        BatchResult r;
+        r.status = Status::NotFound("batch " + std::to_string(id) + " was collected by another call");
+        return r;
+      }
+      bool done = PollPass(*b);
+      if (!done && b->deadline_ns != 0 && util::MonoNs() >= b->deadline_ns) {
+        CancelSubs(*b, /*by_deadline=*/true);
+        done = PollPass(*b);
+      }
+      if (done) {
+        {
+          std::lock_guard<std::mutex> lock2(batches_mu);
+          batches.erase(id);
+        }
+        return Collect(*b);
+      }
+    }
+    if (!block) return std::nullopt;
+    std::unique_lock<std::mutex> lock(slot.mu);
+    uint64_t wait_ns = 100'000'000;  // re-check at least every 100 ms
+    if (b->deadline_ns != 0) {
+      uint64_t now = util::MonoNs();
+      wait_ns = std::min<uint64_t>(wait_ns, b->deadline_ns > now ? b->deadline_ns - now : 0);
+    }
+    slot.cv.wait_for(lock, std::chrono::nanoseconds(wait_ns), [&] { return slot.seq != seq; });
+  }
+}
+
+TransferEngine::TransferEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+TransferEngine::~TransferEngine() = default;
+
+Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->self.node_id = options.node_id.empty() ? DefaultNodeId() : options.node_id;
+  impl->self.incarnation = DrawIncarnation();
+  impl->breaker_config.failure_threshold = options.breaker_failures;
+  impl->breaker_config.backoff_ms = options.breaker_backoff_ms;
+  impl->breaker_config.max_backoff_ms = options.breaker_max_backoff_ms;
+  impl->breaker_config.probe_timeout_ms =
+      std::max(options.default_deadline_ms, options.breaker_max_backoff_ms);
+
+  std::vector<std::string> dirs = PluginRegistry::DefaultSearchPath(options.plugin_path);
+  std::vector<std::string> unique_dirs;
+  for (auto& d : dirs) {
+    if (std::find(unique_dirs.begin(), unique_dirs.end(), d) == unique_dirs.end()) {
+      unique_dirs.push_back(d);
+    }
+  }
+  impl->registry.Scan(unique_dirs);
+
+  std::map<std::string, std::string> config = options.plugin_config;
+  impl->host = std::make_unique<core::HostServices>(std::move(config));
+
+  std::vector<std::pair<const core::PluginInfo*, bool>> chosen;  // (plugin, explicitly named)
+  if (!options.transports.empty()) {
+    for (const auto& name : options.transports) {
+      std::string why;
+      const core::PluginInfo* p = impl->registry.Find(KVB_PLUGIN_TRANSPORT, name, &why);
+      if (p == nullptr) {
+        return Status::Unavailable("transport '" + name + "' was requested but " + why);
+      }
+      chosen.emplace_back(p, true);
+    }
+  } else {
+    for (const core::PluginInfo* p : impl->registry.Loaded(KVB_PLUGIN_TRANSPORT)) {
+      chosen.emplace_back(p, false);
+    }
+  }
+  for (const auto& [plugin, explicit_name] : chosen) {
+    auto slot = std::make_unique<TransportSlot>();
+    slot->name = plugin->name;
+    slot->caps = plugin->caps;
+    slot->ops = plugin->transport_ops();
+    kvb_transport_params_t params{
+        .struct_size = sizeof(kvb_transport_params_t),
+        .node_id = impl->self.node_id.c_str(),
+        .incarnation = impl->self.incarnation,
+        .listen = options.listen.c_str(),
+        .cluster_token = options.cluster_token.c_str(),
+    };
+    char err[kErrLen] = {0};
+    kvb_status_t st = slot->ops->create(impl->host->table(), &params, &slot->inst, err, kErrLen);
+    if (st != KVB_OK) {
+      Status s = Status::FromAbi(st, err).WithContext("transport '" + slot->name + "' (" +
+                                                      plugin->path + ") failed to start");
+      if (explicit_name) return s;
+      KVB_LOG(WARN) << s.ToString() << "; continuing without it";
+      continue;
+    }
+    char ep[4096];
+    int32_t n = slot->ops->get_endpoints(slot->inst, ep, sizeof(ep));
+    slot->endpoints = n >= 0 ? std::string(ep, static_cast<size_t>(n)) : std::string();
+    KVB_LOG(INFO) << "transport " << slot->name << " listening on " << slot->endpoints
+                  << " as " << impl->self.ToString();
+    impl->transports.push_back(std::move(slot));
+  }
+  if (impl->transports.empty()) {
+    std::string searched;
+    for (const auto& d : unique_dirs) searched += (searched.empty() ? "" : ":") + d;
+    return Status::Unavailable("no usable transport plugin (searched " + searched +
+                               "; set KVBRIDGE_PLUGIN_PATH or EngineOptions::plugin_path)");
+  }
+  return std::unique_ptr<TransferEngine>(new TransferEngine(std::move(impl)));
+}
+
+const PeerId& TransferEngine::self() const { return impl_->self; }
+
+std::vector<std::string> TransferEngine::transports() const {
+  std::vector<std::string> names;
+  for (const auto& t : impl_->transports) names.push_back(t->name);
+  return names;
+}
+
+std::string TransferEngine::endpoints(std::string_view transport) const {
+  TransportSlot* t = impl_->FindTransport(transport);
+  return t ? t->endpoints : std::string();
+}
+
+Result<SegmentId> TransferEngine::RegisterMemory(void* addr, uint64_t length, MemoryKind kind,
+                                                 int device_id) {
+  if (addr == nullptr || length == 0) {
+    return Status::InvalidArgument("RegisterMemory: address must be non-null and length > 0");
+  }
+  if (kind != MemoryKind::kHost && kind != MemoryKind::kCuda) {
+    return Status::InvalidArgument("RegisterMemory: unknown memory kind");
+  }
+  const auto start = reinterpret_cast<uintptr_t>(addr);
+  if (start + length < start) return Status::InvalidArgument("RegisterMemory: range wraps");
+  std::lock_guard<std::mutex> admin(impl_->admin_mu);
+  LocalRegion region;
+  {
+    std::shared_lock<std::shared_mutex> lock(impl_->regions_mu);
+    auto it = impl_->regions.lower_bound(start);
+    bool overlap = (it != impl_->regions.end() && it->first < start + length);
+    if (!overlap && it != impl_->regions.begin()) {
+      --it;
+      overlap = it->second.addr + it->second.length > start;
+    }
+    if (overlap) {
+      return Status::AlreadyExists("RegisterMemory: range overlaps registered segment " +
+                                   std::to_string(it->second.id));
+    }
+    region.id = impl_->next_segment_id++;
+  }
+  region.addr = start;
+  region.length = length;
+  region.kind = kind;
+  region.device_id = device_id;
+  const uint64_t want_cap = kind == MemoryKind::kCuda ? KVB_TCAP_CUDA_MEM : KVB_TCAP_HOST_MEM;
+  std::vector<TransportSlot*> done;
+  for (auto& t : impl_->transports) {
+    if ((t->caps & want_cap) == 0) continue;
+    kvb_region_t r{.struct_size = sizeof(kvb_region_t),
+                   .mem_kind = static_cast<uint32_t>(kind),
+                   .segment_id = region.id,
+                   .addr = addr,
+                   .length = length,
+                   .device_id = device_id};
+    uint8_t rkey[core::kMaxDescriptorRkey];
+    uint32_t rkey_len = 0;
+    kvb_status_t st = t->ops->register_memory(t->inst, &r, rkey, sizeof(rkey), &rkey_len);
+    if (st != KVB_OK) {
+      for (TransportSlot* d : done) (void)d->ops->deregister_memory(d->inst, region.id);
+      return Status::FromAbi(st, "transport '" + t->name + "' refused to register the region");
+    }
+    region.rkeys[t->name] = std::string(reinterpret_cast<char*>(rkey), rkey_len);
+    done.push_back(t.get());
+  }
+  if (done.empty()) {
+    return Status::Unsupported(kind == MemoryKind::kCuda
+                                   ? "no loaded transport supports CUDA memory"
+                                   : "no loaded transport supports host memory");
+  }
+  SegmentId id = region.id;
+  std::unique_lock<std::shared_mutex> lock(impl_->regions_mu);
+  impl_->regions.emplace(start, std::move(region));
+  return id;
+}
+
+Status TransferEngine::DeregisterMemory(SegmentId id) {
+  std::lock_guard<std::mutex> admin(impl_->admin_mu);
+  {
+    std::unique_lock<std::shared_mutex> lock(impl_->regions_mu);
+    auto it = std::find_if(impl_->regions.begin(), impl_->regions.end(),
+                           [&](const auto& kv) { return kv.second.id == id; });
+    if (it == impl_->regions.end()) {
+      return Status::NotFound("DeregisterMemory: unknown segment " + std::to_string(id));
+    }
+    impl_->regions.erase(it);
+  }
+  Status result;
+  for (auto& t : impl_->transports) {
+    kvb_status_t st = t->ops->deregister_memory(t->inst, id);
+    if (st != KVB_OK && st != KVB_ERR_NOT_FOUND && result.ok()) {
+      result = Status::FromAbi(st, "transport '" + t->name + "' failed to deregister");
+    }
+  }
+  return result;
+}
+
+std::string TransferEngine::LocalDescriptor() const {
+  Descriptor d;
+  d.node_id = impl_->self.node_id;
+  d.incarnation = impl_->self.incarnation;
+  for (const auto& t : impl_->transports) d.transports.push_back({t->name, t->endpoints});
+  std::shared_lock<std::shared_mutex> lock(impl_->regions_mu);
+  for (const auto& [addr, r] : impl_->regions) {
+    SegmentDesc s;
+    s.id = r.id;
+    s.length = r.length;
+    s.mem_kind = static_cast<uint32_t>(r.kind);
+    s.rkeys = r.rkeys;
+    d.segments.push_back(std::move(s));
+  }
+  return core::EncodeDescriptor(d);
+}
+
+Result<PeerId> TransferEngine::AddPeer(std::string_view blob) {
+  Result<Descriptor> decoded = core::DecodeDescriptor(blob);
+  if (!decoded.ok()) return decoded.status();
+  Descriptor& d = decoded.value();
+  TransportSlot* chosen = nullptr;
+  const core::TransportDesc* remote = nullptr;
+  for (const auto& t : impl_->transports) {
+    for (const auto& rt : d.transports) {
+      if (rt.name == t->name) {
+        chosen = t.get();
+        remote = &rt;
+        break;
+      }
+    }
+    if (chosen) break;
+  }
+  if (chosen == nullptr) {
+    std::string theirs, ours;
+    for (const auto& rt : d.transports) theirs += (theirs.empty() ? "" : ",") + rt.name;
+    for (const auto& t : impl_->transports) ours += (ours.empty() ? "" : ",") + t->name;
+    return Status::Unsupported("peer " + d.node_id + " offers transports [" + theirs +
+                               "], this engine has [" + ours + "]");
+  }
+  auto segments = std::make_shared<SegmentMap>();
+  std::vector<kvb_peer_segment_t> psegs;
+  psegs.reserve(d.segments.size());
+  for (const auto& s : d.segments) {
+    segments->emplace(s.id, s);
+  }
+  for (const auto& [sid, s] : *segments) {
+    auto it = s.rkeys.find(chosen->name);
+    kvb_peer_segment_t ps{.struct_size = sizeof(kvb_peer_segment_t),
+                          .mem_kind = s.mem_kind,
+                          .segment_id = s.id,
+                          .length = s.length,
+                          .rkey = nullptr,
+                          .rkey_len = 0};
+    if (it != s.rkeys.end()) {
+      ps.rkey = reinterpret_cast<const uint8_t*>(it->second.data());
+      ps.rkey_len = static_cast<uint32_t>(it->second.size());
+    }
+    psegs.push_back(ps);
+  }
+  kvb_peer_info_t info{.struct_size = sizeof(kvb_peer_info_t),
+                       .node_id = d.node_id.c_str(),
+                       .incarnation = d.incarnation,
+                       .endpoints = remote->endpoints.c_str(),
+                       .segments = psegs.data(),
+                       .num_segments = static_cast<uint32_t>(psegs.size())};
+  PeerId pid{d.node_id, d.incarnation};
+
+  std::shared_ptr<PeerRecord> existing;
+  {
+    std::shared_lock<std::shared_mutex> lock(impl_->peers_mu);
+    auto it = impl_->peers.find(d.node_id);
+    if (it != impl_->peers.end()) existing = it->second;
+  }
+  if (existing && existing->id.incarnation == d.incarnation && existing->transport == chosen) {
+    kvb_status_t st = chosen->ops->update_peer(chosen->inst, existing->tpeer, &info);
+    if (st != KVB_OK) return Status::FromAbi(st, "transport refused the peer update");
+    std::unique_lock<std::shared_mutex> lock(impl_->peers_mu);
+    existing->segments = std::move(segments);
+    return pid;
+  }
+  auto record = std::make_shared<PeerRecord>(pid, chosen, impl_->breaker_config);
+  record->segments = std::move(segments);
+  char err[kErrLen] = {0};
+  kvb_status_t st = chosen->ops->add_peer(chosen->inst, &info, &record->tpeer, err, kErrLen);
+  if (st != KVB_OK) {
+    record->tpeer = nullptr;
+    return Status::FromAbi(st, err).WithContext("adding peer " + pid.ToString());
+  }
+  std::shared_ptr<PeerRecord> replaced;
+  {
+    std::unique_lock<std::shared_mutex> lock(impl_->peers_mu);
+    auto& slot = impl_->peers[d.node_id];
+    replaced = std::move(slot);
+    slot = record;
+  }
+  if (replaced && replaced->id.incarnation != d.incarnation) {
+    KVB_LOG(INFO) << "peer " << d.node_id << " restarted: " << replaced->id.ToString() << " -> "
+                  << pid.ToString();
+  }
+  return pid;  // `replaced` dies here, outside the lock
+}
+
+Status TransferEngine::RemovePeer(std::string_view node_id) {
+  std::shared_ptr<PeerRecord> removed;
+  {
+    std::unique_lock<std::shared_mutex> lock(impl_->peers_mu);
+    auto it = impl_->peers.find(std::string(node_id));
+    if (it == impl_->peers.end()) {
+      return Status::NotFound("RemovePeer: unknown peer '" + std::string(node_id) + "'");
+    }
+    removed = std::move(it->second);
+    impl_->peers.erase(it);
+  }
+  return Status::OK();
+}
+
+Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
+                                       const SubmitOptions& options) {
+  Impl& im = *impl_;
+  if (ops.empty()) return Status::InvalidArgument("Submit: empty batch");
+  if (ops.size() > UINT32_MAX) return Status::InvalidArgument("Submit: too many ops");
+  std::vector<uint64_t> local_seg(ops.size());
+  {
+    std::shared_lock<std::shared_mutex> lock(im.regions_mu);
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const TransferOp& op = ops[i];
+      auto where = [i] { return "Submit: op " + std::to_string(i); };
+      if (op.opcode != OpCode::kRead && op.opcode != OpCode::kWrite) {
+        return Status::InvalidArgument(where() + ": opcode must be READ or WRITE");
+      }
+      if (op.local_addr == nullptr || op.length == 0) {
+        return Status::InvalidArgument(where() + ": local address is null or length is 0");
+      }
+      if (op.peer.empty()) return Status::InvalidArgument(where() + ": peer node id is empty");
+      const LocalRegion* r = im.FindLocal(reinterpret_cast<uintptr_t>(op.local_addr), op.length);
+      if (r == nullptr) {
+        char buf[96];
+        std::snprintf(buf, sizeof(buf), ": local memory [%p, +%llu) is not inside a registered region",
+                      op.local_addr, static_cast<unsigned long long>(op.length));
+        return Status::NotRegistered(where() + buf);
+      }
+      local_seg[i] = r->id;
+    }
+  }
+
+  auto batch = std::make_shared<Batch>();
+  batch->id = im.next_batch_id.fetch_add(1);
+  batch->slot = &im.wait_slots[batch->id % kWaitSlots];
+  const uint64_t now = util::MonoNs();
+  const uint32_t deadline_ms = options.deadline_ms ? options.deadline_ms
+                                                   : im.options.default_deadline_ms;
+  batch->deadline_ns = now + util::MsToNs(deadline_ms);
+  const uint32_t progress_ms = options.progress_timeout_ms ? options.progress_timeout_ms
+                                                           : im.options.progress_timeout_ms;
+  batch->op_status.assign(ops.size(), Status::InProgress());
+
+  // Group ops by peer, keeping submission order inside each group.
+  std::vector<std::pair<std::string_view, std::vector<uint32_t>>> groups;
+  for (uint32_t i = 0; i < ops.size(); ++i) {
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [&](const auto& g) { return g.first == ops[i].peer; });
+    if (it == groups.end()) {
+      groups.emplace_back(ops[i].peer, std::vector<uint32_t>{});
+      it = std::prev(groups.end());
+    }
+    it->second.push_back(i);
+  }
+
+  for (auto& [peer_name, indices] : groups) {
+    std::shared_ptr<PeerRecord> peer;
+    std::shared_ptr<const SegmentMap> segs;
+    {
+      std::shared_lock<std::shared_mutex> lock(im.peers_mu);
+      auto it = im.peers.find(std::string(peer_name));
+      if (it != im.peers.end()) {
+        peer = it->second;
+        segs = peer->segments;
+      }
+    }
+    auto fail_all = [&](const Status& st) {
+      for (uint32_t i : indices) batch->op_status[i] = st;
+    };
+    if (!peer) {
+      fail_all(Status::NotFound("unknown peer '" + std::string(peer_name) +
+                                "' (AddPeer() its descriptor first)"));
+      continue;
+    }
+    if (peer->stale.load()) {
+      fail_all(Status::StalePeer("peer " + peer->id.ToString() +
+                                 " was replaced by another incarnation at its address; "
+                                 "AddPeer() its new descriptor"));
+      continue;
+    }
+    std::vector<kvb_xfer_op_t> xops;
+    std::vector<uint32_t> posted;
+    xops.reserve(indices.size());
+    for (uint32_t i : indices) {
+      const TransferOp& op = ops[i];
+      auto sit = segs->find(op.remote_segment);
+      if (sit == segs->end()) {
+        batch->op_status[i] = Status::NotRegistered(
+            "peer " + peer->id.ToString() + " has no segment " + std::to_string(op.remote_segment));
+        continue;
+      }
+      const uint64_t seg_len = sit->second.length;
+      if (op.remote_offset > seg_len || op.length > seg_len - op.remote_offset) {
+        batch->op_status[i] = Status::OutOfBounds(
+            "op " + std::to_string(i) + ": [" + std::to_string(op.remote_offset) + ", +" +
+            std::to_string(op.length) + ") is outside segment " +
+            std::to_string(op.remote_segment) + " of " + std::to_string(seg_len) + " bytes");
+        continue;
+      }
+      xops.push_back(kvb_xfer_op_t{.opcode = static_cast<uint32_t>(op.opcode),
+                                   .reserved = 0,
+                                   .local_segment = local_seg[i],
+                                   .local_addr = op.local_addr,
+                                   .length = op.length,
+                                   .remote_segment = op.remote_segment,
+                                   .remote_offset = op.remote_offset});
+      posted.push_back(i);
+    }
+    if (xops.empty()) continue;
+    if (!peer->breaker.Allow(now)) {
+      peer->fast_failed.fetch_add(posted.size());
+      const uint64_t retry_ms = peer->breaker.retry_in_ns(now) / 1000000;
+      Status st = Status::PeerUnreachable(
+          "circuit open for peer " + peer->id.ToString() + " after " +
+          std::to_string(peer->breaker.consecutive_failures()) +
+          " consecutive failures; next probe in " + std::to_string(retry_ms) + " ms");
+      for (uint32_t i : posted) batch->op_status[i] = st;
+      continue;
+    }
+    kvb_post_opts_t popts{.struct_size = sizeof(kvb_post_opts_t),
+                          .deadline_ns = batch->deadline_ns,
+                          .progress_timeout_ns = util::MsToNs(progress_ms),
+                          .on_complete = OnTransportComplete,
+                          .user = batch->slot};
+    SubRequest sub;
+    sub.peer = peer;
+    sub.op_index = std::move(posted);
+    char err[kErrLen] = {0};
+    kvb_status_t st = peer->transport->ops->post(
+        peer->transport->inst, peer->tpeer, xops.data(), sizeof(kvb_xfer_op_t),
+        static_cast<uint32_t>(xops.size()), &popts, &sub.req, err, kErrLen);
+    if (st != KVB_OK) {
+      Status s = Status::FromAbi(st, "peer " + peer->id.ToString() + ": " + err);
+      for (uint32_t i : sub.op_index) batch->op_status[i] = s;
+      continue;
+    }
+    batch->subs.push_back(std::move(sub));
+  }
+  {
+    std::lock_guard<std::mutex> lock(im.batches_mu);
+    im.batches.emplace(batch->id, batch);
+  }
+  return batch->id;
+}
+
+std::optional<BatchResult> TransferEngine::Poll(BatchId id) {
+  return impl_->PollOrWait(id, /*block=*/false);
+}
+
+BatchResult TransferEngine::Wait(BatchId id) { return *impl_->PollOrWait(id, /*block=*/true); }
+
+void TransferEngine::Cancel(BatchId id) {
+  std::shared_ptr<Batch> b = impl_->FindBatch(id);
+  if (!b) return;
+  std::lock_guard<std::mutex> lock(b->mu);
+  if (!b->collected) impl_->CancelSubs(*b, /*by_deadline=*/false);
+}
+
+Status TransferEngine::Transfer(std::span<const TransferOp> ops, const SubmitOptions& options) {
+  Result<BatchId> id = Submit(ops, options);
+  if (!id.ok()) return id.status();
+  return Wait(id.value()).status;
+}
+
+std::optional<PeerHealth> TransferEngine::GetPeerHealth(std::string_view node_id) const {
+  std::shared_ptr<PeerRecord> peer;
+  {
+    std::shared_lock<std::shared_mutex> lock(impl_->peers_mu);
+    auto it = impl_->peers.find(std::string(node_id));
+    if (it == impl_->peers.end()) return std::nullopt;
+    peer = it->second;
+  }
+  PeerHealth h;
+  h.id = peer->id;
+  h.transport = peer->transport->name;
+  h.breaker = peer->breaker.state(util::MonoNs());
+  h.consecutive_failures = peer->breaker.consecutive_failures();
+  h.fast_failed_ops = peer->fast_failed.load();
+  h.stale = peer->stale.load();
+  return h;
+}
+
+Result<TransportStats> TransferEngine::GetTransportStats(std::string_view transport) const {
+  TransportSlot* t = impl_->FindTransport(transport);
+  if (t == nullptr) return Status::NotFound("no transport '" + std::string(transport) + "'");
+  if ((t->caps & KVB_TCAP_STATS) == 0) {
+    return Status::Unsupported("transport '" + t->name + "' does not report stats");
+  }
+  kvb_transport_stats_t s{};
+  s.struct_size = sizeof(s);
+  kvb_status_t st = t->ops->get_stats(t->inst, &s);
+  if (st != KVB_OK) return Status::FromAbi(st, "get_stats failed");
+  TransportStats out;
+  out.name = t->name;
+  out.connections_open = s.connections_open;
+  out.connections_opened = s.connections_opened;
+  out.connections_closed_idle = s.connections_closed_idle;
+  out.connections_evicted = s.connections_evicted;
+  out.inbound_open = s.inbound_open;
+  out.bytes_written = s.bytes_written;
+  out.bytes_read = s.bytes_read;
+  out.frames_rejected = s.frames_rejected;
+  out.queued_bytes = s.queued_bytes;
+  return out;
+}
+
+}  // namespace kvbridge

@@ -1,0 +1,152 @@
+// TransferEngine: one-sided READ/WRITE between registered memory of this process and of peers.
+//
+// Typical use (the no-master, P2P case):
+//   auto engine = TransferEngine::Create(EngineOptions::FromEnv()).value();
+//   SegmentId seg = engine->RegisterMemory(buf, len).value();
+//   send(engine->LocalDescriptor());                 // to the peer, any way you like
+//   PeerId peer = engine->AddPeer(descriptor_from_peer).value();
+//   Status st = engine->Transfer({{OpCode::kWrite, buf, len, peer.node_id, remote_seg, 0}});
+//
+// Rules the engine enforces (ARCHITECTURE.md):
+//  - Peers are (node id, incarnation). A peer restarted on the same address is a different
+//    incarnation: ops to the old one fail with STALE_PEER, never land in the new process, and
+//    keep failing fast until AddPeer() is called with the new descriptor.
+//  - Every batch ends, done or failed with a named code, by its deadline. A peer that stops
+//    moving bytes fails with PROGRESS_TIMEOUT well before the deadline.
+//  - Per-peer circuit breaker: after `breaker_failures` consecutive failed batches to a peer,
+//    its ops fail at once with PEER_UNREACHABLE (no socket attempts) until a probe succeeds.
+//  - One peer's failure never delays ops to other peers; no engine lock is held across I/O or
+//    across a call into a plugin.
+//
+// Thread-safety: every method may be called concurrently from any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvbridge/options.h"
+#include "kvbridge/status.h"
+
+namespace kvbridge {
+
+using SegmentId = uint64_t;
+using BatchId = uint64_t;
+
+enum class MemoryKind : uint32_t { kHost = 1, kCuda = 2 };
+enum class OpCode : uint32_t { kRead = 1, kWrite = 2 };
+
+// A process incarnation: node id plus a random 64-bit number drawn at engine start.
+struct PeerId {
+  std::string node_id;
+  uint64_t incarnation = 0;
+  std::string ToString() const;  // "node@0123abcd..."
+  bool operator==(const PeerId&) const = default;
+};
+
+struct TransferOp {
+  OpCode opcode = OpCode::kRead;
+  void* local_addr = nullptr;   // REQUIRES: inside a region registered with this engine
+  uint64_t length = 0;          // REQUIRES: > 0
+  std::string_view peer;        // peer node id; only read during Submit()
+  SegmentId remote_segment = 0;
+  uint64_t remote_offset = 0;
+};
+
+struct SubmitOptions {
+  uint32_t deadline_ms = 0;          // 0 = EngineOptions::default_deadline_ms
+  uint32_t progress_timeout_ms = 0;  // 0 = EngineOptions::progress_timeout_ms
+};
+
+struct BatchResult {
+  Status status;                 // OK, or the first failed op's status
+  std::vector<Status> op_status; // one per op, in submission order
+};
+
+enum class BreakerState { kClosed, kOpen, kHalfOpen };
+
+struct PeerHealth {
+  PeerId id;
+  std::string transport;          // the transport used to reach it
+  BreakerState breaker = BreakerState::kClosed;
+  uint32_t consecutive_failures = 0;
+  uint64_t fast_failed_ops = 0;   // ops refused without touching the network (breaker open)
+  bool stale = false;             // a handshake found another incarnation at its address
+};
+
+struct TransportStats {
+  std::string name;
+  uint64_t connections_open = 0;
+  uint64_t connections_opened = 0;
+  uint64_t connections_closed_idle = 0;
+  uint64_t connections_evicted = 0;
+  uint64_t inbound_open = 0;
+  uint64_t bytes_written = 0;
+  uint64_t bytes_read = 0;
+  uint64_t frames_rejected = 0;
+  uint64_t queued_bytes = 0;
+};
+
+class TransferEngine {
+ public:
+  // Loads the transport plugins, draws the incarnation and starts the listeners.
+  // Fails if no transport is usable, or if a transport named in options.transports is not.
+  static Result<std::unique_ptr<TransferEngine>> Create(const EngineOptions& options);
+  ~TransferEngine();
+  TransferEngine(const TransferEngine&) = delete;
+  TransferEngine& operator=(const TransferEngine&) = delete;
+
+  const PeerId& self() const;
+  // Names of the transports in use, in preference order.
+  std::vector<std::string> transports() const;
+  // The endpoints a transport listens on ("127.0.0.1:41235"), with the ports actually bound.
+  std::string endpoints(std::string_view transport) const;
+
+  // Makes [addr, addr+length) reachable by peers. Overlapping an existing region is
+  // ALREADY_EXISTS. The returned id is what peers name as remote_segment.
+  Result<SegmentId> RegisterMemory(void* addr, uint64_t length, MemoryKind kind = MemoryKind::kHost,
+                                   int device_id = -1);
+  // After return no peer request touches the region. REQUIRES: no batch of this process that
+  // uses the region as local memory is still in flight. NOT_FOUND for an unknown id.
+  Status DeregisterMemory(SegmentId id);
+
+  // Everything a peer needs to reach this process: identity, endpoints per transport and the
+  // registered segments. Opaque bytes; re-fetch after registering more memory.
+  std::string LocalDescriptor() const;
+  // Learns (or updates) a peer from its descriptor. A descriptor with a new incarnation for a
+  // known node id replaces the old incarnation. INVALID_ARGUMENT for a malformed descriptor,
+  // UNSUPPORTED when no transport is shared with the peer.
+  Result<PeerId> AddPeer(std::string_view descriptor);
+  Status RemovePeer(std::string_view node_id);
+
+  // Queues a batch. Structural errors (null address, zero length, bad opcode, local memory
+  // not registered) refuse the whole batch with INVALID_ARGUMENT / NOT_REGISTERED and queue
+  // nothing. Per-peer conditions (unknown peer, stale peer, breaker open, backpressure,
+  // remote bounds) become that op's status in the BatchResult.
+  Result<BatchId> Submit(std::span<const TransferOp> ops, const SubmitOptions& options = {});
+  // Non-blocking. nullopt while in flight. Once final, returns the result and forgets the
+  // batch (a later Poll/Wait of the same id gives NOT_FOUND).
+  std::optional<BatchResult> Poll(BatchId id);
+  // Blocks until the batch is final (at the latest at its deadline), returns and forgets it.
+  BatchResult Wait(BatchId id);
+  // Unfinished ops become CANCELLED; after return none of the batch's local memory is touched.
+  void Cancel(BatchId id);
+  // Submit + Wait; returns the batch status.
+  Status Transfer(std::span<const TransferOp> ops, const SubmitOptions& options = {});
+
+  std::optional<PeerHealth> GetPeerHealth(std::string_view node_id) const;
+  // UNSUPPORTED when the transport does not report stats.
+  Result<TransportStats> GetTransportStats(std::string_view transport) const;
+
+  struct Impl;
+
+ private:
+  explicit TransferEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvbridge

@@ -1,0 +1,67 @@
+// EngineOptions: every knob of the transfer engine, with its default.
+//
+// Each field is mirrored 1:1 by a KVBRIDGE_* environment variable (named next to it);
+// EngineOptions::FromEnv() starts from the defaults below and applies the variables that are
+// set. Plugin settings live in `plugin_config` under "<plugin>.<key>" and are mirrored by
+// KVBRIDGE_<PLUGIN>_<KEY> (e.g. "tcp.lanes_per_peer" <-> KVBRIDGE_TCP_LANES_PER_PEER); an
+// explicit plugin_config entry wins over the variable. docs/configuration.md lists every key.
+//
+// A plain value type; not synchronized.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace kvbridge {
+
+struct EngineOptions {
+  // --- Identity ---
+  // This process's node id. Empty = "<hostname>-<pid>". KVBRIDGE_NODE_ID.
+  std::string node_id;
+
+  // --- Plugins ---
+  // Transports to use, in preference order ("tcp,ucx"). Empty = every transport plugin that
+  // loads and reports itself available. A transport named here that is missing, refused or
+  // unavailable makes Create() fail with the plugin's reason. KVBRIDGE_TRANSPORTS.
+  std::vector<std::string> transports;
+  // Extra plugin directories, ':'-separated, searched first. Then come the directories in
+  // KVBRIDGE_PLUGIN_PATH (read by the loader), the build tree's and the install's.
+  std::string plugin_path;
+
+  // --- Network ---
+  // Where transports listen: comma-separated "host:port" list (one per NIC); port 0 picks a
+  // free port, and the descriptor publishes the port actually bound. KVBRIDGE_LISTEN.
+  std::string listen = "127.0.0.1:0";
+  // Shared secret; when set, peers must prove they hold it at handshake (HMAC-SHA256), and
+  // unauthenticated peers are refused. KVBRIDGE_CLUSTER_TOKEN.
+  std::string cluster_token;
+
+  // --- Deadlines ---
+  // Deadline of a batch when SubmitOptions gives none. KVBRIDGE_DEADLINE_MS.
+  uint32_t default_deadline_ms = 10000;
+  // A transfer whose peer moves no bytes for this long fails with PROGRESS_TIMEOUT, well
+  // before its deadline (a frozen peer). KVBRIDGE_PROGRESS_TIMEOUT_MS.
+  uint32_t progress_timeout_ms = 2000;
+
+  // --- Per-peer circuit breaker ---
+  // Consecutive failed batches (unreachable, progress timeout, deadline) that open the breaker;
+  // 0 disables it. KVBRIDGE_BREAKER_FAILURES.
+  uint32_t breaker_failures = 3;
+  // How long the breaker stays open before letting one probe batch through; doubles after
+  // each failed probe up to breaker_max_backoff_ms. KVBRIDGE_BREAKER_BACKOFF_MS.
+  uint32_t breaker_backoff_ms = 200;
+  // KVBRIDGE_BREAKER_MAX_BACKOFF_MS.
+  uint32_t breaker_max_backoff_ms = 5000;
+
+  // --- Plugin settings ---
+  // "<plugin>.<key>" -> value; see docs/configuration.md for each plugin's keys.
+  std::map<std::string, std::string> plugin_config;
+
+  // Defaults, overridden by every KVBRIDGE_* variable that is set. A malformed number in a
+  // variable is ignored with a logged warning naming the variable.
+  static EngineOptions FromEnv();
+};
+
+}  // namespace kvbridge

@@ -1,0 +1,137 @@
+/*
+ * kvbridge plugin ABI: the part shared by every plugin kind.
+ *
+ * A plugin is a shared library that exports exactly one symbol, kvb_plugin_query(). The host
+ * calls it with the ABI version it speaks; the plugin returns a static descriptor naming
+ * itself, its kind, its capability flags and its ops table (see transport.h / storage.h).
+ *
+ * Versioning rules (PJRT-style):
+ *  - Every struct starts with `uint32_t struct_size`. A reader never touches a field that lies
+ *    beyond the struct_size it was handed; such fields read as "absent / unsupported".
+ *  - A minor bump only appends fields to the end of structs and appends new status codes and
+ *    capability bits. A major bump is incompatible: the host refuses a plugin whose major differs
+ *    and names the file and both versions in the message.
+ *  - Ops tables are filled with designated initializers. Optional ops point to a stub returning
+ *    KVB_ERR_UNSUPPORTED, never NULL; the loader refuses a table with a NULL slot.
+ *  - Status codes are int32 and map 1:1 onto kvbridge::StatusCode (status.h).
+ *  - Memory: a plugin frees what it created; the host frees what it created. Strings handed
+ *    across the ABI are borrowed for the duration of the call unless a comment says otherwise.
+ *  - No C++ exception ever crosses the ABI; a plugin written in C++ catches at its boundary.
+ *
+ * Thread-safety: kvb_plugin_query() may be called from any thread, any number of times, and
+ * must return the same descriptor each time. The host-services functions are thread-safe.
+ *
+ * This header is pure C99 and depends on nothing but <stdint.h> and <stddef.h>.
+ */
+#ifndef KVBRIDGE_PLUGIN_ABI_H_
+#define KVBRIDGE_PLUGIN_ABI_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVB_ABI_MAJOR 1
+#define KVB_ABI_MINOR 0
+
+/* Name of the one symbol every plugin exports. */
+#define KVB_PLUGIN_QUERY_SYMBOL "kvb_plugin_query"
+
+#if defined(__GNUC__)
+#define KVB_PLUGIN_EXPORT __attribute__((visibility("default")))
+#else
+#define KVB_PLUGIN_EXPORT
+#endif
+
+/* Status codes. 0 is success, 1 means "not finished yet"; everything else is an error whose
+ * name says what happened so the caller can act. Values never change once published. */
+typedef int32_t kvb_status_t;
+enum {
+  KVB_OK = 0,
+  KVB_IN_PROGRESS = 1,
+  KVB_ERR_INVALID_ARGUMENT = 2,  /* caller passed something malformed */
+  KVB_ERR_NOT_FOUND = 3,         /* unknown key, peer, segment or batch */
+  KVB_ERR_ALREADY_EXISTS = 4,
+  KVB_ERR_NOT_REGISTERED = 5,    /* memory (local or remote) is not inside a registered region */
+  KVB_ERR_OUT_OF_BOUNDS = 6,     /* offset/length outside the remote registered region */
+  KVB_ERR_STALE_PEER = 7,        /* peer identity (node id, incarnation) does not match */
+  KVB_ERR_PEER_UNREACHABLE = 8,  /* cannot connect, connection lost, or circuit open */
+  KVB_ERR_DEADLINE_EXCEEDED = 9, /* the operation's deadline passed */
+  KVB_ERR_PROGRESS_TIMEOUT = 10, /* the peer stopped moving bytes for longer than allowed */
+  KVB_ERR_BACKPRESSURE = 11,     /* a queue bound was reached; retry later */
+  KVB_ERR_CANCELLED = 12,
+  KVB_ERR_PROTOCOL = 13,         /* malformed frame or protocol violation */
+  KVB_ERR_UNAUTHENTICATED = 14,  /* cluster token missing or wrong */
+  KVB_ERR_UNSUPPORTED = 15,      /* the plugin does not implement this op / capability */
+  KVB_ERR_UNAVAILABLE = 16,      /* the plugin cannot run here (missing library, no device) */
+  KVB_ERR_NO_SPACE = 17,
+  KVB_ERR_IO = 18,
+  KVB_ERR_INTERNAL = 19
+};
+#define KVB_STATUS_CODE_COUNT 20
+
+typedef enum kvb_plugin_kind {
+  KVB_PLUGIN_TRANSPORT = 1,
+  KVB_PLUGIN_STORAGE = 2
+} kvb_plugin_kind_t;
+
+typedef enum kvb_log_level {
+  KVB_LOG_DEBUG = 0,
+  KVB_LOG_INFO = 1,
+  KVB_LOG_WARN = 2,
+  KVB_LOG_ERROR = 3
+} kvb_log_level_t;
+
+/* Services the host hands to a plugin at create time, so a plugin never links the core.
+ * The table and host_ctx stay valid until the plugin instance is destroyed. */
+typedef struct kvb_host_services {
+  uint32_t struct_size;
+  void* host_ctx;
+  /* One log line; `msg` has no trailing newline. */
+  void (*log)(void* host_ctx, int32_t level, const char* plugin_name, const char* msg);
+  /* Looks up configuration key `key` (e.g. "tcp.lanes_per_peer"). On success copies the
+   * NUL-terminated value into buf and returns its length (excluding NUL). Returns -1 when the
+   * key is unset, or -2 when buf is too small (buf untouched). */
+  int32_t (*config_get)(void* host_ctx, const char* key, char* buf, uint32_t buf_len);
+  /* Monotonic clock, nanoseconds. The one clock deadlines are expressed in. */
+  uint64_t (*now_ns)(void* host_ctx);
+} kvb_host_services_t;
+
+/* What kvb_plugin_query() returns. Static storage, owned by the plugin. */
+typedef struct kvb_plugin_descriptor {
+  uint32_t struct_size;
+  uint16_t abi_major; /* the ABI this plugin was built against */
+  uint16_t abi_minor;
+  const char* name;    /* short, unique per kind: "tcp", "ucx", "dram" */
+  const char* version; /* the plugin's own version, free text */
+  int32_t kind;        /* kvb_plugin_kind_t */
+  uint32_t reserved;
+  uint64_t caps;       /* KVB_TCAP_* for transports, KVB_SCAP_* for storage */
+  /* Cheap check that the plugin can run on this machine (library present, device present).
+   * Returns KVB_OK, or KVB_ERR_UNAVAILABLE with a human reason written into `reason`. */
+  kvb_status_t (*probe)(char* reason, uint32_t reason_len);
+  /* const kvb_transport_ops_t* or const kvb_storage_ops_t*, according to `kind`. */
+  const void* ops;
+} kvb_plugin_descriptor_t;
+
+/* The one exported symbol. Returns NULL if the plugin cannot serve the host's ABI major. */
+typedef const kvb_plugin_descriptor_t* (*kvb_plugin_query_fn)(uint16_t host_abi_major,
+                                                               uint16_t host_abi_minor);
+
+/* Copies a message into a caller buffer, always NUL-terminated, truncating if needed. */
+static inline void kvb_copy_message(char* buf, uint32_t buf_len, const char* msg) {
+  uint32_t i = 0;
+  if (buf == NULL || buf_len == 0) return;
+  if (msg != NULL) {
+    for (; i + 1 < buf_len && msg[i] != '\0'; ++i) buf[i] = msg[i];
+  }
+  buf[i] = '\0';
+}
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVBRIDGE_PLUGIN_ABI_H_ */

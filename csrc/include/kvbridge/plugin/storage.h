@@ -1,0 +1,87 @@
+/*
+ * kvbridge storage plugin ABI: where a storage node keeps KV objects.
+ *
+ * Two shapes, chosen by capability flags (a plugin may offer both):
+ *  - POOL (KVB_SCAP_POOL): an allocator over one memory segment that the host registers with
+ *    its transports, so clients read and write object bytes one-sided (the DRAM pool).
+ *  - OBJECTS (KVB_SCAP_OBJECTS): keyed put/get/remove through the node (the SSD tier).
+ *
+ * Contract:
+ *  - Capacity is bounded by params.capacity_bytes; a request beyond it fails with
+ *    KVB_ERR_NO_SPACE and changes nothing.
+ *  - A failed put leaves no partial object visible to get; a get never returns bytes that fail
+ *    the object's checksum (KVB_ERR_IO instead).
+ *
+ * Thread-safety: all ops may be called concurrently, except destroy().
+ *
+ * Pure C99.
+ */
+#ifndef KVBRIDGE_PLUGIN_STORAGE_H_
+#define KVBRIDGE_PLUGIN_STORAGE_H_
+
+#include "kvbridge/plugin/abi.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVB_SCAP_POOL ((uint64_t)1 << 0)       /* get_segment / alloc / free */
+#define KVB_SCAP_OBJECTS ((uint64_t)1 << 1)    /* put / get / remove / for_each */
+#define KVB_SCAP_PERSISTENT ((uint64_t)1 << 2) /* objects survive a process restart */
+#define KVB_SCAP_KNOWN_MASK ((uint64_t)0x7)
+
+typedef struct kvb_storage kvb_storage_t;
+
+typedef struct kvb_storage_params {
+  uint32_t struct_size;
+  const char* node_id;
+  uint64_t capacity_bytes;
+  const char* path; /* directory for file-backed plugins; NULL for memory-only ones */
+} kvb_storage_params_t;
+
+typedef struct kvb_storage_usage {
+  uint32_t struct_size;
+  uint64_t capacity_bytes;
+  uint64_t used_bytes;
+  uint64_t object_count;
+} kvb_storage_usage_t;
+
+typedef struct kvb_iovec {
+  void* base;
+  uint64_t length;
+} kvb_iovec_t;
+
+typedef void (*kvb_storage_visit_fn)(void* user, const uint8_t* key, uint32_t key_len,
+                                     uint64_t length);
+
+typedef struct kvb_storage_ops {
+  uint32_t struct_size;
+
+  kvb_status_t (*create)(const kvb_host_services_t* host, const kvb_storage_params_t* params,
+                         kvb_storage_t** out, char* err, uint32_t err_len);
+  void (*destroy)(kvb_storage_t* s);
+  kvb_status_t (*usage)(kvb_storage_t* s, kvb_storage_usage_t* out);
+
+  /* POOL: the whole segment the host registers with its transports. */
+  kvb_status_t (*get_segment)(kvb_storage_t* s, void** addr, uint64_t* length);
+  /* POOL: reserves `length` bytes; *offset is relative to the segment start. */
+  kvb_status_t (*alloc)(kvb_storage_t* s, uint64_t length, uint64_t* offset);
+  kvb_status_t (*free)(kvb_storage_t* s, uint64_t offset);
+
+  /* OBJECTS: stores the concatenation of iov under key; replaces nothing (ALREADY_EXISTS). */
+  kvb_status_t (*put)(kvb_storage_t* s, const uint8_t* key, uint32_t key_len,
+                      const kvb_iovec_t* iov, uint32_t iov_count);
+  /* OBJECTS: reads the object into iov; *length receives the object size. NOT_FOUND if absent,
+   * INVALID_ARGUMENT if iov is smaller than the object (nothing copied). */
+  kvb_status_t (*get)(kvb_storage_t* s, const uint8_t* key, uint32_t key_len,
+                      const kvb_iovec_t* iov, uint32_t iov_count, uint64_t* length);
+  kvb_status_t (*remove)(kvb_storage_t* s, const uint8_t* key, uint32_t key_len);
+  /* OBJECTS: calls visit once per stored object (inventory after a restart). */
+  kvb_status_t (*for_each)(kvb_storage_t* s, kvb_storage_visit_fn visit, void* user);
+} kvb_storage_ops_t;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVBRIDGE_PLUGIN_STORAGE_H_ */
