@@ -25,12 +25,12 @@ enum class PluginState { kLoaded, kRefused, kUnavailable };
 
 struct PluginInfo {
   std::string path;
-  std::string name;     // from the descriptor; empty if refused before it could be read
-  int32_t kind = 0;     // kvb_plugin_kind_t
+  std::string name;  // from the descriptor; empty if refused before it could be read
+  int32_t kind = 0;  // kvb_plugin_kind_t
   uint64_t caps = 0;
   std::string version;
   PluginState state = PluginState::kRefused;
-  std::string reason;   // why refused / unavailable; empty when loaded
+  std::string reason;  // why refused / unavailable; empty when loaded
   const kvb_plugin_descriptor_t* descriptor = nullptr;  // non-null only when kLoaded
 
   const kvb_transport_ops_t* transport_ops() const;  // null unless a loaded transport
@@ -70,7 +70,8 @@ class PluginRegistry {
   // when a refused/unavailable plugin of that name exists, or "no plugin named X found in
   // <dirs>" when none does. A file that failed before its name could be read is matched by
   // the naming convention "libkvb_<kind>_<name>.so" (kind: transport | storage).
-  const PluginInfo* Find(int32_t kind, const std::string& name, std::string* why_not = nullptr) const;
+  const PluginInfo* Find(int32_t kind, const std::string& name,
+                         std::string* why_not = nullptr) const;
   // All loaded plugins of a kind, in scan order.
   std::vector<const PluginInfo*> Loaded(int32_t kind) const;
 

@@ -1,0 +1,201 @@
+// Unit tests of the core's value types: Status, descriptors, circuit breaker, host services.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <map>
+#include <random>
+#include <string>
+
+#include "core/circuit_breaker.h"
+#include "core/descriptor.h"
+#include "core/host_services.h"
+#include "kvbridge/options.h"
+#include "kvbridge/status.h"
+#include "util/checksum.h"
+#include "util/clock.h"
+
+namespace kvbridge {
+namespace {
+
+TEST(Status, OkIsFreeAndNamed) {
+  Status s;
+  EXPECT_TRUE(s.ok());
+  EXPECT_EQ(s.ToString(), "OK");
+  EXPECT_EQ(s.message(), "");
+}
+
+TEST(Status, CodesMapOneToOneOntoAbi) {
+  for (int32_t c = 0; c < KVB_STATUS_CODE_COUNT; ++c) {
+    Status s = Status::FromAbi(c, "m");
+    EXPECT_EQ(static_cast<int32_t>(s.code()), c);
+    EXPECT_EQ(StatusCodeName(s.code()).find("UNKNOWN"), std::string::npos) << c;
+  }
+  Status unknown = Status::FromAbi(999, "boom");
+  EXPECT_EQ(unknown.code(), StatusCode::kInternal);
+  EXPECT_NE(unknown.message().find("999"), std::string::npos);
+}
+
+TEST(Status, ToStringAndContext) {
+  Status s = Status::StalePeer("incarnation changed");
+  EXPECT_TRUE(s.IsStalePeer());
+  EXPECT_EQ(s.ToString(), "STALE_PEER: incarnation changed");
+  Status c = s.WithContext("peer b");
+  EXPECT_EQ(c.code(), StatusCode::kStalePeer);
+  EXPECT_EQ(c.message(), "peer b: incarnation changed");
+  Status copy = c;
+  EXPECT_EQ(copy.ToString(), c.ToString());
+}
+
+TEST(Result, HoldsValueOrError) {
+  Result<int> ok(7);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok.value(), 7);
+  Result<int> bad(Status::NotFound("x"));
+  EXPECT_FALSE(bad.ok());
+  EXPECT_TRUE(bad.status().IsNotFound());
+  Result<int> misuse(Status::OK());
+  EXPECT_FALSE(misuse.ok());
+  EXPECT_EQ(misuse.status().code(), StatusCode::kInternal);
+}
+
+core::Descriptor SampleDescriptor() {
+  core::Descriptor d;
+  d.node_id = "prefill-0";
+  d.incarnation = 0x1234567890abcdefull;
+  d.transports = {{"tcp", "10.0.0.1:4000,10.0.1.1:4000"}, {"ucx", "blob"}};
+  core::SegmentDesc s;
+  s.id = 3;
+  s.length = 1 << 20;
+  s.rkeys["ucx"] = std::string("\x00\x01\x02", 3);
+  d.segments.push_back(s);
+  return d;
+}
+
+TEST(Descriptor, RoundTrips) {
+  core::Descriptor d = SampleDescriptor();
+  auto back = core::DecodeDescriptor(core::EncodeDescriptor(d));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->node_id, d.node_id);
+  EXPECT_EQ(back->incarnation, d.incarnation);
+  ASSERT_EQ(back->transports.size(), 2u);
+  EXPECT_EQ(back->transports[0].endpoints, "10.0.0.1:4000,10.0.1.1:4000");
+  ASSERT_EQ(back->segments.size(), 1u);
+  EXPECT_EQ(back->segments[0].length, 1u << 20);
+  EXPECT_EQ(back->segments[0].rkeys.at("ucx"), std::string("\x00\x01\x02", 3));
+}
+
+TEST(Descriptor, RejectsEveryTruncationAndCorruption) {
+  const std::string blob = core::EncodeDescriptor(SampleDescriptor());
+  for (size_t n = 0; n < blob.size(); ++n) {
+    auto r = core::DecodeDescriptor(std::string_view(blob).substr(0, n));
+    EXPECT_FALSE(r.ok()) << "prefix of " << n << " bytes accepted";
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  }
+  std::mt19937 rng(42);
+  for (int i = 0; i < 2000; ++i) {
+    std::string m = blob;
+    m[rng() % m.size()] ^= static_cast<char>(1 + rng() % 255);
+    auto r = core::DecodeDescriptor(m);
+    EXPECT_FALSE(r.ok()) << "corrupted descriptor accepted at iteration " << i;
+  }
+  EXPECT_NE(core::DecodeDescriptor("garbage-garbage").status().message().find("malformed"),
+            std::string::npos);
+}
+
+TEST(Checksum, KnownVector) {
+  // CRC-32C of "123456789" is 0xE3069283 (RFC 3720 check value).
+  EXPECT_EQ(util::Crc32c("123456789", 9), 0xE3069283u);
+  uint32_t part = util::Crc32c("12345", 5);
+  EXPECT_EQ(util::Crc32c("6789", 4, part), 0xE3069283u);
+}
+
+TEST(CircuitBreaker, OpensAfterThresholdAndProbes) {
+  core::CircuitBreaker::Config cfg;
+  cfg.failure_threshold = 3;
+  cfg.backoff_ms = 100;
+  cfg.max_backoff_ms = 400;
+  core::CircuitBreaker b(cfg);
+  uint64_t t = 1'000'000'000;
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_TRUE(b.Allow(t));
+    b.RecordFailure(t);
+  }
+  EXPECT_EQ(b.state(t), BreakerState::kClosed);
+  b.RecordFailure(t);
+  EXPECT_EQ(b.state(t), BreakerState::kOpen);
+  EXPECT_FALSE(b.Allow(t + util::MsToNs(50)));
+  // Backoff elapsed: exactly one probe passes.
+  uint64_t t2 = t + util::MsToNs(101);
+  EXPECT_TRUE(b.Allow(t2));
+  EXPECT_FALSE(b.Allow(t2));
+  // Failed probe: re-opened with doubled backoff.
+  b.RecordFailure(t2);
+  EXPECT_FALSE(b.Allow(t2 + util::MsToNs(150)));
+  EXPECT_TRUE(b.Allow(t2 + util::MsToNs(201)));
+  b.RecordSuccess();
+  EXPECT_EQ(b.state(t2), BreakerState::kClosed);
+  EXPECT_EQ(b.consecutive_failures(), 0u);
+  EXPECT_TRUE(b.Allow(t2));
+}
+
+TEST(CircuitBreaker, BackoffIsCapped) {
+  core::CircuitBreaker::Config cfg;
+  cfg.failure_threshold = 1;
+  cfg.backoff_ms = 100;
+  cfg.max_backoff_ms = 250;
+  core::CircuitBreaker b(cfg);
+  uint64_t t = 1'000'000'000;
+  b.RecordFailure(t);
+  for (int i = 0; i < 5; ++i) {
+    t += util::MsToNs(300);
+    ASSERT_TRUE(b.Allow(t));
+    b.RecordFailure(t);
+  }
+  EXPECT_EQ(b.retry_in_ns(t), util::MsToNs(250));
+}
+
+TEST(CircuitBreaker, ZeroThresholdNeverOpens) {
+  core::CircuitBreaker::Config cfg;
+  cfg.failure_threshold = 0;
+  core::CircuitBreaker b(cfg);
+  for (int i = 0; i < 100; ++i) b.RecordFailure(1);
+  EXPECT_TRUE(b.Allow(2));
+}
+
+TEST(HostServices, ConfigThenEnvironment) {
+  setenv("KVBRIDGE_TCP_LANES_PER_PEER", "9", 1);
+  setenv("KVBRIDGE_TCP_SLICE_BYTES", "4096", 1);
+  core::HostServices host(std::map<std::string, std::string>{{"tcp.lanes_per_peer", "2"}});
+  EXPECT_EQ(core::HostServices::EnvName("tcp.lanes_per_peer"), "KVBRIDGE_TCP_LANES_PER_PEER");
+  EXPECT_EQ(host.Get("tcp.lanes_per_peer").value(), "2");  // explicit wins
+  EXPECT_EQ(host.Get("tcp.slice_bytes").value(), "4096");  // env fills the rest
+  EXPECT_FALSE(host.Get("tcp.nothing").has_value());
+  const kvb_host_services_t* t = host.table();
+  char buf[8];
+  EXPECT_EQ(t->config_get(t->host_ctx, "tcp.slice_bytes", buf, sizeof(buf)), 4);
+  EXPECT_STREQ(buf, "4096");
+  EXPECT_EQ(t->config_get(t->host_ctx, "tcp.slice_bytes", buf, 3), -2);
+  EXPECT_EQ(t->config_get(t->host_ctx, "tcp.nothing", buf, sizeof(buf)), -1);
+  EXPECT_GT(t->now_ns(t->host_ctx), 0u);
+  unsetenv("KVBRIDGE_TCP_LANES_PER_PEER");
+  unsetenv("KVBRIDGE_TCP_SLICE_BYTES");
+}
+
+TEST(EngineOptions, FromEnvReadsVariablesAndIgnoresGarbage) {
+  setenv("KVBRIDGE_NODE_ID", "decode-3", 1);
+  setenv("KVBRIDGE_TRANSPORTS", "tcp,,ucx", 1);
+  setenv("KVBRIDGE_DEADLINE_MS", "1500", 1);
+  setenv("KVBRIDGE_PROGRESS_TIMEOUT_MS", "12x", 1);
+  EngineOptions o = EngineOptions::FromEnv();
+  EXPECT_EQ(o.node_id, "decode-3");
+  EXPECT_EQ(o.transports, (std::vector<std::string>{"tcp", "ucx"}));
+  EXPECT_EQ(o.default_deadline_ms, 1500u);
+  EXPECT_EQ(o.progress_timeout_ms, EngineOptions{}.progress_timeout_ms);
+  unsetenv("KVBRIDGE_NODE_ID");
+  unsetenv("KVBRIDGE_TRANSPORTS");
+  unsetenv("KVBRIDGE_DEADLINE_MS");
+  unsetenv("KVBRIDGE_PROGRESS_TIMEOUT_MS");
+}
+
+}  // namespace
+}  // namespace kvbridge
