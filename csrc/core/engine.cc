@@ -757,6 +757,7 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
     if (st != KVB_OK) {
       Status s = Status::FromAbi(st, "peer " + peer->id.ToString() + ": " + err);
       for (uint32_t i : sub.op_index) batch->op_status[i] = s;
+      if (IsPeerFailure(st)) peer->breaker.RecordFailure(util::MonoNs());
       continue;
     }
     batch->subs.push_back(std::move(sub));

@@ -1,0 +1,373 @@
+// kvb_bench_transfer: transfer-engine throughput and latency between two processes on
+// loopback, against a raw-socket baseline measured in the same run.
+//
+// The initiator re-executes itself as the target (--role target). The target registers a
+// region with its engine and also serves a raw-socket baseline: plain blocking send/recv of
+// the same bytes over as many connections as the engine has lanes. Progress goes to stderr;
+// the last stdout line is one JSON object (ARCHITECTURE.md, "Benchmarks").
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvbridge/engine.h"
+
+using namespace kvbridge;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Args {
+  std::string role = "initiator";
+  bool quick = false;
+  int threads = 4;   // submitter threads (and raw-baseline connections)
+  int batch = 8;     // ops per batch
+  int lanes = 4;     // tcp.lanes_per_peer
+  double seconds = 2.0;  // per configuration
+  std::vector<size_t> blocks = {4096, 16384, 65536, 262144, 1u << 20, 4u << 20};
+  size_t region = 256u << 20;
+};
+
+std::string Hex(const std::string& s) {
+  static const char* d = "0123456789abcdef";
+  std::string o;
+  for (unsigned char c : s) {
+    o.push_back(d[c >> 4]);
+    o.push_back(d[c & 15]);
+  }
+  return o;
+}
+
+std::string Unhex(const std::string& h) {
+  std::string o;
+  auto v = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
+  for (size_t i = 0; i + 1 < h.size(); i += 2) o.push_back(static_cast<char>(v(h[i]) << 4 | v(h[i + 1])));
+  return o;
+}
+
+bool SendAll(int fd, const void* p, size_t n) {
+  auto* c = static_cast<const char*>(p);
+  while (n > 0) {
+    ssize_t k = send(fd, c, n, MSG_NOSIGNAL);
+    if (k <= 0) return false;
+    c += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+bool RecvAll(int fd, void* p, size_t n) {
+  auto* c = static_cast<char*>(p);
+  while (n > 0) {
+    ssize_t k = recv(fd, c, n, 0);
+    if (k <= 0) return false;
+    c += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+// Raw baseline request: {op (1 = client sends `bytes`, 2 = server sends `bytes`), bytes}.
+struct RawRequest {
+  uint32_t op;
+  uint32_t pad;
+  uint64_t bytes;
+};
+
+void ServeRaw(int fd, char* region, size_t region_len) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  RawRequest rq;
+  while (RecvAll(fd, &rq, sizeof(rq))) {
+    if (rq.bytes > region_len) break;
+    if (rq.op == 1) {
+      if (!RecvAll(fd, region, rq.bytes)) break;
+      uint8_t ack = 1;
+      if (!SendAll(fd, &ack, 1)) break;
+    } else {
+      if (!SendAll(fd, region, rq.bytes)) break;
+    }
+  }
+  close(fd);
+}
+
+int RunTarget(const Args& a) {
+  EngineOptions o = EngineOptions::FromEnv();
+  o.node_id = "bench-target";
+  o.transports = {"tcp"};
+  auto engine = TransferEngine::Create(o);
+  if (!engine.ok()) {
+    std::cout << "ERR " << engine.status().ToString() << std::endl;
+    return 1;
+  }
+  std::vector<char> region(a.region);
+  if (!engine.value()->RegisterMemory(region.data(), region.size()).ok()) return 1;
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(lfd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  listen(lfd, 64);
+  socklen_t len = sizeof(addr);
+  getsockname(lfd, reinterpret_cast<sockaddr*>(&addr), &len);
+  std::vector<char> raw_region(a.region);
+  std::thread([&] {
+    for (;;) {
+      int fd = accept(lfd, nullptr, nullptr);
+      if (fd < 0) return;
+      std::thread(ServeRaw, fd, raw_region.data(), raw_region.size()).detach();
+    }
+  }).detach();
+  std::cout << "RAW " << ntohs(addr.sin_port) << std::endl;
+  std::cout << "DESC " << Hex(engine.value()->LocalDescriptor()) << std::endl;
+  std::string line;
+  while (std::getline(std::cin, line) && line != "QUIT") {
+  }
+  return 0;
+}
+
+struct Measure {
+  double gbps = 0;
+  double p50_us = 0;
+  double p99_us = 0;
+  uint64_t failures = 0;
+};
+
+// Runs `threads` loops of `one_batch` for `seconds`; each call moves `batch_bytes`.
+template <typename F>
+Measure RunLoops(int threads, double seconds, size_t batch_bytes, F one_batch) {
+  std::atomic<bool> stop{false};
+  std::vector<std::vector<double>> lat(threads);
+  std::vector<uint64_t> done(threads, 0), failed(threads, 0);
+  std::vector<std::thread> ts;
+  auto t0 = Clock::now();
+  for (int t = 0; t < threads; ++t) {
+    ts.emplace_back([&, t] {
+      while (!stop.load(std::memory_order_relaxed)) {
+        auto s = Clock::now();
+        bool ok = one_batch(t);
+        lat[t].push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
+        (ok ? done[t] : failed[t])++;
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  stop = true;
+  for (auto& th : ts) th.join();
+  double elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::vector<double> all;
+  Measure m;
+  uint64_t batches = 0;
+  for (int t = 0; t < threads; ++t) {
+    all.insert(all.end(), lat[t].begin(), lat[t].end());
+    batches += done[t];
+    m.failures += failed[t];
+  }
+  std::sort(all.begin(), all.end());
+  m.gbps = static_cast<double>(batches) * batch_bytes / elapsed / 1e9;
+  if (!all.empty()) {
+    m.p50_us = all[all.size() / 2];
+    m.p99_us = all[std::min(all.size() - 1, all.size() * 99 / 100)];
+  }
+  return m;
+}
+
+int Connect(uint16_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(port);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return -1;
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return fd;
+}
+
+int RunInitiator(const Args& a, const char* self_exe) {
+  int to_child[2], from_child[2];
+  if (pipe(to_child) != 0 || pipe(from_child) != 0) return 1;
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(to_child[0], 0);
+    dup2(from_child[1], 1);
+    close(to_child[1]);
+    close(from_child[0]);
+    std::string region = std::to_string(a.region);
+    execl(self_exe, self_exe, "--role", "target", "--region", region.c_str(), nullptr);
+    _exit(127);
+  }
+  close(to_child[0]);
+  close(from_child[1]);
+  FILE* in = fdopen(from_child[0], "r");
+  char buf[1 << 16];
+  uint16_t raw_port = 0;
+  std::string desc;
+  while (fgets(buf, sizeof(buf), in)) {
+    std::string l(buf);
+    if (!l.empty() && l.back() == '\n') l.pop_back();
+    if (l.rfind("RAW ", 0) == 0) raw_port = static_cast<uint16_t>(std::stoi(l.substr(4)));
+    if (l.rfind("DESC ", 0) == 0) {
+      desc = Unhex(l.substr(5));
+      break;
+    }
+    if (l.rfind("ERR", 0) == 0) {
+      std::cerr << "target failed: " << l << "\n";
+      return 1;
+    }
+  }
+  EngineOptions o = EngineOptions::FromEnv();
+  o.node_id = "bench-initiator";
+  o.transports = {"tcp"};
+  o.plugin_config["tcp.lanes_per_peer"] = std::to_string(a.lanes);
+  auto engine_r = TransferEngine::Create(o);
+  if (!engine_r.ok()) {
+    std::cerr << engine_r.status().ToString() << "\n";
+    return 1;
+  }
+  auto& engine = *engine_r.value();
+  std::vector<char> local(a.region);
+  if (!engine.RegisterMemory(local.data(), local.size()).ok()) return 1;
+  auto peer = engine.AddPeer(desc);
+  if (!peer.ok()) {
+    std::cerr << peer.status().ToString() << "\n";
+    return 1;
+  }
+  std::vector<int> raw_fds;
+  for (int t = 0; t < a.threads; ++t) raw_fds.push_back(Connect(raw_port));
+
+  struct Row {
+    std::string op;
+    size_t block;
+    Measure engine, raw;
+  };
+  std::vector<Row> rows;
+  for (size_t block : a.blocks) {
+    const size_t batch_bytes = block * a.batch;
+    const size_t area = a.region / a.threads;
+    if (batch_bytes > area) continue;
+    for (OpCode code : {OpCode::kWrite, OpCode::kRead}) {
+      const char* name = code == OpCode::kWrite ? "write" : "read";
+      std::cerr << "transfer: " << name << " block " << block << " B ..." << std::flush;
+      Measure e = RunLoops(a.threads, a.seconds, batch_bytes, [&](int t) {
+        std::vector<TransferOp> ops;
+        ops.reserve(a.batch);
+        for (int i = 0; i < a.batch; ++i) {
+          size_t off = t * area + i * block;
+          ops.push_back(TransferOp{code, local.data() + off, block, "bench-target", 1, off});
+        }
+        return engine.Transfer(ops).ok();
+      });
+      Measure r = RunLoops(a.threads, a.seconds, batch_bytes, [&](int t) {
+        RawRequest rq{code == OpCode::kWrite ? 1u : 2u, 0, batch_bytes};
+        char* p = local.data() + t * area;
+        if (!SendAll(raw_fds[t], &rq, sizeof(rq))) return false;
+        if (code == OpCode::kWrite) {
+          uint8_t ack;
+          return SendAll(raw_fds[t], p, batch_bytes) && RecvAll(raw_fds[t], &ack, 1);
+        }
+        return RecvAll(raw_fds[t], p, batch_bytes);
+      });
+      std::cerr << " " << e.gbps << " GB/s (raw " << r.gbps << " GB/s)\n";
+      rows.push_back({name, block, e, r});
+    }
+  }
+  for (int fd : raw_fds) close(fd);
+  FILE* out = fdopen(to_child[1], "w");
+  fputs("QUIT\n", out);
+  fflush(out);
+  waitpid(pid, nullptr, 0);
+
+  double e_sum = 0, r_sum = 0;
+  int n = 0;
+  std::string results;
+  for (const auto& row : rows) {
+    if (row.block >= 262144) {
+      e_sum += row.engine.gbps;
+      r_sum += row.raw.gbps;
+      ++n;
+    }
+    char item[512];
+    std::snprintf(item, sizeof(item),
+                  "%s{\"op\": \"%s\", \"block_bytes\": %zu, \"batch\": %d, \"threads\": %d, "
+                  "\"lanes\": %d, \"gbps\": %.3f, \"p50_us\": %.1f, \"p99_us\": %.1f, "
+                  "\"failures\": %llu, \"baseline_gbps\": %.3f, \"baseline_p50_us\": %.1f, "
+                  "\"baseline_p99_us\": %.1f, \"ratio\": %.3f}",
+                  results.empty() ? "" : ", ", row.op.c_str(), row.block, a.batch, a.threads,
+                  a.lanes, row.engine.gbps, row.engine.p50_us, row.engine.p99_us,
+                  (unsigned long long)row.engine.failures, row.raw.gbps, row.raw.p50_us,
+                  row.raw.p99_us, row.raw.gbps > 0 ? row.engine.gbps / row.raw.gbps : 0.0);
+    results += item;
+  }
+  const double value = n ? e_sum / n : 0, baseline = n ? r_sum / n : 0;
+  std::printf(
+      "{\"benchmark\": \"transfer\", \"quick\": %s, \"headline\": {\"metric\": \"GB/s at "
+      ">=256KiB blocks\", \"value\": %.3f, \"baseline\": %.3f, \"baseline_name\": \"raw "
+      "sockets, same run, same connection count\", \"ratio\": %.3f}, \"results\": [%s]}\n",
+      a.quick ? "true" : "false", value, baseline, baseline > 0 ? value / baseline : 0.0,
+      results.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  signal(SIGPIPE, SIG_IGN);
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string k = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::cerr << "missing value for " << k << "\n";
+        exit(2);
+      }
+      return argv[++i];
+    };
+    if (k == "--quick") {
+      a.quick = true;
+    } else if (k == "--role") {
+      a.role = next();
+    } else if (k == "--threads") {
+      a.threads = std::stoi(next());
+    } else if (k == "--batch") {
+      a.batch = std::stoi(next());
+    } else if (k == "--lanes") {
+      a.lanes = std::stoi(next());
+    } else if (k == "--seconds") {
+      a.seconds = std::stod(next());
+    } else if (k == "--region") {
+      a.region = std::stoull(next());
+    } else if (k == "--blocks") {
+      a.blocks.clear();
+      std::string s = next();
+      for (size_t p = 0; p < s.size();) {
+        size_t c = s.find(',', p);
+        a.blocks.push_back(std::stoull(s.substr(p, c - p)));
+        p = c == std::string::npos ? s.size() : c + 1;
+      }
+    } else if (k == "--help" || k == "-h") {
+      std::cout << "usage: kvb_bench_transfer [--quick] [--threads N] [--batch N] [--lanes N]\n"
+                   "         [--seconds S] [--blocks b1,b2,...] [--region BYTES]\n";
+      return 0;
+    } else {
+      std::cerr << "unknown flag " << k << " (try --help)\n";
+      return 2;
+    }
+  }
+  if (a.quick) a.seconds = std::min(a.seconds, 0.6);
+  if (a.role == "target") return RunTarget(a);
+  return RunInitiator(a, "/proc/self/exe");
+}

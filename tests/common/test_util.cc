@@ -1,0 +1,188 @@
+#include "tests/common/test_util.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+namespace kvbridge::testing {
+
+Buffer::Buffer(size_t n) : n_(n) {
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) abort();
+  p_ = static_cast<uint8_t*>(p);
+}
+
+Buffer::~Buffer() { munmap(p_, n_); }
+
+uint8_t PatternByte(uint64_t seed, size_t offset) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + (offset >> 3) * 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 31;
+  return static_cast<uint8_t>(x >> ((offset & 7) * 8));
+}
+
+void Buffer::Fill(uint64_t seed, size_t off, size_t len) {
+  if (len == SIZE_MAX) len = n_ - off;
+  for (size_t i = 0; i < len; ++i) p_[off + i] = PatternByte(seed, off + i);
+}
+
+bool Buffer::Matches(uint64_t seed, size_t off, size_t len, size_t pattern_off) const {
+  for (size_t i = 0; i < len; ++i) {
+    if (p_[off + i] != PatternByte(seed, pattern_off + i)) return false;
+  }
+  return true;
+}
+
+EngineOptions LoopbackOptions(const std::string& transport, const std::string& node_id) {
+  EngineOptions o;
+  o.node_id = node_id;
+  o.transports = {transport};
+  o.listen = "127.0.0.1:0";
+  o.plugin_path = KVBRIDGE_TEST_PLUGIN_BUILD_DIR;
+  return o;
+}
+
+uint16_t FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::unique_ptr<PeerProcess> PeerProcess::Start(const std::vector<std::string>& args) {
+  int in_pipe[2], out_pipe[2];
+  if (pipe2(in_pipe, O_CLOEXEC) != 0 || pipe2(out_pipe, O_CLOEXEC) != 0) return nullptr;
+  const std::string prog = std::string(KVBRIDGE_TEST_BIN_DIR) + "/kvb_test_peer";
+  std::vector<std::string> argv_s = {prog};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& s : argv_s) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(in_pipe[0], STDIN_FILENO);
+    dup2(out_pipe[1], STDOUT_FILENO);
+    execv(prog.c_str(), argv.data());
+    _exit(127);
+  }
+  close(in_pipe[0]);
+  close(out_pipe[1]);
+  auto p = std::unique_ptr<PeerProcess>(new PeerProcess());
+  p->pid_ = pid;
+  p->to_child_ = in_pipe[1];
+  p->from_child_ = out_pipe[0];
+  std::string line = p->ReadLine(20000);
+  if (line.rfind("DESC ", 0) != 0) {
+    fprintf(stderr, "peer did not start: '%s'\n", line.c_str());
+    return nullptr;
+  }
+  p->descriptor_ = HexDecode(line.substr(5));
+  return p;
+}
+
+PeerProcess::~PeerProcess() {
+  if (pid_ > 0) Kill();
+  if (to_child_ >= 0) close(to_child_);
+  if (from_child_ >= 0) close(from_child_);
+}
+
+std::string PeerProcess::ReadLine(int timeout_ms) {
+  for (;;) {
+    size_t nl = buffered_.find('\n');
+    if (nl != std::string::npos) {
+      std::string line = buffered_.substr(0, nl);
+      buffered_.erase(0, nl + 1);
+      return line;
+    }
+    pollfd pfd{from_child_, POLLIN, 0};
+    if (poll(&pfd, 1, timeout_ms) <= 0) return "";
+    char buf[4096];
+    ssize_t n = read(from_child_, buf, sizeof(buf));
+    if (n <= 0) return "";
+    buffered_.append(buf, static_cast<size_t>(n));
+  }
+}
+
+std::string PeerProcess::Command(const std::string& line, int timeout_ms) {
+  std::string l = line + "\n";
+  if (write(to_child_, l.data(), l.size()) != static_cast<ssize_t>(l.size())) return "";
+  return ReadLine(timeout_ms);
+}
+
+void PeerProcess::Signal(int sig) {
+  if (pid_ > 0) kill(pid_, sig);
+}
+
+void PeerProcess::Kill() {
+  if (pid_ <= 0) return;
+  kill(pid_, SIGKILL);
+  waitpid(pid_, nullptr, 0);
+  pid_ = -1;
+}
+
+std::string HexEncode(const std::string& bytes) {
+  static const char* d = "0123456789abcdef";
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (unsigned char c : bytes) {
+    out.push_back(d[c >> 4]);
+    out.push_back(d[c & 15]);
+  }
+  return out;
+}
+
+std::string HexDecode(const std::string& hex) {
+  std::string out;
+  auto v = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return 0;
+  };
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) {
+    out.push_back(static_cast<char>(v(hex[i]) << 4 | v(hex[i + 1])));
+  }
+  return out;
+}
+
+SocketCounts CountSocketsToPort(uint16_t port) {
+  SocketCounts c;
+  for (const char* path : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream f(path);
+    std::string line;
+    std::getline(f, line);  // header
+    while (std::getline(f, line)) {
+      std::istringstream ss(line);
+      std::string sl, local, remote, state;
+      ss >> sl >> local >> remote >> state;
+      size_t colon = remote.rfind(':');
+      if (colon == std::string::npos) continue;
+      unsigned rport = std::stoul(remote.substr(colon + 1), nullptr, 16);
+      if (rport != port) continue;
+      if (state == "01") {
+        ++c.established;
+      } else if (state == "06") {
+        ++c.time_wait;
+      } else {
+        ++c.other;
+      }
+    }
+  }
+  return c;
+}
+
+}  // namespace kvbridge::testing

@@ -1,0 +1,88 @@
+// Shared helpers for kvbridge tests: engines on loopback, patterned buffers, child processes.
+#pragma once
+
+#include <signal.h>
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvbridge/engine.h"
+
+namespace kvbridge::testing {
+
+// Page-aligned, zeroed buffer.
+class Buffer {
+ public:
+  explicit Buffer(size_t n);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  uint8_t* data() const { return p_; }
+  size_t size() const { return n_; }
+  // Deterministic bytes derived from (seed, absolute offset).
+  void Fill(uint64_t seed, size_t off = 0, size_t len = SIZE_MAX);
+  bool Matches(uint64_t seed, size_t off, size_t len, size_t pattern_off) const;
+
+ private:
+  uint8_t* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+uint8_t PatternByte(uint64_t seed, size_t offset);
+
+// Options for an engine on loopback using exactly `transport`; the mock's directory is added.
+EngineOptions LoopbackOptions(const std::string& transport, const std::string& node_id);
+
+// Unwraps a Result in tests, failing the test with the status on error.
+template <typename T>
+T Must(Result<T> r) {
+  if (!r.ok()) {
+    fprintf(stderr, "unexpected error: %s\n", r.status().ToString().c_str());
+    abort();
+  }
+  return std::move(r).value();
+}
+
+// A free TCP port on 127.0.0.1 (bound then released; the kernel will not hand it out again
+// right away).
+uint16_t FreePort();
+
+// A child process running tests' peer program (kvb_test_peer) with pipes to stdin/stdout.
+class PeerProcess {
+ public:
+  // args after the program name, e.g. {"--node-id", "b", "--listen", "127.0.0.1:0"}.
+  static std::unique_ptr<PeerProcess> Start(const std::vector<std::string>& args);
+  ~PeerProcess();
+  pid_t pid() const { return pid_; }
+  const std::string& descriptor() const { return descriptor_; }
+  // Sends one command line and returns the reply line ("" on EOF / timeout).
+  std::string Command(const std::string& line, int timeout_ms = 10000);
+  void Signal(int sig);
+  // kill -9 and reap.
+  void Kill();
+  bool alive() const { return pid_ > 0; }
+
+ private:
+  std::string ReadLine(int timeout_ms);
+  pid_t pid_ = -1;
+  int to_child_ = -1;
+  int from_child_ = -1;
+  std::string buffered_;
+  std::string descriptor_;
+};
+
+std::string HexEncode(const std::string& bytes);
+std::string HexDecode(const std::string& hex);
+
+// Counts TCP sockets in /proc/net/tcp{,6} whose remote port is `port`, by state.
+struct SocketCounts {
+  int established = 0;
+  int time_wait = 0;
+  int other = 0;
+};
+SocketCounts CountSocketsToPort(uint16_t port);
+
+}  // namespace kvbridge::testing

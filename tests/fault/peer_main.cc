@@ -1,0 +1,74 @@
+// kvb_test_peer: a storage-less peer process for the multi-process fault tests.
+// Registers one region filled with a known pattern, prints "DESC <hex descriptor>", then
+// answers line commands on stdin until EOF or QUIT:
+//   CRC          -> "CRC <crc32c of the region, hex>"
+//   FILL <seed>  -> refills the region, "OK"
+//   DESC         -> "DESC <hex>"
+//   ADD <hex>    -> AddPeer(descriptor), "OK" or "ERR <status>"
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+
+#include "kvbridge/engine.h"
+#include "tests/common/test_util.h"
+#include "util/checksum.h"
+
+using namespace kvbridge;
+
+int main(int argc, char** argv) {
+  EngineOptions opts = EngineOptions::FromEnv();
+  opts.transports = {"tcp"};
+  size_t size = 64u << 20;
+  uint64_t seed = 1;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string k = argv[i], v = argv[i + 1];
+    if (k == "--node-id") opts.node_id = v;
+    else if (k == "--listen") opts.listen = v;
+    else if (k == "--size") size = std::stoull(v);
+    else if (k == "--seed") seed = std::stoull(v);
+    else if (k == "--token") opts.cluster_token = v;
+    else if (k == "--transport") opts.transports = {v};
+    else {
+      fprintf(stderr, "kvb_test_peer: unknown flag %s\n", k.c_str());
+      return 2;
+    }
+  }
+  opts.plugin_path = KVBRIDGE_TEST_PLUGIN_BUILD_DIR;
+  auto engine = TransferEngine::Create(opts);
+  if (!engine.ok()) {
+    std::cout << "ERR " << engine.status().ToString() << std::endl;
+    return 1;
+  }
+  testing::Buffer region(size);
+  region.Fill(seed);
+  auto seg = engine.value()->RegisterMemory(region.data(), region.size());
+  if (!seg.ok()) {
+    std::cout << "ERR " << seg.status().ToString() << std::endl;
+    return 1;
+  }
+  std::cout << "DESC " << testing::HexEncode(engine.value()->LocalDescriptor()) << std::endl;
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    if (line == "CRC") {
+      char buf[16];
+      std::snprintf(buf, sizeof(buf), "%08x", util::Crc32c(region.data(), region.size()));
+      std::cout << "CRC " << buf << std::endl;
+    } else if (line.rfind("FILL ", 0) == 0) {
+      region.Fill(std::stoull(line.substr(5)));
+      std::cout << "OK" << std::endl;
+    } else if (line == "DESC") {
+      std::cout << "DESC " << testing::HexEncode(engine.value()->LocalDescriptor()) << std::endl;
+    } else if (line.rfind("ADD ", 0) == 0) {
+      auto r = engine.value()->AddPeer(testing::HexDecode(line.substr(4)));
+      std::cout << (r.ok() ? std::string("OK") : "ERR " + r.status().ToString()) << std::endl;
+    } else if (line == "QUIT") {
+      break;
+    } else {
+      std::cout << "ERR unknown command" << std::endl;
+    }
+  }
+  return 0;
+}
