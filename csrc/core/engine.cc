@@ -574,7 +574,8 @@ Result<PeerId> TransferEngine::AddPeer(std::string_view blob) {
                        .incarnation = d.incarnation,
                        .endpoints = remote->endpoints.c_str(),
                        .segments = psegs.data(),
-                       .num_segments = static_cast<uint32_t>(psegs.size())};
+                       .num_segments = static_cast<uint32_t>(psegs.size()),
+                       .segment_size = sizeof(kvb_peer_segment_t)};
   PeerId pid{d.node_id, d.incarnation};
 
   std::shared_ptr<PeerRecord> existing;
@@ -584,8 +585,9 @@ Result<PeerId> TransferEngine::AddPeer(std::string_view blob) {
     if (it != impl_->peers.end()) existing = it->second;
   }
   if (existing && existing->id.incarnation == d.incarnation && existing->transport == chosen) {
-    kvb_status_t st = chosen->ops->update_peer(chosen->inst, existing->tpeer, &info);
-    if (st != KVB_OK) return Status::FromAbi(st, "transport refused the peer update");
+    char err[kErrLen] = {0};
+    kvb_status_t st = chosen->ops->update_peer(chosen->inst, existing->tpeer, &info, err, kErrLen);
+    if (st != KVB_OK) return Status::FromAbi(st, err).WithContext("updating peer " + pid.ToString());
     std::unique_lock<std::shared_mutex> lock(impl_->peers_mu);
     existing->segments = std::move(segments);
     return pid;

@@ -93,8 +93,9 @@ static kvb_status_t AddPeer(kvb_transport_t* t, const kvb_peer_info_t* info, kvb
   (*out)->incarnation = info->incarnation;
   return KVB_OK;
 }
-static kvb_status_t UpdatePeer(kvb_transport_t* t, kvb_tpeer_t* p, const kvb_peer_info_t* info) {
-  (void)t, (void)p, (void)info;
+static kvb_status_t UpdatePeer(kvb_transport_t* t, kvb_tpeer_t* p, const kvb_peer_info_t* info,
+                               char* err, uint32_t err_len) {
+  (void)t, (void)p, (void)info, (void)err, (void)err_len;
   return KVB_OK; /* nothing cached */
 }
 static void RemovePeer(kvb_transport_t* t, kvb_tpeer_t* p) {

@@ -64,10 +64,13 @@ static kvb_status_t AddPeer(kvb_transport_t* t, const kvb_peer_info_t* info, kvb
   kvb_copy_message(err, err_len, "unsupported");
   return KVB_ERR_UNSUPPORTED;
 }
-static kvb_status_t UpdatePeer(kvb_transport_t* t, kvb_tpeer_t* p, const kvb_peer_info_t* info) {
+static kvb_status_t UpdatePeer(kvb_transport_t* t, kvb_tpeer_t* p, const kvb_peer_info_t* info,
+                               char* err, uint32_t err_len) {
   (void)t;
   (void)p;
   (void)info;
+  (void)err;
+  (void)err_len;
   return KVB_ERR_UNSUPPORTED;
 }
 static void RemovePeer(kvb_transport_t* t, kvb_tpeer_t* p) {

@@ -457,11 +457,16 @@ kvb_status_t MockAddPeer(kvb_transport_t* t, const kvb_peer_info_t* info, kvb_tp
   }
 }
 
-kvb_status_t MockUpdatePeer(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_peer_info_t* info) {
+kvb_status_t MockUpdatePeer(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_peer_info_t* info,
+                            char* err, uint32_t err_len) {
   if (peer == nullptr || info == nullptr || info->node_id == nullptr) {
+    kvb_copy_message(err, err_len, "mock: update_peer: null peer or info");
     return KVB_ERR_INVALID_ARGUMENT;
   }
-  if (info->incarnation != peer->incarnation) return KVB_ERR_INVALID_ARGUMENT;
+  if (info->incarnation != peer->incarnation) {
+    kvb_copy_message(err, err_len, "mock: update_peer: another incarnation (use add_peer)");
+    return KVB_ERR_INVALID_ARGUMENT;
+  }
   try {
     std::string target = TargetOf(info);
     if (target.empty()) return KVB_ERR_INVALID_ARGUMENT;

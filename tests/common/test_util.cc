@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 
 namespace kvbridge::testing {
@@ -124,8 +125,29 @@ std::string PeerProcess::Command(const std::string& line, int timeout_ms) {
   return ReadLine(timeout_ms);
 }
 
+namespace {
+
+// The state letter of /proc/<pid>/stat ('R', 'S', 'T' for stopped, ...), or 0.
+char ProcessState(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  size_t paren = stat.rfind(')');
+  return paren != std::string::npos && paren + 2 < stat.size() ? stat[paren + 2] : 0;
+}
+
+}  // namespace
+
 void PeerProcess::Signal(int sig) {
-  if (pid_ > 0) kill(pid_, sig);
+  if (pid_ <= 0) return;
+  kill(pid_, sig);
+  // kill(2) returns before the target has stopped or resumed; wait until it has, so a test
+  // that freezes a peer really measures a frozen peer.
+  if (sig != SIGSTOP && sig != SIGCONT) return;
+  for (int i = 0; i < 2000; ++i) {
+    const bool stopped = ProcessState(pid_) == 'T';
+    if (stopped == (sig == SIGSTOP)) return;
+    usleep(1000);
+  }
 }
 
 void PeerProcess::Kill() {

@@ -91,7 +91,8 @@ class MockTransportTest : public ::testing::Test {
   kvb_tpeer_t* AddPeer(Instance& from, Instance& to) {
     char ep[128];
     EXPECT_GT(ops_->get_endpoints(to.t, ep, sizeof(ep)), 0);
-    kvb_peer_info_t info{sizeof(info), to.node_id.c_str(), to.incarnation, ep, nullptr, 0};
+    kvb_peer_info_t info{sizeof(info), to.node_id.c_str(), to.incarnation, ep, nullptr, 0,
+                         sizeof(kvb_peer_segment_t)};
     kvb_tpeer_t* peer = nullptr;
     char err[256] = "";
     EXPECT_EQ(ops_->add_peer(from.t, &info, &peer, err, sizeof(err)), KVB_OK) << err;

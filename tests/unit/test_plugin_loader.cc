@@ -512,7 +512,7 @@ TEST(ExamplePlugin, LoadsThroughRegistryAndMovesBytes) {
   ASSERT_EQ(ops->register_memory(t, &r2, nullptr, 0, &rkey_len), KVB_OK);
   char ep[128];
   ASSERT_GT(ops->get_endpoints(t, ep, sizeof(ep)), 0);
-  kvb_peer_info_t self{sizeof(kvb_peer_info_t), "ex", 77, ep, nullptr, 0};
+  kvb_peer_info_t self{sizeof(kvb_peer_info_t), "ex", 77, ep, nullptr, 0, sizeof(kvb_peer_segment_t)};
   kvb_tpeer_t* peer = nullptr;
   ASSERT_EQ(ops->add_peer(t, &self, &peer, err, sizeof(err)), KVB_OK) << err;
   kvb_xfer_op_t op{KVB_OP_WRITE, 0, 1, src.data(), 100, 2, 10};

@@ -81,8 +81,11 @@ typedef struct kvb_peer_info {
   uint64_t incarnation;
   /* This transport's endpoints as the peer published them (get_endpoints on its side). */
   const char* endpoints;
+  /* num_segments elements, each segment_size bytes apart (the host's sizeof(kvb_peer_segment_t);
+   * a plugin reads only the fields that fit in it). */
   const kvb_peer_segment_t* segments;
   uint32_t num_segments;
+  uint32_t segment_size;
 } kvb_peer_info_t;
 
 /* One op of a request. Arrays of ops are passed with their element size (op_size) so the
@@ -101,15 +104,17 @@ typedef struct kvb_post_opts {
   uint32_t struct_size;
   uint64_t deadline_ns;         /* absolute, host monotonic clock (now_ns); 0 = none */
   uint64_t progress_timeout_ns; /* 0 = transport default */
-  /* Called once, from any thread, when the request becomes final (also after cancel). Must be
-   * cheap and must not call back into the transport. May be NULL. */
+  /* Called once, from any thread, when the request becomes final (also after cancel); it may
+   * run before post() returns, even from inside post(). Must be cheap and must not call back
+   * into the transport. poll() reports the request final only after on_complete has returned,
+   * so release() never races with it. May be NULL. */
   void (*on_complete)(void* user);
   void* user;
 } kvb_post_opts_t;
 
 typedef struct kvb_transport_stats {
   uint32_t struct_size;
-  uint64_t connections_open;        /* outbound lanes currently open */
+  uint64_t connections_open;        /* outbound lanes currently established */
   uint64_t connections_opened;      /* total outbound lanes ever opened */
   uint64_t connections_closed_idle; /* outbound lanes closed for idleness */
   uint64_t connections_evicted;     /* outbound lanes closed after an error */
@@ -139,14 +144,17 @@ typedef struct kvb_transport_ops {
   kvb_status_t (*register_memory)(kvb_transport_t* t, const kvb_region_t* region, uint8_t* rkey,
                                   uint32_t rkey_cap, uint32_t* rkey_len);
   /* After return, no incoming request reads or writes the region (in-flight ones have finished
-   * or been refused). NOT_FOUND if the segment is unknown. */
+   * or been refused). May block while such a request finishes, at most about one progress
+   * timeout. NOT_FOUND if the segment is unknown. */
   kvb_status_t (*deregister_memory)(kvb_transport_t* t, uint64_t segment_id);
 
   /* Learns a peer incarnation. Connections are made lazily. */
   kvb_status_t (*add_peer)(kvb_transport_t* t, const kvb_peer_info_t* info, kvb_tpeer_t** out,
                            char* err, uint32_t err_len);
-  /* Same incarnation, new segments or endpoints. */
-  kvb_status_t (*update_peer)(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_peer_info_t* info);
+  /* Same incarnation, new segments or endpoints. On error the peer keeps its old information
+   * and err says what was wrong. */
+  kvb_status_t (*update_peer)(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_peer_info_t* info,
+                              char* err, uint32_t err_len);
   /* Fails the peer's outstanding requests (CANCELLED), closes its connections, frees it. */
   void (*remove_peer)(kvb_transport_t* t, kvb_tpeer_t* peer);
 
@@ -155,8 +163,8 @@ typedef struct kvb_transport_ops {
   kvb_status_t (*post)(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_xfer_op_t* ops,
                        uint32_t op_size, uint32_t count, const kvb_post_opts_t* opts,
                        kvb_treq_t** out, char* err, uint32_t err_len);
-  /* KVB_IN_PROGRESS while any op is unfinished. Once final: KVB_OK, or the first op error with
-   * its message in err. op_status (may be NULL) receives one code per op (IN_PROGRESS for an
+  /* KVB_IN_PROGRESS while any op is unfinished. Once final: KVB_OK, or the error of the failed op
+   * with the lowest index, with its message in err. op_status (may be NULL) receives one code per op (IN_PROGRESS for an
    * unfinished op). Never blocks. */
   kvb_status_t (*poll)(kvb_transport_t* t, kvb_treq_t* req, kvb_status_t* op_status,
                        uint32_t op_status_len, char* err, uint32_t err_len);

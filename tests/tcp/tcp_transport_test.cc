@@ -1,0 +1,596 @@
+// The tcp plugin through its ABI: two instances in one process stand in for two processes and
+// talk over real loopback sockets; raw sockets built with tcp_wire play misbehaving peers.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "tests/tcp/tcp_test_util.h"
+
+namespace kvbridge::tcp::test {
+namespace {
+
+constexpr uint64_t kMiB = 1u << 20;
+using Config = std::map<std::string, std::string>;
+
+std::unique_ptr<Instance> Make(const std::string& node, uint64_t incarnation, Config config = {},
+                               const std::string& token = "",
+                               const std::string& listen = "127.0.0.1:0") {
+  Instance::Options o;
+  o.node_id = node;
+  o.incarnation = incarnation;
+  o.config = std::move(config);
+  o.token = token;
+  o.listen = listen;
+  return Instance::Create(o);
+}
+
+// A serving instance with one registered region.
+// The memory is declared first so the instance (which may still be serving it) goes first.
+struct Server {
+  std::unique_ptr<Buffer> mem;
+  std::unique_ptr<Instance> inst;
+  uint64_t seg = 0;
+  Server(const std::string& node, uint64_t incarnation, size_t bytes, Config config = {},
+         const std::string& token = "", const std::string& listen = "127.0.0.1:0")
+      : mem(std::make_unique<Buffer>(bytes)),
+        inst(Make(node, incarnation, std::move(config), token, listen)) {
+    if (inst) seg = inst->Register(mem->data(), mem->size());
+  }
+};
+
+// A client instance with one registered region.
+struct Client {
+  std::unique_ptr<Buffer> mem;
+  std::unique_ptr<Instance> inst;
+  uint64_t seg = 0;
+  Client(const std::string& node, size_t bytes, Config config = {}, const std::string& token = "")
+      : mem(std::make_unique<Buffer>(bytes)), inst(Make(node, 0xc0ffee, std::move(config), token)) {
+    if (inst) seg = inst->Register(mem->data(), mem->size());
+  }
+  kvb_xfer_op_t Write(size_t local_off, uint64_t len, uint64_t remote_seg, uint64_t remote_off) {
+    return inst->Op(KVB_OP_WRITE, seg, mem->data() + local_off, len, remote_seg, remote_off);
+  }
+  kvb_xfer_op_t Read(size_t local_off, uint64_t len, uint64_t remote_seg, uint64_t remote_off) {
+    return inst->Op(KVB_OP_READ, seg, mem->data() + local_off, len, remote_seg, remote_off);
+  }
+};
+
+TEST(TcpTransport, DescriptorAndEndpoints) {
+  const kvb_plugin_descriptor_t* d = Descriptor();
+  EXPECT_STREQ(d->name, "tcp");
+  EXPECT_EQ(d->kind, KVB_PLUGIN_TRANSPORT);
+  EXPECT_EQ(d->caps, KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM | KVB_TCAP_STATS);
+  char reason[64];
+  EXPECT_EQ(d->probe(reason, sizeof(reason)), KVB_OK);
+  auto a = Make("a", 1, {}, "", "127.0.0.1:0,127.0.0.1:0");
+  ASSERT_TRUE(a);
+  const std::string eps = a->Endpoints();
+  EXPECT_EQ(eps.find(":0,"), std::string::npos) << eps;
+  EXPECT_NE(eps.find(','), std::string::npos) << "two listeners, two endpoints: " << eps;
+  EXPECT_NE(a->Port(), 0);
+  char tiny[4];
+  EXPECT_EQ(Ops()->get_endpoints(a->t(), tiny, sizeof(tiny)), -2);
+}
+
+TEST(TcpTransport, MalformedConfigNamesTheKey) {
+  for (const auto& [key, value] : Config{{"tcp.lanes_per_peer", "four"},
+                                         {"tcp.slice_bytes", "0"},
+                                         {"tcp.idle_timeout_ms", "-5"},
+                                         {"tcp.max_frame_bytes", "99999999999999999999999"}}) {
+    Instance::Options o;
+    o.config = {{key, value}};
+    std::unique_ptr<Instance> inst;
+    std::string err;
+    EXPECT_EQ(Instance::TryCreate(o, &inst, &err), KVB_ERR_INVALID_ARGUMENT) << key;
+    EXPECT_NE(err.find(key), std::string::npos) << err;
+  }
+}
+
+TEST(TcpTransport, ReadWriteRoundTripsAcrossSizes) {
+  Server b("b", 0xb1, 64 * kMiB + 4096);
+  Client a("a", 64 * kMiB + 4096);
+  ASSERT_TRUE(b.inst && a.inst);
+  kvb_tpeer_t* peer = a.inst->AddPeer(*b.inst);
+  uint64_t moved = 0, seed = 1;
+  for (uint64_t len : {uint64_t{1}, uint64_t{4097}, kMiB, 64 * kMiB}) {
+    SCOPED_TRACE("length " + std::to_string(len));
+    const uint64_t roff = 13;  // unaligned on purpose
+    a.mem->Fill(seed++, 0, len);
+    Result w = a.inst->Transfer(peer, {a.Write(0, len, b.seg, roff)});
+    ASSERT_EQ(w.status, KVB_OK) << w.msg;
+    EXPECT_EQ(w.completions, 1);
+    ASSERT_EQ(std::memcmp(b.mem->data() + roff, a.mem->data(), len), 0) << "WRITE landed wrong";
+    EXPECT_EQ(b.mem->data()[roff - 1], 0);
+    EXPECT_EQ(b.mem->data()[roff + len], 0) << "WRITE ran past its range";
+    std::memset(a.mem->data(), 0, len + 2);
+    Result r = a.inst->Transfer(peer, {a.Read(1, len, b.seg, roff)});
+    ASSERT_EQ(r.status, KVB_OK) << r.msg;
+    ASSERT_EQ(std::memcmp(a.mem->data() + 1, b.mem->data() + roff, len), 0) << "READ wrong";
+    EXPECT_EQ(a.mem->data()[0], 0);
+    EXPECT_EQ(a.mem->data()[len + 1], 0) << "READ ran past its buffer";
+    moved += len;
+  }
+  const kvb_transport_stats_t s = a.inst->Stats();
+  EXPECT_EQ(s.bytes_written, moved);
+  EXPECT_EQ(s.bytes_read, moved);
+  EXPECT_EQ(s.queued_bytes, 0u);
+  EXPECT_GE(s.connections_opened, 2u) << "64 MiB should have been spread over several lanes";
+  EXPECT_LE(s.connections_open, 4u);
+  EXPECT_EQ(s.connections_evicted, 0u);
+  EXPECT_EQ(b.inst->Stats().frames_rejected, 0u);
+  EXPECT_EQ(b.inst->Stats().inbound_open, s.connections_open);
+}
+
+TEST(TcpTransport, PerOpStatusesInOneRequest) {
+  Server b("b", 0xb5, 64 * 1024);
+  Client a("a", 64 * 1024);
+  ASSERT_TRUE(b.inst && a.inst);
+  // The descriptor publishes the segment's length, so an op past it fails without any I/O;
+  // an unknown segment is left to the peer, which answers NOT_REGISTERED.
+  kvb_peer_segment_t seg{.struct_size = sizeof(kvb_peer_segment_t),
+                         .mem_kind = KVB_MEM_HOST,
+                         .segment_id = b.seg,
+                         .length = b.mem->size(),
+                         .rkey = nullptr,
+                         .rkey_len = 0};
+  kvb_tpeer_t* peer = a.inst->AddPeerRaw("b", 0xb5, b.inst->Endpoints(), {seg});
+  a.mem->Fill(3);
+  Result r = a.inst->Transfer(
+      peer, {a.Write(0, 4096, b.seg, 0), a.Write(0, 4096, b.seg + 77, 0),
+             a.Write(0, 4096, b.seg, 64 * 1024 - 100), a.Read(8192, 100, b.seg, 0)});
+  EXPECT_EQ(r.status, KVB_ERR_NOT_REGISTERED) << "first failing op wins: " << r.msg;
+  ASSERT_EQ(r.op_status.size(), 4u);
+  EXPECT_EQ(r.op_status[0], KVB_OK);
+  EXPECT_EQ(r.op_status[1], KVB_ERR_NOT_REGISTERED);
+  EXPECT_EQ(r.op_status[2], KVB_ERR_OUT_OF_BOUNDS);
+  EXPECT_EQ(r.op_status[3], KVB_OK);
+  EXPECT_EQ(std::memcmp(b.mem->data(), a.mem->data(), 4096), 0);
+  EXPECT_EQ(b.mem->data()[64 * 1024 - 1], 0);
+  EXPECT_EQ(b.inst->Stats().frames_rejected, 1u);
+  // Local memory outside any registered region is refused at post, nothing queued.
+  std::vector<uint8_t> stray(64);
+  std::shared_ptr<Pending> p;
+  EXPECT_EQ(a.inst->PostAsync(peer, {a.inst->Op(KVB_OP_READ, a.seg, stray.data(), 64, b.seg, 0)},
+                              1000, &p),
+            KVB_ERR_NOT_REGISTERED);
+  EXPECT_EQ(a.inst->Stats().queued_bytes, 0u);
+}
+
+TEST(TcpTransport, MalformedFramesAreRefusedAndTouchNoMemory) {
+  Server b("b", 0xb2, 64 * 1024, {{"tcp.max_frame_bytes", std::to_string(kMiB)}});
+  ASSERT_TRUE(b.inst);
+  b.mem->Fill(7);
+  const uint64_t before = b.mem->Checksum();
+  std::vector<uint8_t> payload(4096, 0xEE);
+  uint64_t expected_rejects = 0;
+
+  {  // Refused requests with sane lengths: an error reply, and the connection stays usable.
+    RawClient c(b.inst->Port());
+    ASSERT_EQ(c.Handshake("raw", 1, "b", 0xb2), KVB_OK);
+    struct Case {
+      uint64_t seg, off, len;
+      kvb_status_t want;
+    };
+    const Case cases[] = {{b.seg + 1, 0, 100, KVB_ERR_NOT_REGISTERED},
+                          {b.seg, 64 * 1024 - 10, 100, KVB_ERR_OUT_OF_BOUNDS},
+                          {b.seg, UINT64_MAX - 5, 10, KVB_ERR_OUT_OF_BOUNDS},
+                          {b.seg, 64 * 1024, 1, KVB_ERR_OUT_OF_BOUNDS},
+                          {b.seg, 0, 64 * 1024 + 1, KVB_ERR_OUT_OF_BOUNDS}};
+    uint64_t id = 10;
+    for (const Case& k : cases) {
+      for (uint16_t opcode : {uint16_t{KVB_OP_WRITE}, uint16_t{KVB_OP_READ}}) {
+        std::vector<uint8_t> body(opcode == KVB_OP_WRITE ? k.len : 0, 0xEE);
+        wire::RequestHeader h{wire::kRequestMagic, opcode, 0, ++id, k.seg, k.off, k.len};
+        ASSERT_TRUE(c.SendRequest(h, opcode == KVB_OP_WRITE ? body.data() : nullptr));
+        wire::ResponseHeader resp;
+        ASSERT_TRUE(c.RecvResponse(&resp)) << "seg " << k.seg << " off " << k.off;
+        EXPECT_EQ(resp.magic, wire::kResponseMagic);
+        EXPECT_EQ(resp.request_id, id);
+        EXPECT_EQ(resp.status, k.want);
+        EXPECT_EQ(resp.length, 0u);
+        ++expected_rejects;
+      }
+    }
+    // Still in sync: a valid READ is served.
+    wire::RequestHeader h{wire::kRequestMagic, KVB_OP_READ, 0, 999, b.seg, 100, 64};
+    ASSERT_TRUE(c.SendRequest(h));
+    wire::ResponseHeader resp;
+    ASSERT_TRUE(c.RecvResponse(&resp));
+    EXPECT_EQ(resp.status, KVB_OK);
+    ASSERT_EQ(resp.length, 64u);
+    uint8_t data[64];
+    ASSERT_TRUE(c.RecvAll(data, sizeof(data)));
+    EXPECT_EQ(std::memcmp(data, b.mem->data() + 100, 64), 0);
+  }
+
+  // Malformed frames: the connection is closed and nothing is touched.
+  std::mt19937_64 rng(5);
+  struct Bad {
+    const char* what;
+    wire::RequestHeader h;
+  };
+  const Bad bad[] = {
+      {"bad magic", {0xdeadbeef, KVB_OP_WRITE, 0, 1, b.seg, 0, 16}},
+      {"huge length", {wire::kRequestMagic, KVB_OP_WRITE, 0, 1, b.seg, 0, kMiB + 1}},
+      {"huge length, bad segment", {wire::kRequestMagic, KVB_OP_WRITE, 0, 1, 12345, 0, ~0ull}},
+      {"unknown opcode", {wire::kRequestMagic, 7, 0, 1, b.seg, 0, 16}},
+      {"reserved flags", {wire::kRequestMagic, KVB_OP_WRITE, 1, 1, b.seg, 0, 16}},
+      {"zero length", {wire::kRequestMagic, KVB_OP_WRITE, 0, 1, b.seg, 0, 0}},
+  };
+  for (const Bad& k : bad) {
+    RawClient c(b.inst->Port());
+    ASSERT_EQ(c.Handshake("raw", 1, "b", 0xb2), KVB_OK);
+    ASSERT_TRUE(c.SendRequest(k.h));
+    c.SendAll(payload.data(), 16);  // what a WRITE payload would have been
+    EXPECT_TRUE(c.WaitClosed()) << k.what << ": connection left open";
+    ++expected_rejects;
+  }
+  for (int i = 0; i < 20; ++i) {  // random garbage after a valid handshake
+    RawClient c(b.inst->Port());
+    ASSERT_EQ(c.Handshake("raw", 1, "b", 0xb2), KVB_OK);
+    uint8_t junk[wire::kRequestHeaderBytes];
+    for (auto& j : junk) j = static_cast<uint8_t>(rng());
+    junk[0] ^= 0x40;  // never the request magic
+    ASSERT_TRUE(c.SendAll(junk, sizeof(junk)));
+    EXPECT_TRUE(c.WaitClosed()) << "garbage frame left the connection open";
+    ++expected_rejects;
+  }
+  {  // Garbage instead of a handshake, and a frame before any handshake.
+    RawClient c(b.inst->Port());
+    std::vector<uint8_t> junk(100, 0x41);
+    ASSERT_TRUE(c.SendAll(junk.data(), junk.size()));
+    EXPECT_TRUE(c.WaitClosed());
+    ++expected_rejects;
+    RawClient d(b.inst->Port());
+    wire::RequestHeader h{wire::kRequestMagic, KVB_OP_WRITE, 0, 1, b.seg, 0, 16};
+    ASSERT_TRUE(d.SendRequest(h, payload.data()));
+    EXPECT_TRUE(d.WaitClosed());
+    ++expected_rejects;
+  }
+  {  // A header cut short, then the peer goes away: nothing to refuse, nothing written.
+    RawClient c(b.inst->Port());
+    ASSERT_EQ(c.Handshake("raw", 1, "b", 0xb2), KVB_OK);
+    uint8_t hb[wire::kRequestHeaderBytes];
+    wire::EncodeRequestHeader({wire::kRequestMagic, KVB_OP_WRITE, 0, 1, b.seg, 0, 16}, hb);
+    ASSERT_TRUE(c.SendAll(hb, 20));
+  }
+  EXPECT_EQ(b.mem->Checksum(), before) << "a refused frame changed registered memory";
+  EXPECT_EQ(b.inst->Stats().frames_rejected, expected_rejects);
+  EXPECT_TRUE(b.inst->host().LogContains("bad request magic"));
+
+  // The instance still serves a normal client.
+  Client a("a", 64 * 1024);
+  kvb_tpeer_t* peer = a.inst->AddPeer(*b.inst);
+  Result r = a.inst->Transfer(peer, {a.Read(0, 64 * 1024, b.seg, 0)});
+  ASSERT_EQ(r.status, KVB_OK) << r.msg;
+  EXPECT_EQ(std::memcmp(a.mem->data(), b.mem->data(), 64 * 1024), 0);
+}
+
+TEST(TcpTransport, WrongIncarnationIsStalePeerAndWritesNothing) {
+  Server b("b", 0xb3, 64 * 1024);
+  Client a("a", 64 * 1024);
+  ASSERT_TRUE(b.inst && a.inst);
+  b.mem->Fill(11);
+  const uint64_t before = b.mem->Checksum();
+  kvb_tpeer_t* stale = a.inst->AddPeer(*b.inst, "", /*incarnation=*/0xdead);
+  a.mem->Fill(12);
+  Result r = a.inst->Transfer(stale, {a.Write(0, 64 * 1024, b.seg, 0)});
+  EXPECT_EQ(r.status, KVB_ERR_STALE_PEER) << r.msg;
+  EXPECT_NE(r.msg.find("0xdead"), std::string::npos) << r.msg;
+  EXPECT_NE(r.msg.find("0xb3"), std::string::npos) << r.msg;
+  EXPECT_LT(r.elapsed_ms, 500);
+  EXPECT_EQ(b.mem->Checksum(), before);
+  EXPECT_GE(b.inst->Stats().frames_rejected, 1u);
+  EXPECT_TRUE(b.inst->host().LogContains("STALE_PEER"));
+  // A client that ignores the refusal and sends a WRITE anyway is not served.
+  RawClient c(b.inst->Port());
+  ASSERT_EQ(c.Handshake("raw", 1, "b", 0x1234), KVB_ERR_STALE_PEER);
+  std::vector<uint8_t> payload(64, 0xEE);
+  c.SendRequest({wire::kRequestMagic, KVB_OP_WRITE, 0, 1, b.seg, 0, 64}, payload.data());
+  EXPECT_TRUE(c.WaitClosed());
+  EXPECT_EQ(b.mem->Checksum(), before);
+  // The right incarnation works.
+  kvb_tpeer_t* good = a.inst->AddPeer(*b.inst);
+  EXPECT_EQ(a.inst->Transfer(good, {a.Write(0, 64 * 1024, b.seg, 0)}).status, KVB_OK);
+}
+
+TEST(TcpTransport, ClusterTokenMustMatchOnBothSides) {
+  struct Case {
+    std::string server_token, client_token;
+    kvb_status_t want;
+  };
+  const Case cases[] = {{"secret", "secret", KVB_OK},
+                        {"secret", "wrong", KVB_ERR_UNAUTHENTICATED},
+                        {"secret", "", KVB_ERR_UNAUTHENTICATED},
+                        {"", "secret", KVB_ERR_UNAUTHENTICATED}};
+  for (const Case& k : cases) {
+    SCOPED_TRACE("server '" + k.server_token + "' client '" + k.client_token + "'");
+    Server b("b", 0xb4, 4096, {}, k.server_token);
+    Client a("a", 4096, {}, k.client_token);
+    ASSERT_TRUE(b.inst && a.inst);
+    b.mem->Fill(1);
+    const uint64_t before = b.mem->Checksum();
+    kvb_tpeer_t* peer = a.inst->AddPeer(*b.inst);
+    a.mem->Fill(2);
+    Result r = a.inst->Transfer(peer, {a.Write(0, 4096, b.seg, 0)});
+    EXPECT_EQ(r.status, k.want) << r.msg;
+    if (k.want != KVB_OK) {
+      EXPECT_EQ(b.mem->Checksum(), before);
+      EXPECT_TRUE(a.inst->host().LogContains("UNAUTHENTICATED")) << "client must log it";
+      // The server logs the refusal once its side of the handshake ends.
+      for (int i = 0; i < 100 && !b.inst->host().LogContains("UNAUTHENTICATED"); ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      EXPECT_TRUE(b.inst->host().LogContains("UNAUTHENTICATED")) << "server must log it";
+      EXPECT_GE(b.inst->Stats().frames_rejected, 1u);
+    } else {
+      EXPECT_EQ(std::memcmp(b.mem->data(), a.mem->data(), 4096), 0);
+    }
+  }
+  // A raw client: the right token passes mutual proof; a wrong one cannot verify the server.
+  Server b("b", 0xb4, 4096, {}, "secret");
+  RawClient good(b.inst->Port());
+  EXPECT_EQ(good.Handshake("raw", 1, "b", 0xb4, "secret"), KVB_OK);
+  RawClient bad(b.inst->Port());
+  EXPECT_EQ(bad.Handshake("raw", 1, "b", 0xb4, "guess"), -2);
+}
+
+TEST(TcpTransport, BackpressureRefusesWithoutQueueing) {
+  SilentServer frozen(/*accept=*/false);  // the handshake never gets an answer
+  Server b("b", 0xb6, 4 * kMiB);
+  Client a("a", 8 * kMiB,
+           {{"tcp.max_queued_bytes_per_peer", std::to_string(kMiB)},
+            {"tcp.connect_timeout_ms", "3000"}});
+  ASSERT_TRUE(b.inst && a.inst);
+  kvb_tpeer_t* stuck = a.inst->AddPeerRaw("frozen", 9, frozen.endpoint());
+  std::shared_ptr<Pending> first;
+  // Bigger than the bound, but the queue is empty: admitted.
+  ASSERT_EQ(a.inst->PostAsync(stuck, {a.Write(0, 4 * kMiB, 1, 0)}, 0, &first), KVB_OK);
+  EXPECT_EQ(a.inst->Stats().queued_bytes, 4 * kMiB);
+  std::shared_ptr<Pending> second;
+  std::string err;
+  const uint64_t t0 = NowNs();
+  EXPECT_EQ(a.inst->PostAsync(stuck, {a.Write(0, 4096, 1, 0)}, 0, &second, &err),
+            KVB_ERR_BACKPRESSURE);
+  EXPECT_LT(MsSince(t0), 200) << "post must not block";
+  EXPECT_NE(err.find("max_queued_bytes_per_peer"), std::string::npos) << err;
+  EXPECT_EQ(a.inst->Stats().queued_bytes, 4 * kMiB) << "a refused post queued something";
+  // Another peer is not affected by the stuck one.
+  kvb_tpeer_t* healthy = a.inst->AddPeer(*b.inst);
+  Result ok = a.inst->Transfer(healthy, {a.Write(0, 4 * kMiB, b.seg, 0)});
+  EXPECT_EQ(ok.status, KVB_OK) << ok.msg;
+  EXPECT_LT(ok.elapsed_ms, 2000);
+  // Cancelling frees the budget at once.
+  Ops()->cancel(a.inst->t(), first->req);
+  EXPECT_EQ(a.inst->Stats().queued_bytes, 0u);
+  Result fr = a.inst->Finish(first);
+  EXPECT_EQ(fr.status, KVB_ERR_CANCELLED);
+  EXPECT_EQ(fr.completions, 1);
+  ASSERT_EQ(a.inst->PostAsync(stuck, {a.Write(0, 4096, 1, 0)}, 0, &second), KVB_OK);
+  a.inst->RemovePeer(stuck);  // fails it CANCELLED and joins its lane
+  Result sr = a.inst->Finish(second);
+  EXPECT_EQ(sr.status, KVB_ERR_CANCELLED);
+  EXPECT_EQ(sr.completions, 1);
+}
+
+TEST(TcpTransport, DeadEndpointFailsFastAndTheNextEndpointIsTried) {
+  Server b("b", 0xb7, 4096);
+  Client a("a", 4096);
+  ASSERT_TRUE(b.inst && a.inst);
+  const std::string dead = "127.0.0.1:" + std::to_string(DeadPort());
+  kvb_tpeer_t* ghost = a.inst->AddPeerRaw("ghost", 5, dead);
+  for (int i = 0; i < 3; ++i) {
+    Result r = a.inst->Transfer(ghost, {a.Read(0, 4096, 1, 0)});
+    EXPECT_EQ(r.status, KVB_ERR_PEER_UNREACHABLE) << r.msg;
+    EXPECT_LT(r.elapsed_ms, 300) << "a refused connection must fail at once";
+    EXPECT_NE(r.msg.find(dead), std::string::npos) << r.msg;
+  }
+  b.mem->Fill(4);
+  kvb_tpeer_t* peer = a.inst->AddPeer(*b.inst, dead + "," + b.inst->Endpoints());
+  for (int i = 0; i < 2; ++i) {
+    Result r = a.inst->Transfer(peer, {a.Read(0, 4096, b.seg, 0)});
+    ASSERT_EQ(r.status, KVB_OK) << r.msg;
+    EXPECT_EQ(std::memcmp(a.mem->data(), b.mem->data(), 4096), 0);
+  }
+}
+
+TEST(TcpTransport, FrozenPeerFailsWithProgressTimeout) {
+  SilentServer frozen(/*accept=*/true, /*answer_handshake=*/true, "frozen", 9);
+  Client a("a", kMiB);
+  ASSERT_TRUE(a.inst);
+  kvb_tpeer_t* peer = a.inst->AddPeerRaw("frozen", 9, frozen.endpoint());
+  std::shared_ptr<Pending> p;
+  ASSERT_EQ(a.inst->PostAsync(peer, {a.Read(0, kMiB, 1, 0)}, 10000, &p, nullptr,
+                              /*progress_timeout_ms=*/300),
+            KVB_OK);
+  Result r = a.inst->Finish(p);
+  EXPECT_EQ(r.status, KVB_ERR_PROGRESS_TIMEOUT) << r.msg;
+  EXPECT_GE(r.elapsed_ms, 250);
+  EXPECT_LT(r.elapsed_ms, 1500);
+  EXPECT_EQ(a.inst->Stats().connections_evicted, 1u);
+}
+
+TEST(TcpTransport, DeadlinesEndRequestsWithoutPolling) {
+  Client a("a", kMiB, {{"tcp.connect_timeout_ms", "5000"}});
+  ASSERT_TRUE(a.inst);
+  {  // Queued behind a handshake that never completes.
+    SilentServer frozen(/*accept=*/false);
+    kvb_tpeer_t* peer = a.inst->AddPeerRaw("frozen", 9, frozen.endpoint());
+    std::shared_ptr<Pending> p;
+    ASSERT_EQ(a.inst->PostAsync(peer, {a.Write(0, 4096, 1, 0)}, 150, &p), KVB_OK);
+    Result r = a.inst->Finish(p);
+    EXPECT_EQ(r.status, KVB_ERR_DEADLINE_EXCEEDED) << r.msg;
+    EXPECT_GE(r.elapsed_ms, 140);
+    EXPECT_LT(r.elapsed_ms, 1000);
+    a.inst->RemovePeer(peer);
+  }
+  {  // In flight on a lane whose peer stopped answering.
+    SilentServer frozen(/*accept=*/true, /*answer_handshake=*/true, "frozen", 9);
+    kvb_tpeer_t* peer = a.inst->AddPeerRaw("frozen", 9, frozen.endpoint());
+    std::shared_ptr<Pending> p;
+    ASSERT_EQ(a.inst->PostAsync(peer, {a.Read(0, 4096, 1, 0)}, 200, &p, nullptr, 5000), KVB_OK);
+    Result r = a.inst->Finish(p);
+    EXPECT_EQ(r.status, KVB_ERR_DEADLINE_EXCEEDED) << r.msg;
+    EXPECT_GE(r.elapsed_ms, 190);
+    EXPECT_LT(r.elapsed_ms, 1000);
+    a.inst->RemovePeer(peer);
+  }
+}
+
+TEST(TcpTransport, CancelOfALargeReadStopsTouchingTheBuffer) {
+  Server b("b", 0xb8, 64 * kMiB);
+  Client a("a", 64 * kMiB);
+  ASSERT_TRUE(b.inst && a.inst);
+  b.mem->Fill(8);
+  kvb_tpeer_t* peer = a.inst->AddPeer(*b.inst);
+  ASSERT_EQ(a.inst->Transfer(peer, {a.Read(0, 4096, b.seg, 0)}).status, KVB_OK);  // warm lane
+  for (int delay_us : {0, 2000, 10000}) {
+    SCOPED_TRACE("cancel after " + std::to_string(delay_us) + " us");
+    std::shared_ptr<Pending> p;
+    ASSERT_EQ(a.inst->PostAsync(peer, {a.Read(0, 64 * kMiB, b.seg, 0)}, 20000, &p), KVB_OK);
+    std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+    const uint64_t t0 = NowNs();
+    Ops()->cancel(a.inst->t(), p->req);
+    EXPECT_LT(MsSince(t0), 250) << "cancel must return promptly";
+    std::memset(a.mem->data(), 0xEE, 64 * kMiB);
+    Result r = a.inst->Finish(p);
+    EXPECT_TRUE(r.status == KVB_ERR_CANCELLED || r.status == KVB_OK) << r.msg;
+    EXPECT_EQ(r.completions, 1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    const uint8_t* m = a.mem->data();
+    ASSERT_EQ(std::count(m, m + 64 * kMiB, uint8_t{0xEE}), static_cast<ptrdiff_t>(64 * kMiB))
+        << "the buffer was written after cancel returned";
+  }
+  // The peer is still usable after cancels (lanes drained or were replaced).
+  Result r = a.inst->Transfer(peer, {a.Read(0, 8 * kMiB, b.seg, 0)});
+  ASSERT_EQ(r.status, KVB_OK) << r.msg;
+  EXPECT_EQ(std::memcmp(a.mem->data(), b.mem->data(), 8 * kMiB), 0);
+  EXPECT_EQ(a.inst->Stats().queued_bytes, 0u);
+}
+
+TEST(TcpTransport, LanesStayBoundedAndIdleLanesCloseGradually) {
+  constexpr int kThreads = 16;
+  constexpr uint64_t kLen = 256 * 1024;
+  Server b("b", 0xb9, kThreads * kLen);
+  Client a("a", kThreads * kLen,
+           {{"tcp.lanes_per_peer", "4"},
+            {"tcp.window_slices", "2"},
+            {"tcp.slice_bytes", "65536"},
+            {"tcp.idle_timeout_ms", "300"},
+            {"tcp.idle_close_per_sec", "2"}});
+  ASSERT_TRUE(b.inst && a.inst);
+  kvb_tpeer_t* peer = a.inst->AddPeer(*b.inst);
+  std::atomic<bool> stop{false};
+  std::atomic<int> failures{0}, transfers{0};
+  std::atomic<uint64_t> max_open{0}, max_inbound{0};
+  std::thread sampler([&] {
+    while (!stop.load()) {
+      const uint64_t o = a.inst->Stats().connections_open;
+      const uint64_t in = b.inst->Stats().inbound_open;
+      max_open.store(std::max(max_open.load(), o));
+      max_inbound.store(std::max(max_inbound.load(), in));
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  std::vector<std::thread> workers;
+  const uint64_t end = NowNs() + 1500 * 1000000ull;
+  for (int t = 0; t < kThreads; ++t) {
+    workers.emplace_back([&, t] {
+      while (NowNs() < end) {
+        const uint32_t opcode = (transfers.load() % 2) ? KVB_OP_READ : KVB_OP_WRITE;
+        Result r = a.inst->Transfer(
+            peer, {a.inst->Op(opcode, a.seg, a.mem->data() + t * kLen, kLen, b.seg, t * kLen)});
+        if (r.status != KVB_OK) ++failures;
+        ++transfers;
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+  stop.store(true);
+  sampler.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_GT(transfers.load(), 16);
+  EXPECT_LE(max_open.load(), 4u) << "outbound lanes exceeded lanes_per_peer";
+  EXPECT_LE(max_inbound.load(), 4u) << "the server saw more connections than lanes_per_peer";
+  EXPECT_GE(max_open.load(), 2u) << "16 busy threads should have used several lanes";
+  EXPECT_EQ(a.inst->Stats().connections_evicted, 0u);
+
+  // Idle close: one lane at a time, no faster than idle_close_per_sec (2/s). The plugin logs
+  // each idle close; the log's timestamps are the close times.
+  const uint64_t open_at_end = a.inst->Stats().connections_open;
+  const uint64_t load_end = NowNs();
+  while (a.inst->Stats().connections_open > 0 && MsSince(load_end) < 5000) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(a.inst->Stats().connections_open, 0u);
+  EXPECT_EQ(a.inst->Stats().connections_closed_idle, open_at_end);
+  const std::vector<uint64_t> closes = a.inst->host().LogTimes("closing idle lane");
+  ASSERT_EQ(closes.size(), open_at_end);
+  EXPECT_GE(static_cast<double>(closes.front() - load_end) / 1e6, 250)
+      << "closed before idle_timeout_ms";
+  for (size_t i = 1; i < closes.size(); ++i) {
+    EXPECT_GE(static_cast<double>(closes[i] - closes[i - 1]) / 1e6, 400)
+        << "idle closes came in a burst";
+  }
+}
+
+TEST(TcpTransport, RestartOnTheSamePortIsStaleThenHeals) {
+  auto b1 = std::make_unique<Server>("b", 0x1111, 4096);
+  ASSERT_TRUE(b1->inst);
+  const uint16_t port = b1->inst->Port();
+  Client a("a", 4096);
+  kvb_tpeer_t* old_peer = a.inst->AddPeer(*b1->inst);
+  ASSERT_EQ(a.inst->Transfer(old_peer, {a.Write(0, 4096, b1->seg, 0)}).status, KVB_OK);
+  b1.reset();  // the process dies; a's pooled lane sees the close
+  Server b2("b", 0x2222, 4096, {}, "", "127.0.0.1:" + std::to_string(port));
+  ASSERT_TRUE(b2.inst) << "SO_REUSEADDR should allow rebinding the port at once";
+  b2.mem->Fill(5);
+  const uint64_t before = b2.mem->Checksum();
+  Result r = a.inst->Transfer(old_peer, {a.Write(0, 4096, b2.seg, 0)});
+  EXPECT_EQ(r.status, KVB_ERR_STALE_PEER) << r.msg;
+  EXPECT_NE(r.msg.find("0x1111"), std::string::npos) << r.msg;
+  EXPECT_NE(r.msg.find("0x2222"), std::string::npos) << r.msg;
+  EXPECT_EQ(b2.mem->Checksum(), before) << "bytes landed in the new incarnation";
+  a.inst->RemovePeer(old_peer);
+  kvb_tpeer_t* new_peer = a.inst->AddPeer(*b2.inst);
+  a.mem->Fill(6);
+  ASSERT_EQ(a.inst->Transfer(new_peer, {a.Write(0, 4096, b2.seg, 0)}).status, KVB_OK);
+  EXPECT_EQ(std::memcmp(b2.mem->data(), a.mem->data(), 4096), 0);
+}
+
+TEST(TcpTransport, DeregisteredMemoryIsRefused) {
+  Server b("b", 0xba, 4096);
+  Client a("a", 4096);
+  ASSERT_TRUE(b.inst && a.inst);
+  Buffer extra(8192);
+  extra.Fill(3);
+  const uint64_t seg = b.inst->Register(extra.data(), extra.size());
+  kvb_tpeer_t* peer = a.inst->AddPeer(*b.inst);
+  ASSERT_EQ(a.inst->Transfer(peer, {a.Read(0, 4096, seg, 0)}).status, KVB_OK);
+  EXPECT_EQ(b.inst->Deregister(seg), KVB_OK);
+  EXPECT_EQ(b.inst->Deregister(seg), KVB_ERR_NOT_FOUND);
+  const uint64_t before = extra.Checksum();
+  a.mem->Fill(4);
+  Result r = a.inst->Transfer(peer, {a.Write(0, 4096, seg, 0)});
+  EXPECT_EQ(r.status, KVB_ERR_NOT_REGISTERED) << r.msg;
+  EXPECT_EQ(extra.Checksum(), before);
+}
+
+TEST(TcpTransport, InboundConnectionsAreBounded) {
+  Server b("b", 0xbb, 4096, {{"tcp.max_inbound", "2"}});
+  ASSERT_TRUE(b.inst);
+  RawClient c1(b.inst->Port()), c2(b.inst->Port());
+  ASSERT_EQ(c1.Handshake("raw", 1, "b", 0xbb), KVB_OK);
+  ASSERT_EQ(c2.Handshake("raw", 2, "b", 0xbb), KVB_OK);
+  RawClient c3(b.inst->Port());
+  EXPECT_TRUE(c3.WaitClosed()) << "a third inbound connection was kept";
+  EXPECT_TRUE(b.inst->host().LogContains("tcp.max_inbound"));
+  EXPECT_EQ(b.inst->Stats().inbound_open, 2u);
+}
+
+}  // namespace
+}  // namespace kvbridge::tcp::test
