@@ -33,9 +33,9 @@ namespace {
 struct Args {
   std::string role = "initiator";
   bool quick = false;
-  int threads = 4;   // submitter threads (and raw-baseline connections)
-  int batch = 8;     // ops per batch
-  int lanes = 4;     // tcp.lanes_per_peer
+  int threads = 4;       // submitter threads (and raw-baseline connections)
+  int batch = 8;         // ops per batch
+  int lanes = 4;         // tcp.lanes_per_peer
   double seconds = 2.0;  // per configuration
   std::vector<size_t> blocks = {4096, 16384, 65536, 262144, 1u << 20, 4u << 20};
   size_t region = 256u << 20;
@@ -54,7 +54,8 @@ std::string Hex(const std::string& s) {
 std::string Unhex(const std::string& h) {
   std::string o;
   auto v = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
-  for (size_t i = 0; i + 1 < h.size(); i += 2) o.push_back(static_cast<char>(v(h[i]) << 4 | v(h[i + 1])));
+  for (size_t i = 0; i + 1 < h.size(); i += 2)
+    o.push_back(static_cast<char>(v(h[i]) << 4 | v(h[i + 1])));
   return o;
 }
 
@@ -250,39 +251,50 @@ int RunInitiator(const Args& a, const char* self_exe) {
   for (int t = 0; t < a.threads; ++t) raw_fds.push_back(Connect(raw_port));
 
   struct Row {
+    std::string mode;  // "throughput": threads x batch; "latency": one op at a time
     std::string op;
     size_t block;
+    int threads, batch;
     Measure engine, raw;
   };
   std::vector<Row> rows;
-  for (size_t block : a.blocks) {
-    const size_t batch_bytes = block * a.batch;
-    const size_t area = a.region / a.threads;
-    if (batch_bytes > area) continue;
-    for (OpCode code : {OpCode::kWrite, OpCode::kRead}) {
-      const char* name = code == OpCode::kWrite ? "write" : "read";
-      std::cerr << "transfer: " << name << " block " << block << " B ..." << std::flush;
-      Measure e = RunLoops(a.threads, a.seconds, batch_bytes, [&](int t) {
-        std::vector<TransferOp> ops;
-        ops.reserve(a.batch);
-        for (int i = 0; i < a.batch; ++i) {
-          size_t off = t * area + i * block;
-          ops.push_back(TransferOp{code, local.data() + off, block, "bench-target", 1, off});
-        }
-        return engine.Transfer(ops).ok();
-      });
-      Measure r = RunLoops(a.threads, a.seconds, batch_bytes, [&](int t) {
-        RawRequest rq{code == OpCode::kWrite ? 1u : 2u, 0, batch_bytes};
-        char* p = local.data() + t * area;
-        if (!SendAll(raw_fds[t], &rq, sizeof(rq))) return false;
-        if (code == OpCode::kWrite) {
-          uint8_t ack;
-          return SendAll(raw_fds[t], p, batch_bytes) && RecvAll(raw_fds[t], &ack, 1);
-        }
-        return RecvAll(raw_fds[t], p, batch_bytes);
-      });
-      std::cerr << " " << e.gbps << " GB/s (raw " << r.gbps << " GB/s)\n";
-      rows.push_back({name, block, e, r});
+  struct Mode {
+    const char* name;
+    int threads, batch;
+  };
+  const Mode modes[] = {{"throughput", a.threads, a.batch}, {"latency", 1, 1}};
+  for (const Mode& mode : modes) {
+    for (size_t block : a.blocks) {
+      const size_t batch_bytes = block * mode.batch;
+      const size_t area = a.region / mode.threads;
+      if (batch_bytes > area) continue;
+      for (OpCode code : {OpCode::kWrite, OpCode::kRead}) {
+        const char* name = code == OpCode::kWrite ? "write" : "read";
+        std::cerr << "transfer: " << mode.name << " " << name << " block " << block << " B ..."
+                  << std::flush;
+        Measure e = RunLoops(mode.threads, a.seconds, batch_bytes, [&](int t) {
+          std::vector<TransferOp> ops;
+          ops.reserve(mode.batch);
+          for (int i = 0; i < mode.batch; ++i) {
+            size_t off = t * area + i * block;
+            ops.push_back(TransferOp{code, local.data() + off, block, "bench-target", 1, off});
+          }
+          return engine.Transfer(ops).ok();
+        });
+        Measure r = RunLoops(mode.threads, a.seconds, batch_bytes, [&](int t) {
+          RawRequest rq{code == OpCode::kWrite ? 1u : 2u, 0, batch_bytes};
+          char* p = local.data() + t * area;
+          if (!SendAll(raw_fds[t], &rq, sizeof(rq))) return false;
+          if (code == OpCode::kWrite) {
+            uint8_t ack;
+            return SendAll(raw_fds[t], p, batch_bytes) && RecvAll(raw_fds[t], &ack, 1);
+          }
+          return RecvAll(raw_fds[t], p, batch_bytes);
+        });
+        std::cerr << " " << e.gbps << " GB/s, p50 " << e.p50_us << " us, p99 " << e.p99_us
+                  << " us (raw " << r.gbps << " GB/s, p50 " << r.p50_us << " us)\n";
+        rows.push_back({mode.name, name, block, mode.threads, mode.batch, e, r});
+      }
     }
   }
   for (int fd : raw_fds) close(fd);
@@ -291,33 +303,39 @@ int RunInitiator(const Args& a, const char* self_exe) {
   fflush(out);
   waitpid(pid, nullptr, 0);
 
-  double e_sum = 0, r_sum = 0;
+  double e_sum = 0, r_sum = 0, tail_64k = 0;
   int n = 0;
   std::string results;
   for (const auto& row : rows) {
-    if (row.block >= 262144) {
+    if (row.mode == "latency" && row.block == 65536 && row.engine.p50_us > 0) {
+      tail_64k = std::max(tail_64k, row.engine.p99_us / row.engine.p50_us);
+    }
+    if (row.mode == "throughput" && row.block >= 262144) {
       e_sum += row.engine.gbps;
       r_sum += row.raw.gbps;
       ++n;
     }
     char item[512];
     std::snprintf(item, sizeof(item),
-                  "%s{\"op\": \"%s\", \"block_bytes\": %zu, \"batch\": %d, \"threads\": %d, "
+                  "%s{\"mode\": \"%s\", \"op\": \"%s\", \"block_bytes\": %zu, \"batch\": %d, "
+                  "\"threads\": %d, "
                   "\"lanes\": %d, \"gbps\": %.3f, \"p50_us\": %.1f, \"p99_us\": %.1f, "
                   "\"failures\": %llu, \"baseline_gbps\": %.3f, \"baseline_p50_us\": %.1f, "
                   "\"baseline_p99_us\": %.1f, \"ratio\": %.3f}",
-                  results.empty() ? "" : ", ", row.op.c_str(), row.block, a.batch, a.threads,
-                  a.lanes, row.engine.gbps, row.engine.p50_us, row.engine.p99_us,
-                  (unsigned long long)row.engine.failures, row.raw.gbps, row.raw.p50_us,
-                  row.raw.p99_us, row.raw.gbps > 0 ? row.engine.gbps / row.raw.gbps : 0.0);
+                  results.empty() ? "" : ", ", row.mode.c_str(), row.op.c_str(), row.block,
+                  row.batch, row.threads, a.lanes, row.engine.gbps, row.engine.p50_us,
+                  row.engine.p99_us, (unsigned long long)row.engine.failures, row.raw.gbps,
+                  row.raw.p50_us, row.raw.p99_us,
+                  row.raw.gbps > 0 ? row.engine.gbps / row.raw.gbps : 0.0);
     results += item;
   }
   const double value = n ? e_sum / n : 0, baseline = n ? r_sum / n : 0;
   std::printf(
       "{\"benchmark\": \"transfer\", \"quick\": %s, \"headline\": {\"metric\": \"GB/s at "
       ">=256KiB blocks\", \"value\": %.3f, \"baseline\": %.3f, \"baseline_name\": \"raw "
-      "sockets, same run, same connection count\", \"ratio\": %.3f}, \"results\": [%s]}\n",
-      a.quick ? "true" : "false", value, baseline, baseline > 0 ? value / baseline : 0.0,
+      "sockets, same run, same connection count\", \"ratio\": %.3f}, "
+      "\"p99_over_p50_at_64KiB\": %.2f, \"results\": [%s]}\n",
+      a.quick ? "true" : "false", value, baseline, baseline > 0 ? value / baseline : 0.0, tail_64k,
       results.c_str());
   return 0;
 }

@@ -514,7 +514,10 @@ void Lane::Run() {
   }
   switch (o.exit) {
     case Exit::kFail:
-      t_->Log(KVB_LOG_WARN, "evicting lane to %s: %s", Name().c_str(), o.msg.c_str());
+      // A lane that carried no work when it broke (typically a peer shutting down) costs
+      // nobody anything: worth a note, not a warning.
+      t_->Log(inflight_.empty() ? KVB_LOG_INFO : KVB_LOG_WARN, "evicting lane to %s: %s",
+              Name().c_str(), o.msg.c_str());
       break;
     case Exit::kRequeue:
       t_->Log(KVB_LOG_INFO, "evicting lane to %s: %s; its other slices are re-queued",
