@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "kvbridge/engine.h"
+#include "util/hex.h"
 
 using namespace kvbridge;
 using Clock = std::chrono::steady_clock;
@@ -40,24 +41,6 @@ struct Args {
   std::vector<size_t> blocks = {4096, 16384, 65536, 262144, 1u << 20, 4u << 20};
   size_t region = 256u << 20;
 };
-
-std::string Hex(const std::string& s) {
-  static const char* d = "0123456789abcdef";
-  std::string o;
-  for (unsigned char c : s) {
-    o.push_back(d[c >> 4]);
-    o.push_back(d[c & 15]);
-  }
-  return o;
-}
-
-std::string Unhex(const std::string& h) {
-  std::string o;
-  auto v = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
-  for (size_t i = 0; i + 1 < h.size(); i += 2)
-    o.push_back(static_cast<char>(v(h[i]) << 4 | v(h[i + 1])));
-  return o;
-}
 
 bool SendAll(int fd, const void* p, size_t n) {
   auto* c = static_cast<const char*>(p);
@@ -133,7 +116,7 @@ int RunTarget(const Args& a) {
     }
   }).detach();
   std::cout << "RAW " << ntohs(addr.sin_port) << std::endl;
-  std::cout << "DESC " << Hex(engine.value()->LocalDescriptor()) << std::endl;
+  std::cout << "DESC " << util::HexEncode(engine.value()->LocalDescriptor()) << std::endl;
   std::string line;
   while (std::getline(std::cin, line) && line != "QUIT") {
   }
@@ -222,7 +205,10 @@ int RunInitiator(const Args& a, const char* self_exe) {
     if (!l.empty() && l.back() == '\n') l.pop_back();
     if (l.rfind("RAW ", 0) == 0) raw_port = static_cast<uint16_t>(std::stoi(l.substr(4)));
     if (l.rfind("DESC ", 0) == 0) {
-      desc = Unhex(l.substr(5));
+      if (!util::HexDecode(l.substr(5), &desc)) {
+        std::cerr << "target sent a malformed descriptor\n";
+        return 1;
+      }
       break;
     }
     if (l.rfind("ERR", 0) == 0) {

@@ -18,8 +18,8 @@ namespace kvbridge::core {
 struct SegmentDesc {
   uint64_t id = 0;
   uint64_t length = 0;
-  uint32_t mem_kind = 1;                      // kvb_mem_kind_t
-  std::map<std::string, std::string> rkeys;   // transport name -> remote key bytes
+  uint32_t mem_kind = 1;                     // kvb_mem_kind_t
+  std::map<std::string, std::string> rkeys;  // transport name -> remote key bytes
 };
 
 struct TransportDesc {

@@ -221,9 +221,9 @@ bool TransferEngine::Impl::PollPass(Batch& b) {
     if (s.final) continue;
     codes.assign(s.op_index.size(), KVB_IN_PROGRESS);
     err[0] = '\0';
-    kvb_status_t st = s.peer->transport->ops->poll(s.peer->transport->inst, s.req, codes.data(),
-                                                   static_cast<uint32_t>(codes.size()), err,
-                                                   kErrLen);
+    kvb_status_t st =
+        s.peer->transport->ops->poll(s.peer->transport->inst, s.req, codes.data(),
+                                     static_cast<uint32_t>(codes.size()), err, kErrLen);
     if (st == KVB_IN_PROGRESS) {
       all_final = false;
       continue;
@@ -309,7 +309,8 @@ std::optional<BatchResult> TransferEngine::Impl::PollOrWait(BatchId id, bool blo
       std::lock_guard<std::mutex> lock(b->mu);
       if (b->collected) {
         BatchResult r;
-        r.status = Status::NotFound("batch " + std::to_string(id) + " was collected by another call");
+        r.status =
+            Status::NotFound("batch " + std::to_string(id) + " was collected by another call");
         return r;
       }
       bool done = PollPass(*b);
@@ -401,8 +402,8 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptio
     char ep[4096];
     int32_t n = slot->ops->get_endpoints(slot->inst, ep, sizeof(ep));
     slot->endpoints = n >= 0 ? std::string(ep, static_cast<size_t>(n)) : std::string();
-    KVB_LOG(INFO) << "transport " << slot->name << " listening on " << slot->endpoints
-                  << " as " << impl->self.ToString();
+    KVB_LOG(INFO) << "transport " << slot->name << " listening on " << slot->endpoints << " as "
+                  << impl->self.ToString();
     impl->transports.push_back(std::move(slot));
   }
   if (impl->transports.empty()) {
@@ -587,7 +588,8 @@ Result<PeerId> TransferEngine::AddPeer(std::string_view blob) {
   if (existing && existing->id.incarnation == d.incarnation && existing->transport == chosen) {
     char err[kErrLen] = {0};
     kvb_status_t st = chosen->ops->update_peer(chosen->inst, existing->tpeer, &info, err, kErrLen);
-    if (st != KVB_OK) return Status::FromAbi(st, err).WithContext("updating peer " + pid.ToString());
+    if (st != KVB_OK)
+      return Status::FromAbi(st, err).WithContext("updating peer " + pid.ToString());
     std::unique_lock<std::shared_mutex> lock(impl_->peers_mu);
     existing->segments = std::move(segments);
     return pid;
@@ -649,8 +651,9 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
       const LocalRegion* r = im.FindLocal(reinterpret_cast<uintptr_t>(op.local_addr), op.length);
       if (r == nullptr) {
         char buf[96];
-        std::snprintf(buf, sizeof(buf), ": local memory [%p, +%llu) is not inside a registered region",
-                      op.local_addr, static_cast<unsigned long long>(op.length));
+        std::snprintf(buf, sizeof(buf),
+                      ": local memory [%p, +%llu) is not inside a registered region", op.local_addr,
+                      static_cast<unsigned long long>(op.length));
         return Status::NotRegistered(where() + buf);
       }
       local_seg[i] = r->id;
@@ -661,11 +664,11 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
   batch->id = im.next_batch_id.fetch_add(1);
   batch->slot = &im.wait_slots[batch->id % kWaitSlots];
   const uint64_t now = util::MonoNs();
-  const uint32_t deadline_ms = options.deadline_ms ? options.deadline_ms
-                                                   : im.options.default_deadline_ms;
+  const uint32_t deadline_ms =
+      options.deadline_ms ? options.deadline_ms : im.options.default_deadline_ms;
   batch->deadline_ns = now + util::MsToNs(deadline_ms);
-  const uint32_t progress_ms = options.progress_timeout_ms ? options.progress_timeout_ms
-                                                           : im.options.progress_timeout_ms;
+  const uint32_t progress_ms =
+      options.progress_timeout_ms ? options.progress_timeout_ms : im.options.progress_timeout_ms;
   batch->op_status.assign(ops.size(), Status::InProgress());
 
   // Group ops by peer, keeping submission order inside each group.

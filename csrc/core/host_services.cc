@@ -29,8 +29,7 @@ uint64_t HostNowNs(void*) { return util::MonoNs(); }
 
 }  // namespace
 
-HostServices::HostServices(std::map<std::string, std::string> config)
-    : config_(std::move(config)) {
+HostServices::HostServices(std::map<std::string, std::string> config) : config_(std::move(config)) {
   table_ = kvb_host_services_t{
       .struct_size = sizeof(kvb_host_services_t),
       .host_ctx = this,

@@ -6,26 +6,46 @@ namespace kvbridge {
 
 std::string StatusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kInProgress: return "IN_PROGRESS";
-    case StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
-    case StatusCode::kNotFound: return "NOT_FOUND";
-    case StatusCode::kAlreadyExists: return "ALREADY_EXISTS";
-    case StatusCode::kNotRegistered: return "NOT_REGISTERED";
-    case StatusCode::kOutOfBounds: return "OUT_OF_BOUNDS";
-    case StatusCode::kStalePeer: return "STALE_PEER";
-    case StatusCode::kPeerUnreachable: return "PEER_UNREACHABLE";
-    case StatusCode::kDeadlineExceeded: return "DEADLINE_EXCEEDED";
-    case StatusCode::kProgressTimeout: return "PROGRESS_TIMEOUT";
-    case StatusCode::kBackpressure: return "BACKPRESSURE";
-    case StatusCode::kCancelled: return "CANCELLED";
-    case StatusCode::kProtocol: return "PROTOCOL";
-    case StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
-    case StatusCode::kUnsupported: return "UNSUPPORTED";
-    case StatusCode::kUnavailable: return "UNAVAILABLE";
-    case StatusCode::kNoSpace: return "NO_SPACE";
-    case StatusCode::kIoError: return "IO_ERROR";
-    case StatusCode::kInternal: return "INTERNAL";
+    case StatusCode::kOk:
+      return "OK";
+    case StatusCode::kInProgress:
+      return "IN_PROGRESS";
+    case StatusCode::kInvalidArgument:
+      return "INVALID_ARGUMENT";
+    case StatusCode::kNotFound:
+      return "NOT_FOUND";
+    case StatusCode::kAlreadyExists:
+      return "ALREADY_EXISTS";
+    case StatusCode::kNotRegistered:
+      return "NOT_REGISTERED";
+    case StatusCode::kOutOfBounds:
+      return "OUT_OF_BOUNDS";
+    case StatusCode::kStalePeer:
+      return "STALE_PEER";
+    case StatusCode::kPeerUnreachable:
+      return "PEER_UNREACHABLE";
+    case StatusCode::kDeadlineExceeded:
+      return "DEADLINE_EXCEEDED";
+    case StatusCode::kProgressTimeout:
+      return "PROGRESS_TIMEOUT";
+    case StatusCode::kBackpressure:
+      return "BACKPRESSURE";
+    case StatusCode::kCancelled:
+      return "CANCELLED";
+    case StatusCode::kProtocol:
+      return "PROTOCOL";
+    case StatusCode::kUnauthenticated:
+      return "UNAUTHENTICATED";
+    case StatusCode::kUnsupported:
+      return "UNSUPPORTED";
+    case StatusCode::kUnavailable:
+      return "UNAVAILABLE";
+    case StatusCode::kNoSpace:
+      return "NO_SPACE";
+    case StatusCode::kIoError:
+      return "IO_ERROR";
+    case StatusCode::kInternal:
+      return "INTERNAL";
   }
   return "UNKNOWN(" + std::to_string(static_cast<int32_t>(code)) + ")";
 }

@@ -35,7 +35,7 @@ class LogMessage {
 #define KVB_LOG_LEVEL_WARN ::kvbridge::util::LogLevel::kWarn
 #define KVB_LOG_LEVEL_ERROR ::kvbridge::util::LogLevel::kError
 
-#define KVB_LOG(level)                                              \
-  if (!::kvbridge::util::LogEnabled(KVB_LOG_LEVEL_##level)) {       \
-  } else                                                            \
+#define KVB_LOG(level)                                        \
+  if (!::kvbridge::util::LogEnabled(KVB_LOG_LEVEL_##level)) { \
+  } else                                                      \
     ::kvbridge::util::LogMessage(KVB_LOG_LEVEL_##level, "kvbridge").stream()

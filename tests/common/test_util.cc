@@ -10,10 +10,13 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iterator>
 #include <sstream>
+
+#include "util/hex.h"
 
 namespace kvbridge::testing {
 
@@ -65,12 +68,20 @@ uint16_t FreePort() {
   return ntohs(a.sin_port);
 }
 
-std::unique_ptr<PeerProcess> PeerProcess::Start(const std::vector<std::string>& args) {
+std::unique_ptr<PeerProcess> PeerProcess::Start(const std::vector<std::string>& args,
+                                                const std::vector<std::string>& prefix) {
   int in_pipe[2], out_pipe[2];
   if (pipe2(in_pipe, O_CLOEXEC) != 0 || pipe2(out_pipe, O_CLOEXEC) != 0) return nullptr;
-  const std::string prog = std::string(KVBRIDGE_TEST_BIN_DIR) + "/kvb_test_peer";
-  std::vector<std::string> argv_s = {prog};
+  // A prefix command is found on PATH through env(1); every command in the chain exec()s the
+  // next, so the pid we get is the peer's own and signals reach it.
+  std::vector<std::string> argv_s;
+  if (!prefix.empty()) {
+    argv_s.push_back("/usr/bin/env");
+    argv_s.insert(argv_s.end(), prefix.begin(), prefix.end());
+  }
+  argv_s.push_back(std::string(KVBRIDGE_TEST_BIN_DIR) + "/kvb_test_peer");
   argv_s.insert(argv_s.end(), args.begin(), args.end());
+  const std::string prog = argv_s.front();
   std::vector<char*> argv;
   for (auto& s : argv_s) argv.push_back(s.data());
   argv.push_back(nullptr);
@@ -157,27 +168,11 @@ void PeerProcess::Kill() {
   pid_ = -1;
 }
 
-std::string HexEncode(const std::string& bytes) {
-  static const char* d = "0123456789abcdef";
-  std::string out;
-  out.reserve(bytes.size() * 2);
-  for (unsigned char c : bytes) {
-    out.push_back(d[c >> 4]);
-    out.push_back(d[c & 15]);
-  }
-  return out;
-}
+std::string HexEncode(const std::string& bytes) { return util::HexEncode(bytes); }
 
 std::string HexDecode(const std::string& hex) {
   std::string out;
-  auto v = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    return 0;
-  };
-  for (size_t i = 0; i + 1 < hex.size(); i += 2) {
-    out.push_back(static_cast<char>(v(hex[i]) << 4 | v(hex[i + 1])));
-  }
+  if (!util::HexDecode(hex, &out)) out.clear();
   return out;
 }
 
@@ -205,6 +200,62 @@ SocketCounts CountSocketsToPort(uint16_t port) {
     }
   }
   return c;
+}
+
+}  // namespace kvbridge::testing
+
+namespace kvbridge::testing {
+namespace {
+
+bool Run(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()) == 0; }
+
+}  // namespace
+
+std::unique_ptr<NetNamespace> NetNamespace::Create(int nics, std::string* why) {
+  if (geteuid() != 0) {
+    *why = "needs root to create network namespaces";
+    return nullptr;
+  }
+  if (!Run("ip -V")) {
+    *why = "iproute2 ('ip') is not installed";
+    return nullptr;
+  }
+  auto ns = std::unique_ptr<NetNamespace>(new NetNamespace());
+  const std::string tag = std::to_string(getpid() % 100000);
+  ns->name_ = "kvbt" + tag;
+  if (!Run("ip netns add " + ns->name_)) {
+    *why = "'ip netns add' failed (no CAP_SYS_ADMIN in this sandbox?)";
+    ns->name_.clear();
+    return nullptr;
+  }
+  const std::string in_ns = "ip netns exec " + ns->name_ + " ";
+  bool ok = Run(in_ns + "ip link set lo up");
+  for (int i = 0; i < nics && ok; ++i) {
+    const std::string here = "kvh" + tag + "_" + std::to_string(i);
+    const std::string there = "kvr" + tag + "_" + std::to_string(i);
+    const std::string net = "10.231." + std::to_string(i + 1);
+    ok = Run("ip link add " + here + " type veth peer name " + there) &&
+         Run("ip link set " + there + " netns " + ns->name_) &&
+         Run("ip addr add " + net + ".1/24 dev " + here) && Run("ip link set " + here + " up") &&
+         Run(in_ns + "ip addr add " + net + ".2/24 dev " + there) &&
+         Run(in_ns + "ip link set " + there + " up");
+    if (ok) ns->links_.push_back(here);
+  }
+  if (!ok) {
+    *why = "could not set up veth pairs in namespace " + ns->name_;
+    return nullptr;  // the destructor removes what was made
+  }
+  return ns;
+}
+
+NetNamespace::~NetNamespace() {
+  for (const auto& l : links_) Run("ip link del " + l);
+  if (!name_.empty()) Run("ip netns del " + name_);
+}
+
+bool NetNamespace::SetLink(int nic, bool up) {
+  if (nic < 0 || nic >= static_cast<int>(links_.size())) return false;
+  return Run("ip link set " + links_[nic] + (up ? " up" : " down"));
 }
 
 }  // namespace kvbridge::testing

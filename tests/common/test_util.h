@@ -54,7 +54,9 @@ uint16_t FreePort();
 class PeerProcess {
  public:
   // args after the program name, e.g. {"--node-id", "b", "--listen", "127.0.0.1:0"}.
-  static std::unique_ptr<PeerProcess> Start(const std::vector<std::string>& args);
+  // `prefix` runs the program under another command, e.g. {"ip", "netns", "exec", "ns1"}.
+  static std::unique_ptr<PeerProcess> Start(const std::vector<std::string>& args,
+                                            const std::vector<std::string>& prefix = {});
   ~PeerProcess();
   pid_t pid() const { return pid_; }
   const std::string& descriptor() const { return descriptor_; }
@@ -84,5 +86,23 @@ struct SocketCounts {
   int other = 0;
 };
 SocketCounts CountSocketsToPort(uint16_t port);
+
+// A network namespace holding one "remote host" reached over `nics` veth pairs, so tests can
+// give a peer several NICs and cut one (link down drops every packet, like a pulled cable).
+// NIC i (0-based) is 10.231.<i+1>.1 on this side and 10.231.<i+1>.2 inside the namespace.
+// Needs root and iproute2; Create() returns null with the reason otherwise.
+class NetNamespace {
+ public:
+  static std::unique_ptr<NetNamespace> Create(int nics, std::string* why);
+  ~NetNamespace();
+  const std::string& name() const { return name_; }
+  static std::string RemoteAddress(int nic) { return "10.231." + std::to_string(nic + 1) + ".2"; }
+  // Brings this side of NIC `nic` up or down.
+  bool SetLink(int nic, bool up);
+
+ private:
+  std::string name_;
+  std::vector<std::string> links_;  // this side's veth ends
+};
 
 }  // namespace kvbridge::testing

@@ -122,8 +122,8 @@ TEST_P(TransportConformance, DeregisteredRegionIsRefusedByThePeer) {
   Must(a_->AddPeer(b_->LocalDescriptor()));  // a now knows seg
   ASSERT_TRUE(b_->DeregisterMemory(seg).ok());
   local_->Fill(6, 0, 4096);
-  auto id = Must(a_->Submit(std::vector{TransferOp{OpCode::kWrite, local_->data(), 4096,
-                                                   "conf-b", seg, 0}}));
+  auto id = Must(
+      a_->Submit(std::vector{TransferOp{OpCode::kWrite, local_->data(), 4096, "conf-b", seg, 0}}));
   BatchResult r = a_->Wait(id);
   EXPECT_EQ(r.status.code(), StatusCode::kNotRegistered) << r.status.ToString();
   EXPECT_TRUE(extra->Matches(5, 0, extra->size(), 0)) << "deregistered memory was written";
@@ -142,8 +142,8 @@ TEST_P(TransportConformance, OutOfBoundsIsRefusedBeforeAnyByteMoves) {
 
 TEST_P(TransportConformance, LocalMemoryMustBeRegistered) {
   std::vector<uint8_t> unregistered(4096);
-  auto r = a_->Submit(std::vector{TransferOp{OpCode::kRead, unregistered.data(), 4096, "conf-b",
-                                             remote_seg_, 0}});
+  auto r = a_->Submit(
+      std::vector{TransferOp{OpCode::kRead, unregistered.data(), 4096, "conf-b", remote_seg_, 0}});
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kNotRegistered);
   // A range that starts inside a region but runs past its end is refused as well.
@@ -152,9 +152,9 @@ TEST_P(TransportConformance, LocalMemoryMustBeRegistered) {
 }
 
 TEST_P(TransportConformance, UnknownPeerAndSegmentAreNamedErrors) {
-  auto id = Must(a_->Submit(std::vector{
-      TransferOp{OpCode::kRead, local_->data(), 10, "nobody", remote_seg_, 0},
-      TransferOp{OpCode::kRead, local_->data(), 10, "conf-b", remote_seg_ + 1000, 0}}));
+  auto id = Must(a_->Submit(
+      std::vector{TransferOp{OpCode::kRead, local_->data(), 10, "nobody", remote_seg_, 0},
+                  TransferOp{OpCode::kRead, local_->data(), 10, "conf-b", remote_seg_ + 1000, 0}}));
   BatchResult r = a_->Wait(id);
   EXPECT_EQ(r.op_status[0].code(), StatusCode::kNotFound);
   EXPECT_EQ(r.op_status[1].code(), StatusCode::kNotRegistered);
@@ -212,15 +212,15 @@ TEST_P(TransportConformance, ReplacedIncarnationIsStaleAndNeverWritten) {
   // this case proves the identity check only for in-process transports. The multi-process
   // fault suite covers "restarted on the same port" for tcp.
   local_->Fill(34, 0, 4096);
-  auto id = Must(a_->Submit(std::vector{TransferOp{OpCode::kWrite, local_->data(), 4096,
-                                                   "conf-b", seg2, 0}}));
+  auto id = Must(
+      a_->Submit(std::vector{TransferOp{OpCode::kWrite, local_->data(), 4096, "conf-b", seg2, 0}}));
   BatchResult r = a_->Wait(id);
   EXPECT_FALSE(r.status.ok());
   EXPECT_TRUE(fresh.Matches(33, 0, fresh.size(), 0)) << "bytes landed in the new incarnation";
   Must(a_->AddPeer(b2->LocalDescriptor()));
-  ASSERT_TRUE(a_->Transfer(std::vector{TransferOp{OpCode::kWrite, local_->data(), 4096,
-                                                  "conf-b", seg2, 0}})
-                  .ok());
+  ASSERT_TRUE(
+      a_->Transfer(std::vector{TransferOp{OpCode::kWrite, local_->data(), 4096, "conf-b", seg2, 0}})
+          .ok());
   EXPECT_TRUE(fresh.Matches(34, 0, 4096, 0));
 }
 

@@ -25,18 +25,27 @@ int main(int argc, char** argv) {
   uint64_t seed = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
-    if (k == "--node-id") opts.node_id = v;
-    else if (k == "--listen") opts.listen = v;
-    else if (k == "--size") size = std::stoull(v);
-    else if (k == "--seed") seed = std::stoull(v);
-    else if (k == "--token") opts.cluster_token = v;
-    else if (k == "--transport") opts.transports = {v};
+    if (k == "--node-id")
+      opts.node_id = v;
+    else if (k == "--listen")
+      opts.listen = v;
+    else if (k == "--size")
+      size = std::stoull(v);
+    else if (k == "--seed")
+      seed = std::stoull(v);
+    else if (k == "--token")
+      opts.cluster_token = v;
+    else if (k == "--transport")
+      opts.transports = {v};
     else {
       fprintf(stderr, "kvb_test_peer: unknown flag %s\n", k.c_str());
       return 2;
     }
   }
-  opts.plugin_path = KVBRIDGE_TEST_PLUGIN_BUILD_DIR;
+  // The test-only plugins (mock, and the deliberately broken ones) only when asked for.
+  if (opts.transports != std::vector<std::string>{"tcp"}) {
+    opts.plugin_path = KVBRIDGE_TEST_PLUGIN_BUILD_DIR;
+  }
   auto engine = TransferEngine::Create(opts);
   if (!engine.ok()) {
     std::cout << "ERR " << engine.status().ToString() << std::endl;

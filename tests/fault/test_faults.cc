@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -30,9 +30,9 @@ double MsSince(Clock::time_point t0) {
 }
 
 std::unique_ptr<PeerProcess> StartPeer(const std::string& node, uint16_t port, uint64_t seed) {
-  auto p = PeerProcess::Start({"--node-id", node, "--listen", "127.0.0.1:" + std::to_string(port),
-                               "--size", std::to_string(kPeerBytes), "--seed",
-                               std::to_string(seed)});
+  auto p =
+      PeerProcess::Start({"--node-id", node, "--listen", "127.0.0.1:" + std::to_string(port),
+                          "--size", std::to_string(kPeerBytes), "--seed", std::to_string(seed)});
   if (!p) ADD_FAILURE() << "could not start peer " << node;
   return p;
 }
@@ -78,7 +78,8 @@ TEST_F(FaultTest, PeerKilledMidTransferFailsFastWithNamedCode) {
   std::thread loader([&] {
     while (!stop.load()) {
       std::vector<TransferOp> ops;
-      for (int i = 0; i < 16; ++i) ops.push_back(Op(OpCode::kRead, "victim", i * (4u << 20), 4u << 20));
+      for (int i = 0; i < 16; ++i)
+        ops.push_back(Op(OpCode::kRead, "victim", i * (4u << 20), 4u << 20));
       auto t0 = Clock::now();
       BatchResult r = engine_->Wait(Must(engine_->Submit(ops)));
       outcomes.push_back({r.status.code(), MsSince(t0)});
@@ -220,10 +221,11 @@ TEST_F(FaultTest, SixteenSubmittersStayWithinLaneBoundWithoutTimeWaitBurst) {
   stop = true;
   for (auto& th : threads) th.join();
   TransportStats st = Must(engine_->GetTransportStats("tcp"));
-  std::printf("soak: %llu ops ok, %llu failed, max established %d, max TIME_WAIT %d, "
-              "lanes opened %llu\n",
-              (unsigned long long)ok_ops.load(), (unsigned long long)failed_ops.load(),
-              max_established, max_time_wait, (unsigned long long)st.connections_opened);
+  std::printf(
+      "soak: %llu ops ok, %llu failed, max established %d, max TIME_WAIT %d, "
+      "lanes opened %llu\n",
+      (unsigned long long)ok_ops.load(), (unsigned long long)failed_ops.load(), max_established,
+      max_time_wait, (unsigned long long)st.connections_opened);
   EXPECT_GT(ok_ops.load(), 1000u);
   EXPECT_EQ(failed_ops.load(), 0u);
   EXPECT_LE(max_established, kLanes) << "more sockets than lanes";
@@ -238,8 +240,8 @@ std::pair<double, double> MeasureWrites(TransferEngine& e, Buffer& local, const 
   std::vector<double> lat;
   for (int i = 0; i < n; ++i) {
     auto t0 = Clock::now();
-    Status st = e.Transfer(
-        std::vector{TransferOp{OpCode::kWrite, local.data(), 64 * 1024, peer, 1, 0}});
+    Status st =
+        e.Transfer(std::vector{TransferOp{OpCode::kWrite, local.data(), 64 * 1024, peer, 1, 0}});
     lat.push_back(MsSince(t0));
     if (!st.ok()) ++*failures;
   }
@@ -281,9 +283,10 @@ TEST_F(FaultTest, DeadAndFrozenPeersDoNotSlowHealthyPeer) {
   stop = true;
   for (auto& th : hammer) th.join();
   frozen->Signal(SIGCONT);
-  std::printf("healthy peer 64KiB write: p50 %.3f ms -> %.3f ms, p99 %.3f ms -> %.3f ms "
-              "(dead/frozen attempts: %llu failed)\n",
-              p50_base, p50, p99_base, p99, (unsigned long long)bad_failed.load());
+  std::printf(
+      "healthy peer 64KiB write: p50 %.3f ms -> %.3f ms, p99 %.3f ms -> %.3f ms "
+      "(dead/frozen attempts: %llu failed)\n",
+      p50_base, p50, p99_base, p99, (unsigned long long)bad_failed.load());
   EXPECT_EQ(failures, 0) << "ops to the healthy peer failed";
   EXPECT_EQ(bad_ok.load(), 0u);
   EXPECT_GT(bad_failed.load(), 0u);
@@ -306,6 +309,48 @@ TEST_F(AuthFaultTest, PeerWithWrongTokenIsRefused) {
   Status st = engine_->Transfer(std::vector{Op(OpCode::kWrite, "intruder", 0, 4096)});
   EXPECT_EQ(st.code(), StatusCode::kUnauthenticated) << st.ToString();
   EXPECT_EQ(peer->Command("CRC"), crc);
+}
+
+// Seed 003: a node reachable over several NICs, none of them its "host" address. The peer lives
+// in its own network namespace with two veth links; cutting one link (every packet dropped, as
+// with a pulled cable) must leave it reachable through the other.
+TEST_F(FaultTest, PeerWithTwoNicsStaysReachableWhenOneIsCut) {
+  std::string why;
+  auto ns = testing::NetNamespace::Create(2, &why);
+  if (!ns) GTEST_SKIP() << "network namespaces unavailable: " << why;
+  const std::string listen = testing::NetNamespace::RemoteAddress(0) + ":0," +
+                             testing::NetNamespace::RemoteAddress(1) + ":0";
+  auto peer = PeerProcess::Start({"--node-id", "twonic", "--listen", listen, "--size",
+                                  std::to_string(kPeerBytes), "--seed", "4"},
+                                 {"ip", "netns", "exec", ns->name()});
+  ASSERT_TRUE(peer);
+  Must(engine_->AddPeer(peer->descriptor()));
+  local_->Fill(60, 0, 1 << 20);
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kWrite, "twonic", 0, 1 << 20)}).ok());
+
+  ASSERT_TRUE(ns->SetLink(0, false));
+  auto t0 = Clock::now();
+  Status st;
+  int attempts = 0;
+  SubmitOptions so;
+  so.deadline_ms = 3000;
+  local_->Fill(61, 0, 1 << 20);
+  while (MsSince(t0) < 20000) {
+    ++attempts;
+    st = engine_->Transfer(std::vector{Op(OpCode::kWrite, "twonic", 0, 1 << 20)}, so);
+    if (st.ok()) break;
+    EXPECT_TRUE(st.IsPeerUnreachable() || st.Is(StatusCode::kProgressTimeout) ||
+                st.IsDeadlineExceeded())
+        << st.ToString();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(st.ok()) << "still unreachable through the second NIC after " << attempts
+                       << " attempts: " << st.ToString();
+  std::printf("first NIC cut: traffic moved to the second after %.0f ms (%d attempts)\n",
+              MsSince(t0), attempts);
+  std::memset(local_->data(), 0, 1 << 20);
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "twonic", 0, 1 << 20)}).ok());
+  EXPECT_TRUE(local_->Matches(61, 0, 1 << 20, 0));
 }
 
 }  // namespace

@@ -33,8 +33,8 @@ class EngineMockTest : public ::testing::Test {
     Must(a_->RegisterMemory(mem_a_.data(), mem_a_.size()));
     seg_b_ = Must(b_->RegisterMemory(mem_b_.data(), mem_b_.size()));
     Must(a_->AddPeer(b_->LocalDescriptor()));
-    void* h = dlopen(KVBRIDGE_TEST_PLUGIN_BUILD_DIR "/libkvb_transport_mock.so",
-                     RTLD_NOW | RTLD_NOLOAD);
+    void* h =
+        dlopen(KVBRIDGE_TEST_PLUGIN_BUILD_DIR "/libkvb_transport_mock.so", RTLD_NOW | RTLD_NOLOAD);
     ASSERT_NE(h, nullptr) << "mock transport not loaded by the engine";
     set_fault_ = reinterpret_cast<SetFaultFn>(dlsym(h, "kvb_mock_set_fault"));
     post_count_ = reinterpret_cast<PostCountFn>(dlsym(h, "kvb_mock_post_count"));
@@ -46,9 +46,8 @@ class EngineMockTest : public ::testing::Test {
   Status WriteToB(uint32_t deadline_ms = 0) {
     SubmitOptions so;
     so.deadline_ms = deadline_ms;
-    return a_->Transfer(std::vector{TransferOp{OpCode::kWrite, mem_a_.data(), 4096, "eng-b",
-                                               seg_b_, 0}},
-                        so);
+    return a_->Transfer(
+        std::vector{TransferOp{OpCode::kWrite, mem_a_.data(), 4096, "eng-b", seg_b_, 0}}, so);
   }
 
   Buffer mem_a_{1 << 20}, mem_b_{1 << 20};
@@ -128,6 +127,17 @@ TEST_F(EngineMockTest, RegistrationRules) {
   Must(a_->RegisterMemory(m.data() + 4096, 4096));  // adjacent is fine
   EXPECT_TRUE(a_->DeregisterMemory(s).ok());
   EXPECT_TRUE(a_->DeregisterMemory(s).IsNotFound());
+}
+
+TEST(EngineMemoryKinds, CudaMemoryWithoutACudaTransportIsANamedError) {
+  // No transport built here handles device memory yet: registering it must say so, not
+  // pretend. (The descriptor already carries the memory kind for when one does.)
+  auto e = Must(TransferEngine::Create(LoopbackOptions("tcp", "cuda-kind")));
+  Buffer m(4096);
+  auto r = e->RegisterMemory(m.data(), m.size(), MemoryKind::kCuda, 0);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(r.status().message().find("CUDA"), std::string::npos) << r.status().ToString();
 }
 
 TEST_F(EngineMockTest, MalformedDescriptorIsNamedError) {
