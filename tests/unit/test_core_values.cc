@@ -107,6 +107,20 @@ TEST(Checksum, KnownVector) {
   EXPECT_EQ(util::Crc32c("123456789", 9), 0xE3069283u);
   uint32_t part = util::Crc32c("12345", 5);
   EXPECT_EQ(util::Crc32c("6789", 4, part), 0xE3069283u);
+  EXPECT_EQ(util::Crc32cPortableForTest("123456789", 9), 0xE3069283u);
+}
+
+TEST(Checksum, HardwareAndTableAgreeOnEveryLengthAndAlignment) {
+  std::mt19937 rng(7);
+  std::string data(4096 + 64, '\0');
+  for (auto& c : data) c = static_cast<char>(rng());
+  for (size_t off = 0; off < 9; ++off) {
+    for (size_t len : {0, 1, 7, 8, 9, 63, 64, 65, 1000, 4096}) {
+      EXPECT_EQ(util::Crc32c(data.data() + off, len, 123),
+                util::Crc32cPortableForTest(data.data() + off, len, 123))
+          << "off " << off << " len " << len;
+    }
+  }
 }
 
 TEST(CircuitBreaker, OpensAfterThresholdAndProbes) {
