@@ -7,8 +7,9 @@
  *  - OBJECTS (KVB_SCAP_OBJECTS): keyed put/get/remove through the node (the SSD tier).
  *
  * Contract:
- *  - Capacity is bounded by params.capacity_bytes; a request beyond it fails with
- *    KVB_ERR_NO_SPACE and changes nothing.
+ *  - Capacity is params.capacity_bytes, possibly rounded up to the plugin's granularity (the
+ *    DRAM pool rounds to 2 MiB); usage() reports the real figure. A request beyond it fails
+ *    with KVB_ERR_NO_SPACE and changes nothing.
  *  - A failed put leaves no partial object visible to get; a get never returns bytes that fail
  *    the object's checksum (KVB_ERR_IO instead).
  *
@@ -43,7 +44,7 @@ typedef struct kvb_storage_usage {
   uint32_t struct_size;
   uint64_t capacity_bytes;
   uint64_t used_bytes;
-  uint64_t object_count;
+  uint64_t object_count; /* live pool allocations plus stored objects */
 } kvb_storage_usage_t;
 
 typedef struct kvb_iovec {
@@ -64,15 +65,18 @@ typedef struct kvb_storage_ops {
 
   /* POOL: the whole segment the host registers with its transports. */
   kvb_status_t (*get_segment)(kvb_storage_t* s, void** addr, uint64_t* length);
-  /* POOL: reserves `length` bytes; *offset is relative to the segment start. */
+  /* POOL: reserves `length` bytes; *offset is relative to the segment start. length 0 is
+   * INVALID_ARGUMENT; no room is NO_SPACE. */
   kvb_status_t (*alloc)(kvb_storage_t* s, uint64_t length, uint64_t* offset);
+  /* POOL: frees the allocation starting at offset; NOT_FOUND (nothing changes) if none does. */
   kvb_status_t (*free)(kvb_storage_t* s, uint64_t offset);
 
   /* OBJECTS: stores the concatenation of iov under key; replaces nothing (ALREADY_EXISTS). */
   kvb_status_t (*put)(kvb_storage_t* s, const uint8_t* key, uint32_t key_len,
                       const kvb_iovec_t* iov, uint32_t iov_count);
-  /* OBJECTS: reads the object into iov; *length receives the object size. NOT_FOUND if absent,
-   * INVALID_ARGUMENT if iov is smaller than the object (nothing copied). */
+  /* OBJECTS: reads the object into iov; *length receives the object size, also when iov is too
+   * small (INVALID_ARGUMENT, nothing copied), so the caller can retry with enough room.
+   * NOT_FOUND if absent. */
   kvb_status_t (*get)(kvb_storage_t* s, const uint8_t* key, uint32_t key_len,
                       const kvb_iovec_t* iov, uint32_t iov_count, uint64_t* length);
   kvb_status_t (*remove)(kvb_storage_t* s, const uint8_t* key, uint32_t key_len);

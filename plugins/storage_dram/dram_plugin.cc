@@ -1,0 +1,130 @@
+// The dram plugin's ABI glue: the descriptor, the ops table (POOL only; the OBJECTS slots point
+// to stubs), and a catch at every entry so no C++ exception crosses the ABI.
+#include <exception>
+#include <memory>
+#include <string>
+
+#include "dram_pool.h"
+#include "kvbridge/plugin/storage.h"
+
+namespace {
+
+using kvbridge::dram::DramPool;
+
+DramPool* D(kvb_storage_t* s) { return reinterpret_cast<DramPool*>(s); }
+
+// Runs `fn`; an escaping exception becomes KVB_ERR_INTERNAL (and its text goes to err).
+template <typename Fn>
+kvb_status_t Guard(Fn&& fn, char* err = nullptr, uint32_t err_len = 0) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    kvb_copy_message(err, err_len, (std::string("dram: internal error: ") + e.what()).c_str());
+  } catch (...) {
+    kvb_copy_message(err, err_len, "dram: internal error");
+  }
+  return KVB_ERR_INTERNAL;
+}
+
+kvb_status_t Create(const kvb_host_services_t* host, const kvb_storage_params_t* params,
+                    kvb_storage_t** out, char* err, uint32_t err_len) {
+  return Guard(
+      [&]() -> kvb_status_t {
+        if (out == nullptr) {
+          kvb_copy_message(err, err_len, "dram: create: out is null");
+          return KVB_ERR_INVALID_ARGUMENT;
+        }
+        std::unique_ptr<DramPool> pool;
+        std::string msg;
+        const kvb_status_t st = DramPool::Create(host, params, &pool, &msg);
+        if (st != KVB_OK) {
+          kvb_copy_message(err, err_len, msg.c_str());
+          return st;
+        }
+        *out = reinterpret_cast<kvb_storage_t*>(pool.release());
+        return KVB_OK;
+      },
+      err, err_len);
+}
+
+void Destroy(kvb_storage_t* s) {
+  try {
+    delete D(s);
+  } catch (...) {
+  }
+}
+
+kvb_status_t Usage(kvb_storage_t* s, kvb_storage_usage_t* out) {
+  return Guard([&] { return D(s)->Usage(out); });
+}
+
+kvb_status_t GetSegment(kvb_storage_t* s, void** addr, uint64_t* length) {
+  if (addr == nullptr || length == nullptr) return KVB_ERR_INVALID_ARGUMENT;
+  *addr = D(s)->segment();
+  *length = D(s)->segment_bytes();
+  return KVB_OK;
+}
+
+kvb_status_t Alloc(kvb_storage_t* s, uint64_t length, uint64_t* offset) {
+  return Guard([&] { return D(s)->Alloc(length, offset); });
+}
+
+kvb_status_t Free(kvb_storage_t* s, uint64_t offset) {
+  return Guard([&] { return D(s)->Free(offset); });
+}
+
+// OBJECTS is not offered (the caps say POOL only); the slots still point somewhere.
+kvb_status_t PutUnsupported(kvb_storage_t*, const uint8_t*, uint32_t, const kvb_iovec_t*,
+                            uint32_t) {
+  return KVB_ERR_UNSUPPORTED;
+}
+kvb_status_t GetUnsupported(kvb_storage_t*, const uint8_t*, uint32_t, const kvb_iovec_t*, uint32_t,
+                            uint64_t*) {
+  return KVB_ERR_UNSUPPORTED;
+}
+kvb_status_t RemoveUnsupported(kvb_storage_t*, const uint8_t*, uint32_t) {
+  return KVB_ERR_UNSUPPORTED;
+}
+kvb_status_t ForEachUnsupported(kvb_storage_t*, kvb_storage_visit_fn, void*) {
+  return KVB_ERR_UNSUPPORTED;
+}
+
+kvb_status_t Probe(char* reason, uint32_t reason_len) {
+  kvb_copy_message(reason, reason_len, "");
+  return KVB_OK;
+}
+
+const kvb_storage_ops_t kOps = {
+    .struct_size = sizeof(kvb_storage_ops_t),
+    .create = Create,
+    .destroy = Destroy,
+    .usage = Usage,
+    .get_segment = GetSegment,
+    .alloc = Alloc,
+    .free = Free,
+    .put = PutUnsupported,
+    .get = GetUnsupported,
+    .remove = RemoveUnsupported,
+    .for_each = ForEachUnsupported,
+};
+
+const kvb_plugin_descriptor_t kDescriptor = {
+    .struct_size = sizeof(kvb_plugin_descriptor_t),
+    .abi_major = KVB_ABI_MAJOR,
+    .abi_minor = KVB_ABI_MINOR,
+    .name = "dram",
+    .version = "0.1.0",
+    .kind = KVB_PLUGIN_STORAGE,
+    .reserved = 0,
+    .caps = KVB_SCAP_POOL,
+    .probe = Probe,
+    .ops = &kOps,
+};
+
+}  // namespace
+
+extern "C" KVB_PLUGIN_EXPORT const kvb_plugin_descriptor_t* kvb_plugin_query(
+    uint16_t host_abi_major, uint16_t host_abi_minor) {
+  (void)host_abi_minor;
+  return host_abi_major == KVB_ABI_MAJOR ? &kDescriptor : nullptr;
+}
