@@ -35,7 +35,17 @@ class LogMessage {
 #define KVB_LOG_LEVEL_WARN ::kvbridge::util::LogLevel::kWarn
 #define KVB_LOG_LEVEL_ERROR ::kvbridge::util::LogLevel::kError
 
-#define KVB_LOG(level)                                        \
-  if (!::kvbridge::util::LogEnabled(KVB_LOG_LEVEL_##level)) { \
-  } else                                                      \
-    ::kvbridge::util::LogMessage(KVB_LOG_LEVEL_##level, "kvbridge").stream()
+// Turns the streamed expression into void so it can sit in a conditional expression; `&` binds
+// looser than `<<`, so the whole message is built first. (No if/else: a KVB_LOG inside an
+// unbraced if must not capture a following else.)
+namespace kvbridge::util {
+struct LogVoidify {
+  void operator&(std::ostream&) {}
+};
+}  // namespace kvbridge::util
+
+#define KVB_LOG(level)                                           \
+  !::kvbridge::util::LogEnabled(KVB_LOG_LEVEL_##level)           \
+      ? (void)0                                                  \
+      : ::kvbridge::util::LogVoidify() &                         \
+            ::kvbridge::util::LogMessage(KVB_LOG_LEVEL_##level, "kvbridge").stream()

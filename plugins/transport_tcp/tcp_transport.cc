@@ -1101,7 +1101,17 @@ void Lane::Teardown(const Outcome& o) {
       }
     } else {
       for (auto& e : inflight_) t_->EndSlice(*e.s, o.code, o.msg, &done);
-      if (o.exit == Exit::kFail) {
+      if (o.exit == Exit::kFail && o.code == KVB_ERR_PROGRESS_TIMEOUT) {
+        // The peer stopped answering (frozen process, dead path): queued work would only wait
+        // for a new lane whose handshake times out too. Fail it now, so callers move on (to
+        // another replica) after one progress timeout instead of that plus a connect timeout.
+        for (auto& s : peer_->queue) {
+          t_->EndSlice(*s, KVB_ERR_PROGRESS_TIMEOUT,
+                       Fmt("not sent: %s stopped answering on another lane", Name().c_str()),
+                       &done);
+        }
+        peer_->queue.clear();
+      } else if (o.exit == Exit::kFail) {
         // Queued slices of ops that just failed would only wait for a lane to drop them;
         // ending them now lets those requests become final at once.
         std::erase_if(peer_->queue, [&](std::unique_ptr<Slice>& s) {

@@ -68,19 +68,18 @@ uint16_t FreePort() {
   return ntohs(a.sin_port);
 }
 
-std::unique_ptr<PeerProcess> PeerProcess::Start(const std::vector<std::string>& args,
-                                                const std::vector<std::string>& prefix) {
+std::unique_ptr<ChildProcess> ChildProcess::Start(const std::vector<std::string>& argv_in,
+                                                  const std::vector<std::string>& prefix) {
   int in_pipe[2], out_pipe[2];
   if (pipe2(in_pipe, O_CLOEXEC) != 0 || pipe2(out_pipe, O_CLOEXEC) != 0) return nullptr;
   // A prefix command is found on PATH through env(1); every command in the chain exec()s the
-  // next, so the pid we get is the peer's own and signals reach it.
+  // next, so the pid we get is the program's own and signals reach it.
   std::vector<std::string> argv_s;
   if (!prefix.empty()) {
     argv_s.push_back("/usr/bin/env");
     argv_s.insert(argv_s.end(), prefix.begin(), prefix.end());
   }
-  argv_s.push_back(std::string(KVBRIDGE_TEST_BIN_DIR) + "/kvb_test_peer");
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  argv_s.insert(argv_s.end(), argv_in.begin(), argv_in.end());
   const std::string prog = argv_s.front();
   std::vector<char*> argv;
   for (auto& s : argv_s) argv.push_back(s.data());
@@ -94,26 +93,20 @@ std::unique_ptr<PeerProcess> PeerProcess::Start(const std::vector<std::string>& 
   }
   close(in_pipe[0]);
   close(out_pipe[1]);
-  auto p = std::unique_ptr<PeerProcess>(new PeerProcess());
+  auto p = std::unique_ptr<ChildProcess>(new ChildProcess());
   p->pid_ = pid;
   p->to_child_ = in_pipe[1];
   p->from_child_ = out_pipe[0];
-  std::string line = p->ReadLine(20000);
-  if (line.rfind("DESC ", 0) != 0) {
-    fprintf(stderr, "peer did not start: '%s'\n", line.c_str());
-    return nullptr;
-  }
-  p->descriptor_ = HexDecode(line.substr(5));
   return p;
 }
 
-PeerProcess::~PeerProcess() {
+ChildProcess::~ChildProcess() {
   if (pid_ > 0) Kill();
   if (to_child_ >= 0) close(to_child_);
   if (from_child_ >= 0) close(from_child_);
 }
 
-std::string PeerProcess::ReadLine(int timeout_ms) {
+std::string ChildProcess::ReadLine(int timeout_ms) {
   for (;;) {
     size_t nl = buffered_.find('\n');
     if (nl != std::string::npos) {
@@ -130,7 +123,7 @@ std::string PeerProcess::ReadLine(int timeout_ms) {
   }
 }
 
-std::string PeerProcess::Command(const std::string& line, int timeout_ms) {
+std::string ChildProcess::Command(const std::string& line, int timeout_ms) {
   std::string l = line + "\n";
   if (write(to_child_, l.data(), l.size()) != static_cast<ssize_t>(l.size())) return "";
   return ReadLine(timeout_ms);
@@ -148,11 +141,11 @@ char ProcessState(pid_t pid) {
 
 }  // namespace
 
-void PeerProcess::Signal(int sig) {
+void ChildProcess::Signal(int sig) {
   if (pid_ <= 0) return;
   kill(pid_, sig);
   // kill(2) returns before the target has stopped or resumed; wait until it has, so a test
-  // that freezes a peer really measures a frozen peer.
+  // that freezes a process really measures a frozen process.
   if (sig != SIGSTOP && sig != SIGCONT) return;
   for (int i = 0; i < 2000; ++i) {
     const bool stopped = ProcessState(pid_) == 'T';
@@ -161,11 +154,49 @@ void PeerProcess::Signal(int sig) {
   }
 }
 
-void PeerProcess::Kill() {
+void ChildProcess::Kill() {
   if (pid_ <= 0) return;
   kill(pid_, SIGKILL);
   waitpid(pid_, nullptr, 0);
   pid_ = -1;
+}
+
+int ChildProcess::Wait(int timeout_ms) {
+  if (pid_ <= 0) return -1;
+  for (int waited = 0;; waited += 5) {
+    int status = 0;
+    pid_t r = waitpid(pid_, &status, WNOHANG);
+    if (r == pid_) {
+      pid_ = -1;
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    if (waited >= timeout_ms) return -1;
+    usleep(5000);
+  }
+}
+
+std::unique_ptr<PeerProcess> PeerProcess::Start(const std::vector<std::string>& args,
+                                                const std::vector<std::string>& prefix) {
+  std::vector<std::string> argv = {std::string(KVBRIDGE_TEST_BIN_DIR) + "/kvb_test_peer"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::unique_ptr<ChildProcess> child = ChildProcess::Start(argv, prefix);
+  if (!child) return nullptr;
+  auto p = std::unique_ptr<PeerProcess>(new PeerProcess(std::move(*child)));
+  std::string line = p->ReadLine(20000);
+  if (line.rfind("DESC ", 0) != 0) {
+    fprintf(stderr, "peer did not start: '%s'\n", line.c_str());
+    return nullptr;
+  }
+  p->descriptor_ = HexDecode(line.substr(5));
+  return p;
+}
+
+ChildProcess::ChildProcess(ChildProcess&& o) noexcept
+    : pid_(o.pid_), to_child_(o.to_child_), from_child_(o.from_child_),
+      buffered_(std::move(o.buffered_)) {
+  o.pid_ = -1;
+  o.to_child_ = -1;
+  o.from_child_ = -1;
 }
 
 std::string HexEncode(const std::string& bytes) { return util::HexEncode(bytes); }

@@ -50,29 +50,49 @@ T Must(Result<T> r) {
 // right away).
 uint16_t FreePort();
 
-// A child process running tests' peer program (kvb_test_peer) with pipes to stdin/stdout.
-class PeerProcess {
+// A child process with pipes to its stdin and stdout; killed (SIGKILL) when destroyed.
+class ChildProcess {
  public:
-  // args after the program name, e.g. {"--node-id", "b", "--listen", "127.0.0.1:0"}.
-  // `prefix` runs the program under another command, e.g. {"ip", "netns", "exec", "ns1"}.
-  static std::unique_ptr<PeerProcess> Start(const std::vector<std::string>& args,
-                                            const std::vector<std::string>& prefix = {});
-  ~PeerProcess();
+  // argv[0] is the program's path. `prefix` runs it under another command found on PATH,
+  // e.g. {"ip", "netns", "exec", "ns1"}.
+  static std::unique_ptr<ChildProcess> Start(const std::vector<std::string>& argv,
+                                             const std::vector<std::string>& prefix = {});
+  ChildProcess(ChildProcess&& other) noexcept;
+  virtual ~ChildProcess();
   pid_t pid() const { return pid_; }
-  const std::string& descriptor() const { return descriptor_; }
-  // Sends one command line and returns the reply line ("" on EOF / timeout).
+  bool alive() const { return pid_ > 0; }
+  // The next stdout line ("" on EOF or timeout).
+  std::string ReadLine(int timeout_ms = 10000);
+  // Sends one line to stdin and returns the next stdout line.
   std::string Command(const std::string& line, int timeout_ms = 10000);
+  // Sends a signal; for SIGSTOP/SIGCONT, returns once the process is stopped/running.
   void Signal(int sig);
   // kill -9 and reap.
   void Kill();
-  bool alive() const { return pid_ > 0; }
+  // Waits up to timeout_ms for the process to exit: its exit code (128+signal if killed), or
+  // -1 if it is still running.
+  int Wait(int timeout_ms);
+
+ protected:
+  ChildProcess() = default;
 
  private:
-  std::string ReadLine(int timeout_ms);
   pid_t pid_ = -1;
   int to_child_ = -1;
   int from_child_ = -1;
   std::string buffered_;
+};
+
+// tests' peer program (kvb_test_peer): one registered, patterned region; answers commands.
+class PeerProcess : public ChildProcess {
+ public:
+  // args after the program name, e.g. {"--node-id", "b", "--listen", "127.0.0.1:0"}.
+  static std::unique_ptr<PeerProcess> Start(const std::vector<std::string>& args,
+                                            const std::vector<std::string>& prefix = {});
+  const std::string& descriptor() const { return descriptor_; }
+
+ private:
+  explicit PeerProcess(ChildProcess&& child) : ChildProcess(std::move(child)) {}
   std::string descriptor_;
 };
 
