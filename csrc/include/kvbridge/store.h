@@ -1,0 +1,183 @@
+// The KV-page store: StoreClient (what an inference engine links), StorageNode (a process's
+// contribution of DRAM), MasterServer (the control plane, embeddable). docs/store.md has the
+// design; ARCHITECTURE.md "Store semantics" the rules.
+//
+// Keys are byte strings (1..4096 bytes). An object holds one or more buffers (K and V of a
+// page) and is stored as `replica_num` replicas on distinct nodes. Every call takes batches;
+// results come one per key, in order, and one bad key never fails the others.
+//
+// Thread-safety: every method of every class here may be called concurrently.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvbridge/engine.h"
+#include "kvbridge/options.h"
+#include "kvbridge/status.h"
+
+namespace kvbridge {
+
+// A piece of caller memory. For the zero-copy calls it must lie inside a buffer registered
+// with RegisterBuffer().
+struct BufferRef {
+  void* addr = nullptr;
+  uint64_t length = 0;
+};
+
+struct StoreOptions {
+  // The master's gRPC address. KVBRIDGE_MASTER.
+  std::string master_address = "127.0.0.1:50051";
+  // Replicas per object written by puts. KVBRIDGE_REPLICA_NUM.
+  uint32_t replica_num = 1;
+  // Deadline of one control-plane call. KVBRIDGE_RPC_TIMEOUT_MS.
+  uint32_t rpc_timeout_ms = 3000;
+  // Deadline of the data transfers of one batch. KVBRIDGE_STORE_TRANSFER_DEADLINE_MS.
+  uint32_t transfer_deadline_ms = 5000;
+  // The client's transfer engine (its node id is the "local node" for replica ordering).
+  EngineOptions engine;
+  // Defaults, overridden by the KVBRIDGE_* variables named above and EngineOptions::FromEnv().
+  static StoreOptions FromEnv();
+};
+
+class StoreClient {
+ public:
+  static Result<std::unique_ptr<StoreClient>> Create(const StoreOptions& options);
+  ~StoreClient();
+
+  // Registers [addr, addr+length) for zero-copy puts and gets. Overlap is ALREADY_EXISTS.
+  Status RegisterBuffer(void* addr, uint64_t length);
+  // NOT_FOUND unless addr is the start of a registered buffer.
+  Status UnregisterBuffer(void* addr);
+
+  // Stores each key's buffers (concatenated) as one object. A key that already exists (or is
+  // being written by someone else) succeeds without rewriting. Per key: OK, INVALID_ARGUMENT,
+  // NO_SPACE, NOT_REGISTERED (memory not registered), or the transfer error of its replicas.
+  std::vector<Status> BatchPutFrom(std::span<const std::string> keys,
+                                   std::span<const std::vector<BufferRef>> buffers);
+  // Reads each key's object into its buffers, filled in order. Per key: the object's size, or
+  // NOT_FOUND, INVALID_ARGUMENT (buffers smaller than the object), or the error of the last
+  // replica tried. Replicas are tried in order until one returns bytes whose checksum holds.
+  std::vector<Result<uint64_t>> BatchGetInto(std::span<const std::string> keys,
+                                             std::span<const std::vector<BufferRef>> buffers);
+  Result<std::vector<bool>> BatchExists(std::span<const std::string> keys);
+  std::vector<Status> BatchRemove(std::span<const std::string> keys);
+  Status RemoveAll();
+
+  // Convenience forms over unregistered memory (one staging copy each way).
+  Status Put(std::string_view key, std::string_view value);
+  Result<std::string> Get(std::string_view key);
+
+  TransferEngine& engine();
+
+  struct Impl;
+
+ private:
+  explicit StoreClient(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+struct NodeOptions {
+  // The master's gRPC address. KVBRIDGE_MASTER.
+  std::string master_address = "127.0.0.1:50051";
+  // DRAM this node contributes to the pool. KVBRIDGE_NODE_DRAM_BYTES.
+  uint64_t dram_bytes = 1ull << 30;
+  // Storage plugin holding the DRAM pool. KVBRIDGE_NODE_STORAGE_PLUGIN.
+  std::string storage_plugin = "dram";
+  // Where the node's control service (kvbridge.rpc.Node) listens; port 0 picks one.
+  // KVBRIDGE_NODE_RPC_LISTEN.
+  std::string rpc_listen = "127.0.0.1:0";
+  // Deadline of one control-plane call. KVBRIDGE_RPC_TIMEOUT_MS.
+  uint32_t rpc_timeout_ms = 3000;
+  // Upper bound of Drain(). KVBRIDGE_DRAIN_TIMEOUT_MS.
+  uint32_t drain_timeout_ms = 30000;
+  EngineOptions engine;
+  static NodeOptions FromEnv();
+};
+
+// A storage node: a transfer engine whose registered DRAM pool holds replicas, registered with
+// the master, heartbeating on its own thread and gRPC channel (never behind data-plane work),
+// executing the master's re-replication tasks.
+class StorageNode {
+ public:
+  static Result<std::unique_ptr<StorageNode>> Start(const NodeOptions& options);
+  // Stops at once, without draining (what a crash looks like to the cluster, minus the TTL:
+  // the node deregisters if the master is reachable).
+  ~StorageNode();
+  const PeerId& id() const;
+  // Graceful leave: the master stops placing data here and re-replicates every object this
+  // node holds elsewhere; then the node deregisters. Blocks at most drain_timeout_ms;
+  // DEADLINE_EXCEEDED if the master did not confirm in time (the node deregisters anyway).
+  Status Drain();
+  // Objects this node currently holds (its inventory).
+  size_t object_count() const;
+
+  struct Impl;
+
+ private:
+  explicit StorageNode(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+struct MasterOptions {
+  // Where the master's gRPC service listens; port 0 picks one. KVBRIDGE_MASTER_LISTEN.
+  std::string listen = "127.0.0.1:50051";
+  // A node silent this long is dead. KVBRIDGE_NODE_TTL_MS.
+  uint32_t node_ttl_ms = 3000;
+  // Read lease granted by GetReplicas. KVBRIDGE_LEASE_MS.
+  uint32_t lease_ms = 5000;
+  // A put not ended within this is revoked. KVBRIDGE_PUT_TIMEOUT_MS.
+  uint32_t put_timeout_ms = 10000;
+  // Replicas that must succeed for a put to count. KVBRIDGE_MIN_REPLICAS.
+  uint32_t min_replicas = 1;
+  // Eviction starts above high and stops below low (fractions of a segment).
+  // KVBRIDGE_HIGH_WATERMARK, KVBRIDGE_LOW_WATERMARK.
+  double high_watermark = 0.9;
+  double low_watermark = 0.8;
+  // A draining node is let go after this even if not everything moved.
+  // KVBRIDGE_DRAIN_TIMEOUT_MS.
+  uint32_t drain_timeout_ms = 30000;
+  // Deadline of the master's calls to nodes (inventory commits). KVBRIDGE_RPC_TIMEOUT_MS.
+  uint32_t rpc_timeout_ms = 3000;
+  static MasterOptions FromEnv();
+};
+
+// The control plane, as a gRPC server (the `kvbridge master` daemon, or embedded in-process).
+class MasterServer {
+ public:
+  static Result<std::unique_ptr<MasterServer>> Start(const MasterOptions& options);
+  ~MasterServer();
+  // "host:port" with the port actually bound.
+  const std::string& address() const;
+
+  struct Impl;
+
+ private:
+  explicit MasterServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+struct NodeStatus {
+  PeerId id;
+  std::string state;  // ACTIVE, DRAINING, DEAD
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint64_t replicas = 0;
+};
+
+struct ClusterStatus {
+  std::vector<NodeStatus> nodes;
+  uint64_t objects = 0;
+  uint64_t pending_puts = 0;
+  uint64_t stored_bytes = 0;
+};
+
+// Asks a master for its view (what `kvbridge status` prints).
+Result<ClusterStatus> QueryClusterStatus(const std::string& master_address,
+                                         uint32_t timeout_ms = 3000);
+
+}  // namespace kvbridge

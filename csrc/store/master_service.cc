@@ -1,0 +1,465 @@
+// MasterServer: the gRPC shell around MasterState. Handlers translate messages, call the state
+// machine (which never does I/O), and — for the two operations that must reach nodes before
+// answering (put end, finished re-replication) — send the inventory commits with no lock held,
+// in parallel, then finish. A ticker thread drives time (node expiry, revokes, eviction,
+// re-replication, drains).
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "kvbridge.grpc.pb.h"
+#include "kvbridge/store.h"
+#include "store/master_state.h"
+#include "store/rpc_util.h"
+#include "util/clock.h"
+#include "util/logging.h"
+
+namespace kvbridge {
+
+using store::FromProto;
+using store::ToProto;
+
+MasterOptions MasterOptions::FromEnv() {
+  MasterOptions o;
+  if (const char* v = std::getenv("KVBRIDGE_MASTER_LISTEN")) o.listen = v;
+  store::EnvUint("KVBRIDGE_NODE_TTL_MS", &o.node_ttl_ms);
+  store::EnvUint("KVBRIDGE_LEASE_MS", &o.lease_ms);
+  store::EnvUint("KVBRIDGE_PUT_TIMEOUT_MS", &o.put_timeout_ms);
+  store::EnvUint("KVBRIDGE_MIN_REPLICAS", &o.min_replicas);
+  store::EnvUint("KVBRIDGE_DRAIN_TIMEOUT_MS", &o.drain_timeout_ms);
+  store::EnvUint("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
+  for (auto [var, out] : {std::pair{"KVBRIDGE_HIGH_WATERMARK", &o.high_watermark},
+                          std::pair{"KVBRIDGE_LOW_WATERMARK", &o.low_watermark}}) {
+    if (const char* v = std::getenv(var)) {
+      char* end = nullptr;
+      double d = std::strtod(v, &end);
+      if (end != v && *end == '\0') {
+        *out = d;
+      } else {
+        KVB_LOG(WARN) << "ignoring " << var << "='" << v << "': not a number";
+      }
+    }
+  }
+  return o;
+}
+
+namespace {
+
+store::NodeIdentity FromProto(const rpc::NodeIdentity& id) {
+  return store::NodeIdentity{id.node_id(), id.incarnation()};
+}
+
+void ToProto(const store::NodeIdentity& id, rpc::NodeIdentity* out) {
+  out->set_node_id(id.node_id);
+  out->set_incarnation(id.incarnation);
+}
+
+void ToProto(const store::ReplicaLocation& r, rpc::ReplicaLocation* out) {
+  ToProto(r.node, out->mutable_node());
+  out->set_segment_id(r.segment_id);
+  out->set_offset(r.offset);
+  out->set_length(r.length);
+  out->set_tier(static_cast<uint32_t>(r.tier));
+}
+
+store::InventoryRecord FromProto(const rpc::InventoryRecord& r) {
+  store::InventoryRecord out;
+  out.key = r.key();
+  out.version = r.version();
+  out.sizes.assign(r.sizes().begin(), r.sizes().end());
+  out.checksum = r.checksum();
+  out.segment_id = r.segment_id();
+  out.offset = r.offset();
+  out.replica_num = r.replica_num();
+  out.replica_id = r.replica_id();
+  return out;
+}
+
+void ToProto(const store::InventoryRecord& r, rpc::InventoryRecord* out) {
+  out->set_key(r.key);
+  out->set_version(r.version);
+  for (uint64_t s : r.sizes) out->add_sizes(s);
+  out->set_checksum(r.checksum);
+  out->set_segment_id(r.segment_id);
+  out->set_offset(r.offset);
+  out->set_replica_num(r.replica_num);
+  out->set_replica_id(r.replica_id);
+}
+
+grpc::Status Done(const Status& st, rpc::Status* reply) {
+  ToProto(st, reply);
+  return grpc::Status::OK;
+}
+
+}  // namespace
+
+struct MasterServer::Impl final : public rpc::Master::Service {
+  MasterOptions options;
+  std::unique_ptr<store::MasterState> state;
+  std::unique_ptr<grpc::Server> server;
+  std::string address;
+
+  std::mutex stubs_mu;
+  std::unordered_map<std::string, std::unique_ptr<rpc::Node::Stub>> node_stubs;
+
+  std::mutex tick_mu;
+  std::condition_variable tick_cv;
+  bool stopping = false;
+  std::thread ticker;
+
+  ~Impl() override {
+    {
+      std::lock_guard<std::mutex> lock(tick_mu);
+      stopping = true;
+    }
+    tick_cv.notify_all();
+    if (ticker.joinable()) ticker.join();
+    if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  }
+
+  rpc::Node::Stub* NodeStub(const std::string& endpoint) {
+    std::lock_guard<std::mutex> lock(stubs_mu);
+    auto& stub = node_stubs[endpoint];
+    if (!stub) {
+      stub = rpc::Node::NewStub(grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()));
+    }
+    return stub.get();
+  }
+
+  // Sends every commit of a plan in parallel and records which nodes acknowledged.
+  void SendCommits(std::vector<store::NodeCommit>* commits) {
+    if (commits->empty()) return;
+    struct Call {
+      grpc::ClientContext ctx;
+      rpc::CommitRequest req;
+      rpc::Status reply;
+    };
+    std::vector<std::unique_ptr<Call>> calls;
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t outstanding = commits->size();
+    for (size_t i = 0; i < commits->size(); ++i) {
+      store::NodeCommit& c = (*commits)[i];
+      auto call = std::make_unique<Call>();
+      call->ctx.set_deadline(std::chrono::system_clock::now() +
+                             std::chrono::milliseconds(options.rpc_timeout_ms));
+      ToProto(c.node, call->req.mutable_node());
+      for (const auto& r : c.records) ToProto(r, call->req.add_records());
+      Call* raw = call.get();
+      calls.push_back(std::move(call));
+      NodeStub(c.control_endpoint)
+          ->async()
+          ->Commit(&raw->ctx, &raw->req, &raw->reply, [&, raw, i](grpc::Status gs) {
+            const bool ok = gs.ok() && raw->reply.code() == KVB_OK;
+            if (!ok) {
+              KVB_LOG(WARN) << "inventory commit to " << store::ToString((*commits)[i].node)
+                            << " failed: "
+                            << (gs.ok() ? FromProto(raw->reply).ToString() : gs.error_message());
+            }
+            std::lock_guard<std::mutex> lock(mu);
+            (*commits)[i].ok = ok;
+            if (--outstanding == 0) cv.notify_all();
+          });
+    }
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return outstanding == 0; });
+  }
+
+  void TickLoop() {
+    const uint64_t period_ms =
+        std::max<uint64_t>(20, std::min<uint64_t>(200, options.node_ttl_ms / 6));
+    std::unique_lock<std::mutex> lock(tick_mu);
+    while (!stopping) {
+      tick_cv.wait_for(lock, std::chrono::milliseconds(period_ms), [&] { return stopping; });
+      if (stopping) break;
+      lock.unlock();
+      store::TickSummary s = state->Tick(util::MonoNs());
+      if (s.nodes_expired) KVB_LOG(WARN) << s.nodes_expired << " node(s) expired (silent past TTL)";
+      if (s.tasks_created) KVB_LOG(INFO) << s.tasks_created << " re-replication task(s) scheduled";
+      lock.lock();
+    }
+  }
+
+  // --- node-facing ---
+  grpc::Status RegisterNode(grpc::ServerContext*, const rpc::RegisterNodeRequest* req,
+                            rpc::RegisterNodeReply* reply) override {
+    store::NodeRegistration reg;
+    reg.identity = FromProto(req->node());
+    reg.engine_descriptor = req->engine_descriptor();
+    reg.control_endpoint = req->rpc_address();
+    reg.draining = req->draining();
+    for (const auto& s : req->segments()) {
+      reg.segments.push_back(store::SegmentInfo{
+          s.segment_id(), s.capacity(), s.tier() == 2 ? store::Tier::kSsd : store::Tier::kDram});
+    }
+    std::vector<store::InventoryRecord> inventory;
+    inventory.reserve(req->inventory_size());
+    for (const auto& r : req->inventory()) inventory.push_back(FromProto(r));
+    auto r = state->RegisterNode(reg, inventory, util::MonoNs());
+    if (!r.ok() && !r.status().Is(StatusCode::kAlreadyExists)) {
+      ToProto(r.status(), reply->mutable_status());
+      return grpc::Status::OK;
+    }
+    ToProto(Status::OK(), reply->mutable_status());
+    reply->set_heartbeat_interval_ms(
+        static_cast<uint32_t>(r.ok() ? r->heartbeat_interval_ms : options.node_ttl_ms / 3));
+    if (r.ok()) {
+      for (const auto& f : r->frees) ToProto(f, reply->add_frees());
+      KVB_LOG(INFO) << "node " << store::ToString(reg.identity) << " registered ("
+                    << r->records_accepted << " inventory records accepted, " << r->frees.size()
+                    << " dropped)";
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Heartbeat(grpc::ServerContext*, const rpc::HeartbeatRequest* req,
+                         rpc::HeartbeatReply* reply) override {
+    auto r = state->Heartbeat(FromProto(req->node()), util::MonoNs());
+    ToProto(r.ok() ? Status::OK() : r.status(), reply->mutable_status());
+    if (!r.ok()) return grpc::Status::OK;
+    for (const auto& f : r->frees) ToProto(f, reply->add_frees());
+    const uint64_t now = util::MonoNs();
+    for (const auto& t : r->tasks) {
+      auto* out = reply->add_tasks();
+      out->set_task_id(t.task_id);
+      out->set_key(t.key);
+      out->set_version(t.version);
+      ToProto(t.source, out->mutable_source());
+      ToProto(t.dest, out->mutable_dest());
+      out->set_dest_descriptor(t.dest_descriptor);
+      out->set_checksum(t.checksum);
+      out->set_timeout_ms(
+          static_cast<uint32_t>(t.deadline_ns > now ? (t.deadline_ns - now) / 1000000 : 0));
+    }
+    reply->set_drained(r->drained);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status TaskDone(grpc::ServerContext*, const rpc::TaskDoneRequest* req,
+                        rpc::Status* reply) override {
+    const bool ok = req->status().code() == KVB_OK;
+    if (!ok) {
+      KVB_LOG(WARN) << "re-replication task " << req->task_id() << " failed on "
+                    << req->node().node_id() << ": " << FromProto(req->status()).ToString();
+    }
+    auto plan = state->TaskDone(req->task_id(), FromProto(req->node()), ok, util::MonoNs());
+    if (!plan.ok()) return Done(plan.status(), reply);
+    if (plan->commits.empty()) return Done(Status::OK(), reply);
+    SendCommits(&plan->commits);
+    return Done(state->FinishTask(plan.value(), util::MonoNs()), reply);
+  }
+
+  grpc::Status Drain(grpc::ServerContext*, const rpc::NodeIdentity* req,
+                     rpc::Status* reply) override {
+    KVB_LOG(INFO) << "node " << req->node_id() << " asked to drain";
+    return Done(state->StartDrain(FromProto(*req), util::MonoNs()), reply);
+  }
+
+  grpc::Status Deregister(grpc::ServerContext*, const rpc::NodeIdentity* req,
+                          rpc::Status* reply) override {
+    return Done(state->Deregister(FromProto(*req), util::MonoNs()), reply);
+  }
+
+  // --- client-facing ---
+  grpc::Status PutStart(grpc::ServerContext*, const rpc::PutStartRequest* req,
+                        rpc::PutStartReply* reply) override {
+    std::vector<store::PutItem> items(req->keys_size());
+    for (int i = 0; i < req->keys_size(); ++i) {
+      items[i].key = req->keys(i);
+      if (i < req->sizes_size()) {
+        items[i].sizes.assign(req->sizes(i).sizes().begin(), req->sizes(i).sizes().end());
+      }
+    }
+    store::PutOptions po;
+    po.replica_num = req->replica_num();
+    po.client_node_id = req->client_node_id();
+    auto results = state->PutStart(items, po, util::MonoNs());
+    for (auto& r : results) {
+      auto* item = reply->add_items();
+      if (!r.ok()) {
+        ToProto(r.status(), item->mutable_status());
+        continue;
+      }
+      ToProto(Status::OK(), item->mutable_status());
+      item->set_version(r->version);
+      for (const auto& loc : r->replicas) ToProto(loc, item->add_replicas());
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status PutEnd(grpc::ServerContext*, const rpc::PutEndRequest* req,
+                      rpc::KeyStatusReply* reply) override {
+    std::vector<store::PutEndItem> items(req->items_size());
+    for (int i = 0; i < req->items_size(); ++i) {
+      const auto& in = req->items(i);
+      items[i].key = in.key();
+      items[i].version = in.version();
+      items[i].replica_ok.assign(in.replica_ok().begin(), in.replica_ok().end());
+      items[i].checksum = in.checksum();
+    }
+    store::PutEndPlan plan = state->BeginPutEnd(items, util::MonoNs());
+    SendCommits(&plan.commits);
+    for (const Status& st : state->FinishPutEnd(plan, util::MonoNs())) {
+      ToProto(st, reply->add_statuses());
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status PutRevoke(grpc::ServerContext*, const rpc::PutRevokeRequest* req,
+                         rpc::KeyStatusReply* reply) override {
+    std::vector<store::KeyVersion> items;
+    for (const auto& kv : req->items()) items.push_back({kv.key(), kv.version()});
+    for (const Status& st : state->PutRevoke(items, util::MonoNs())) {
+      ToProto(st, reply->add_statuses());
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetReplicas(grpc::ServerContext*, const rpc::GetReplicasRequest* req,
+                           rpc::GetReplicasReply* reply) override {
+    std::vector<std::string> keys(req->keys().begin(), req->keys().end());
+    const uint64_t now = util::MonoNs();
+    for (auto& r : state->GetReplicas(keys, req->client_node_id(), now)) {
+      auto* item = reply->add_items();
+      if (!r.ok()) {
+        ToProto(r.status(), item->mutable_status());
+        continue;
+      }
+      ToProto(Status::OK(), item->mutable_status());
+      item->set_version(r->version);
+      for (uint64_t s : r->sizes) item->add_sizes(s);
+      item->set_checksum(r->checksum);
+      for (const auto& loc : r->replicas) ToProto(loc, item->add_replicas());
+      item->set_lease_ms(static_cast<uint32_t>(
+          r->lease_expiry_ns > now ? (r->lease_expiry_ns - now) / 1000000 : 0));
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Exists(grpc::ServerContext*, const rpc::KeysRequest* req,
+                      rpc::ExistsReply* reply) override {
+    std::vector<std::string> keys(req->keys().begin(), req->keys().end());
+    for (bool e : state->Exists(keys)) reply->add_exists(e);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Remove(grpc::ServerContext*, const rpc::KeysRequest* req,
+                      rpc::KeyStatusReply* reply) override {
+    const uint64_t now = util::MonoNs();
+    for (const auto& k : req->keys()) ToProto(state->Remove(k, now), reply->add_statuses());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status RemoveAll(grpc::ServerContext*, const rpc::Empty*, rpc::Status* reply) override {
+    const size_t n = state->RemoveAll(util::MonoNs());
+    KVB_LOG(INFO) << "RemoveAll removed " << n << " objects";
+    return Done(Status::OK(), reply);
+  }
+
+  grpc::Status ReportBadReplica(grpc::ServerContext*, const rpc::BadReplicaRequest* req,
+                                rpc::Status* reply) override {
+    return Done(
+        state->ReportBadReplica(req->key(), req->version(), FromProto(req->node()), util::MonoNs()),
+        reply);
+  }
+
+  grpc::Status GetNodeDescriptors(grpc::ServerContext*, const rpc::NodeDescriptorsRequest* req,
+                                  rpc::NodeDescriptorsReply* reply) override {
+    std::vector<std::string> ids(req->node_ids().begin(), req->node_ids().end());
+    store::NodeDirectory dir = state->GetNodeDirectory(ids);
+    reply->set_directory_version(dir.directory_version);
+    for (const auto& n : dir.nodes) {
+      auto* out = reply->add_nodes();
+      ToProto(n.identity, out->mutable_node());
+      out->set_engine_descriptor(n.engine_descriptor);
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Stats(grpc::ServerContext*, const rpc::Empty*, rpc::StatsReply* reply) override {
+    store::MasterStats s = state->Stats();
+    for (const auto& n : s.nodes) {
+      auto* out = reply->add_nodes();
+      ToProto(n.identity, out->mutable_node());
+      out->set_state(store::NodeStateName(n.state));
+      out->set_capacity(n.capacity);
+      out->set_used(n.used);
+      out->set_replicas(n.replicas);
+    }
+    reply->set_objects(s.objects);
+    reply->set_pending(s.pending);
+    reply->set_bytes(s.bytes);
+    return grpc::Status::OK;
+  }
+};
+
+MasterServer::MasterServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+MasterServer::~MasterServer() = default;
+
+const std::string& MasterServer::address() const { return impl_->address; }
+
+Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& options) {
+  store::MasterConfig cfg;
+  cfg.node_ttl_ms = options.node_ttl_ms;
+  cfg.lease_ms = options.lease_ms;
+  cfg.put_timeout_ms = options.put_timeout_ms;
+  cfg.min_replicas = options.min_replicas;
+  cfg.high_watermark = options.high_watermark;
+  cfg.low_watermark = options.low_watermark;
+  cfg.drain_timeout_ms = options.drain_timeout_ms;
+  // Versions start at wall-clock microseconds, so a put that no node recorded before a master
+  // restart can never see its version handed out again by the new master.
+  cfg.first_version = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                                std::chrono::system_clock::now().time_since_epoch())
+                                                .count());
+  auto state = store::MasterState::Create(cfg);
+  if (!state.ok()) return state.status().WithContext("master configuration");
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->state = std::move(state).value();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(impl.get());
+  impl->server = builder.BuildAndStart();
+  if (!impl->server || port == 0) {
+    return Status::Unavailable("master cannot listen on " + options.listen +
+                               " (address in use or malformed?)");
+  }
+  impl->address = options.listen.substr(0, options.listen.rfind(':')) + ":" + std::to_string(port);
+  Impl* raw = impl.get();
+  impl->ticker = std::thread([raw] { raw->TickLoop(); });
+  return std::unique_ptr<MasterServer>(new MasterServer(std::move(impl)));
+}
+
+Result<ClusterStatus> QueryClusterStatus(const std::string& master_address, uint32_t timeout_ms) {
+  auto stub =
+      rpc::Master::NewStub(grpc::CreateChannel(master_address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+  rpc::Empty req;
+  rpc::StatsReply reply;
+  grpc::Status gs = stub->Stats(&ctx, req, &reply);
+  if (!gs.ok()) return store::FromGrpc(gs, "Stats");
+  ClusterStatus out;
+  for (const auto& n : reply.nodes()) {
+    NodeStatus ns;
+    ns.id = PeerId{n.node().node_id(), n.node().incarnation()};
+    ns.state = n.state();
+    ns.capacity_bytes = n.capacity();
+    ns.used_bytes = n.used();
+    ns.replicas = n.replicas();
+    out.nodes.push_back(std::move(ns));
+  }
+  out.objects = reply.objects();
+  out.pending_puts = reply.pending();
+  out.stored_bytes = reply.bytes();
+  return out;
+}
+
+}  // namespace kvbridge

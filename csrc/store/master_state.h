@@ -1,0 +1,448 @@
+// MasterState: the master's state machine — membership, placement, the object table, read
+// leases, eviction, re-replication and drain — with no network, no threads and no clock of its
+// own. Every method takes `now_ns` (util::MonoNs() in production, anything in tests) and does
+// no I/O; the gRPC service (MasterServer) is a thin shell around it. Callers read the clock just
+// before each call; small reorderings of now_ns between threads are tolerated.
+//
+// Where the master must talk to nodes before it may answer (committing inventory records after
+// a put or a re-replication), the operation is split in two: Begin... returns a plan naming the
+// records to send to each node; the caller sends them without holding any lock, marks each
+// NodeCommit ok or not, and calls Finish... with the plan. Everything that may change in between
+// (a revoke, a put timeout, a node death, a newer version) is checked again in Finish.
+//
+// Commands to nodes (inventory records to drop, replication tasks) are queued per node and
+// handed out in Heartbeat replies. Delivery is at most once: a lost reply loses its frees (the
+// stale records are resolved at the next registration, newest version wins) and its tasks
+// (they time out after task_timeout_ms and are rescheduled).
+//
+// Thread-safety: every method may be called concurrently; one internal mutex, never held
+// across anything but in-memory work.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvbridge/status.h"
+
+namespace kvbridge::store {
+
+enum class Tier : uint8_t { kDram = 1, kSsd = 2 };
+enum class NodeState : uint8_t { kActive, kDraining, kDead };
+enum class ObjectState : uint8_t {
+  kPending,     // allocated by PutStart, being written by the client
+  kCommitting,  // between BeginPutEnd and FinishPutEnd
+  kComplete,    // readable
+};
+enum class ReplicaState : uint8_t {
+  kWriting,     // a put's replica, being written by the client
+  kCopying,     // a replication task's destination, being written by the source node
+  kCommitting,  // written; its inventory record is being committed to its node
+  kComplete,    // readable
+};
+const char* NodeStateName(NodeState s);  // "ACTIVE", "DRAINING", "DEAD"
+
+struct NodeIdentity {
+  std::string node_id;
+  uint64_t incarnation = 0;
+  bool operator==(const NodeIdentity&) const = default;
+};
+std::string ToString(const NodeIdentity& id);  // "<node_id>#<incarnation hex>"
+
+struct SegmentInfo {
+  uint64_t segment_id = 0;  // unique within its node
+  uint64_t capacity = 0;    // bytes, > 0
+  Tier tier = Tier::kDram;  // puts are placed in DRAM segments only
+};
+
+struct NodeRegistration {
+  NodeIdentity identity;
+  std::string engine_descriptor;  // opaque: the node's transfer-engine descriptor
+  std::string control_endpoint;   // opaque: where its kvbridge.rpc.Node service listens
+  std::vector<SegmentInfo> segments;
+  // The node is leaving (it asked to drain, then the master restarted): it registers DRAINING.
+  bool draining = false;
+};
+
+struct ReplicaLocation {
+  NodeIdentity node;
+  uint64_t segment_id = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;  // the object's bytes (sum of its buffer sizes)
+  Tier tier = Tier::kDram;
+  bool operator==(const ReplicaLocation&) const = default;
+};
+
+// What a node keeps per replica it holds, and what the master sends it to commit or to drop.
+// A node drops a record on a free only when its replica_id matches (the range may meanwhile
+// hold a newer replica whose commit overtook the free).
+struct InventoryRecord {
+  std::string key;
+  uint64_t version = 0;
+  std::vector<uint64_t> sizes;
+  uint32_t checksum = 0;  // CRC-32C of the concatenated buffers
+  uint64_t segment_id = 0;
+  uint64_t offset = 0;
+  uint32_t replica_num = 0;  // the object's target replica count; 0 = unknown (taken as 1)
+  // Master-assigned, unique per allocation and increasing (also across master restarts): of
+  // two overlapping records the higher replica_id is the later allocation, the one whose bytes
+  // the range holds. A record without one (0) is malformed.
+  uint64_t replica_id = 0;
+  bool operator==(const InventoryRecord&) const = default;
+};
+
+struct MasterConfig {
+  // --- Membership ---
+  // A node silent this long is DEAD. Nodes should heartbeat every node_ttl_ms / 3.
+  uint64_t node_ttl_ms = 3000;
+  // A DRAINING node is reported drained after this even if not everything moved.
+  uint64_t drain_timeout_ms = 30000;
+
+  // --- Objects ---
+  // Read lease granted by GetReplicas; space under a live lease is never freed or reused.
+  uint64_t lease_ms = 5000;
+  // A put not ended within this is revoked; clients must bound their writes by it. The same
+  // bound applies to the commit phase of a put end.
+  uint64_t put_timeout_ms = 10000;
+  // Replicas that must be written and committed for a put to complete.
+  // REQUIRES: 1 <= min_replicas <= max_replicas.
+  uint32_t min_replicas = 1;
+  // Largest replica_num a put may ask for.
+  uint32_t max_replicas = 8;
+  size_t max_key_bytes = 4096;
+  size_t max_buffers = 16;                 // per object
+  uint64_t max_object_bytes = 1ull << 30;  // sum of an object's buffer sizes
+  // Every allocation is rounded up to this. REQUIRES: a power of two.
+  uint64_t alignment = 64;
+
+  // --- Eviction ---
+  // A segment used above high_watermark of its capacity is evicted down to low_watermark.
+  // REQUIRES: 0 < low_watermark <= high_watermark <= 1.
+  double high_watermark = 0.9;
+  double low_watermark = 0.8;
+  // Objects sampled per eviction choice (approximate LRU).
+  uint32_t eviction_sample_size = 16;
+  // Most objects one put key may evict to make room for itself.
+  uint32_t max_evictions_per_put = 64;
+
+  // --- Re-replication ---
+  // A handed-out task not reported done within this fails (and is rescheduled); also the bound
+  // of its commit phase. Source nodes must bound their writes by it.
+  uint64_t task_timeout_ms = 10000;
+  // After a failed task, or when no destination is available, retry the object after this.
+  uint64_t repair_backoff_ms = 1000;
+  // Replication tasks in flight per source node.
+  uint32_t max_tasks_per_node = 64;
+
+  // --- Replica ordering ---
+  // Half-life of the per-node read and bad-replica counters used to order replicas.
+  uint64_t health_half_life_ms = 10000;
+
+  // The first version handed out; inventories move it up. A master that starts it at the
+  // wall clock in microseconds keeps versions increasing across restarts even for puts that no
+  // node recorded (a stale put end then cannot match a new put's version).
+  uint64_t first_version = 1;
+
+  // Seed of the eviction sampler; 0 = random.
+  uint64_t random_seed = 0;
+
+  Status Validate() const;
+};
+
+struct RegisterReply {
+  std::vector<InventoryRecord> frees;  // inventory records the node must drop
+  size_t records_accepted = 0;
+  uint64_t heartbeat_interval_ms = 0;  // node_ttl_ms / 3
+};
+
+struct ReplicationTask {
+  uint64_t task_id = 0;
+  std::string key;
+  uint64_t version = 0;
+  uint32_t checksum = 0;
+  ReplicaLocation source;  // on the node this task is handed to
+  ReplicaLocation dest;
+  std::string dest_descriptor;  // the destination node's engine descriptor
+  uint64_t deadline_ns = 0;     // report TaskDone before this
+};
+
+struct NodeCommands {
+  std::vector<InventoryRecord> frees;  // records to drop (and their space to forget)
+  std::vector<ReplicationTask> tasks;  // copy source -> dest, then TaskDone
+  bool drained = false;                // a DRAINING node may now deregister and exit
+};
+
+struct PutItem {
+  std::string key;
+  std::vector<uint64_t> sizes;  // one per buffer
+};
+
+struct PutOptions {
+  uint32_t replica_num = 1;
+  // Pinned objects are never evicted (Remove still removes them).
+  bool pinned = false;
+  // When it names an ACTIVE node with room, one replica goes there (local writes are cheapest).
+  std::string client_node_id;
+};
+
+struct PutAllocation {
+  uint64_t version = 0;
+  std::vector<ReplicaLocation> replicas;  // write all; report each in PutEndItem.replica_ok
+  uint64_t deadline_ns = 0;               // the put is revoked if not ended by then
+};
+
+struct PutEndItem {
+  std::string key;
+  uint64_t version = 0;
+  std::vector<bool> replica_ok;  // one per PutAllocation.replicas, same order
+  uint32_t checksum = 0;         // CRC-32C of the concatenated buffers
+};
+
+struct KeyVersion {
+  std::string key;
+  uint64_t version = 0;
+};
+
+// Records to commit to one node. The caller sends them (kvbridge.rpc.Node.Commit, addressed to
+// exactly this incarnation) and sets `ok` to whether the node acknowledged.
+struct NodeCommit {
+  NodeIdentity node;
+  std::string control_endpoint;
+  std::vector<InventoryRecord> records;
+  bool ok = false;
+};
+
+struct PutEndPlan {
+  std::vector<KeyVersion> items;  // one per PutEndItem, in order
+  std::vector<Status> early;      // per item; non-OK is already final
+  std::vector<NodeCommit> commits;
+};
+
+struct TaskCommitPlan {
+  uint64_t task_id = 0;
+  std::vector<NodeCommit> commits;  // empty: nothing to commit, no FinishTask needed
+};
+
+struct ReplicaSet {
+  uint64_t version = 0;
+  std::vector<uint64_t> sizes;
+  uint32_t checksum = 0;
+  // COMPLETE replicas: the client's own node first, then ACTIVE before DRAINING, fewer recent
+  // bad-replica reports, fewer recent reads handed out.
+  std::vector<ReplicaLocation> replicas;
+  uint64_t lease_expiry_ns = 0;
+};
+
+struct SegmentStats {
+  uint64_t segment_id = 0;
+  Tier tier = Tier::kDram;
+  uint64_t capacity = 0;
+  uint64_t used = 0;  // allocated bytes, including held ranges
+  size_t replicas = 0;
+};
+
+struct NodeStats {
+  NodeIdentity identity;
+  NodeState state = NodeState::kActive;
+  bool drained = false;
+  uint64_t capacity = 0;
+  uint64_t used = 0;
+  size_t replicas = 0;
+  uint64_t last_heartbeat_ns = 0;  // for a DEAD node: when it was declared dead
+  std::vector<SegmentStats> segments;
+};
+
+struct MasterStats {
+  std::vector<NodeStats> nodes;  // registered nodes, then the most recent dead ones
+  size_t objects = 0;            // COMPLETE
+  size_t pending = 0;            // PENDING or COMMITTING
+  uint64_t bytes = 0;            // logical bytes of COMPLETE objects
+  uint64_t replica_bytes = 0;    // bytes of all their COMPLETE replicas
+  uint64_t held_bytes = 0;       // space of dropped replicas waiting for a lease or a writer
+  size_t tasks_in_flight = 0;
+  size_t under_replicated = 0;  // objects queued for re-replication
+  uint64_t next_version = 0;
+  uint64_t directory_version = 0;  // bumped on every membership change
+  uint64_t evictions_total = 0;
+  uint64_t revokes_total = 0;
+  uint64_t nodes_expired_total = 0;
+};
+
+struct NodeDirectoryEntry {
+  NodeIdentity identity;
+  NodeState state = NodeState::kActive;
+  std::string engine_descriptor;
+  std::string control_endpoint;
+};
+
+struct NodeDirectory {
+  uint64_t directory_version = 0;
+  std::vector<NodeDirectoryEntry> nodes;
+};
+
+struct TickSummary {
+  size_t nodes_expired = 0;
+  size_t puts_revoked = 0;
+  size_t tasks_timed_out = 0;
+  size_t tasks_created = 0;
+  size_t ranges_released = 0;
+  size_t objects_evicted = 0;
+  size_t drains_finished = 0;
+};
+
+// A full copy of the table, for tests, debugging and invariant checks. O(objects).
+struct MasterSnapshot {
+  struct Replica {
+    ReplicaLocation location;
+    ReplicaState state = ReplicaState::kComplete;
+    uint64_t task_id = 0;  // nonzero for a task's destination
+    uint64_t replica_id = 0;
+  };
+  struct Object {
+    std::string key;
+    uint64_t version = 0;
+    ObjectState state = ObjectState::kPending;
+    std::vector<uint64_t> sizes;
+    uint32_t checksum = 0;
+    uint32_t target_replicas = 0;
+    bool pinned = false;
+    uint64_t lease_expiry_ns = 0;
+    std::vector<Replica> replicas;
+  };
+  struct HeldRange {
+    ReplicaLocation location;
+    uint64_t release_at_ns = 0;
+  };
+  struct Segment {
+    NodeIdentity node;
+    NodeState state = NodeState::kActive;
+    uint64_t segment_id = 0;
+    uint64_t capacity = 0;
+    uint64_t used = 0;
+    size_t allocations = 0;
+  };
+  struct Task {
+    uint64_t task_id = 0;
+    std::string key;
+    uint64_t version = 0;
+    NodeIdentity source;
+    NodeIdentity dest;
+    bool issued = false;
+  };
+  std::vector<Object> objects;  // sorted by key
+  std::vector<HeldRange> held;
+  std::vector<Segment> segments;
+  std::vector<Task> tasks;
+  uint64_t alignment = 0;
+};
+
+class MasterState {
+ public:
+  // INVALID_ARGUMENT naming the field if the config is inconsistent.
+  static Result<std::unique_ptr<MasterState>> Create(const MasterConfig& config);
+  ~MasterState();
+  MasterState(const MasterState&) = delete;
+  MasterState& operator=(const MasterState&) = delete;
+
+  const MasterConfig& config() const;
+
+  // --- Membership ---
+
+  // Registers a node with the records it holds (empty for a fresh node; its whole inventory
+  // after the master restarted or declared it dead). A node id held by another incarnation is
+  // taken over: the old incarnation is dropped as if dead. A record comes back in `frees` when
+  // it is malformed, names an unknown segment or runs past it, overlaps a later allocation
+  // (higher replica_id), is older than another version of its key (on this node or in the
+  // table), or is surplus to its object's replica count. A newer version replaces the table's
+  // object. Versions and replica ids handed out later exceed every one seen.
+  // INVALID_ARGUMENT (bad registration), ALREADY_EXISTS (this incarnation is registered
+  // already: nothing changes, treat as success).
+  Result<RegisterReply> RegisterNode(const NodeRegistration& registration,
+                                     const std::vector<InventoryRecord>& inventory,
+                                     uint64_t now_ns);
+  // NOT_FOUND: unknown (register again, with the inventory); STALE_PEER: another incarnation
+  // holds that id (stop serving). Otherwise the commands queued for the node.
+  Result<NodeCommands> Heartbeat(const NodeIdentity& node, uint64_t now_ns);
+  // No new allocations on the node; everything on it is re-replicated elsewhere (with it as the
+  // source); Heartbeat says drained when nothing is left or drain_timeout_ms has passed.
+  // Idempotent. NOT_FOUND / STALE_PEER as Heartbeat.
+  Status StartDrain(const NodeIdentity& node, uint64_t now_ns);
+  // Drops the node at once, as a death without the TTL wait. NOT_FOUND / STALE_PEER.
+  Status Deregister(const NodeIdentity& node, uint64_t now_ns);
+  // Live nodes named (all when empty), for clients resolving ReplicaLocation.node.
+  NodeDirectory GetNodeDirectory(const std::vector<std::string>& node_ids) const;
+
+  // --- Objects ---
+
+  // Per item: INVALID_ARGUMENT (what is wrong), ALREADY_EXISTS (the key is complete or being
+  // written: the caller writes nothing and treats it as success), NO_SPACE (not enough ACTIVE
+  // nodes with room, even after eviction; nothing stays allocated), or the allocation.
+  std::vector<Result<PutAllocation>> PutStart(const std::vector<PutItem>& items,
+                                              const PutOptions& options, uint64_t now_ns);
+  // Phase one of put end. Failed replicas are freed at once; a put left with fewer than
+  // min_replicas written is revoked (UNAVAILABLE). Per item an early status: INVALID_ARGUMENT,
+  // NOT_FOUND (absent, revoked, or another version), ALREADY_EXISTS (already complete),
+  // UNAVAILABLE (another put end is in flight, or revoked here); OK = awaiting FinishPutEnd.
+  PutEndPlan BeginPutEnd(const std::vector<PutEndItem>& items, uint64_t now_ns);
+  // Phase two, after the caller sent plan.commits and set their `ok`. Per item, in order: OK
+  // (COMPLETE: at least min_replicas replicas written and committed; the others freed), the
+  // early status, UNAVAILABLE (too few replicas committed: revoked, key absent), or NOT_FOUND
+  // (revoked in between: put timeout, node death or a newer version).
+  std::vector<Status> FinishPutEnd(const PutEndPlan& plan, uint64_t now_ns);
+  // Revokes PENDING puts: all space freed, key absent. Per item OK, INVALID_ARGUMENT,
+  // NOT_FOUND (absent or another version), ALREADY_EXISTS (complete: use Remove), UNAVAILABLE
+  // (its put end is in flight).
+  std::vector<Status> PutRevoke(const std::vector<KeyVersion>& items, uint64_t now_ns);
+  // Per key: INVALID_ARGUMENT, NOT_FOUND (absent or not complete), or the replicas under a read
+  // lease of lease_ms from now. Counts as an access for eviction.
+  std::vector<Result<ReplicaSet>> GetReplicas(const std::vector<std::string>& keys,
+                                              std::string_view client_node_id, uint64_t now_ns);
+  // True for COMPLETE keys only.
+  std::vector<bool> Exists(const std::vector<std::string>& keys) const;
+  // Removes a COMPLETE object from the namespace at once; its space is freed when its lease
+  // expires. INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE (a put is in progress).
+  Status Remove(std::string_view key, uint64_t now_ns);
+  // Removes every COMPLETE object; returns how many.
+  size_t RemoveAll(uint64_t now_ns);
+  // A reader could not read (or verify) this replica: it is dropped, and the object is
+  // re-replicated if now under its target (removed if it was the last replica). NOT_FOUND if
+  // the object, version or replica is not there (already handled).
+  Status ReportBadReplica(std::string_view key, uint64_t version, const NodeIdentity& node,
+                          uint64_t now_ns);
+
+  // --- Re-replication ---
+
+  // The source node reports a task. ok = false: the destination is freed and the object
+  // retried later elsewhere; the plan has no commits. ok = true: the plan holds the record to
+  // commit to the destination node; then call FinishTask. NOT_FOUND (unknown or cancelled
+  // task), STALE_PEER (reported by another incarnation than its source), UNAVAILABLE (already
+  // reported).
+  Result<TaskCommitPlan> TaskDone(uint64_t task_id, const NodeIdentity& source, bool ok,
+                                  uint64_t now_ns);
+  // OK: the destination replica is COMPLETE. NOT_FOUND: the task was cancelled in between;
+  // UNAVAILABLE: the commit failed (the object is retried later).
+  Status FinishTask(const TaskCommitPlan& plan, uint64_t now_ns);
+
+  // --- Time ---
+
+  // Expires silent nodes, revokes overdue puts, times out tasks, releases held space whose
+  // lease or writer deadline passed, evicts segments above the high watermark, schedules
+  // re-replication and finishes drains. Call every few hundred milliseconds.
+  TickSummary Tick(uint64_t now_ns);
+
+  // --- Inspection ---
+  MasterStats Stats() const;
+  MasterSnapshot Snapshot() const;
+  // Cross-checks every internal index (allocators against replicas and held ranges, replica
+  // counts, tasks). INTERNAL naming the first inconsistency. O(objects); for tests.
+  Status CheckInvariants() const;
+
+ private:
+  struct Impl;
+  explicit MasterState(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvbridge::store

@@ -1,0 +1,30 @@
+// Glue between kvbridge types and the generated control-plane messages (csrc/rpc). Internal to
+// the store; only .cc files of csrc/store include it.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <string_view>
+
+#include "kvbridge.pb.h"
+#include "kvbridge/status.h"
+
+namespace kvbridge::store {
+
+inline Status FromProto(const rpc::Status& s) { return Status::FromAbi(s.code(), s.message()); }
+
+inline void ToProto(const Status& s, rpc::Status* out) {
+  out->set_code(static_cast<int32_t>(s.code()));
+  out->set_message(s.message());
+}
+
+// A failed gRPC call as a kvbridge Status naming the call. An OK grpc status with a malformed
+// reply (wrong number of entries) is a PROTOCOL error.
+Status FromGrpc(const grpc::Status& s, std::string_view call);
+
+// Reads an unsigned 32-bit environment variable; ignores (with a warning) malformed values.
+void EnvUint(const char* var, uint32_t* out);
+void EnvUint64(const char* var, uint64_t* out);
+
+}  // namespace kvbridge::store

@@ -1,0 +1,431 @@
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <set>
+#include <unordered_map>
+
+#include "kvbridge.grpc.pb.h"
+#include "kvbridge/store.h"
+#include "store/rpc_util.h"
+#include "util/checksum.h"
+#include "util/logging.h"
+
+namespace kvbridge {
+
+using store::FromProto;
+using store::ToProto;
+
+StoreOptions StoreOptions::FromEnv() {
+  StoreOptions o;
+  o.engine = EngineOptions::FromEnv();
+  if (const char* v = std::getenv("KVBRIDGE_MASTER")) o.master_address = v;
+  store::EnvUint("KVBRIDGE_REPLICA_NUM", &o.replica_num);
+  store::EnvUint("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
+  store::EnvUint("KVBRIDGE_STORE_TRANSFER_DEADLINE_MS", &o.transfer_deadline_ms);
+  return o;
+}
+
+namespace {
+
+constexpr uint64_t kStagingBytes = 64ull << 20;
+
+// Where one key's bytes go: the object's byte range [obj_off, obj_off+len) maps to local memory.
+struct Piece {
+  uint64_t obj_off;
+  char* local;
+  uint64_t len;
+};
+
+// Splits an object of `total` bytes over caller buffers filled in order.
+bool MapPieces(uint64_t total, const std::vector<BufferRef>& bufs, std::vector<Piece>* out) {
+  out->clear();
+  uint64_t off = 0;
+  for (const auto& b : bufs) {
+    if (off == total) break;
+    const uint64_t take = std::min(b.length, total - off);
+    if (take > 0) out->push_back({off, static_cast<char*>(b.addr), take});
+    off += take;
+  }
+  return off == total;
+}
+
+uint32_t ChecksumOf(const std::vector<Piece>& pieces) {
+  uint32_t crc = 0;
+  for (const auto& p : pieces) crc = util::Crc32c(p.local, p.len, crc);
+  return crc;
+}
+
+}  // namespace
+
+struct StoreClient::Impl {
+  StoreOptions options;
+  std::unique_ptr<TransferEngine> engine;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<rpc::Master::Stub> master;
+
+  std::mutex peers_mu;
+  std::unordered_map<std::string, uint64_t> peers;  // node id -> incarnation added to engine
+
+  std::mutex buffers_mu;
+  std::map<uintptr_t, SegmentId> buffers;  // registered caller buffers by start address
+
+  std::mutex staging_mu;  // one Put/Get at a time uses the staging area
+  std::unique_ptr<char[]> staging;
+
+  std::unique_ptr<grpc::ClientContext> Context() const {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::milliseconds(options.rpc_timeout_ms));
+    return ctx;
+  }
+  // Makes sure the engine knows the current incarnation of every node named.
+  Status EnsurePeers(const std::set<std::pair<std::string, uint64_t>>& nodes);
+  // One transfer pass; fills ok[i] per group of ops.
+  void Run(std::vector<TransferOp>& ops, const std::vector<size_t>& group_of_op, size_t groups,
+           std::vector<Status>* group_status);
+};
+
+Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint64_t>>& nodes) {
+  rpc::NodeDescriptorsRequest req;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu);
+    for (const auto& [id, inc] : nodes) {
+      auto it = peers.find(id);
+      if (it == peers.end() || it->second != inc) req.add_node_ids(id);
+    }
+  }
+  if (req.node_ids_size() == 0) return Status::OK();
+  rpc::NodeDescriptorsReply reply;
+  auto ctx = Context();
+  grpc::Status gs = master->GetNodeDescriptors(ctx.get(), req, &reply);
+  if (!gs.ok()) return store::FromGrpc(gs, "GetNodeDescriptors");
+  for (const auto& nd : reply.nodes()) {
+    Result<PeerId> added = engine->AddPeer(nd.engine_descriptor());
+    if (!added.ok()) {
+      KVB_LOG(WARN) << "cannot add storage node " << nd.node().node_id() << ": "
+                    << added.status().ToString();
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(peers_mu);
+    peers[added->node_id] = added->incarnation;
+  }
+  return Status::OK();
+}
+
+void StoreClient::Impl::Run(std::vector<TransferOp>& ops, const std::vector<size_t>& group_of_op,
+                            size_t groups, std::vector<Status>* group_status) {
+  group_status->assign(groups, Status::OK());
+  if (ops.empty()) return;
+  SubmitOptions so;
+  so.deadline_ms = options.transfer_deadline_ms;
+  Result<BatchId> id = engine->Submit(ops, so);
+  if (!id.ok()) {
+    for (size_t g = 0; g < groups; ++g) (*group_status)[g] = id.status();
+    return;
+  }
+  BatchResult r = engine->Wait(id.value());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    Status& gs = (*group_status)[group_of_op[i]];
+    if (gs.ok() && !r.op_status[i].ok()) gs = r.op_status[i];
+  }
+}
+
+StoreClient::StoreClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+StoreClient::~StoreClient() = default;
+
+Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& options) {
+  if (options.replica_num == 0) return Status::InvalidArgument("replica_num must be >= 1");
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  auto engine = TransferEngine::Create(options.engine);
+  if (!engine.ok()) return engine.status().WithContext("store client");
+  impl->engine = std::move(engine).value();
+  impl->channel = grpc::CreateChannel(options.master_address, grpc::InsecureChannelCredentials());
+  impl->master = rpc::Master::NewStub(impl->channel);
+  impl->staging = std::make_unique<char[]>(kStagingBytes);
+  Result<SegmentId> seg = impl->engine->RegisterMemory(impl->staging.get(), kStagingBytes);
+  if (!seg.ok()) return seg.status().WithContext("registering the staging buffer");
+  return std::unique_ptr<StoreClient>(new StoreClient(std::move(impl)));
+}
+
+TransferEngine& StoreClient::engine() { return *impl_->engine; }
+
+Status StoreClient::RegisterBuffer(void* addr, uint64_t length) {
+  Result<SegmentId> seg = impl_->engine->RegisterMemory(addr, length);
+  if (!seg.ok()) return seg.status();
+  std::lock_guard<std::mutex> lock(impl_->buffers_mu);
+  impl_->buffers[reinterpret_cast<uintptr_t>(addr)] = seg.value();
+  return Status::OK();
+}
+
+Status StoreClient::UnregisterBuffer(void* addr) {
+  SegmentId seg;
+  {
+    std::lock_guard<std::mutex> lock(impl_->buffers_mu);
+    auto it = impl_->buffers.find(reinterpret_cast<uintptr_t>(addr));
+    if (it == impl_->buffers.end()) {
+      return Status::NotFound("UnregisterBuffer: no buffer registered at this address");
+    }
+    seg = it->second;
+    impl_->buffers.erase(it);
+  }
+  return impl_->engine->DeregisterMemory(seg);
+}
+
+std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
+                                              std::span<const std::vector<BufferRef>> buffers) {
+  Impl& im = *impl_;
+  std::vector<Status> result(keys.size());
+  if (buffers.size() != keys.size()) {
+    result.assign(keys.size(), Status::InvalidArgument("BatchPutFrom: one buffer list per key"));
+    return result;
+  }
+  rpc::PutStartRequest req;
+  req.set_replica_num(im.options.replica_num);
+  req.set_client_node_id(im.engine->self().node_id);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    req.add_keys(keys[i]);
+    auto* sizes = req.add_sizes();
+    for (const auto& b : buffers[i]) sizes->add_sizes(b.length);
+  }
+  rpc::PutStartReply started;
+  {
+    auto ctx = im.Context();
+    grpc::Status gs = im.master->PutStart(ctx.get(), req, &started);
+    if (!gs.ok() || started.items_size() != static_cast<int>(keys.size())) {
+      result.assign(keys.size(), store::FromGrpc(gs, "PutStart"));
+      return result;
+    }
+  }
+  // Writes: every replica of every admitted key, all in one batch.
+  std::set<std::pair<std::string, uint64_t>> nodes;
+  for (const auto& item : started.items()) {
+    for (const auto& r : item.replicas()) nodes.emplace(r.node().node_id(), r.node().incarnation());
+  }
+  Status peers_ok = im.EnsurePeers(nodes);
+  std::vector<TransferOp> ops;
+  std::vector<size_t> group_of_op;
+  std::vector<std::pair<size_t, int>> groups;  // (key index, replica index)
+  std::vector<uint32_t> checksums(keys.size(), 0);
+  std::vector<Piece> pieces;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const auto& item = started.items(static_cast<int>(i));
+    Status st = FromProto(item.status());
+    if (st.Is(StatusCode::kAlreadyExists)) continue;  // stored already: success, no rewrite
+    if (!st.ok()) {
+      result[i] = st;
+      continue;
+    }
+    uint64_t total = 0;
+    for (const auto& b : buffers[i]) total += b.length;
+    MapPieces(total, buffers[i], &pieces);
+    checksums[i] = ChecksumOf(pieces);
+    for (int r = 0; r < item.replicas_size(); ++r) {
+      const auto& loc = item.replicas(r);
+      groups.emplace_back(i, r);
+      for (const auto& p : pieces) {
+        ops.push_back(TransferOp{OpCode::kWrite, p.local, p.len, loc.node().node_id(),
+                                 loc.segment_id(), loc.offset() + p.obj_off});
+        group_of_op.push_back(groups.size() - 1);
+      }
+    }
+  }
+  std::vector<Status> group_status;
+  im.Run(ops, group_of_op, groups.size(), &group_status);
+  if (!peers_ok.ok()) KVB_LOG(WARN) << "put: " << peers_ok.ToString();
+
+  rpc::PutEndRequest end;
+  std::vector<int> end_item_of_key(keys.size(), -1);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto [i, r] = groups[g];
+    if (end_item_of_key[i] < 0) {
+      end_item_of_key[i] = end.items_size();
+      auto* e = end.add_items();
+      e->set_key(keys[i]);
+      e->set_version(started.items(static_cast<int>(i)).version());
+      e->set_checksum(checksums[i]);
+    }
+    end.mutable_items(end_item_of_key[i])->add_replica_ok(group_status[g].ok());
+  }
+  if (end.items_size() == 0) return result;
+  rpc::KeyStatusReply ended;
+  auto ctx = im.Context();
+  grpc::Status gs = im.master->PutEnd(ctx.get(), end, &ended);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const int e = end_item_of_key[i];
+    if (e < 0) continue;
+    if (!gs.ok() || ended.statuses_size() != end.items_size()) {
+      result[i] = store::FromGrpc(gs, "PutEnd");
+      continue;
+    }
+    result[i] = FromProto(ended.statuses(e));
+    if (!result[i].ok()) {
+      // Say why the replicas failed, not only that the master revoked the object.
+      for (size_t g = 0; g < groups.size(); ++g) {
+        if (groups[g].first == i && !group_status[g].ok()) {
+          result[i] = result[i].WithContext(group_status[g].ToString());
+          break;
+        }
+      }
+    }
+  }
+  return result;
+}
+
+std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
+    std::span<const std::string> keys, std::span<const std::vector<BufferRef>> buffers) {
+  Impl& im = *impl_;
+  std::vector<Result<uint64_t>> result(keys.size(), Status::Internal("not attempted"));
+  if (buffers.size() != keys.size()) {
+    result.assign(keys.size(), Status::InvalidArgument("BatchGetInto: one buffer list per key"));
+    return result;
+  }
+  rpc::GetReplicasRequest req;
+  req.set_client_node_id(im.engine->self().node_id);
+  for (const auto& k : keys) req.add_keys(k);
+  rpc::GetReplicasReply got;
+  {
+    auto ctx = im.Context();
+    grpc::Status gs = im.master->GetReplicas(ctx.get(), req, &got);
+    if (!gs.ok() || got.items_size() != static_cast<int>(keys.size())) {
+      result.assign(keys.size(), store::FromGrpc(gs, "GetReplicas"));
+      return result;
+    }
+  }
+  std::vector<std::vector<Piece>> pieces(keys.size());
+  std::vector<int> next_replica(keys.size(), 0);
+  std::vector<size_t> pending;
+  std::set<std::pair<std::string, uint64_t>> nodes;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const auto& item = got.items(static_cast<int>(i));
+    Status st = FromProto(item.status());
+    if (!st.ok()) {
+      result[i] = st;
+      continue;
+    }
+    uint64_t total = 0;
+    for (uint64_t s : item.sizes()) total += s;
+    if (!MapPieces(total, buffers[i], &pieces[i])) {
+      result[i] = Status::InvalidArgument("buffers hold fewer bytes than the object's " +
+                                          std::to_string(total));
+      continue;
+    }
+    if (item.replicas_size() == 0) {
+      result[i] = Status::NotFound("object has no readable replica");
+      continue;
+    }
+    for (const auto& r : item.replicas()) nodes.emplace(r.node().node_id(), r.node().incarnation());
+    pending.push_back(i);
+  }
+  Status peers_ok = im.EnsurePeers(nodes);
+  if (!peers_ok.ok()) KVB_LOG(WARN) << "get: " << peers_ok.ToString();
+  // Each pass reads every pending key from its next replica; failures move on at once.
+  while (!pending.empty()) {
+    std::vector<TransferOp> ops;
+    std::vector<size_t> group_of_op;
+    for (size_t g = 0; g < pending.size(); ++g) {
+      const size_t i = pending[g];
+      const auto& loc = got.items(static_cast<int>(i)).replicas(next_replica[i]);
+      for (const auto& p : pieces[i]) {
+        ops.push_back(TransferOp{OpCode::kRead, p.local, p.len, loc.node().node_id(),
+                                 loc.segment_id(), loc.offset() + p.obj_off});
+        group_of_op.push_back(g);
+      }
+    }
+    std::vector<Status> group_status;
+    im.Run(ops, group_of_op, pending.size(), &group_status);
+    std::vector<size_t> retry;
+    for (size_t g = 0; g < pending.size(); ++g) {
+      const size_t i = pending[g];
+      const auto& item = got.items(static_cast<int>(i));
+      Status st = group_status[g];
+      if (st.ok() && ChecksumOf(pieces[i]) != item.checksum()) {
+        st = Status::IoError("checksum mismatch (replica changed during the read)");
+      }
+      if (st.ok()) {
+        result[i] = static_cast<uint64_t>(
+            std::accumulate(item.sizes().begin(), item.sizes().end(), uint64_t{0}));
+        continue;
+      }
+      const auto& bad = item.replicas(next_replica[i]);
+      rpc::BadReplicaRequest report;
+      report.set_key(keys[i]);
+      report.set_version(item.version());
+      *report.mutable_node() = bad.node();
+      rpc::Status ignored;
+      auto ctx = im.Context();
+      (void)im.master->ReportBadReplica(ctx.get(), report, &ignored);
+      result[i] = st.WithContext("replica on " + bad.node().node_id());
+      if (++next_replica[i] < item.replicas_size()) retry.push_back(i);
+    }
+    pending.swap(retry);
+  }
+  return result;
+}
+
+Result<std::vector<bool>> StoreClient::BatchExists(std::span<const std::string> keys) {
+  rpc::KeysRequest req;
+  for (const auto& k : keys) req.add_keys(k);
+  rpc::ExistsReply reply;
+  auto ctx = impl_->Context();
+  grpc::Status gs = impl_->master->Exists(ctx.get(), req, &reply);
+  if (!gs.ok()) return store::FromGrpc(gs, "Exists");
+  if (reply.exists_size() != static_cast<int>(keys.size())) {
+    return Status::Protocol("Exists: reply has the wrong number of entries");
+  }
+  return std::vector<bool>(reply.exists().begin(), reply.exists().end());
+}
+
+std::vector<Status> StoreClient::BatchRemove(std::span<const std::string> keys) {
+  rpc::KeysRequest req;
+  for (const auto& k : keys) req.add_keys(k);
+  rpc::KeyStatusReply reply;
+  auto ctx = impl_->Context();
+  grpc::Status gs = impl_->master->Remove(ctx.get(), req, &reply);
+  std::vector<Status> out(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    out[i] = (!gs.ok() || reply.statuses_size() != static_cast<int>(keys.size()))
+                 ? store::FromGrpc(gs, "Remove")
+                 : FromProto(reply.statuses(static_cast<int>(i)));
+  }
+  return out;
+}
+
+Status StoreClient::RemoveAll() {
+  rpc::Empty req;
+  rpc::Status reply;
+  auto ctx = impl_->Context();
+  grpc::Status gs = impl_->master->RemoveAll(ctx.get(), req, &reply);
+  if (!gs.ok()) return store::FromGrpc(gs, "RemoveAll");
+  return FromProto(reply);
+}
+
+Status StoreClient::Put(std::string_view key, std::string_view value) {
+  if (value.size() > kStagingBytes) {
+    return Status::InvalidArgument("Put: value larger than the staging area (" +
+                                   std::to_string(kStagingBytes) +
+                                   " bytes); use BatchPutFrom on registered memory");
+  }
+  std::lock_guard<std::mutex> lock(impl_->staging_mu);
+  std::memcpy(impl_->staging.get(), value.data(), value.size());
+  std::string k(key);
+  std::vector<std::vector<BufferRef>> bufs = {{BufferRef{impl_->staging.get(), value.size()}}};
+  return BatchPutFrom(std::span(&k, 1), bufs)[0];
+}
+
+Result<std::string> StoreClient::Get(std::string_view key) {
+  std::lock_guard<std::mutex> lock(impl_->staging_mu);
+  std::string k(key);
+  std::vector<std::vector<BufferRef>> bufs = {{BufferRef{impl_->staging.get(), kStagingBytes}}};
+  Result<uint64_t> n = std::move(BatchGetInto(std::span(&k, 1), bufs)[0]);
+  if (!n.ok()) return n.status();
+  return std::string(impl_->staging.get(), n.value());
+}
+
+}  // namespace kvbridge

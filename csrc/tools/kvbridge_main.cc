@@ -1,0 +1,281 @@
+// `kvbridge`: the daemons and the operator's view of a cluster.
+//
+//   kvbridge master [--listen HOST:PORT] [--node-ttl-ms N] [--lease-ms N] [--config FILE]
+//   kvbridge node   [--master HOST:PORT] [--dram-bytes N] [--node-id ID] [--listen HOST:PORT,...]
+//                   [--rpc-listen HOST:PORT] [--drain-timeout-ms N] [--config FILE]
+//   kvbridge status [--master HOST:PORT] [--json]
+//
+// Settings come from, strongest first: flags, KVBRIDGE_* environment variables, the config file
+// (lines `key = value`; a key `x_y` stands for KVBRIDGE_X_Y), built-in defaults.
+// A node drains on SIGTERM (its objects move elsewhere first) and stops at once on SIGINT.
+#include <signal.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kvbridge/store.h"
+
+using namespace kvbridge;
+
+namespace {
+
+int Usage(const char* why = nullptr) {
+  if (why) std::fprintf(stderr, "kvbridge: %s\n\n", why);
+  std::fprintf(stderr,
+               "usage:\n"
+               "  kvbridge master [--listen HOST:PORT] [--node-ttl-ms N] [--lease-ms N]\n"
+               "                  [--config FILE]\n"
+               "  kvbridge node   [--master HOST:PORT] [--dram-bytes N] [--node-id ID]\n"
+               "                  [--listen HOST:PORT,...] [--rpc-listen HOST:PORT]\n"
+               "                  [--drain-timeout-ms N] [--config FILE]\n"
+               "  kvbridge status [--master HOST:PORT] [--json]\n"
+               "Every flag has a KVBRIDGE_* variable (docs/configuration.md). A node drains on\n"
+               "SIGTERM and stops at once on SIGINT.\n");
+  return 2;
+}
+
+// Loads `key = value` lines into the environment without overriding variables already set.
+bool LoadConfigFile(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) {
+    std::fprintf(stderr, "kvbridge: cannot read config file %s\n", path.c_str());
+    return false;
+  }
+  std::string line;
+  int n = 0;
+  while (std::getline(f, line)) {
+    ++n;
+    const size_t hash = line.find('#');
+    if (hash != std::string::npos) line.resize(hash);
+    const size_t eq = line.find('=');
+    auto trim = [](std::string s) {
+      while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+      size_t i = 0;
+      while (i < s.size() && std::isspace(static_cast<unsigned char>(s[i]))) ++i;
+      return s.substr(i);
+    };
+    if (trim(line).empty()) continue;
+    if (eq == std::string::npos) {
+      std::fprintf(stderr, "kvbridge: %s:%d: expected 'key = value'\n", path.c_str(), n);
+      return false;
+    }
+    std::string key = trim(line.substr(0, eq)), value = trim(line.substr(eq + 1));
+    std::string env;
+    for (char c : key)
+      env.push_back(std::isalnum(static_cast<unsigned char>(c)) ? std::toupper(c) : '_');
+    if (env.rfind("KVBRIDGE_", 0) != 0) env = "KVBRIDGE_" + env;
+    setenv(env.c_str(), value.c_str(), /*overwrite=*/0);
+  }
+  return true;
+}
+
+// Flags of the form --name VALUE; "--json" style booleans have no value.
+struct Flags {
+  std::map<std::string, std::string> values;
+  bool Has(const std::string& k) const { return values.count(k) != 0; }
+  std::string Get(const std::string& k) const {
+    auto it = values.find(k);
+    return it == values.end() ? std::string() : it->second;
+  }
+};
+
+bool ParseFlags(int argc, char** argv, int first, const std::vector<std::string>& with_value,
+                const std::vector<std::string>& booleans, Flags* out, std::string* why) {
+  for (int i = first; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--", 0) != 0) {
+      *why = "unexpected argument '" + a + "'";
+      return false;
+    }
+    a = a.substr(2);
+    if (std::find(booleans.begin(), booleans.end(), a) != booleans.end()) {
+      out->values[a] = "1";
+    } else if (std::find(with_value.begin(), with_value.end(), a) != with_value.end()) {
+      if (i + 1 >= argc) {
+        *why = "--" + a + " needs a value";
+        return false;
+      }
+      out->values[a] = argv[++i];
+    } else {
+      *why = "unknown flag --" + a;
+      return false;
+    }
+  }
+  return true;
+}
+
+bool ToUint64(const std::string& flag, const std::string& s, uint64_t* out) {
+  char* end = nullptr;
+  errno = 0;
+  unsigned long long v = std::strtoull(s.c_str(), &end, 10);
+  if (s.empty() || *end != '\0' || errno != 0) {
+    std::fprintf(stderr, "kvbridge: --%s: '%s' is not a number\n", flag.c_str(), s.c_str());
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
+template <typename T>
+bool SetNumber(const Flags& f, const std::string& flag, T* out) {
+  if (!f.Has(flag)) return true;
+  uint64_t v;
+  if (!ToUint64(flag, f.Get(flag), &v)) return false;
+  *out = static_cast<T>(v);
+  return true;
+}
+
+// Blocks SIGTERM/SIGINT in every thread (call before starting any) and waits for one.
+sigset_t BlockStopSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  return set;
+}
+
+int RunMaster(const Flags& f) {
+  MasterOptions o = MasterOptions::FromEnv();
+  if (f.Has("listen")) o.listen = f.Get("listen");
+  if (!SetNumber(f, "node-ttl-ms", &o.node_ttl_ms) || !SetNumber(f, "lease-ms", &o.lease_ms)) {
+    return 2;
+  }
+  sigset_t stop = BlockStopSignals();
+  auto master = MasterServer::Start(o);
+  if (!master.ok()) {
+    std::fprintf(stderr, "kvbridge master: %s\n", master.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("kvbridge master listening on %s\n", master.value()->address().c_str());
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&stop, &sig);
+  std::fprintf(stderr, "kvbridge master: %s, stopping\n", strsignal(sig));
+  return 0;
+}
+
+int RunNode(const Flags& f) {
+  NodeOptions o = NodeOptions::FromEnv();
+  if (f.Has("master")) o.master_address = f.Get("master");
+  if (f.Has("node-id")) o.engine.node_id = f.Get("node-id");
+  if (f.Has("listen")) o.engine.listen = f.Get("listen");
+  if (f.Has("rpc-listen")) o.rpc_listen = f.Get("rpc-listen");
+  if (!SetNumber(f, "dram-bytes", &o.dram_bytes) ||
+      !SetNumber(f, "drain-timeout-ms", &o.drain_timeout_ms)) {
+    return 2;
+  }
+  sigset_t stop = BlockStopSignals();
+  auto node = StorageNode::Start(o);
+  if (!node.ok()) {
+    std::fprintf(stderr, "kvbridge node: %s\n", node.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("kvbridge node %s serving %llu bytes, master %s\n",
+              node.value()->id().ToString().c_str(), (unsigned long long)o.dram_bytes,
+              o.master_address.c_str());
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&stop, &sig);
+  if (sig == SIGTERM) {
+    std::fprintf(stderr, "kvbridge node: SIGTERM, draining (up to %u ms)\n", o.drain_timeout_ms);
+    Status st = node.value()->Drain();
+    std::fprintf(stderr, "kvbridge node: drain %s\n", st.ok() ? "complete" : st.ToString().c_str());
+  }
+  return 0;
+}
+
+std::string Bytes(uint64_t b) {
+  char buf[32];
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
+  return buf;
+}
+
+int RunStatus(const Flags& f) {
+  StoreOptions so = StoreOptions::FromEnv();
+  const std::string master = f.Has("master") ? f.Get("master") : so.master_address;
+  auto st = QueryClusterStatus(master, so.rpc_timeout_ms);
+  if (!st.ok()) {
+    std::fprintf(stderr, "kvbridge status: %s\n", st.status().ToString().c_str());
+    return 1;
+  }
+  const ClusterStatus& c = st.value();
+  if (f.Has("json")) {
+    std::printf(
+        "{\"master\": \"%s\", \"objects\": %llu, \"pending_puts\": %llu, "
+        "\"stored_bytes\": %llu, \"nodes\": [",
+        master.c_str(), (unsigned long long)c.objects, (unsigned long long)c.pending_puts,
+        (unsigned long long)c.stored_bytes);
+    for (size_t i = 0; i < c.nodes.size(); ++i) {
+      const NodeStatus& n = c.nodes[i];
+      std::printf(
+          "%s{\"node_id\": \"%s\", \"incarnation\": \"%016llx\", \"state\": \"%s\", "
+          "\"capacity_bytes\": %llu, \"used_bytes\": %llu, \"replicas\": %llu}",
+          i ? ", " : "", n.id.node_id.c_str(), (unsigned long long)n.id.incarnation,
+          n.state.c_str(), (unsigned long long)n.capacity_bytes, (unsigned long long)n.used_bytes,
+          (unsigned long long)n.replicas);
+    }
+    std::printf("]}\n");
+    return 0;
+  }
+  std::printf("master %s: %llu objects (%s), %llu puts in progress\n\n", master.c_str(),
+              (unsigned long long)c.objects, Bytes(c.stored_bytes).c_str(),
+              (unsigned long long)c.pending_puts);
+  std::printf("%-24s %-18s %-9s %12s %12s %6s %9s\n", "NODE", "INCARNATION", "STATE", "CAPACITY",
+              "USED", "USED%", "REPLICAS");
+  for (const NodeStatus& n : c.nodes) {
+    const double pct = n.capacity_bytes ? 100.0 * n.used_bytes / n.capacity_bytes : 0;
+    std::printf("%-24s %016llx   %-9s %12s %12s %5.1f%% %9llu\n", n.id.node_id.c_str(),
+                (unsigned long long)n.id.incarnation, n.state.c_str(),
+                Bytes(n.capacity_bytes).c_str(), Bytes(n.used_bytes).c_str(), pct,
+                (unsigned long long)n.replicas);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) return Usage();
+  const std::string cmd = argv[1];
+  if (cmd == "-h" || cmd == "--help" || cmd == "help") {
+    Usage();
+    return 0;
+  }
+  Flags f;
+  std::string why;
+  bool ok;
+  if (cmd == "master") {
+    ok = ParseFlags(argc, argv, 2, {"listen", "node-ttl-ms", "lease-ms", "config"}, {}, &f, &why);
+  } else if (cmd == "node") {
+    ok = ParseFlags(
+        argc, argv, 2,
+        {"master", "dram-bytes", "node-id", "listen", "rpc-listen", "drain-timeout-ms", "config"},
+        {}, &f, &why);
+  } else if (cmd == "status") {
+    ok = ParseFlags(argc, argv, 2, {"master", "config"}, {"json"}, &f, &why);
+  } else {
+    return Usage(("unknown command '" + cmd + "'").c_str());
+  }
+  if (!ok) return Usage(why.c_str());
+  if (f.Has("config") && !LoadConfigFile(f.Get("config"))) return 2;
+  if (cmd == "master") return RunMaster(f);
+  if (cmd == "node") return RunNode(f);
+  return RunStatus(f);
+}

@@ -1,0 +1,340 @@
+// The store with real processes on loopback: a `kvbridge master` and `kvbridge node` daemons
+// started, killed, frozen, drained and restarted by the test, and an in-process StoreClient.
+// What seeds 000 and 004 describe must not happen: gets keep succeeding from surviving replicas,
+// drains lose nothing, a master restart forgets nothing.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <random>
+#include <thread>
+
+#include "kvbridge/store.h"
+#include "tests/common/test_util.h"
+
+namespace kvbridge {
+namespace {
+
+using testing::Buffer;
+using testing::ChildProcess;
+using testing::Must;
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kPage = 64 * 1024;  // one buffer (K or V)
+constexpr size_t kSlots = 256;         // objects a client arena holds
+constexpr uint32_t kTtlMs = 1000;
+
+const std::string kBin = KVBRIDGE_BIN_DIR "/kvbridge";
+
+class StoreCluster : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // Daemons inherit these: short timeouts so failures show within a test's time.
+    setenv("KVBRIDGE_PROGRESS_TIMEOUT_MS", "500", 1);
+    setenv("KVBRIDGE_DEADLINE_MS", "3000", 1);
+    setenv("KVBRIDGE_LOG_LEVEL", "warn", 1);
+    master_port_ = testing::FreePort();
+    master_addr_ = "127.0.0.1:" + std::to_string(master_port_);
+    StartMaster();
+    for (int i = 0; i < 3; ++i) {
+      node_ports_.push_back(testing::FreePort());
+      nodes_.push_back(StartNode(i));
+    }
+    WaitForActiveNodes(3);
+    StoreOptions so;
+    so.master_address = master_addr_;
+    so.replica_num = 2;
+    so.transfer_deadline_ms = 3000;
+    so.engine.node_id = "client";
+    so.engine.transports = {"tcp"};
+    so.engine.progress_timeout_ms = 500;
+    so.engine.default_deadline_ms = 3000;
+    client_ = Must(StoreClient::Create(so));
+    ASSERT_TRUE(client_->RegisterBuffer(src_.data(), src_.size()).ok());
+    ASSERT_TRUE(client_->RegisterBuffer(dst_.data(), dst_.size()).ok());
+  }
+
+  void StartMaster() {
+    master_ = ChildProcess::Start({kBin, "master", "--listen", master_addr_, "--node-ttl-ms",
+                                   std::to_string(kTtlMs), "--lease-ms", "2000"});
+    ASSERT_TRUE(master_);
+    const std::string line = master_->ReadLine(20000);
+    ASSERT_NE(line.find("listening on"), std::string::npos) << "master said: " << line;
+  }
+
+  // Node i always listens on the same data port, so a restart reuses it (seed 000).
+  std::unique_ptr<ChildProcess> StartNode(int i) {
+    const std::string id = "node" + std::to_string(i);
+    auto node =
+        ChildProcess::Start({kBin, "node", "--master", master_addr_, "--node-id", id,
+                             "--dram-bytes", std::to_string(64u << 20), "--drain-timeout-ms",
+                             "10000", "--listen", "127.0.0.1:" + std::to_string(node_ports_[i])});
+    if (!node) return nullptr;
+    const std::string line = node->ReadLine(20000);
+    EXPECT_NE(line.find("serving"), std::string::npos) << "node " << id << " said: " << line;
+    return node;
+  }
+
+  ClusterStatus View() { return Must(QueryClusterStatus(master_addr_)); }
+
+  int ActiveNodes() {
+    auto st = QueryClusterStatus(master_addr_);
+    if (!st.ok()) return -1;
+    int n = 0;
+    for (const auto& node : st->nodes) n += node.state == "ACTIVE";
+    return n;
+  }
+
+  void WaitForActiveNodes(int n, int timeout_ms = 15000) {
+    auto until = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (Clock::now() < until && ActiveNodes() != n) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ASSERT_EQ(ActiveNodes(), n);
+  }
+
+  // Replicas of live nodes over objects, once re-replication has caught up (or timeout).
+  bool WaitForReplicas(uint64_t want_per_object, int timeout_ms) {
+    auto until = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (Clock::now() < until) {
+      ClusterStatus s = View();
+      uint64_t replicas = 0;
+      for (const auto& n : s.nodes) {
+        if (n.state == "ACTIVE") replicas += n.replicas;
+      }
+      if (s.objects > 0 && replicas == want_per_object * s.objects) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return false;
+  }
+
+  static std::string Key(size_t i) { return "page-" + std::to_string(i); }
+  // Object i: two buffers (K, V) in slot i % kSlots of an arena, bytes derived from i.
+  std::vector<BufferRef> Slot(Buffer& arena, size_t i) {
+    uint8_t* base = arena.data() + (i % kSlots) * 2 * kPage;
+    return {BufferRef{base, kPage}, BufferRef{base + kPage, kPage}};
+  }
+  void FillObject(size_t i) { src_.Fill(1000 + i, (i % kSlots) * 2 * kPage, 2 * kPage); }
+  bool CheckObject(size_t i) {
+    const size_t off = (i % kSlots) * 2 * kPage;
+    for (size_t b = 0; b < 2 * kPage; ++b) {
+      if (dst_.data()[off + b] != testing::PatternByte(1000 + i, off + b)) return false;
+    }
+    return true;
+  }
+
+  // Puts objects [first, first+n) in batches of up to 128; returns how many failed.
+  int PutRange(size_t first, size_t n) {
+    int failed = 0;
+    for (size_t at = first; at < first + n; at += 128) {
+      const size_t end = std::min(first + n, at + 128);
+      std::vector<std::string> keys;
+      std::vector<std::vector<BufferRef>> bufs;
+      for (size_t i = at; i < end; ++i) {
+        FillObject(i);
+        keys.push_back(Key(i));
+        bufs.push_back(Slot(src_, i));
+      }
+      for (const Status& st : client_->BatchPutFrom(keys, bufs)) {
+        if (!st.ok()) {
+          ++failed;
+          ADD_FAILURE() << "put: " << st.ToString();
+        }
+      }
+    }
+    return failed;
+  }
+
+  // Gets objects [first, first+n) in batches and checks their bytes; returns failures.
+  int GetRange(size_t first, size_t n, std::string* first_error = nullptr) {
+    int failed = 0;
+    for (size_t at = first; at < first + n; at += 128) {
+      const size_t end = std::min(first + n, at + 128);
+      std::vector<std::string> keys;
+      std::vector<std::vector<BufferRef>> bufs;
+      for (size_t i = at; i < end; ++i) {
+        keys.push_back(Key(i));
+        bufs.push_back(Slot(dst_, i));
+      }
+      auto results = client_->BatchGetInto(keys, bufs);
+      for (size_t k = 0; k < results.size(); ++k) {
+        if (!results[k].ok() || results[k].value() != 2 * kPage || !CheckObject(at + k)) {
+          ++failed;
+          if (first_error && first_error->empty()) {
+            *first_error =
+                Key(at + k) + ": " +
+                (results[k].ok() ? std::string("wrong bytes") : results[k].status().ToString());
+          }
+        }
+      }
+    }
+    return failed;
+  }
+
+  uint16_t master_port_ = 0;
+  std::string master_addr_;
+  std::unique_ptr<ChildProcess> master_;
+  std::vector<uint16_t> node_ports_;
+  std::vector<std::unique_ptr<ChildProcess>> nodes_;
+  Buffer src_{kSlots * 2 * kPage}, dst_{kSlots * 2 * kPage};
+  std::unique_ptr<StoreClient> client_;
+};
+
+TEST_F(StoreCluster, PutGetExistsRemoveRoundTrip) {
+  ASSERT_EQ(PutRange(0, 200), 0);
+  EXPECT_EQ(GetRange(0, 200), 0);
+  std::vector<std::string> keys = {Key(0), Key(199), "never-put"};
+  auto exists = Must(client_->BatchExists(keys));
+  EXPECT_EQ(exists, (std::vector<bool>{true, true, false}));
+  ClusterStatus s = View();
+  EXPECT_EQ(s.objects, 200u);
+  uint64_t replicas = 0;
+  for (const auto& n : s.nodes) replicas += n.replicas;
+  EXPECT_EQ(replicas, 400u) << "replica_num 2";
+  // A put of an existing key succeeds without rewriting it.
+  src_.Fill(7, 0, 2 * kPage);
+  std::vector<std::string> again = {Key(0)};
+  std::vector<std::vector<BufferRef>> bufs = {Slot(src_, 0)};
+  EXPECT_TRUE(client_->BatchPutFrom(again, bufs)[0].ok());
+  EXPECT_EQ(GetRange(0, 1), 0) << "an existing key was rewritten";
+  // Remove.
+  EXPECT_TRUE(client_->BatchRemove(again)[0].ok());
+  auto gone = client_->BatchGetInto(again, std::vector<std::vector<BufferRef>>{Slot(dst_, 0)});
+  EXPECT_TRUE(gone[0].status().IsNotFound()) << gone[0].status().ToString();
+  // Convenience forms.
+  ASSERT_TRUE(client_->Put("small", "hello kv").ok());
+  EXPECT_EQ(Must(client_->Get("small")), "hello kv");
+}
+
+TEST_F(StoreCluster, BadInputGetsPerKeyErrorsAndLosesNothing) {
+  ASSERT_EQ(PutRange(0, 10), 0);
+  std::vector<std::string> keys = {"", std::string(5000, 'k'), "zero", "dup", "dup", "fine"};
+  uint8_t* p = src_.data();
+  std::vector<std::vector<BufferRef>> bufs = {{BufferRef{p, 10}},       {BufferRef{p, 10}},
+                                              {BufferRef{p, 0}},        {BufferRef{p, 10}},
+                                              {BufferRef{p + 100, 10}}, {BufferRef{p, 10}}};
+  auto st = client_->BatchPutFrom(keys, bufs);
+  EXPECT_EQ(st[0].code(), StatusCode::kInvalidArgument) << st[0].ToString();
+  EXPECT_EQ(st[1].code(), StatusCode::kInvalidArgument) << st[1].ToString();
+  EXPECT_EQ(st[2].code(), StatusCode::kInvalidArgument) << st[2].ToString();
+  EXPECT_EQ(st[3].code(), StatusCode::kInvalidArgument) << st[3].ToString();
+  EXPECT_EQ(st[4].code(), StatusCode::kInvalidArgument) << st[4].ToString();
+  EXPECT_TRUE(st[5].ok()) << st[5].ToString();
+  // Unregistered memory: a named error for that key, nothing stored.
+  std::vector<uint8_t> loose(100);
+  std::vector<std::string> k2 = {"loose"};
+  auto st2 = client_->BatchPutFrom(
+      k2, std::vector<std::vector<BufferRef>>{{BufferRef{loose.data(), 100}}});
+  EXPECT_FALSE(st2[0].ok());
+  EXPECT_FALSE(Must(client_->BatchExists(k2))[0]);
+  // Unknown key, and a buffer too small for the object.
+  std::vector<std::string> k3 = {"nope", Key(1)};
+  auto got = client_->BatchGetInto(
+      k3, std::vector<std::vector<BufferRef>>{Slot(dst_, 0), {BufferRef{dst_.data(), 100}}});
+  EXPECT_TRUE(got[0].status().IsNotFound());
+  EXPECT_EQ(got[1].status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(GetRange(0, 10), 0) << "bad input disturbed stored objects";
+}
+
+TEST_F(StoreCluster, KilledNodeCostsNoGetAndReplicasAreRestored) {
+  constexpr size_t kObjects = 240;
+  ASSERT_EQ(PutRange(0, kObjects), 0);
+  std::atomic<bool> stop{false};
+  std::atomic<int> get_failures{0}, gets{0};
+  std::string first_error;
+  std::mutex err_mu;
+  std::thread reader([&] {
+    while (!stop.load()) {
+      std::string err;
+      const int f = GetRange(0, kObjects, &err);
+      get_failures += f;
+      gets += kObjects;
+      if (f > 0) {
+        std::lock_guard<std::mutex> lock(err_mu);
+        if (first_error.empty()) first_error = err;
+      }
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  nodes_[1]->Kill();
+  std::this_thread::sleep_for(std::chrono::milliseconds(3 * kTtlMs));
+  stop = true;
+  reader.join();
+  std::printf("kill -9 under read load: %d gets, %d failed\n", gets.load(), get_failures.load());
+  EXPECT_EQ(get_failures.load(), 0) << "first failure: " << first_error;
+  EXPECT_GT(gets.load(), static_cast<int>(kObjects));
+  WaitForActiveNodes(2);
+  EXPECT_TRUE(WaitForReplicas(2, 5 * kTtlMs)) << "re-replication did not restore 2 replicas";
+  EXPECT_EQ(GetRange(0, kObjects), 0);
+}
+
+TEST_F(StoreCluster, FrozenNodeFailsOverWithinTheProgressTimeout) {
+  constexpr size_t kObjects = 128;
+  ASSERT_EQ(PutRange(0, kObjects), 0);
+  nodes_[0]->Signal(SIGSTOP);
+  auto t0 = Clock::now();
+  std::string err;
+  EXPECT_EQ(GetRange(0, kObjects, &err), 0) << err;
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  std::printf("get of %zu objects with one node frozen: %.0f ms\n", kObjects, ms);
+  EXPECT_LT(ms, 1500) << "failover took more than about one progress timeout (500 ms)";
+  nodes_[0]->Signal(SIGCONT);
+}
+
+TEST_F(StoreCluster, DrainedNodeLeavesWithoutLosingAnything) {
+  constexpr size_t kObjects = 240;
+  ASSERT_EQ(PutRange(0, kObjects), 0);
+  std::atomic<bool> stop{false};
+  std::atomic<int> get_failures{0};
+  std::thread reader([&] {
+    while (!stop.load()) get_failures += GetRange(0, kObjects);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  nodes_[2]->Signal(SIGTERM);
+  const int code = nodes_[2]->Wait(15000);
+  stop = true;
+  reader.join();
+  EXPECT_EQ(code, 0) << "drained node did not exit cleanly in time";
+  EXPECT_EQ(get_failures.load(), 0);
+  WaitForActiveNodes(2);
+  EXPECT_EQ(View().objects, kObjects) << "objects lost in the drain";
+  EXPECT_TRUE(WaitForReplicas(2, 5 * kTtlMs));
+  EXPECT_EQ(GetRange(0, kObjects), 0);
+}
+
+TEST_F(StoreCluster, MasterRestartForgetsNothing) {
+  constexpr size_t kObjects = 200;
+  ASSERT_EQ(PutRange(0, kObjects), 0);
+  master_->Kill();
+  StartMaster();  // same port, empty state
+  WaitForActiveNodes(3);
+  auto until = Clock::now() + std::chrono::seconds(10);
+  while (Clock::now() < until && View().objects < kObjects) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(View().objects, kObjects);
+  std::string err;
+  EXPECT_EQ(GetRange(0, kObjects, &err), 0) << err;
+  // And it keeps working: new puts, versions above the old ones.
+  EXPECT_EQ(PutRange(kObjects, 20), 0);
+  EXPECT_EQ(GetRange(kObjects, 20), 0);
+}
+
+TEST_F(StoreCluster, NodeRestartedOnSamePortServesNoStaleBytes) {
+  constexpr size_t kObjects = 128;
+  ASSERT_EQ(PutRange(0, kObjects), 0);
+  nodes_[0]->Kill();
+  nodes_[0] = StartNode(0);  // same node id and port, new incarnation, empty pool
+  std::string err;
+  EXPECT_EQ(GetRange(0, kObjects, &err), 0) << err;
+  WaitForActiveNodes(3);
+  EXPECT_TRUE(WaitForReplicas(2, 5 * kTtlMs));
+  EXPECT_EQ(GetRange(0, kObjects, &err), 0) << err;
+}
+
+}  // namespace
+}  // namespace kvbridge
