@@ -67,6 +67,9 @@ Status MasterConfig::Validate() const {
   if (!(low_watermark > 0 && low_watermark <= high_watermark && high_watermark <= 1)) {
     return bad("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1");
   }
+  if (!(max_put_fill >= 0 && max_put_fill <= 1)) {
+    return bad("max_put_fill must be 0 (= high_watermark) or a fraction up to 1");
+  }
   if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
     return bad("alignment must be a power of two");
   }
@@ -401,12 +404,25 @@ struct MasterState::Impl {
 
   // ---------------------------------------------------------------- placement and eviction
 
-  // The DRAM segment of n with the most free bytes among those with a free range for `bytes`.
-  Segment* FitSegment(Node& n, uint64_t bytes) {
+  // Bytes puts may fill a segment to (max_put_fill, by default the high watermark); the rest is
+  // headroom that re-replication and drains may use, so repairs still find room in a full
+  // cluster. Eviction brings a segment down to the low watermark.
+  uint64_t HighLimit(const Segment& s) const {
+    const double fill = cfg.max_put_fill > 0 ? cfg.max_put_fill : cfg.high_watermark;
+    return static_cast<uint64_t>(fill * static_cast<double>(s.info.capacity));
+  }
+  uint64_t LowLimit(const Segment& s) const {
+    return static_cast<uint64_t>(cfg.low_watermark * static_cast<double>(s.info.capacity));
+  }
+
+  // The DRAM segment of n with the most free bytes among those with a free range for `bytes`;
+  // for a put (not a repair) the segment must also stay within HighLimit.
+  Segment* FitSegment(Node& n, uint64_t bytes, bool repair) {
     const uint64_t need = RoundUp(bytes);
     Segment* best = nullptr;
     for (auto& [sid, s] : n.segments) {
       if (s.info.tier != Tier::kDram || s.alloc.largest_free() < need) continue;
+      if (!repair && s.alloc.used_bytes() + need > HighLimit(s)) continue;
       if (!best || s.alloc.free_bytes() > best->alloc.free_bytes()) best = &s;
     }
     return best;
@@ -420,8 +436,8 @@ struct MasterState::Impl {
   // Up to `count` ACTIVE nodes that can hold `bytes`, most free space first; `holder` excludes
   // nodes already holding a replica of it, `avoid` node ids to skip.
   std::vector<Choice> ChooseNodes(uint64_t bytes, size_t count, const Object* holder,
-                                  const std::vector<std::string>* avoid,
-                                  std::string_view preferred) {
+                                  const std::vector<std::string>* avoid, std::string_view preferred,
+                                  bool repair = false) {
     struct Cand {
       Choice c;
       bool preferred;
@@ -433,7 +449,7 @@ struct MasterState::Impl {
       if (n.state != NodeState::kActive) continue;
       if (holder && ReplicaOn(*holder, &n) >= 0) continue;
       if (avoid && std::find(avoid->begin(), avoid->end(), id) != avoid->end()) continue;
-      Segment* s = FitSegment(n, bytes);
+      Segment* s = FitSegment(n, bytes, repair);
       if (!s) continue;
       cands.push_back({{&n, s},
                        !preferred.empty() && id == preferred,
@@ -499,10 +515,10 @@ struct MasterState::Impl {
     const uint64_t rb = RoundUp(bytes);
     std::vector<Segment*> cands;
     for (auto& [id, n] : nodes) {
-      if (n.state != NodeState::kActive || FitSegment(n, bytes)) continue;
+      if (n.state != NodeState::kActive || FitSegment(n, bytes, false)) continue;
       Segment* best = nullptr;
       for (auto& [sid, s] : n.segments) {
-        if (s.info.tier != Tier::kDram || s.info.capacity < rb) continue;
+        if (s.info.tier != Tier::kDram || HighLimit(s) < rb) continue;
         if (!best || s.alloc.free_bytes() > best->alloc.free_bytes()) best = &s;
       }
       if (best) cands.push_back(best);
@@ -510,12 +526,18 @@ struct MasterState::Impl {
     std::stable_sort(cands.begin(), cands.end(), [](const Segment* a, const Segment* b) {
       return a->alloc.free_bytes() > b->alloc.free_bytes();
     });
+    // Evict down to the low watermark (not just enough for this object), so the next puts find
+    // room without evicting one object each.
     size_t budget = cfg.max_evictions_per_put;
     for (Segment* s : cands) {
       if (need == 0 || budget == 0) break;
       budget -= EvictUntil(
-          *s, [&] { return s->alloc.largest_free() >= rb; }, budget, now_ns);
-      if (s->alloc.largest_free() >= rb) --need;
+          *s,
+          [&] {
+            return s->alloc.largest_free() >= rb && s->alloc.used_bytes() + rb <= LowLimit(*s);
+          },
+          budget, now_ns);
+      if (s->alloc.largest_free() >= rb && s->alloc.used_bytes() + rb <= HighLimit(*s)) --need;
     }
   }
 
@@ -730,10 +752,10 @@ struct MasterState::Impl {
     while (active + inflight < o->target) {
       const Replica* src = ChooseSource(*o);
       if (!src) break;  // sources busy: next tick
-      std::vector<Choice> dest = ChooseNodes(o->bytes, 1, o, &o->failed_dests, {});
+      std::vector<Choice> dest = ChooseNodes(o->bytes, 1, o, &o->failed_dests, {}, true);
       if (dest.empty() && !o->failed_dests.empty()) {
         o->failed_dests.clear();  // no other choice: retry the ones that failed
-        dest = ChooseNodes(o->bytes, 1, o, nullptr, {});
+        dest = ChooseNodes(o->bytes, 1, o, nullptr, {}, true);
       }
       std::optional<uint64_t> off;
       if (!dest.empty()) off = dest[0].segment->alloc.Allocate(o->bytes);

@@ -122,6 +122,10 @@ struct MasterConfig {
   // REQUIRES: 0 < low_watermark <= high_watermark <= 1.
   double high_watermark = 0.9;
   double low_watermark = 0.8;
+  // Fraction of a segment that puts may fill; 0 = high_watermark. Above it a put evicts first
+  // (down to low_watermark). The rest is headroom for re-replication and drains, which may fill
+  // a segment completely (eviction then brings it back under the high watermark).
+  double max_put_fill = 0;
   // Objects sampled per eviction choice (approximate LRU).
   uint32_t eviction_sample_size = 16;
   // Most objects one put key may evict to make room for itself.

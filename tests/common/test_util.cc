@@ -123,6 +123,19 @@ std::string ChildProcess::ReadLine(int timeout_ms) {
   }
 }
 
+std::string ChildProcess::ReadAll(int timeout_ms) {
+  std::string out = std::move(buffered_);
+  buffered_.clear();
+  for (;;) {
+    pollfd pfd{from_child_, POLLIN, 0};
+    if (poll(&pfd, 1, timeout_ms) <= 0) return out;
+    char buf[4096];
+    ssize_t n = read(from_child_, buf, sizeof(buf));
+    if (n <= 0) return out;
+    out.append(buf, static_cast<size_t>(n));
+  }
+}
+
 std::string ChildProcess::Command(const std::string& line, int timeout_ms) {
   std::string l = line + "\n";
   if (write(to_child_, l.data(), l.size()) != static_cast<ssize_t>(l.size())) return "";
@@ -192,7 +205,9 @@ std::unique_ptr<PeerProcess> PeerProcess::Start(const std::vector<std::string>& 
 }
 
 ChildProcess::ChildProcess(ChildProcess&& o) noexcept
-    : pid_(o.pid_), to_child_(o.to_child_), from_child_(o.from_child_),
+    : pid_(o.pid_),
+      to_child_(o.to_child_),
+      from_child_(o.from_child_),
       buffered_(std::move(o.buffered_)) {
   o.pid_ = -1;
   o.to_child_ = -1;

@@ -63,6 +63,8 @@ class ChildProcess {
   bool alive() const { return pid_ > 0; }
   // The next stdout line ("" on EOF or timeout).
   std::string ReadLine(int timeout_ms = 10000);
+  // Everything the process writes to stdout until it closes it (or timeout_ms passes).
+  std::string ReadAll(int timeout_ms = 10000);
   // Sends one line to stdin and returns the next stdout line.
   std::string Command(const std::string& line, int timeout_ms = 10000);
   // Sends a signal; for SIGSTOP/SIGCONT, returns once the process is stopped/running.

@@ -180,4 +180,33 @@ struct ClusterStatus {
 Result<ClusterStatus> QueryClusterStatus(const std::string& master_address,
                                          uint32_t timeout_ms = 3000);
 
+
+// Master + storage nodes + client in one process, on loopback: the default for one-machine
+// use and for tests. Nodes get node ids "<prefix>-node<i>".
+struct EmbeddedClusterOptions {
+  int nodes = 3;
+  uint64_t dram_bytes_per_node = 256ull << 20;
+  uint32_t replica_num = 1;
+  std::string node_id_prefix = "embedded";
+  MasterOptions master;    // listen defaults to a free loopback port here
+  EngineOptions engine;    // template for the nodes' and the client's engines
+};
+
+class EmbeddedCluster {
+ public:
+  static Result<std::unique_ptr<EmbeddedCluster>> Start(const EmbeddedClusterOptions& options);
+  ~EmbeddedCluster();
+  const std::string& master_address() const;
+  // The cluster's client (owned by the cluster).
+  StoreClient& client();
+  // The nodes, to drain or stop one (destroying a node is a stop).
+  std::vector<std::unique_ptr<StorageNode>>& nodes();
+
+  struct Impl;
+
+ private:
+  explicit EmbeddedCluster(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 }  // namespace kvbridge

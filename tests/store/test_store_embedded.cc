@@ -1,0 +1,237 @@
+// The store in one process (EmbeddedCluster), plus the daemons' operator surface: eviction
+// under pressure, drain through the API, `kvbridge status`, config files, garbage on the
+// master's port.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "kvbridge/store.h"
+#include "tests/common/test_util.h"
+
+namespace kvbridge {
+namespace {
+
+using testing::Buffer;
+using testing::ChildProcess;
+using testing::Must;
+
+constexpr uint64_t kObject = 128 * 1024;
+
+const std::string kBin = KVBRIDGE_BIN_DIR "/kvbridge";
+
+EmbeddedClusterOptions SmallCluster(int nodes, uint64_t dram, uint32_t replicas) {
+  EmbeddedClusterOptions o;
+  o.nodes = nodes;
+  o.dram_bytes_per_node = dram;
+  o.replica_num = replicas;
+  o.engine.transports = {"tcp"};
+  o.engine.progress_timeout_ms = 500;
+  o.master.node_ttl_ms = 1000;
+  o.master.lease_ms = 3000;
+  return o;
+}
+
+std::string Key(size_t i) { return "obj-" + std::to_string(i); }
+
+// Puts objects [first, first+n) of kObject bytes each from `arena` (slot i % slots).
+std::vector<Status> PutObjects(StoreClient& c, Buffer& arena, size_t first, size_t n) {
+  const size_t slots = arena.size() / kObject;
+  std::vector<std::string> keys;
+  std::vector<std::vector<BufferRef>> bufs;
+  for (size_t i = first; i < first + n; ++i) {
+    arena.Fill(i, (i % slots) * kObject, kObject);
+    keys.push_back(Key(i));
+    bufs.push_back({BufferRef{arena.data() + (i % slots) * kObject, kObject}});
+  }
+  return c.BatchPutFrom(keys, bufs);
+}
+
+int GetObjects(StoreClient& c, Buffer& arena, const std::vector<size_t>& ids) {
+  const size_t slots = arena.size() / kObject;
+  std::vector<std::string> keys;
+  std::vector<std::vector<BufferRef>> bufs;
+  for (size_t i : ids) {
+    keys.push_back(Key(i));
+    bufs.push_back({BufferRef{arena.data() + (i % slots) * kObject, kObject}});
+  }
+  int failed = 0;
+  auto r = c.BatchGetInto(keys, bufs);
+  for (size_t k = 0; k < ids.size(); ++k) {
+    const size_t off = (ids[k] % slots) * kObject;
+    if (!r[k].ok() || !arena.Matches(ids[k], off, kObject, off)) ++failed;
+  }
+  return failed;
+}
+
+TEST(EmbeddedStore, RoundTripInOneProcess) {
+  auto cluster = Must(EmbeddedCluster::Start(SmallCluster(2, 32u << 20, 2)));
+  Buffer src(64 * kObject), dst(64 * kObject);
+  StoreClient& c = cluster->client();
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  for (const Status& st : PutObjects(c, src, 0, 64)) ASSERT_TRUE(st.ok()) << st.ToString();
+  std::vector<size_t> ids(64);
+  std::iota(ids.begin(), ids.end(), 0);
+  EXPECT_EQ(GetObjects(c, dst, ids), 0);
+  ClusterStatus s = Must(QueryClusterStatus(cluster->master_address()));
+  EXPECT_EQ(s.objects, 64u);
+  EXPECT_EQ(s.nodes.size(), 2u);
+}
+
+TEST(EmbeddedStore, EvictionKeepsUsageUnderTheWatermarkAndSparesRecentlyReadObjects) {
+  // 3 nodes x 8 MiB, 128 KiB objects: the cluster holds ~190 of them; we put 600.
+  auto cluster = Must(EmbeddedCluster::Start(SmallCluster(3, 8u << 20, 1)));
+  StoreClient& c = cluster->client();
+  Buffer src(64 * kObject), dst(64 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  for (const Status& st : PutObjects(c, src, 0, 20)) ASSERT_TRUE(st.ok());
+  std::vector<size_t> hot(20);
+  std::iota(hot.begin(), hot.end(), 0);
+  double max_fill = 0;
+  int put_failures = 0;
+  for (size_t at = 20; at < 600; at += 20) {
+    ASSERT_EQ(GetObjects(c, dst, hot), 0) << "a recently read object was evicted";
+    for (const Status& st : PutObjects(c, src, at, 20)) put_failures += !st.ok();
+    for (const auto& n : Must(QueryClusterStatus(cluster->master_address())).nodes) {
+      max_fill = std::max(max_fill, double(n.used_bytes) / double(n.capacity_bytes));
+    }
+  }
+  std::printf("eviction: max node fill %.3f, %d puts refused\n", max_fill, put_failures);
+  EXPECT_EQ(put_failures, 0) << "eviction did not make room";
+  EXPECT_LE(max_fill, 0.9) << "usage passed the high watermark";
+  ClusterStatus s = Must(QueryClusterStatus(cluster->master_address()));
+  EXPECT_LT(s.objects, 600u) << "nothing was evicted";
+  EXPECT_EQ(GetObjects(c, dst, hot), 0);
+}
+
+TEST(EmbeddedStore, DrainThroughTheApiMovesEveryObject) {
+  auto cluster = Must(EmbeddedCluster::Start(SmallCluster(3, 32u << 20, 2)));
+  StoreClient& c = cluster->client();
+  Buffer src(128 * kObject), dst(128 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  for (const Status& st : PutObjects(c, src, 0, 128)) ASSERT_TRUE(st.ok());
+  StorageNode& leaving = *cluster->nodes()[0];
+  ASSERT_GT(leaving.object_count(), 0u);
+  Status st = leaving.Drain();
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  cluster->nodes().erase(cluster->nodes().begin());  // deregisters
+  std::vector<size_t> ids(128);
+  std::iota(ids.begin(), ids.end(), 0);
+  EXPECT_EQ(GetObjects(c, dst, ids), 0);
+  ClusterStatus s = Must(QueryClusterStatus(cluster->master_address()));
+  uint64_t replicas = 0;
+  for (const auto& n : s.nodes) replicas += n.state == "ACTIVE" ? n.replicas : 0;
+  EXPECT_EQ(s.objects, 128u);
+  EXPECT_EQ(replicas, 256u) << "drained objects lost a replica";
+}
+
+TEST(EmbeddedStore, InvalidOptionsAreNamedErrors) {
+  auto r = EmbeddedCluster::Start(SmallCluster(2, 8u << 20, 3));
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  StoreOptions so;
+  so.replica_num = 0;
+  EXPECT_EQ(StoreClient::Create(so).status().code(), StatusCode::kInvalidArgument);
+}
+
+// The daemons' operator surface.
+class Daemons : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    port_ = testing::FreePort();
+    addr_ = "127.0.0.1:" + std::to_string(port_);
+    master_ = ChildProcess::Start({kBin, "master", "--listen", addr_});
+    ASSERT_TRUE(master_);
+    ASSERT_NE(master_->ReadLine(20000).find("listening on"), std::string::npos);
+  }
+  std::string Run(const std::vector<std::string>& args, int* code) {
+    std::vector<std::string> argv = {kBin};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto p = ChildProcess::Start(argv);
+    std::string out = p->ReadAll(10000);
+    *code = p->Wait(10000);
+    return out;
+  }
+  uint16_t port_ = 0;
+  std::string addr_;
+  std::unique_ptr<ChildProcess> master_;
+};
+
+TEST_F(Daemons, ConfigFileStatusTableAndJson) {
+  char path[] = "/tmp/kvb-node-conf-XXXXXX";
+  int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  {
+    std::ofstream f(path);
+    f << "# a node's config\nmaster = " << addr_ << "\nnode_dram_bytes = 33554432\n"
+      << "node_id = conf-node\n";
+  }
+  auto node = ChildProcess::Start({kBin, "node", "--config", path});
+  ASSERT_TRUE(node);
+  ASSERT_NE(node->ReadLine(20000).find("serving 33554432 bytes"), std::string::npos);
+  int code = -1;
+  std::string table = Run({"status", "--master", addr_}, &code);
+  EXPECT_EQ(code, 0) << table;
+  EXPECT_NE(table.find("conf-node"), std::string::npos) << table;
+  EXPECT_NE(table.find("ACTIVE"), std::string::npos) << table;
+  EXPECT_NE(table.find("32.0 MiB"), std::string::npos) << table;
+  std::string json = Run({"status", "--master", addr_, "--json"}, &code);
+  EXPECT_EQ(code, 0);
+  EXPECT_NE(json.find("\"node_id\": \"conf-node\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"capacity_bytes\": 33554432"), std::string::npos) << json;
+  // Bad flags and files are named errors.
+  std::string bad = Run({"node", "--dram-bytes", "lots"}, &code);
+  EXPECT_EQ(code, 2);
+  Run({"node", "--config", "/nonexistent/kvb.conf"}, &code);
+  EXPECT_EQ(code, 2);
+  Run({"frobnicate"}, &code);
+  EXPECT_EQ(code, 2);
+  unlink(path);
+}
+
+TEST_F(Daemons, StatusOfAnUnreachableMasterIsANamedError) {
+  int code = -1;
+  master_->Kill();
+  Run({"status", "--master", addr_}, &code);
+  EXPECT_EQ(code, 1);
+}
+
+TEST_F(Daemons, GarbageOnTheMasterPortHurtsNobody) {
+  auto node = ChildProcess::Start(
+      {kBin, "node", "--master", addr_, "--node-id", "g-node", "--dram-bytes", "16777216"});
+  ASSERT_NE(node->ReadLine(20000).find("serving"), std::string::npos);
+  std::mt19937 rng(3);
+  for (int i = 0; i < 20; ++i) {
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port_);
+    ASSERT_EQ(connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    std::string junk(1 + rng() % 4096, '\0');
+    for (auto& ch : junk) ch = static_cast<char>(rng());
+    if (i % 2) junk.replace(0, 3, "PRI");  // looks like an HTTP/2 preface, then nonsense
+    (void)!write(s, junk.data(), junk.size());
+    close(s);
+  }
+  StoreOptions so;
+  so.master_address = addr_;
+  so.engine.transports = {"tcp"};
+  so.engine.node_id = "g-client";
+  auto client = Must(StoreClient::Create(so));
+  ASSERT_TRUE(client->Put("after-garbage", "still fine").ok());
+  EXPECT_EQ(Must(client->Get("after-garbage")), "still fine");
+}
+
+}  // namespace
+}  // namespace kvbridge
