@@ -27,6 +27,7 @@ using Clock = std::chrono::steady_clock;
 constexpr uint64_t kPage = 64 * 1024;  // one buffer (K or V)
 constexpr size_t kSlots = 256;         // objects a client arena holds
 constexpr uint32_t kTtlMs = 1000;
+constexpr uint32_t kLeaseMs = 200;
 
 const std::string kBin = KVBRIDGE_BIN_DIR "/kvbridge";
 
@@ -60,7 +61,7 @@ class StoreCluster : public ::testing::Test {
 
   void StartMaster() {
     master_ = ChildProcess::Start({kBin, "master", "--listen", master_addr_, "--node-ttl-ms",
-                                   std::to_string(kTtlMs), "--lease-ms", "2000"});
+                                   std::to_string(kTtlMs), "--lease-ms", std::to_string(kLeaseMs)});
     ASSERT_TRUE(master_);
     const std::string line = master_->ReadLine(20000);
     ASSERT_NE(line.find("listening on"), std::string::npos) << "master said: " << line;
@@ -71,7 +72,7 @@ class StoreCluster : public ::testing::Test {
     const std::string id = "node" + std::to_string(i);
     auto node =
         ChildProcess::Start({kBin, "node", "--master", master_addr_, "--node-id", id,
-                             "--dram-bytes", std::to_string(64u << 20), "--drain-timeout-ms",
+                             "--dram-bytes", std::to_string(128u << 20), "--drain-timeout-ms",
                              "10000", "--listen", "127.0.0.1:" + std::to_string(node_ports_[i])});
     if (!node) return nullptr;
     const std::string line = node->ReadLine(20000);
@@ -175,6 +176,114 @@ class StoreCluster : public ::testing::Test {
     return failed;
   }
 
+  // Four client threads, each in a loop (~every 80 ms): put a new batch of 32 objects (own key
+  // space, own registered arena); remove its oldest beyond a window of kWindow (so the cluster
+  // stays half full and eviction never takes what the test reads); read back 32 random objects
+  // among its newest 64 and check the bytes. Objects leave the read set several loops before
+  // they are removed, so their read leases (kLeaseMs) have expired and their space is free
+  // again. Runs until *stop; counts what failed.
+  static constexpr size_t kWindow = 192;
+  struct LoadResult {
+    std::atomic<int> puts_ok{0}, puts_failed{0}, gets_ok{0}, gets_failed{0}, removes_failed{0};
+    std::mutex mu;
+    std::string first_get_error, first_put_error;
+  };
+  void MixedLoad(std::atomic<bool>* stop, LoadResult* out) {
+    constexpr int kThreads = 4, kBatch = 32, kArenaObjects = 64;
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        Buffer src(kArenaObjects * 2 * kPage), dst(kArenaObjects * 2 * kPage);
+        if (!client_->RegisterBuffer(src.data(), src.size()).ok() ||
+            !client_->RegisterBuffer(dst.data(), dst.size()).ok()) {
+          ++out->puts_failed;
+          return;
+        }
+        std::mt19937 rng(t);
+        std::vector<size_t> stored;  // object ids whose put succeeded
+        for (size_t n = 0; !stop->load(); ++n) {
+          std::vector<std::string> keys;
+          std::vector<std::vector<BufferRef>> bufs;
+          std::vector<size_t> ids;
+          for (int k = 0; k < kBatch; ++k) {
+            const size_t id = 1000000 * (t + 1) + n * kBatch + k;
+            const size_t slot = (n * kBatch + k) % kArenaObjects;
+            src.Fill(id, slot * 2 * kPage, 2 * kPage);
+            keys.push_back("load-" + std::to_string(id));
+            bufs.push_back({BufferRef{src.data() + slot * 2 * kPage, kPage},
+                            BufferRef{src.data() + slot * 2 * kPage + kPage, kPage}});
+            ids.push_back(id);
+          }
+          auto put = client_->BatchPutFrom(keys, bufs);
+          for (size_t k = 0; k < put.size(); ++k) {
+            if (put[k].ok()) {
+              ++out->puts_ok;
+              stored.push_back(ids[k]);
+              continue;
+            }
+            ++out->puts_failed;
+            std::lock_guard<std::mutex> lock(out->mu);
+            if (out->first_put_error.empty()) {
+              out->first_put_error = keys[k] + ": " + put[k].ToString();
+            }
+          }
+          if (stored.size() > kWindow) {
+            std::vector<std::string> old;
+            for (size_t k = 0; k < stored.size() - kWindow; ++k) {
+              old.push_back("load-" + std::to_string(stored[k]));
+            }
+            auto removed = client_->BatchRemove(old);
+            std::vector<size_t> kept;
+            for (size_t k = 0; k < removed.size(); ++k) {
+              if (!removed[k].ok()) {
+                ++out->removes_failed;
+                kept.push_back(stored[k]);  // still stored: keep counting it
+              }
+            }
+            stored.erase(stored.begin(), stored.begin() + static_cast<ptrdiff_t>(old.size()));
+            stored.insert(stored.begin(), kept.begin(), kept.end());
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          if (stored.empty()) continue;
+          // Read back up to 32 stored objects, one per arena slot.
+          keys.clear();
+          bufs.clear();
+          ids.clear();
+          const size_t newest = std::min<size_t>(stored.size(), 64);
+          for (int k = 0; k < kBatch; ++k) {
+            const size_t id = stored[stored.size() - 1 - rng() % newest];
+            keys.push_back("load-" + std::to_string(id));
+            bufs.push_back({BufferRef{dst.data() + k * 2 * kPage, kPage},
+                            BufferRef{dst.data() + k * 2 * kPage + kPage, kPage}});
+            ids.push_back(id);
+          }
+          auto got = client_->BatchGetInto(keys, bufs);
+          for (size_t k = 0; k < got.size(); ++k) {
+            bool ok = got[k].ok();
+            for (size_t b = 0; ok && b < 2 * kPage; b += 997) {
+              ok = dst.data()[k * 2 * kPage + b] ==
+                   testing::PatternByte(
+                       ids[k], ((ids[k] - 1000000 * (t + 1)) % kArenaObjects) * 2 * kPage + b);
+            }
+            if (ok) {
+              ++out->gets_ok;
+              continue;
+            }
+            ++out->gets_failed;
+            std::lock_guard<std::mutex> lock(out->mu);
+            if (out->first_get_error.empty()) {
+              out->first_get_error =
+                  keys[k] + ": " + (got[k].ok() ? "wrong bytes" : got[k].status().ToString());
+            }
+          }
+        }
+        (void)client_->UnregisterBuffer(src.data());
+        (void)client_->UnregisterBuffer(dst.data());
+      });
+    }
+    for (auto& th : threads) th.join();
+  }
+
   uint16_t master_port_ = 0;
   std::string master_addr_;
   std::unique_ptr<ChildProcess> master_;
@@ -241,35 +350,24 @@ TEST_F(StoreCluster, BadInputGetsPerKeyErrorsAndLosesNothing) {
 }
 
 TEST_F(StoreCluster, KilledNodeCostsNoGetAndReplicasAreRestored) {
-  constexpr size_t kObjects = 240;
-  ASSERT_EQ(PutRange(0, kObjects), 0);
   std::atomic<bool> stop{false};
-  std::atomic<int> get_failures{0}, gets{0};
-  std::string first_error;
-  std::mutex err_mu;
-  std::thread reader([&] {
-    while (!stop.load()) {
-      std::string err;
-      const int f = GetRange(0, kObjects, &err);
-      get_failures += f;
-      gets += kObjects;
-      if (f > 0) {
-        std::lock_guard<std::mutex> lock(err_mu);
-        if (first_error.empty()) first_error = err;
-      }
-    }
-  });
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  LoadResult load;
+  std::thread driver([&] { MixedLoad(&stop, &load); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
   nodes_[1]->Kill();
   std::this_thread::sleep_for(std::chrono::milliseconds(3 * kTtlMs));
   stop = true;
-  reader.join();
-  std::printf("kill -9 under read load: %d gets, %d failed\n", gets.load(), get_failures.load());
-  EXPECT_EQ(get_failures.load(), 0) << "first failure: " << first_error;
-  EXPECT_GT(gets.load(), static_cast<int>(kObjects));
+  driver.join();
+  std::printf(
+      "kill -9 under 4-thread put/get load: puts %d ok / %d failed, gets %d ok / %d "
+      "failed\n",
+      load.puts_ok.load(), load.puts_failed.load(), load.gets_ok.load(), load.gets_failed.load());
+  EXPECT_EQ(load.gets_failed.load(), 0) << "first failure: " << load.first_get_error;
+  EXPECT_EQ(load.puts_failed.load(), 0) << "first failure: " << load.first_put_error;
+  EXPECT_GT(load.gets_ok.load(), 500);
+  EXPECT_GT(load.puts_ok.load(), 500);
   WaitForActiveNodes(2);
   EXPECT_TRUE(WaitForReplicas(2, 5 * kTtlMs)) << "re-replication did not restore 2 replicas";
-  EXPECT_EQ(GetRange(0, kObjects), 0);
 }
 
 TEST_F(StoreCluster, FrozenNodeFailsOverWithinTheProgressTimeout) {
@@ -286,37 +384,54 @@ TEST_F(StoreCluster, FrozenNodeFailsOverWithinTheProgressTimeout) {
 }
 
 TEST_F(StoreCluster, DrainedNodeLeavesWithoutLosingAnything) {
-  constexpr size_t kObjects = 240;
-  ASSERT_EQ(PutRange(0, kObjects), 0);
   std::atomic<bool> stop{false};
-  std::atomic<int> get_failures{0};
-  std::thread reader([&] {
-    while (!stop.load()) get_failures += GetRange(0, kObjects);
-  });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  LoadResult load;
+  std::thread driver([&] { MixedLoad(&stop, &load); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
   nodes_[2]->Signal(SIGTERM);
   const int code = nodes_[2]->Wait(15000);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   stop = true;
-  reader.join();
+  driver.join();
+  std::printf(
+      "drain under 4-thread put/get load: puts %d ok / %d failed, gets %d ok / %d "
+      "failed\n",
+      load.puts_ok.load(), load.puts_failed.load(), load.gets_ok.load(), load.gets_failed.load());
   EXPECT_EQ(code, 0) << "drained node did not exit cleanly in time";
-  EXPECT_EQ(get_failures.load(), 0);
+  EXPECT_EQ(load.gets_failed.load(), 0) << "first failure: " << load.first_get_error;
+  EXPECT_EQ(load.puts_failed.load(), 0) << "first failure: " << load.first_put_error;
   WaitForActiveNodes(2);
-  EXPECT_EQ(View().objects, kObjects) << "objects lost in the drain";
+  EXPECT_EQ(View().objects, 4u * kWindow) << "objects lost in the drain";
   EXPECT_TRUE(WaitForReplicas(2, 5 * kTtlMs));
-  EXPECT_EQ(GetRange(0, kObjects), 0);
 }
 
-TEST_F(StoreCluster, MasterRestartForgetsNothing) {
+TEST_F(StoreCluster, MasterRestartUnderLoadForgetsNothing) {
   constexpr size_t kObjects = 200;
   ASSERT_EQ(PutRange(0, kObjects), 0);
+  std::atomic<bool> stop{false};
+  LoadResult load;
+  std::thread driver([&] { MixedLoad(&stop, &load); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
   master_->Kill();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   StartMaster();  // same port, empty state
   WaitForActiveNodes(3);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  stop = true;
+  driver.join();
+  // While the master was down calls failed (named errors); every put that was acknowledged
+  // must be readable now, the earlier objects too.
+  std::printf("master restart under load: puts %d ok / %d failed, gets %d ok / %d failed\n",
+              load.puts_ok.load(), load.puts_failed.load(), load.gets_ok.load(),
+              load.gets_failed.load());
+  EXPECT_EQ(load.gets_failed.load() > 0 || load.puts_failed.load() > 0, true)
+      << "the master was down for a while: some calls must have failed";
+  const uint64_t expected = kObjects + 4u * kWindow;  // every acknowledged, unremoved object
   auto until = Clock::now() + std::chrono::seconds(10);
-  while (Clock::now() < until && View().objects < kObjects) {
+  while (Clock::now() < until && View().objects < expected) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  EXPECT_EQ(View().objects, kObjects);
+  EXPECT_EQ(View().objects, expected);
   std::string err;
   EXPECT_EQ(GetRange(0, kObjects, &err), 0) << err;
   // And it keeps working: new puts, versions above the old ones.
