@@ -394,6 +394,10 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     reply->set_objects(s.objects);
     reply->set_pending(s.pending);
     reply->set_bytes(s.bytes);
+    reply->set_evictions_total(s.evictions_total);
+    reply->set_bad_replicas_total(s.bad_replicas_total);
+    reply->set_nodes_expired_total(s.nodes_expired_total);
+    reply->set_under_replicated(s.under_replicated);
     return grpc::Status::OK;
   }
 };
@@ -459,6 +463,10 @@ Result<ClusterStatus> QueryClusterStatus(const std::string& master_address, uint
   out.objects = reply.objects();
   out.pending_puts = reply.pending();
   out.stored_bytes = reply.bytes();
+  out.evictions_total = reply.evictions_total();
+  out.bad_replicas_total = reply.bad_replicas_total();
+  out.nodes_expired_total = reply.nodes_expired_total();
+  out.under_replicated = reply.under_replicated();
   return out;
 }
 

@@ -188,6 +188,7 @@ struct MasterState::Impl {
   uint64_t evictions_total = 0;
   uint64_t revokes_total = 0;
   uint64_t nodes_expired_total = 0;
+  uint64_t bad_replicas_total = 0;
 
   // ---------------------------------------------------------------- small helpers
 
@@ -1307,6 +1308,7 @@ Status MasterState::ReportBadReplica(std::string_view key, uint64_t version,
     return Status::NotFound("no complete replica on " + ToString(node));
   }
   n->bad_reports += 1;
+  ++m.bad_replicas_total;
   if (std::find(o->failed_dests.begin(), o->failed_dests.end(), node.node_id) ==
       o->failed_dests.end()) {
     o->failed_dests.push_back(node.node_id);  // not the first choice for its new copy
@@ -1505,6 +1507,7 @@ MasterStats MasterState::Stats() const {
   st.evictions_total = m.evictions_total;
   st.revokes_total = m.revokes_total;
   st.nodes_expired_total = m.nodes_expired_total;
+  st.bad_replicas_total = m.bad_replicas_total;
   return st;
 }
 

@@ -129,7 +129,10 @@ struct MasterConfig {
   // Objects sampled per eviction choice (approximate LRU).
   uint32_t eviction_sample_size = 16;
   // Most objects one put key may evict to make room for itself.
-  uint32_t max_evictions_per_put = 64;
+  // (Bounds the master's time under its lock; 1024 evictions take about a millisecond. After a
+  // node loss, repairs may have filled survivors to 100%, and a put must be able to evict down
+  // to the high watermark in one go.)
+  uint32_t max_evictions_per_put = 1024;
 
   // --- Re-replication ---
   // A handed-out task not reported done within this fails (and is rescheduled); also the bound
@@ -138,7 +141,7 @@ struct MasterConfig {
   // After a failed task, or when no destination is available, retry the object after this.
   uint64_t repair_backoff_ms = 1000;
   // Replication tasks in flight per source node.
-  uint32_t max_tasks_per_node = 64;
+  uint32_t max_tasks_per_node = 256;
 
   // --- Replica ordering ---
   // Half-life of the per-node read and bad-replica counters used to order replicas.
@@ -272,6 +275,7 @@ struct MasterStats {
   uint64_t evictions_total = 0;
   uint64_t revokes_total = 0;
   uint64_t nodes_expired_total = 0;
+  uint64_t bad_replicas_total = 0;  // replicas dropped on a reader's report
 };
 
 struct NodeDirectoryEntry {

@@ -1,9 +1,11 @@
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -63,6 +65,7 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   bool draining = false;  // Drain() was called: say so when re-registering
   bool drained = false;
   bool superseded = false;
+  bool heartbeat_now = false;  // the task loop wants more work without waiting an interval
   std::thread heartbeat_thread;
   std::thread task_thread;
 
@@ -83,7 +86,8 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   void ApplyFrees(const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& frees);
   void HeartbeatLoop();
   void TaskLoop();
-  Status RunTask(const rpc::ReplicationTask& task);
+  // Copies a batch of tasks' replicas with one engine batch; one status per task.
+  std::vector<Status> RunTasks(const std::vector<rpc::ReplicationTask>& batch);
   void Stop();
 
   grpc::Status Commit(grpc::ServerContext*, const rpc::CommitRequest* req,
@@ -157,8 +161,10 @@ void StorageNode::Impl::ApplyFrees(
 void StorageNode::Impl::HeartbeatLoop() {
   std::unique_lock<std::mutex> lock(mu);
   while (!stopping) {
-    cv.wait_for(lock, std::chrono::milliseconds(heartbeat_interval_ms), [&] { return stopping; });
+    cv.wait_for(lock, std::chrono::milliseconds(heartbeat_interval_ms),
+                [&] { return stopping || heartbeat_now; });
     if (stopping) break;
+    heartbeat_now = false;
     lock.unlock();
     rpc::HeartbeatRequest req;
     *req.mutable_node() = Identity();
@@ -194,20 +200,46 @@ void StorageNode::Impl::HeartbeatLoop() {
   }
 }
 
-Status StorageNode::Impl::RunTask(const rpc::ReplicationTask& task) {
-  Result<PeerId> dest = engine->AddPeer(task.dest_descriptor());
-  if (!dest.ok()) return dest.status().WithContext("destination descriptor");
-  const auto& src = task.source();
-  if (src.segment_id() != segment || src.offset() > pool_bytes ||
-      src.length() > pool_bytes - src.offset() || src.length() != task.dest().length()) {
-    return Status::OutOfBounds("task source range is not inside this node's pool");
+std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::ReplicationTask>& batch) {
+  std::vector<Status> result(batch.size());
+  std::vector<TransferOp> ops;
+  std::vector<size_t> task_of_op;
+  std::vector<std::string> dest_ids(batch.size());
+  uint32_t deadline_ms = UINT32_MAX;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const rpc::ReplicationTask& task = batch[i];
+    Result<PeerId> dest = engine->AddPeer(task.dest_descriptor());
+    if (!dest.ok()) {
+      result[i] = dest.status().WithContext("destination descriptor");
+      continue;
+    }
+    const auto& src = task.source();
+    if (src.segment_id() != segment || src.offset() > pool_bytes ||
+        src.length() > pool_bytes - src.offset() || src.length() != task.dest().length()) {
+      result[i] = Status::OutOfBounds("task source range is not inside this node's pool");
+      continue;
+    }
+    if (task.timeout_ms() == 0) {
+      result[i] = Status::DeadlineExceeded("task arrived past its deadline");
+      continue;
+    }
+    dest_ids[i] = dest->node_id;
+    deadline_ms = std::min(deadline_ms, task.timeout_ms());  // the master gives up after it
+    ops.push_back(TransferOp{OpCode::kWrite, pool + src.offset(), src.length(), dest_ids[i],
+                             task.dest().segment_id(), task.dest().offset()});
+    task_of_op.push_back(i);
   }
-  TransferOp op{OpCode::kWrite, pool + src.offset(),      src.length(),
-                dest->node_id,  task.dest().segment_id(), task.dest().offset()};
+  if (ops.empty()) return result;
   SubmitOptions so;
-  so.deadline_ms = task.timeout_ms();  // the master fails the task after this anyway
-  if (so.deadline_ms == 0) return Status::DeadlineExceeded("task arrived past its deadline");
-  return engine->Transfer(std::span(&op, 1), so);
+  so.deadline_ms = deadline_ms;
+  Result<BatchId> id = engine->Submit(ops, so);
+  if (!id.ok()) {
+    for (size_t i : task_of_op) result[i] = id.status();
+    return result;
+  }
+  BatchResult r = engine->Wait(id.value());
+  for (size_t k = 0; k < ops.size(); ++k) result[task_of_op[k]] = r.op_status[k];
+  return result;
 }
 
 void StorageNode::Impl::TaskLoop() {
@@ -215,19 +247,26 @@ void StorageNode::Impl::TaskLoop() {
   for (;;) {
     cv.wait(lock, [&] { return stopping || !tasks.empty(); });
     if (stopping) return;
-    rpc::ReplicationTask task = std::move(tasks.front());
-    tasks.pop_front();
+    // Everything queued goes out as one transfer batch: re-replication after a node loss moves
+    // thousands of objects, and one engine batch per object would serialize them.
+    std::vector<rpc::ReplicationTask> batch(std::make_move_iterator(tasks.begin()),
+                                            std::make_move_iterator(tasks.end()));
+    tasks.clear();
     lock.unlock();
-    Status st = RunTask(task);
-    rpc::TaskDoneRequest done;
-    *done.mutable_node() = Identity();
-    done.set_task_id(task.task_id());
-    store::ToProto(st, done.mutable_status());
-    rpc::Status reply;
-    auto ctx = Context();
-    grpc::Status gs = master->TaskDone(ctx.get(), done, &reply);
-    if (!gs.ok()) KVB_LOG(WARN) << store::FromGrpc(gs, "TaskDone").ToString();
+    std::vector<Status> statuses = RunTasks(batch);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      rpc::TaskDoneRequest done;
+      *done.mutable_node() = Identity();
+      done.set_task_id(batch[i].task_id());
+      store::ToProto(statuses[i], done.mutable_status());
+      rpc::Status reply;
+      auto ctx = Context();
+      grpc::Status gs = master->TaskDone(ctx.get(), done, &reply);
+      if (!gs.ok()) KVB_LOG(WARN) << store::FromGrpc(gs, "TaskDone").ToString();
+    }
     lock.lock();
+    heartbeat_now = true;  // ask for the next tasks now, not an interval from now
+    cv.notify_all();
   }
 }
 
@@ -284,7 +323,13 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
                                (plugin ? std::string("does not offer a memory pool") : why));
   }
   impl->storage_ops = plugin->storage_ops();
-  impl->host = std::make_unique<core::HostServices>(options.engine.plugin_config);
+  // Storage nodes touch their whole pool up front unless told otherwise: page faults in the
+  // first pass over a fresh pool halve its transfer rate for seconds.
+  std::map<std::string, std::string> plugin_config = options.engine.plugin_config;
+  if (!plugin_config.count("dram.prefault") && !std::getenv("KVBRIDGE_DRAM_PREFAULT")) {
+    plugin_config["dram.prefault"] = "1";
+  }
+  impl->host = std::make_unique<core::HostServices>(std::move(plugin_config));
   kvb_storage_params_t params{.struct_size = sizeof(kvb_storage_params_t),
                               .node_id = impl->engine->self().node_id.c_str(),
                               .capacity_bytes = options.dram_bytes,

@@ -219,9 +219,12 @@ int RunStatus(const Flags& f) {
   if (f.Has("json")) {
     std::printf(
         "{\"master\": \"%s\", \"objects\": %llu, \"pending_puts\": %llu, "
-        "\"stored_bytes\": %llu, \"nodes\": [",
+        "\"stored_bytes\": %llu, \"under_replicated\": %llu, \"evictions_total\": %llu, "
+        "\"bad_replicas_total\": %llu, \"nodes_expired_total\": %llu, \"nodes\": [",
         master.c_str(), (unsigned long long)c.objects, (unsigned long long)c.pending_puts,
-        (unsigned long long)c.stored_bytes);
+        (unsigned long long)c.stored_bytes, (unsigned long long)c.under_replicated,
+        (unsigned long long)c.evictions_total, (unsigned long long)c.bad_replicas_total,
+        (unsigned long long)c.nodes_expired_total);
     for (size_t i = 0; i < c.nodes.size(); ++i) {
       const NodeStatus& n = c.nodes[i];
       std::printf(
@@ -234,9 +237,13 @@ int RunStatus(const Flags& f) {
     std::printf("]}\n");
     return 0;
   }
-  std::printf("master %s: %llu objects (%s), %llu puts in progress\n\n", master.c_str(),
-              (unsigned long long)c.objects, Bytes(c.stored_bytes).c_str(),
-              (unsigned long long)c.pending_puts);
+  std::printf(
+      "master %s: %llu objects (%s), %llu puts in progress, %llu under-replicated\n"
+      "since start: %llu evicted, %llu bad replicas dropped, %llu nodes expired\n\n",
+      master.c_str(), (unsigned long long)c.objects, Bytes(c.stored_bytes).c_str(),
+      (unsigned long long)c.pending_puts, (unsigned long long)c.under_replicated,
+      (unsigned long long)c.evictions_total, (unsigned long long)c.bad_replicas_total,
+      (unsigned long long)c.nodes_expired_total);
   std::printf("%-24s %-18s %-9s %12s %12s %6s %9s\n", "NODE", "INCARNATION", "STATE", "CAPACITY",
               "USED", "USED%", "REPLICAS");
   for (const NodeStatus& n : c.nodes) {

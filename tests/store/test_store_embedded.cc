@@ -2,6 +2,7 @@
 // under pressure, drain through the API, `kvbridge status`, config files, garbage on the
 // master's port.
 #include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -13,6 +14,7 @@
 #include <random>
 #include <thread>
 
+#include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
 #include "tests/common/test_util.h"
 
@@ -141,6 +143,77 @@ TEST(EmbeddedStore, InvalidOptionsAreNamedErrors) {
   StoreOptions so;
   so.replica_num = 0;
   EXPECT_EQ(StoreClient::Create(so).status().code(), StatusCode::kInvalidArgument);
+}
+
+// A replica whose bytes changed under the reader (what a lapsed lease and reused space look
+// like) is caught by the CRC-32C, reported, and the read is served by the other replica.
+TEST(EmbeddedStore, CorruptedReplicaIsDetectedAndTheOtherOneServes) {
+  EmbeddedClusterOptions o = SmallCluster(2, 32u << 20, 2);
+  auto cluster = Must(EmbeddedCluster::Start(o));
+  StoreClient& c = cluster->client();
+  Buffer src(8 * kObject), dst(8 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  for (const Status& st : PutObjects(c, src, 0, 1)) ASSERT_TRUE(st.ok());
+
+  // Find where the replicas live, through the master's own protocol, and scribble over the
+  // first one with a one-sided WRITE from an outside engine.
+  auto stub = rpc::Master::NewStub(
+      grpc::CreateChannel(cluster->master_address(), grpc::InsecureChannelCredentials()));
+  rpc::GetReplicasRequest greq;
+  greq.add_keys(Key(0));
+  rpc::GetReplicasReply grep;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->GetReplicas(&ctx, greq, &grep).ok());
+  }
+  ASSERT_EQ(grep.items(0).replicas_size(), 2);
+  const rpc::ReplicaLocation victim = grep.items(0).replicas(0);
+  rpc::NodeDescriptorsRequest dreq;
+  dreq.add_node_ids(victim.node().node_id());
+  rpc::NodeDescriptorsReply drep;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->GetNodeDescriptors(&ctx, dreq, &drep).ok());
+  }
+  EngineOptions eo;
+  eo.node_id = "vandal";
+  eo.transports = {"tcp"};
+  auto vandal = Must(TransferEngine::Create(eo));
+  Buffer junk(kObject);
+  junk.Fill(424242);
+  Must(vandal->RegisterMemory(junk.data(), junk.size()));
+  Must(vandal->AddPeer(drep.nodes(0).engine_descriptor()));
+  TransferOp op{OpCode::kWrite,          junk.data(),         kObject,
+                victim.node().node_id(), victim.segment_id(), victim.offset()};
+  ASSERT_TRUE(vandal->Transfer(std::span(&op, 1)).ok());
+
+  // A client that verifies every read gets the right bytes from the other replica.
+  StoreOptions so;
+  so.master_address = cluster->master_address();
+  so.engine.transports = {"tcp"};
+  so.engine.node_id = "verifier";
+  so.verify_checksums = true;
+  auto verifier = Must(StoreClient::Create(so));
+  ASSERT_TRUE(verifier->RegisterBuffer(dst.data(), dst.size()).ok());
+  // Reads rotate over replicas, so a few reads are sure to hit the corrupted one first.
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(GetObjects(*verifier, dst, {0}), 0) << "corrupted bytes were returned";
+  }
+  EXPECT_EQ(Must(QueryClusterStatus(cluster->master_address())).bad_replicas_total, 1u)
+      << "the corrupted replica was never detected";
+  // The bad replica was reported and dropped; re-replication restores two good copies.
+  bool restored = false;
+  for (int i = 0; i < 100 && !restored; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    uint64_t replicas = 0;
+    for (const auto& n : Must(QueryClusterStatus(cluster->master_address())).nodes) {
+      replicas += n.replicas;
+    }
+    restored = replicas == 2;
+  }
+  EXPECT_TRUE(restored);
+  EXPECT_EQ(GetObjects(*verifier, dst, {0}), 0);
 }
 
 // The daemons' operator surface.

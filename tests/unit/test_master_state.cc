@@ -1346,6 +1346,7 @@ TEST(MasterConcurrency, CallsFromManyThreadsKeepTheTableConsistent) {
   for (int i = 0; i < 4; ++i) c.AddNode("n" + std::to_string(i), {256 * kKiB});
   MasterState& m = c.m();
   std::atomic<uint64_t> clock{c.now};
+  std::atomic<int> puts_completed{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
@@ -1362,7 +1363,7 @@ TEST(MasterConcurrency, CallsFromManyThreadsKeepTheTableConsistent) {
             auto plan = m.BeginPutEnd(
                 {{key, a[0]->version, std::vector<bool>(a[0]->replicas.size(), true), 1}}, now);
             for (auto& cm : plan.commits) cm.ok = rng() % 10 != 0;
-            (void)m.FinishPutEnd(plan, now);
+            puts_completed += m.FinishPutEnd(plan, now)[0].ok();
             break;
           }
           case 1:
@@ -1383,7 +1384,9 @@ TEST(MasterConcurrency, CallsFromManyThreadsKeepTheTableConsistent) {
   }
   for (auto& th : threads) th.join();
   ExpectConsistent(c);
-  EXPECT_GT(m.Stats().objects, 0u);
+  // (How many objects survive depends on the interleaving: a thread that finishes early stops
+  // heartbeating its node while the shared clock runs on, so nodes may expire.)
+  EXPECT_GT(puts_completed.load(), 0) << "the test exercised nothing";
 }
 
 // ------------------------------------------------------------------ randomized

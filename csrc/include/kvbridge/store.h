@@ -38,6 +38,11 @@ struct StoreOptions {
   uint32_t rpc_timeout_ms = 3000;
   // Deadline of the data transfers of one batch. KVBRIDGE_STORE_TRANSFER_DEADLINE_MS.
   uint32_t transfer_deadline_ms = 5000;
+  // A get's bytes are safe while its read lease holds (the master never frees or reuses leased
+  // space); a read that may have outlived its lease is always verified against the object's
+  // CRC-32C and retried on another replica on mismatch. true verifies every read, lease or
+  // not (catches memory corruption too, costs CPU). KVBRIDGE_VERIFY_CHECKSUMS (0/1).
+  bool verify_checksums = false;
   // The client's transfer engine (its node id is the "local node" for replica ordering).
   EngineOptions engine;
   // Defaults, overridden by the KVBRIDGE_* variables named above and EngineOptions::FromEnv().
@@ -174,12 +179,15 @@ struct ClusterStatus {
   uint64_t objects = 0;
   uint64_t pending_puts = 0;
   uint64_t stored_bytes = 0;
+  uint64_t evictions_total = 0;
+  uint64_t bad_replicas_total = 0;  // replicas dropped because a reader found them bad
+  uint64_t nodes_expired_total = 0;
+  uint64_t under_replicated = 0;  // objects waiting for re-replication
 };
 
 // Asks a master for its view (what `kvbridge status` prints).
 Result<ClusterStatus> QueryClusterStatus(const std::string& master_address,
                                          uint32_t timeout_ms = 3000);
-
 
 // Master + storage nodes + client in one process, on loopback: the default for one-machine
 // use and for tests. Nodes get node ids "<prefix>-node<i>".
@@ -188,8 +196,8 @@ struct EmbeddedClusterOptions {
   uint64_t dram_bytes_per_node = 256ull << 20;
   uint32_t replica_num = 1;
   std::string node_id_prefix = "embedded";
-  MasterOptions master;    // listen defaults to a free loopback port here
-  EngineOptions engine;    // template for the nodes' and the client's engines
+  MasterOptions master;  // listen defaults to a free loopback port here
+  EngineOptions engine;  // template for the nodes' and the client's engines
 };
 
 class EmbeddedCluster {
