@@ -147,8 +147,10 @@ TEST(EmbeddedStore, InvalidOptionsAreNamedErrors) {
 
 // A replica whose bytes changed under the reader (what a lapsed lease and reused space look
 // like) is caught by the CRC-32C, reported, and the read is served by the other replica.
-TEST(EmbeddedStore, CorruptedReplicaIsDetectedAndTheOtherOneServes) {
+// `lease_ms` is the master's read lease; `verify` the reading client's verify_checksums.
+void CorruptOneReplicaThenRead(uint32_t lease_ms, bool verify) {
   EmbeddedClusterOptions o = SmallCluster(2, 32u << 20, 2);
+  o.master.lease_ms = lease_ms;
   auto cluster = Must(EmbeddedCluster::Start(o));
   StoreClient& c = cluster->client();
   Buffer src(8 * kObject), dst(8 * kObject);
@@ -193,7 +195,7 @@ TEST(EmbeddedStore, CorruptedReplicaIsDetectedAndTheOtherOneServes) {
   so.master_address = cluster->master_address();
   so.engine.transports = {"tcp"};
   so.engine.node_id = "verifier";
-  so.verify_checksums = true;
+  so.verify_checksums = verify;
   auto verifier = Must(StoreClient::Create(so));
   ASSERT_TRUE(verifier->RegisterBuffer(dst.data(), dst.size()).ok());
   // Reads rotate over replicas, so a few reads are sure to hit the corrupted one first.
@@ -214,6 +216,16 @@ TEST(EmbeddedStore, CorruptedReplicaIsDetectedAndTheOtherOneServes) {
   }
   EXPECT_TRUE(restored);
   EXPECT_EQ(GetObjects(*verifier, dst, {0}), 0);
+}
+
+TEST(EmbeddedStore, CorruptedReplicaIsCaughtWhenEveryReadIsVerified) {
+  CorruptOneReplicaThenRead(/*lease_ms=*/3000, /*verify=*/true);
+}
+
+// With a lease shorter than any read, every read may have outlived it: the client verifies
+// the checksum on its own, without being asked to.
+TEST(EmbeddedStore, ReadsThatOutliveTheirLeaseAreVerified) {
+  CorruptOneReplicaThenRead(/*lease_ms=*/1, /*verify=*/false);
 }
 
 // The daemons' operator surface.
