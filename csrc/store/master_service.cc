@@ -107,6 +107,10 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   std::mutex stubs_mu;
   std::unordered_map<std::string, std::unique_ptr<rpc::Node::Stub>> node_stubs;
 
+  std::mutex task_fail_mu;
+  uint64_t task_failures = 0;
+  std::string first_task_failure;
+
   std::mutex tick_mu;
   std::condition_variable tick_cv;
   bool stopping = false;
@@ -181,6 +185,14 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       store::TickSummary s = state->Tick(util::MonoNs());
       if (s.nodes_expired) KVB_LOG(WARN) << s.nodes_expired << " node(s) expired (silent past TTL)";
       if (s.tasks_created) KVB_LOG(INFO) << s.tasks_created << " re-replication task(s) scheduled";
+      {
+        std::lock_guard<std::mutex> fail_lock(task_fail_mu);
+        if (task_failures > 0) {
+          KVB_LOG(WARN) << task_failures << " re-replication task(s) failed (retried elsewhere); "
+                        << "first " << first_task_failure;
+          task_failures = 0;
+        }
+      }
       lock.lock();
     }
   }
@@ -244,8 +256,12 @@ struct MasterServer::Impl final : public rpc::Master::Service {
                         rpc::Status* reply) override {
     const bool ok = req->status().code() == KVB_OK;
     if (!ok) {
-      KVB_LOG(WARN) << "re-replication task " << req->task_id() << " failed on "
-                    << req->node().node_id() << ": " << FromProto(req->status()).ToString();
+      // Summarized by the ticker: after a node loss hundreds can fail at once.
+      std::lock_guard<std::mutex> lock(task_fail_mu);
+      if (task_failures++ == 0) {
+        first_task_failure =
+            "on " + req->node().node_id() + ": " + FromProto(req->status()).ToString();
+      }
     }
     auto plan = state->TaskDone(req->task_id(), FromProto(req->node()), ok, util::MonoNs());
     if (!plan.ok()) return Done(plan.status(), reply);

@@ -452,9 +452,11 @@ struct MasterState::Impl {
       if (avoid && std::find(avoid->begin(), avoid->end(), id) != avoid->end()) continue;
       Segment* s = FitSegment(n, bytes, repair);
       if (!s) continue;
+      // bad_reports decays with health_half_life_ms: >= 0.5 means a report within about one
+      // half-life.
       cands.push_back({{&n, s},
                        !preferred.empty() && id == preferred,
-                       n.bad_reports >= 1.0,
+                       n.bad_reports >= 0.5,
                        s->alloc.free_bytes()});
     }
     std::sort(cands.begin(), cands.end(), [](const Cand& a, const Cand& b) {

@@ -348,6 +348,7 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
     im.Run(ops, group_of_op, pending.size(), &group_status);
     const auto done_at = std::chrono::steady_clock::now();
     std::vector<size_t> retry;
+    std::set<std::string> reported_nodes;
     for (size_t g = 0; g < pending.size(); ++g) {
       const size_t i = pending[g];
       const auto& item = got.items(static_cast<int>(i));
@@ -365,13 +366,22 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
         continue;
       }
       const auto& bad = item.replicas(next_replica[i]);
-      rpc::BadReplicaRequest report;
-      report.set_key(keys[i]);
-      report.set_version(item.version());
-      *report.mutable_node() = bad.node();
-      rpc::Status ignored;
-      auto ctx = im.Context();
-      (void)im.master->ReportBadReplica(ctx.get(), report, &ignored);
+      // A node that is gone, frozen or replaced fails every key it holds; the master learns
+      // that from its heartbeats (TTL) or re-registration, and one report per key would only
+      // delay this get: one report per node and pass is enough to mark it suspect (no new
+      // placements there until it recovers or expires). Replica-level faults (bad bytes, a
+      // range the node does not hold) are reported per key: only the reader can see them.
+      const bool node_level = st.IsPeerUnreachable() || st.IsStalePeer() ||
+                              st.Is(StatusCode::kProgressTimeout) || st.IsDeadlineExceeded();
+      if (!node_level || reported_nodes.insert(bad.node().node_id()).second) {
+        rpc::BadReplicaRequest report;
+        report.set_key(keys[i]);
+        report.set_version(item.version());
+        *report.mutable_node() = bad.node();
+        rpc::Status ignored;
+        auto ctx = im.Context();
+        (void)im.master->ReportBadReplica(ctx.get(), report, &ignored);
+      }
       result[i] = st.WithContext("replica on " + bad.node().node_id());
       if (++next_replica[i] < item.replicas_size()) retry.push_back(i);
     }

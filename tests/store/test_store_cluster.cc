@@ -73,7 +73,7 @@ class StoreCluster : public ::testing::Test {
     const std::string id = "node" + std::to_string(i);
     auto node =
         ChildProcess::Start({kBin, "node", "--master", master_addr_, "--node-id", id,
-                             "--dram-bytes", std::to_string(128u << 20), "--drain-timeout-ms",
+                             "--dram-bytes", std::to_string(256u << 20), "--drain-timeout-ms",
                              "10000", "--listen", "127.0.0.1:" + std::to_string(node_ports_[i])});
     if (!node) return nullptr;
     const std::string line = node->ReadLine(20000);
@@ -430,6 +430,11 @@ TEST_F(StoreCluster, MasterRestartUnderLoadForgetsNothing) {
   std::printf("master restart under load: puts %d ok / %d failed, gets %d ok / %d failed\n",
               load.puts_ok.load(), load.puts_failed.load(), load.gets_ok.load(),
               load.gets_failed.load());
+  // Removes the old master acknowledged but had not yet passed to the nodes come back (see
+  // docs/store.md), so usage after the restart is above what the load left; the nodes are
+  // sized so that this never reaches the eviction watermark, which would legitimately drop
+  // objects this test expects to find.
+  EXPECT_EQ(View().evictions_total, 0u) << "nodes too small for this test";
   EXPECT_EQ(load.gets_failed.load() > 0 || load.puts_failed.load() > 0, true)
       << "the master was down for a while: some calls must have failed";
   // Every acknowledged put that was not removed must be there. (A remove acknowledged just
