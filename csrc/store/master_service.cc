@@ -231,6 +231,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
 
   grpc::Status Heartbeat(grpc::ServerContext*, const rpc::HeartbeatRequest* req,
                          rpc::HeartbeatReply* reply) override {
+    // Liveness first, under its own lock: never behind a data-plane call holding the table.
+    state->Touch(FromProto(req->node()), util::MonoNs());
     auto r = state->Heartbeat(FromProto(req->node()), util::MonoNs());
     ToProto(r.ok() ? Status::OK() : r.status(), reply->mutable_status());
     if (!r.ok()) return grpc::Status::OK;

@@ -189,6 +189,11 @@ struct MasterState::Impl {
   uint64_t revokes_total = 0;
   uint64_t nodes_expired_total = 0;
   uint64_t bad_replicas_total = 0;
+  // Heartbeat arrivals recorded without `mu` (Touch), so liveness never waits behind data-plane
+  // work holding `mu`; Tick folds them in. node id -> (incarnation, last seen). Lock order:
+  // mu, then live_mu.
+  std::mutex live_mu;
+  std::unordered_map<std::string, std::pair<uint64_t, uint64_t>> live;
 
   // ---------------------------------------------------------------- small helpers
 
@@ -1389,13 +1394,30 @@ Status MasterState::FinishTask(const TaskCommitPlan& plan, uint64_t now_ns) {
   return Status::OK();
 }
 
+void MasterState::Touch(const NodeIdentity& node, uint64_t now_ns) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.live_mu);
+  auto& seen = m.live[node.node_id];
+  if (seen.first != node.incarnation) seen = {node.incarnation, 0};
+  seen.second = std::max(seen.second, now_ns);
+}
+
 TickSummary MasterState::Tick(uint64_t now_ns) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   TickSummary sum;
 
-  // Silent nodes.
+  // Silent nodes. Heartbeats that arrived while this lock was busy were recorded by Touch().
   const uint64_t ttl = MsToNs(m.cfg.node_ttl_ms);
+  {
+    std::lock_guard<std::mutex> live_lock(m.live_mu);
+    for (auto& [id, n] : m.nodes) {
+      auto it = m.live.find(id);
+      if (it != m.live.end() && it->second.first == n.id().incarnation) {
+        n.last_seen_ns = std::max(n.last_seen_ns, it->second.second);
+      }
+    }
+  }
   std::vector<Impl::Node*> dead;
   for (auto& [id, n] : m.nodes) {
     if (now_ns >= n.last_seen_ns && now_ns - n.last_seen_ns >= ttl) dead.push_back(&n);

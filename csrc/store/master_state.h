@@ -373,6 +373,11 @@ class MasterState {
   // NOT_FOUND: unknown (register again, with the inventory); STALE_PEER: another incarnation
   // holds that id (stop serving). Otherwise the commands queued for the node.
   Result<NodeCommands> Heartbeat(const NodeIdentity& node, uint64_t now_ns);
+  // Records that a heartbeat from `node` arrived, under a lock of its own that no data-plane
+  // operation takes: call it first in the heartbeat handler, so a heartbeat that then waits for
+  // the table lock still counts as liveness (Tick reads it). Never fails; unknown nodes and
+  // other incarnations are ignored when Tick folds the records in.
+  void Touch(const NodeIdentity& node, uint64_t now_ns);
   // No new allocations on the node; everything on it is re-replicated elsewhere (with it as the
   // source); Heartbeat says drained when nothing is left or drain_timeout_ms has passed.
   // Idempotent. NOT_FOUND / STALE_PEER as Heartbeat.

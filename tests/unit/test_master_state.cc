@@ -358,6 +358,28 @@ TEST(MasterMembership, NodeSilentForTtlIsDeadAndMustReRegister) {
   EXPECT_TRUE(c.Heartbeat(c.nodes["n0"]).ok());
 }
 
+// Liveness is recorded by Touch() without the table lock (a heartbeat that then waits behind
+// data-plane work still counts); another incarnation's touch does not keep a node alive.
+TEST(MasterMembership, TouchKeepsANodeAliveWithoutTheTableLock) {
+  Cluster c;
+  c.AddNode("n0", {1 << 20});
+  c.AddNode("n1", {1 << 20});
+  c.now += 2500 * kMs;
+  c.m().Touch(c.nodes["n0"].id, c.now);
+  NodeIdentity impostor = c.nodes["n1"].id;
+  impostor.incarnation += 1;
+  c.m().Touch(impostor, c.now);
+  c.now += 1000 * kMs;  // 3.5 s after registration, 1 s after the touch
+  EXPECT_EQ(c.m().Tick(c.now).nodes_expired, 1u) << "only n1 (touched by another incarnation)";
+  auto stats = c.m().Stats();
+  for (const auto& n : stats.nodes) {
+    EXPECT_EQ(n.state, n.identity.node_id == "n0" ? NodeState::kActive : NodeState::kDead)
+        << n.identity.node_id;
+  }
+  c.now += 2000 * kMs;  // 3 s after the touch
+  EXPECT_EQ(c.m().Tick(c.now).nodes_expired, 1u);
+}
+
 TEST(MasterMembership, NewIncarnationReplacesTheOld) {
   Cluster c;
   c.AddNode("n0", {1 << 20});
