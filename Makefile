@@ -4,7 +4,7 @@ BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
 # Flags for the store demo, e.g. `make demo DEMO_FLAGS=--quick`.
 DEMO_FLAGS ?=
-FORMAT_DIRS := csrc plugins tests benchmarks examples
+FORMAT_DIRS := csrc kernels plugins tests benchmarks examples
 
 .PHONY: all setup configure build test demo bench format clean
 
