@@ -224,6 +224,33 @@ TEST_P(TransportConformance, ReplacedIncarnationIsStaleAndNeverWritten) {
   EXPECT_TRUE(fresh.Matches(34, 0, 4096, 0));
 }
 
+// TCP endpoints beyond IPv4 literals: an IPv6 listener, and a host name a peer resolves.
+TEST(TcpEndpoints, Ipv6AndHostNameEndpointsWork) {
+  for (const std::string listen : {"localhost:0", "[::1]:0"}) {
+    SCOPED_TRACE(listen);
+    EngineOptions ob = LoopbackOptions("tcp", "ep-b");
+    ob.listen = listen;
+    auto b = TransferEngine::Create(ob);
+    if (!b.ok() && listen[0] == '[') {
+      GTEST_SKIP() << "no IPv6 loopback here: " << b.status().ToString();
+    }
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    const std::string ep = b.value()->endpoints("tcp");
+    EXPECT_EQ(ep.rfind(listen.substr(0, listen.size() - 1), 0), 0u) << ep;
+    EXPECT_NE(ep.substr(ep.rfind(':') + 1), "0") << "the bound port must be published: " << ep;
+    auto a = Must(TransferEngine::Create(LoopbackOptions("tcp", "ep-a")));
+    Buffer mb(1 << 20), ma(1 << 20);
+    SegmentId seg = Must(b.value()->RegisterMemory(mb.data(), mb.size()));
+    Must(a->RegisterMemory(ma.data(), ma.size()));
+    Must(a->AddPeer(b.value()->LocalDescriptor()));
+    ma.Fill(99);
+    ASSERT_TRUE(
+        a->Transfer(std::vector{TransferOp{OpCode::kWrite, ma.data(), 1 << 20, "ep-b", seg, 0}})
+            .ok());
+    EXPECT_TRUE(mb.Matches(99, 0, 1 << 20, 0));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, TransportConformance, ::testing::Values("tcp", "mock"),
                          [](const auto& info) { return info.param; });
 
