@@ -444,16 +444,9 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->state = std::move(state).value();
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(impl.get());
-  impl->server = builder.BuildAndStart();
-  if (!impl->server || port == 0) {
-    return Status::Unavailable("master cannot listen on " + options.listen +
-                               " (address in use or malformed?)");
-  }
-  impl->address = options.listen.substr(0, options.listen.rfind(':')) + ":" + std::to_string(port);
+  auto server = store::StartServer(options.listen, impl.get(), "master", &impl->address);
+  if (!server.ok()) return server.status();
+  impl->server = std::move(server).value();
   Impl* raw = impl.get();
   impl->ticker = std::thread([raw] { raw->TickLoop(); });
   return std::unique_ptr<MasterServer>(new MasterServer(std::move(impl)));

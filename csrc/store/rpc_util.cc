@@ -26,6 +26,21 @@ Status FromGrpc(const grpc::Status& s, std::string_view call) {
   }
 }
 
+Result<std::unique_ptr<grpc::Server>> StartServer(const std::string& listen, grpc::Service* service,
+                                                  std::string_view what, std::string* address) {
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    return Status::Unavailable(std::string(what) + " cannot listen on " + listen +
+                               " (address in use or malformed?)");
+  }
+  *address = listen.substr(0, listen.rfind(':')) + ":" + std::to_string(port);
+  return server;
+}
+
 template <typename T>
 static void EnvNumber(const char* var, T* out) {
   const char* v = std::getenv(var);

@@ -5,6 +5,8 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <string_view>
 
 #include "kvbridge.pb.h"
@@ -22,6 +24,12 @@ inline void ToProto(const Status& s, rpc::Status* out) {
 // A failed gRPC call as a kvbridge Status naming the call. An OK grpc status with a malformed
 // reply (wrong number of entries) is a PROTOCOL error.
 Status FromGrpc(const grpc::Status& s, std::string_view call);
+
+// Starts a gRPC server for `service` on `listen` ("host:port", port 0 picks one) and sets
+// *address to "host:<port actually bound>". UNAVAILABLE naming `what` and the address if it
+// cannot listen.
+Result<std::unique_ptr<grpc::Server>> StartServer(const std::string& listen, grpc::Service* service,
+                                                  std::string_view what, std::string* address);
 
 // Reads an unsigned 32-bit environment variable; ignores (with a warning) malformed values.
 void EnvUint(const char* var, uint32_t* out);

@@ -349,16 +349,10 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   if (!seg.ok()) return seg.status().WithContext("registering the DRAM pool");
   impl->segment = seg.value();
 
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(options.rpc_listen, grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(impl.get());
-  impl->server = builder.BuildAndStart();
-  if (!impl->server || port == 0) {
-    return Status::Unavailable("cannot listen for the node service on " + options.rpc_listen);
-  }
-  const std::string host = options.rpc_listen.substr(0, options.rpc_listen.rfind(':'));
-  impl->rpc_address = host + ":" + std::to_string(port);
+  auto server =
+      store::StartServer(options.rpc_listen, impl.get(), "the node service", &impl->rpc_address);
+  if (!server.ok()) return server.status();
+  impl->server = std::move(server).value();
 
   impl->master = rpc::Master::NewStub(
       grpc::CreateChannel(options.master_address, grpc::InsecureChannelCredentials()));

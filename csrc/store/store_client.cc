@@ -151,7 +151,7 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& opt
   impl->engine = std::move(engine).value();
   impl->channel = grpc::CreateChannel(options.master_address, grpc::InsecureChannelCredentials());
   impl->master = rpc::Master::NewStub(impl->channel);
-  impl->staging = std::make_unique<char[]>(kStagingBytes);
+  impl->staging.reset(new char[kStagingBytes]);  // not zero-filled: it is only ever copied into
   Result<SegmentId> seg = impl->engine->RegisterMemory(impl->staging.get(), kStagingBytes);
   if (!seg.ok()) return seg.status().WithContext("registering the staging buffer");
   return std::unique_ptr<StoreClient>(new StoreClient(std::move(impl)));

@@ -74,21 +74,6 @@ kvb_status_t Free(kvb_storage_t* s, uint64_t offset) {
 }
 
 // OBJECTS is not offered (the caps say POOL only); the slots still point somewhere.
-kvb_status_t PutUnsupported(kvb_storage_t*, const uint8_t*, uint32_t, const kvb_iovec_t*,
-                            uint32_t) {
-  return KVB_ERR_UNSUPPORTED;
-}
-kvb_status_t GetUnsupported(kvb_storage_t*, const uint8_t*, uint32_t, const kvb_iovec_t*, uint32_t,
-                            uint64_t*) {
-  return KVB_ERR_UNSUPPORTED;
-}
-kvb_status_t RemoveUnsupported(kvb_storage_t*, const uint8_t*, uint32_t) {
-  return KVB_ERR_UNSUPPORTED;
-}
-kvb_status_t ForEachUnsupported(kvb_storage_t*, kvb_storage_visit_fn, void*) {
-  return KVB_ERR_UNSUPPORTED;
-}
-
 kvb_status_t Probe(char* reason, uint32_t reason_len) {
   kvb_copy_message(reason, reason_len, "");
   return KVB_OK;
@@ -102,10 +87,10 @@ const kvb_storage_ops_t kOps = {
     .get_segment = GetSegment,
     .alloc = Alloc,
     .free = Free,
-    .put = PutUnsupported,
-    .get = GetUnsupported,
-    .remove = RemoveUnsupported,
-    .for_each = ForEachUnsupported,
+    .put = kvb_storage_put_unsupported,
+    .get = kvb_storage_get_unsupported,
+    .remove = kvb_storage_remove_unsupported,
+    .for_each = kvb_storage_for_each_unsupported,
 };
 
 const kvb_plugin_descriptor_t kDescriptor = {

@@ -73,7 +73,8 @@ class StoreClient {
   std::vector<Status> BatchRemove(std::span<const std::string> keys);
   Status RemoveAll();
 
-  // Convenience forms over unregistered memory (one staging copy each way).
+  // Convenience forms over unregistered memory (one staging copy each way, through one
+  // client-wide staging area, so concurrent calls take turns; use the batch forms for speed).
   Status Put(std::string_view key, std::string_view value);
   Result<std::string> Get(std::string_view key);
 

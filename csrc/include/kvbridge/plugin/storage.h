@@ -84,6 +84,45 @@ typedef struct kvb_storage_ops {
   kvb_status_t (*for_each)(kvb_storage_t* s, kvb_storage_visit_fn visit, void* user);
 } kvb_storage_ops_t;
 
+/* Stubs for the slots of a shape a plugin does not offer (never leave a slot NULL). */
+static inline kvb_status_t kvb_storage_get_segment_unsupported(kvb_storage_t* s, void** addr,
+                                                               uint64_t* length) {
+  (void)s, (void)addr, (void)length;
+  return KVB_ERR_UNSUPPORTED;
+}
+static inline kvb_status_t kvb_storage_alloc_unsupported(kvb_storage_t* s, uint64_t length,
+                                                         uint64_t* offset) {
+  (void)s, (void)length, (void)offset;
+  return KVB_ERR_UNSUPPORTED;
+}
+static inline kvb_status_t kvb_storage_free_unsupported(kvb_storage_t* s, uint64_t offset) {
+  (void)s, (void)offset;
+  return KVB_ERR_UNSUPPORTED;
+}
+static inline kvb_status_t kvb_storage_put_unsupported(kvb_storage_t* s, const uint8_t* key,
+                                                       uint32_t key_len, const kvb_iovec_t* iov,
+                                                       uint32_t iov_count) {
+  (void)s, (void)key, (void)key_len, (void)iov, (void)iov_count;
+  return KVB_ERR_UNSUPPORTED;
+}
+static inline kvb_status_t kvb_storage_get_unsupported(kvb_storage_t* s, const uint8_t* key,
+                                                       uint32_t key_len, const kvb_iovec_t* iov,
+                                                       uint32_t iov_count, uint64_t* length) {
+  (void)s, (void)key, (void)key_len, (void)iov, (void)iov_count, (void)length;
+  return KVB_ERR_UNSUPPORTED;
+}
+static inline kvb_status_t kvb_storage_remove_unsupported(kvb_storage_t* s, const uint8_t* key,
+                                                          uint32_t key_len) {
+  (void)s, (void)key, (void)key_len;
+  return KVB_ERR_UNSUPPORTED;
+}
+static inline kvb_status_t kvb_storage_for_each_unsupported(kvb_storage_t* s,
+                                                            kvb_storage_visit_fn visit,
+                                                            void* user) {
+  (void)s, (void)visit, (void)user;
+  return KVB_ERR_UNSUPPORTED;
+}
+
 #ifdef __cplusplus
 }
 #endif
