@@ -380,6 +380,32 @@ TEST(MasterMembership, TouchKeepsANodeAliveWithoutTheTableLock) {
   EXPECT_EQ(c.m().Tick(c.now).nodes_expired, 1u);
 }
 
+// A node readers just reported bad (dying, not yet expired) gets no new data while another
+// node has room, even if it has the most free space; once the reports age out, it does again.
+TEST(MasterPlacement, SuspectNodeIsAvoidedUntilItsReportsAgeOut) {
+  Cluster c;
+  c.AddNode("n0", {1 << 20});
+  c.AddNode("big", {4 << 20});
+  ASSERT_TRUE(c.Put("b", 4096).ok());
+  const MasterSnapshot snap = c.m().Snapshot();
+  const auto* b = Find(snap, "b");
+  ASSERT_NE(b, nullptr);
+  ASSERT_EQ(b->replicas[0].location.node.node_id, "big") << "most free space first";
+  ASSERT_TRUE(c.m().ReportBadReplica("b", b->version, c.nodes["big"].id, c.now).ok());
+  ASSERT_TRUE(c.Put("c", 4096).ok());
+  const MasterSnapshot after = c.m().Snapshot();
+  EXPECT_EQ(Find(after, "c")->replicas[0].location.node.node_id, "n0")
+      << "placed on a node readers just reported bad";
+  for (int i = 0; i < 30; ++i) {  // 30 s: three half-lives of the report counter
+    c.now += 1000 * kMs;
+    c.HeartbeatAll();
+    c.m().Tick(c.now);
+  }
+  ASSERT_TRUE(c.Put("d", 4096).ok());
+  const MasterSnapshot later = c.m().Snapshot();
+  EXPECT_EQ(Find(later, "d")->replicas[0].location.node.node_id, "big");
+}
+
 TEST(MasterMembership, NewIncarnationReplacesTheOld) {
   Cluster c;
   c.AddNode("n0", {1 << 20});
