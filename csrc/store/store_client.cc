@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <optional>
+#include <span>
 #include <set>
 #include <unordered_map>
 
@@ -58,6 +61,12 @@ bool MapPieces(uint64_t total, const std::vector<BufferRef>& bufs, std::vector<P
   return off == total;
 }
 
+std::string HexAddress(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
+}
+
 uint32_t ChecksumOf(const std::vector<Piece>& pieces) {
   uint32_t crc = 0;
   for (const auto& p : pieces) crc = util::Crc32c(p.local, p.len, crc);
@@ -75,8 +84,12 @@ struct StoreClient::Impl {
   std::mutex peers_mu;
   std::unordered_map<std::string, uint64_t> peers;  // node id -> incarnation added to engine
 
+  struct Registered {
+    SegmentId segment;
+    uint64_t length;
+  };
   std::mutex buffers_mu;
-  std::map<uintptr_t, SegmentId> buffers;  // registered caller buffers by start address
+  std::map<uintptr_t, Registered> buffers;  // registered caller buffers by start address
 
   std::mutex staging_mu;  // one Put/Get at a time uses the staging area
   std::unique_ptr<char[]> staging;
@@ -86,6 +99,28 @@ struct StoreClient::Impl {
     ctx->set_deadline(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(options.rpc_timeout_ms));
     return ctx;
+  }
+  // OK when every buffer of one key lies inside a registered buffer (or the staging area);
+  // else NOT_REGISTERED naming the first one that does not, so that key alone fails.
+  Status CheckRegistered(const std::vector<BufferRef>& bufs, size_t key_index) {
+    std::lock_guard<std::mutex> lock(buffers_mu);
+    for (size_t b = 0; b < bufs.size(); ++b) {
+      auto start = reinterpret_cast<uintptr_t>(bufs[b].addr);
+      auto staging_start = reinterpret_cast<uintptr_t>(staging.get());
+      if (start >= staging_start && start + bufs[b].length <= staging_start + kStagingBytes) {
+        continue;
+      }
+      auto it = buffers.upper_bound(start);
+      if (it != buffers.begin()) {
+        --it;
+        if (start + bufs[b].length <= it->first + it->second.length) continue;
+      }
+      return Status::NotRegistered("key " + std::to_string(key_index) + ", buffer " +
+                                   std::to_string(b) + ": [" + HexAddress(bufs[b].addr) +
+                                   ", +" + std::to_string(bufs[b].length) +
+                                   ") is not inside a buffer registered with RegisterBuffer");
+    }
+    return Status::OK();
   }
   // Makes sure the engine knows the current incarnation of every node named.
   Status EnsurePeers(const std::set<std::pair<std::string, uint64_t>>& nodes);
@@ -139,6 +174,44 @@ void StoreClient::Impl::Run(std::vector<TransferOp>& ops, const std::vector<size
   }
 }
 
+namespace {
+
+// The keys of a batch whose memory is registered, when some key's is not.
+struct Subset {
+  std::vector<std::string> keys;
+  std::vector<std::vector<BufferRef>> buffers;
+  std::vector<size_t> index;  // position in the caller's batch
+};
+
+// Fills (*result)[i] with NOT_REGISTERED for each key whose buffers are not registered and
+// returns the other keys; nullopt when every key is fine (the common case: no copies).
+template <typename R>
+std::optional<Subset> PreCheck(StoreClient::Impl& im, std::span<const std::string> keys,
+                               std::span<const std::vector<BufferRef>> buffers,
+                               std::vector<R>* result) {
+  std::vector<Status> checks;
+  checks.reserve(keys.size());
+  bool all_ok = true;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    checks.push_back(im.CheckRegistered(buffers[i], i));
+    all_ok = all_ok && checks.back().ok();
+  }
+  if (all_ok) return std::nullopt;
+  Subset subset;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (!checks[i].ok()) {
+      (*result)[i] = std::move(checks[i]);
+      continue;
+    }
+    subset.keys.push_back(keys[i]);
+    subset.buffers.push_back(buffers[i]);
+    subset.index.push_back(i);
+  }
+  return subset;
+}
+
+}  // namespace
+
 StoreClient::StoreClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 StoreClient::~StoreClient() = default;
 
@@ -163,7 +236,7 @@ Status StoreClient::RegisterBuffer(void* addr, uint64_t length) {
   Result<SegmentId> seg = impl_->engine->RegisterMemory(addr, length);
   if (!seg.ok()) return seg.status();
   std::lock_guard<std::mutex> lock(impl_->buffers_mu);
-  impl_->buffers[reinterpret_cast<uintptr_t>(addr)] = seg.value();
+  impl_->buffers[reinterpret_cast<uintptr_t>(addr)] = {seg.value(), length};
   return Status::OK();
 }
 
@@ -175,7 +248,7 @@ Status StoreClient::UnregisterBuffer(void* addr) {
     if (it == impl_->buffers.end()) {
       return Status::NotFound("UnregisterBuffer: no buffer registered at this address");
     }
-    seg = it->second;
+    seg = it->second.segment;
     impl_->buffers.erase(it);
   }
   return impl_->engine->DeregisterMemory(seg);
@@ -187,6 +260,12 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   std::vector<Status> result(keys.size());
   if (buffers.size() != keys.size()) {
     result.assign(keys.size(), Status::InvalidArgument("BatchPutFrom: one buffer list per key"));
+    return result;
+  }
+  // A key whose memory is not registered fails alone; the others go on without it.
+  if (auto subset = PreCheck(im, keys, buffers, &result)) {
+    std::vector<Status> sub = BatchPutFrom(subset->keys, subset->buffers);
+    for (size_t j = 0; j < sub.size(); ++j) result[subset->index[j]] = std::move(sub[j]);
     return result;
   }
   rpc::PutStartRequest req;
@@ -287,6 +366,11 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
   std::vector<Result<uint64_t>> result(keys.size(), Status::Internal("not attempted"));
   if (buffers.size() != keys.size()) {
     result.assign(keys.size(), Status::InvalidArgument("BatchGetInto: one buffer list per key"));
+    return result;
+  }
+  if (auto subset = PreCheck(im, keys, buffers, &result)) {
+    auto sub = BatchGetInto(subset->keys, subset->buffers);
+    for (size_t j = 0; j < sub.size(); ++j) result[subset->index[j]] = std::move(sub[j]);
     return result;
   }
   rpc::GetReplicasRequest req;

@@ -1,6 +1,7 @@
 // The store in one process (EmbeddedCluster), plus the daemons' operator surface: eviction
 // under pressure, drain through the API, `kvbridge status`, config files, garbage on the
 // master's port.
+#include <cstring>
 #include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -86,6 +87,38 @@ TEST(EmbeddedStore, RoundTripInOneProcess) {
   ClusterStatus s = Must(QueryClusterStatus(cluster->master_address()));
   EXPECT_EQ(s.objects, 64u);
   EXPECT_EQ(s.nodes.size(), 2u);
+}
+
+TEST(EmbeddedStore, UnregisteredMemoryFailsOnlyItsOwnKey) {
+  auto cluster = Must(EmbeddedCluster::Start(SmallCluster(2, 32u << 20, 1)));
+  Buffer src(4 * kObject), dst(4 * kObject), loose(kObject);
+  StoreClient& c = cluster->client();
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  // Key 1's second buffer runs past the end of the registered buffer: NOT_REGISTERED for it.
+  std::vector<std::string> keys = {"ok0", "straddles", "loose", "ok3"};
+  std::vector<std::vector<BufferRef>> bufs = {
+      {BufferRef{src.data(), kObject}},
+      {BufferRef{src.data(), kObject}, BufferRef{src.data() + 3 * kObject + 1, kObject}},
+      {BufferRef{loose.data(), kObject}},
+      {BufferRef{src.data() + kObject, kObject}}};
+  std::vector<Status> put = c.BatchPutFrom(keys, bufs);
+  EXPECT_TRUE(put[0].ok()) << put[0].ToString();
+  EXPECT_TRUE(put[1].Is(StatusCode::kNotRegistered)) << put[1].ToString();
+  EXPECT_NE(put[1].message().find("buffer 1"), std::string::npos) << put[1].ToString();
+  EXPECT_TRUE(put[2].Is(StatusCode::kNotRegistered)) << put[2].ToString();
+  EXPECT_TRUE(put[3].ok()) << put[3].ToString();
+  EXPECT_EQ(Must(c.BatchExists(keys)), (std::vector<bool>{true, false, false, true}));
+  std::vector<std::vector<BufferRef>> out = {{BufferRef{dst.data(), kObject}},
+                                             {BufferRef{loose.data(), kObject}},
+                                             {BufferRef{dst.data() + kObject, kObject}}};
+  std::vector<std::string> get_keys = {"ok0", "ok3", "ok3"};
+  auto got = c.BatchGetInto(get_keys, out);
+  EXPECT_TRUE(got[0].ok());
+  EXPECT_TRUE(!got[1].ok() && got[1].status().Is(StatusCode::kNotRegistered));
+  ASSERT_TRUE(got[2].ok()) << got[2].status().ToString();
+  EXPECT_EQ(std::memcmp(dst.data(), src.data(), kObject), 0);
+  EXPECT_EQ(std::memcmp(dst.data() + kObject, src.data() + kObject, kObject), 0);
 }
 
 TEST(EmbeddedStore, EvictionKeepsUsageUnderTheWatermarkAndSparesRecentlyReadObjects) {
