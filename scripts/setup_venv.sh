@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Creates the project's Python venv (.venv at the repository root, git-ignored) with what the
-# demo's plot needs (matplotlib, from PyPI). Idempotent: when the venv already imports
-# matplotlib it only checks (no network). VENV=path overrides the location.
+# Python tests, the kernel benchmark and the demo's plot need (python/requirements-dev.txt:
+# torch, pytest, pybind11, matplotlib, from PyPI). Idempotent: when the venv already satisfies
+# the requirements file it only checks (no network). VENV=path overrides the location.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${VENV:-$here/.venv}"
 py="$venv/bin/python"
+reqs="$here/python/requirements-dev.txt"
+stamp="$venv/.kvbridge-requirements"
 
-if [[ -x "$py" ]] && "$py" -c 'import matplotlib' >/dev/null 2>&1; then
-  echo "setup_venv: $venv already has matplotlib"
+if [[ -x "$py" && -f "$stamp" ]] && cmp -s "$stamp" "$reqs"; then
+  echo "setup_venv: $venv is up to date with $(basename "$reqs")"
   exit 0
 fi
 
@@ -24,6 +27,8 @@ if [[ ! -x "$py" ]]; then
     exit 1
   fi
 fi
-echo "setup_venv: installing matplotlib into $venv"
-"$py" -m pip install --disable-pip-version-check --quiet matplotlib
-"$py" -c 'import matplotlib; print("setup_venv: matplotlib", matplotlib.__version__)'
+echo "setup_venv: installing $(basename "$reqs") into $venv (torch is a few GB the first time)"
+"$py" -m pip install --disable-pip-version-check --quiet --upgrade pip
+"$py" -m pip install --disable-pip-version-check --quiet -r "$reqs"
+"$py" -c 'import torch, pytest, pybind11; print("setup_venv: torch", torch.__version__, "pytest", pytest.__version__, "pybind11", pybind11.__version__)'
+cp "$reqs" "$stamp"

@@ -267,15 +267,26 @@ std::vector<std::string> PluginRegistry::DefaultSearchPath(const std::string& ex
   if (const char* env = std::getenv("KVBRIDGE_PLUGIN_PATH")) {
     for (auto& d : SplitPath(env)) dirs.push_back(std::move(d));
   }
-#ifdef KVBRIDGE_BUILD_PLUGIN_DIR
-  dirs.emplace_back(KVBRIDGE_BUILD_PLUGIN_DIR);
-#endif
+  // Next to the library: an installed package keeps its plugins in <libdir>/plugins (the
+  // Python wheel) or <libdir>/kvbridge/plugins (a system install). The build tree's plugin
+  // directory is searched only by a library that still lives in the build tree, so an
+  // installed copy never picks up plugins from the tree it was built in.
+  std::string lib_dir;
   Dl_info info;
   if (dladdr(reinterpret_cast<const void*>(&ValidateDescriptor), &info) != 0 &&
       info.dli_fname != nullptr) {
     std::string lib = info.dli_fname;
     size_t slash = lib.rfind('/');
-    std::string lib_dir = slash == std::string::npos ? "." : lib.substr(0, slash);
+    lib_dir = slash == std::string::npos ? "." : lib.substr(0, slash);
+  }
+#ifdef KVBRIDGE_BUILD_PLUGIN_DIR
+  const std::string build_root = KVBRIDGE_BUILD_ROOT;
+  bool in_build_tree =
+      lib_dir.empty() || (Canonical(lib_dir) + "/").rfind(Canonical(build_root) + "/", 0) == 0;
+  if (in_build_tree) dirs.emplace_back(KVBRIDGE_BUILD_PLUGIN_DIR);
+#endif
+  if (!lib_dir.empty()) {
+    dirs.push_back(lib_dir + "/plugins");
     dirs.push_back(lib_dir + "/kvbridge/plugins");
   }
   std::vector<std::string> unique;

@@ -1,9 +1,40 @@
-"""kvbridge Python package (placeholder).
+"""kvbridge: moves and keeps LLM KV-cache pages.
 
-The Python front of kvbridge -- ``TransferEngine``, ``Store``, ``Node``, ``Master``, the page
-ops and the SGLang / vLLM / Mooncake-compatible integrations -- arrives with a later issue.
-Today this package holds only its version; the C++ library (``make build``) is the usable part.
+Two jobs, one package (docs/python.md):
+
+* :class:`TransferEngine` -- one-sided READ/WRITE between processes' registered memory
+  (prefill/decode disaggregation), with incarnation checks, deadlines and circuit breakers.
+* The KV-page store -- :class:`StoreClient`, :class:`Node`, :class:`Master` and the embedded
+  :class:`Cluster` (``kvbridge.Cluster(nodes=3).client()``).
+
+``kvbridge.ops`` (imported on first use; needs torch) holds the page gather/scatter kernels
+as torch ops for SGLang and vLLM layouts. Errors are :class:`kvbridge.errors.KvbError`
+subclasses named after the status code. Options are keywords mirroring ``KVBRIDGE_*``.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvbridge._native import _C
+from kvbridge.engine import READ, WRITE, BatchError, Op, PeerId, TransferEngine, raise_if_error
+from kvbridge.errors import KvbError, StatusCode
+from kvbridge.store import Cluster, GetResult, Master, Node, StoreClient, cluster_status
+
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+
+Status = _C.Status
+
+__all__ = [
+    "__version__", "TransferEngine", "Op", "READ", "WRITE", "PeerId", "BatchError",
+    "StoreClient", "Node", "Master", "Cluster", "GetResult", "cluster_status", "Status",
+    "StatusCode", "KvbError", "raise_if_error", "errors", "ops",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # kvbridge.ops imports torch (seconds); only when asked for.
+    if name == "ops":
+        return importlib.import_module("kvbridge.ops")
+    raise AttributeError(f"module 'kvbridge' has no attribute {name!r}")

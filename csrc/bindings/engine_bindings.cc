@@ -1,0 +1,194 @@
+// Bindings of TransferEngine and EngineOptions.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "bindings/common.h"
+#include "kvbridge/engine.h"
+#include "kvbridge/options.h"
+
+namespace kvbridge::bindings {
+namespace {
+
+using EngineHandle = Handle<TransferEngine>;
+// (opcode, local address, length, peer node id, remote segment, remote offset)
+using PyOp = std::tuple<int, uintptr_t, uint64_t, std::string, uint64_t, uint64_t>;
+
+py::tuple ToPy(const BatchResult& r) {
+  std::vector<PyStatus> ops;
+  ops.reserve(r.op_status.size());
+  for (const auto& s : r.op_status) ops.push_back(bindings::ToPy(s));
+  return py::make_tuple(bindings::ToPy(r.status), ops);
+}
+
+std::vector<TransferOp> ToOps(const std::vector<PyOp>& in) {
+  std::vector<TransferOp> ops;
+  ops.reserve(in.size());
+  for (const auto& [opcode, addr, len, peer, seg, off] : in) {
+    if (opcode != static_cast<int>(OpCode::kRead) && opcode != static_cast<int>(OpCode::kWrite)) {
+      throw StatusError(Status::InvalidArgument("opcode " + std::to_string(opcode) +
+                                                " is neither READ (1) nor WRITE (2)"));
+    }
+    ops.push_back(TransferOp{static_cast<OpCode>(opcode), reinterpret_cast<void*>(addr), len, peer,
+                             seg, off});
+  }
+  return ops;
+}
+
+const char* BreakerName(BreakerState s) {
+  switch (s) {
+    case BreakerState::kClosed: return "closed";
+    case BreakerState::kOpen: return "open";
+    case BreakerState::kHalfOpen: return "half_open";
+  }
+  return "unknown";
+}
+
+}  // namespace
+
+void BindEngine(py::module_& m) {
+  py::class_<EngineOptions>(m, "EngineOptions")
+      .def(py::init<>())
+      .def_static("from_env", &EngineOptions::FromEnv)
+      .def_readwrite("node_id", &EngineOptions::node_id)
+      .def_readwrite("transports", &EngineOptions::transports)
+      .def_readwrite("plugin_path", &EngineOptions::plugin_path)
+      .def_readwrite("listen", &EngineOptions::listen)
+      .def_readwrite("cluster_token", &EngineOptions::cluster_token)
+      .def_readwrite("deadline_ms", &EngineOptions::default_deadline_ms)
+      .def_readwrite("progress_timeout_ms", &EngineOptions::progress_timeout_ms)
+      .def_readwrite("breaker_failures", &EngineOptions::breaker_failures)
+      .def_readwrite("breaker_backoff_ms", &EngineOptions::breaker_backoff_ms)
+      .def_readwrite("breaker_max_backoff_ms", &EngineOptions::breaker_max_backoff_ms)
+      .def_readwrite("plugin_config", &EngineOptions::plugin_config);
+
+  py::class_<EngineHandle, std::shared_ptr<EngineHandle>>(m, "TransferEngine")
+      .def(py::init([](const EngineOptions& o) {
+             auto engine = NoGil([&] { return Unwrap(TransferEngine::Create(o)); });
+             return std::make_shared<EngineHandle>(std::move(engine), "TransferEngine");
+           }),
+           py::arg("options"))
+      .def("close", [](EngineHandle& h) { NoGil([&] { h.Close(); }); })
+      .def_property_readonly("closed", [](EngineHandle& h) { return NoGil([&] { return h.closed(); }); })
+      .def("self_id",
+           [](EngineHandle& h) {
+             PeerId id = NoGil([&] { return h.With([](TransferEngine& e) { return e.self(); }); });
+             return py::make_tuple(id.node_id, id.incarnation);
+           })
+      .def("transports",
+           [](EngineHandle& h) {
+             return NoGil([&] { return h.With([](TransferEngine& e) { return e.transports(); }); });
+           })
+      .def("endpoints",
+           [](EngineHandle& h, const std::string& transport) {
+             return NoGil(
+                 [&] { return h.With([&](TransferEngine& e) { return e.endpoints(transport); }); });
+           })
+      .def("register_memory",
+           [](EngineHandle& h, uintptr_t addr, uint64_t length, int kind, int device) {
+             return NoGil([&] {
+               return h.With([&](TransferEngine& e) {
+                 return Unwrap(e.RegisterMemory(reinterpret_cast<void*>(addr), length,
+                                                static_cast<MemoryKind>(kind), device));
+               });
+             });
+           })
+      .def("deregister_memory",
+           [](EngineHandle& h, SegmentId id) {
+             NoGil([&] { h.With([&](TransferEngine& e) { ThrowIfError(e.DeregisterMemory(id)); }); });
+           })
+      .def("local_descriptor",
+           [](EngineHandle& h) {
+             std::string d =
+                 NoGil([&] { return h.With([](TransferEngine& e) { return e.LocalDescriptor(); }); });
+             return py::bytes(d);
+           })
+      .def("add_peer",
+           [](EngineHandle& h, const std::string& descriptor) {
+             PeerId id = NoGil([&] {
+               return h.With([&](TransferEngine& e) { return Unwrap(e.AddPeer(descriptor)); });
+             });
+             return py::make_tuple(id.node_id, id.incarnation);
+           })
+      .def("remove_peer",
+           [](EngineHandle& h, const std::string& node_id) {
+             NoGil([&] { h.With([&](TransferEngine& e) { ThrowIfError(e.RemovePeer(node_id)); }); });
+           })
+      .def("submit",
+           [](EngineHandle& h, const std::vector<PyOp>& in, uint32_t deadline_ms,
+              uint32_t progress_timeout_ms) {
+             std::vector<TransferOp> ops = ToOps(in);
+             SubmitOptions so{deadline_ms, progress_timeout_ms};
+             return NoGil([&] {
+               return h.With([&](TransferEngine& e) { return Unwrap(e.Submit(ops, so)); });
+             });
+           })
+      .def("poll",
+           [](EngineHandle& h, BatchId id) -> py::object {
+             auto r = NoGil([&] { return h.With([&](TransferEngine& e) { return e.Poll(id); }); });
+             if (!r) return py::none();
+             return ToPy(*r);
+           })
+      .def("wait",
+           [](EngineHandle& h, BatchId id) {
+             BatchResult r =
+                 NoGil([&] { return h.With([&](TransferEngine& e) { return e.Wait(id); }); });
+             return ToPy(r);
+           })
+      .def("cancel",
+           [](EngineHandle& h, BatchId id) {
+             NoGil([&] { h.With([&](TransferEngine& e) { e.Cancel(id); }); });
+           })
+      .def("transfer",
+           [](EngineHandle& h, const std::vector<PyOp>& in, uint32_t deadline_ms,
+              uint32_t progress_timeout_ms) {
+             std::vector<TransferOp> ops = ToOps(in);
+             SubmitOptions so{deadline_ms, progress_timeout_ms};
+             BatchResult r = NoGil([&] {
+               return h.With([&](TransferEngine& e) {
+                 Result<BatchId> id = e.Submit(ops, so);
+                 if (!id.ok()) return BatchResult{id.status(), {}};
+                 return e.Wait(*id);
+               });
+             });
+             return ToPy(r);
+           })
+      .def("peer_health",
+           [](EngineHandle& h, const std::string& node_id) -> py::object {
+             auto ph = NoGil(
+                 [&] { return h.With([&](TransferEngine& e) { return e.GetPeerHealth(node_id); }); });
+             if (!ph) return py::none();
+             py::dict d;
+             d["node_id"] = ph->id.node_id;
+             d["incarnation"] = ph->id.incarnation;
+             d["transport"] = ph->transport;
+             d["breaker"] = BreakerName(ph->breaker);
+             d["consecutive_failures"] = ph->consecutive_failures;
+             d["fast_failed_ops"] = ph->fast_failed_ops;
+             d["stale"] = ph->stale;
+             return d;
+           })
+      .def("transport_stats", [](EngineHandle& h, const std::string& name) {
+        TransportStats s = NoGil([&] {
+          return h.With([&](TransferEngine& e) { return Unwrap(e.GetTransportStats(name)); });
+        });
+        py::dict d;
+        d["name"] = s.name;
+        d["connections_open"] = s.connections_open;
+        d["connections_opened"] = s.connections_opened;
+        d["connections_closed_idle"] = s.connections_closed_idle;
+        d["connections_evicted"] = s.connections_evicted;
+        d["inbound_open"] = s.inbound_open;
+        d["bytes_written"] = s.bytes_written;
+        d["bytes_read"] = s.bytes_read;
+        d["frames_rejected"] = s.frames_rejected;
+        d["queued_bytes"] = s.queued_bytes;
+        return d;
+      });
+}
+
+}  // namespace kvbridge::bindings

@@ -1,0 +1,318 @@
+// Bindings of the store: StoreClient, StorageNode, MasterServer, EmbeddedCluster, their
+// options, and QueryClusterStatus.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "bindings/common.h"
+#include "kvbridge/store.h"
+
+namespace kvbridge::bindings {
+namespace {
+
+using ClusterHandle = Handle<EmbeddedCluster>;
+using NodeHandle = Handle<StorageNode>;
+using MasterHandle = Handle<MasterServer>;
+// One key's buffers: (address, length) pairs.
+using PyBuffers = std::vector<std::pair<uintptr_t, uint64_t>>;
+
+// A StoreClient of its own, or the client an EmbeddedCluster owns (then it lives, and is
+// closed, with the cluster).
+class PyStoreClient {
+ public:
+  explicit PyStoreClient(std::unique_ptr<StoreClient> c)
+      : owned_(std::make_shared<Handle<StoreClient>>(std::move(c), "StoreClient")) {}
+  explicit PyStoreClient(std::shared_ptr<ClusterHandle> cluster) : cluster_(std::move(cluster)) {}
+
+  template <typename F>
+  decltype(auto) With(F&& f) {
+    if (owned_) return owned_->With(f);
+    return cluster_->With([&](EmbeddedCluster& c) -> decltype(auto) { return f(c.client()); });
+  }
+  void Close() {
+    if (owned_) owned_->Close();  // a cluster's client closes with its cluster
+  }
+
+ private:
+  std::shared_ptr<Handle<StoreClient>> owned_;
+  std::shared_ptr<ClusterHandle> cluster_;
+};
+
+std::vector<std::vector<BufferRef>> ToBuffers(const std::vector<PyBuffers>& in) {
+  std::vector<std::vector<BufferRef>> out;
+  out.reserve(in.size());
+  for (const auto& key_bufs : in) {
+    auto& v = out.emplace_back();
+    v.reserve(key_bufs.size());
+    for (const auto& [addr, len] : key_bufs) v.push_back({reinterpret_cast<void*>(addr), len});
+  }
+  return out;
+}
+
+void CheckSameLength(size_t keys, size_t buffers) {
+  if (keys != buffers) {
+    throw StatusError(Status::InvalidArgument(std::to_string(keys) + " keys but " +
+                                              std::to_string(buffers) + " buffer lists"));
+  }
+}
+
+std::vector<PyStatus> ToPy(const std::vector<Status>& v) {
+  std::vector<PyStatus> out;
+  out.reserve(v.size());
+  for (const auto& s : v) out.push_back(bindings::ToPy(s));
+  return out;
+}
+
+py::dict ToPy(const ClusterStatus& cs) {
+  py::list nodes;
+  for (const auto& n : cs.nodes) {
+    py::dict d;
+    d["node_id"] = n.id.node_id;
+    d["incarnation"] = n.id.incarnation;
+    d["state"] = n.state;
+    d["capacity_bytes"] = n.capacity_bytes;
+    d["used_bytes"] = n.used_bytes;
+    d["replicas"] = n.replicas;
+    nodes.append(std::move(d));
+  }
+  py::dict d;
+  d["nodes"] = nodes;
+  d["objects"] = cs.objects;
+  d["pending_puts"] = cs.pending_puts;
+  d["stored_bytes"] = cs.stored_bytes;
+  d["evictions_total"] = cs.evictions_total;
+  d["bad_replicas_total"] = cs.bad_replicas_total;
+  d["nodes_expired_total"] = cs.nodes_expired_total;
+  d["under_replicated"] = cs.under_replicated;
+  return d;
+}
+
+StorageNode& NodeAt(EmbeddedCluster& c, size_t i) {
+  auto& nodes = c.nodes();
+  if (i >= nodes.size()) {
+    throw StatusError(Status::InvalidArgument("node index " + std::to_string(i) +
+                                              " out of range (cluster has " +
+                                              std::to_string(nodes.size()) + " nodes)"));
+  }
+  if (!nodes[i]) throw StatusError(Status::Unavailable("node " + std::to_string(i) + " is stopped"));
+  return *nodes[i];
+}
+
+void BindOptions(py::module_& m) {
+  py::class_<StoreOptions>(m, "StoreOptions")
+      .def(py::init<>())
+      .def_static("from_env", &StoreOptions::FromEnv)
+      .def_readwrite("master", &StoreOptions::master_address)
+      .def_readwrite("replica_num", &StoreOptions::replica_num)
+      .def_readwrite("rpc_timeout_ms", &StoreOptions::rpc_timeout_ms)
+      .def_readwrite("store_transfer_deadline_ms", &StoreOptions::transfer_deadline_ms)
+      .def_readwrite("verify_checksums", &StoreOptions::verify_checksums)
+      .def_readwrite("engine", &StoreOptions::engine);
+  py::class_<NodeOptions>(m, "NodeOptions")
+      .def(py::init<>())
+      .def_static("from_env", &NodeOptions::FromEnv)
+      .def_readwrite("master", &NodeOptions::master_address)
+      .def_readwrite("node_dram_bytes", &NodeOptions::dram_bytes)
+      .def_readwrite("node_storage_plugin", &NodeOptions::storage_plugin)
+      .def_readwrite("node_rpc_listen", &NodeOptions::rpc_listen)
+      .def_readwrite("rpc_timeout_ms", &NodeOptions::rpc_timeout_ms)
+      .def_readwrite("drain_timeout_ms", &NodeOptions::drain_timeout_ms)
+      .def_readwrite("engine", &NodeOptions::engine);
+  py::class_<MasterOptions>(m, "MasterOptions")
+      .def(py::init<>())
+      .def_static("from_env", &MasterOptions::FromEnv)
+      .def_readwrite("master_listen", &MasterOptions::listen)
+      .def_readwrite("node_ttl_ms", &MasterOptions::node_ttl_ms)
+      .def_readwrite("lease_ms", &MasterOptions::lease_ms)
+      .def_readwrite("put_timeout_ms", &MasterOptions::put_timeout_ms)
+      .def_readwrite("min_replicas", &MasterOptions::min_replicas)
+      .def_readwrite("high_watermark", &MasterOptions::high_watermark)
+      .def_readwrite("low_watermark", &MasterOptions::low_watermark)
+      .def_readwrite("drain_timeout_ms", &MasterOptions::drain_timeout_ms)
+      .def_readwrite("rpc_timeout_ms", &MasterOptions::rpc_timeout_ms);
+  py::class_<EmbeddedClusterOptions>(m, "ClusterOptions")
+      .def(py::init<>())
+      .def_readwrite("nodes", &EmbeddedClusterOptions::nodes)
+      .def_readwrite("dram_bytes_per_node", &EmbeddedClusterOptions::dram_bytes_per_node)
+      .def_readwrite("replica_num", &EmbeddedClusterOptions::replica_num)
+      .def_readwrite("node_id_prefix", &EmbeddedClusterOptions::node_id_prefix)
+      .def_readwrite("master", &EmbeddedClusterOptions::master)
+      .def_readwrite("engine", &EmbeddedClusterOptions::engine);
+}
+
+void BindClient(py::module_& m) {
+  py::class_<PyStoreClient, std::shared_ptr<PyStoreClient>>(m, "StoreClient")
+      .def(py::init([](const StoreOptions& o) {
+             auto c = NoGil([&] { return Unwrap(StoreClient::Create(o)); });
+             return std::make_shared<PyStoreClient>(std::move(c));
+           }),
+           py::arg("options"))
+      .def("close", [](PyStoreClient& c) { NoGil([&] { c.Close(); }); })
+      .def("register_buffer",
+           [](PyStoreClient& c, uintptr_t addr, uint64_t len) {
+             NoGil([&] {
+               c.With([&](StoreClient& s) {
+                 ThrowIfError(s.RegisterBuffer(reinterpret_cast<void*>(addr), len));
+               });
+             });
+           })
+      .def("unregister_buffer",
+           [](PyStoreClient& c, uintptr_t addr) {
+             NoGil([&] {
+               c.With([&](StoreClient& s) {
+                 ThrowIfError(s.UnregisterBuffer(reinterpret_cast<void*>(addr)));
+               });
+             });
+           })
+      .def("batch_put_from",
+           [](PyStoreClient& c, const std::vector<std::string>& keys,
+              const std::vector<PyBuffers>& buffers) {
+             CheckSameLength(keys.size(), buffers.size());
+             auto bufs = ToBuffers(buffers);
+             auto st = NoGil(
+                 [&] { return c.With([&](StoreClient& s) { return s.BatchPutFrom(keys, bufs); }); });
+             return ToPy(st);
+           })
+      .def("batch_get_into",
+           [](PyStoreClient& c, const std::vector<std::string>& keys,
+              const std::vector<PyBuffers>& buffers) {
+             CheckSameLength(keys.size(), buffers.size());
+             auto bufs = ToBuffers(buffers);
+             auto rs = NoGil(
+                 [&] { return c.With([&](StoreClient& s) { return s.BatchGetInto(keys, bufs); }); });
+             std::vector<std::pair<PyStatus, uint64_t>> out;
+             out.reserve(rs.size());
+             for (const auto& r : rs) {
+               out.emplace_back(r.ok() ? PyStatus{} : bindings::ToPy(r.status()),
+                                r.ok() ? r.value() : 0);
+             }
+             return out;
+           })
+      .def("batch_exists",
+           [](PyStoreClient& c, const std::vector<std::string>& keys) {
+             return NoGil([&] {
+               return c.With([&](StoreClient& s) { return Unwrap(s.BatchExists(keys)); });
+             });
+           })
+      .def("batch_remove",
+           [](PyStoreClient& c, const std::vector<std::string>& keys) {
+             auto st =
+                 NoGil([&] { return c.With([&](StoreClient& s) { return s.BatchRemove(keys); }); });
+             return ToPy(st);
+           })
+      .def("remove_all",
+           [](PyStoreClient& c) {
+             NoGil([&] { c.With([](StoreClient& s) { ThrowIfError(s.RemoveAll()); }); });
+           })
+      .def("put",
+           [](PyStoreClient& c, const std::string& key, uintptr_t addr, uint64_t len) {
+             std::string_view value(reinterpret_cast<const char*>(addr), len);
+             NoGil([&] { c.With([&](StoreClient& s) { ThrowIfError(s.Put(key, value)); }); });
+           })
+      .def("get", [](PyStoreClient& c, const std::string& key) {
+        std::string v =
+            NoGil([&] { return c.With([&](StoreClient& s) { return Unwrap(s.Get(key)); }); });
+        return py::bytes(v);
+      });
+}
+
+void BindServers(py::module_& m) {
+  py::class_<MasterHandle, std::shared_ptr<MasterHandle>>(m, "Master")
+      .def(py::init([](const MasterOptions& o) {
+             auto s = NoGil([&] { return Unwrap(MasterServer::Start(o)); });
+             return std::make_shared<MasterHandle>(std::move(s), "Master");
+           }),
+           py::arg("options"))
+      .def("close", [](MasterHandle& h) { NoGil([&] { h.Close(); }); })
+      .def("address", [](MasterHandle& h) {
+        return NoGil([&] { return h.With([](MasterServer& s) { return s.address(); }); });
+      });
+
+  py::class_<NodeHandle, std::shared_ptr<NodeHandle>>(m, "Node")
+      .def(py::init([](const NodeOptions& o) {
+             auto n = NoGil([&] { return Unwrap(StorageNode::Start(o)); });
+             return std::make_shared<NodeHandle>(std::move(n), "Node");
+           }),
+           py::arg("options"))
+      .def("close", [](NodeHandle& h) { NoGil([&] { h.Close(); }); })
+      .def("id",
+           [](NodeHandle& h) {
+             PeerId id = NoGil([&] { return h.With([](StorageNode& n) { return n.id(); }); });
+             return py::make_tuple(id.node_id, id.incarnation);
+           })
+      .def("drain",
+           [](NodeHandle& h) {
+             NoGil([&] { h.With([](StorageNode& n) { ThrowIfError(n.Drain()); }); });
+           })
+      .def("object_count", [](NodeHandle& h) {
+        return NoGil([&] { return h.With([](StorageNode& n) { return n.object_count(); }); });
+      });
+
+  py::class_<ClusterHandle, std::shared_ptr<ClusterHandle>>(m, "Cluster")
+      .def(py::init([](const EmbeddedClusterOptions& o) {
+             auto c = NoGil([&] { return Unwrap(EmbeddedCluster::Start(o)); });
+             return std::make_shared<ClusterHandle>(std::move(c), "Cluster");
+           }),
+           py::arg("options"))
+      .def("close", [](ClusterHandle& h) { NoGil([&] { h.Close(); }); })
+      .def("master_address",
+           [](ClusterHandle& h) {
+             return NoGil([&] { return h.With([](EmbeddedCluster& c) { return c.master_address(); }); });
+           })
+      .def("client",
+           [](const std::shared_ptr<ClusterHandle>& h) {
+             NoGil([&] { h->With([](EmbeddedCluster&) {}); });  // fails if closed
+             return std::make_shared<PyStoreClient>(h);
+           })
+      .def("node_count",
+           [](ClusterHandle& h) {
+             return NoGil([&] { return h.With([](EmbeddedCluster& c) { return c.nodes().size(); }); });
+           })
+      .def("node_id",
+           [](ClusterHandle& h, size_t i) {
+             PeerId id = NoGil(
+                 [&] { return h.With([&](EmbeddedCluster& c) { return NodeAt(c, i).id(); }); });
+             return py::make_tuple(id.node_id, id.incarnation);
+           })
+      .def("node_object_count",
+           [](ClusterHandle& h, size_t i) {
+             return NoGil([&] {
+               return h.With([&](EmbeddedCluster& c) { return NodeAt(c, i).object_count(); });
+             });
+           })
+      .def("drain_node",
+           [](ClusterHandle& h, size_t i) {
+             NoGil([&] { h.With([&](EmbeddedCluster& c) { ThrowIfError(NodeAt(c, i).Drain()); }); });
+           })
+      .def("stop_node", [](ClusterHandle& h, size_t i) {
+        NoGil([&] {
+          h.With([&](EmbeddedCluster& c) {
+            NodeAt(c, i);  // range and state check
+            c.nodes()[i].reset();
+          });
+        });
+      });
+
+  m.def(
+      "query_cluster_status",
+      [](const std::string& master, uint32_t timeout_ms) {
+        ClusterStatus cs = NoGil([&] { return Unwrap(QueryClusterStatus(master, timeout_ms)); });
+        return ToPy(cs);
+      },
+      py::arg("master"), py::arg("timeout_ms") = 3000);
+}
+
+}  // namespace
+
+void BindStore(py::module_& m) {
+  BindOptions(m);
+  BindClient(m);
+  BindServers(m);
+}
+
+}  // namespace kvbridge::bindings

@@ -1,0 +1,81 @@
+"""Turns what users pass as memory into (address, length) pairs.
+
+Accepted everywhere a buffer is expected:
+  * a torch.Tensor, contiguous, on the CPU or a CUDA device (its bytes: numel * element_size);
+  * any object exporting the buffer protocol, C-contiguous (bytearray, memoryview, numpy
+    arrays, mmap, ...); read-only objects (bytes) only where kvbridge reads the memory;
+  * a raw ``(address, length)`` pair of ints.
+
+The caller keeps the object alive (and does not resize it) while kvbridge uses the memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Tuple, Union
+
+from kvbridge._native import _C
+from kvbridge.errors import InvalidArgumentError
+
+# What a buffer argument may be (see the module docstring).
+BufferLike = Union[Any, Tuple[int, int]]
+
+HOST = 1
+CUDA = 2
+
+
+@dataclass(frozen=True)
+class Region:
+    address: int
+    length: int
+    kind: int = HOST  # HOST or CUDA
+    device: int = -1  # CUDA device index for CUDA memory
+
+
+def _is_tensor(obj: Any) -> bool:
+    # No torch import here: kvbridge works without torch installed.
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
+
+
+def region(obj: BufferLike, *, writable: bool, what: str = "buffer") -> Region:
+    """The memory `obj` denotes; InvalidArgumentError naming `what` if it is not usable."""
+    if _is_tensor(obj):
+        if not obj.is_contiguous():
+            raise InvalidArgumentError(
+                f"{what}: tensor of shape {tuple(obj.shape)} is not contiguous "
+                "(call .contiguous() first)")
+        length = obj.numel() * obj.element_size()
+        if obj.is_cuda:
+            return Region(obj.data_ptr(), length, CUDA, obj.device.index or 0)
+        if obj.device.type != "cpu":
+            raise InvalidArgumentError(f"{what}: tensors on {obj.device} are not supported")
+        return Region(obj.data_ptr(), length)
+    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(x, int) for x in obj):
+        address, length = obj
+        if address <= 0 or length < 0:
+            raise InvalidArgumentError(
+                f"{what}: (address, length) = ({address:#x}, {length}) is not a valid range")
+        return Region(address, length)
+    try:
+        address, length, _readonly = _C.buffer_address(obj, writable)
+    except BufferError as e:
+        raise InvalidArgumentError(f"{what}: {type(obj).__name__} cannot be used as memory: {e}")
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{what}: expected a torch.Tensor, an object with the buffer protocol or an "
+            f"(address, length) pair, got {type(obj).__name__}") from None
+    return Region(address, length)
+
+
+def regions(obj: Any, *, writable: bool, what: str) -> list[Region]:
+    """One key's buffers: a single buffer or a list of them (e.g. K and V of a page)."""
+    if isinstance(obj, list):
+        return [region(b, writable=writable, what=f"{what}[{i}]") for i, b in enumerate(obj)]
+    return [region(obj, writable=writable, what=what)]
+
+
+def host_only(r: Region, what: str) -> None:
+    if r.kind != HOST:
+        raise InvalidArgumentError(
+            f"{what}: CUDA memory is not supported here yet (no GPU transport in this build); "
+            "stage through a pinned CPU tensor")

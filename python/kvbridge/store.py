@@ -1,0 +1,321 @@
+"""The KV-page store from Python: StoreClient, Node, Master, the embedded Cluster.
+
+    import kvbridge, torch
+    with kvbridge.Cluster(nodes=3) as cluster:          # master + 3 nodes in this process
+        store = cluster.client()
+        page = torch.randn(2, 16, 8, 128)              # (K/V, page_size, heads, head_dim)
+        store.put("req7/layer0/page3", page)
+        out = torch.empty_like(page)
+        assert store.get_into("req7/layer0/page3", out) == page.numel() * 4
+
+Keys are str (UTF-8) or bytes, 1..4096 bytes. Buffers are contiguous CPU tensors,
+buffer-protocol objects or (address, length) pairs (kvbridge._buffers). put/get_into work on
+any memory (one staging copy); buffers registered with register_buffer() are moved zero-copy,
+and the batch_* forms require them (NotRegisteredError per key otherwise).
+
+Batch calls never raise for one key: they return one result per key, in order. Single-key
+calls raise the key's KvbError (NotFoundError, NoSpaceError, ...). Blocking calls release
+the GIL; every object here may be used from several threads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+from kvbridge import _buffers, options
+from kvbridge._native import _C
+from kvbridge.engine import PeerId, raise_if_error
+from kvbridge.errors import InvalidArgumentError
+
+Key = Union[str, bytes]
+
+
+def _key(k: Any, i: Optional[int] = None) -> Union[str, bytes]:
+    if isinstance(k, (str, bytes)):
+        return k
+    where = "key" if i is None else f"keys[{i}]"
+    raise InvalidArgumentError(f"{where}: expected str or bytes, got {type(k).__name__}")
+
+
+@dataclass(frozen=True)
+class GetResult:
+    """One key's outcome of batch_get_into: ``size`` bytes read when ``status.ok``."""
+
+    status: Any  # kvbridge.Status
+    size: int
+
+    @property
+    def ok(self) -> bool:
+        return self.status.ok
+
+    def raise_if_error(self) -> int:
+        raise_if_error(self.status)
+        return self.size
+
+
+class StoreClient:
+    """A store client. Options are keywords mirroring KVBRIDGE_*: master ("host:port"),
+    replica_num, rpc_timeout_ms, store_transfer_deadline_ms, verify_checksums, plus the
+    engine's (TransferEngine)."""
+
+    def __init__(self, **kwargs: Any):
+        handle = kwargs.pop("_handle", None)
+        if handle is None:
+            opts = options.store_options(kwargs)
+            options.check_consumed(kwargs, "StoreClient",
+                                   options.STORE_FIELDS + options.ENGINE_FIELDS)
+            handle = _C.StoreClient(opts)
+        self._h = handle
+        self._lock = threading.Lock()
+        self._starts: list[int] = []  # registered buffers, sorted by address
+        self._ends: dict[int, int] = {}
+        self._keepalive: dict[int, Any] = {}
+
+    # -- registration ----------------------------------------------------------------------
+    def register_buffer(self, buf: Any) -> None:
+        """Registers memory for zero-copy puts and gets (overlap: AlreadyExistsError)."""
+        r = _buffers.region(buf, writable=True, what="register_buffer")
+        _buffers.host_only(r, "register_buffer")
+        self._h.register_buffer(r.address, r.length)
+        with self._lock:
+            bisect.insort(self._starts, r.address)
+            self._ends[r.address] = r.address + r.length
+            self._keepalive[r.address] = buf
+
+    def unregister_buffer(self, buf: Any) -> None:
+        """NotFoundError unless buf starts a registered buffer."""
+        r = _buffers.region(buf, writable=False, what="unregister_buffer")
+        self._h.unregister_buffer(r.address)
+        with self._lock:
+            self._starts.remove(r.address)
+            self._ends.pop(r.address, None)
+            self._keepalive.pop(r.address, None)
+
+    def _registered(self, r: _buffers.Region) -> bool:
+        with self._lock:
+            i = bisect.bisect_right(self._starts, r.address) - 1
+            return i >= 0 and r.address + r.length <= self._ends[self._starts[i]]
+
+    # -- single keys -----------------------------------------------------------------------
+    def put(self, key: Key, buf: Any) -> None:
+        """Stores buf's bytes under key. An existing key succeeds without rewriting."""
+        key = _key(key)
+        r = _buffers.region(buf, writable=False, what="put")
+        _buffers.host_only(r, "put")
+        if self._registered(r):
+            raise_if_error(self._h.batch_put_from([key], [[(r.address, r.length)]])[0])
+        else:
+            self._h.put(key, r.address, r.length)
+
+    def get(self, key: Key) -> bytes:
+        """The object's bytes (NotFoundError if absent)."""
+        return self._h.get(_key(key))
+
+    def get_into(self, key: Key, buf: Any) -> int:
+        """Reads the object into buf; returns its size. NotFoundError if absent,
+        InvalidArgumentError if buf is smaller than the object (buf is then untouched)."""
+        key = _key(key)
+        r = _buffers.region(buf, writable=True, what="get_into")
+        _buffers.host_only(r, "get_into")
+        if self._registered(r):
+            return GetResult(*self._h.batch_get_into([key], [[(r.address, r.length)]])[0]
+                             ).raise_if_error()
+        data = self._h.get(key)
+        if len(data) > r.length:
+            raise InvalidArgumentError(
+                f"get_into: object {key!r} has {len(data)} bytes, the buffer only {r.length}")
+        mv = memoryview(data)
+        _C.memcopy(r.address, _C.buffer_address(mv, False)[0], len(data))
+        return len(data)
+
+    def exists(self, key: Key) -> bool:
+        return self._h.batch_exists([_key(key)])[0]
+
+    def remove(self, key: Key) -> bool:
+        """True if removed, False if there was no such key."""
+        status = self._h.batch_remove([_key(key)])[0]
+        if status.ok:
+            return True
+        if status.name == "NOT_FOUND":
+            return False
+        raise_if_error(status)
+        return False
+
+    def remove_all(self) -> None:
+        self._h.remove_all()
+
+    # -- batches ---------------------------------------------------------------------------
+    def _batch_regions(self, keys: Sequence[Key], buffers: Sequence[Any], writable: bool,
+                       what: str) -> tuple[list, list]:
+        if len(keys) != len(buffers):
+            raise InvalidArgumentError(f"{what}: {len(keys)} keys but {len(buffers)} buffers")
+        ks = [_key(k, i) for i, k in enumerate(keys)]
+        bufs = []
+        for i, b in enumerate(buffers):
+            rs = _buffers.regions(b, writable=writable, what=f"{what} buffers[{i}]")
+            for r in rs:
+                _buffers.host_only(r, f"{what} buffers[{i}]")
+            bufs.append([(r.address, r.length) for r in rs])
+        return ks, bufs
+
+    def batch_put_from(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list:
+        """Stores each key from its registered buffer(s); buffers[i] is one buffer or a list
+        (K and V of a page, concatenated into one object). One kvbridge.Status per key."""
+        ks, bufs = self._batch_regions(keys, buffers, False, "batch_put_from")
+        return self._h.batch_put_from(ks, bufs)
+
+    def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[GetResult]:
+        """Reads each key into its registered buffer(s), filled in order. One GetResult
+        (status, size) per key: NOT_FOUND, INVALID_ARGUMENT (buffers too small), ..."""
+        ks, bufs = self._batch_regions(keys, buffers, True, "batch_get_into")
+        return [GetResult(s, n) for s, n in self._h.batch_get_into(ks, bufs)]
+
+    def batch_exists(self, keys: Sequence[Key]) -> list[bool]:
+        return self._h.batch_exists([_key(k, i) for i, k in enumerate(keys)])
+
+    def batch_remove(self, keys: Sequence[Key]) -> list:
+        """One kvbridge.Status per key (NOT_FOUND for absent keys)."""
+        return self._h.batch_remove([_key(k, i) for i, k in enumerate(keys)])
+
+    # -- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Closes the client (a Cluster's client closes with its cluster)."""
+        self._h.close()
+
+    def __enter__(self) -> "StoreClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Master:
+    """The store's control plane in this process. Options: master_listen ("host:port", port 0
+    picks one), node_ttl_ms, lease_ms, put_timeout_ms, min_replicas, high_watermark,
+    low_watermark, drain_timeout_ms, rpc_timeout_ms."""
+
+    def __init__(self, **kwargs: Any):
+        opts = options.master_options(kwargs)
+        options.check_consumed(kwargs, "Master", options.MASTER_FIELDS)
+        self._h = _C.Master(opts)
+
+    @property
+    def address(self) -> str:
+        """"host:port" with the port actually bound."""
+        return self._h.address()
+
+    def status(self, timeout_ms: int = 3000) -> dict:
+        return cluster_status(self.address, timeout_ms)
+
+    def close(self) -> None:
+        self._h.close()
+
+    def __enter__(self) -> "Master":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Node:
+    """A storage node: contributes DRAM to the pool of the master at ``master``. Options:
+    master, node_dram_bytes, node_storage_plugin, node_rpc_listen, rpc_timeout_ms,
+    drain_timeout_ms, plus the engine's (node_id, listen, ...)."""
+
+    def __init__(self, **kwargs: Any):
+        opts = options.node_options(kwargs)
+        options.check_consumed(kwargs, "Node", options.NODE_FIELDS + options.ENGINE_FIELDS)
+        self._h = _C.Node(opts)
+
+    @property
+    def id(self) -> PeerId:
+        return PeerId(*self._h.id())
+
+    @property
+    def object_count(self) -> int:
+        return self._h.object_count()
+
+    def drain(self) -> None:
+        """Graceful leave: replicas move elsewhere, then the node deregisters (blocks at most
+        drain_timeout_ms; DeadlineExceededError if the master did not confirm in time)."""
+        self._h.drain()
+
+    def close(self) -> None:
+        """Stops at once, without draining."""
+        self._h.close()
+
+    def __enter__(self) -> "Node":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Cluster:
+    """Master + storage nodes + a client in this process, on loopback: the default for
+    one-machine use and tests. ``Cluster(nodes=3).client()`` is a StoreClient.
+
+    Keywords: nodes (3), dram_bytes_per_node (256 MiB), replica_num (1), node_id_prefix
+    ("embedded"), master options (node_ttl_ms, lease_ms, ...) and engine options (applied to
+    every node's and the client's engine)."""
+
+    def __init__(self, nodes: int = 3, *, dram_bytes_per_node: int = 256 << 20,
+                 replica_num: int = 1, node_id_prefix: str = "embedded", **kwargs: Any):
+        opts = _C.ClusterOptions()
+        for name, value in (("nodes", nodes), ("dram_bytes_per_node", dram_bytes_per_node),
+                            ("replica_num", replica_num), ("node_id_prefix", node_id_prefix)):
+            options._set(opts, name, value)
+        master = _C.MasterOptions.from_env()
+        master.master_listen = "127.0.0.1:0"
+        opts.master = options.master_options(kwargs, master)
+        opts.engine = options.engine_options(kwargs)
+        options.check_consumed(kwargs, "Cluster", options.MASTER_FIELDS + options.ENGINE_FIELDS)
+        self._h = _C.Cluster(opts)
+        self._client: Optional[StoreClient] = None
+
+    @property
+    def master_address(self) -> str:
+        return self._h.master_address()
+
+    def client(self) -> StoreClient:
+        """The cluster's StoreClient (one per cluster; closed with it)."""
+        if self._client is None:
+            self._client = StoreClient(_handle=self._h.client())
+        return self._client
+
+    def node_ids(self) -> list[PeerId]:
+        return [PeerId(*self._h.node_id(i)) for i in range(self._h.node_count())]
+
+    def node_object_count(self, index: int) -> int:
+        return self._h.node_object_count(index)
+
+    def drain_node(self, index: int) -> None:
+        self._h.drain_node(index)
+
+    def stop_node(self, index: int) -> None:
+        """Stops node `index` at once (as a crash would, minus the TTL wait)."""
+        self._h.stop_node(index)
+
+    def status(self, timeout_ms: int = 3000) -> dict:
+        return cluster_status(self.master_address, timeout_ms)
+
+    def close(self) -> None:
+        self._h.close()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def cluster_status(master: str, timeout_ms: int = 3000) -> dict:
+    """A master's view: nodes (id, state, capacity, usage, replicas), object counts,
+    evictions, bad replicas dropped, nodes expired, under-replicated objects."""
+    return _C.query_cluster_status(master, timeout_ms)
+
+
+__all__ = ["StoreClient", "Master", "Node", "Cluster", "GetResult", "cluster_status"]

@@ -1,0 +1,104 @@
+"""The `kvbridge` console command as real processes (python -m kvbridge == the entry point)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import free_port, python_env, read_line
+
+
+def kvb(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvbridge", *args], env=python_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def kvb_daemon(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kvbridge", *args], env=python_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.fixture
+def daemons():
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def test_help_and_bad_usage():
+    r = kvb("--help")
+    assert r.returncode == 0
+    for sub in ("master", "node", "status", "bench"):
+        assert sub in r.stdout
+    r = kvb("node", "--dram-bytes", "lots")
+    assert r.returncode == 2 and "not a size" in r.stderr
+    r = kvb("bench", "--pages", "0")
+    assert r.returncode == 2 and "--pages must be >= 1" in r.stderr
+
+
+def test_status_of_absent_master_is_a_named_error():
+    r = kvb("status", "--master", f"127.0.0.1:{free_port()}", "--timeout-ms", "500", "--json")
+    assert r.returncode == 1
+    err = json.loads(r.stdout.strip().splitlines()[-1])
+    assert err["error"] in ("PEER_UNREACHABLE", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def test_master_nodes_status_bench_and_drain(daemons):
+    port = free_port()
+    master = kvb_daemon("master", "--listen", f"127.0.0.1:{port}", "--node-ttl-ms", "2000",
+                        "--json")
+    daemons.append(master)
+    ready = json.loads(read_line(master))
+    assert ready["event"] == "ready" and ready["address"] == f"127.0.0.1:{port}"
+    addr = ready["address"]
+    for name in ("cli-node-a", "cli-node-b"):
+        node = kvb_daemon("node", "--master", addr, "--dram-bytes", "48M", "--node-id", name,
+                          "--json")
+        daemons.append(node)
+        assert json.loads(read_line(node))["node_id"] == name
+
+    st = json.loads(kvb("status", "--master", addr, "--json").stdout)
+    assert sorted(n["node_id"] for n in st["nodes"]) == ["cli-node-a", "cli-node-b"]
+    assert all(n["state"] == "ACTIVE" and n["capacity_bytes"] == 48 << 20 for n in st["nodes"])
+    text = kvb("status", "--master", addr).stdout
+    assert "cli-node-a" in text and "ACTIVE" in text and "48.0 MiB" in text
+
+    r = kvb("bench", "--master", addr, "--pages", "256", "--page-kib", "16", "--batch", "64",
+            "--json", "--progress")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["put"]["failed"] == 0 and out["get"]["failed"] == 0
+    assert out["put"]["gbps"] > 0 and out["get"]["gbps"] > 0
+    assert "get [" in r.stderr and "100.0%" in r.stderr  # the progress bar
+
+    # SIGTERM drains node a gracefully: it exits 0, and the master lists only node b.
+    node_a = daemons[1]
+    node_a.send_signal(signal.SIGTERM)
+    assert node_a.wait(timeout=30) == 0
+    lines = [json.loads(l) for l in node_a.stdout.read().decode().splitlines() if l.strip()]
+    assert lines[-1]["event"] == "stopped" and lines[-1]["result"] == "drained"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        st = json.loads(kvb("status", "--master", addr, "--json").stdout)
+        if [n["node_id"] for n in st["nodes"] if n["state"] == "ACTIVE"] == ["cli-node-b"]:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"node a still listed: {st}")
+    master.send_signal(signal.SIGINT)
+    assert master.wait(timeout=15) == 0
+
+
+def test_bench_on_an_embedded_cluster_prints_text():
+    r = kvb("bench", "--pages", "128", "--page-kib", "8", "--batch", "32", "--replica-num", "2")
+    assert r.returncode == 0, r.stderr
+    assert "put:" in r.stdout and "get:" in r.stdout and "0 failed" in r.stdout
+    assert "[" not in r.stderr  # no progress bar when stderr is not a terminal

@@ -1,0 +1,184 @@
+"""TransferEngine from Python against a peer in another process (real TCP on loopback):
+round trips, and the failure paths a user meets: kill -9, SIGSTOP, restart on the same port,
+bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import zlib
+
+import pytest
+import torch
+
+import kvbridge
+from kvbridge import errors
+from conftest import free_port, read_line, spawn_python
+
+PEER = r"""
+import sys, zlib, kvbridge
+eng = kvbridge.TransferEngine(node_id="py-peer", listen=sys.argv[1])
+buf = bytearray(bytes(range(256)) * 4096)  # 1 MiB, known pattern
+seg = eng.register(buf)
+print(eng.descriptor().hex(), seg, flush=True)
+for line in sys.stdin:
+    if line.strip() == "crc":
+        print(zlib.crc32(buf), flush=True)
+"""
+
+
+def start_peer(port: int):
+    proc = spawn_python(PEER, f"127.0.0.1:{port}")
+    desc_hex, seg = read_line(proc).decode().split()
+    return proc, bytes.fromhex(desc_hex), int(seg)
+
+
+def peer_crc(proc) -> int:
+    proc.stdin.write(b"crc\n")
+    proc.stdin.flush()
+    return int(read_line(proc))
+
+
+@pytest.fixture
+def peer():
+    proc, desc, seg = start_peer(free_port())
+    yield proc, desc, seg
+    proc.kill()
+    proc.wait()
+
+
+def engine(**kw):
+    kw.setdefault("node_id", "py-local")
+    kw.setdefault("progress_timeout_ms", 1000)
+    kw.setdefault("breaker_failures", 3)
+    return kvbridge.TransferEngine(**kw)
+
+
+def test_read_write_roundtrip(peer):
+    proc, desc, seg = peer
+    with engine() as eng:
+        assert eng.add_peer(desc).node_id == "py-peer"
+        local = torch.zeros(1 << 20, dtype=torch.uint8)
+        eng.register(local)
+        eng.read(local, "py-peer", seg)
+        assert bytes(local[:512].numpy()) == bytes(range(256)) * 2
+        # WRITE a block, then READ it back, as a batch of several ops.
+        local[:4096] = 42
+        ops = [kvbridge.Op(kvbridge.WRITE, local[:4096], "py-peer", seg, 8192)]
+        assert all(s.ok for s in eng.transfer(ops))
+        back = local[4096:8192]
+        batch = eng.submit([kvbridge.Op(kvbridge.READ, back, "py-peer", seg, 8192)])
+        result = None
+        deadline = time.monotonic() + 5
+        while result is None and time.monotonic() < deadline:
+            result = eng.poll(batch)
+        assert result is not None and result[0].ok
+        assert bool((back == 42).all())
+        expected = bytearray(bytes(range(256)) * 4096)
+        expected[8192:12288] = b"\x2a" * 4096
+        assert peer_crc(proc) == zlib.crc32(expected)
+        stats = eng.transport_stats("tcp")
+        assert stats["bytes_read"] >= (1 << 20)
+        assert eng.peer_health("py-peer")["breaker"] == "closed"
+
+
+def test_bad_input_errors(peer):
+    proc, desc, seg = peer
+    with engine() as eng:
+        eng.add_peer(desc)
+        unregistered = bytearray(64)
+        with pytest.raises(errors.NotRegisteredError):
+            eng.read(unregistered, "py-peer", seg)
+        local = bytearray(1 << 16)
+        eng.register(local)
+        with pytest.raises(errors.OutOfBoundsError):
+            eng.read((kvbridge._buffers.region(local, writable=True).address, 4096), "py-peer",
+                     seg, (1 << 20) - 100)
+        with pytest.raises(kvbridge.BatchError) as e:
+            eng.transfer([kvbridge.Op(kvbridge.READ, local, "py-peer", seg, 0),
+                          kvbridge.Op(kvbridge.READ, local, "nobody", seg, 0)])
+        assert [s.name for s in e.value.op_status][1] == "NOT_FOUND"
+        assert isinstance(e.value.error, errors.NotFoundError)
+        with pytest.raises(errors.InvalidArgumentError):
+            eng.add_peer(b"not a descriptor")
+        with pytest.raises(errors.InvalidArgumentError, match="length 999999"):
+            eng.read(local, "py-peer", seg, length=999999)
+        with pytest.raises(errors.AlreadyExistsError):
+            eng.register(local)
+        with pytest.raises(TypeError, match="progress_timout_ms"):
+            kvbridge.TransferEngine(progress_timout_ms=5)
+    with pytest.raises(errors.UnavailableError, match="closed"):
+        eng.descriptor()
+
+
+def test_killed_peer_fails_fast_then_breaker_opens(peer):
+    proc, desc, seg = peer
+    with engine() as eng:
+        eng.add_peer(desc)
+        local = bytearray(1 << 20)
+        eng.register(local)
+        eng.read(local, "py-peer", seg)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for _ in range(3):
+            t = time.monotonic()
+            with pytest.raises((errors.PeerUnreachableError, errors.ProgressTimeoutError)):
+                eng.read(local, "py-peer", seg, deadline_ms=20000)
+            assert time.monotonic() - t < 3
+        t = time.monotonic()
+        with pytest.raises(errors.PeerUnreachableError):
+            eng.read(local, "py-peer", seg)
+        assert time.monotonic() - t < 0.1  # breaker open: no network attempt
+        assert eng.peer_health("py-peer")["breaker"] in ("open", "half_open")
+
+
+def test_frozen_peer_is_a_progress_timeout_not_a_hang(peer):
+    proc, desc, seg = peer
+    with engine() as eng:
+        eng.add_peer(desc)
+        local = bytearray(1 << 20)
+        eng.register(local)
+        eng.read(local, "py-peer", seg)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            with pytest.raises(errors.ProgressTimeoutError):
+                eng.read(local, "py-peer", seg, deadline_ms=20000)
+            assert time.monotonic() - t < 5
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_restarted_peer_on_same_port_is_stale_until_readded():
+    port = free_port()
+    proc, desc, seg = start_peer(port)
+    try:
+        with engine() as eng:
+            eng.add_peer(desc)
+            local = bytearray(4096)
+            eng.register(local)
+            eng.read(local, "py-peer", seg)
+            proc.kill()
+            proc.wait()
+            proc, desc2, seg2 = start_peer(port)
+            before = peer_crc(proc)
+            local[:] = b"\x55" * 4096
+            with pytest.raises(errors.StalePeerError):
+                eng.write(local, "py-peer", seg, 0)
+            assert peer_crc(proc) == before  # nothing landed in the new process
+            new_id = eng.add_peer(desc2)
+            assert new_id.incarnation != 0
+            eng.write(local, "py-peer", seg2, 0)
+            assert peer_crc(proc) != before
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_cuda_memory_is_a_named_unsupported_or_skips():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: CUDA registration path not reachable here")
+    with engine() as eng:
+        with pytest.raises(errors.UnsupportedError):
+            eng.register(torch.zeros(1024, device="cuda"))

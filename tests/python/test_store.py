@@ -1,0 +1,211 @@
+"""The Python store API against an embedded cluster (real master, nodes, TCP transport)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import kvbridge
+from kvbridge import errors
+
+
+def test_put_get_roundtrip_tensor_and_bytes(cluster):
+    store = cluster.client()
+    page = torch.randn(2, 16, 8, 64)  # (K/V, page_size, heads, head_dim)
+    store.put("req1/page0", page)
+    out = torch.empty_like(page)
+    assert store.get_into("req1/page0", out) == page.numel() * 4
+    assert torch.equal(out, page)
+    store.put(b"raw-key", b"hello kvbridge")
+    assert store.get(b"raw-key") == b"hello kvbridge"
+    ba = bytearray(64)
+    assert store.get_into("raw-key", ba) == 14 and bytes(ba[:14]) == b"hello kvbridge"
+
+
+def test_missing_key_and_small_buffer_raise_named_errors(cluster):
+    store = cluster.client()
+    with pytest.raises(errors.NotFoundError) as e:
+        store.get_into("absent", bytearray(16))
+    assert e.value.code == errors.StatusCode.NOT_FOUND and e.value.name == "NOT_FOUND"
+    assert isinstance(e.value, KeyError)  # Python's own type mixed in
+    store.put("big", b"x" * 100)
+    small = bytearray(b"\x07" * 10)
+    with pytest.raises(errors.InvalidArgumentError, match="100 bytes"):
+        store.get_into("big", small)
+    assert small == bytearray(b"\x07" * 10)  # untouched
+
+
+def test_exists_remove(cluster):
+    store = cluster.client()
+    store.put("k", b"v")
+    assert store.exists("k") and not store.exists("nope")
+    assert store.batch_exists(["k", "nope"]) == [True, False]
+    assert store.remove("k") is True
+    assert store.remove("k") is False
+    assert not store.exists("k")
+
+
+def test_existing_key_is_success_without_rewrite(cluster):
+    store = cluster.client()
+    store.put("same", b"first")
+    store.put("same", b"second")
+    assert store.get("same") == b"first"
+
+
+def test_batch_zero_copy_with_multi_buffers_and_partial_failures(cluster):
+    store = cluster.client()
+    src = torch.arange(64 * 1024, dtype=torch.int32)  # 256 KiB
+    dst = torch.zeros(64 * 1024, dtype=torch.int32)
+    store.register_buffer(src)
+    store.register_buffer(dst)
+    k, v = src[:1024], src[1024:2048]
+    statuses = store.batch_put_from(["kv0", "kv1"], [[k, v], src[4096:8192]])
+    assert all(s.ok for s in statuses), statuses
+    results = store.batch_get_into(["kv0", "missing", "kv1"],
+                                   [[dst[:1024], dst[1024:2048]], dst[2048:3072], dst[4096:8192]])
+    assert [r.ok for r in results] == [True, False, True]
+    assert results[0].size == 8192 and results[2].size == 16384
+    assert results[1].status.name == "NOT_FOUND"
+    with pytest.raises(errors.NotFoundError):
+        results[1].raise_if_error()
+    assert torch.equal(dst[:2048], src[:2048]) and torch.equal(dst[4096:8192], src[4096:8192])
+    # Unregistered memory in a batch is a per-key NOT_REGISTERED, others still succeed.
+    loose = torch.ones(256, dtype=torch.int32)
+    st = store.batch_put_from(["loose", "kv2"], [loose, src[8192:9216]])
+    assert st[0].name == "NOT_REGISTERED" and st[1].ok
+    assert [s.name for s in store.batch_remove(["kv0", "never"])] == ["OK", "NOT_FOUND"]
+    store.unregister_buffer(src)
+    with pytest.raises(errors.NotFoundError):
+        store.unregister_buffer(src)
+
+
+def test_registered_buffer_get_into_is_zero_copy_path(cluster):
+    store = cluster.client()
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    store.register_buffer(buf)
+    buf[:100] = 9
+    store.put("reg", buf[:100])  # registered: the zero-copy path
+    assert store.get_into("reg", buf[1000:1100]) == 100
+    assert bool((buf[1000:1100] == 9).all())
+    with pytest.raises(errors.AlreadyExistsError):
+        store.register_buffer(buf[10:20])
+
+
+def test_bad_inputs_name_what_was_wrong(cluster):
+    store = cluster.client()
+    with pytest.raises(errors.InvalidArgumentError, match="keys\\[1\\]"):
+        store.batch_exists(["ok", 5])
+    with pytest.raises(errors.InvalidArgumentError, match="2 keys but 1 buffers"):
+        store.batch_put_from(["a", "b"], [b"x"])
+    with pytest.raises(errors.InvalidArgumentError, match="not contiguous"):
+        store.put("t", torch.zeros(4, 4).t())
+    with pytest.raises(errors.InvalidArgumentError, match="expected a torch.Tensor"):
+        store.put("t", 12345)
+    with pytest.raises(errors.InvalidArgumentError):
+        store.put("", b"empty key")
+    with pytest.raises(errors.InvalidArgumentError, match="get_into"):
+        store.get_into("t", b"read-only bytes")
+
+
+def test_options_are_keywords_and_typos_are_refused():
+    with pytest.raises(TypeError, match="replica_nmu"):
+        kvbridge.Cluster(nodes=1, replica_nmu=2)
+    with pytest.raises(errors.InvalidArgumentError, match="node_ttl_ms"):
+        kvbridge.Cluster(nodes=1, node_ttl_ms=-5)
+    with pytest.raises(errors.InvalidArgumentError, match="replica_num"):
+        kvbridge.Cluster(nodes=1, replica_num=2)
+    with kvbridge.Cluster(nodes=1, dram_bytes_per_node=16 << 20, tcp_lanes_per_peer=2,
+                          deadline_ms=4000) as c:
+        c.client().put("x", b"y")
+
+
+def test_replicas_survive_a_stopped_node():
+    with kvbridge.Cluster(nodes=3, replica_num=2, dram_bytes_per_node=32 << 20) as c:
+        store = c.client()
+        for i in range(20):
+            store.put(f"k{i}", bytes([i]) * 4096)
+        c.stop_node(0)
+        for i in range(20):
+            assert store.get(f"k{i}") == bytes([i]) * 4096
+        with pytest.raises(errors.UnavailableError, match="stopped"):
+            c.node_object_count(0)
+        st = c.status()
+        assert st["objects"] == 20 and len(st["nodes"]) >= 2
+
+
+def test_closed_objects_raise_unavailable():
+    c = kvbridge.Cluster(nodes=1, dram_bytes_per_node=16 << 20)
+    store = c.client()
+    c.close()
+    with pytest.raises(errors.UnavailableError, match="closed"):
+        store.put("k", b"v")
+    with pytest.raises(errors.UnavailableError):
+        c.master_address
+
+
+def test_blocking_calls_release_the_gil(cluster):
+    """A Python thread keeps running while another thread is inside batch calls."""
+    store = cluster.client()
+    buf = torch.zeros(4 << 20, dtype=torch.uint8)
+    store.register_buffer(buf)
+    keys = [f"gil{i}" for i in range(64)]
+    views = [buf[i * 65536:(i + 1) * 65536] for i in range(64)]
+    ticks = 0
+    stop = threading.Event()
+
+    def spin():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        calls = 0
+        before = ticks
+        while calls < 20:
+            store.batch_put_from(keys, views)
+            store.batch_get_into(keys, views)
+            calls += 1
+        progressed = ticks - before
+    finally:
+        stop.set()
+        t.join()
+    assert progressed > 1000, f"the other thread only ran {progressed} loops"
+
+
+def test_standalone_master_nodes_client_and_drain():
+    with kvbridge.Master(master_listen="127.0.0.1:0", node_ttl_ms=2000) as master:
+        nodes = [kvbridge.Node(master=master.address, node_dram_bytes=16 << 20,
+                               node_id=f"py-node-{c}", drain_timeout_ms=10000) for c in "ab"]
+        try:
+            with kvbridge.StoreClient(master=master.address) as client:
+                for i in range(6):
+                    client.put(f"standalone{i}", bytes([i]) * 1000)
+                assert sum(n.object_count for n in nodes) == 6
+                assert nodes[0].id.node_id == "py-node-a"
+                st = master.status()
+                assert sorted(n["node_id"] for n in st["nodes"]) == ["py-node-a", "py-node-b"]
+                nodes[0].drain()  # its objects move to node b
+                assert nodes[1].object_count == 6
+                nodes[0].close()
+                for i in range(6):
+                    assert client.get(f"standalone{i}") == bytes([i]) * 1000
+        finally:
+            for n in nodes:
+                n.close()
+
+
+def test_client_without_master_fails_fast_with_a_named_error():
+    import time
+
+    from conftest import free_port
+
+    t = time.monotonic()
+    with pytest.raises(errors.KvbError) as e:
+        c = kvbridge.StoreClient(master=f"127.0.0.1:{free_port()}", rpc_timeout_ms=500)
+        c.put("k", b"v")
+    assert e.value.name in ("PEER_UNREACHABLE", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+    assert time.monotonic() - t < 5
