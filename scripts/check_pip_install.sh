@@ -20,7 +20,7 @@ echo "check_pip_install: pip install $here"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 cd "$work"
-env -u PYTHONPATH -u KVBRIDGE_PLUGIN_PATH "$venv/bin/python" - <<'PY'
+KVB_SOURCE_TREE="$here" env -u PYTHONPATH -u KVBRIDGE_PLUGIN_PATH "$venv/bin/python" - <<'PY'
 import os, torch, kvbridge, kvbridge.ops as ops
 pkg = os.path.dirname(kvbridge.__file__)
 assert "site-packages" in pkg, pkg
@@ -32,6 +32,16 @@ with kvbridge.Cluster(nodes=2, dram_bytes_per_node=32 << 20, replica_num=2) as c
     store.put("installed/page", page)
     out = torch.empty_like(page)
     assert store.get_into("installed/page", out) == page.numel() * 4 and torch.equal(out, page)
+# The loader searched the package's plugins directory, and not the tree it was built in.
+try:
+    kvbridge.TransferEngine(transports=["no-such-transport"])
+    raise SystemExit("a missing transport was not refused")
+except kvbridge.errors.UnavailableError as e:
+    searched = str(e)
+except kvbridge.KvbError as e:
+    searched = str(e)
+assert os.path.join(pkg, "plugins") in searched, searched
+assert os.environ["KVB_SOURCE_TREE"] not in searched.replace(pkg, ""), searched
 print("check_pip_install: import, plugins from", pkg, "and an embedded-cluster round trip: OK")
 print("check_pip_install: kvbridge.ops loaded; CUDA kernels:", ops.cuda_available())
 PY
