@@ -76,6 +76,22 @@ def regions(obj: Any, *, writable: bool, what: str) -> list[Region]:
 
 def host_only(r: Region, what: str) -> None:
     if r.kind != HOST:
-        raise InvalidArgumentError(
-            f"{what}: CUDA memory is not supported here yet (no GPU transport in this build); "
-            "stage through a pinned CPU tensor")
+        from kvbridge.errors import UnsupportedError
+
+        raise UnsupportedError(
+            f"{what}: CUDA memory cannot be used here (no GPU transport in this build); pack "
+            "pages into a registered host buffer (kvbridge.ops) or use put/get_into, which "
+            "copy through host memory")
+
+
+def host_bytes_of(tensor: Any) -> Any:
+    """A contiguous CPU uint8 copy of a CUDA tensor's bytes."""
+    return tensor.detach().contiguous().view(-1).view(__import__("torch").uint8).cpu()
+
+
+def copy_host_to_tensor(host: bytearray, n: int, tensor: Any) -> None:
+    """Copies the first n bytes of host into a contiguous (CUDA) tensor's bytes."""
+    torch = __import__("torch")
+    src = torch.frombuffer(host, dtype=torch.uint8, count=n) if n else None
+    if src is not None:
+        tensor.view(-1).view(torch.uint8)[:n].copy_(src)

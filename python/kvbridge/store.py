@@ -101,10 +101,14 @@ class StoreClient:
 
     # -- single keys -----------------------------------------------------------------------
     def put(self, key: Key, buf: Any) -> None:
-        """Stores buf's bytes under key. An existing key succeeds without rewriting."""
+        """Stores buf's bytes under key. An existing key succeeds without rewriting.
+        A CUDA tensor is copied to host memory first (for many pages, pack them into a
+        registered host buffer with kvbridge.ops and use batch_put_from)."""
         key = _key(key)
         r = _buffers.region(buf, writable=False, what="put")
-        _buffers.host_only(r, "put")
+        if r.kind == _buffers.CUDA:
+            buf = _buffers.host_bytes_of(buf)
+            r = _buffers.region(buf, writable=False, what="put")
         if self._registered(r):
             raise_if_error(self._h.batch_put_from([key], [[(r.address, r.length)]])[0])
         else:
@@ -119,7 +123,11 @@ class StoreClient:
         InvalidArgumentError if buf is smaller than the object (buf is then untouched)."""
         key = _key(key)
         r = _buffers.region(buf, writable=True, what="get_into")
-        _buffers.host_only(r, "get_into")
+        if r.kind == _buffers.CUDA:  # through host memory, then one copy to the device
+            host = bytearray(r.length)
+            n = self.get_into(key, host)
+            _buffers.copy_host_to_tensor(host, n, buf)
+            return n
         if self._registered(r):
             return GetResult(*self._h.batch_get_into([key], [[(r.address, r.length)]])[0]
                              ).raise_if_error()

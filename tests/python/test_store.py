@@ -209,3 +209,17 @@ def test_client_without_master_fails_fast_with_a_named_error():
         c.put("k", b"v")
     assert e.value.name in ("PEER_UNREACHABLE", "UNAVAILABLE", "DEADLINE_EXCEEDED")
     assert time.monotonic() - t < 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_tensors_go_through_host_memory(cluster):
+    store = cluster.client()
+    page = torch.randn(2, 16, 8, 64, device="cuda")
+    store.put("cuda/page", page)
+    out = torch.zeros_like(page)
+    assert store.get_into("cuda/page", out) == page.numel() * 4
+    assert torch.equal(out, page)
+    with pytest.raises(errors.UnsupportedError, match="kvbridge.ops"):
+        store.batch_put_from(["x"], [page])
+    with pytest.raises(errors.UnsupportedError):
+        store.register_buffer(out)
