@@ -79,6 +79,12 @@ Status MasterConfig::Validate() const {
     return bad("max_object_bytes must be in 1..2^62");
   }
   if (eviction_sample_size == 0) return bad("eviction_sample_size must be > 0");
+  if (!(demote_low_watermark > 0 && demote_low_watermark <= demote_high_watermark &&
+        demote_high_watermark <= 1)) {
+    return bad("demote watermarks must satisfy 0 < demote_low_watermark <= "
+               "demote_high_watermark <= 1");
+  }
+  if (max_demotions_per_node == 0) return bad("max_demotions_per_node must be > 0");
   if (max_tasks_per_node == 0) return bad("max_tasks_per_node must be > 0");
   if (health_half_life_ms == 0) return bad("health_half_life_ms must be > 0");
   return Status::OK();
@@ -106,6 +112,8 @@ struct MasterState::Impl {
     size_t replicas = 0;              // replicas of any state on this node
     size_t held = 0;                  // held ranges on this node
     size_t source_tasks = 0;          // tasks with this node as source
+    size_t demotions = 0;             // replicas here with a demotion pending
+    std::deque<std::pair<std::string, uint64_t>> demote_queue;  // (key, demote_id) to hand out
     double reads = 0;                 // decaying count of reads handed out (load)
     double bad_reports = 0;           // decaying count of bad-replica reports (health)
     const NodeIdentity& id() const { return reg.identity; }
@@ -120,6 +128,13 @@ struct MasterState::Impl {
     uint64_t task_id = 0;         // nonzero: destination of this task
     size_t resident_index = 0;    // position in segment->residents
     bool record_on_node = false;  // a commit was sent: dropping it must tell the node
+    // A pending move of this (DRAM) replica to the node's SSD segment: the SSD range is
+    // allocated there (not a resident until DemoteDone), demote_id is its replica id.
+    Segment* demote_segment = nullptr;
+    uint64_t demote_offset = 0;
+    uint64_t demote_id = 0;
+    bool demote_issued = false;
+    uint64_t demote_deadline_ns = 0;
   };
 
   struct Object {
@@ -189,6 +204,7 @@ struct MasterState::Impl {
   uint64_t revokes_total = 0;
   uint64_t nodes_expired_total = 0;
   uint64_t bad_replicas_total = 0;
+  uint64_t demotions_total = 0;
   // Heartbeat arrivals recorded without `mu` (Touch), so liveness never waits behind data-plane
   // work holding `mu`; Tick folds them in. node id -> (incarnation, last seen). Lock order:
   // mu, then live_mu.
@@ -330,8 +346,29 @@ struct MasterState::Impl {
 
   // Forgets the replica without touching its space (the caller frees, holds, or the node is
   // going away with its allocators).
-  void DetachReplica(Object* o, size_t idx) {
-    const Replica& r = o->replicas[idx];
+  // Releases the SSD range of a pending demotion (the node's late report then gets NOT_FOUND
+  // and deletes its copy).
+  void CancelDemotion(Replica& r) {
+    if (r.demote_segment == nullptr) return;
+    r.demote_segment->alloc.Free(r.demote_offset);
+    r.demote_segment = nullptr;
+    r.demote_offset = 0;
+    r.demote_id = 0;
+    r.demote_issued = false;
+    r.demote_deadline_ns = 0;
+    r.node->demotions--;
+  }
+
+  static Segment* SsdSegment(Node& n) {
+    for (auto& [sid, s] : n.segments) {
+      if (s.info.tier == Tier::kSsd) return &s;
+    }
+    return nullptr;
+  }
+
+  // Takes the replica out of its segment's residents (its index fixed up in the object moved
+  // into its slot); the replica itself stays.
+  void Unreside(Object* o, Replica& r) {
     auto& v = r.segment->residents;
     const size_t i = r.resident_index;
     Object* moved = v.back();
@@ -345,6 +382,12 @@ struct MasterState::Impl {
         }
       }
     }
+  }
+
+  void DetachReplica(Object* o, size_t idx) {
+    CancelDemotion(o->replicas[idx]);
+    Replica& r = o->replicas[idx];
+    Unreside(o, r);
     r.node->replicas--;
     o->replicas.erase(o->replicas.begin() + static_cast<std::ptrdiff_t>(idx));
   }
@@ -708,6 +751,89 @@ struct MasterState::Impl {
     }
   }
 
+  // ---------------------------------------------------------------- SSD tier
+
+  bool Demotable(const Object& o, const Replica& r) const {
+    if (o.state != ObjectState::kComplete || o.pinned) return false;
+    for (const Replica& rr : o.replicas) {
+      if (rr.state != ReplicaState::kComplete) return false;  // a copy is in flight
+    }
+    return r.segment->info.tier == Tier::kDram && r.demote_segment == nullptr;
+  }
+
+  // On ACTIVE nodes with an SSD segment: DRAM segments above demote_high_watermark get their
+  // coldest replicas queued for demotion until demote_low_watermark (counting what is already
+  // on its way out), at most max_demotions_per_node pending per node.
+  void ScheduleDemotions(uint64_t now_ns, TickSummary& sum) {
+    for (auto& [id, n] : nodes) {
+      if (n.state != NodeState::kActive) continue;  // a draining node moves data off instead
+      Segment* ssd = SsdSegment(n);
+      if (!ssd) continue;
+      for (auto& [sid, s] : n.segments) {
+        if (s.info.tier != Tier::kDram || n.demotions >= cfg.max_demotions_per_node) continue;
+        const double cap = static_cast<double>(s.info.capacity);
+        uint64_t leaving = 0;
+        for (Object* o : s.residents) {
+          if (o->replicas[ReplicaOn(*o, &n)].demote_segment) leaving += RoundUp(o->bytes);
+        }
+        const uint64_t used = s.alloc.used_bytes() - std::min(leaving, s.alloc.used_bytes());
+        if (static_cast<double>(used) <= cfg.demote_high_watermark * cap) continue;
+        const uint64_t low = static_cast<uint64_t>(cfg.demote_low_watermark * cap);
+        uint64_t want = used - std::min(used, low);
+        // A full SSD drops its coldest objects to make room (before the candidates are
+        // collected: eviction erases objects).
+        const double ssd_cap = static_cast<double>(ssd->info.capacity);
+        const uint64_t ssd_low = static_cast<uint64_t>(cfg.low_watermark * ssd_cap);
+        if (ssd->alloc.free_bytes() < want) {
+          sum.objects_evicted += EvictUntil(
+              *ssd,
+              [&] {
+                return ssd->alloc.free_bytes() >= want || ssd->alloc.used_bytes() <= ssd_low;
+              },
+              cfg.max_evictions_per_put, now_ns);
+        }
+        std::vector<Object*> cands;
+        for (Object* o : s.residents) {
+          if (Demotable(*o, o->replicas[ReplicaOn(*o, &n)])) cands.push_back(o);
+        }
+        std::sort(cands.begin(), cands.end(), [](const Object* a, const Object* b) {
+          return std::tie(a->last_access_ns, a->key) < std::tie(b->last_access_ns, b->key);
+        });
+        for (Object* o : cands) {
+          if (want == 0 || n.demotions >= cfg.max_demotions_per_node) break;
+          std::optional<uint64_t> off = ssd->alloc.Allocate(o->bytes);
+          if (!off) break;  // the SSD is full of objects that cannot go yet
+          Replica& r = o->replicas[ReplicaOn(*o, &n)];
+          r.demote_segment = ssd;
+          r.demote_offset = *off;
+          r.demote_id = next_replica_id++;
+          r.demote_issued = false;
+          n.demotions++;
+          n.demote_queue.emplace_back(o->key, r.demote_id);
+          want -= std::min(want, RoundUp(o->bytes));
+          ++sum.demotions_scheduled;
+        }
+      }
+    }
+  }
+
+  // Demotions handed out and not reported by their deadline are cancelled.
+  void ExpireDemotions(uint64_t now_ns, TickSummary& sum) {
+    for (auto& [id, n] : nodes) {
+      if (n.demotions == 0) continue;
+      for (auto& [sid, s] : n.segments) {
+        if (s.info.tier != Tier::kDram) continue;
+        for (Object* o : s.residents) {
+          Replica& r = o->replicas[ReplicaOn(*o, &n)];
+          if (r.demote_segment && r.demote_issued && r.demote_deadline_ns <= now_ns) {
+            CancelDemotion(r);
+            ++sum.demotions_timed_out;
+          }
+        }
+      }
+    }
+  }
+
   // ---------------------------------------------------------------- re-replication
 
   void FailTask(std::map<uint64_t, Task>::iterator it, uint64_t now_ns, bool writer_done) {
@@ -730,6 +856,8 @@ struct MasterState::Impl {
     for (const Replica& r : o.replicas) {
       if (r.state != ReplicaState::kComplete) continue;
       if (r.node->source_tasks >= cfg.max_tasks_per_node) continue;
+      // A replica being demoted may leave its range before a task's copy ends.
+      if (r.demote_segment != nullptr) continue;
       if (!best) {
         best = &r;
         continue;
@@ -1066,6 +1194,25 @@ Result<NodeCommands> MasterState::Heartbeat(const NodeIdentity& node, uint64_t n
     it->second.deadline_ns = now_ns + MsToNs(m.cfg.task_timeout_ms);
     cmds.tasks.push_back(m.TaskView(it->second));
   }
+  while (!n->demote_queue.empty()) {
+    auto [key, demote_id] = std::move(n->demote_queue.front());
+    n->demote_queue.pop_front();
+    Impl::Object* o = m.FindObject(key);
+    const int idx = o ? Impl::ReplicaOn(*o, n) : -1;
+    if (idx < 0) continue;
+    Impl::Replica& r = o->replicas[idx];
+    if (r.demote_id != demote_id || r.demote_segment == nullptr || r.demote_issued) continue;
+    r.demote_issued = true;
+    r.demote_deadline_ns = now_ns + MsToNs(m.cfg.task_timeout_ms);
+    Demotion d;
+    d.source = m.Record(*o, r);
+    d.dest = d.source;
+    d.dest.segment_id = r.demote_segment->info.segment_id;
+    d.dest.offset = r.demote_offset;
+    d.dest.replica_id = r.demote_id;
+    d.deadline_ns = r.demote_deadline_ns;
+    cmds.demotions.push_back(std::move(d));
+  }
   cmds.drained = m.DrainDone(*n, now_ns);
   return cmds;
 }
@@ -1245,7 +1392,10 @@ std::vector<Result<ReplicaSet>> MasterState::GetReplicas(const std::vector<std::
     }
     auto rank = [&](const Impl::Replica* r) {
       const Impl::Node& n = *r->node;
-      return std::make_tuple(n.id().node_id != client_node_id, n.state != NodeState::kActive,
+      // DRAM before SSD (an SSD replica is read through its node), then the client's own
+      // node, healthy and lightly loaded nodes first.
+      return std::make_tuple(r->segment->info.tier != Tier::kDram,
+                             n.id().node_id != client_node_id, n.state != NodeState::kActive,
                              n.bad_reports, n.reads, n.id().node_id);
     };
     std::sort(reps.begin(), reps.end(),
@@ -1394,6 +1544,52 @@ Status MasterState::FinishTask(const TaskCommitPlan& plan, uint64_t now_ns) {
   return Status::OK();
 }
 
+Status MasterState::DemoteDone(const NodeIdentity& node, std::string_view key, uint64_t version,
+                               uint64_t dest_replica_id, bool ok, uint64_t now_ns) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  Status st;
+  Impl::Node* n = m.FindNode(node, &st);
+  if (!n) return st;
+  Impl::Object* o = m.FindObject(key);
+  const int idx = o && o->version == version ? Impl::ReplicaOn(*o, n) : -1;
+  if (idx < 0 || o->replicas[idx].demote_id != dest_replica_id ||
+      o->replicas[idx].demote_segment == nullptr) {
+    return Status::NotFound("demotion of " + std::string(key) + " is no longer wanted");
+  }
+  Impl::Replica& r = o->replicas[idx];
+  if (!ok) {
+    m.CancelDemotion(r);
+    return Status::OK();
+  }
+  // The replica moves to SSD; its DRAM range stays readable until the read leases end.
+  Impl::Segment* dram = r.segment;
+  const uint64_t dram_offset = r.offset;
+  std::optional<InventoryRecord> dram_record;
+  if (r.record_on_node) dram_record = m.Record(*o, r);
+  m.Unreside(o, r);
+  r.segment = r.demote_segment;
+  r.offset = r.demote_offset;
+  r.replica_id = r.demote_id;
+  r.record_on_node = true;
+  r.resident_index = r.segment->residents.size();
+  r.segment->residents.push_back(o);
+  r.demote_segment = nullptr;
+  r.demote_offset = 0;
+  r.demote_id = 0;
+  r.demote_issued = false;
+  r.demote_deadline_ns = 0;
+  n->demotions--;
+  ++m.demotions_total;
+  if (o->lease_expiry_ns > now_ns) {
+    m.held.push_back({n, dram, dram_offset, o->bytes, o->lease_expiry_ns, std::move(dram_record)});
+    n->held++;
+  } else {
+    m.FreeRange(n, dram, dram_offset, dram_record);
+  }
+  return Status::OK();
+}
+
 void MasterState::Touch(const NodeIdentity& node, uint64_t now_ns) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.live_mu);
@@ -1452,9 +1648,16 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
     return true;
   });
 
-  // Segments above the high watermark.
+  // Demotions: late ones cancelled, new ones queued.
+  m.ExpireDemotions(now_ns, sum);
+  m.ScheduleDemotions(now_ns, sum);
+
+  // Segments above the high watermark (DRAM of a node with an SSD tier is demoted instead;
+  // only puts that find no room evict there).
   for (auto& [id, n] : m.nodes) {
+    const bool tiered = n.state == NodeState::kActive && Impl::SsdSegment(n) != nullptr;
     for (auto& [sid, s] : n.segments) {
+      if (tiered && s.info.tier == Tier::kDram) continue;
       const double cap = static_cast<double>(s.info.capacity);
       if (static_cast<double>(s.alloc.used_bytes()) <= m.cfg.high_watermark * cap) continue;
       const double low = m.cfg.low_watermark * cap;
@@ -1508,8 +1711,14 @@ MasterStats MasterState::Stats() const {
     ns.replicas = n.replicas;
     ns.last_heartbeat_ns = n.last_seen_ns;
     for (const auto& [sid, s] : n.segments) {
-      ns.capacity += s.info.capacity;
-      ns.used += s.alloc.used_bytes();
+      if (s.info.tier == Tier::kDram) {
+        ns.capacity += s.info.capacity;
+        ns.used += s.alloc.used_bytes();
+      } else {
+        ns.ssd_capacity += s.info.capacity;
+        ns.ssd_used += s.alloc.used_bytes();
+        st.ssd_replicas += s.residents.size();
+      }
       ns.segments.push_back(
           {sid, s.info.tier, s.info.capacity, s.alloc.used_bytes(), s.residents.size()});
     }
@@ -1532,6 +1741,8 @@ MasterStats MasterState::Stats() const {
   st.revokes_total = m.revokes_total;
   st.nodes_expired_total = m.nodes_expired_total;
   st.bad_replicas_total = m.bad_replicas_total;
+  st.demotions_total = m.demotions_total;
+  for (const auto& [id, n] : m.nodes) st.demotions_in_flight += n.demotions;
   return st;
 }
 
@@ -1551,7 +1762,12 @@ MasterSnapshot MasterState::Snapshot() const {
     so.pinned = o->pinned;
     so.lease_expiry_ns = o->lease_expiry_ns;
     for (const Impl::Replica& r : o->replicas) {
-      so.replicas.push_back({m.Location(*o, r), r.state, r.task_id, r.replica_id});
+      so.replicas.push_back({m.Location(*o, r), r.state, r.task_id, r.replica_id, std::nullopt});
+      if (r.demote_segment) {
+        so.replicas.back().demote_to = ReplicaLocation{
+            r.node->id(), r.demote_segment->info.segment_id, r.demote_offset, o->bytes,
+            Tier::kSsd};
+      }
     }
     snap.objects.push_back(std::move(so));
   }
@@ -1598,6 +1814,17 @@ Status MasterState::CheckInvariants() const {
         }
         used += m.RoundUp(o->bytes);
         ++allocs;
+      }
+      for (const auto& [sid2, s2] : n.segments) {
+        for (const Impl::Object* o : s2.residents) {
+          const Impl::Replica& r = o->replicas[Impl::ReplicaOn(*o, &n)];
+          if (r.demote_segment != &s) continue;
+          if (s.alloc.AllocationLength(r.demote_offset) != m.RoundUp(o->bytes)) {
+            return fail(o->key + ": demotion range on " + id + " is not allocated");
+          }
+          used += m.RoundUp(o->bytes);
+          ++allocs;
+        }
       }
       for (const Impl::Held& h : m.held) {
         if (h.segment != &s) continue;

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -152,6 +153,17 @@ struct MasterConfig {
   // node recorded (a stale put end then cannot match a new put's version).
   uint64_t first_version = 1;
 
+  // --- SSD tier (nodes that register an SSD segment) ---
+  // DRAM of such a node used above demote_high_watermark is demoted (moved to its SSD) in the
+  // background, coldest first, down to demote_low_watermark; puts evict (drop) only above
+  // max_put_fill, so they normally find room without losing anything. A full SSD evicts its
+  // coldest objects to make room for demotions.
+  // REQUIRES: 0 < demote_low_watermark <= demote_high_watermark <= 1.
+  double demote_high_watermark = 0.75;
+  double demote_low_watermark = 0.6;
+  // Demotions handed to one node and not yet reported.
+  uint32_t max_demotions_per_node = 64;
+
   // Seed of the eviction sampler; 0 = random.
   uint64_t random_seed = 0;
 
@@ -175,9 +187,17 @@ struct ReplicationTask {
   uint64_t deadline_ns = 0;     // report TaskDone before this
 };
 
+// Move the DRAM replica `source` to the SSD replica `dest` on the same node, then DemoteDone.
+struct Demotion {
+  InventoryRecord source;
+  InventoryRecord dest;
+  uint64_t deadline_ns = 0;  // report DemoteDone before this
+};
+
 struct NodeCommands {
   std::vector<InventoryRecord> frees;  // records to drop (and their space to forget)
   std::vector<ReplicationTask> tasks;  // copy source -> dest, then TaskDone
+  std::vector<Demotion> demotions;     // DRAM -> SSD moves, then DemoteDone
   bool drained = false;                // a DRAINING node may now deregister and exit
 };
 
@@ -254,8 +274,10 @@ struct NodeStats {
   NodeIdentity identity;
   NodeState state = NodeState::kActive;
   bool drained = false;
-  uint64_t capacity = 0;
+  uint64_t capacity = 0;  // DRAM segments
   uint64_t used = 0;
+  uint64_t ssd_capacity = 0;  // SSD segments
+  uint64_t ssd_used = 0;
   size_t replicas = 0;
   uint64_t last_heartbeat_ns = 0;  // for a DEAD node: when it was declared dead
   std::vector<SegmentStats> segments;
@@ -276,6 +298,9 @@ struct MasterStats {
   uint64_t revokes_total = 0;
   uint64_t nodes_expired_total = 0;
   uint64_t bad_replicas_total = 0;  // replicas dropped on a reader's report
+  uint64_t demotions_total = 0;     // replicas moved from DRAM to SSD
+  size_t ssd_replicas = 0;          // COMPLETE replicas on SSD segments
+  size_t demotions_in_flight = 0;
 };
 
 struct NodeDirectoryEntry {
@@ -298,6 +323,8 @@ struct TickSummary {
   size_t ranges_released = 0;
   size_t objects_evicted = 0;
   size_t drains_finished = 0;
+  size_t demotions_scheduled = 0;
+  size_t demotions_timed_out = 0;
 };
 
 // A full copy of the table, for tests, debugging and invariant checks. O(objects).
@@ -307,6 +334,7 @@ struct MasterSnapshot {
     ReplicaState state = ReplicaState::kComplete;
     uint64_t task_id = 0;  // nonzero for a task's destination
     uint64_t replica_id = 0;
+    std::optional<ReplicaLocation> demote_to;  // the SSD range of a pending demotion
   };
   struct Object {
     std::string key;
@@ -437,6 +465,17 @@ class MasterState {
   // OK: the destination replica is COMPLETE. NOT_FOUND: the task was cancelled in between;
   // UNAVAILABLE: the commit failed (the object is retried later).
   Status FinishTask(const TaskCommitPlan& plan, uint64_t now_ns);
+
+  // --- SSD tier ---
+
+  // The node reports a demotion (dest_replica_id names it). ok: the SSD copy is durable and
+  // on the node's inventory; the replica now lives on SSD and its DRAM range is freed after
+  // the read leases (a free record is queued). Not ok: the SSD space is released, the replica
+  // stays in DRAM and is tried again later. NOT_FOUND: the demotion is no longer wanted (the
+  // object or replica changed, or it timed out): the node must delete its SSD copy.
+  // STALE_PEER as Heartbeat.
+  Status DemoteDone(const NodeIdentity& node, std::string_view key, uint64_t version,
+                    uint64_t dest_replica_id, bool ok, uint64_t now_ns);
 
   // --- Time ---
 

@@ -213,6 +213,10 @@ class Cluster {
       readable |= r.state == ReplicaState::kComplete;
       ranges[{r.location.node.node_id, r.location.segment_id}].push_back(
           {r.location.offset, r.location.offset + round(r.location.length)});
+      if (r.demote_to) {
+        ranges[{r.demote_to->node.node_id, r.demote_to->segment_id}].push_back(
+            {r.demote_to->offset, r.demote_to->offset + round(r.demote_to->length)});
+      }
     }
     if (o.state == ObjectState::kComplete && !readable) {
       return ::testing::AssertionFailure() << o.key << " is complete with no complete replica";
@@ -265,6 +269,35 @@ const MasterSnapshot::Object* Find(const MasterSnapshot& s, const std::string& k
     if (o.key == key) return &o;
   }
   return nullptr;
+}
+
+// A node with one DRAM and one SSD segment (ids 100 and 200).
+FakeNode& AddTieredNode(Cluster& c, const std::string& name, uint64_t dram, uint64_t ssd,
+                        uint64_t incarnation = 1) {
+  FakeNode& n = c.nodes[name];
+  n = FakeNode{};
+  n.id = {name, incarnation};
+  n.segments = {{100, dram, Tier::kDram}, {200, ssd, Tier::kSsd}};
+  EXPECT_TRUE(c.Register(n).ok());
+  return n;
+}
+
+// The demotions handed to a node by one heartbeat (frees applied, tasks kept, as Heartbeat).
+std::vector<Demotion> HeartbeatDemotions(Cluster& c, FakeNode& n) {
+  auto cmds = c.m().Heartbeat(n.id, c.now);
+  EXPECT_TRUE(cmds.ok());
+  if (!cmds.ok()) return {};
+  for (const auto& f : cmds->frees) n.ApplyFree(f);
+  for (auto& t : cmds->tasks) n.tasks.push_back(t);
+  return cmds->demotions;
+}
+
+// Runs a demotion as a node does: record the SSD copy, report it; drops the copy on NOT_FOUND.
+Status RunDemotion(Cluster& c, FakeNode& n, const Demotion& d, bool ok = true) {
+  if (ok) n.records[{d.dest.segment_id, d.dest.offset}] = d.dest;
+  Status st = c.m().DemoteDone(n.id, d.source.key, d.source.version, d.dest.replica_id, ok, c.now);
+  if (!st.ok() && ok) n.records.erase({d.dest.segment_id, d.dest.offset});
+  return st;
 }
 
 // ------------------------------------------------------------------ config and membership
@@ -1637,6 +1670,193 @@ TEST_P(MasterRandomized, InvariantsHoldUnderRandomOperations) {
   EXPECT_GT(deaths, 10u);
   EXPECT_GT(restarts, 0u);
   EXPECT_GT(c.m().Stats().evictions_total + c.m().Stats().revokes_total, 0u);
+}
+
+// ------------------------------------------------------------------ SSD tier
+
+TEST(MasterTier, DramAboveTheDemoteWatermarkMovesToSsdAndDramIsFreedAfterTheLease) {
+  Cluster c;
+  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
+  for (int i = 0; i < 14; ++i) {  // 56 KiB of 64: above 0.75
+    ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
+    c.now += kMs;  // k0 is the coldest
+  }
+  auto g = c.m().GetReplicas({"k13"}, "", c.now);  // the newest is leased and hot
+  TickSummary t = c.m().Tick(c.now);
+  EXPECT_GT(t.demotions_scheduled, 0u);
+  EXPECT_EQ(t.objects_evicted, 0u);
+  ExpectConsistent(c);
+  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  ASSERT_EQ(ds.size(), t.demotions_scheduled);
+  // Coldest first, down to the low watermark: 56 KiB -> at most 0.6 * 64 = 38.4 KiB.
+  EXPECT_EQ(ds[0].source.key, "k0");
+  EXPECT_EQ(ds.size(), 5u);
+  for (const Demotion& d : ds) {
+    EXPECT_EQ(d.source.segment_id, 100u);
+    EXPECT_EQ(d.dest.segment_id, 200u);
+    EXPECT_NE(d.dest.replica_id, d.source.replica_id);
+    EXPECT_EQ(d.dest.version, d.source.version);
+    EXPECT_GT(d.deadline_ns, c.now);
+  }
+  // Until reported, the object is read from DRAM; once reported, from SSD.
+  auto before = c.m().GetReplicas({"k0"}, "", c.now);
+  ASSERT_TRUE(before[0].ok());
+  EXPECT_EQ(before[0]->replicas[0].tier, Tier::kDram);
+  for (const Demotion& d : ds) ASSERT_TRUE(RunDemotion(c, n, d).ok());
+  ExpectConsistent(c);
+  auto after = c.m().GetReplicas({"k1"}, "", c.now);
+  ASSERT_TRUE(after[0].ok());
+  EXPECT_EQ(after[0]->replicas[0].tier, Tier::kSsd);
+  EXPECT_EQ(after[0]->replicas[0].segment_id, 200u);
+  MasterStats st = c.m().Stats();
+  EXPECT_EQ(st.demotions_total, 5u);
+  EXPECT_EQ(st.ssd_replicas, 5u);
+  EXPECT_EQ(st.objects, 14u);
+  EXPECT_EQ(st.evictions_total, 0u);
+  // k0 was leased by the read above: its DRAM range is held until then; the others are free.
+  EXPECT_EQ(st.held_bytes, 4 * kKiB);
+  EXPECT_EQ(c.Used("n0"), 40 * kKiB);
+  while (c.now < before[0]->lease_expiry_ns) {  // heartbeating, as a live node does
+    c.now = std::min(c.now + 500 * kMs, before[0]->lease_expiry_ns);
+    EXPECT_TRUE(HeartbeatDemotions(c, n).empty());
+    c.m().Tick(c.now);
+  }
+  HeartbeatDemotions(c, n);
+  EXPECT_EQ(c.Used("n0"), 36 * kKiB);
+  // The node dropped every DRAM record and keeps the SSD ones.
+  for (const Demotion& d : ds) {
+    EXPECT_FALSE(n.records.count({d.source.segment_id, d.source.offset}) &&
+                 n.records.at({d.source.segment_id, d.source.offset}).replica_id ==
+                     d.source.replica_id);
+    EXPECT_TRUE(n.records.count({d.dest.segment_id, d.dest.offset}));
+  }
+  ExpectConsistent(c);
+  (void)g;
+}
+
+TEST(MasterTier, FailedLateOrUnwantedDemotionsReleaseTheSsdRange) {
+  Cluster c;
+  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
+  for (int i = 0; i < 14; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
+  c.m().Tick(c.now);
+  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  ASSERT_GE(ds.size(), 3u);
+  // 1. The node could not write: the replica stays in DRAM, the SSD range is released.
+  ASSERT_TRUE(RunDemotion(c, n, ds[0], /*ok=*/false).ok());
+  // 2. The object was removed meanwhile: NOT_FOUND, the node drops its copy.
+  ASSERT_TRUE(c.m().Remove(ds[1].source.key, c.now).ok());
+  EXPECT_EQ(RunDemotion(c, n, ds[1]).code(), StatusCode::kNotFound);
+  EXPECT_FALSE(n.records.count({ds[1].dest.segment_id, ds[1].dest.offset}));
+  ExpectConsistent(c);
+  // 3. Not reported in time: cancelled; a late report is NOT_FOUND.
+  size_t timed_out = 0;
+  while (c.now < ds[2].deadline_ns) {
+    c.now = std::min(c.now + 500 * kMs, ds[2].deadline_ns);
+    for (const Demotion& d : HeartbeatDemotions(c, n)) ASSERT_TRUE(RunDemotion(c, n, d).ok());
+    timed_out += c.m().Tick(c.now).demotions_timed_out;
+  }
+  EXPECT_GE(timed_out, 1u);
+  EXPECT_EQ(RunDemotion(c, n, ds[2]).code(), StatusCode::kNotFound);
+  ExpectConsistent(c);
+  auto g = c.m().GetReplicas({ds[0].source.key, ds[2].source.key}, "", c.now);
+  for (const auto& r : g) {
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->replicas[0].tier, Tier::kDram);
+  }
+  // They are demoted again later, with new SSD ranges.
+  c.now += 10 * kMs;
+  c.m().Tick(c.now);
+  std::vector<Demotion> again = HeartbeatDemotions(c, n);
+  EXPECT_FALSE(again.empty());
+  for (const Demotion& d : again) ASSERT_TRUE(RunDemotion(c, n, d).ok());
+  ExpectConsistent(c);
+  EXPECT_EQ(c.m().Stats().evictions_total, 0u);
+}
+
+TEST(MasterTier, FullSsdEvictsItsColdestToTakeDemotions) {
+  Cluster c;
+  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 32 * kKiB);
+  // A steady stream of puts, the background demoting as it goes: DRAM never needs a put-time
+  // eviction; the SSD (8 objects) fills and drops its coldest.
+  for (int round = 0; round < 6; ++round) {
+    for (int i = 0; i < 6; ++i) {
+      ASSERT_TRUE(c.Put("r" + std::to_string(round) + "k" + std::to_string(i), 4 * kKiB).ok())
+          << round << "/" << i;
+      c.now += kMs;
+      c.m().Tick(c.now);
+      for (const Demotion& d : HeartbeatDemotions(c, n)) ASSERT_TRUE(RunDemotion(c, n, d).ok());
+    }
+    ExpectConsistent(c);
+  }
+  MasterStats st = c.m().Stats();
+  EXPECT_GT(st.demotions_total, 8u);
+  EXPECT_GT(st.evictions_total, 0u);  // the SSD filled up: its coldest objects went
+  EXPECT_LE(st.ssd_replicas, 8u);
+  // The oldest objects are gone, the newest are still there.
+  EXPECT_FALSE(c.m().Exists({"r0k0"})[0]);
+  EXPECT_TRUE(c.m().Exists({"r5k5"})[0]);
+  for (const auto& s : st.nodes) EXPECT_LE(s.ssd_used, 32 * kKiB);
+}
+
+TEST(MasterTier, RestartedNodeBringsItsSsdObjectsBack) {
+  Cluster c;
+  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
+  for (int i = 0; i < 14; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
+  c.m().Tick(c.now);
+  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  for (const Demotion& d : ds) ASSERT_TRUE(RunDemotion(c, n, d).ok());
+  // The process restarts: DRAM records are lost, SSD records come back from the SSD.
+  std::vector<InventoryRecord> ssd;
+  for (const auto& [k, r] : n.records) {
+    if (r.segment_id == 200) ssd.push_back(r);
+  }
+  ASSERT_EQ(ssd.size(), ds.size());
+  FakeNode& again = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB, /*incarnation=*/2);
+  for (const auto& r : ssd) again.records[{r.segment_id, r.offset}] = r;
+  auto reply = c.m().RegisterNode(again.Registration(), again.Inventory(), c.now);
+  ASSERT_EQ(reply.status().code(), StatusCode::kAlreadyExists);  // AddTieredNode registered it
+  // Register from scratch as a new incarnation would (records first).
+  FakeNode& third = c.nodes["n0"];
+  third.id.incarnation = 3;
+  auto r3 = c.Register(third);
+  ASSERT_TRUE(r3.ok()) << r3.status().ToString();
+  EXPECT_EQ(r3->records_accepted, ssd.size());
+  for (const auto& r : ssd) {
+    auto g = c.m().GetReplicas({r.key}, "", c.now);
+    ASSERT_TRUE(g[0].ok()) << r.key;
+    EXPECT_EQ(g[0]->replicas[0].tier, Tier::kSsd);
+  }
+  EXPECT_FALSE(c.m().Exists({"k13"})[0]);  // it was only in DRAM
+  ExpectConsistent(c);
+}
+
+TEST(MasterTier, DrainingNodeCopiesSsdReplicasOffAndNodesWithoutSsdStillEvict) {
+  Cluster c;
+  FakeNode& tiered = AddTieredNode(c, "t0", 64 * kKiB, 256 * kKiB);
+  c.AddNode("plain", {64 * kKiB});
+  for (int i = 0; i < 14; ++i) {
+    ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB, 1, "t0").ok());
+  }
+  c.m().Tick(c.now);
+  for (const Demotion& d : HeartbeatDemotions(c, tiered)) ASSERT_TRUE(RunDemotion(c, tiered, d).ok());
+  ASSERT_GT(c.m().Stats().ssd_replicas, 0u);
+  ASSERT_TRUE(c.m().StartDrain(tiered.id, c.now).ok());
+  for (int round = 0; round < 10 && !tiered.drained; ++round) {
+    c.m().Tick(c.now);
+    c.HeartbeatAll();
+    for (const auto& t : tiered.tasks) {
+      if (t.source.tier == Tier::kSsd) EXPECT_EQ(t.source.segment_id, 200u);
+    }
+    c.RunAllTasks();
+    c.now += 10 * kMs;
+  }
+  c.m().Tick(c.now);
+  c.HeartbeatAll();
+  EXPECT_TRUE(tiered.drained);
+  for (int i = 0; i < 14; ++i) {
+    EXPECT_EQ(c.ReplicaNodes("k" + std::to_string(i)), std::vector<std::string>{"plain"});
+  }
+  ExpectConsistent(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(Seeds, MasterRandomized, ::testing::Range<uint64_t>(1, 9));
