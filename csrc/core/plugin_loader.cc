@@ -26,6 +26,9 @@ constexpr size_t kTransportOpsV1Size =
     offsetof(kvb_transport_ops_t, get_stats) + sizeof(kvb_transport_ops_t::get_stats);
 constexpr size_t kStorageOpsV1Size =
     offsetof(kvb_storage_ops_t, for_each) + sizeof(kvb_storage_ops_t::for_each);
+// ABI 1.1 appended put_meta and for_each_meta to the storage ops.
+constexpr size_t kStorageOpsV1_1Size =
+    offsetof(kvb_storage_ops_t, for_each_meta) + sizeof(kvb_storage_ops_t::for_each_meta);
 constexpr size_t kMaxNameLength = 64;
 constexpr std::string_view kPluginPrefix = "libkvb_";
 constexpr std::string_view kPluginSuffix = ".so";
@@ -56,18 +59,24 @@ std::vector<Slot> TransportSlots(const kvb_transport_ops_t& ops) {
 }
 
 // The POOL slots are required of a plugin that declares POOL and optional (stubbed) otherwise;
-// likewise the OBJECTS slots.
+// likewise the OBJECTS slots. The ABI 1.1 slots (put_meta, for_each_meta) are optional for every
+// plugin and are checked only in a table long enough to hold them: a 1.0 table has none.
 std::vector<Slot> StorageSlots(const kvb_storage_ops_t& ops, uint64_t caps) {
   auto p = [](auto fn) { return reinterpret_cast<const void*>(fn); };
   const bool pool = (caps & KVB_SCAP_POOL) != 0;
   const bool objects = (caps & KVB_SCAP_OBJECTS) != 0;
-  return {
+  std::vector<Slot> slots = {
       {"create", p(ops.create), true},    {"destroy", p(ops.destroy), true},
       {"usage", p(ops.usage), true},      {"get_segment", p(ops.get_segment), pool},
       {"alloc", p(ops.alloc), pool},      {"free", p(ops.free), pool},
       {"put", p(ops.put), objects},       {"get", p(ops.get), objects},
       {"remove", p(ops.remove), objects}, {"for_each", p(ops.for_each), objects},
   };
+  if (StorageHasMetaOps(ops)) {
+    slots.push_back({"put_meta", p(ops.put_meta), false});
+    slots.push_back({"for_each_meta", p(ops.for_each_meta), false});
+  }
+  return slots;
 }
 
 Status CheckSlots(const std::vector<Slot>& slots, const std::string& path) {
@@ -162,6 +171,10 @@ const kvb_transport_ops_t* PluginInfo::transport_ops() const {
     return nullptr;
   }
   return static_cast<const kvb_transport_ops_t*>(descriptor->ops);
+}
+
+bool StorageHasMetaOps(const kvb_storage_ops_t& ops) {
+  return ops.struct_size >= kStorageOpsV1_1Size;
 }
 
 const kvb_storage_ops_t* PluginInfo::storage_ops() const {

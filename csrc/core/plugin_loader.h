@@ -37,6 +37,11 @@ struct PluginInfo {
   const kvb_storage_ops_t* storage_ops() const;      // null unless a loaded storage plugin
 };
 
+// True when a storage ops table is long enough to hold the ABI 1.1 slots put_meta and
+// for_each_meta. A 1.0 plugin's table is not, and the host must treat both as unsupported (never
+// read them); a 1.1 table may still point them to the KVB_ERR_UNSUPPORTED stubs.
+bool StorageHasMetaOps(const kvb_storage_ops_t& ops);
+
 // Checks a descriptor against this host's ABI: major version, struct sizes, kind, name, caps
 // vs. slots, no NULL slot. `path` only names the file in the message. OK, or INVALID_ARGUMENT
 // whose message says what is wrong (e.g. "libkvb_x.so: ABI major 2, host speaks 1").

@@ -1,5 +1,6 @@
-// The dram plugin's ABI glue: the descriptor, the ops table (POOL only; the OBJECTS slots point
-// to stubs), and a catch at every entry so no C++ exception crosses the ABI.
+// The dram plugin's ABI glue: the descriptor, the ops table (POOL only; the OBJECTS slots, ABI
+// 1.1's put_meta and for_each_meta among them, point to stubs), and a catch at every entry so no
+// C++ exception crosses the ABI.
 #include <exception>
 #include <memory>
 #include <string>
@@ -91,6 +92,8 @@ const kvb_storage_ops_t kOps = {
     .get = kvb_storage_get_unsupported,
     .remove = kvb_storage_remove_unsupported,
     .for_each = kvb_storage_for_each_unsupported,
+    .put_meta = kvb_storage_put_meta_unsupported,
+    .for_each_meta = kvb_storage_for_each_meta_unsupported,
 };
 
 const kvb_plugin_descriptor_t kDescriptor = {

@@ -2,9 +2,11 @@
 // storage loading and gives store tests something to run on.
 //
 // POOL: one malloc'd segment of capacity_bytes with a first-fit allocator over a free list
-// (64-byte aligned blocks, neighbours merged on free). OBJECTS: a std::map of byte vectors.
-// Pool allocations and objects share the capacity: used = allocated blocks + object bytes.
-// Not persistent. All ops take one mutex; fine for tests.
+// (64-byte aligned blocks, neighbours merged on free). OBJECTS: a std::map of byte vectors, each
+// with the metadata blob of put_meta (ABI 1.1; empty after a plain put). Pool allocations and
+// objects share the capacity: used = allocated blocks + object bytes (metadata is not counted).
+// It never evicts on its own, so it ignores params.on_evict. Not persistent. All ops take one
+// mutex; fine for tests.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -24,6 +26,11 @@ uint64_t AlignUp(uint64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
 
+struct MockObject {
+  std::vector<uint8_t> bytes;
+  std::vector<uint8_t> meta;
+};
+
 struct kvb_storage {
   std::mutex mu;
   uint8_t* segment = nullptr;
@@ -31,7 +38,7 @@ struct kvb_storage {
   uint64_t used = 0;
   std::map<uint64_t, uint64_t> free_blocks;  // offset -> length
   std::map<uint64_t, uint64_t> allocated;    // offset -> length
-  std::map<std::string, std::vector<uint8_t>> objects;
+  std::map<std::string, MockObject> objects;
 };
 
 namespace {
@@ -126,9 +133,11 @@ kvb_status_t StorageFree(kvb_storage_t* s, uint64_t offset) {
   return KVB_OK;
 }
 
-kvb_status_t StoragePut(kvb_storage_t* s, const uint8_t* key, uint32_t key_len,
-                        const kvb_iovec_t* iov, uint32_t iov_count) {
-  if (key == nullptr || key_len == 0 || (iov == nullptr && iov_count != 0)) {
+kvb_status_t StoragePutMeta(kvb_storage_t* s, const uint8_t* key, uint32_t key_len,
+                            const kvb_iovec_t* iov, uint32_t iov_count, const uint8_t* meta,
+                            uint32_t meta_len) {
+  if (key == nullptr || key_len == 0 || (iov == nullptr && iov_count != 0) ||
+      meta_len > KVB_STORAGE_META_MAX || (meta == nullptr && meta_len != 0)) {
     return KVB_ERR_INVALID_ARGUMENT;
   }
   try {
@@ -138,18 +147,24 @@ kvb_status_t StoragePut(kvb_storage_t* s, const uint8_t* key, uint32_t key_len,
     std::lock_guard<std::mutex> lk(s->mu);
     if (s->objects.count(k) != 0) return KVB_ERR_ALREADY_EXISTS;
     if (total > s->capacity - s->used) return KVB_ERR_NO_SPACE;
-    std::vector<uint8_t> bytes;
-    bytes.reserve(total);
+    MockObject obj;
+    obj.bytes.reserve(total);
     for (uint32_t i = 0; i < iov_count; ++i) {
       const auto* p = static_cast<const uint8_t*>(iov[i].base);
-      bytes.insert(bytes.end(), p, p + iov[i].length);
+      obj.bytes.insert(obj.bytes.end(), p, p + iov[i].length);
     }
-    s->objects.emplace(std::move(k), std::move(bytes));
+    if (meta_len != 0) obj.meta.assign(meta, meta + meta_len);
+    s->objects.emplace(std::move(k), std::move(obj));
     s->used += total;
     return KVB_OK;
   } catch (...) {
     return KVB_ERR_INTERNAL;
   }
+}
+
+kvb_status_t StoragePut(kvb_storage_t* s, const uint8_t* key, uint32_t key_len,
+                        const kvb_iovec_t* iov, uint32_t iov_count) {
+  return StoragePutMeta(s, key, key_len, iov, iov_count, nullptr, 0);
 }
 
 kvb_status_t StorageGet(kvb_storage_t* s, const uint8_t* key, uint32_t key_len,
@@ -162,7 +177,7 @@ kvb_status_t StorageGet(kvb_storage_t* s, const uint8_t* key, uint32_t key_len,
     std::lock_guard<std::mutex> lk(s->mu);
     auto it = s->objects.find(k);
     if (it == s->objects.end()) return KVB_ERR_NOT_FOUND;
-    const std::vector<uint8_t>& bytes = it->second;
+    const std::vector<uint8_t>& bytes = it->second.bytes;
     if (length != nullptr) *length = bytes.size();
     uint64_t room = 0;
     for (uint32_t i = 0; i < iov_count; ++i) room += iov[i].length;
@@ -185,7 +200,7 @@ kvb_status_t StorageRemove(kvb_storage_t* s, const uint8_t* key, uint32_t key_le
     std::lock_guard<std::mutex> lk(s->mu);
     auto it = s->objects.find(std::string(reinterpret_cast<const char*>(key), key_len));
     if (it == s->objects.end()) return KVB_ERR_NOT_FOUND;
-    s->used -= it->second.size();
+    s->used -= it->second.bytes.size();
     s->objects.erase(it);
     return KVB_OK;
   } catch (...) {
@@ -196,9 +211,19 @@ kvb_status_t StorageRemove(kvb_storage_t* s, const uint8_t* key, uint32_t key_le
 kvb_status_t StorageForEach(kvb_storage_t* s, kvb_storage_visit_fn visit, void* user) {
   if (visit == nullptr) return KVB_ERR_INVALID_ARGUMENT;
   std::lock_guard<std::mutex> lk(s->mu);
-  for (const auto& [key, bytes] : s->objects) {
+  for (const auto& [key, obj] : s->objects) {
     visit(user, reinterpret_cast<const uint8_t*>(key.data()), static_cast<uint32_t>(key.size()),
-          bytes.size());
+          obj.bytes.size());
+  }
+  return KVB_OK;
+}
+
+kvb_status_t StorageForEachMeta(kvb_storage_t* s, kvb_storage_visit_meta_fn visit, void* user) {
+  if (visit == nullptr) return KVB_ERR_INVALID_ARGUMENT;
+  std::lock_guard<std::mutex> lk(s->mu);
+  for (const auto& [key, obj] : s->objects) {
+    visit(user, reinterpret_cast<const uint8_t*>(key.data()), static_cast<uint32_t>(key.size()),
+          obj.bytes.size(), obj.meta.data(), static_cast<uint32_t>(obj.meta.size()));
   }
   return KVB_OK;
 }
@@ -220,6 +245,8 @@ const kvb_storage_ops_t kOps = {
     .get = StorageGet,
     .remove = StorageRemove,
     .for_each = StorageForEach,
+    .put_meta = StoragePutMeta,
+    .for_each_meta = StorageForEachMeta,
 };
 
 const kvb_plugin_descriptor_t kDescriptor = {

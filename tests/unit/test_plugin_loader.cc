@@ -97,7 +97,7 @@ TEST(PluginLoader, LoadsMockStorageAndItWorks) {
   ASSERT_NE(ops, nullptr);
 
   HostServices host(std::map<std::string, std::string>{});
-  kvb_storage_params_t params{sizeof(params), "n", 4096, nullptr};
+  kvb_storage_params_t params{sizeof(params), "n", 4096, nullptr, nullptr, nullptr};
   kvb_storage_t* s = nullptr;
   char err[256] = "";
   ASSERT_EQ(ops->create(host.table(), &params, &s, err, sizeof(err)), KVB_OK) << err;
@@ -131,6 +131,46 @@ TEST(PluginLoader, LoadsMockStorageAndItWorks) {
   EXPECT_EQ(usage.used_bytes, 11u);
   EXPECT_EQ(ops->remove(s, key, 2), KVB_OK);
   EXPECT_EQ(ops->get(s, key, 2, &whole, 1, &len), KVB_ERR_NOT_FOUND);
+  ops->destroy(s);
+}
+
+TEST(PluginLoader, MockStorageKeepsMetadataWithObjects) {
+  PluginRegistry reg;
+  const PluginInfo& info = reg.LoadFile(TestPlugin("libkvb_storage_mock.so"));
+  ASSERT_EQ(info.state, PluginState::kLoaded) << info.reason;
+  const kvb_storage_ops_t* ops = info.storage_ops();
+  ASSERT_NE(ops, nullptr);
+  ASSERT_TRUE(StorageHasMetaOps(*ops));
+  HostServices host(std::map<std::string, std::string>{});
+  kvb_storage_params_t params{sizeof(params), "n", 4096, nullptr, nullptr, nullptr};
+  kvb_storage_t* s = nullptr;
+  char err[256] = "";
+  ASSERT_EQ(ops->create(host.table(), &params, &s, err, sizeof(err)), KVB_OK) << err;
+  char data[] = "abc";
+  kvb_iovec_t iov{data, 3};
+  const uint8_t meta[] = {1, 2, 3, 4, 5};
+  const std::vector<uint8_t> too_long(KVB_STORAGE_META_MAX + 1, 7);
+  EXPECT_EQ(ops->put_meta(s, reinterpret_cast<const uint8_t*>("m"), 1, &iov, 1, too_long.data(),
+                          static_cast<uint32_t>(too_long.size())),
+            KVB_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(ops->put_meta(s, reinterpret_cast<const uint8_t*>("m"), 1, &iov, 1, meta, 5), KVB_OK);
+  EXPECT_EQ(ops->put_meta(s, reinterpret_cast<const uint8_t*>("m"), 1, &iov, 1, meta, 5),
+            KVB_ERR_ALREADY_EXISTS);
+  EXPECT_EQ(ops->put(s, reinterpret_cast<const uint8_t*>("p"), 1, &iov, 1), KVB_OK);
+  std::map<std::string, std::vector<uint8_t>> seen;
+  ASSERT_EQ(ops->for_each_meta(
+                s,
+                [](void* user, const uint8_t* key, uint32_t key_len, uint64_t length,
+                   const uint8_t* m, uint32_t m_len) {
+                  EXPECT_EQ(length, 3u);
+                  (*static_cast<std::map<std::string, std::vector<uint8_t>>*>(user))[std::string(
+                      reinterpret_cast<const char*>(key), key_len)] = {m, m + m_len};
+                },
+                &seen),
+            KVB_OK);
+  EXPECT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen["m"], std::vector<uint8_t>(meta, meta + 5));
+  EXPECT_TRUE(seen["p"].empty()) << "a plain put has no metadata";
   ops->destroy(s);
 }
 
@@ -338,22 +378,26 @@ TEST(PluginRegistry, MovedRegistryKeepsPluginsLoaded) {
 TEST(PluginRegistry, DefaultSearchPathOrder) {
   ScopedEnv env("KVBRIDGE_PLUGIN_PATH", "/env/a::/env/b");
   auto dirs = PluginRegistry::DefaultSearchPath("/extra/x:/extra/y:");
-  ASSERT_GE(dirs.size(), 6u);
+  ASSERT_EQ(dirs.size(), 7u);
   EXPECT_EQ(dirs[0], "/extra/x");
   EXPECT_EQ(dirs[1], "/extra/y");
   EXPECT_EQ(dirs[2], "/env/a");
   EXPECT_EQ(dirs[3], "/env/b");
+  // This libkvbridge.so lives in the build tree, so the build tree's plugins are searched.
   EXPECT_EQ(dirs[4], KVBRIDGE_PLUGIN_BUILD_DIR);
-  // The install directory sits next to libkvbridge.so.
-  EXPECT_TRUE(dirs[5].ends_with("/kvbridge/plugins")) << dirs[5];
-  EXPECT_TRUE(fs::exists(fs::path(dirs[5]).parent_path().parent_path() / "libkvbridge.so"))
-      << dirs[5];
+  // The install directories sit next to libkvbridge.so: <libdir>/plugins (the Python
+  // package) and <libdir>/kvbridge/plugins (a system install).
+  EXPECT_TRUE(dirs[5].ends_with("/plugins")) << dirs[5];
+  EXPECT_TRUE(fs::exists(fs::path(dirs[5]).parent_path() / "libkvbridge.so")) << dirs[5];
+  EXPECT_TRUE(dirs[6].ends_with("/kvbridge/plugins")) << dirs[6];
+  EXPECT_TRUE(fs::exists(fs::path(dirs[6]).parent_path().parent_path() / "libkvbridge.so"))
+      << dirs[6];
 }
 
 TEST(PluginRegistry, DefaultSearchPathWithoutEnvOrExtra) {
   ScopedEnv env("KVBRIDGE_PLUGIN_PATH", nullptr);
   auto dirs = PluginRegistry::DefaultSearchPath("");
-  ASSERT_EQ(dirs.size(), 2u);
+  ASSERT_EQ(dirs.size(), 3u);
   EXPECT_EQ(dirs[0], KVBRIDGE_PLUGIN_BUILD_DIR);
 }
 
@@ -480,6 +524,38 @@ TEST_F(ValidateDescriptorTest, StorageCapsDecideWhichSlotsAreRequired) {
   EXPECT_TRUE(Check().ok());
   sops_.get = nullptr;
   EXPECT_HAS(Check().message(), "required slot 'get' is NULL");
+}
+
+TEST_F(ValidateDescriptorTest, StorageOpsOfAbi1_0AreAcceptedWithoutTheMetaSlots) {
+  UseStorage(KVB_SCAP_OBJECTS);
+  // A plugin built against 1.0 hands a table that ends after for_each; what lies beyond is not
+  // its memory, so the loader must not look at it (NULL here stands for "anything").
+  sops_.struct_size = offsetof(kvb_storage_ops_t, for_each) + sizeof(sops_.for_each);
+  sops_.put_meta = nullptr;
+  sops_.for_each_meta = nullptr;
+  EXPECT_TRUE(Check().ok()) << Check().ToString();
+  EXPECT_FALSE(StorageHasMetaOps(sops_));
+  // One byte short of 1.0 is still refused.
+  sops_.struct_size -= 1;
+  EXPECT_HAS(Check().message(), "storage ops struct_size");
+}
+
+TEST_F(ValidateDescriptorTest, StorageOpsOfAbi1_1MustFillTheMetaSlots) {
+  UseStorage(KVB_SCAP_OBJECTS);
+  EXPECT_TRUE(StorageHasMetaOps(sops_));
+  sops_.put_meta = nullptr;
+  EXPECT_HAS(Check().message(),
+             "libkvb_x.so: optional slot 'put_meta' is NULL (point it to an unsupported stub)");
+  sops_.put_meta = kvb_storage_put_meta_unsupported;
+  sops_.for_each_meta = nullptr;
+  EXPECT_HAS(Check().message(), "optional slot 'for_each_meta' is NULL");
+  sops_.for_each_meta = kvb_storage_for_each_meta_unsupported;
+  EXPECT_TRUE(Check().ok()) << Check().ToString();
+  // A table that covers put_meta but not for_each_meta is not a 1.1 table: neither is used.
+  sops_.struct_size = offsetof(kvb_storage_ops_t, for_each_meta);
+  sops_.put_meta = nullptr;
+  EXPECT_FALSE(StorageHasMetaOps(sops_));
+  EXPECT_TRUE(Check().ok()) << Check().ToString();
 }
 
 // --- The out-of-tree example (examples/transport_plugin) ---------------------------------------

@@ -34,7 +34,7 @@ extern "C" {
 #endif
 
 #define KVB_ABI_MAJOR 1
-#define KVB_ABI_MINOR 0
+#define KVB_ABI_MINOR 1 /* 1.1: storage put_meta / for_each_meta, params.on_evict */
 
 /* Name of the one symbol every plugin exports. */
 #define KVB_PLUGIN_QUERY_SYMBOL "kvb_plugin_query"

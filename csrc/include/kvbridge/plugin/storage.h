@@ -33,12 +33,24 @@ extern "C" {
 
 typedef struct kvb_storage kvb_storage_t;
 
+/* Called by a plugin that evicts objects on its own (the SSD tier drops whole buckets, oldest
+ * first, to make room): once per object that disappeared, after it is gone. May be called from
+ * any thread, inside put/put_meta; must not call back into the plugin. */
+typedef void (*kvb_storage_evict_fn)(void* user, const uint8_t* key, uint32_t key_len);
+
 typedef struct kvb_storage_params {
   uint32_t struct_size;
   const char* node_id;
   uint64_t capacity_bytes;
   const char* path; /* directory for file-backed plugins; NULL for memory-only ones */
+  /* --- ABI 1.1 (a plugin must check struct_size before reading these) --- */
+  /* NULL: the plugin must not evict on its own; a put beyond capacity is NO_SPACE. */
+  kvb_storage_evict_fn on_evict;
+  void* on_evict_user;
 } kvb_storage_params_t;
+
+/* Longest metadata blob put_meta stores with an object. */
+#define KVB_STORAGE_META_MAX 256
 
 typedef struct kvb_storage_usage {
   uint32_t struct_size;
@@ -54,6 +66,9 @@ typedef struct kvb_iovec {
 
 typedef void (*kvb_storage_visit_fn)(void* user, const uint8_t* key, uint32_t key_len,
                                      uint64_t length);
+typedef void (*kvb_storage_visit_meta_fn)(void* user, const uint8_t* key, uint32_t key_len,
+                                          uint64_t length, const uint8_t* meta,
+                                          uint32_t meta_len);
 
 typedef struct kvb_storage_ops {
   uint32_t struct_size;
@@ -82,6 +97,15 @@ typedef struct kvb_storage_ops {
   kvb_status_t (*remove)(kvb_storage_t* s, const uint8_t* key, uint32_t key_len);
   /* OBJECTS: calls visit once per stored object (inventory after a restart). */
   kvb_status_t (*for_each)(kvb_storage_t* s, kvb_storage_visit_fn visit, void* user);
+
+  /* --- ABI 1.1: the host uses these only when struct_size covers them --- */
+  /* OBJECTS: put with an opaque metadata blob (meta_len <= KVB_STORAGE_META_MAX, else
+   * INVALID_ARGUMENT) kept with the object (the store keeps version and checksum there). */
+  kvb_status_t (*put_meta)(kvb_storage_t* s, const uint8_t* key, uint32_t key_len,
+                           const kvb_iovec_t* iov, uint32_t iov_count, const uint8_t* meta,
+                           uint32_t meta_len);
+  /* OBJECTS: for_each that also hands each object's metadata (meta_len 0 after plain put). */
+  kvb_status_t (*for_each_meta)(kvb_storage_t* s, kvb_storage_visit_meta_fn visit, void* user);
 } kvb_storage_ops_t;
 
 /* Stubs for the slots of a shape a plugin does not offer (never leave a slot NULL). */
@@ -119,6 +143,22 @@ static inline kvb_status_t kvb_storage_remove_unsupported(kvb_storage_t* s, cons
 static inline kvb_status_t kvb_storage_for_each_unsupported(kvb_storage_t* s,
                                                             kvb_storage_visit_fn visit,
                                                             void* user) {
+  (void)s, (void)visit, (void)user;
+  return KVB_ERR_UNSUPPORTED;
+}
+
+static inline kvb_status_t kvb_storage_put_meta_unsupported(kvb_storage_t* s, const uint8_t* key,
+                                                            uint32_t key_len,
+                                                            const kvb_iovec_t* iov,
+                                                            uint32_t iov_count,
+                                                            const uint8_t* meta,
+                                                            uint32_t meta_len) {
+  (void)s, (void)key, (void)key_len, (void)iov, (void)iov_count, (void)meta, (void)meta_len;
+  return KVB_ERR_UNSUPPORTED;
+}
+static inline kvb_status_t kvb_storage_for_each_meta_unsupported(kvb_storage_t* s,
+                                                                 kvb_storage_visit_meta_fn visit,
+                                                                 void* user) {
   (void)s, (void)visit, (void)user;
   return KVB_ERR_UNSUPPORTED;
 }
