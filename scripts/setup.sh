@@ -6,7 +6,7 @@ set -euo pipefail
 
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config
-  libgtest-dev libgmock-dev libssl-dev
+  libgtest-dev libgmock-dev libssl-dev liburing-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   python3 python3-venv
   iproute2 procps

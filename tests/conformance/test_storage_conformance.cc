@@ -1,8 +1,10 @@
 // One behaviour suite for every storage plugin (STYLE.md item 10): each test runs once per
 // storage plugin, loaded through the real loader and driven through its kvb_storage_ops_t
 // table. POOL tests skip for plugins that do not declare KVB_SCAP_POOL, OBJECTS tests for those
-// that do not declare KVB_SCAP_OBJECTS. The DramPlugin tests at the end pin what only the dram
-// plugin promises (2 MiB rounding, its configuration keys, its log lines, prefault).
+// that do not declare KVB_SCAP_OBJECTS. File-backed plugins (ssd) get a fresh directory per
+// instance in params.path. The DramPlugin tests at the end pin what only the dram plugin promises
+// (2 MiB rounding, its configuration keys, its log lines, prefault); the ssd plugin's own tests
+// are in tests/ssd/.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -12,6 +14,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -111,6 +115,7 @@ struct PluginCase {
   std::string plugin;  // the descriptor name
   std::string label;   // the test name suffix
   std::map<std::string, std::string> config;
+  bool file_backed = false;  // needs a directory in params.path
 };
 
 void PrintTo(const PluginCase& c, std::ostream* os) { *os << c.label; }
@@ -135,15 +140,36 @@ class StorageConformance : public ::testing::TestWithParam<PluginCase> {
     ops_ = info_->storage_ops();
     ASSERT_NE(ops_, nullptr);
     host_ = std::make_unique<TestHost>(GetParam().config);
+    if (GetParam().file_backed) {
+      std::string tmpl = (std::filesystem::temp_directory_path() / "kvb_storage_XXXXXX").string();
+      ASSERT_NE(mkdtemp(tmpl.data()), nullptr) << std::strerror(errno);
+      root_ = tmpl;
+    }
+  }
+
+  void TearDown() override {
+    if (!root_.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(root_, ec);
+    }
   }
 
   bool Has(uint64_t cap) const { return (info_->caps & cap) != 0; }
+
+  // params.path for the next instance: a directory of its own for file-backed plugins.
+  const char* NextPath() {
+    if (root_.empty()) return nullptr;
+    paths_.push_back(root_ + "/instance-" + std::to_string(paths_.size()));
+    return paths_.back().c_str();
+  }
 
   std::unique_ptr<Instance> Make(uint64_t capacity) {
     kvb_storage_params_t params{.struct_size = sizeof(kvb_storage_params_t),
                                 .node_id = "conformance",
                                 .capacity_bytes = capacity,
-                                .path = nullptr};
+                                .path = NextPath(),
+                                .on_evict = nullptr,
+                                .on_evict_user = nullptr};
     kvb_storage_t* s = nullptr;
     char err[256] = {0};
     const kvb_status_t st = ops_->create(host_->table(), &params, &s, err, sizeof(err));
@@ -201,6 +227,8 @@ class StorageConformance : public ::testing::TestWithParam<PluginCase> {
   const PluginInfo* info_ = nullptr;
   const kvb_storage_ops_t* ops_ = nullptr;
   std::unique_ptr<TestHost> host_;
+  std::string root_;               // file-backed plugins: this test's directory
+  std::deque<std::string> paths_;  // keeps each params.path alive
 };
 
 #define REQUIRE_CAP(cap)                                                                   \
@@ -214,7 +242,9 @@ TEST_P(StorageConformance, CreateWithZeroCapacityFailsWithAMessage) {
   kvb_storage_params_t params{.struct_size = sizeof(kvb_storage_params_t),
                               .node_id = "conformance",
                               .capacity_bytes = 0,
-                              .path = nullptr};
+                              .path = NextPath(),
+                              .on_evict = nullptr,
+                              .on_evict_user = nullptr};
   kvb_storage_t* s = nullptr;
   char err[256];
   std::memset(err, 'x', sizeof(err));
@@ -256,6 +286,27 @@ TEST_P(StorageConformance, UndeclaredShapesAnswerUnsupported) {
     EXPECT_EQ(ops_->for_each(
                   inst->get(), [](void*, const uint8_t*, uint32_t, uint64_t) {}, nullptr),
               KVB_ERR_UNSUPPORTED);
+  }
+}
+
+TEST_P(StorageConformance, CreateTakesAbi1_0Params) {
+  // A 1.0 host's params end after `path`; the plugin must not read on_evict beyond them. The
+  // struct here is followed by garbage where a 1.1 host would have put the callback.
+  struct {
+    kvb_storage_params_t params;
+  } padded;
+  std::memset(&padded, 0xab, sizeof(padded));
+  padded.params.struct_size = offsetof(kvb_storage_params_t, path) + sizeof(padded.params.path);
+  padded.params.node_id = "conformance";
+  padded.params.capacity_bytes = kCapacity;
+  padded.params.path = NextPath();
+  kvb_storage_t* s = nullptr;
+  char err[256] = {0};
+  ASSERT_EQ(ops_->create(host_->table(), &padded.params, &s, err, sizeof(err)), KVB_OK) << err;
+  Instance inst(ops_, s);
+  EXPECT_EQ(Usage(inst).used_bytes, 0u);
+  if (Has(KVB_SCAP_OBJECTS)) {
+    EXPECT_EQ(Put(inst, "k", std::vector<uint8_t>(100, 1)), KVB_OK);
   }
 }
 
@@ -668,15 +719,75 @@ TEST_P(StorageConformance, PutBeyondCapacityIsNoSpaceAndLeavesNoObject) {
   EXPECT_EQ(Put(*inst, "one-too-many", chunk), KVB_OK) << "space comes back after remove";
 }
 
-INSTANTIATE_TEST_SUITE_P(Plugins, StorageConformance,
-                         ::testing::Values(PluginCase{"dram", "dram", {}},
-                                           PluginCase{"dram",
-                                                      "dram_small_pages_prefaulted",
-                                                      {{"dram.hugepages", "off"},
-                                                       {"dram.prefault", "1"},
-                                                       {"dram.alignment", "4096"}}},
-                                           PluginCase{"mock", "mock", {}}),
-                         CaseLabel);
+TEST_P(StorageConformance, PutMetaKeepsTheMetadataWithTheObject) {
+  REQUIRE_CAP(KVB_SCAP_OBJECTS);
+  if (!StorageHasMetaOps(*ops_)) GTEST_SKIP() << "an ABI 1.0 ops table: no put_meta";
+  auto inst = Make(kCapacity);
+  ASSERT_NE(inst, nullptr);
+  auto put_meta = [&](const std::string& key, const std::vector<uint8_t>& v,
+                      const std::vector<uint8_t>& meta) {
+    kvb_iovec_t iov{const_cast<uint8_t*>(v.data()), v.size()};
+    return ops_->put_meta(inst->get(), reinterpret_cast<const uint8_t*>(key.data()),
+                          static_cast<uint32_t>(key.size()), &iov, 1, meta.data(),
+                          static_cast<uint32_t>(meta.size()));
+  };
+  std::vector<uint8_t> full(KVB_STORAGE_META_MAX), one = {0x42};
+  for (size_t i = 0; i < full.size(); ++i) full[i] = Pattern(5, i);
+  const std::vector<uint8_t> data(3000, 0x33);
+  const auto before = Usage(*inst);
+  EXPECT_EQ(put_meta("too-long", data, std::vector<uint8_t>(KVB_STORAGE_META_MAX + 1, 1)),
+            KVB_ERR_INVALID_ARGUMENT);
+  const auto after_refused = Usage(*inst);
+  EXPECT_EQ(after_refused.used_bytes, before.used_bytes);
+  EXPECT_EQ(after_refused.object_count, before.object_count);
+  ASSERT_EQ(put_meta("full", data, full), KVB_OK);
+  ASSERT_EQ(put_meta("one", data, one), KVB_OK);
+  ASSERT_EQ(put_meta("none", data, {}), KVB_OK);
+  ASSERT_EQ(Put(*inst, "plain", data), KVB_OK);
+  EXPECT_EQ(put_meta("full", data, one), KVB_ERR_ALREADY_EXISTS);
+
+  using Seen = std::map<std::string, std::pair<uint64_t, std::vector<uint8_t>>>;
+  Seen seen;
+  auto list = [&] {
+    seen.clear();
+    return ops_->for_each_meta(
+        inst->get(),
+        [](void* user, const uint8_t* key, uint32_t key_len, uint64_t length, const uint8_t* meta,
+           uint32_t meta_len) {
+          (*static_cast<Seen*>(user))[std::string(reinterpret_cast<const char*>(key), key_len)] = {
+              length, std::vector<uint8_t>(meta, meta + meta_len)};
+        },
+        &seen);
+  };
+  ASSERT_EQ(list(), KVB_OK);
+  ASSERT_EQ(seen.size(), 4u);
+  EXPECT_EQ(seen["full"].second, full);
+  EXPECT_EQ(seen["one"].second, one);
+  EXPECT_TRUE(seen["none"].second.empty());
+  EXPECT_TRUE(seen["plain"].second.empty()) << "a plain put has no metadata";
+  for (const auto& [key, v] : seen) EXPECT_EQ(v.first, data.size()) << key;
+  std::vector<uint8_t> got(4096);
+  ASSERT_EQ(Get(*inst, "full", &got), KVB_OK);
+  EXPECT_EQ(got, data) << "metadata must not leak into the object's bytes";
+  ASSERT_EQ(ops_->remove(inst->get(), reinterpret_cast<const uint8_t*>("full"), 4), KVB_OK);
+  ASSERT_EQ(list(), KVB_OK);
+  EXPECT_EQ(seen.count("full"), 0u);
+  EXPECT_EQ(seen.size(), 3u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Plugins, StorageConformance,
+    ::testing::Values(
+        PluginCase{"dram", "dram", {}},
+        PluginCase{"dram",
+                   "dram_small_pages_prefaulted",
+                   {{"dram.hugepages", "off"}, {"dram.prefault", "1"}, {"dram.alignment", "4096"}}},
+        PluginCase{"mock", "mock", {}}, PluginCase{"ssd", "ssd", {}, true},
+        PluginCase{"ssd",
+                   "ssd_sync_small_inflight",
+                   {{"ssd.io", "sync"}, {"ssd.max_inflight_bytes", "1048576"}},
+                   true}),
+    CaseLabel);
 
 // --- what only the dram plugin promises ----------------------------------------------------
 
@@ -697,7 +808,9 @@ class DramPlugin : public ::testing::Test {
     kvb_storage_params_t params{.struct_size = sizeof(kvb_storage_params_t),
                                 .node_id = "dram-test",
                                 .capacity_bytes = capacity,
-                                .path = nullptr};
+                                .path = nullptr,
+                                .on_evict = nullptr,
+                                .on_evict_user = nullptr};
     kvb_storage_t* s = nullptr;
     char buf[512] = {0};
     const kvb_status_t st = ops_->create(host_->table(), &params, &s, buf, sizeof(buf));
