@@ -25,7 +25,8 @@ import os, torch, kvbridge, kvbridge.ops as ops
 pkg = os.path.dirname(kvbridge.__file__)
 assert "site-packages" in pkg, pkg
 plugins = sorted(os.listdir(os.path.join(pkg, "plugins")))
-assert "libkvb_transport_tcp.so" in plugins and "libkvb_storage_dram.so" in plugins, plugins
+for so in ("libkvb_transport_tcp.so", "libkvb_storage_dram.so", "libkvb_storage_ssd.so"):
+    assert so in plugins, plugins
 with kvbridge.Cluster(nodes=2, dram_bytes_per_node=32 << 20, replica_num=2) as c:
     store = c.client()
     page = torch.randn(2, 16, 4, 64)

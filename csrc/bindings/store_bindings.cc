@@ -78,6 +78,8 @@ py::dict ToPy(const ClusterStatus& cs) {
     d["capacity_bytes"] = n.capacity_bytes;
     d["used_bytes"] = n.used_bytes;
     d["replicas"] = n.replicas;
+    d["ssd_capacity_bytes"] = n.ssd_capacity_bytes;
+    d["ssd_used_bytes"] = n.ssd_used_bytes;
     nodes.append(std::move(d));
   }
   py::dict d;
@@ -89,6 +91,8 @@ py::dict ToPy(const ClusterStatus& cs) {
   d["bad_replicas_total"] = cs.bad_replicas_total;
   d["nodes_expired_total"] = cs.nodes_expired_total;
   d["under_replicated"] = cs.under_replicated;
+  d["demotions_total"] = cs.demotions_total;
+  d["ssd_replicas"] = cs.ssd_replicas;
   return d;
 }
 
@@ -122,6 +126,10 @@ void BindOptions(py::module_& m) {
       .def_readwrite("node_rpc_listen", &NodeOptions::rpc_listen)
       .def_readwrite("rpc_timeout_ms", &NodeOptions::rpc_timeout_ms)
       .def_readwrite("drain_timeout_ms", &NodeOptions::drain_timeout_ms)
+      .def_readwrite("node_ssd_path", &NodeOptions::ssd_path)
+      .def_readwrite("node_ssd_bytes", &NodeOptions::ssd_bytes)
+      .def_readwrite("node_ssd_plugin", &NodeOptions::ssd_plugin)
+      .def_readwrite("node_ssd_staging_bytes", &NodeOptions::ssd_staging_bytes)
       .def_readwrite("engine", &NodeOptions::engine);
   py::class_<MasterOptions>(m, "MasterOptions")
       .def(py::init<>())
@@ -133,6 +141,8 @@ void BindOptions(py::module_& m) {
       .def_readwrite("min_replicas", &MasterOptions::min_replicas)
       .def_readwrite("high_watermark", &MasterOptions::high_watermark)
       .def_readwrite("low_watermark", &MasterOptions::low_watermark)
+      .def_readwrite("demote_high_watermark", &MasterOptions::demote_high_watermark)
+      .def_readwrite("demote_low_watermark", &MasterOptions::demote_low_watermark)
       .def_readwrite("drain_timeout_ms", &MasterOptions::drain_timeout_ms)
       .def_readwrite("rpc_timeout_ms", &MasterOptions::rpc_timeout_ms);
   py::class_<EmbeddedClusterOptions>(m, "ClusterOptions")
@@ -141,6 +151,9 @@ void BindOptions(py::module_& m) {
       .def_readwrite("dram_bytes_per_node", &EmbeddedClusterOptions::dram_bytes_per_node)
       .def_readwrite("replica_num", &EmbeddedClusterOptions::replica_num)
       .def_readwrite("node_id_prefix", &EmbeddedClusterOptions::node_id_prefix)
+      .def_readwrite("ssd_dir", &EmbeddedClusterOptions::ssd_dir)
+      .def_readwrite("ssd_bytes_per_node", &EmbeddedClusterOptions::ssd_bytes_per_node)
+      .def_readwrite("ssd_plugin", &EmbeddedClusterOptions::ssd_plugin)
       .def_readwrite("master", &EmbeddedClusterOptions::master)
       .def_readwrite("engine", &EmbeddedClusterOptions::engine);
 }

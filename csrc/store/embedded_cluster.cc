@@ -1,3 +1,5 @@
+#include <filesystem>
+
 #include "kvbridge/store.h"
 
 namespace kvbridge {
@@ -35,6 +37,16 @@ Result<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
     no.dram_bytes = options.dram_bytes_per_node;
     no.engine = options.engine;
     no.engine.node_id = options.node_id_prefix + "-node" + std::to_string(i);
+    if (!options.ssd_dir.empty()) {
+      no.ssd_path = options.ssd_dir + "/node" + std::to_string(i);
+      std::error_code ec;
+      std::filesystem::create_directories(no.ssd_path, ec);
+      if (ec) {
+        return Status::IoError("cannot create " + no.ssd_path + ": " + ec.message());
+      }
+      no.ssd_bytes = options.ssd_bytes_per_node;
+      no.ssd_plugin = options.ssd_plugin;
+    }
     auto node = StorageNode::Start(no);
     if (!node.ok()) return node.status().WithContext("embedded node " + std::to_string(i));
     impl->nodes.push_back(std::move(node).value());

@@ -34,7 +34,9 @@ MasterOptions MasterOptions::FromEnv() {
   store::EnvUint("KVBRIDGE_DRAIN_TIMEOUT_MS", &o.drain_timeout_ms);
   store::EnvUint("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
   for (auto [var, out] : {std::pair{"KVBRIDGE_HIGH_WATERMARK", &o.high_watermark},
-                          std::pair{"KVBRIDGE_LOW_WATERMARK", &o.low_watermark}}) {
+                          std::pair{"KVBRIDGE_LOW_WATERMARK", &o.low_watermark},
+                          std::pair{"KVBRIDGE_DEMOTE_HIGH_WATERMARK", &o.demote_high_watermark},
+                          std::pair{"KVBRIDGE_DEMOTE_LOW_WATERMARK", &o.demote_low_watermark}}) {
     if (const char* v = std::getenv(var)) {
       char* end = nullptr;
       double d = std::strtod(v, &end);
@@ -250,8 +252,27 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       out->set_timeout_ms(
           static_cast<uint32_t>(t.deadline_ns > now ? (t.deadline_ns - now) / 1000000 : 0));
     }
+    for (const auto& d : r->demotions) {
+      auto* out = reply->add_demotions();
+      ToProto(d.source, out->mutable_source());
+      ToProto(d.dest, out->mutable_dest());
+      out->set_timeout_ms(
+          static_cast<uint32_t>(d.deadline_ns > now ? (d.deadline_ns - now) / 1000000 : 0));
+    }
     reply->set_drained(r->drained);
     return grpc::Status::OK;
+  }
+
+  grpc::Status DemoteDone(grpc::ServerContext*, const rpc::DemoteDoneRequest* req,
+                          rpc::Status* reply) override {
+    const bool ok = req->status().code() == KVB_OK;
+    if (!ok) {
+      KVB_LOG(WARN) << "demotion of a replica on " << req->node().node_id()
+                    << " failed: " << FromProto(req->status()).ToString();
+    }
+    return Done(state->DemoteDone(FromProto(req->node()), req->key(), req->version(),
+                                  req->dest_replica_id(), ok, util::MonoNs()),
+                reply);
   }
 
   grpc::Status TaskDone(grpc::ServerContext*, const rpc::TaskDoneRequest* req,
@@ -395,6 +416,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       auto* out = reply->add_nodes();
       ToProto(n.identity, out->mutable_node());
       out->set_engine_descriptor(n.engine_descriptor);
+      out->set_rpc_address(n.control_endpoint);
     }
     return grpc::Status::OK;
   }
@@ -408,6 +430,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       out->set_capacity(n.capacity);
       out->set_used(n.used);
       out->set_replicas(n.replicas);
+      out->set_ssd_capacity(n.ssd_capacity);
+      out->set_ssd_used(n.ssd_used);
     }
     reply->set_objects(s.objects);
     reply->set_pending(s.pending);
@@ -416,6 +440,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     reply->set_bad_replicas_total(s.bad_replicas_total);
     reply->set_nodes_expired_total(s.nodes_expired_total);
     reply->set_under_replicated(s.under_replicated);
+    reply->set_demotions_total(s.demotions_total);
+    reply->set_ssd_replicas(s.ssd_replicas);
     return grpc::Status::OK;
   }
 };
@@ -433,6 +459,8 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
   cfg.min_replicas = options.min_replicas;
   cfg.high_watermark = options.high_watermark;
   cfg.low_watermark = options.low_watermark;
+  cfg.demote_high_watermark = options.demote_high_watermark;
+  cfg.demote_low_watermark = options.demote_low_watermark;
   cfg.drain_timeout_ms = options.drain_timeout_ms;
   // Versions start at wall-clock microseconds, so a put that no node recorded before a master
   // restart can never see its version handed out again by the new master.
@@ -469,6 +497,8 @@ Result<ClusterStatus> QueryClusterStatus(const std::string& master_address, uint
     ns.capacity_bytes = n.capacity();
     ns.used_bytes = n.used();
     ns.replicas = n.replicas();
+    ns.ssd_capacity_bytes = n.ssd_capacity();
+    ns.ssd_used_bytes = n.ssd_used();
     out.nodes.push_back(std::move(ns));
   }
   out.objects = reply.objects();
@@ -478,6 +508,8 @@ Result<ClusterStatus> QueryClusterStatus(const std::string& master_address, uint
   out.bad_replicas_total = reply.bad_replicas_total();
   out.nodes_expired_total = reply.nodes_expired_total();
   out.under_replicated = reply.under_replicated();
+  out.demotions_total = reply.demotions_total();
+  out.ssd_replicas = reply.ssd_replicas();
   return out;
 }
 

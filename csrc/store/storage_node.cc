@@ -15,8 +15,10 @@
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
 #include "store/rpc_util.h"
+#include "util/checksum.h"
 #include "util/clock.h"
 #include "util/logging.h"
+#include "util/range_allocator.h"
 
 namespace kvbridge {
 
@@ -29,12 +31,35 @@ NodeOptions NodeOptions::FromEnv() {
   store::EnvUint64("KVBRIDGE_NODE_DRAM_BYTES", &o.dram_bytes);
   store::EnvUint("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
   store::EnvUint("KVBRIDGE_DRAIN_TIMEOUT_MS", &o.drain_timeout_ms);
+  if (const char* v = std::getenv("KVBRIDGE_NODE_SSD_PATH")) o.ssd_path = v;
+  if (const char* v = std::getenv("KVBRIDGE_NODE_SSD_PLUGIN")) o.ssd_plugin = v;
+  store::EnvUint64("KVBRIDGE_NODE_SSD_BYTES", &o.ssd_bytes);
+  store::EnvUint64("KVBRIDGE_NODE_SSD_STAGING_BYTES", &o.ssd_staging_bytes);
   return o;
 }
 
 namespace {
 
 using RangeKey = std::pair<uint64_t, uint64_t>;  // (segment id, offset)
+
+// The SSD tier's segment id: fixed, so the records of objects kept on SSD stay valid across
+// node restarts (the DRAM pool's id is the engine's registration id, a small number).
+constexpr uint64_t kSsdSegment = 0x5353440000000001ull;  // "SSD" ...
+constexpr uint64_t kStagingAlign = 4096;
+
+uint64_t ObjectBytes(const rpc::InventoryRecord& r) {
+  uint64_t n = 0;
+  for (uint64_t s : r.sizes()) n += s;
+  return n;
+}
+
+// What an SSD object carries besides its bytes: its inventory record without the key (the key
+// is the object's key in the SSD plugin).
+std::string MetaOf(const rpc::InventoryRecord& r) {
+  rpc::InventoryRecord m = r;
+  m.clear_key();
+  return m.SerializeAsString();
+}
 
 }  // namespace
 
@@ -69,6 +94,21 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   std::thread heartbeat_thread;
   std::thread task_thread;
 
+  // --- SSD tier (ssd_ops null: none) ---
+  core::PluginRegistry ssd_plugins;
+  std::unique_ptr<core::HostServices> ssd_host;
+  const kvb_storage_ops_t* ssd_ops = nullptr;
+  kvb_storage_t* ssd = nullptr;
+  std::unique_ptr<char, void (*)(void*)> staging{nullptr, std::free};
+  uint64_t staging_bytes = 0;
+  SegmentId staging_segment = 0;
+  std::mutex staging_mu;
+  std::unique_ptr<util::RangeAllocator> staging_alloc;
+  std::map<std::string, uint64_t> ssd_keys;      // key -> offset of its SSD record (under mu)
+  std::deque<rpc::Demotion> demotions;           // to run (under mu)
+  std::deque<std::string> evicted;               // keys the SSD plugin dropped (under mu)
+  std::thread demote_thread;
+
   ~Impl() override;
   std::unique_ptr<grpc::ClientContext> Context() const {
     auto ctx = std::make_unique<grpc::ClientContext>();
@@ -90,15 +130,30 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   std::vector<Status> RunTasks(const std::vector<rpc::ReplicationTask>& batch);
   void Stop();
 
+  // SSD tier.
+  Status StartSsd();
+  static void OnEvict(void* user, const uint8_t* key, uint32_t key_len);
+  void DemoteLoop();
+  Status Demote(const rpc::Demotion& d);
+  void DropSsdObject(const std::string& key, uint64_t replica_id);  // record + plugin object
+  // Reads an SSD object into a staging range (caller frees it with FreeStaging); checks the
+  // record's checksum.
+  Result<uint64_t> ReadToStaging(const rpc::InventoryRecord& rec);
+  void FreeStaging(uint64_t offset);
+
   grpc::Status Commit(grpc::ServerContext*, const rpc::CommitRequest* req,
                       rpc::Status* reply) override;
+  grpc::Status ReadSsd(grpc::ServerContext*, const rpc::ReadSsdRequest* req,
+                       rpc::ReadSsdReply* reply) override;
 };
 
 StorageNode::Impl::~Impl() {
   Stop();
   if (segment != 0 && engine) (void)engine->DeregisterMemory(segment);
+  if (staging_segment != 0 && engine) (void)engine->DeregisterMemory(staging_segment);
   engine.reset();
   if (storage != nullptr) storage_ops->destroy(storage);
+  if (ssd != nullptr) ssd_ops->destroy(ssd);
 }
 
 grpc::Status StorageNode::Impl::Commit(grpc::ServerContext*, const rpc::CommitRequest* req,
@@ -110,13 +165,14 @@ grpc::Status StorageNode::Impl::Commit(grpc::ServerContext*, const rpc::CommitRe
   }
   std::lock_guard<std::mutex> lock(mu);
   for (const auto& r : req->records()) {
-    if (r.segment_id() != segment) {
+    if (r.segment_id() != segment && !(ssd != nullptr && r.segment_id() == kSsdSegment)) {
       store::ToProto(Status::NotRegistered("commit names segment " +
                                            std::to_string(r.segment_id()) + ", not this node's"),
                      reply);
       return grpc::Status::OK;
     }
     inventory[{r.segment_id(), r.offset()}] = r;
+    if (r.segment_id() == kSsdSegment) ssd_keys[r.key()] = r.offset();
   }
   store::ToProto(Status::OK(), reply);
   return grpc::Status::OK;
@@ -131,6 +187,12 @@ Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
   seg->set_segment_id(segment);
   seg->set_capacity(pool_bytes);
   seg->set_tier(1);
+  if (ssd != nullptr) {
+    auto* s2 = req.add_segments();
+    s2->set_segment_id(kSsdSegment);
+    s2->set_capacity(options.ssd_bytes);
+    s2->set_tier(2);
+  }
   {
     std::lock_guard<std::mutex> lock(mu);
     req.set_draining(draining);
@@ -143,18 +205,48 @@ Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
   Status st = store::FromProto(reply.status());
   if (!st.ok()) return st.WithContext("RegisterNode");
   if (reply.heartbeat_interval_ms() > 0) heartbeat_interval_ms = reply.heartbeat_interval_ms();
+  // Demotions are handed out in heartbeat replies: a node with an SSD tier asks often, so DRAM
+  // pressure turns into SSD writes within a fraction of a second.
+  if (ssd != nullptr) heartbeat_interval_ms = std::min<uint32_t>(heartbeat_interval_ms, 200);
   ApplyFrees(reply.frees());
   return Status::OK();
 }
 
 void StorageNode::Impl::ApplyFrees(
     const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& frees) {
-  std::lock_guard<std::mutex> lock(mu);
-  for (const auto& f : frees) {
-    // Only the exact record: the range may already hold a newer object whose commit overtook
-    // this free.
-    auto it = inventory.find({f.segment_id(), f.offset()});
-    if (it != inventory.end() && it->second.replica_id() == f.replica_id()) inventory.erase(it);
+  std::vector<std::pair<std::string, uint64_t>> ssd_frees;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& f : frees) {
+      if (f.segment_id() == kSsdSegment) {
+        ssd_frees.emplace_back(f.key(), f.replica_id());
+        continue;
+      }
+      // Only the exact record: the range may already hold a newer object whose commit
+      // overtook this free.
+      auto it = inventory.find({f.segment_id(), f.offset()});
+      if (it != inventory.end() && it->second.replica_id() == f.replica_id()) inventory.erase(it);
+    }
+  }
+  for (const auto& [key, replica_id] : ssd_frees) DropSsdObject(key, replica_id);
+}
+
+void StorageNode::Impl::DropSsdObject(const std::string& key, uint64_t replica_id) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto k = ssd_keys.find(key);
+    if (k == ssd_keys.end()) return;
+    auto it = inventory.find({kSsdSegment, k->second});
+    if (it == inventory.end() || (replica_id != 0 && it->second.replica_id() != replica_id)) {
+      return;
+    }
+    inventory.erase(it);
+    ssd_keys.erase(k);
+  }
+  kvb_status_t st = ssd_ops->remove(ssd, reinterpret_cast<const uint8_t*>(key.data()),
+                                    static_cast<uint32_t>(key.size()));
+  if (st != KVB_OK && st != KVB_ERR_NOT_FOUND) {
+    KVB_LOG(WARN) << "SSD tier: removing an object failed: " << Status::FromAbi(st, "").ToString();
   }
 }
 
@@ -194,6 +286,7 @@ void StorageNode::Impl::HeartbeatLoop() {
     lock.lock();
     if (st.ok()) {
       for (const auto& t : reply.tasks()) tasks.push_back(t);
+      for (const auto& d : reply.demotions()) demotions.push_back(d);
       if (reply.drained()) drained = true;
       cv.notify_all();
     }
@@ -202,6 +295,14 @@ void StorageNode::Impl::HeartbeatLoop() {
 
 std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::ReplicationTask>& batch) {
   std::vector<Status> result(batch.size());
+  std::vector<uint64_t> staged;  // staging ranges of SSD sources, freed when the batch ends
+  struct FreeStaged {
+    Impl* im;
+    std::vector<uint64_t>* v;
+    ~FreeStaged() {
+      for (uint64_t off : *v) im->FreeStaging(off);
+    }
+  } free_staged{this, &staged};
   std::vector<TransferOp> ops;
   std::vector<size_t> task_of_op;
   std::vector<std::string> dest_ids(batch.size());
@@ -214,18 +315,45 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
       continue;
     }
     const auto& src = task.source();
-    if (src.segment_id() != segment || src.offset() > pool_bytes ||
-        src.length() > pool_bytes - src.offset() || src.length() != task.dest().length()) {
-      result[i] = Status::OutOfBounds("task source range is not inside this node's pool");
-      continue;
-    }
     if (task.timeout_ms() == 0) {
       result[i] = Status::DeadlineExceeded("task arrived past its deadline");
       continue;
     }
+    char* local = nullptr;
+    if (ssd != nullptr && src.segment_id() == kSsdSegment) {
+      // An SSD replica: read it into staging first, then write from there.
+      rpc::InventoryRecord rec;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        auto it = inventory.find({kSsdSegment, src.offset()});
+        if (it != inventory.end()) rec = it->second;
+      }
+      if (rec.key() != task.key() || rec.version() != task.version() ||
+          ObjectBytes(rec) != src.length()) {
+        result[i] = Status::NotFound("task source is not on this node's SSD tier");
+        continue;
+      }
+      Result<uint64_t> off = ReadToStaging(rec);
+      if (!off.ok()) {
+        result[i] = off.status();
+        continue;
+      }
+      staged.push_back(*off);
+      local = staging.get() + *off;
+    } else if (src.segment_id() != segment || src.offset() > pool_bytes ||
+               src.length() > pool_bytes - src.offset()) {
+      result[i] = Status::OutOfBounds("task source range is not inside this node's pool");
+      continue;
+    } else {
+      local = pool + src.offset();
+    }
+    if (src.length() != task.dest().length()) {
+      result[i] = Status::InvalidArgument("task source and destination lengths differ");
+      continue;
+    }
     dest_ids[i] = dest->node_id;
     deadline_ms = std::min(deadline_ms, task.timeout_ms());  // the master gives up after it
-    ops.push_back(TransferOp{OpCode::kWrite, pool + src.offset(), src.length(), dest_ids[i],
+    ops.push_back(TransferOp{OpCode::kWrite, local, src.length(), dest_ids[i],
                              task.dest().segment_id(), task.dest().offset()});
     task_of_op.push_back(i);
   }
@@ -270,6 +398,254 @@ void StorageNode::Impl::TaskLoop() {
   }
 }
 
+// ---------------------------------------------------------------- SSD tier
+
+Status StorageNode::Impl::StartSsd() {
+  ssd_plugins.Scan(core::PluginRegistry::DefaultSearchPath(options.engine.plugin_path));
+  std::string why;
+  const core::PluginInfo* plugin = ssd_plugins.Find(KVB_PLUGIN_STORAGE, options.ssd_plugin, &why);
+  if (plugin == nullptr || (plugin->caps & KVB_SCAP_OBJECTS) == 0 ||
+      !core::StorageHasMetaOps(*plugin->storage_ops())) {
+    return Status::Unavailable("storage plugin '" + options.ssd_plugin + "': " +
+                               (plugin ? "does not store keyed objects with metadata (ABI 1.1)"
+                                       : why));
+  }
+  ssd_ops = plugin->storage_ops();
+  ssd_host = std::make_unique<core::HostServices>(options.engine.plugin_config);
+  kvb_storage_params_t params{.struct_size = sizeof(kvb_storage_params_t),
+                              .node_id = engine->self().node_id.c_str(),
+                              .capacity_bytes = options.ssd_bytes,
+                              .path = options.ssd_path.c_str(),
+                              .on_evict = &Impl::OnEvict,
+                              .on_evict_user = this};
+  char err[512] = {0};
+  kvb_status_t st = ssd_ops->create(ssd_host->table(), &params, &ssd, err, sizeof(err));
+  if (st != KVB_OK) {
+    ssd = nullptr;
+    return Status::FromAbi(st, err);
+  }
+  // Staging: registered, aligned host memory that SSD reads land in before they are sent.
+  staging_bytes = std::max<uint64_t>(options.ssd_staging_bytes, kStagingAlign);
+  staging_bytes = (staging_bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+  staging.reset(static_cast<char*>(std::aligned_alloc(kStagingAlign, staging_bytes)));
+  if (!staging) return Status::NoSpace("cannot allocate the SSD staging buffer");
+  Result<SegmentId> seg = engine->RegisterMemory(staging.get(), staging_bytes);
+  if (!seg.ok()) return seg.status().WithContext("registering the SSD staging buffer");
+  staging_segment = seg.value();
+  staging_alloc = std::make_unique<util::RangeAllocator>(staging_bytes, kStagingAlign);
+  // What survived on SSD: its records go into the inventory the master will see.
+  struct Ctx {
+    Impl* im;
+    size_t bad = 0;
+  } ctx{this};
+  auto visit = [](void* user, const uint8_t* key, uint32_t key_len, uint64_t length,
+                  const uint8_t* meta, uint32_t meta_len) {
+    auto* c = static_cast<Ctx*>(user);
+    rpc::InventoryRecord r;
+    if (!r.ParseFromArray(meta, static_cast<int>(meta_len)) || ObjectBytes(r) != length) {
+      ++c->bad;
+      return;
+    }
+    r.set_key(std::string(reinterpret_cast<const char*>(key), key_len));
+    r.set_segment_id(kSsdSegment);
+    c->im->inventory[{kSsdSegment, r.offset()}] = r;
+    c->im->ssd_keys[r.key()] = r.offset();
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    st = ssd_ops->for_each_meta(ssd, visit, &ctx);
+  }
+  if (st != KVB_OK) return Status::FromAbi(st, "listing the SSD tier's objects");
+  if (ctx.bad > 0) {
+    KVB_LOG(WARN) << "SSD tier: " << ctx.bad << " objects without a usable record were ignored";
+  }
+  KVB_LOG(INFO) << "SSD tier at " << options.ssd_path << ": " << ssd_keys.size()
+                << " objects kept from before";
+  return Status::OK();
+}
+
+void StorageNode::Impl::OnEvict(void* user, const uint8_t* key, uint32_t key_len) {
+  auto* im = static_cast<Impl*>(user);
+  std::lock_guard<std::mutex> lock(im->mu);
+  im->evicted.emplace_back(reinterpret_cast<const char*>(key), key_len);
+  im->cv.notify_all();
+}
+
+Result<uint64_t> StorageNode::Impl::ReadToStaging(const rpc::InventoryRecord& rec) {
+  const uint64_t bytes = ObjectBytes(rec);
+  std::optional<uint64_t> off;
+  {
+    std::lock_guard<std::mutex> lock(staging_mu);
+    off = staging_alloc->Allocate(std::max<uint64_t>(bytes, 1));
+  }
+  if (!off) {
+    return Status::Backpressure("SSD staging is full (" + std::to_string(staging_bytes) +
+                                " bytes; KVBRIDGE_NODE_SSD_STAGING_BYTES)");
+  }
+  kvb_iovec_t iov{staging.get() + *off, bytes};
+  uint64_t length = 0;
+  kvb_status_t st = ssd_ops->get(ssd, reinterpret_cast<const uint8_t*>(rec.key().data()),
+                                 static_cast<uint32_t>(rec.key().size()), &iov, 1, &length);
+  Status out;
+  if (st != KVB_OK) {
+    out = Status::FromAbi(st, "SSD read").WithContext("SSD tier");
+  } else if (length != bytes || util::Crc32c(staging.get() + *off, bytes) != rec.checksum()) {
+    out = Status::IoError("SSD copy does not match the object's checksum");
+  }
+  if (!out.ok()) {
+    FreeStaging(*off);
+    if (st != KVB_ERR_BACKPRESSURE) DropSsdObject(rec.key(), rec.replica_id());
+    return out;
+  }
+  return *off;
+}
+
+void StorageNode::Impl::FreeStaging(uint64_t offset) {
+  std::lock_guard<std::mutex> lock(staging_mu);
+  staging_alloc->Free(offset);
+}
+
+Status StorageNode::Impl::Demote(const rpc::Demotion& d) {
+  const rpc::InventoryRecord& src = d.source();
+  const uint64_t bytes = ObjectBytes(src);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = inventory.find({src.segment_id(), src.offset()});
+    if (src.segment_id() != segment || it == inventory.end() ||
+        it->second.replica_id() != src.replica_id() || src.offset() > pool_bytes ||
+        bytes > pool_bytes - src.offset()) {
+      return Status::NotFound("the replica to demote is not in this node's pool");
+    }
+  }
+  if (util::Crc32c(pool + src.offset(), bytes) != src.checksum()) {
+    return Status::IoError("the DRAM replica does not match its checksum; not demoted");
+  }
+  DropSsdObject(src.key(), 0);  // an older copy of the key (one replica per node and key)
+  const std::string meta = MetaOf(d.dest());
+  kvb_iovec_t iov{pool + src.offset(), bytes};
+  kvb_status_t st =
+      ssd_ops->put_meta(ssd, reinterpret_cast<const uint8_t*>(src.key().data()),
+                        static_cast<uint32_t>(src.key().size()), &iov, 1,
+                        reinterpret_cast<const uint8_t*>(meta.data()),
+                        static_cast<uint32_t>(meta.size()));
+  if (st != KVB_OK) return Status::FromAbi(st, "SSD write").WithContext("SSD tier");
+  std::lock_guard<std::mutex> lock(mu);
+  inventory[{kSsdSegment, d.dest().offset()}] = d.dest();
+  ssd_keys[src.key()] = d.dest().offset();
+  return Status::OK();
+}
+
+void StorageNode::Impl::DemoteLoop() {
+  std::unique_lock<std::mutex> lock(mu);
+  for (;;) {
+    cv.wait(lock, [&] { return stopping || !demotions.empty() || !evicted.empty(); });
+    if (stopping) return;
+    std::deque<std::string> gone;
+    gone.swap(evicted);
+    std::deque<rpc::Demotion> batch;
+    batch.swap(demotions);
+    lock.unlock();
+    // Objects the SSD plugin evicted on its own: their records go, and the master drops the
+    // replicas (re-replicating objects that still have copies elsewhere).
+    for (const std::string& key : gone) {
+      rpc::InventoryRecord rec;
+      {
+        std::lock_guard<std::mutex> l(mu);
+        auto k = ssd_keys.find(key);
+        if (k == ssd_keys.end()) continue;
+        auto it = inventory.find({kSsdSegment, k->second});
+        if (it != inventory.end()) {
+          rec = it->second;
+          inventory.erase(it);
+        }
+        ssd_keys.erase(k);
+      }
+      rpc::BadReplicaRequest report;
+      report.set_key(key);
+      report.set_version(rec.version());
+      *report.mutable_node() = Identity();
+      rpc::Status ignored;
+      auto ctx = Context();
+      (void)master->ReportBadReplica(ctx.get(), report, &ignored);
+    }
+    for (const rpc::Demotion& d : batch) {
+      Status st = Demote(d);
+      rpc::DemoteDoneRequest done;
+      *done.mutable_node() = Identity();
+      done.set_key(d.source().key());
+      done.set_version(d.source().version());
+      done.set_dest_replica_id(d.dest().replica_id());
+      store::ToProto(st, done.mutable_status());
+      rpc::Status reply;
+      auto ctx = Context();
+      grpc::Status gs = master->DemoteDone(ctx.get(), done, &reply);
+      Status answer = gs.ok() ? store::FromProto(reply) : store::FromGrpc(gs, "DemoteDone");
+      if (st.ok() && (answer.IsNotFound() || answer.IsStalePeer())) {
+        DropSsdObject(d.source().key(), d.dest().replica_id());  // not wanted any more
+      } else if (!answer.ok()) {
+        KVB_LOG(WARN) << "DemoteDone: " << answer.ToString();
+      }
+    }
+    lock.lock();
+    if (!batch.empty()) {
+      heartbeat_now = true;  // ask for the next demotions now, not an interval from now
+      cv.notify_all();
+    }
+  }
+}
+
+grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext*, const rpc::ReadSsdRequest* req,
+                                        rpc::ReadSsdReply* reply) {
+  auto done = [&](const Status& st) {
+    store::ToProto(st, reply->mutable_status());
+    return grpc::Status::OK;
+  };
+  if (req->node().node_id() != engine->self().node_id ||
+      req->node().incarnation() != engine->self().incarnation) {
+    return done(Status::StalePeer("read meant for another incarnation of this node"));
+  }
+  if (ssd == nullptr) return done(Status::NotFound("this node has no SSD tier"));
+  rpc::InventoryRecord rec;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto k = ssd_keys.find(req->key());
+    if (k != ssd_keys.end()) {
+      auto it = inventory.find({kSsdSegment, k->second});
+      if (it != inventory.end()) rec = it->second;
+    }
+  }
+  if (rec.key() != req->key() || rec.version() != req->version()) {
+    return done(Status::NotFound("object (this version) is not on this node's SSD tier"));
+  }
+  const uint64_t bytes = ObjectBytes(rec);
+  uint64_t room = 0;
+  for (const auto& p : req->dests()) room += p.length();
+  if (room < bytes) {
+    return done(Status::InvalidArgument("destination holds " + std::to_string(room) +
+                                        " bytes; the object has " + std::to_string(bytes)));
+  }
+  Result<PeerId> client = engine->AddPeer(req->client_descriptor());
+  if (!client.ok()) return done(client.status().WithContext("client descriptor"));
+  Result<uint64_t> off = ReadToStaging(rec);
+  if (!off.ok()) return done(off.status());
+  std::vector<TransferOp> ops;
+  uint64_t pos = 0;
+  for (const auto& p : req->dests()) {
+    if (pos == bytes) break;
+    const uint64_t n = std::min(p.length(), bytes - pos);
+    ops.push_back(TransferOp{OpCode::kWrite, staging.get() + *off + pos, n, client->node_id,
+                             p.segment_id(), p.offset()});
+    pos += n;
+  }
+  SubmitOptions so;
+  so.deadline_ms = req->timeout_ms() > 0 ? req->timeout_ms() : options.rpc_timeout_ms;
+  Status st = engine->Transfer(ops, so);
+  FreeStaging(*off);
+  if (!st.ok()) return done(st.WithContext("writing to the client"));
+  reply->set_size(bytes);
+  return done(Status::OK());
+}
+
 void StorageNode::Impl::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -279,6 +655,7 @@ void StorageNode::Impl::Stop() {
   cv.notify_all();
   if (heartbeat_thread.joinable()) heartbeat_thread.join();
   if (task_thread.joinable()) task_thread.join();
+  if (demote_thread.joinable()) demote_thread.join();
   if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
 }
 
@@ -333,7 +710,9 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   kvb_storage_params_t params{.struct_size = sizeof(kvb_storage_params_t),
                               .node_id = impl->engine->self().node_id.c_str(),
                               .capacity_bytes = options.dram_bytes,
-                              .path = nullptr};
+                              .path = nullptr,
+                              .on_evict = nullptr,
+                              .on_evict_user = nullptr};
   char err[512] = {0};
   kvb_status_t st =
       impl->storage_ops->create(impl->host->table(), &params, &impl->storage, err, sizeof(err));
@@ -360,6 +739,10 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   heartbeat_args.SetString("kvbridge.channel", "heartbeat");  // a connection of its own
   impl->heartbeat_master = rpc::Master::NewStub(grpc::CreateCustomChannel(
       options.master_address, grpc::InsecureChannelCredentials(), heartbeat_args));
+  if (!options.ssd_path.empty()) {
+    Status ssd = impl->StartSsd();
+    if (!ssd.ok()) return ssd.WithContext("SSD tier at " + options.ssd_path);
+  }
   Status reg = impl->Register(impl->master.get());
   if (!reg.ok()) return reg;
   KVB_LOG(INFO) << "storage node " << impl->engine->self().ToString() << " registered "
@@ -367,6 +750,7 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   Impl* raw = impl.get();
   impl->heartbeat_thread = std::thread([raw] { raw->HeartbeatLoop(); });
   impl->task_thread = std::thread([raw] { raw->TaskLoop(); });
+  if (impl->ssd != nullptr) impl->demote_thread = std::thread([raw] { raw->DemoteLoop(); });
   return std::unique_ptr<StorageNode>(new StorageNode(std::move(impl)));
 }
 

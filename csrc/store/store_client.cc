@@ -42,6 +42,8 @@ namespace {
 constexpr uint64_t kStagingBytes = 64ull << 20;
 
 // Where one key's bytes go: the object's byte range [obj_off, obj_off+len) maps to local memory.
+constexpr uint32_t kTierSsd = 2;  // ReplicaLocation.tier of a replica on an SSD tier
+
 struct Piece {
   uint64_t obj_off;
   char* local;
@@ -83,6 +85,9 @@ struct StoreClient::Impl {
 
   std::mutex peers_mu;
   std::unordered_map<std::string, uint64_t> peers;  // node id -> incarnation added to engine
+  std::unordered_map<std::string, std::string> node_rpc;  // node id -> its Node service
+  std::unordered_map<std::string, std::unique_ptr<rpc::Node::Stub>> node_stubs;  // by address
+  SegmentId staging_segment = 0;
 
   struct Registered {
     SegmentId segment;
@@ -122,6 +127,9 @@ struct StoreClient::Impl {
     }
     return Status::OK();
   }
+  bool LocalSegment(const char* p, uint64_t len, SegmentId* seg, uint64_t* off);
+  Status ReadFromSsd(const rpc::ReplicaLocation& loc, const std::string& key, uint64_t version,
+                     const std::vector<Piece>& pieces);
   // Makes sure the engine knows the current incarnation of every node named.
   Status EnsurePeers(const std::set<std::pair<std::string, uint64_t>>& nodes);
   // One transfer pass; fills ok[i] per group of ops.
@@ -152,8 +160,72 @@ Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint
     }
     std::lock_guard<std::mutex> lock(peers_mu);
     peers[added->node_id] = added->incarnation;
+    node_rpc[added->node_id] = nd.rpc_address();
   }
   return Status::OK();
+}
+
+// The engine segment and offset of local memory (a registered buffer or the staging area).
+bool StoreClient::Impl::LocalSegment(const char* p, uint64_t len, SegmentId* seg,
+                                     uint64_t* off) {
+  const auto start = reinterpret_cast<uintptr_t>(p);
+  const auto staging_start = reinterpret_cast<uintptr_t>(staging.get());
+  if (start >= staging_start && start + len <= staging_start + kStagingBytes) {
+    *seg = staging_segment;
+    *off = start - staging_start;
+    return true;
+  }
+  std::lock_guard<std::mutex> lock(buffers_mu);
+  auto it = buffers.upper_bound(start);
+  if (it == buffers.begin()) return false;
+  --it;
+  if (start + len > it->first + it->second.length) return false;
+  *seg = it->second.segment;
+  *off = start - it->first;
+  return true;
+}
+
+// Asks the node holding an SSD replica to write it into our memory (docs/store.md "Tiers").
+Status StoreClient::Impl::ReadFromSsd(const rpc::ReplicaLocation& loc, const std::string& key,
+                                      uint64_t version, const std::vector<Piece>& pieces) {
+  rpc::Node::Stub* stub = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu);
+    auto a = node_rpc.find(loc.node().node_id());
+    if (a == node_rpc.end() || a->second.empty()) {
+      return Status::PeerUnreachable("no control address known for node " +
+                                     loc.node().node_id());
+    }
+    auto& s = node_stubs[a->second];
+    if (!s) {
+      s = rpc::Node::NewStub(grpc::CreateChannel(a->second, grpc::InsecureChannelCredentials()));
+    }
+    stub = s.get();
+  }
+  rpc::ReadSsdRequest req;
+  *req.mutable_node() = loc.node();
+  req.set_key(key);
+  req.set_version(version);
+  req.set_client_descriptor(engine->LocalDescriptor());
+  req.set_timeout_ms(options.transfer_deadline_ms);
+  for (const Piece& p : pieces) {
+    SegmentId seg = 0;
+    uint64_t off = 0;
+    if (!LocalSegment(p.local, p.len, &seg, &off)) {
+      return Status::NotRegistered("a buffer of the get is not registered");
+    }
+    auto* d = req.add_dests();
+    d->set_segment_id(seg);
+    d->set_offset(off);
+    d->set_length(p.len);
+  }
+  rpc::ReadSsdReply reply;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(options.rpc_timeout_ms + options.transfer_deadline_ms));
+  grpc::Status gs = stub->ReadSsd(&ctx, req, &reply);
+  if (!gs.ok()) return store::FromGrpc(gs, "ReadSsd");
+  return FromProto(reply.status());
 }
 
 void StoreClient::Impl::Run(std::vector<TransferOp>& ops, const std::vector<size_t>& group_of_op,
@@ -227,6 +299,7 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& opt
   impl->staging.reset(new char[kStagingBytes]);  // not zero-filled: it is only ever copied into
   Result<SegmentId> seg = impl->engine->RegisterMemory(impl->staging.get(), kStagingBytes);
   if (!seg.ok()) return seg.status().WithContext("registering the staging buffer");
+  impl->staging_segment = seg.value();
   return std::unique_ptr<StoreClient>(new StoreClient(std::move(impl)));
 }
 
@@ -419,9 +492,14 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
   while (!pending.empty()) {
     std::vector<TransferOp> ops;
     std::vector<size_t> group_of_op;
+    std::vector<size_t> from_ssd;  // groups whose replica is on an SSD tier
     for (size_t g = 0; g < pending.size(); ++g) {
       const size_t i = pending[g];
       const auto& loc = got.items(static_cast<int>(i)).replicas(next_replica[i]);
+      if (loc.tier() == kTierSsd) {
+        from_ssd.push_back(g);
+        continue;
+      }
       for (const auto& p : pieces[i]) {
         ops.push_back(TransferOp{OpCode::kRead, p.local, p.len, loc.node().node_id(),
                                  loc.segment_id(), loc.offset() + p.obj_off});
@@ -430,6 +508,13 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
     }
     std::vector<Status> group_status;
     im.Run(ops, group_of_op, pending.size(), &group_status);
+    // SSD replicas are served by their node, which writes them into our buffers.
+    for (size_t g : from_ssd) {
+      const size_t i = pending[g];
+      const auto& item = got.items(static_cast<int>(i));
+      group_status[g] = im.ReadFromSsd(item.replicas(next_replica[i]), keys[i], item.version(),
+                                       pieces[i]);
+    }
     const auto done_at = std::chrono::steady_clock::now();
     std::vector<size_t> retry;
     std::set<std::string> reported_nodes;

@@ -2,7 +2,8 @@
 //
 //   kvbridge master [--listen HOST:PORT] [--node-ttl-ms N] [--lease-ms N] [--config FILE]
 //   kvbridge node   [--master HOST:PORT] [--dram-bytes N] [--node-id ID] [--listen HOST:PORT,...]
-//                   [--rpc-listen HOST:PORT] [--drain-timeout-ms N] [--config FILE]
+//                   [--rpc-listen HOST:PORT] [--drain-timeout-ms N] [--ssd-path DIR]
+//                   [--ssd-bytes N] [--config FILE]
 //   kvbridge status [--master HOST:PORT] [--json]
 //
 // Settings come from, strongest first: flags, KVBRIDGE_* environment variables, the config file
@@ -36,7 +37,8 @@ int Usage(const char* why = nullptr) {
                "                  [--config FILE]\n"
                "  kvbridge node   [--master HOST:PORT] [--dram-bytes N] [--node-id ID]\n"
                "                  [--listen HOST:PORT,...] [--rpc-listen HOST:PORT]\n"
-               "                  [--drain-timeout-ms N] [--config FILE]\n"
+               "                  [--drain-timeout-ms N] [--ssd-path DIR] [--ssd-bytes N]\n"
+               "                  [--config FILE]\n"
                "  kvbridge status [--master HOST:PORT] [--json]\n"
                "Every flag has a KVBRIDGE_* variable (docs/configuration.md). A node drains on\n"
                "SIGTERM and stops at once on SIGINT.\n");
@@ -170,7 +172,8 @@ int RunNode(const Flags& f) {
   if (f.Has("node-id")) o.engine.node_id = f.Get("node-id");
   if (f.Has("listen")) o.engine.listen = f.Get("listen");
   if (f.Has("rpc-listen")) o.rpc_listen = f.Get("rpc-listen");
-  if (!SetNumber(f, "dram-bytes", &o.dram_bytes) ||
+  if (f.Has("ssd-path")) o.ssd_path = f.Get("ssd-path");
+  if (!SetNumber(f, "dram-bytes", &o.dram_bytes) || !SetNumber(f, "ssd-bytes", &o.ssd_bytes) ||
       !SetNumber(f, "drain-timeout-ms", &o.drain_timeout_ms)) {
     return 2;
   }
@@ -180,9 +183,10 @@ int RunNode(const Flags& f) {
     std::fprintf(stderr, "kvbridge node: %s\n", node.status().ToString().c_str());
     return 1;
   }
-  std::printf("kvbridge node %s serving %llu bytes, master %s\n",
+  std::printf("kvbridge node %s serving %llu bytes, master %s%s%s\n",
               node.value()->id().ToString().c_str(), (unsigned long long)o.dram_bytes,
-              o.master_address.c_str());
+              o.master_address.c_str(), o.ssd_path.empty() ? "" : ", SSD tier at ",
+              o.ssd_path.c_str());
   std::fflush(stdout);
   int sig = 0;
   sigwait(&stop, &sig);
@@ -220,38 +224,46 @@ int RunStatus(const Flags& f) {
     std::printf(
         "{\"master\": \"%s\", \"objects\": %llu, \"pending_puts\": %llu, "
         "\"stored_bytes\": %llu, \"under_replicated\": %llu, \"evictions_total\": %llu, "
-        "\"bad_replicas_total\": %llu, \"nodes_expired_total\": %llu, \"nodes\": [",
+        "\"bad_replicas_total\": %llu, \"nodes_expired_total\": %llu, "
+        "\"demotions_total\": %llu, \"ssd_replicas\": %llu, \"nodes\": [",
         master.c_str(), (unsigned long long)c.objects, (unsigned long long)c.pending_puts,
         (unsigned long long)c.stored_bytes, (unsigned long long)c.under_replicated,
         (unsigned long long)c.evictions_total, (unsigned long long)c.bad_replicas_total,
-        (unsigned long long)c.nodes_expired_total);
+        (unsigned long long)c.nodes_expired_total, (unsigned long long)c.demotions_total,
+        (unsigned long long)c.ssd_replicas);
     for (size_t i = 0; i < c.nodes.size(); ++i) {
       const NodeStatus& n = c.nodes[i];
       std::printf(
           "%s{\"node_id\": \"%s\", \"incarnation\": \"%016llx\", \"state\": \"%s\", "
-          "\"capacity_bytes\": %llu, \"used_bytes\": %llu, \"replicas\": %llu}",
+          "\"capacity_bytes\": %llu, \"used_bytes\": %llu, \"replicas\": %llu, "
+          "\"ssd_capacity_bytes\": %llu, \"ssd_used_bytes\": %llu}",
           i ? ", " : "", n.id.node_id.c_str(), (unsigned long long)n.id.incarnation,
           n.state.c_str(), (unsigned long long)n.capacity_bytes, (unsigned long long)n.used_bytes,
-          (unsigned long long)n.replicas);
+          (unsigned long long)n.replicas, (unsigned long long)n.ssd_capacity_bytes,
+          (unsigned long long)n.ssd_used_bytes);
     }
     std::printf("]}\n");
     return 0;
   }
   std::printf(
       "master %s: %llu objects (%s), %llu puts in progress, %llu under-replicated\n"
-      "since start: %llu evicted, %llu bad replicas dropped, %llu nodes expired\n\n",
+      "since start: %llu evicted, %llu bad replicas dropped, %llu nodes expired, %llu demoted "
+      "to SSD (%llu replicas on SSD now)\n\n",
       master.c_str(), (unsigned long long)c.objects, Bytes(c.stored_bytes).c_str(),
       (unsigned long long)c.pending_puts, (unsigned long long)c.under_replicated,
       (unsigned long long)c.evictions_total, (unsigned long long)c.bad_replicas_total,
-      (unsigned long long)c.nodes_expired_total);
-  std::printf("%-24s %-18s %-9s %12s %12s %6s %9s\n", "NODE", "INCARNATION", "STATE", "CAPACITY",
-              "USED", "USED%", "REPLICAS");
+      (unsigned long long)c.nodes_expired_total, (unsigned long long)c.demotions_total,
+      (unsigned long long)c.ssd_replicas);
+  std::printf("%-24s %-18s %-9s %12s %12s %6s %9s %12s %12s\n", "NODE", "INCARNATION", "STATE",
+              "CAPACITY", "USED", "USED%", "REPLICAS", "SSD", "SSD USED");
   for (const NodeStatus& n : c.nodes) {
     const double pct = n.capacity_bytes ? 100.0 * n.used_bytes / n.capacity_bytes : 0;
-    std::printf("%-24s %016llx   %-9s %12s %12s %5.1f%% %9llu\n", n.id.node_id.c_str(),
+    std::printf("%-24s %016llx   %-9s %12s %12s %5.1f%% %9llu %12s %12s\n", n.id.node_id.c_str(),
                 (unsigned long long)n.id.incarnation, n.state.c_str(),
                 Bytes(n.capacity_bytes).c_str(), Bytes(n.used_bytes).c_str(), pct,
-                (unsigned long long)n.replicas);
+                (unsigned long long)n.replicas,
+                n.ssd_capacity_bytes ? Bytes(n.ssd_capacity_bytes).c_str() : "-",
+                n.ssd_capacity_bytes ? Bytes(n.ssd_used_bytes).c_str() : "-");
   }
   return 0;
 }
@@ -273,7 +285,8 @@ int main(int argc, char** argv) {
   } else if (cmd == "node") {
     ok = ParseFlags(
         argc, argv, 2,
-        {"master", "dram-bytes", "node-id", "listen", "rpc-listen", "drain-timeout-ms", "config"},
+        {"master", "dram-bytes", "node-id", "listen", "rpc-listen", "drain-timeout-ms", "ssd-path",
+         "ssd-bytes", "config"},
         {}, &f, &why);
   } else if (cmd == "status") {
     ok = ParseFlags(argc, argv, 2, {"master", "config"}, {"json"}, &f, &why);

@@ -83,7 +83,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     kw: dict[str, Any] = {}
     for name, value in (("master", args.master), ("node_dram_bytes", args.dram_bytes),
                         ("listen", args.listen), ("node_id", args.node_id),
-                        ("drain_timeout_ms", args.drain_timeout_ms)):
+                        ("drain_timeout_ms", args.drain_timeout_ms),
+                        ("node_ssd_path", args.ssd_path), ("node_ssd_bytes", args.ssd_bytes)):
         if value is not None:
             kw[name] = value
     node = kvbridge.Node(**kw)
@@ -121,13 +122,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(f"master {args.master}: {len(st['nodes'])} nodes, {st['objects']} objects "
           f"({_human(st['stored_bytes'])}), {st['pending_puts']} pending puts")
-    print(f"{'NODE':<28} {'STATE':<9} {'CAPACITY':>11} {'USED':>11} {'USE%':>5} {'REPLICAS':>9}")
+    print(f"{'NODE':<28} {'STATE':<9} {'CAPACITY':>11} {'USED':>11} {'USE%':>5} {'REPLICAS':>9}"
+          f" {'SSD':>11} {'SSD USED':>11}")
     for n in st["nodes"]:
         pct = 100.0 * n["used_bytes"] / n["capacity_bytes"] if n["capacity_bytes"] else 0.0
+        ssd = _human(n["ssd_capacity_bytes"]) if n["ssd_capacity_bytes"] else "-"
+        ssd_used = _human(n["ssd_used_bytes"]) if n["ssd_capacity_bytes"] else "-"
         print(f"{n['node_id']:<28} {n['state']:<9} {_human(n['capacity_bytes']):>11} "
-              f"{_human(n['used_bytes']):>11} {pct:>5.1f} {n['replicas']:>9}")
+              f"{_human(n['used_bytes']):>11} {pct:>5.1f} {n['replicas']:>9} {ssd:>11} "
+              f"{ssd_used:>11}")
     print(f"evictions {st['evictions_total']}, bad replicas dropped {st['bad_replicas_total']}, "
-          f"nodes expired {st['nodes_expired_total']}, under-replicated {st['under_replicated']}")
+          f"nodes expired {st['nodes_expired_total']}, under-replicated {st['under_replicated']}, "
+          f"demoted to SSD {st['demotions_total']} ({st['ssd_replicas']} replicas on SSD)")
     return 0
 
 
@@ -235,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--listen", help="transport listen addresses, host:port[,host:port...]")
     n.add_argument("--node-id", help="this node's id (default <hostname>-<pid>)")
     n.add_argument("--drain-timeout-ms", type=int, help="upper bound of the drain on SIGTERM")
+    n.add_argument("--ssd-path", help="directory of this node's SSD tier (KVBRIDGE_NODE_SSD_PATH)")
+    n.add_argument("--ssd-bytes", type=parse_size, help="capacity of the SSD tier, e.g. 500G")
     n.set_defaults(func=cmd_node)
 
     s = add("status", "print a master's view of the cluster")

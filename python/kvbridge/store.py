@@ -231,7 +231,8 @@ class Master:
 class Node:
     """A storage node: contributes DRAM to the pool of the master at ``master``. Options:
     master, node_dram_bytes, node_storage_plugin, node_rpc_listen, rpc_timeout_ms,
-    drain_timeout_ms, plus the engine's (node_id, listen, ...)."""
+    drain_timeout_ms, node_ssd_path (an SSD tier; "" = none), node_ssd_bytes,
+    node_ssd_plugin, node_ssd_staging_bytes, plus the engine's (node_id, listen, ...)."""
 
     def __init__(self, **kwargs: Any):
         opts = options.node_options(kwargs)
@@ -267,14 +268,19 @@ class Cluster:
     one-machine use and tests. ``Cluster(nodes=3).client()`` is a StoreClient.
 
     Keywords: nodes (3), dram_bytes_per_node (256 MiB), replica_num (1), node_id_prefix
-    ("embedded"), master options (node_ttl_ms, lease_ms, ...) and engine options (applied to
-    every node's and the client's engine)."""
+    ("embedded"), ssd_dir (an SSD tier per node under <ssd_dir>/node<i>; "" = none),
+    ssd_bytes_per_node (1 GiB), ssd_plugin ("ssd"), master options (node_ttl_ms, lease_ms,
+    demote_high_watermark, ...) and engine options (applied to every node's and the client's
+    engine)."""
 
     def __init__(self, nodes: int = 3, *, dram_bytes_per_node: int = 256 << 20,
-                 replica_num: int = 1, node_id_prefix: str = "embedded", **kwargs: Any):
+                 replica_num: int = 1, node_id_prefix: str = "embedded", ssd_dir: str = "",
+                 ssd_bytes_per_node: int = 1 << 30, ssd_plugin: str = "ssd", **kwargs: Any):
         opts = _C.ClusterOptions()
         for name, value in (("nodes", nodes), ("dram_bytes_per_node", dram_bytes_per_node),
-                            ("replica_num", replica_num), ("node_id_prefix", node_id_prefix)):
+                            ("replica_num", replica_num), ("node_id_prefix", node_id_prefix),
+                            ("ssd_dir", str(ssd_dir)), ("ssd_bytes_per_node", ssd_bytes_per_node),
+                            ("ssd_plugin", ssd_plugin)):
             options._set(opts, name, value)
         master = _C.MasterOptions.from_env()
         master.master_listen = "127.0.0.1:0"

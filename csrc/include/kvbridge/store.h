@@ -101,6 +101,17 @@ struct NodeOptions {
   uint32_t rpc_timeout_ms = 3000;
   // Upper bound of Drain(). KVBRIDGE_DRAIN_TIMEOUT_MS.
   uint32_t drain_timeout_ms = 30000;
+  // --- SSD tier (docs/store.md "Tiers") ---
+  // Directory of the node's SSD tier; empty = no SSD tier. Objects there survive a node
+  // restart (the node re-reports them). KVBRIDGE_NODE_SSD_PATH.
+  std::string ssd_path;
+  // Capacity of the SSD tier. KVBRIDGE_NODE_SSD_BYTES.
+  uint64_t ssd_bytes = 16ull << 30;
+  // Storage plugin of the SSD tier. KVBRIDGE_NODE_SSD_PLUGIN.
+  std::string ssd_plugin = "ssd";
+  // Registered staging memory for reads from SSD (gets, re-replication); bounds the SSD bytes
+  // being served at once. KVBRIDGE_NODE_SSD_STAGING_BYTES.
+  uint64_t ssd_staging_bytes = 64ull << 20;
   EngineOptions engine;
   static NodeOptions FromEnv();
 };
@@ -144,6 +155,10 @@ struct MasterOptions {
   // KVBRIDGE_HIGH_WATERMARK, KVBRIDGE_LOW_WATERMARK.
   double high_watermark = 0.9;
   double low_watermark = 0.8;
+  // DRAM of a node with an SSD tier is demoted to SSD above demote_high_watermark, down to
+  // demote_low_watermark. KVBRIDGE_DEMOTE_HIGH_WATERMARK, KVBRIDGE_DEMOTE_LOW_WATERMARK.
+  double demote_high_watermark = 0.75;
+  double demote_low_watermark = 0.6;
   // A draining node is let go after this even if not everything moved.
   // KVBRIDGE_DRAIN_TIMEOUT_MS.
   uint32_t drain_timeout_ms = 30000;
@@ -170,9 +185,11 @@ class MasterServer {
 struct NodeStatus {
   PeerId id;
   std::string state;  // ACTIVE, DRAINING, DEAD
-  uint64_t capacity_bytes = 0;
+  uint64_t capacity_bytes = 0;  // DRAM pool
   uint64_t used_bytes = 0;
   uint64_t replicas = 0;
+  uint64_t ssd_capacity_bytes = 0;  // SSD tier (0: none)
+  uint64_t ssd_used_bytes = 0;
 };
 
 struct ClusterStatus {
@@ -184,6 +201,8 @@ struct ClusterStatus {
   uint64_t bad_replicas_total = 0;  // replicas dropped because a reader found them bad
   uint64_t nodes_expired_total = 0;
   uint64_t under_replicated = 0;  // objects waiting for re-replication
+  uint64_t demotions_total = 0;   // replicas moved from DRAM to an SSD tier
+  uint64_t ssd_replicas = 0;      // replicas on SSD tiers now
 };
 
 // Asks a master for its view (what `kvbridge status` prints).
@@ -197,6 +216,10 @@ struct EmbeddedClusterOptions {
   uint64_t dram_bytes_per_node = 256ull << 20;
   uint32_t replica_num = 1;
   std::string node_id_prefix = "embedded";
+  // SSD tier: empty = none; else node i keeps its tier in <ssd_dir>/node<i> (made if absent).
+  std::string ssd_dir;
+  uint64_t ssd_bytes_per_node = 1ull << 30;
+  std::string ssd_plugin = "ssd";
   MasterOptions master;  // listen defaults to a free loopback port here
   EngineOptions engine;  // template for the nodes' and the client's engines
 };

@@ -1,0 +1,309 @@
+// The SSD tier in the store: demotion under DRAM pressure, gets served from SSD through the
+// owning node, nothing lost, and (with the persistent ssd plugin) objects surviving a node
+// restart. Runs against each SSD-tier plugin that is built: the in-memory mock (always) and
+// plugins/storage_ssd.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvbridge/store.h"
+#include "tests/common/test_util.h"
+
+namespace kvbridge {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::Buffer;
+using testing::Must;
+
+constexpr uint64_t kObject = 128 * 1024;
+
+struct TierCase {
+  std::string plugin;      // the SSD tier's storage plugin
+  std::string plugin_dir;  // where it is built
+};
+
+std::string CaseName(const ::testing::TestParamInfo<TierCase>& info) { return info.param.plugin; }
+
+class StoreTiers : public ::testing::TestWithParam<TierCase> {
+ protected:
+  void SetUp() override {
+    const fs::path so = fs::path(GetParam().plugin_dir) / ("libkvb_storage_" + GetParam().plugin + ".so");
+    if (!fs::exists(so)) GTEST_SKIP() << so << " is not built";
+    dir_ = fs::temp_directory_path() / ("kvb-tiers-" + std::to_string(getpid()) + "-" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (!dir_.empty()) fs::remove_all(dir_);
+  }
+
+  EmbeddedClusterOptions Options(int nodes, uint64_t dram, uint64_t ssd, uint32_t replicas) {
+    EmbeddedClusterOptions o;
+    o.nodes = nodes;
+    o.dram_bytes_per_node = dram;
+    o.replica_num = replicas;
+    o.ssd_dir = dir_.string();
+    o.ssd_bytes_per_node = ssd;
+    o.ssd_plugin = GetParam().plugin;
+    o.engine.transports = {"tcp"};
+    o.engine.plugin_path = GetParam().plugin_dir;
+    o.engine.progress_timeout_ms = 1000;
+    o.master.node_ttl_ms = 2000;
+    o.master.lease_ms = 1000;
+    return o;
+  }
+
+  fs::path dir_;
+};
+
+std::string Key(size_t i) { return "tier-" + std::to_string(i); }
+
+std::vector<Status> Put(StoreClient& c, Buffer& arena, size_t first, size_t n) {
+  const size_t slots = arena.size() / kObject;
+  std::vector<std::string> keys;
+  std::vector<std::vector<BufferRef>> bufs;
+  for (size_t i = first; i < first + n; ++i) {
+    arena.Fill(i, (i % slots) * kObject, kObject);
+    keys.push_back(Key(i));
+    bufs.push_back({BufferRef{arena.data() + (i % slots) * kObject, kObject}});
+  }
+  return c.BatchPutFrom(keys, bufs);
+}
+
+// Gets [first, first+n) into `out` and checks every byte; returns the failures.
+int GetAndCheck(StoreClient& c, Buffer& out, size_t first, size_t n, std::string* why) {
+  const size_t slots = out.size() / kObject;
+  std::vector<std::string> keys;
+  std::vector<std::vector<BufferRef>> bufs;
+  for (size_t i = first; i < first + n; ++i) {
+    keys.push_back(Key(i));
+    bufs.push_back({BufferRef{out.data() + (i - first) % slots * kObject, kObject}});
+  }
+  auto r = c.BatchGetInto(keys, bufs);
+  int failed = 0;
+  for (size_t k = 0; k < n; ++k) {
+    const size_t off = k % slots * kObject;
+    if (!r[k].ok()) {
+      if (why->empty()) *why = Key(first + k) + ": " + r[k].status().ToString();
+      ++failed;
+    } else if (!out.Matches(first + k, off, kObject, off)) {
+      if (why->empty()) *why = Key(first + k) + ": wrong bytes";
+      ++failed;
+    }
+  }
+  return failed;
+}
+
+// Waits until the master reports no demotion left to do (DRAM at or under the demote
+// watermark, or nothing demotable), up to `secs`.
+ClusterStatus Settle(const std::string& master, int secs) {
+  ClusterStatus s;
+  uint64_t last = UINT64_MAX;
+  for (int i = 0; i < secs * 10; ++i) {
+    s = Must(QueryClusterStatus(master));
+    if (s.demotions_total == last && i > 5) break;
+    last = s.demotions_total;
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+  return s;
+}
+
+TEST_P(StoreTiers, DramPressureDemotesToSsdAndEveryObjectStaysReadable) {
+  // 2 nodes x 8 MiB DRAM; 160 objects of 128 KiB = 20 MiB: well past what DRAM holds.
+  auto cluster = Must(EmbeddedCluster::Start(Options(2, 8u << 20, 64u << 20, 1)));
+  StoreClient& c = cluster->client();
+  Buffer src(32 * kObject), dst(32 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  for (size_t first = 0; first < 160; first += 16) {
+    for (const Status& st : Put(c, src, first, 16)) ASSERT_TRUE(st.ok()) << st.ToString();
+    // Demotion runs in the background; a writer at this pace never outruns it.
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  }
+  ClusterStatus s = Settle(cluster->master_address(), 10);
+  EXPECT_EQ(s.objects, 160u);
+  EXPECT_EQ(s.evictions_total, 0u) << "objects were dropped instead of demoted";
+  EXPECT_GT(s.demotions_total, 40u);
+  EXPECT_GT(s.ssd_replicas, 40u);
+  for (const NodeStatus& n : s.nodes) {
+    EXPECT_EQ(n.ssd_capacity_bytes, 64u << 20);
+    EXPECT_GT(n.ssd_used_bytes, 0u);
+    EXPECT_LE(n.used_bytes, n.capacity_bytes * 9 / 10) << n.id.node_id;
+  }
+  // Every object comes back with its bytes: the cold ones from SSD through their node.
+  std::string why;
+  for (size_t first = 0; first < 160; first += 32) {
+    EXPECT_EQ(GetAndCheck(c, dst, first, 32, &why), 0) << why;
+  }
+  Must(c.BatchExists(std::vector<std::string>{Key(0), Key(159)}));
+  // A removed SSD object is gone, and its space comes back.
+  EXPECT_TRUE(c.BatchRemove(std::vector<std::string>{Key(0)})[0].ok());
+  EXPECT_FALSE(Must(c.BatchExists(std::vector<std::string>{Key(0)}))[0]);
+}
+
+TEST_P(StoreTiers, SsdReplicaOfAStoppedNodeIsRestoredFromTheOther) {
+  // 3 nodes x 6 MiB DRAM, 80 objects x 2 replicas = 20 MiB: part of them must go to SSD.
+  auto cluster = Must(EmbeddedCluster::Start(Options(3, 6u << 20, 32u << 20, 2)));
+  StoreClient& c = cluster->client();
+  Buffer src(16 * kObject), dst(16 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  for (size_t first = 0; first < 80; first += 8) {
+    for (const Status& st : Put(c, src, first, 8)) ASSERT_TRUE(st.ok()) << st.ToString();
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  }
+  ClusterStatus s = Settle(cluster->master_address(), 10);
+  ASSERT_GT(s.ssd_replicas, 0u);
+  ASSERT_EQ(s.evictions_total, 0u);
+  ASSERT_EQ(s.objects, 80u);
+  cluster->nodes()[0].reset();  // a node stops: its DRAM and SSD replicas are gone
+  std::string why;
+  for (size_t first = 0; first < 80; first += 16) {
+    EXPECT_EQ(GetAndCheck(c, dst, first, 16, &why), 0) << why;
+  }
+}
+
+TEST_P(StoreTiers, RestartedNodeInTheSameProcessGetsItsSsdObjectsBack) {
+  if (GetParam().plugin == "mock") GTEST_SKIP() << "the mock keeps objects in memory only";
+  auto cluster = Must(EmbeddedCluster::Start(Options(1, 4u << 20, 32u << 20, 1)));
+  StoreClient& c = cluster->client();
+  Buffer src(16 * kObject), dst(16 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  for (size_t first = 0; first < 48; first += 4) {
+    for (const Status& st : Put(c, src, first, 4)) ASSERT_TRUE(st.ok()) << st.ToString();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+  ClusterStatus before = Settle(cluster->master_address(), 10);
+  ASSERT_EQ(before.evictions_total, 0u);
+  ASSERT_GT(before.ssd_replicas, 10u);
+  // The node stops (its DRAM replicas die with it) and starts again on the same SSD directory.
+  const std::string node_id = cluster->nodes()[0]->id().node_id;
+  cluster->nodes()[0].reset();
+  NodeOptions no;
+  no.master_address = cluster->master_address();
+  no.dram_bytes = 4u << 20;
+  no.engine.node_id = node_id;
+  no.engine.transports = {"tcp"};
+  no.engine.plugin_path = GetParam().plugin_dir;
+  no.ssd_path = (dir_ / "node0").string();
+  no.ssd_bytes = 32u << 20;
+  no.ssd_plugin = GetParam().plugin;
+  cluster->nodes()[0] = Must(StorageNode::Start(no));
+  ClusterStatus after = Must(QueryClusterStatus(cluster->master_address()));
+  EXPECT_EQ(after.ssd_replicas, before.ssd_replicas);
+  EXPECT_EQ(after.objects, before.ssd_replicas);  // the DRAM-only ones are gone
+  int readable = 0;
+  for (size_t i = 0; i < 48; ++i) {
+    std::vector<std::string> key = {Key(i)};
+    std::vector<std::vector<BufferRef>> buf = {{BufferRef{dst.data(), kObject}}};
+    auto r = c.BatchGetInto(key, buf);
+    if (r[0].ok()) {
+      ++readable;
+      EXPECT_TRUE(dst.Matches(i, 0, kObject, (i % 16) * kObject)) << Key(i);
+    } else {
+      EXPECT_TRUE(r[0].status().IsNotFound()) << r[0].status().ToString();
+    }
+  }
+  EXPECT_EQ(static_cast<uint64_t>(readable), before.ssd_replicas);
+}
+
+// The same with daemons: a standalone master process, nodes that publish two endpoints each
+// (two "NICs") under node ids unrelated to their addresses, killed with -9 and restarted.
+TEST_P(StoreTiers, DaemonsWithSeveralEndpointsDemoteServeAndSurviveKill9) {
+  const uint16_t mport = testing::FreePort();
+  const std::string master = "127.0.0.1:" + std::to_string(mport);
+  setenv("KVBRIDGE_LOG_LEVEL", "warn", 1);
+  setenv("KVBRIDGE_PLUGIN_PATH", GetParam().plugin_dir.c_str(), 1);
+  setenv("KVBRIDGE_NODE_SSD_PLUGIN", GetParam().plugin.c_str(), 1);
+  setenv("KVBRIDGE_TRANSPORTS", "tcp", 1);
+  auto m = testing::ChildProcess::Start({KVBRIDGE_BIN_DIR "/kvbridge", "master", "--listen", master,
+                                         "--node-ttl-ms", "1000", "--lease-ms", "500"});
+  ASSERT_NE(m->ReadLine(20000).find("listening"), std::string::npos);
+  auto start_node = [&](int i) {
+    const std::string a = "127.0.0." + std::to_string(2 + 2 * i) + ":0";
+    const std::string b = "127.0.0." + std::to_string(3 + 2 * i) + ":0";
+    auto n = testing::ChildProcess::Start(
+        {KVBRIDGE_BIN_DIR "/kvbridge", "node", "--master", master, "--node-id",
+         "rack1-host" + std::to_string(i), "--dram-bytes", std::to_string(6u << 20), "--listen",
+         a + "," + b, "--ssd-path", (dir_ / ("d" + std::to_string(i))).string(), "--ssd-bytes",
+         std::to_string(64u << 20)});
+    EXPECT_NE(n->ReadLine(20000).find("SSD tier at"), std::string::npos);
+    return n;
+  };
+  fs::create_directories(dir_ / "d0");
+  fs::create_directories(dir_ / "d1");
+  std::vector<std::unique_ptr<testing::ChildProcess>> nodes;
+  nodes.push_back(start_node(0));
+  nodes.push_back(start_node(1));
+  StoreOptions so;
+  so.master_address = master;
+  so.engine.transports = {"tcp"};
+  so.engine.node_id = "tier-client";
+  auto client = Must(StoreClient::Create(so));
+  Buffer src(16 * kObject), dst(16 * kObject);
+  ASSERT_TRUE(client->RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(client->RegisterBuffer(dst.data(), dst.size()).ok());
+  for (size_t first = 0; first < 96; first += 8) {
+    for (const Status& st : Put(*client, src, first, 8)) ASSERT_TRUE(st.ok()) << st.ToString();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+  ClusterStatus before = Settle(master, 10);
+  ASSERT_EQ(before.evictions_total, 0u);
+  ASSERT_EQ(before.objects, 96u);
+  ASSERT_GT(before.ssd_replicas, 20u);
+  std::string why;
+  for (size_t first = 0; first < 96; first += 16) {
+    EXPECT_EQ(GetAndCheck(*client, dst, first, 16, &why), 0) << why;
+  }
+  if (GetParam().plugin == "mock") return;  // not persistent: the restart part needs ssd
+  // kill -9 node 0; the master expires it; its SSD objects come back with the new process.
+  uint64_t node0_ssd = 0, node0_replicas = 0;
+  for (const NodeStatus& n : before.nodes) {
+    if (n.id.node_id == "rack1-host0") {
+      node0_replicas = n.replicas;
+      node0_ssd = n.ssd_used_bytes / kObject;
+    }
+  }
+  nodes[0]->Kill();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // past the TTL
+  EXPECT_EQ(Must(QueryClusterStatus(master)).objects, 96u - node0_replicas);
+  nodes[0] = start_node(0);
+  ClusterStatus after = Must(QueryClusterStatus(master));
+  EXPECT_EQ(after.objects, 96u - node0_replicas + node0_ssd);
+  int readable = 0;
+  for (size_t first = 0; first < 96; first += 16) {
+    std::vector<std::string> keys;
+    std::vector<std::vector<BufferRef>> bufs;
+    for (size_t i = first; i < first + 16; ++i) {
+      keys.push_back(Key(i));
+      bufs.push_back({BufferRef{dst.data() + (i - first) * kObject, kObject}});
+    }
+    auto r = client->BatchGetInto(keys, bufs);
+    for (size_t k = 0; k < 16; ++k) {
+      if (!r[k].ok()) continue;
+      ++readable;
+      EXPECT_TRUE(dst.Matches(first + k, k * kObject, kObject, ((first + k) % 16) * kObject));
+    }
+  }
+  EXPECT_EQ(static_cast<uint64_t>(readable), after.objects);
+  unsetenv("KVBRIDGE_PLUGIN_PATH");
+  unsetenv("KVBRIDGE_NODE_SSD_PLUGIN");
+  unsetenv("KVBRIDGE_TRANSPORTS");
+}
+
+INSTANTIATE_TEST_SUITE_P(Plugins, StoreTiers,
+                         ::testing::Values(TierCase{"mock", KVBRIDGE_TEST_PLUGIN_BUILD_DIR},
+                                           TierCase{"ssd", KVBRIDGE_PLUGIN_BUILD_DIR_FOR_TESTS}),
+                         CaseName);
+
+}  // namespace
+}  // namespace kvbridge
