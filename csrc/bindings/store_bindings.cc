@@ -116,6 +116,7 @@ void BindOptions(py::module_& m) {
       .def_readwrite("rpc_timeout_ms", &StoreOptions::rpc_timeout_ms)
       .def_readwrite("store_transfer_deadline_ms", &StoreOptions::transfer_deadline_ms)
       .def_readwrite("verify_checksums", &StoreOptions::verify_checksums)
+      .def_readwrite("peer_discovery", &StoreOptions::peer_discovery)
       .def_readwrite("engine", &StoreOptions::engine);
   py::class_<NodeOptions>(m, "NodeOptions")
       .def(py::init<>())
@@ -130,6 +131,7 @@ void BindOptions(py::module_& m) {
       .def_readwrite("node_ssd_bytes", &NodeOptions::ssd_bytes)
       .def_readwrite("node_ssd_plugin", &NodeOptions::ssd_plugin)
       .def_readwrite("node_ssd_staging_bytes", &NodeOptions::ssd_staging_bytes)
+      .def_readwrite("peer_discovery", &NodeOptions::peer_discovery)
       .def_readwrite("engine", &NodeOptions::engine);
   py::class_<MasterOptions>(m, "MasterOptions")
       .def(py::init<>())
@@ -152,6 +154,7 @@ void BindOptions(py::module_& m) {
       .def_readwrite("replica_num", &EmbeddedClusterOptions::replica_num)
       .def_readwrite("node_id_prefix", &EmbeddedClusterOptions::node_id_prefix)
       .def_readwrite("ssd_dir", &EmbeddedClusterOptions::ssd_dir)
+      .def_readwrite("peer_discovery", &EmbeddedClusterOptions::peer_discovery)
       .def_readwrite("ssd_bytes_per_node", &EmbeddedClusterOptions::ssd_bytes_per_node)
       .def_readwrite("ssd_plugin", &EmbeddedClusterOptions::ssd_plugin)
       .def_readwrite("master", &EmbeddedClusterOptions::master)

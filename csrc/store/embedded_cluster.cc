@@ -37,6 +37,7 @@ Result<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
     no.dram_bytes = options.dram_bytes_per_node;
     no.engine = options.engine;
     no.engine.node_id = options.node_id_prefix + "-node" + std::to_string(i);
+    no.peer_discovery = options.peer_discovery;
     if (!options.ssd_dir.empty()) {
       no.ssd_path = options.ssd_dir + "/node" + std::to_string(i);
       std::error_code ec;
@@ -54,6 +55,7 @@ Result<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
   StoreOptions so;
   so.master_address = impl->master->address();
   so.replica_num = options.replica_num;
+  so.peer_discovery = options.peer_discovery;
   so.engine = options.engine;
   so.engine.node_id = options.node_id_prefix + "-client";
   auto client = StoreClient::Create(so);

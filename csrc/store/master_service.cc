@@ -248,6 +248,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       ToProto(t.source, out->mutable_source());
       ToProto(t.dest, out->mutable_dest());
       out->set_dest_descriptor(t.dest_descriptor);
+      out->set_dest_rpc_address(t.dest_control_endpoint);
       out->set_checksum(t.checksum);
       out->set_timeout_ms(
           static_cast<uint32_t>(t.deadline_ns > now ? (t.deadline_ns - now) / 1000000 : 0));

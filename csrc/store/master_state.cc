@@ -940,6 +940,7 @@ struct MasterState::Impl {
                 t.source->segments.at(t.source_segment).info.tier};
     v.dest = Location(o, dest);
     v.dest_descriptor = t.dest->reg.engine_descriptor;
+    v.dest_control_endpoint = t.dest->reg.control_endpoint;
     v.deadline_ns = t.deadline_ns;
     return v;
   }

@@ -184,6 +184,7 @@ struct ReplicationTask {
   ReplicaLocation source;  // on the node this task is handed to
   ReplicaLocation dest;
   std::string dest_descriptor;  // the destination node's engine descriptor
+  std::string dest_control_endpoint;  // its Node service, to ask it directly instead
   uint64_t deadline_ns = 0;     // report TaskDone before this
 };
 

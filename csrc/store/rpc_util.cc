@@ -1,12 +1,53 @@
 #include "store/rpc_util.h"
 
 #include <charconv>
+#include <chrono>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
+
+#include "kvbridge.grpc.pb.h"
 
 #include "util/logging.h"
 
 namespace kvbridge::store {
+
+Status CheckPeerDiscovery(const std::string& mode) {
+  if (mode == "master" || mode == "direct") return Status::OK();
+  return Status::InvalidArgument("peer_discovery is '" + mode +
+                                 "'; use 'master' or 'direct' (KVBRIDGE_PEER_DISCOVERY)");
+}
+
+Result<std::string> DescribeNode(const std::string& rpc_address, const rpc::NodeIdentity& expect,
+                                 uint32_t timeout_ms) {
+  if (rpc_address.empty()) {
+    return Status::PeerUnreachable("node " + expect.node_id() + " published no control address");
+  }
+  static std::mutex mu;
+  static std::map<std::string, std::unique_ptr<rpc::Node::Stub>> stubs;
+  rpc::Node::Stub* stub;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto& s = stubs[rpc_address];
+    if (!s) s = rpc::Node::NewStub(grpc::CreateChannel(rpc_address, grpc::InsecureChannelCredentials()));
+    stub = s.get();
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+  rpc::Empty req;
+  rpc::NodeDescriptor reply;
+  grpc::Status gs = stub->Describe(&ctx, req, &reply);
+  if (!gs.ok()) return FromGrpc(gs, "Describe");
+  if (reply.node().node_id() != expect.node_id() ||
+      reply.node().incarnation() != expect.incarnation()) {
+    return Status::StalePeer(rpc_address + " is " + reply.node().node_id() + " incarnation " +
+                             std::to_string(reply.node().incarnation()) + ", not the expected " +
+                             expect.node_id() + " incarnation " +
+                             std::to_string(expect.incarnation()));
+  }
+  return reply.engine_descriptor();
+}
 
 Status FromGrpc(const grpc::Status& s, std::string_view call) {
   const std::string what = std::string(call) + ": ";

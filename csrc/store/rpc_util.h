@@ -31,6 +31,16 @@ Status FromGrpc(const grpc::Status& s, std::string_view call);
 Result<std::unique_ptr<grpc::Server>> StartServer(const std::string& listen, grpc::Service* service,
                                                   std::string_view what, std::string* address);
 
+// Direct peer discovery: asks the Node service at `rpc_address` for its engine descriptor and
+// checks that it is `expect` (node id and incarnation; STALE_PEER otherwise, e.g. the node
+// restarted). Channels are cached per address.
+Result<std::string> DescribeNode(const std::string& rpc_address, const rpc::NodeIdentity& expect,
+                                 uint32_t timeout_ms);
+
+// "master" (descriptors from the master's directory and tasks) or "direct" (from each node's
+// own Node service); INVALID_ARGUMENT naming the value otherwise.
+Status CheckPeerDiscovery(const std::string& mode);
+
 // Reads an unsigned 32-bit environment variable; ignores (with a warning) malformed values.
 void EnvUint(const char* var, uint32_t* out);
 void EnvUint64(const char* var, uint64_t* out);

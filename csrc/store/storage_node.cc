@@ -35,6 +35,7 @@ NodeOptions NodeOptions::FromEnv() {
   if (const char* v = std::getenv("KVBRIDGE_NODE_SSD_PLUGIN")) o.ssd_plugin = v;
   store::EnvUint64("KVBRIDGE_NODE_SSD_BYTES", &o.ssd_bytes);
   store::EnvUint64("KVBRIDGE_NODE_SSD_STAGING_BYTES", &o.ssd_staging_bytes);
+  if (const char* v = std::getenv("KVBRIDGE_PEER_DISCOVERY")) o.peer_discovery = v;
   return o;
 }
 
@@ -145,6 +146,13 @@ struct StorageNode::Impl final : public rpc::Node::Service {
                       rpc::Status* reply) override;
   grpc::Status ReadSsd(grpc::ServerContext*, const rpc::ReadSsdRequest* req,
                        rpc::ReadSsdReply* reply) override;
+  grpc::Status Describe(grpc::ServerContext*, const rpc::Empty*,
+                        rpc::NodeDescriptor* reply) override {
+    *reply->mutable_node() = Identity();
+    reply->set_engine_descriptor(engine->LocalDescriptor());
+    reply->set_rpc_address(rpc_address);
+    return grpc::Status::OK;
+  }
 };
 
 StorageNode::Impl::~Impl() {
@@ -309,7 +317,17 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
   uint32_t deadline_ms = UINT32_MAX;
   for (size_t i = 0; i < batch.size(); ++i) {
     const rpc::ReplicationTask& task = batch[i];
-    Result<PeerId> dest = engine->AddPeer(task.dest_descriptor());
+    std::string descriptor = task.dest_descriptor();
+    if (options.peer_discovery == "direct") {
+      Result<std::string> d = store::DescribeNode(task.dest_rpc_address(), task.dest().node(),
+                                                  options.rpc_timeout_ms);
+      if (!d.ok()) {
+        result[i] = d.status().WithContext("asking the destination for its descriptor");
+        continue;
+      }
+      descriptor = std::move(d).value();
+    }
+    Result<PeerId> dest = engine->AddPeer(descriptor);
     if (!dest.ok()) {
       result[i] = dest.status().WithContext("destination descriptor");
       continue;
@@ -685,6 +703,7 @@ size_t StorageNode::object_count() const {
 }
 
 Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& options) {
+  KVB_RETURN_IF_ERROR(store::CheckPeerDiscovery(options.peer_discovery));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   auto engine = TransferEngine::Create(options.engine);

@@ -34,6 +34,7 @@ StoreOptions StoreOptions::FromEnv() {
   uint32_t verify = o.verify_checksums ? 1 : 0;
   store::EnvUint("KVBRIDGE_VERIFY_CHECKSUMS", &verify);
   o.verify_checksums = verify != 0;
+  if (const char* v = std::getenv("KVBRIDGE_PEER_DISCOVERY")) o.peer_discovery = v;
   return o;
 }
 
@@ -152,7 +153,18 @@ Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint
   grpc::Status gs = master->GetNodeDescriptors(ctx.get(), req, &reply);
   if (!gs.ok()) return store::FromGrpc(gs, "GetNodeDescriptors");
   for (const auto& nd : reply.nodes()) {
-    Result<PeerId> added = engine->AddPeer(nd.engine_descriptor());
+    std::string descriptor = nd.engine_descriptor();
+    if (options.peer_discovery == "direct") {
+      Result<std::string> d = store::DescribeNode(nd.rpc_address(), nd.node(),
+                                                  options.rpc_timeout_ms);
+      if (!d.ok()) {
+        KVB_LOG(WARN) << "cannot reach storage node " << nd.node().node_id() << " directly: "
+                      << d.status().ToString();
+        continue;
+      }
+      descriptor = std::move(d).value();
+    }
+    Result<PeerId> added = engine->AddPeer(descriptor);
     if (!added.ok()) {
       KVB_LOG(WARN) << "cannot add storage node " << nd.node().node_id() << ": "
                     << added.status().ToString();
@@ -289,6 +301,7 @@ StoreClient::~StoreClient() = default;
 
 Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& options) {
   if (options.replica_num == 0) return Status::InvalidArgument("replica_num must be >= 1");
+  KVB_RETURN_IF_ERROR(store::CheckPeerDiscovery(options.peer_discovery));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   auto engine = TransferEngine::Create(options.engine);

@@ -23,10 +23,10 @@ ENGINE_FIELDS = (
     "progress_timeout_ms", "breaker_failures", "breaker_backoff_ms", "breaker_max_backoff_ms",
 )
 STORE_FIELDS = ("master", "replica_num", "rpc_timeout_ms", "store_transfer_deadline_ms",
-                "verify_checksums")
+                "verify_checksums", "peer_discovery")
 NODE_FIELDS = ("master", "node_dram_bytes", "node_storage_plugin", "node_rpc_listen",
                "rpc_timeout_ms", "drain_timeout_ms", "node_ssd_path", "node_ssd_bytes",
-               "node_ssd_plugin", "node_ssd_staging_bytes")
+               "node_ssd_plugin", "node_ssd_staging_bytes", "peer_discovery")
 MASTER_FIELDS = ("master_listen", "node_ttl_ms", "lease_ms", "put_timeout_ms", "min_replicas",
                  "high_watermark", "low_watermark", "demote_high_watermark",
                  "demote_low_watermark", "drain_timeout_ms", "rpc_timeout_ms")

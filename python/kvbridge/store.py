@@ -275,12 +275,13 @@ class Cluster:
 
     def __init__(self, nodes: int = 3, *, dram_bytes_per_node: int = 256 << 20,
                  replica_num: int = 1, node_id_prefix: str = "embedded", ssd_dir: str = "",
-                 ssd_bytes_per_node: int = 1 << 30, ssd_plugin: str = "ssd", **kwargs: Any):
+                 ssd_bytes_per_node: int = 1 << 30, ssd_plugin: str = "ssd",
+                 peer_discovery: str = "master", **kwargs: Any):
         opts = _C.ClusterOptions()
         for name, value in (("nodes", nodes), ("dram_bytes_per_node", dram_bytes_per_node),
                             ("replica_num", replica_num), ("node_id_prefix", node_id_prefix),
                             ("ssd_dir", str(ssd_dir)), ("ssd_bytes_per_node", ssd_bytes_per_node),
-                            ("ssd_plugin", ssd_plugin)):
+                            ("ssd_plugin", ssd_plugin), ("peer_discovery", peer_discovery)):
             options._set(opts, name, value)
         master = _C.MasterOptions.from_env()
         master.master_listen = "127.0.0.1:0"

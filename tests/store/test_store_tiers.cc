@@ -149,9 +149,11 @@ TEST_P(StoreTiers, DramPressureDemotesToSsdAndEveryObjectStaysReadable) {
   EXPECT_FALSE(Must(c.BatchExists(std::vector<std::string>{Key(0)}))[0]);
 }
 
-TEST_P(StoreTiers, SsdReplicaOfAStoppedNodeIsRestoredFromTheOther) {
-  // 3 nodes x 6 MiB DRAM, 80 objects x 2 replicas = 20 MiB: part of them must go to SSD.
-  auto cluster = Must(EmbeddedCluster::Start(Options(3, 6u << 20, 32u << 20, 2)));
+// Replica 2 on 3 nodes under DRAM pressure, then one node stops: every object is still read
+// (from DRAM or SSD of the other replica), and re-replication, which copies SSD replicas too,
+// restores two replicas.
+void StopANodeOfATieredCluster(const EmbeddedClusterOptions& o) {
+  auto cluster = Must(EmbeddedCluster::Start(o));
   StoreClient& c = cluster->client();
   Buffer src(16 * kObject), dst(16 * kObject);
   ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
@@ -169,6 +171,44 @@ TEST_P(StoreTiers, SsdReplicaOfAStoppedNodeIsRestoredFromTheOther) {
   for (size_t first = 0; first < 80; first += 16) {
     EXPECT_EQ(GetAndCheck(c, dst, first, 16, &why), 0) << why;
   }
+  // Two replicas again on the two survivors (tasks from DRAM and from SSD sources).
+  // (NodeStatus.replicas counts copies in flight too: wait for nothing left to repair.)
+  uint64_t replicas = 0, under = 1;
+  for (int i = 0; i < 100 && (replicas != 160 || under != 0); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ClusterStatus now = Must(QueryClusterStatus(cluster->master_address()));
+    replicas = 0;
+    for (const NodeStatus& n : now.nodes) {
+      if (n.state == "ACTIVE") replicas += n.replicas;
+    }
+    under = now.under_replicated;
+  }
+  ASSERT_EQ(replicas, 160u);
+  ASSERT_EQ(under, 0u);
+  cluster->nodes()[1].reset();  // and the copies made are good: read with one node left
+  for (size_t first = 0; first < 80; first += 16) {
+    EXPECT_EQ(GetAndCheck(c, dst, first, 16, &why), 0) << why;
+  }
+}
+
+TEST_P(StoreTiers, SsdReplicaOfAStoppedNodeIsRestoredFromTheOther) {
+  // 3 nodes x 6 MiB DRAM, 80 objects x 2 replicas = 20 MiB: part of them must go to SSD.
+  StopANodeOfATieredCluster(Options(3, 6u << 20, 32u << 20, 2));
+}
+
+TEST_P(StoreTiers, SameWithDescriptorsExchangedDirectlyBetweenNodesAndClient) {
+  EmbeddedClusterOptions o = Options(3, 6u << 20, 32u << 20, 2);
+  o.peer_discovery = "direct";
+  StopANodeOfATieredCluster(o);
+}
+
+TEST_P(StoreTiers, UnknownPeerDiscoveryModeIsANamedError) {
+  EmbeddedClusterOptions o = Options(1, 4u << 20, 8u << 20, 1);
+  o.peer_discovery = "gossip";
+  auto r = EmbeddedCluster::Start(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(r.status().Is(StatusCode::kInvalidArgument)) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("gossip"), std::string::npos);
 }
 
 TEST_P(StoreTiers, RestartedNodeInTheSameProcessGetsItsSsdObjectsBack) {

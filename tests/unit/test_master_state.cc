@@ -1734,6 +1734,35 @@ TEST(MasterTier, DramAboveTheDemoteWatermarkMovesToSsdAndDramIsFreedAfterTheLeas
   (void)g;
 }
 
+TEST(MasterTier, LeasesProtectSsdReplicasLikeDramOnes) {
+  Cluster c;
+  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
+  for (int i = 0; i < 14; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
+  c.m().Tick(c.now);
+  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  ASSERT_FALSE(ds.empty());
+  for (const Demotion& d : ds) ASSERT_TRUE(RunDemotion(c, n, d).ok());
+  const Demotion& d = ds[0];
+  auto g = c.m().GetReplicas({d.source.key}, "", c.now);  // a reader holds a lease on SSD
+  ASSERT_TRUE(g[0].ok());
+  ASSERT_EQ(g[0]->replicas[0].tier, Tier::kSsd);
+  const uint64_t ssd_used = c.m().Stats().nodes[0].ssd_used;
+  ASSERT_TRUE(c.m().Remove(d.source.key, c.now).ok());
+  // The SSD range is held, and the node keeps the object, until the lease ends.
+  EXPECT_EQ(c.m().Stats().nodes[0].ssd_used, ssd_used);
+  HeartbeatDemotions(c, n);
+  EXPECT_TRUE(n.records.count({d.dest.segment_id, d.dest.offset}));
+  while (c.now < g[0]->lease_expiry_ns) {
+    c.now = std::min(c.now + 500 * kMs, g[0]->lease_expiry_ns);
+    HeartbeatDemotions(c, n);
+    c.m().Tick(c.now);
+  }
+  HeartbeatDemotions(c, n);
+  EXPECT_EQ(c.m().Stats().nodes[0].ssd_used, ssd_used - 4 * kKiB);
+  EXPECT_FALSE(n.records.count({d.dest.segment_id, d.dest.offset}));
+  ExpectConsistent(c);
+}
+
 TEST(MasterTier, FailedLateOrUnwantedDemotionsReleaseTheSsdRange) {
   Cluster c;
   FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
@@ -1845,7 +1874,9 @@ TEST(MasterTier, DrainingNodeCopiesSsdReplicasOffAndNodesWithoutSsdStillEvict) {
     c.m().Tick(c.now);
     c.HeartbeatAll();
     for (const auto& t : tiered.tasks) {
-      if (t.source.tier == Tier::kSsd) EXPECT_EQ(t.source.segment_id, 200u);
+      if (t.source.tier == Tier::kSsd) {
+        EXPECT_EQ(t.source.segment_id, 200u);
+      }
     }
     c.RunAllTasks();
     c.now += 10 * kMs;

@@ -45,6 +45,9 @@ struct StoreOptions {
   bool verify_checksums = false;
   // The client's transfer engine (its node id is the "local node" for replica ordering).
   EngineOptions engine;
+  // Where storage nodes' engine descriptors come from: "master" (the master's directory) or
+  // "direct" (each node's own Node service, found through the directory). KVBRIDGE_PEER_DISCOVERY.
+  std::string peer_discovery = "master";
   // Defaults, overridden by the KVBRIDGE_* variables named above and EngineOptions::FromEnv().
   static StoreOptions FromEnv();
 };
@@ -112,6 +115,9 @@ struct NodeOptions {
   // Registered staging memory for reads from SSD (gets, re-replication); bounds the SSD bytes
   // being served at once. KVBRIDGE_NODE_SSD_STAGING_BYTES.
   uint64_t ssd_staging_bytes = 64ull << 20;
+  // Where a re-replication task's destination descriptor comes from: "master" (in the task)
+  // or "direct" (asked from the destination's Node service). KVBRIDGE_PEER_DISCOVERY.
+  std::string peer_discovery = "master";
   EngineOptions engine;
   static NodeOptions FromEnv();
 };
@@ -216,6 +222,8 @@ struct EmbeddedClusterOptions {
   uint64_t dram_bytes_per_node = 256ull << 20;
   uint32_t replica_num = 1;
   std::string node_id_prefix = "embedded";
+  // "master" or "direct" for the nodes and the client (StoreOptions::peer_discovery).
+  std::string peer_discovery = "master";
   // SSD tier: empty = none; else node i keeps its tier in <ssd_dir>/node<i> (made if absent).
   std::string ssd_dir;
   uint64_t ssd_bytes_per_node = 1ull << 30;
