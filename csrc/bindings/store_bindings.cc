@@ -265,6 +265,11 @@ void BindServers(py::module_& m) {
            [](NodeHandle& h) {
              NoGil([&] { h.With([](StorageNode& n) { ThrowIfError(n.Drain()); }); });
            })
+      .def("ssd_status",
+           [](NodeHandle& h) {
+             Status st = NoGil([&] { return h.With([](StorageNode& n) { return n.ssd_status(); }); });
+             return bindings::ToPy(st);
+           })
       .def("object_count", [](NodeHandle& h) {
         return NoGil([&] { return h.With([](StorageNode& n) { return n.object_count(); }); });
       });

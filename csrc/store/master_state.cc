@@ -113,6 +113,7 @@ struct MasterState::Impl {
     size_t held = 0;                  // held ranges on this node
     size_t source_tasks = 0;          // tasks with this node as source
     size_t demotions = 0;             // replicas here with a demotion pending
+    uint64_t demote_not_before_ns = 0;  // after a failed demotion (disk full, ...)
     std::deque<std::pair<std::string, uint64_t>> demote_queue;  // (key, demote_id) to hand out
     double reads = 0;                 // decaying count of reads handed out (load)
     double bad_reports = 0;           // decaying count of bad-replica reports (health)
@@ -767,6 +768,7 @@ struct MasterState::Impl {
   void ScheduleDemotions(uint64_t now_ns, TickSummary& sum) {
     for (auto& [id, n] : nodes) {
       if (n.state != NodeState::kActive) continue;  // a draining node moves data off instead
+      if (now_ns < n.demote_not_before_ns) continue;  // its SSD failed lately
       Segment* ssd = SsdSegment(n);
       if (!ssd) continue;
       for (auto& [sid, s] : n.segments) {
@@ -1561,6 +1563,7 @@ Status MasterState::DemoteDone(const NodeIdentity& node, std::string_view key, u
   Impl::Replica& r = o->replicas[idx];
   if (!ok) {
     m.CancelDemotion(r);
+    n->demote_not_before_ns = now_ns + MsToNs(m.cfg.repair_backoff_ms);
     return Status::OK();
   }
   // The replica moves to SSD; its DRAM range stays readable until the read leases end.

@@ -109,6 +109,7 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   std::deque<rpc::Demotion> demotions;           // to run (under mu)
   std::deque<std::string> evicted;               // keys the SSD plugin dropped (under mu)
   std::thread demote_thread;
+  Status ssd_status;  // OK: the tier runs; else why not
 
   ~Impl() override;
   std::unique_ptr<grpc::ClientContext> Context() const {
@@ -697,6 +698,8 @@ StorageNode::~StorageNode() {
 
 const PeerId& StorageNode::id() const { return impl_->engine->self(); }
 
+Status StorageNode::ssd_status() const { return impl_->ssd_status; }
+
 size_t StorageNode::object_count() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->inventory.size();
@@ -759,8 +762,22 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   impl->heartbeat_master = rpc::Master::NewStub(grpc::CreateCustomChannel(
       options.master_address, grpc::InsecureChannelCredentials(), heartbeat_args));
   if (!options.ssd_path.empty()) {
+    // A tier that cannot start (missing or read-only directory, plugin not found, ...) costs
+    // the tier, not the node: it serves its DRAM pool and says why (ssd_status()).
     Status ssd = impl->StartSsd();
-    if (!ssd.ok()) return ssd.WithContext("SSD tier at " + options.ssd_path);
+    if (!ssd.ok()) {
+      impl->ssd_status = ssd.WithContext("SSD tier at " + options.ssd_path);
+      KVB_LOG(ERROR) << impl->ssd_status.ToString() << "; serving DRAM only";
+      if (impl->ssd != nullptr) impl->ssd_ops->destroy(impl->ssd);
+      impl->ssd = nullptr;
+      if (impl->staging_segment != 0) (void)impl->engine->DeregisterMemory(impl->staging_segment);
+      impl->staging_segment = 0;
+      std::lock_guard<std::mutex> lock(impl->mu);
+      std::erase_if(impl->inventory, [](const auto& e) { return e.first.first == kSsdSegment; });
+      impl->ssd_keys.clear();
+    }
+  } else {
+    impl->ssd_status = Status::NotFound("no SSD tier configured (ssd_path is empty)");
   }
   Status reg = impl->Register(impl->master.get());
   if (!reg.ok()) return reg;

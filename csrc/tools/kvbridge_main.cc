@@ -183,10 +183,12 @@ int RunNode(const Flags& f) {
     std::fprintf(stderr, "kvbridge node: %s\n", node.status().ToString().c_str());
     return 1;
   }
+  const Status ssd = node.value()->ssd_status();
   std::printf("kvbridge node %s serving %llu bytes, master %s%s%s\n",
               node.value()->id().ToString().c_str(), (unsigned long long)o.dram_bytes,
-              o.master_address.c_str(), o.ssd_path.empty() ? "" : ", SSD tier at ",
-              o.ssd_path.c_str());
+              o.master_address.c_str(),
+              ssd.ok() ? ", SSD tier at " : (o.ssd_path.empty() ? "" : ", no SSD tier: "),
+              ssd.ok() ? o.ssd_path.c_str() : (o.ssd_path.empty() ? "" : ssd.ToString().c_str()));
   std::fflush(stdout);
   int sig = 0;
   sigwait(&stop, &sig);

@@ -247,6 +247,12 @@ class Node:
     def object_count(self) -> int:
         return self._h.object_count()
 
+    @property
+    def ssd_status(self) -> Any:
+        """kvbridge.Status: OK when the SSD tier runs, NOT_FOUND when none is configured, else
+        why it could not start (the node then serves DRAM only)."""
+        return self._h.ssd_status()
+
     def drain(self) -> None:
         """Graceful leave: replicas move elsewhere, then the node deregisters (blocks at most
         drain_timeout_ms; DeadlineExceededError if the master did not confirm in time)."""

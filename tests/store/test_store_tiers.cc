@@ -5,7 +5,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <numeric>
 #include <string>
@@ -78,7 +81,8 @@ std::vector<Status> Put(StoreClient& c, Buffer& arena, size_t first, size_t n) {
   return c.BatchPutFrom(keys, bufs);
 }
 
-// Gets [first, first+n) into `out` and checks every byte; returns the failures.
+// Gets [first, first+n) into `out` and checks every byte; returns the failures. REQUIRES: the
+// objects were put from an arena with as many slots as `out` has (Put's slot i % slots).
 int GetAndCheck(StoreClient& c, Buffer& out, size_t first, size_t n, std::string* why) {
   const size_t slots = out.size() / kObject;
   std::vector<std::string> keys;
@@ -94,7 +98,7 @@ int GetAndCheck(StoreClient& c, Buffer& out, size_t first, size_t n, std::string
     if (!r[k].ok()) {
       if (why->empty()) *why = Key(first + k) + ": " + r[k].status().ToString();
       ++failed;
-    } else if (!out.Matches(first + k, off, kObject, off)) {
+    } else if (!out.Matches(first + k, off, kObject, (first + k) % slots * kObject)) {
       if (why->empty()) *why = Key(first + k) + ": wrong bytes";
       ++failed;
     }
@@ -211,36 +215,35 @@ TEST_P(StoreTiers, UnknownPeerDiscoveryModeIsANamedError) {
   EXPECT_NE(r.status().message().find("gossip"), std::string::npos);
 }
 
-TEST_P(StoreTiers, RestartedNodeInTheSameProcessGetsItsSsdObjectsBack) {
-  if (GetParam().plugin == "mock") GTEST_SKIP() << "the mock keeps objects in memory only";
-  auto cluster = Must(EmbeddedCluster::Start(Options(1, 4u << 20, 32u << 20, 1)));
-  StoreClient& c = cluster->client();
-  Buffer src(16 * kObject), dst(16 * kObject);
-  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
-  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+// One node (4 MiB DRAM) filled with 48 objects at a pace demotion keeps up with.
+ClusterStatus FillOneTieredNode(EmbeddedCluster& cluster, StoreClient& c, Buffer& src) {
   for (size_t first = 0; first < 48; first += 4) {
-    for (const Status& st : Put(c, src, first, 4)) ASSERT_TRUE(st.ok()) << st.ToString();
+    for (const Status& st : Put(c, src, first, 4)) EXPECT_TRUE(st.ok()) << st.ToString();
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
   }
-  ClusterStatus before = Settle(cluster->master_address(), 10);
-  ASSERT_EQ(before.evictions_total, 0u);
-  ASSERT_GT(before.ssd_replicas, 10u);
-  // The node stops (its DRAM replicas die with it) and starts again on the same SSD directory.
-  const std::string node_id = cluster->nodes()[0]->id().node_id;
-  cluster->nodes()[0].reset();
+  return Settle(cluster.master_address(), 10);
+}
+
+// Stops node 0 of the cluster and starts it again on the same SSD directory.
+void RestartNode0(EmbeddedCluster& cluster, const TierCase& tier, const fs::path& dir) {
+  const std::string node_id = "embedded-node0";  // EmbeddedCluster's name for node 0
+  cluster.nodes()[0].reset();
   NodeOptions no;
-  no.master_address = cluster->master_address();
+  no.master_address = cluster.master_address();
   no.dram_bytes = 4u << 20;
   no.engine.node_id = node_id;
   no.engine.transports = {"tcp"};
-  no.engine.plugin_path = GetParam().plugin_dir;
-  no.ssd_path = (dir_ / "node0").string();
+  no.engine.plugin_path = tier.plugin_dir;
+  no.ssd_path = (dir / "node0").string();
   no.ssd_bytes = 32u << 20;
-  no.ssd_plugin = GetParam().plugin;
-  cluster->nodes()[0] = Must(StorageNode::Start(no));
-  ClusterStatus after = Must(QueryClusterStatus(cluster->master_address()));
-  EXPECT_EQ(after.ssd_replicas, before.ssd_replicas);
-  EXPECT_EQ(after.objects, before.ssd_replicas);  // the DRAM-only ones are gone
+  no.ssd_plugin = tier.plugin;
+  cluster.nodes()[0] = Must(StorageNode::Start(no));
+  ASSERT_TRUE(cluster.nodes()[0]->ssd_status().ok()) << cluster.nodes()[0]->ssd_status().ToString();
+}
+
+// Reads objects [0, 48) one by one: returns how many came back; each must have its bytes. A
+// missing one must be NOT_FOUND, or IO when io_errors is given (counted there).
+int ReadBackOneByOne(StoreClient& c, Buffer& dst, int* io_errors = nullptr) {
   int readable = 0;
   for (size_t i = 0; i < 48; ++i) {
     std::vector<std::string> key = {Key(i)};
@@ -249,11 +252,142 @@ TEST_P(StoreTiers, RestartedNodeInTheSameProcessGetsItsSsdObjectsBack) {
     if (r[0].ok()) {
       ++readable;
       EXPECT_TRUE(dst.Matches(i, 0, kObject, (i % 16) * kObject)) << Key(i);
+    } else if (io_errors != nullptr && r[0].status().Is(StatusCode::kIoError)) {
+      ++*io_errors;
     } else {
       EXPECT_TRUE(r[0].status().IsNotFound()) << r[0].status().ToString();
     }
   }
-  EXPECT_EQ(static_cast<uint64_t>(readable), before.ssd_replicas);
+  return readable;
+}
+
+TEST_P(StoreTiers, RestartedNodeInTheSameProcessGetsItsSsdObjectsBack) {
+  if (GetParam().plugin == "mock") GTEST_SKIP() << "the mock keeps objects in memory only";
+  auto cluster = Must(EmbeddedCluster::Start(Options(1, 4u << 20, 32u << 20, 1)));
+  StoreClient& c = cluster->client();
+  Buffer src(16 * kObject), dst(16 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  ClusterStatus before = FillOneTieredNode(*cluster, c, src);
+  ASSERT_EQ(before.evictions_total, 0u);
+  ASSERT_GT(before.ssd_replicas, 10u);
+  // The node stops (its DRAM replicas die with it) and starts again on the same SSD directory.
+  RestartNode0(*cluster, GetParam(), dir_);
+  ClusterStatus after = Must(QueryClusterStatus(cluster->master_address()));
+  EXPECT_EQ(after.ssd_replicas, before.ssd_replicas);
+  EXPECT_EQ(after.objects, before.ssd_replicas);  // the DRAM-only ones are gone
+  EXPECT_EQ(static_cast<uint64_t>(ReadBackOneByOne(c, dst)), before.ssd_replicas);
+}
+
+TEST_P(StoreTiers, CorruptedBucketLosesOnlyItsObjectsAcrossARestart) {
+  if (GetParam().plugin == "mock") GTEST_SKIP() << "the mock keeps no files";
+  auto cluster = Must(EmbeddedCluster::Start(Options(1, 4u << 20, 32u << 20, 1)));
+  StoreClient& c = cluster->client();
+  Buffer src(16 * kObject), dst(16 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  ClusterStatus before = FillOneTieredNode(*cluster, c, src);
+  ASSERT_GT(before.ssd_replicas, 10u);
+  cluster->nodes()[0].reset();
+  // Garbage over the first 256 KiB of records of one bucket file while the node is down.
+  std::vector<fs::path> buckets;
+  for (const auto& e : fs::directory_iterator(dir_ / "node0")) {
+    if (e.path().filename().string().rfind("bucket-", 0) == 0) buckets.push_back(e.path());
+  }
+  ASSERT_FALSE(buckets.empty());
+  std::sort(buckets.begin(), buckets.end());
+  {
+    FILE* f = std::fopen(buckets[0].c_str(), "r+b");
+    ASSERT_NE(f, nullptr);
+    std::vector<char> junk(256 * 1024, '\x5a');
+    ASSERT_EQ(std::fwrite(junk.data(), 1, junk.size(), f), junk.size());
+    std::fclose(f);
+  }
+  RestartNode0(*cluster, GetParam(), dir_);
+  // Damaged objects fail their first read with IO (the node checks every SSD read against the
+  // object's checksum) or are already gone; no read returns wrong bytes (ReadBackOneByOne).
+  int io_errors = 0;
+  const int first_pass = ReadBackOneByOne(c, dst, &io_errors);
+  EXPECT_GT(io_errors, 0) << "the damage went unnoticed";
+  EXPECT_GT(first_pass, 0);
+  // The damaged replicas were dropped (the reader reported them): a second pass is clean.
+  int io_again = 0;
+  const int second_pass = ReadBackOneByOne(c, dst, &io_again);
+  EXPECT_EQ(io_again, 0);
+  EXPECT_EQ(second_pass, first_pass);
+  ClusterStatus after = Must(QueryClusterStatus(cluster->master_address()));
+  EXPECT_EQ(after.objects, static_cast<uint64_t>(first_pass));
+  EXPECT_EQ(after.ssd_replicas, before.ssd_replicas - io_errors);
+}
+
+TEST_P(StoreTiers, MissingSsdDirectoryLeavesTheNodeServingDram) {
+  if (GetParam().plugin == "mock") GTEST_SKIP() << "the mock keeps no files";
+  EmbeddedClusterOptions o = Options(1, 8u << 20, 32u << 20, 1);
+  o.ssd_dir.clear();  // the node below gets a tier whose parent directory does not exist
+  auto cluster = Must(EmbeddedCluster::Start(o));
+  NodeOptions no;
+  no.master_address = cluster->master_address();
+  no.dram_bytes = 8u << 20;
+  no.engine.node_id = "no-ssd-dir";
+  no.engine.transports = {"tcp"};
+  no.engine.plugin_path = GetParam().plugin_dir;
+  no.ssd_path = (dir_ / "no" / "such" / "dir").string();
+  no.ssd_plugin = GetParam().plugin;
+  auto node = Must(StorageNode::Start(no));
+  Status st = node->ssd_status();
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find(no.ssd_path), std::string::npos) << st.ToString();
+  cluster->nodes()[0].reset();  // only the DRAM-only node is left
+  StoreClient& c = cluster->client();
+  Buffer src(16 * kObject), dst(16 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  for (const Status& s : Put(c, src, 0, 16)) ASSERT_TRUE(s.ok()) << s.ToString();
+  std::string why;
+  EXPECT_EQ(GetAndCheck(c, dst, 0, 16, &why), 0) << why;
+  for (const NodeStatus& n : Must(QueryClusterStatus(cluster->master_address())).nodes) {
+    EXPECT_EQ(n.ssd_capacity_bytes, 0u);
+  }
+}
+
+TEST_P(StoreTiers, FullSsdFileSystemKeepsObjectsInDram) {
+  if (GetParam().plugin == "mock") GTEST_SKIP() << "the mock keeps no files";
+  // The tier claims 64 MiB but lives on a 1 MiB tmpfs: demotions hit ENOSPC.
+  const fs::path mnt = dir_ / "tiny";
+  fs::create_directories(mnt);
+  if (std::system(("mount -t tmpfs -o size=1m tmpfs " + mnt.string() + " 2>/dev/null").c_str()) !=
+      0) {
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root)";
+  }
+  struct Unmount {
+    fs::path p;
+    ~Unmount() { (void)!std::system(("umount -l " + p.string()).c_str()); }
+  } unmount{mnt};
+  EmbeddedClusterOptions o = Options(1, 8u << 20, 64u << 20, 1);
+  o.ssd_dir = mnt.string();
+  auto cluster = Must(EmbeddedCluster::Start(o));
+  ASSERT_TRUE(cluster->nodes()[0]->ssd_status().ok());
+  StoreClient& c = cluster->client();
+  Buffer src(16 * kObject), dst(16 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  for (size_t first = 0; first < 56; first += 4) {
+    for (const Status& st : Put(c, src, first, 4)) ASSERT_TRUE(st.ok()) << st.ToString();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  ClusterStatus s = Settle(cluster->master_address(), 6);
+  // Some went to SSD before it filled; the rest stayed in DRAM; nothing was lost to the
+  // failing demotions (objects only leave through counted evictions).
+  EXPECT_GT(s.ssd_replicas, 0u);
+  EXPECT_LE(s.nodes[0].ssd_used_bytes, 1u << 20);
+  EXPECT_EQ(s.objects + s.evictions_total, 56u);
+  std::string why;
+  int missing = 0;
+  for (size_t first = 0; first < 56; first += 8) {
+    missing += GetAndCheck(c, dst, first, 8, &why);
+  }
+  EXPECT_EQ(static_cast<uint64_t>(missing), s.evictions_total) << why;
+  EXPECT_EQ(Must(QueryClusterStatus(cluster->master_address())).nodes[0].state, "ACTIVE");
 }
 
 // The same with daemons: a standalone master process, nodes that publish two endpoints each

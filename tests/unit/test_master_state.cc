@@ -1802,6 +1802,21 @@ TEST(MasterTier, FailedLateOrUnwantedDemotionsReleaseTheSsdRange) {
   EXPECT_EQ(c.m().Stats().evictions_total, 0u);
 }
 
+TEST(MasterTier, FailedDemotionsBackOffThatNode) {
+  Cluster c;
+  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
+  for (int i = 0; i < 14; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
+  c.m().Tick(c.now);
+  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  ASSERT_FALSE(ds.empty());
+  for (const Demotion& d : ds) ASSERT_TRUE(RunDemotion(c, n, d, /*ok=*/false).ok());
+  // A failing SSD (disk full) is not hammered: nothing new until repair_backoff_ms passed.
+  EXPECT_EQ(c.m().Tick(c.now).demotions_scheduled, 0u);
+  c.now += c.cfg().repair_backoff_ms * kMs;
+  EXPECT_EQ(c.m().Tick(c.now).demotions_scheduled, ds.size());
+  ExpectConsistent(c);
+}
+
 TEST(MasterTier, FullSsdEvictsItsColdestToTakeDemotions) {
   Cluster c;
   FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 32 * kKiB);

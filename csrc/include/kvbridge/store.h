@@ -138,6 +138,9 @@ class StorageNode {
   Status Drain();
   // Objects this node currently holds (its inventory).
   size_t object_count() const;
+  // OK when the SSD tier runs; NOT_FOUND when none is configured; else why it could not start
+  // (the node then serves its DRAM pool only).
+  Status ssd_status() const;
 
   struct Impl;
 
