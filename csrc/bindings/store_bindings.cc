@@ -93,6 +93,7 @@ py::dict ToPy(const ClusterStatus& cs) {
   d["under_replicated"] = cs.under_replicated;
   d["demotions_total"] = cs.demotions_total;
   d["ssd_replicas"] = cs.ssd_replicas;
+  d["promotions_total"] = cs.promotions_total;
   return d;
 }
 
@@ -145,6 +146,7 @@ void BindOptions(py::module_& m) {
       .def_readwrite("low_watermark", &MasterOptions::low_watermark)
       .def_readwrite("demote_high_watermark", &MasterOptions::demote_high_watermark)
       .def_readwrite("demote_low_watermark", &MasterOptions::demote_low_watermark)
+      .def_readwrite("promote_after_reads", &MasterOptions::promote_after_reads)
       .def_readwrite("drain_timeout_ms", &MasterOptions::drain_timeout_ms)
       .def_readwrite("rpc_timeout_ms", &MasterOptions::rpc_timeout_ms);
   py::class_<EmbeddedClusterOptions>(m, "ClusterOptions")

@@ -33,6 +33,7 @@ MasterOptions MasterOptions::FromEnv() {
   store::EnvUint("KVBRIDGE_MIN_REPLICAS", &o.min_replicas);
   store::EnvUint("KVBRIDGE_DRAIN_TIMEOUT_MS", &o.drain_timeout_ms);
   store::EnvUint("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
+  store::EnvUint("KVBRIDGE_PROMOTE_AFTER_READS", &o.promote_after_reads);
   for (auto [var, out] : {std::pair{"KVBRIDGE_HIGH_WATERMARK", &o.high_watermark},
                           std::pair{"KVBRIDGE_LOW_WATERMARK", &o.low_watermark},
                           std::pair{"KVBRIDGE_DEMOTE_HIGH_WATERMARK", &o.demote_high_watermark},
@@ -443,6 +444,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     reply->set_under_replicated(s.under_replicated);
     reply->set_demotions_total(s.demotions_total);
     reply->set_ssd_replicas(s.ssd_replicas);
+    reply->set_promotions_total(s.promotions_total);
     return grpc::Status::OK;
   }
 };
@@ -462,6 +464,7 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
   cfg.low_watermark = options.low_watermark;
   cfg.demote_high_watermark = options.demote_high_watermark;
   cfg.demote_low_watermark = options.demote_low_watermark;
+  cfg.promote_after_reads = options.promote_after_reads;
   cfg.drain_timeout_ms = options.drain_timeout_ms;
   // Versions start at wall-clock microseconds, so a put that no node recorded before a master
   // restart can never see its version handed out again by the new master.
@@ -511,6 +514,7 @@ Result<ClusterStatus> QueryClusterStatus(const std::string& master_address, uint
   out.under_replicated = reply.under_replicated();
   out.demotions_total = reply.demotions_total();
   out.ssd_replicas = reply.ssd_replicas();
+  out.promotions_total = reply.promotions_total();
   return out;
 }
 

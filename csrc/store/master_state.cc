@@ -152,6 +152,7 @@ struct MasterState::Impl {
     uint64_t put_deadline_ns = 0;
     uint64_t lease_expiry_ns = 0;
     uint64_t last_access_ns = 0;
+    uint32_t ssd_reads = 0;  // reads served from an SSD replica since the last promotion
     uint64_t repair_not_before_ns = 0;
     std::vector<std::string> failed_dests;  // node ids whose copy failed lately
   };
@@ -206,6 +207,7 @@ struct MasterState::Impl {
   uint64_t nodes_expired_total = 0;
   uint64_t bad_replicas_total = 0;
   uint64_t demotions_total = 0;
+  uint64_t promotions_total = 0;
   // Heartbeat arrivals recorded without `mu` (Touch), so liveness never waits behind data-plane
   // work holding `mu`; Tick folds them in. node id -> (incarnation, last seen). Lock order:
   // mu, then live_mu.
@@ -819,12 +821,40 @@ struct MasterState::Impl {
     }
   }
 
-  // Demotions handed out and not reported by their deadline are cancelled.
+  // After promote_after_reads reads served from the SSD replica r (on node n) of o: queue its
+  // move back to n's DRAM, if n is ACTIVE, has a move slot, and its DRAM stays under
+  // demote_low_watermark with it (so the promoted object is not demoted right back).
+  void MaybePromote(Object* o, Replica& r, uint64_t now_ns) {
+    Node& n = *r.node;
+    if (cfg.promote_after_reads == 0 || ++o->ssd_reads < cfg.promote_after_reads) return;
+    if (n.state != NodeState::kActive || now_ns < n.demote_not_before_ns ||
+        n.demotions >= cfg.max_demotions_per_node || r.demote_segment != nullptr ||
+        o->state != ObjectState::kComplete) {
+      return;
+    }
+    for (const Replica& rr : o->replicas) {
+      if (rr.state != ReplicaState::kComplete) return;  // a copy is in flight
+    }
+    Segment* dram = FitSegment(n, o->bytes, false);
+    if (!dram) return;
+    const double low = cfg.demote_low_watermark * static_cast<double>(dram->info.capacity);
+    if (static_cast<double>(dram->alloc.used_bytes() + RoundUp(o->bytes)) > low) return;
+    std::optional<uint64_t> off = dram->alloc.Allocate(o->bytes);
+    if (!off) return;
+    r.demote_segment = dram;
+    r.demote_offset = *off;
+    r.demote_id = next_replica_id++;
+    r.demote_issued = false;
+    n.demotions++;
+    n.demote_queue.emplace_back(o->key, r.demote_id);
+    o->ssd_reads = 0;
+  }
+
+  // Moves handed out and not reported by their deadline are cancelled.
   void ExpireDemotions(uint64_t now_ns, TickSummary& sum) {
     for (auto& [id, n] : nodes) {
       if (n.demotions == 0) continue;
       for (auto& [sid, s] : n.segments) {
-        if (s.info.tier != Tier::kDram) continue;
         for (Object* o : s.residents) {
           Replica& r = o->replicas[ReplicaOn(*o, &n)];
           if (r.demote_segment && r.demote_issued && r.demote_deadline_ns <= now_ns) {
@@ -1406,6 +1436,9 @@ std::vector<Result<ReplicaSet>> MasterState::GetReplicas(const std::vector<std::
     reps.front()->node->reads += 1;
     o->lease_expiry_ns = std::max(o->lease_expiry_ns, now_ns + MsToNs(m.cfg.lease_ms));
     o->last_access_ns = now_ns;
+    if (reps.front()->segment->info.tier == Tier::kSsd) {
+      m.MaybePromote(o, o->replicas[Impl::ReplicaOn(*o, reps.front()->node)], now_ns);
+    }
     ReplicaSet rs;
     rs.version = o->version;
     rs.sizes = o->sizes;
@@ -1566,11 +1599,11 @@ Status MasterState::DemoteDone(const NodeIdentity& node, std::string_view key, u
     n->demote_not_before_ns = now_ns + MsToNs(m.cfg.repair_backoff_ms);
     return Status::OK();
   }
-  // The replica moves to SSD; its DRAM range stays readable until the read leases end.
-  Impl::Segment* dram = r.segment;
-  const uint64_t dram_offset = r.offset;
-  std::optional<InventoryRecord> dram_record;
-  if (r.record_on_node) dram_record = m.Record(*o, r);
+  // The replica moves to its new range; the old one stays readable until the read leases end.
+  Impl::Segment* old_segment = r.segment;
+  const uint64_t old_offset = r.offset;
+  std::optional<InventoryRecord> old_record;
+  if (r.record_on_node) old_record = m.Record(*o, r);
   m.Unreside(o, r);
   r.segment = r.demote_segment;
   r.offset = r.demote_offset;
@@ -1584,12 +1617,16 @@ Status MasterState::DemoteDone(const NodeIdentity& node, std::string_view key, u
   r.demote_issued = false;
   r.demote_deadline_ns = 0;
   n->demotions--;
-  ++m.demotions_total;
+  if (r.segment->info.tier == Tier::kSsd) {
+    ++m.demotions_total;
+  } else {
+    ++m.promotions_total;
+  }
   if (o->lease_expiry_ns > now_ns) {
-    m.held.push_back({n, dram, dram_offset, o->bytes, o->lease_expiry_ns, std::move(dram_record)});
+    m.held.push_back({n, old_segment, old_offset, o->bytes, o->lease_expiry_ns, std::move(old_record)});
     n->held++;
   } else {
-    m.FreeRange(n, dram, dram_offset, dram_record);
+    m.FreeRange(n, old_segment, old_offset, old_record);
   }
   return Status::OK();
 }
@@ -1746,6 +1783,7 @@ MasterStats MasterState::Stats() const {
   st.nodes_expired_total = m.nodes_expired_total;
   st.bad_replicas_total = m.bad_replicas_total;
   st.demotions_total = m.demotions_total;
+  st.promotions_total = m.promotions_total;
   for (const auto& [id, n] : m.nodes) st.demotions_in_flight += n.demotions;
   return st;
 }
@@ -1770,7 +1808,7 @@ MasterSnapshot MasterState::Snapshot() const {
       if (r.demote_segment) {
         so.replicas.back().demote_to = ReplicaLocation{
             r.node->id(), r.demote_segment->info.segment_id, r.demote_offset, o->bytes,
-            Tier::kSsd};
+            r.demote_segment->info.tier};
       }
     }
     snap.objects.push_back(std::move(so));

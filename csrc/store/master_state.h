@@ -161,8 +161,11 @@ struct MasterConfig {
   // REQUIRES: 0 < demote_low_watermark <= demote_high_watermark <= 1.
   double demote_high_watermark = 0.75;
   double demote_low_watermark = 0.6;
-  // Demotions handed to one node and not yet reported.
+  // Demotions and promotions handed to one node and not yet reported.
   uint32_t max_demotions_per_node = 64;
+  // An SSD replica read this many times (reads served from SSD, counted per object) is moved
+  // back to its node's DRAM when that stays under demote_low_watermark; 0 = never promote.
+  uint32_t promote_after_reads = 2;
 
   // Seed of the eviction sampler; 0 = random.
   uint64_t random_seed = 0;
@@ -300,6 +303,7 @@ struct MasterStats {
   uint64_t nodes_expired_total = 0;
   uint64_t bad_replicas_total = 0;  // replicas dropped on a reader's report
   uint64_t demotions_total = 0;     // replicas moved from DRAM to SSD
+  uint64_t promotions_total = 0;    // replicas moved from SSD back to DRAM
   size_t ssd_replicas = 0;          // COMPLETE replicas on SSD segments
   size_t demotions_in_flight = 0;
 };
@@ -469,11 +473,13 @@ class MasterState {
 
   // --- SSD tier ---
 
-  // The node reports a demotion (dest_replica_id names it). ok: the SSD copy is durable and
-  // on the node's inventory; the replica now lives on SSD and its DRAM range is freed after
-  // the read leases (a free record is queued). Not ok: the SSD space is released, the replica
-  // stays in DRAM and is tried again later. NOT_FOUND: the demotion is no longer wanted (the
-  // object or replica changed, or it timed out): the node must delete its SSD copy.
+  // The node reports a move (dest_replica_id names it): a demotion (DRAM -> SSD) or a
+  // promotion (SSD -> DRAM, scheduled by GetReplicas after promote_after_reads SSD reads).
+  // ok: the copy is durable (SSD) or written (DRAM) and on the node's inventory; the replica
+  // now lives there and its old range is freed after the read leases (a free record is
+  // queued). Not ok: the new range is released, the replica stays where it was, and the
+  // node's moves pause for repair_backoff_ms. NOT_FOUND: the move is no longer wanted (the
+  // object or replica changed, or it timed out): the node must drop its copy.
   // STALE_PEER as Heartbeat.
   Status DemoteDone(const NodeIdentity& node, std::string_view key, uint64_t version,
                     uint64_t dest_replica_id, bool ok, uint64_t now_ns);

@@ -137,6 +137,7 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   static void OnEvict(void* user, const uint8_t* key, uint32_t key_len);
   void DemoteLoop();
   Status Demote(const rpc::Demotion& d);
+  Status Promote(const rpc::Demotion& d);
   void DropSsdObject(const std::string& key, uint64_t replica_id);  // record + plugin object
   // Reads an SSD object into a staging range (caller frees it with FreeStaging); checks the
   // record's checksum.
@@ -527,6 +528,7 @@ void StorageNode::Impl::FreeStaging(uint64_t offset) {
 Status StorageNode::Impl::Demote(const rpc::Demotion& d) {
   const rpc::InventoryRecord& src = d.source();
   const uint64_t bytes = ObjectBytes(src);
+  if (src.segment_id() == kSsdSegment) return Promote(d);
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = inventory.find({src.segment_id(), src.offset()});
@@ -551,6 +553,36 @@ Status StorageNode::Impl::Demote(const rpc::Demotion& d) {
   std::lock_guard<std::mutex> lock(mu);
   inventory[{kSsdSegment, d.dest().offset()}] = d.dest();
   ssd_keys[src.key()] = d.dest().offset();
+  return Status::OK();
+}
+
+// A promotion: the SSD object is read straight into its new DRAM range and checked; the SSD
+// copy stays until the master frees it (after the read leases on it end).
+Status StorageNode::Impl::Promote(const rpc::Demotion& d) {
+  const rpc::InventoryRecord& src = d.source();
+  const rpc::InventoryRecord& dst = d.dest();
+  const uint64_t bytes = ObjectBytes(src);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto k = ssd_keys.find(src.key());
+    auto it = k == ssd_keys.end() ? inventory.end() : inventory.find({kSsdSegment, k->second});
+    if (it == inventory.end() || it->second.replica_id() != src.replica_id()) {
+      return Status::NotFound("the replica to promote is not on this node's SSD tier");
+    }
+  }
+  if (dst.segment_id() != segment || dst.offset() > pool_bytes || bytes > pool_bytes - dst.offset()) {
+    return Status::OutOfBounds("promotion target is not inside this node's pool");
+  }
+  kvb_iovec_t iov{pool + dst.offset(), bytes};
+  uint64_t length = 0;
+  kvb_status_t st = ssd_ops->get(ssd, reinterpret_cast<const uint8_t*>(src.key().data()),
+                                 static_cast<uint32_t>(src.key().size()), &iov, 1, &length);
+  if (st != KVB_OK) return Status::FromAbi(st, "SSD read").WithContext("SSD tier");
+  if (length != bytes || util::Crc32c(pool + dst.offset(), bytes) != src.checksum()) {
+    return Status::IoError("SSD copy does not match the object's checksum; not promoted");
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  inventory[{segment, dst.offset()}] = dst;
   return Status::OK();
 }
 
@@ -600,7 +632,16 @@ void StorageNode::Impl::DemoteLoop() {
       grpc::Status gs = master->DemoteDone(ctx.get(), done, &reply);
       Status answer = gs.ok() ? store::FromProto(reply) : store::FromGrpc(gs, "DemoteDone");
       if (st.ok() && (answer.IsNotFound() || answer.IsStalePeer())) {
-        DropSsdObject(d.source().key(), d.dest().replica_id());  // not wanted any more
+        // Not wanted any more: drop the copy just made (an SSD object, or a DRAM record).
+        if (d.dest().segment_id() == kSsdSegment) {
+          DropSsdObject(d.source().key(), d.dest().replica_id());
+        } else {
+          std::lock_guard<std::mutex> l(mu);
+          auto it = inventory.find({d.dest().segment_id(), d.dest().offset()});
+          if (it != inventory.end() && it->second.replica_id() == d.dest().replica_id()) {
+            inventory.erase(it);
+          }
+        }
       } else if (!answer.ok()) {
         KVB_LOG(WARN) << "DemoteDone: " << answer.ToString();
       }

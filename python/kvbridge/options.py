@@ -29,7 +29,8 @@ NODE_FIELDS = ("master", "node_dram_bytes", "node_storage_plugin", "node_rpc_lis
                "node_ssd_plugin", "node_ssd_staging_bytes", "peer_discovery")
 MASTER_FIELDS = ("master_listen", "node_ttl_ms", "lease_ms", "put_timeout_ms", "min_replicas",
                  "high_watermark", "low_watermark", "demote_high_watermark",
-                 "demote_low_watermark", "drain_timeout_ms", "rpc_timeout_ms")
+                 "demote_low_watermark", "promote_after_reads", "drain_timeout_ms",
+                 "rpc_timeout_ms")
 
 
 def _set(obj: Any, name: str, value: Any) -> None:

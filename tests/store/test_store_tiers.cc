@@ -279,6 +279,31 @@ TEST_P(StoreTiers, RestartedNodeInTheSameProcessGetsItsSsdObjectsBack) {
   EXPECT_EQ(static_cast<uint64_t>(ReadBackOneByOne(c, dst)), before.ssd_replicas);
 }
 
+TEST_P(StoreTiers, SsdObjectsReadRepeatedlyArePromotedBackToDram) {
+  auto cluster = Must(EmbeddedCluster::Start(Options(1, 4u << 20, 32u << 20, 1)));
+  StoreClient& c = cluster->client();
+  Buffer src(16 * kObject), dst(16 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  ClusterStatus before = FillOneTieredNode(*cluster, c, src);
+  ASSERT_GT(before.ssd_replicas, 8u);  // the oldest objects, tier-0 on, went to SSD
+  // Make room in DRAM, then read the oldest objects twice each (the second read promotes).
+  std::vector<std::string> newest;
+  for (size_t i = 24; i < 48; ++i) newest.push_back(Key(i));
+  for (const Status& st : c.BatchRemove(newest)) ASSERT_TRUE(st.ok()) << st.ToString();
+  std::string why;
+  for (int round = 0; round < 2; ++round) EXPECT_EQ(GetAndCheck(c, dst, 0, 4, &why), 0) << why;
+  ClusterStatus after;
+  for (int i = 0; i < 50; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    after = Must(QueryClusterStatus(cluster->master_address()));
+    if (after.promotions_total >= 4) break;
+  }
+  EXPECT_EQ(after.promotions_total, 4u);
+  EXPECT_LE(after.ssd_replicas, before.ssd_replicas - 4);  // (a removed one may have been there)
+  EXPECT_EQ(GetAndCheck(c, dst, 0, 16, &why), 0) << why;  // promoted and not, all intact
+}
+
 TEST_P(StoreTiers, CorruptedBucketLosesOnlyItsObjectsAcrossARestart) {
   if (GetParam().plugin == "mock") GTEST_SKIP() << "the mock keeps no files";
   auto cluster = Must(EmbeddedCluster::Start(Options(1, 4u << 20, 32u << 20, 1)));

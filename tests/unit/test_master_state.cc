@@ -1802,6 +1802,54 @@ TEST(MasterTier, FailedLateOrUnwantedDemotionsReleaseTheSsdRange) {
   EXPECT_EQ(c.m().Stats().evictions_total, 0u);
 }
 
+TEST(MasterTier, SsdReplicaReadTwiceIsPromotedBackToDramWhenThereIsRoom) {
+  Cluster c;
+  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
+  for (int i = 0; i < 14; ++i) {
+    ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
+    c.now += kMs;
+  }
+  c.m().Tick(c.now);
+  for (const Demotion& d : HeartbeatDemotions(c, n)) ASSERT_TRUE(RunDemotion(c, n, d).ok());
+  ASSERT_EQ(c.m().Stats().ssd_replicas, 5u);  // k0..k4
+  // DRAM at 36 KiB: no promotion would fit under the demote low watermark (38.4 KiB).
+  for (int r = 0; r < 3; ++r) ASSERT_TRUE(c.m().GetReplicas({"k0"}, "", c.now)[0].ok());
+  c.m().Tick(c.now);
+  EXPECT_TRUE(HeartbeatDemotions(c, n).empty());
+  // Room again: k1 read twice from SSD is promoted.
+  for (int i = 6; i < 12; ++i) ASSERT_TRUE(c.m().Remove("k" + std::to_string(i), c.now).ok());
+  auto first = c.m().GetReplicas({"k1"}, "", c.now);
+  ASSERT_EQ(first[0]->replicas[0].tier, Tier::kSsd);
+  EXPECT_TRUE(HeartbeatDemotions(c, n).empty());  // one read is not enough
+  auto second = c.m().GetReplicas({"k1"}, "", c.now);
+  std::vector<Demotion> ps = HeartbeatDemotions(c, n);
+  ASSERT_EQ(ps.size(), 1u);
+  EXPECT_EQ(ps[0].source.key, "k1");
+  EXPECT_EQ(ps[0].source.segment_id, 200u);
+  EXPECT_EQ(ps[0].dest.segment_id, 100u);
+  ExpectConsistent(c);
+  // Until reported, reads go to SSD; then to DRAM. The SSD range waits for the leases.
+  EXPECT_EQ(c.m().GetReplicas({"k1"}, "", c.now)[0]->replicas[0].tier, Tier::kSsd);
+  ASSERT_TRUE(RunDemotion(c, n, ps[0]).ok());
+  auto third = c.m().GetReplicas({"k1"}, "", c.now);
+  EXPECT_EQ(third[0]->replicas[0].tier, Tier::kDram);
+  MasterStats st = c.m().Stats();
+  EXPECT_EQ(st.promotions_total, 1u);
+  EXPECT_EQ(st.ssd_replicas, 4u);
+  EXPECT_EQ(st.held_bytes, 4 * kKiB);  // the SSD range, under k1's read lease
+  ExpectConsistent(c);
+  while (c.now < third[0]->lease_expiry_ns) {
+    c.now = std::min(c.now + 500 * kMs, third[0]->lease_expiry_ns);
+    HeartbeatDemotions(c, n);
+    c.m().Tick(c.now);
+  }
+  HeartbeatDemotions(c, n);
+  EXPECT_EQ(c.m().Stats().held_bytes, 0u);
+  EXPECT_FALSE(n.records.count({ps[0].source.segment_id, ps[0].source.offset}));
+  EXPECT_TRUE(n.records.count({ps[0].dest.segment_id, ps[0].dest.offset}));
+  ExpectConsistent(c);
+}
+
 TEST(MasterTier, FailedDemotionsBackOffThatNode) {
   Cluster c;
   FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);

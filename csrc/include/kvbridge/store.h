@@ -168,6 +168,9 @@ struct MasterOptions {
   // demote_low_watermark. KVBRIDGE_DEMOTE_HIGH_WATERMARK, KVBRIDGE_DEMOTE_LOW_WATERMARK.
   double demote_high_watermark = 0.75;
   double demote_low_watermark = 0.6;
+  // An SSD replica read this many times goes back to DRAM (if that stays under the demote low
+  // watermark); 0 = never. KVBRIDGE_PROMOTE_AFTER_READS.
+  uint32_t promote_after_reads = 2;
   // A draining node is let go after this even if not everything moved.
   // KVBRIDGE_DRAIN_TIMEOUT_MS.
   uint32_t drain_timeout_ms = 30000;
@@ -212,6 +215,7 @@ struct ClusterStatus {
   uint64_t under_replicated = 0;  // objects waiting for re-replication
   uint64_t demotions_total = 0;   // replicas moved from DRAM to an SSD tier
   uint64_t ssd_replicas = 0;      // replicas on SSD tiers now
+  uint64_t promotions_total = 0;  // replicas moved from SSD back to DRAM after repeated reads
 };
 
 // Asks a master for its view (what `kvbridge status` prints).
