@@ -12,6 +12,8 @@
 #include <string_view>
 #include <vector>
 
+#include "util/checksum.h"
+
 namespace kvbridge::ssd {
 
 static_assert(std::endian::native == std::endian::little, "the ssd format is little-endian");
@@ -24,11 +26,15 @@ inline constexpr uint64_t AlignUp(uint64_t n) { return (n + kBlockBytes - 1) & ~
 inline constexpr uint32_t kMaxKeyBytes = 4096;
 inline constexpr uint32_t kMaxMetaBytes = 256;  // KVB_STORAGE_META_MAX
 
-// CRC-32C (Castagnoli), the iSCSI/ext4 polynomial. Extend: Crc32c(Crc32c(0, a), b) is the CRC
-// of a followed by b.
-uint32_t Crc32c(uint32_t crc, const void* data, size_t n);
+// CRC-32C (Castagnoli), the iSCSI/ext4 polynomial: kvbridge's one checksum (util/checksum.h).
+// Extend: Crc32c(Crc32c(0, a), b) is the CRC of a followed by b.
+inline uint32_t Crc32c(uint32_t crc, const void* data, size_t n) {
+  return util::Crc32c(data, n, crc);
+}
 // The same with the portable table code, whatever the CPU offers (for tests).
-uint32_t Crc32cSlow(uint32_t crc, const void* data, size_t n);
+inline uint32_t Crc32cSlow(uint32_t crc, const void* data, size_t n) {
+  return util::Crc32cPortableForTest(data, n, crc);
+}
 
 inline constexpr uint32_t kRecordMagic = 0x4f42564b;  // "KVBO"
 inline constexpr uint16_t kFormatVersion = 1;

@@ -1,5 +1,7 @@
 #include "ssd_store.h"
 
+#include "host_config.h"
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/falloc.h>
@@ -39,33 +41,12 @@ constexpr uint64_t kMinInflightBytes = kMiB;
 constexpr uint64_t kMaxInflightBytes = 16 * 1024 * kMiB;
 constexpr uint64_t kBucketsPerCapacity = 8;  // a bucket is at most 1/8 of the capacity
 
-bool HostHas(const kvb_host_services_t* host, size_t end) {
-  return host != nullptr && host->struct_size >= end;
-}
+using plugin::HostHas;
+using plugin::ParseUnsigned;
 
 bool ReadKey(const kvb_host_services_t* host, const char* key, std::string* value, bool* set,
              std::string* err) {
-  *set = false;
-  if (!HostHas(host, offsetof(kvb_host_services_t, config_get) + sizeof(host->config_get)) ||
-      host->config_get == nullptr) {
-    return true;
-  }
-  char buf[64];
-  const int32_t n = host->config_get(host->host_ctx, key, buf, sizeof(buf));
-  if (n == -1) return true;
-  if (n < 0) {
-    *err = std::string("ssd: ") + key + ": value is too long";
-    return false;
-  }
-  value->assign(buf, static_cast<size_t>(n));
-  *set = true;
-  return true;
-}
-
-bool ParseUnsigned(const std::string& s, uint64_t* out) {
-  if (s.empty()) return false;
-  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
-  return ec == std::errc() && end == s.data() + s.size();
+  return plugin::ReadConfigKey(host, kName, key, value, set, err);
 }
 
 // Rough size for the log: "61.7 GiB".
@@ -326,10 +307,7 @@ SsdStore::~SsdStore() {
 // --- helpers ------------------------------------------------------------------------------
 
 void SsdStore::Log(int32_t level, const std::string& msg) const {
-  if (HostHas(host_, offsetof(kvb_host_services_t, log) + sizeof(host_->log)) &&
-      host_->log != nullptr) {
-    host_->log(host_->host_ctx, level, kName, msg.c_str());
-  }
+  plugin::HostLog(host_, level, kName, msg);
 }
 
 uint64_t SsdStore::NowNs() const {
