@@ -8,7 +8,8 @@ namespace kvbridge::core {
 namespace {
 
 constexpr char kMagic[4] = {'K', 'V', 'B', 'D'};
-constexpr uint16_t kVersion = 1;
+// Version 2 added each segment's base address; version 1 blobs still decode (base 0).
+constexpr uint16_t kVersion = 2;
 
 class Writer {
  public:
@@ -74,6 +75,7 @@ std::string EncodeDescriptor(const Descriptor& d) {
   w.U32(static_cast<uint32_t>(d.segments.size()));
   for (const auto& s : d.segments) {
     w.U64(s.id);
+    w.U64(s.base);
     w.U64(s.length);
     w.U32(s.mem_kind);
     w.U32(static_cast<uint32_t>(s.rkeys.size()));
@@ -97,9 +99,9 @@ Result<Descriptor> DecodeDescriptor(std::string_view blob) {
   Reader r(body.substr(sizeof(kMagic)));
   uint16_t version = 0, flags = 0;
   if (!r.U16(&version) || !r.U16(&flags)) return Malformed("truncated header");
-  if (version != kVersion) {
+  if (version != 1 && version != kVersion) {
     return Status::InvalidArgument("peer descriptor version " + std::to_string(version) +
-                                   " is not supported (this build reads version 1)");
+                                   " is not supported (this build reads versions 1 and 2)");
   }
   Descriptor d;
   if (!r.Str(&d.node_id, kMaxDescriptorString) || d.node_id.empty()) {
@@ -118,7 +120,8 @@ Result<Descriptor> DecodeDescriptor(std::string_view blob) {
   d.segments.resize(n);
   for (auto& s : d.segments) {
     uint32_t nkeys = 0;
-    if (!r.U64(&s.id) || !r.U64(&s.length) || !r.U32(&s.mem_kind) || !r.U32(&nkeys) ||
+    if (!r.U64(&s.id) || (version >= 2 && !r.U64(&s.base)) || !r.U64(&s.length) ||
+        !r.U32(&s.mem_kind) || !r.U32(&nkeys) ||
         nkeys > kMaxDescriptorTransports) {
       return Malformed("truncated segment entry");
     }

@@ -17,6 +17,7 @@ namespace kvbridge::core {
 
 struct SegmentDesc {
   uint64_t id = 0;
+  uint64_t base = 0;  // the registering process's address of byte 0 (version 2; 0 from v1)
   uint64_t length = 0;
   uint32_t mem_kind = 1;                     // kvb_mem_kind_t
   std::map<std::string, std::string> rkeys;  // transport name -> remote key bytes

@@ -15,6 +15,7 @@
 
 #include "core/circuit_breaker.h"
 #include "core/descriptor.h"
+#include "core/handshake.h"
 #include "core/host_services.h"
 #include "core/plugin_loader.h"
 #include "util/clock.h"
@@ -152,6 +153,8 @@ struct TransferEngine::Impl {
   std::unordered_map<BatchId, std::shared_ptr<Batch>> batches;
   std::atomic<BatchId> next_batch_id{1};
   std::array<WaitSlot, kWaitSlots> wait_slots;
+  // Stopped first in ~Impl (declared last): it calls LocalDescriptor().
+  std::unique_ptr<core::HandshakeServer> handshake;
 
   ~Impl();
   TransportSlot* FindTransport(std::string_view name) const;
@@ -166,6 +169,7 @@ struct TransferEngine::Impl {
 };
 
 TransferEngine::Impl::~Impl() {
+  handshake.reset();
   std::unordered_map<BatchId, std::shared_ptr<Batch>> left;
   {
     std::lock_guard<std::mutex> lock(batches_mu);
@@ -412,7 +416,38 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptio
     return Status::Unavailable("no usable transport plugin (searched " + searched +
                                "; set KVBRIDGE_PLUGIN_PATH or EngineOptions::plugin_path)");
   }
-  return std::unique_ptr<TransferEngine>(new TransferEngine(std::move(impl)));
+  std::unique_ptr<TransferEngine> engine(new TransferEngine(std::move(impl)));
+  if (!options.handshake_listen.empty()) {
+    TransferEngine* raw = engine.get();
+    auto hs = core::HandshakeServer::Start(options.handshake_listen,
+                                           [raw] { return raw->LocalDescriptor(); });
+    if (!hs.ok()) return hs.status().WithContext("handshake service");
+    engine->impl_->handshake = std::move(hs).value();
+    KVB_LOG(INFO) << "handshake service on " << engine->impl_->handshake->address();
+  }
+  return engine;
+}
+
+std::string TransferEngine::handshake_endpoint() const {
+  return impl_->handshake ? impl_->handshake->address() : std::string();
+}
+
+Result<std::string> TransferEngine::FetchDescriptor(const std::string& host_port,
+                                                    uint32_t timeout_ms) {
+  return core::FetchDescriptor(host_port, timeout_ms);
+}
+
+Result<std::vector<RemoteSegment>> TransferEngine::PeerSegments(std::string_view node_id) const {
+  std::shared_lock<std::shared_mutex> lock(impl_->peers_mu);
+  auto it = impl_->peers.find(std::string(node_id));
+  if (it == impl_->peers.end()) {
+    return Status::NotFound("PeerSegments: unknown peer '" + std::string(node_id) + "'");
+  }
+  std::vector<RemoteSegment> out;
+  for (const auto& [id, s] : *it->second->segments) out.push_back({id, s.base, s.length});
+  std::sort(out.begin(), out.end(),
+            [](const RemoteSegment& a, const RemoteSegment& b) { return a.base < b.base; });
+  return out;
 }
 
 const PeerId& TransferEngine::self() const { return impl_->self; }
@@ -519,6 +554,7 @@ std::string TransferEngine::LocalDescriptor() const {
   for (const auto& [addr, r] : impl_->regions) {
     SegmentDesc s;
     s.id = r.id;
+    s.base = r.addr;
     s.length = r.length;
     s.mem_kind = static_cast<uint32_t>(r.kind);
     s.rkeys = r.rkeys;

@@ -45,6 +45,7 @@ EngineOptions EngineOptions::FromEnv() {
   // KVBRIDGE_PLUGIN_PATH is read by the plugin loader itself (DefaultSearchPath), so it is
   // not copied into plugin_path here.
   SetString("KVBRIDGE_LISTEN", &o.listen);
+  SetString("KVBRIDGE_HANDSHAKE_LISTEN", &o.handshake_listen);
   SetString("KVBRIDGE_CLUSTER_TOKEN", &o.cluster_token);
   SetUint("KVBRIDGE_DEADLINE_MS", &o.default_deadline_ms);
   SetUint("KVBRIDGE_PROGRESS_TIMEOUT_MS", &o.progress_timeout_ms);

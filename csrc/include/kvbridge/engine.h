@@ -62,6 +62,14 @@ struct SubmitOptions {
   uint32_t progress_timeout_ms = 0;  // 0 = EngineOptions::progress_timeout_ms
 };
 
+// A segment a peer registered, as its descriptor lists it: `base` is the peer's own address
+// of byte 0 (what Mooncake-style APIs call the remote virtual address).
+struct RemoteSegment {
+  SegmentId id = 0;
+  uint64_t base = 0;
+  uint64_t length = 0;
+};
+
 struct BatchResult {
   Status status;                 // OK, or the first failed op's status
   std::vector<Status> op_status; // one per op, in submission order
@@ -122,6 +130,16 @@ class TransferEngine {
   // UNSUPPORTED when no transport is shared with the peer.
   Result<PeerId> AddPeer(std::string_view descriptor);
   Status RemovePeer(std::string_view node_id);
+  // The segments of a known peer's current incarnation (NOT_FOUND for an unknown peer).
+  Result<std::vector<RemoteSegment>> PeerSegments(std::string_view node_id) const;
+
+  // "host:port" of this engine's handshake service, or "" when options.handshake_listen is
+  // empty.
+  std::string handshake_endpoint() const;
+  // Asks the handshake service at "host:port" for that engine's descriptor (pass it to
+  // AddPeer). PEER_UNREACHABLE, DEADLINE_EXCEEDED (timeout_ms), PROTOCOL (not a handshake
+  // port). Touches no engine state.
+  static Result<std::string> FetchDescriptor(const std::string& host_port, uint32_t timeout_ms);
 
   // Queues a batch. Structural errors (null address, zero length, bad opcode, local memory
   // not registered) refuse the whole batch with INVALID_ARGUMENT / NOT_REGISTERED and queue

@@ -34,6 +34,10 @@ struct EngineOptions {
   // Where transports listen: comma-separated "host:port" list (one per NIC); port 0 picks a
   // free port, and the descriptor publishes the port actually bound. KVBRIDGE_LISTEN.
   std::string listen = "127.0.0.1:0";
+  // Where the handshake service listens ("host:port"; port 0 picks one; empty = none): it
+  // hands LocalDescriptor() to anyone who asks (FetchDescriptor), so peers known only by
+  // "host:port" need no other exchange. KVBRIDGE_HANDSHAKE_LISTEN.
+  std::string handshake_listen;
   // Shared secret; when set, peers must prove they hold it at handshake (HMAC-SHA256), and
   // unauthenticated peers are refused. KVBRIDGE_CLUSTER_TOKEN.
   std::string cluster_token;

@@ -1,0 +1,220 @@
+#include "core/handshake.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+#include "util/host_port.h"
+#include "util/logging.h"
+
+namespace kvbridge::core {
+namespace {
+
+constexpr char kMagic[8] = {'K', 'V', 'B', 'D', 'E', 'S', 'C', '1'};
+constexpr uint32_t kMaxDescriptorBytes = 16u << 20;
+constexpr int kIoTimeoutMs = 1000;
+
+void SetTimeouts(int fd, int ms) {
+  timeval tv{ms / 1000, (ms % 1000) * 1000};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+// Reads or writes exactly n bytes (the socket's timeouts bound each call).
+bool ReadAll(int fd, void* buf, size_t n) {
+  auto* p = static_cast<char*>(buf);
+  while (n > 0) {
+    const ssize_t r = recv(fd, p, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+bool WriteAll(int fd, const void* buf, size_t n) {
+  const auto* p = static_cast<const char*>(buf);
+  while (n > 0) {
+    const ssize_t r = send(fd, p, n, MSG_NOSIGNAL);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+std::string ErrnoText() { return std::strerror(errno); }
+
+}  // namespace
+
+Result<std::unique_ptr<HandshakeServer>> HandshakeServer::Start(
+    const std::string& listen, std::function<std::string()> describe) {
+  std::string host, port;
+  if (!util::SplitHostPort(listen, &host, &port)) {
+    return Status::InvalidArgument("handshake_listen '" + listen + "' is not host:port");
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const int gai = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &res);
+  if (gai != 0) {
+    return Status::Unavailable("handshake_listen '" + listen + "': " + gai_strerror(gai));
+  }
+  std::unique_ptr<HandshakeServer> s(new HandshakeServer());
+  s->describe_ = std::move(describe);
+  std::string why = "no address";
+  for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+    int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 64) == 0) {
+      s->fd_ = fd;
+      break;
+    }
+    why = ErrnoText();
+    close(fd);
+  }
+  freeaddrinfo(res);
+  if (s->fd_ < 0) return Status::Unavailable("handshake port " + listen + ": " + why);
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  getsockname(s->fd_, reinterpret_cast<sockaddr*>(&ss), &len);
+  const uint16_t bound = ntohs(ss.ss_family == AF_INET6
+                                   ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                   : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  const bool v6 = host.find(':') != std::string::npos;
+  s->address_ = (v6 ? "[" + host + "]" : host) + ":" + std::to_string(bound);
+  if (pipe2(s->wake_, O_CLOEXEC) != 0) return Status::Internal("pipe: " + ErrnoText());
+  HandshakeServer* raw = s.get();
+  s->thread_ = std::thread([raw] { raw->Loop(); });
+  return s;
+}
+
+HandshakeServer::~HandshakeServer() {
+  if (wake_[1] >= 0) {
+    const char c = 0;
+    (void)!write(wake_[1], &c, 1);
+  }
+  if (thread_.joinable()) thread_.join();
+  if (fd_ >= 0) close(fd_);
+  for (int f : wake_) {
+    if (f >= 0) close(f);
+  }
+}
+
+void HandshakeServer::Loop() {
+  for (;;) {
+    pollfd p[2] = {{fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
+    if (poll(p, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (p[1].revents != 0) return;
+    if ((p[0].revents & POLLIN) == 0) continue;
+    const int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (c < 0) continue;
+    SetTimeouts(c, kIoTimeoutMs);
+    char req[sizeof(kMagic)];
+    if (ReadAll(c, req, sizeof(req)) && std::memcmp(req, kMagic, sizeof(kMagic)) == 0) {
+      const std::string d = describe_();
+      const auto n = static_cast<uint32_t>(d.size());
+      uint8_t len[4] = {static_cast<uint8_t>(n), static_cast<uint8_t>(n >> 8),
+                        static_cast<uint8_t>(n >> 16), static_cast<uint8_t>(n >> 24)};
+      if (WriteAll(c, kMagic, sizeof(kMagic)) && WriteAll(c, len, 4) &&
+          WriteAll(c, d.data(), d.size())) {
+        ++served_;
+      }
+    } else {
+      ++rejected_;
+    }
+    close(c);
+  }
+}
+
+Result<std::string> FetchDescriptor(const std::string& host_port, uint32_t timeout_ms) {
+  std::string host, port;
+  if (!util::SplitHostPort(host_port, &host, &port) || host.empty()) {
+    return Status::InvalidArgument("'" + host_port + "' is not host:port");
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  auto left_ms = [&] {
+    auto d = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    return static_cast<int>(std::max<int64_t>(d.count(), 0));
+  };
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const int gai = getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
+  if (gai != 0) {
+    return Status::PeerUnreachable("handshake with " + host_port + ": " + gai_strerror(gai));
+  }
+  int fd = -1;
+  std::string why = "no address";
+  for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+    fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) continue;
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) break;
+    if (errno == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      int err = 0;
+      socklen_t elen = sizeof(err);
+      const int ready = poll(&p, 1, left_ms());
+      if (ready == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) == 0 && err == 0) break;
+      why = ready == 0 ? "connect timed out" : std::strerror(err != 0 ? err : errno);
+    } else {
+      why = ErrnoText();
+    }
+    close(fd);
+    fd = -1;
+  }
+  freeaddrinfo(res);
+  if (fd < 0) return Status::PeerUnreachable("handshake with " + host_port + ": " + why);
+  const int flags = fcntl(fd, F_GETFL);
+  fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  SetTimeouts(fd, std::max(1, left_ms()));
+  char magic[sizeof(kMagic)];
+  uint8_t len[4];
+  std::string out;
+  Status st;
+  if (!WriteAll(fd, kMagic, sizeof(kMagic)) || !ReadAll(fd, magic, sizeof(magic)) ||
+      !ReadAll(fd, len, 4)) {
+    st = left_ms() == 0 ? Status::DeadlineExceeded("handshake with " + host_port + " timed out")
+                        : Status::PeerUnreachable("handshake with " + host_port +
+                                                  ": connection closed");
+  } else if (std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) {
+    st = Status::Protocol(host_port + " is not a kvbridge handshake port");
+  } else {
+    const uint32_t n = len[0] | (len[1] << 8) | (len[2] << 16) | (uint32_t{len[3]} << 24);
+    if (n == 0 || n > kMaxDescriptorBytes) {
+      st = Status::Protocol("handshake with " + host_port + ": descriptor of " +
+                            std::to_string(n) + " bytes");
+    } else {
+      out.resize(n);
+      if (!ReadAll(fd, out.data(), n)) {
+        st = Status::PeerUnreachable("handshake with " + host_port + ": truncated descriptor");
+      }
+    }
+  }
+  close(fd);
+  if (!st.ok()) return st;
+  return out;
+}
+
+}  // namespace kvbridge::core

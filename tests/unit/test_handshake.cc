@@ -1,0 +1,172 @@
+// The engine's handshake service (EngineOptions::handshake_listen) and the descriptor's
+// segment base addresses: peers known only by "host:port" learn everything AddPeer needs, and
+// remote memory can be named by the peer's own addresses (PeerSegments). Real TCP engines on
+// loopback; garbage, silent clients and a restart on the same port included.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "core/descriptor.h"
+#include "kvbridge/engine.h"
+#include "tests/common/test_util.h"
+#include "util/checksum.h"
+
+namespace kvbridge {
+namespace {
+
+using testing::Buffer;
+using testing::LoopbackOptions;
+using testing::Must;
+using Clock = std::chrono::steady_clock;
+
+std::unique_ptr<TransferEngine> WithHandshake(const std::string& node, const std::string& listen) {
+  EngineOptions o = LoopbackOptions("tcp", node);
+  o.handshake_listen = listen;
+  return Must(TransferEngine::Create(o));
+}
+
+// A raw client connected to 127.0.0.1:port (-1 if it cannot connect).
+int Connect(uint16_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+uint16_t PortOf(const std::string& host_port) {
+  return static_cast<uint16_t>(std::stoi(host_port.substr(host_port.rfind(':') + 1)));
+}
+
+TEST(Handshake, PeerKnownOnlyByHostPortIsReachedByItsOwnAddresses) {
+  auto a = WithHandshake("hs-a", "127.0.0.1:0");
+  auto b = Must(TransferEngine::Create(LoopbackOptions("tcp", "hs-b")));
+  EXPECT_TRUE(b->handshake_endpoint().empty());  // not asked for: none
+  Buffer target(1 << 20), local(1 << 20);
+  Must(a->RegisterMemory(target.data(), target.size()));
+  Must(b->RegisterMemory(local.data(), local.size()));
+  const std::string ep = a->handshake_endpoint();
+  ASSERT_EQ(ep.rfind("127.0.0.1:", 0), 0u) << ep;
+  const std::string desc = Must(TransferEngine::FetchDescriptor(ep, 2000));
+  PeerId peer = Must(b->AddPeer(desc));
+  EXPECT_EQ(peer, a->self());
+  auto segs = Must(b->PeerSegments("hs-a"));
+  ASSERT_EQ(segs.size(), 1u);
+  EXPECT_EQ(segs[0].base, reinterpret_cast<uint64_t>(target.data()));
+  EXPECT_EQ(segs[0].length, target.size());
+  // Write 4 KiB at the peer's address target+8192, named by that address.
+  const uint64_t remote_addr = reinterpret_cast<uint64_t>(target.data()) + 8192;
+  local.Fill(7, 0, 4096);
+  ASSERT_TRUE(b->Transfer(std::vector{TransferOp{OpCode::kWrite, local.data(), 4096, "hs-a",
+                                                 segs[0].id, remote_addr - segs[0].base}})
+                  .ok());
+  EXPECT_TRUE(target.Matches(7, 8192, 4096, 0));
+  EXPECT_TRUE(b->PeerSegments("nobody").status().IsNotFound());
+}
+
+TEST(Handshake, GarbageAndSilentClientsDoNotStopTheService) {
+  auto a = WithHandshake("hs-a", "127.0.0.1:0");
+  const uint16_t port = PortOf(a->handshake_endpoint());
+  int garbage = Connect(port);
+  ASSERT_GE(garbage, 0);
+  const char junk[] = "GET / HTTP/1.0\r\n\r\n";
+  ASSERT_GT(send(garbage, junk, sizeof(junk) - 1, 0), 0);
+  char c;
+  EXPECT_LE(recv(garbage, &c, 1, 0), 0);  // closed (or reset) without an answer
+  close(garbage);
+  int silent = Connect(port);  // connects and says nothing
+  ASSERT_GE(silent, 0);
+  const auto t = Clock::now();
+  auto d = TransferEngine::FetchDescriptor(a->handshake_endpoint(), 5000);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_LT(Clock::now() - t, std::chrono::milliseconds(2500));  // waited out the silent one
+  close(silent);
+  // Not a handshake port (the tcp transport's data port), a closed port, a bad address.
+  const std::string data_ep = a->endpoints("tcp");
+  auto wrong = TransferEngine::FetchDescriptor(data_ep, 1500);
+  EXPECT_FALSE(wrong.ok());
+  const uint16_t free_port = testing::FreePort();
+  auto closed = TransferEngine::FetchDescriptor("127.0.0.1:" + std::to_string(free_port), 1000);
+  EXPECT_TRUE(closed.status().IsPeerUnreachable()) << closed.status().ToString();
+  EXPECT_TRUE(TransferEngine::FetchDescriptor("no-port", 1000).status().Is(
+      StatusCode::kInvalidArgument));
+}
+
+TEST(Handshake, RestartOnTheSameHandshakePortIsANewIncarnation) {
+  const uint16_t port = testing::FreePort();
+  const std::string listen = "127.0.0.1:" + std::to_string(port);
+  auto b = Must(TransferEngine::Create(LoopbackOptions("tcp", "hs-b")));
+  Buffer local(4096);
+  Must(b->RegisterMemory(local.data(), local.size()));
+  Buffer target1(1 << 16);
+  auto a1 = WithHandshake("hs-a", listen);
+  Must(a1->RegisterMemory(target1.data(), target1.size()));
+  Must(b->AddPeer(Must(TransferEngine::FetchDescriptor(listen, 2000))));
+  const uint64_t seg1 = Must(b->PeerSegments("hs-a"))[0].id;
+  ASSERT_TRUE(b->Transfer(std::vector{TransferOp{OpCode::kWrite, local.data(), 4096, "hs-a", seg1,
+                                                 0}})
+                  .ok());
+  const uint64_t old_inc = a1->self().incarnation;
+  a1.reset();
+  Buffer target2(1 << 16);
+  target2.Fill(99);
+  auto a2 = WithHandshake("hs-a", listen);  // same node id, same handshake port
+  Must(a2->RegisterMemory(target2.data(), target2.size()));
+  // The old incarnation's segment is never written in the new process.
+  Status st = b->Transfer(std::vector{TransferOp{OpCode::kWrite, local.data(), 4096, "hs-a", seg1,
+                                                 0}});
+  EXPECT_FALSE(st.ok());
+  EXPECT_TRUE(target2.Matches(99, 0, target2.size(), 0));
+  PeerId fresh = Must(b->AddPeer(Must(TransferEngine::FetchDescriptor(listen, 2000))));
+  EXPECT_NE(fresh.incarnation, old_inc);
+  EXPECT_EQ(Must(b->PeerSegments("hs-a"))[0].base, reinterpret_cast<uint64_t>(target2.data()));
+}
+
+TEST(Handshake, ListenAddressInUseOrMalformedIsANamedError) {
+  auto a = WithHandshake("hs-a", "127.0.0.1:0");
+  EngineOptions o = LoopbackOptions("tcp", "hs-c");
+  o.handshake_listen = a->handshake_endpoint();
+  auto taken = TransferEngine::Create(o);
+  ASSERT_FALSE(taken.ok());
+  EXPECT_TRUE(taken.status().Is(StatusCode::kUnavailable)) << taken.status().ToString();
+  EXPECT_NE(taken.status().message().find("handshake"), std::string::npos);
+  o.handshake_listen = "not-an-address";
+  EXPECT_TRUE(TransferEngine::Create(o).status().Is(StatusCode::kInvalidArgument));
+}
+
+TEST(Descriptor, VersionOneBlobsStillDecodeAndUnknownVersionsAreNamed) {
+  core::Descriptor d;
+  d.node_id = "old-peer";
+  d.incarnation = 7;
+  d.transports = {{"tcp", "127.0.0.1:1"}};
+  std::string blob = core::EncodeDescriptor(d);  // no segments: v1 and v2 bodies are equal
+  auto with_version = [&](uint16_t v) {
+    std::string b = blob.substr(0, blob.size() - 4);
+    b[4] = static_cast<char>(v & 0xff);  // after the 4-byte magic, little-endian
+    b[5] = static_cast<char>(v >> 8);
+    const uint32_t crc = util::Crc32c(b.data(), b.size());
+    b.append(reinterpret_cast<const char*>(&crc), 4);
+    return b;
+  };
+  auto v1 = core::DecodeDescriptor(with_version(1));
+  ASSERT_TRUE(v1.ok()) << v1.status().ToString();
+  EXPECT_EQ(v1->node_id, "old-peer");
+  auto v3 = core::DecodeDescriptor(with_version(3));
+  ASSERT_FALSE(v3.ok());
+  EXPECT_NE(v3.status().message().find("versions 1 and 2"), std::string::npos)
+      << v3.status().ToString();
+}
+
+}  // namespace
+}  // namespace kvbridge
