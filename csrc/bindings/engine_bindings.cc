@@ -51,6 +51,15 @@ const char* BreakerName(BreakerState s) {
 }  // namespace
 
 void BindEngine(py::module_& m) {
+  m.def(
+      "fetch_descriptor",
+      [](const std::string& host_port, uint32_t timeout_ms) {
+        std::string d =
+            NoGil([&] { return Unwrap(TransferEngine::FetchDescriptor(host_port, timeout_ms)); });
+        return py::bytes(d);
+      },
+      py::arg("host_port"), py::arg("timeout_ms") = 3000);
+
   py::class_<EngineOptions>(m, "EngineOptions")
       .def(py::init<>())
       .def_static("from_env", &EngineOptions::FromEnv)
@@ -59,6 +68,7 @@ void BindEngine(py::module_& m) {
       .def_readwrite("plugin_path", &EngineOptions::plugin_path)
       .def_readwrite("listen", &EngineOptions::listen)
       .def_readwrite("cluster_token", &EngineOptions::cluster_token)
+      .def_readwrite("handshake_listen", &EngineOptions::handshake_listen)
       .def_readwrite("deadline_ms", &EngineOptions::default_deadline_ms)
       .def_readwrite("progress_timeout_ms", &EngineOptions::progress_timeout_ms)
       .def_readwrite("breaker_failures", &EngineOptions::breaker_failures)
@@ -113,6 +123,20 @@ void BindEngine(py::module_& m) {
                return h.With([&](TransferEngine& e) { return Unwrap(e.AddPeer(descriptor)); });
              });
              return py::make_tuple(id.node_id, id.incarnation);
+           })
+      .def("handshake_endpoint",
+           [](EngineHandle& h) {
+             return NoGil(
+                 [&] { return h.With([](TransferEngine& e) { return e.handshake_endpoint(); }); });
+           })
+      .def("peer_segments",
+           [](EngineHandle& h, const std::string& node_id) {
+             auto segs = NoGil([&] {
+               return h.With([&](TransferEngine& e) { return Unwrap(e.PeerSegments(node_id)); });
+             });
+             std::vector<std::tuple<uint64_t, uint64_t, uint64_t>> out;
+             for (const auto& s : segs) out.emplace_back(s.id, s.base, s.length);
+             return out;
            })
       .def("remove_peer",
            [](EngineHandle& h, const std::string& node_id) {

@@ -18,7 +18,8 @@ import importlib
 from typing import Any
 
 from kvbridge._native import _C
-from kvbridge.engine import READ, WRITE, BatchError, Op, PeerId, TransferEngine, raise_if_error
+from kvbridge.engine import (READ, WRITE, BatchError, Op, PeerId, TransferEngine, fetch_descriptor,
+                             raise_if_error)
 from kvbridge.errors import KvbError, StatusCode
 from kvbridge.store import Cluster, GetResult, Master, Node, StoreClient, cluster_status
 
@@ -27,7 +28,7 @@ __version__ = "0.1.0"
 Status = _C.Status
 
 __all__ = [
-    "__version__", "TransferEngine", "Op", "READ", "WRITE", "PeerId", "BatchError",
+    "__version__", "TransferEngine", "Op", "READ", "WRITE", "PeerId", "BatchError", "fetch_descriptor",
     "StoreClient", "Node", "Master", "Cluster", "GetResult", "cluster_status", "Status",
     "StatusCode", "KvbError", "raise_if_error", "errors", "ops",
 ]

@@ -142,6 +142,16 @@ class TransferEngine:
                 f"add_peer: descriptor must be bytes, got {type(descriptor).__name__}")
         return PeerId(*self._h.add_peer(bytes(descriptor)))
 
+    @property
+    def handshake_endpoint(self) -> str:
+        """"host:port" of this engine's handshake service ("" without handshake_listen)."""
+        return self._h.handshake_endpoint()
+
+    def peer_segments(self, node_id: str) -> list[tuple[int, int, int]]:
+        """(segment id, base address in the peer, length) of each segment a peer registered,
+        sorted by base address. NotFoundError for an unknown peer."""
+        return self._h.peer_segments(node_id)
+
     def remove_peer(self, node_id: str) -> None:
         self._h.remove_peer(node_id)
 
@@ -226,3 +236,9 @@ class TransferEngine:
             return "TransferEngine(closed)"
         node, inc = self._h.self_id()
         return f"TransferEngine(node_id={node!r}, incarnation={inc:#018x})"
+
+
+def fetch_descriptor(host_port: str, timeout_ms: int = 3000) -> bytes:
+    """Asks the handshake service at "host:port" for that engine's descriptor (pass it to
+    TransferEngine.add_peer). PeerUnreachableError, DeadlineExceededError, ProtocolError."""
+    return _C.fetch_descriptor(host_port, timeout_ms)

@@ -19,7 +19,8 @@ from kvbridge.errors import InvalidArgumentError
 PLUGIN_PREFIXES = ("tcp", "dram", "ssd", "ucx", "verbs", "nccl")
 
 ENGINE_FIELDS = (
-    "node_id", "transports", "plugin_path", "listen", "cluster_token", "deadline_ms",
+    "node_id", "transports", "plugin_path", "listen", "handshake_listen", "cluster_token",
+    "deadline_ms",
     "progress_timeout_ms", "breaker_failures", "breaker_backoff_ms", "breaker_max_backoff_ms",
 )
 STORE_FIELDS = ("master", "replica_num", "rpc_timeout_ms", "store_transfer_deadline_ms",
