@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <numeric>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,6 +34,8 @@ struct TierCase {
 };
 
 std::string CaseName(const ::testing::TestParamInfo<TierCase>& info) { return info.param.plugin; }
+// How gtest (and so ctest's listing) prints a case: its plugin's name.
+void PrintTo(const TierCase& c, std::ostream* os) { *os << c.plugin; }
 
 class StoreTiers : public ::testing::TestWithParam<TierCase> {
  protected:
