@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "tcp_wire.h"
+#include "util/host_port.h"
 
 namespace kvbridge::tcp {
 
@@ -130,26 +131,7 @@ std::vector<std::string> SplitList(const std::string& s) {
   return out;
 }
 
-// "host:port" or "[v6]:port". The port must be decimal and <= 65535.
-bool SplitHostPort(const std::string& ep, std::string* host, std::string* port) {
-  size_t colon;
-  if (!ep.empty() && ep[0] == '[') {
-    size_t close = ep.find(']');
-    if (close == std::string::npos || close + 1 >= ep.size() || ep[close + 1] != ':') return false;
-    *host = ep.substr(1, close - 1);
-    colon = close + 1;
-  } else {
-    colon = ep.rfind(':');
-    if (colon == std::string::npos) return false;
-    *host = ep.substr(0, colon);
-  }
-  *port = ep.substr(colon + 1);
-  if (port->empty() || port->size() > 5) return false;
-  for (char c : *port) {
-    if (c < '0' || c > '9') return false;
-  }
-  return std::stoul(*port) <= 65535;
-}
+using util::SplitHostPort;  // "host:port" or "[v6]:port" (util/host_port.h)
 
 std::string AddrText(const sockaddr_storage& ss) {
   char host[INET6_ADDRSTRLEN] = "?";
