@@ -93,9 +93,9 @@ Result<std::unique_ptr<HandshakeServer>> HandshakeServer::Start(
   sockaddr_storage ss{};
   socklen_t len = sizeof(ss);
   getsockname(s->fd_, reinterpret_cast<sockaddr*>(&ss), &len);
-  const uint16_t bound = ntohs(ss.ss_family == AF_INET6
-                                   ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
-                                   : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  const uint16_t bound =
+      ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                     : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
   const bool v6 = host.find(':') != std::string::npos;
   s->address_ = (v6 ? "[" + host + "]" : host) + ":" + std::to_string(bound);
   if (pipe2(s->wake_, O_CLOEXEC) != 0) return Status::Internal("pipe: " + ErrnoText());
@@ -195,16 +195,16 @@ Result<std::string> FetchDescriptor(const std::string& host_port, uint32_t timeo
   Status st;
   if (!WriteAll(fd, kMagic, sizeof(kMagic)) || !ReadAll(fd, magic, sizeof(magic)) ||
       !ReadAll(fd, len, 4)) {
-    st = left_ms() == 0 ? Status::DeadlineExceeded("handshake with " + host_port + " timed out")
-                        : Status::PeerUnreachable("handshake with " + host_port +
-                                                  ": connection closed");
+    st = left_ms() == 0
+             ? Status::DeadlineExceeded("handshake with " + host_port + " timed out")
+             : Status::PeerUnreachable("handshake with " + host_port + ": connection closed");
   } else if (std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) {
     st = Status::Protocol(host_port + " is not a kvbridge handshake port");
   } else {
     const uint32_t n = len[0] | (len[1] << 8) | (len[2] << 16) | (uint32_t{len[3]} << 24);
     if (n == 0 || n > kMaxDescriptorBytes) {
-      st = Status::Protocol("handshake with " + host_port + ": descriptor of " +
-                            std::to_string(n) + " bytes");
+      st = Status::Protocol("handshake with " + host_port + ": descriptor of " + std::to_string(n) +
+                            " bytes");
     } else {
       out.resize(n);
       if (!ReadAll(fd, out.data(), n)) {

@@ -4,8 +4,10 @@
 #include <exception>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "dram_pool.h"
+#include "guard.h"
 #include "kvbridge/plugin/storage.h"
 
 namespace {
@@ -14,38 +16,16 @@ using kvbridge::dram::DramPool;
 
 DramPool* D(kvb_storage_t* s) { return reinterpret_cast<DramPool*>(s); }
 
-// Runs `fn`; an escaping exception becomes KVB_ERR_INTERNAL (and its text goes to err).
+constexpr const char* kPlugin = "dram";
+
 template <typename Fn>
 kvb_status_t Guard(Fn&& fn, char* err = nullptr, uint32_t err_len = 0) {
-  try {
-    return fn();
-  } catch (const std::exception& e) {
-    kvb_copy_message(err, err_len, (std::string("dram: internal error: ") + e.what()).c_str());
-  } catch (...) {
-    kvb_copy_message(err, err_len, "dram: internal error");
-  }
-  return KVB_ERR_INTERNAL;
+  return kvbridge::plugin::Guard(kPlugin, std::forward<Fn>(fn), err, err_len);
 }
 
 kvb_status_t Create(const kvb_host_services_t* host, const kvb_storage_params_t* params,
                     kvb_storage_t** out, char* err, uint32_t err_len) {
-  return Guard(
-      [&]() -> kvb_status_t {
-        if (out == nullptr) {
-          kvb_copy_message(err, err_len, "dram: create: out is null");
-          return KVB_ERR_INVALID_ARGUMENT;
-        }
-        std::unique_ptr<DramPool> pool;
-        std::string msg;
-        const kvb_status_t st = DramPool::Create(host, params, &pool, &msg);
-        if (st != KVB_OK) {
-          kvb_copy_message(err, err_len, msg.c_str());
-          return st;
-        }
-        *out = reinterpret_cast<kvb_storage_t*>(pool.release());
-        return KVB_OK;
-      },
-      err, err_len);
+  return kvbridge::plugin::CreateStorage<DramPool>(kPlugin, host, params, out, err, err_len);
 }
 
 void Destroy(kvb_storage_t* s) {

@@ -5,7 +5,9 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 
+#include "guard.h"
 #include "kvbridge/plugin/storage.h"
 #include "ssd_store.h"
 
@@ -19,38 +21,16 @@ std::string_view Bytes(const uint8_t* p, uint32_t n) {
   return {reinterpret_cast<const char*>(p), p == nullptr ? 0 : n};
 }
 
-// Runs `fn`; an escaping exception becomes KVB_ERR_INTERNAL (and its text goes to err).
+constexpr const char* kPlugin = "ssd";
+
 template <typename Fn>
 kvb_status_t Guard(Fn&& fn, char* err = nullptr, uint32_t err_len = 0) {
-  try {
-    return fn();
-  } catch (const std::exception& e) {
-    kvb_copy_message(err, err_len, (std::string("ssd: internal error: ") + e.what()).c_str());
-  } catch (...) {
-    kvb_copy_message(err, err_len, "ssd: internal error");
-  }
-  return KVB_ERR_INTERNAL;
+  return kvbridge::plugin::Guard(kPlugin, std::forward<Fn>(fn), err, err_len);
 }
 
 kvb_status_t Create(const kvb_host_services_t* host, const kvb_storage_params_t* params,
                     kvb_storage_t** out, char* err, uint32_t err_len) {
-  return Guard(
-      [&]() -> kvb_status_t {
-        if (out == nullptr) {
-          kvb_copy_message(err, err_len, "ssd: create: out is null");
-          return KVB_ERR_INVALID_ARGUMENT;
-        }
-        std::unique_ptr<SsdStore> store;
-        std::string msg;
-        const kvb_status_t st = SsdStore::Create(host, params, &store, &msg);
-        if (st != KVB_OK) {
-          kvb_copy_message(err, err_len, msg.c_str());
-          return st;
-        }
-        *out = reinterpret_cast<kvb_storage_t*>(store.release());
-        return KVB_OK;
-      },
-      err, err_len);
+  return kvbridge::plugin::CreateStorage<SsdStore>(kPlugin, host, params, out, err, err_len);
 }
 
 void Destroy(kvb_storage_t* s) {
