@@ -27,17 +27,20 @@ configure: $(BUILD_DIR)/build.ninja
 build: configure
 	ninja -C $(BUILD_DIR) -j$(JOBS)
 
-# C++ suites (ctest), then the Python suites against the build tree's package, then a
+# C++ suites (ctest), then the Python suites against the build tree's package, the Mooncake
+# compatibility suites against kvbridge and (in .venv-mooncake) the real Mooncake wheel, then a
 # `pip install .` into a fresh venv used from outside the tree (scripts/check_pip_install.sh).
 test: setup
 	$(MAKE) build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure
 	$(MAKE) pytest
+	BUILD_DIR=$(abspath $(BUILD_DIR)) PYTHON=$(PYTHON) scripts/test_mooncake_compat.sh
 	KVBRIDGE_BUILD_DIR=$(abspath $(BUILD_DIR)) scripts/check_pip_install.sh
 
 # The Python suites alone (tests/python), against $(BUILD_DIR)/python.
 pytest:
-	PYTHONPATH=$(abspath $(BUILD_DIR))/python $(PYTHON) -m pytest tests/python -q -rs
+	PYTHONPATH=$(abspath $(BUILD_DIR))/python $(PYTHON) -m pytest tests/python -q -rs \
+	  --ignore=tests/python/compat
 
 # Installs kvbridge into the project venv (pip install ., reusing $(BUILD_DIR)).
 install: build

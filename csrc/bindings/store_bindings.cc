@@ -211,6 +211,18 @@ void BindClient(py::module_& m) {
              }
              return out;
            })
+      .def("batch_get_size",
+           [](PyStoreClient& c, const std::vector<std::string>& keys) {
+             auto rs = NoGil(
+                 [&] { return c.With([&](StoreClient& s) { return s.BatchGetSize(keys); }); });
+             std::vector<std::pair<PyStatus, uint64_t>> out;
+             out.reserve(rs.size());
+             for (const auto& r : rs) {
+               out.emplace_back(r.ok() ? PyStatus{} : bindings::ToPy(r.status()),
+                                r.ok() ? r.value() : 0);
+             }
+             return out;
+           })
       .def("batch_exists",
            [](PyStoreClient& c, const std::vector<std::string>& keys) {
              return NoGil([&] {

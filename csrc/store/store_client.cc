@@ -446,6 +446,32 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   return result;
 }
 
+std::vector<Result<uint64_t>> StoreClient::BatchGetSize(std::span<const std::string> keys) {
+  Impl& im = *impl_;
+  std::vector<Result<uint64_t>> result(keys.size(), Status::Internal("not attempted"));
+  if (keys.empty()) return result;
+  rpc::GetReplicasRequest req;
+  req.set_client_node_id(im.engine->self().node_id);
+  for (const auto& k : keys) req.add_keys(k);
+  rpc::GetReplicasReply got;
+  auto ctx = im.Context();
+  grpc::Status gs = im.master->GetReplicas(ctx.get(), req, &got);
+  if (!gs.ok() || got.items_size() != static_cast<int>(keys.size())) {
+    result.assign(keys.size(), store::FromGrpc(gs, "GetReplicas"));
+    return result;
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const auto& item = got.items(static_cast<int>(i));
+    Status st = FromProto(item.status());
+    if (!st.ok()) {
+      result[i] = st;
+      continue;
+    }
+    result[i] = std::accumulate(item.sizes().begin(), item.sizes().end(), uint64_t{0});
+  }
+  return result;
+}
+
 std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
     std::span<const std::string> keys, std::span<const std::vector<BufferRef>> buffers) {
   Impl& im = *impl_;

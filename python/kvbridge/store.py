@@ -181,6 +181,15 @@ class StoreClient:
         ks, bufs = self._batch_regions(keys, buffers, True, "batch_get_into")
         return [GetResult(s, n) for s, n in self._h.batch_get_into(ks, bufs)]
 
+    def get_size(self, key: Key) -> int:
+        """The object's size in bytes (NotFoundError if absent). Reads no bytes."""
+        return GetResult(*self._h.batch_get_size([_key(key)])[0]).raise_if_error()
+
+    def batch_get_size(self, keys: Sequence[Key]) -> list[GetResult]:
+        """One GetResult(status, size) per key, sizes from the master; no bytes are read."""
+        return [GetResult(s, n) for s, n in
+                self._h.batch_get_size([_key(k, i) for i, k in enumerate(keys)])]
+
     def batch_exists(self, keys: Sequence[Key]) -> list[bool]:
         return self._h.batch_exists([_key(k, i) for i, k in enumerate(keys)])
 

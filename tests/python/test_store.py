@@ -37,6 +37,17 @@ def test_missing_key_and_small_buffer_raise_named_errors(cluster):
     assert small == bytearray(b"\x07" * 10)  # untouched
 
 
+def test_sizes_come_from_the_master(cluster):
+    store = cluster.client()
+    store.put("sized", b"x" * 1234)
+    assert store.get_size("sized") == 1234
+    r = store.batch_get_size(["sized", "absent"])
+    assert r[0].ok and r[0].size == 1234
+    assert r[1].status.name == "NOT_FOUND"
+    with pytest.raises(errors.NotFoundError):
+        store.get_size("absent")
+
+
 def test_exists_remove(cluster):
     store = cluster.client()
     store.put("k", b"v")

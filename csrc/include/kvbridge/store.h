@@ -73,6 +73,9 @@ class StoreClient {
   std::vector<Result<uint64_t>> BatchGetInto(std::span<const std::string> keys,
                                              std::span<const std::vector<BufferRef>> buffers);
   Result<std::vector<bool>> BatchExists(std::span<const std::string> keys);
+  // Per key: the object's size in bytes (the sum of its buffers), or NOT_FOUND /
+  // INVALID_ARGUMENT. Reads no bytes (the master answers).
+  std::vector<Result<uint64_t>> BatchGetSize(std::span<const std::string> keys);
   std::vector<Status> BatchRemove(std::span<const std::string> keys);
   Status RemoveAll();
 

@@ -1,0 +1,800 @@
+"""Mooncake's ``MooncakeDistributedStore`` and ``ReplicateConfig``, implemented on kvbridge.
+
+    from kvbridge.compat.mooncake import MooncakeDistributedStore, ReplicateConfig
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 512 << 20, 16 << 20, "tcp", "",
+                       "127.0.0.1:50051") == 0          # a kvbridge master's address
+    store.register_buffer(ptr, size)
+    store.batch_put_from(keys, ptrs, sizes)              # [0, 0, ...]
+    store.batch_get_into(keys, ptrs, sizes)              # [bytes read, ...] or negative codes
+
+What setup() builds: Mooncake's client contributes ``global_segment_size`` bytes of this
+process's memory to the pool; here that is a kvbridge ``Node`` (``node_dram_bytes =
+global_segment_size``) registered with the kvbridge master at ``master_server_addr``, plus a
+``StoreClient`` of that master sharing the node's id (reads prefer the local replica).
+``global_segment_size=0`` is a pure client. ``local_buffer_size`` becomes a registered staging
+area for put_batch/get_batch. ``metadata_server``, ``rdma_devices``, ``engine``, ``tenant_id``
+and the client HTTP server are accepted and ignored: kvbridge peers find each other through
+the master. docs/mooncake.md lists every method and what differs.
+
+Conventions are Mooncake's: 0 on success, bytes read for reads, 1/0 for existence, negative
+Mooncake error codes (:class:`ErrorCode`) on failure, ``b""`` from get/get_batch for a key
+that cannot be read. Store failures never raise; an argument of the wrong type raises
+TypeError, as Mooncake's pybind11 binding does. Buffers are raw addresses (ints) with sizes;
+unregistered memory works too (one staging copy), registered memory moves zero-copy.
+
+Thread-safety: every method may be called from several threads. close() waits for the calls
+in flight on the kvbridge objects underneath.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import ipaddress
+import itertools
+import logging
+import mmap
+import os
+import socket
+import threading
+from typing import Any, Optional, Sequence
+
+from kvbridge.errors import KvbError, UnavailableError
+from kvbridge.store import Node, StoreClient, cluster_status
+
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ErrorCode", "mooncake_code"]
+
+_log = logging.getLogger("kvbridge.compat.mooncake")
+
+
+class ErrorCode(enum.IntEnum):
+    """Mooncake Store's error numbers (mooncake-store/include/types.h) that this layer returns."""
+
+    OK = 0
+    INTERNAL_ERROR = -1
+    NO_AVAILABLE_HANDLE = -200
+    INVALID_KEY = -400
+    INVALID_PARAMS = -600
+    ILLEGAL_CLIENT = -601
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    TRANSFER_FAIL = -800
+    RPC_FAIL = -900
+    UNAVAILABLE_IN_CURRENT_STATUS = -1010
+    UNAVAILABLE_IN_CURRENT_MODE = -1011
+
+
+# kvbridge statuses of moving bytes or reaching a peer: TRANSFER_FAIL, or RPC_FAIL when the
+# peer was the master (a master-only call, or kvbridge's message says so).
+_PEER_FAILURES = frozenset({"STALE_PEER", "PEER_UNREACHABLE", "DEADLINE_EXCEEDED",
+                            "PROGRESS_TIMEOUT", "BACKPRESSURE", "CANCELLED", "PROTOCOL", "IO"})
+_BY_NAME = {
+    "NOT_FOUND": ErrorCode.OBJECT_NOT_FOUND,
+    "INVALID_ARGUMENT": ErrorCode.INVALID_PARAMS,
+    "NOT_REGISTERED": ErrorCode.INVALID_PARAMS,
+    "OUT_OF_BOUNDS": ErrorCode.INVALID_PARAMS,
+    "ALREADY_EXISTS": ErrorCode.OBJECT_ALREADY_EXISTS,
+    "NO_SPACE": ErrorCode.NO_AVAILABLE_HANDLE,
+    "UNAUTHENTICATED": ErrorCode.ILLEGAL_CLIENT,
+    "UNSUPPORTED": ErrorCode.UNAVAILABLE_IN_CURRENT_MODE,
+    "UNAVAILABLE": ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS,
+    "INTERNAL": ErrorCode.INTERNAL_ERROR,
+}
+
+
+def mooncake_code(name: str, message: str = "", master_call: bool = False) -> int:
+    """The Mooncake error number for a kvbridge status name (0 for OK)."""
+    if name == "OK":
+        return 0
+    if name in _PEER_FAILURES:
+        if master_call or "master" in message:
+            return int(ErrorCode.RPC_FAIL)
+        return int(ErrorCode.TRANSFER_FAIL)
+    return int(_BY_NAME.get(name, ErrorCode.INTERNAL_ERROR))
+
+
+def _code_of(err: Any, master_call: bool = False) -> int:
+    """err: a kvbridge.Status or a KvbError."""
+    return mooncake_code(err.name, err.message, master_call)
+
+
+class ReplicateConfig:
+    """Mooncake's put options. kvbridge honours ``replica_num`` (replicas on distinct nodes);
+    the other fields are kept so that code setting them runs, and are ignored."""
+
+    __slots__ = ("replica_num", "with_soft_pin", "with_hard_pin", "soft_pin_action",
+                 "soft_pin_ttl_ms", "preferred_segment", "preferred_segments",
+                 "preferred_nof_segments", "prefer_alloc_in_same_node", "nof_replica_num",
+                 "dfs_replica_num", "group_ids", "data_type")
+
+    def __init__(self, replica_num: int = 1, **fields: Any):
+        self.replica_num = replica_num
+        self.with_soft_pin = False
+        self.with_hard_pin = False
+        self.soft_pin_action = None
+        self.soft_pin_ttl_ms = 0
+        self.preferred_segment = ""
+        self.preferred_segments: list = []
+        self.preferred_nof_segments: list = []
+        self.prefer_alloc_in_same_node = False
+        self.nof_replica_num = 0
+        self.dfs_replica_num = 0
+        self.group_ids: list = []
+        self.data_type = None
+        for name, value in fields.items():
+            if name not in self.__slots__:
+                raise TypeError(f"ReplicateConfig: unknown field {name!r}")
+            setattr(self, name, value)
+
+    def __repr__(self) -> str:
+        return f"ReplicateConfig(replica_num={self.replica_num})"
+
+
+def _replica_num(config: Any) -> int:
+    if config is None:
+        return 1
+    n = getattr(config, "replica_num", None)  # ours or mooncake.store.ReplicateConfig
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise TypeError(f"config: expected a ReplicateConfig, got {type(config).__name__}")
+    return n
+
+
+def _check_key(key: Any) -> None:
+    if not isinstance(key, (str, bytes)):
+        raise TypeError(f"key: expected str, got {type(key).__name__}")
+
+
+def _check_keys(keys: Any) -> None:
+    if isinstance(keys, (str, bytes)):
+        raise TypeError("keys: expected a list of str, got a single key")
+    for k in keys:
+        _check_key(k)
+
+
+def _check_ints(what: str, values: Any) -> None:
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{what}: expected int, got {type(v).__name__}")
+
+
+def _bytes_view(value: Any, what: str) -> memoryview:
+    if isinstance(value, str):  # Mooncake takes buffers, not text
+        raise TypeError(f"{what}: expected a bytes-like object, got str")
+    mv = memoryview(value)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def _split_duplicates(keys: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """Indexes of first occurrences and of repeats. kvbridge refuses a key twice in one put
+    batch; a repeat goes in a second batch, where it is an existing key (success, not written)."""
+    seen: set = set()
+    first, repeats = [], []
+    for i, k in enumerate(keys):
+        (repeats if k in seen else first).append(i)
+        seen.add(k)
+    return first, repeats
+
+
+def _host_of(local_hostname: str) -> str:
+    """An address to listen on for Mooncake's local_hostname ("host" or "host:port")."""
+    host = local_hostname.strip()
+    if host.startswith("[") and "]" in host:  # [v6]:port
+        host = host[1:host.index("]")]
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        return socket.gethostbyname(host)
+
+
+_instances = itertools.count()
+
+
+class _Session:
+    """What one setup() built; closed as a whole by close()."""
+
+    def __init__(self, master: str, node: Optional[Node], client: StoreClient,
+                 client_options: dict, staging: Optional[mmap.mmap]):
+        self.master = master
+        self.node = node
+        self.client = client
+        self._client_options = client_options
+        self._lock = threading.Lock()
+        # Clients for puts with another replica_num (kvbridge's replica_num is per client).
+        self._by_replicas: dict[int, StoreClient] = {1: client}
+        self._registered: dict[int, int] = {}  # address -> size, re-registered on new clients
+        self._closed = False
+        self.staging = staging
+        self.staging_address = 0
+        self.staging_lock = threading.Lock()
+        if staging is not None:
+            self.staging_address = ctypes.addressof(ctypes.c_char.from_buffer(staging))
+            self.register(self.staging_address, len(staging))
+
+    def client_for(self, replica_num: int) -> StoreClient:
+        with self._lock:
+            c = self._by_replicas.get(replica_num)
+            closed = self._closed
+        if c is not None:
+            return c
+        if closed:
+            raise UnavailableError("the store is closed")
+        opts = dict(self._client_options, replica_num=replica_num)
+        opts["node_id"] = f"{opts['node_id']}-r{replica_num}"
+        fresh = StoreClient(**opts)  # InvalidArgumentError for replica_num < 1
+        with self._lock:
+            closed = self._closed
+            c = fresh if closed else self._by_replicas.setdefault(replica_num, fresh)
+            buffers = list(self._registered.items()) if c is fresh else []
+        if closed or c is not fresh:
+            fresh.close()
+        if closed:
+            raise UnavailableError("the store is closed")
+        for address, size in buffers:
+            try:
+                c.register_buffer((address, size))
+            except KvbError:
+                pass  # unregistered meanwhile; that key then goes through the staging copy
+        return c
+
+    def register(self, address: int, size: int) -> None:
+        self.client.register_buffer((address, size))
+        with self._lock:
+            self._registered[address] = size
+            others = [c for n, c in self._by_replicas.items() if n != 1]
+        for c in others:
+            c.register_buffer((address, size))
+
+    def unregister(self, address: int) -> None:
+        self.client.unregister_buffer((address, 0))
+        with self._lock:
+            self._registered.pop(address, None)
+            others = [c for n, c in self._by_replicas.items() if n != 1]
+        for c in others:
+            try:
+                c.unregister_buffer((address, 0))
+            except KvbError:
+                pass  # registered on the main client only (a race with client_for)
+
+    def close(self) -> None:
+        with self._lock:
+            clients = list(self._by_replicas.values())
+            self._by_replicas = {}
+            self._closed = True
+        for c in clients:
+            c.close()
+        if self.node is not None:
+            self.node.close()  # like Mooncake's close: the segment and its replicas go away
+        # The staging mmap is left to the garbage collector: a buffer export of it (the
+        # registration) may still be alive in a client being torn down.
+
+
+class MooncakeDistributedStore:
+    """Mooncake's store client on kvbridge (module docstring: the mapping and conventions)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._session: Optional[_Session] = None
+
+    # -- setup and lifetime ----------------------------------------------------------------
+    def setup(self, *args: Any, **kwargs: Any) -> int:
+        """``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size,
+        protocol, rdma_devices, master_server_addr, engine=None, enable_ssd_offload=False,
+        ssd_offload_path="", tenant_id="default", enable_client_http_server=False,
+        client_http_port=9300)`` or ``setup(config_dict)`` (keys as the parameters; only
+        local_hostname and metadata_server required). 0 on success, -1 on failure (logged)."""
+        config = _setup_arguments(args, kwargs)
+        with self._lock:
+            if self._session is not None:
+                _log.warning("setup: already set up; keeping the existing setup")
+                return 0
+        try:
+            session = _start(config)
+        except (KvbError, ValueError, OSError) as e:
+            _log.error("setup failed: %s", e)
+            return -1
+        with self._lock:
+            if self._session is None:
+                self._session = session
+                return 0
+        session.close()  # another thread's setup won
+        return 0
+
+    def close(self) -> int:
+        """Closes the client and stops this process's contribution to the pool. 0; idempotent."""
+        with self._lock:
+            session, self._session = self._session, None
+        if session is not None:
+            session.close()
+        return 0
+
+    def health_check(self) -> int:
+        """0 healthy, 1 not set up or closed, 2 master unreachable."""
+        s = self._session
+        if s is None:
+            return 1
+        host, _, port = s.master.rpartition(":")
+        try:  # a refused connection answers at once; the RPC below would wait out a backoff
+            socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+            cluster_status(s.master, timeout_ms=2000)
+        except (KvbError, OSError, ValueError):
+            return 2
+        return 0
+
+    # -- plain values ----------------------------------------------------------------------
+    def put(self, key: str, value: Any, config: Any = None) -> int:
+        """Stores value's bytes. An existing key succeeds and keeps its bytes. 0 or an error."""
+        _check_key(key)
+        view = _bytes_view(value, "value")
+        n = _replica_num(config)
+        s = self._session
+        if s is None:
+            return int(ErrorCode.INVALID_PARAMS)
+        try:
+            s.client_for(n).put(key, view)
+            return 0
+        except KvbError as e:
+            return _code_of(e)
+
+    def put_parts(self, key: str, *parts: Any, config: Any = None) -> int:
+        """Stores the parts' bytes, concatenated, as one object."""
+        _check_key(key)
+        return self.put(key, b"".join(_bytes_view(p, "parts") for p in parts), config)
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes; b"" when it cannot be read (missing key or failure)."""
+        _check_key(key)
+        s = self._session
+        if s is None:
+            return b""
+        try:
+            return s.client.get(key)
+        except KvbError:
+            return b""
+
+    def put_batch(self, keys: list, values: list, config: Any = None) -> int:
+        """Stores each key's value. 0 when all succeeded, else the first key's error; a
+        length mismatch or an empty value fails the whole call (INVALID_PARAMS) up front."""
+        _check_keys(keys)
+        views = [_bytes_view(v, "values") for v in values]
+        n = _replica_num(config)
+        s = self._session
+        if s is None or len(keys) != len(views) or any(len(v) == 0 for v in views):
+            return int(ErrorCode.INVALID_PARAMS)
+        try:
+            client = s.client_for(n)
+        except KvbError as e:
+            return _code_of(e)
+        results = [0] * len(keys)
+        first, repeats = _split_duplicates(keys)
+        for group in (first, repeats):
+            for i, code in zip(group, self._staged_put(s, client, [keys[i] for i in group],
+                                                        [views[i] for i in group])):
+                results[i] = code
+        return next((c for c in results if c != 0), 0)
+
+    def get_batch(self, keys: list) -> list:
+        """Each key's bytes, b"" for a key that cannot be read."""
+        _check_keys(keys)
+        s = self._session
+        if s is None:
+            return [b""] * len(keys)
+        sizes = self._sizes(s, list(keys))
+        out = [b""] * len(keys)
+        chunk: list[tuple[int, int, int]] = []  # (index, offset in staging, size)
+        used = 0
+        capacity = len(s.staging) if s.staging is not None else 0
+        for i, size in enumerate(sizes):
+            if size <= 0:
+                continue
+            if size > capacity:
+                out[i] = self.get(keys[i])
+                continue
+            if used + size > capacity:
+                self._staged_get(s, keys, chunk, out)
+                chunk, used = [], 0
+            chunk.append((i, used, size))
+            used += size
+        if chunk:
+            self._staged_get(s, keys, chunk, out)
+        return out
+
+    # -- zero-copy forms (raw addresses) ---------------------------------------------------
+    def put_from(self, key: str, buffer_ptr: int, size: int, config: Any = None) -> int:
+        """Stores [buffer_ptr, buffer_ptr + size). Zero-copy when registered. 0 or an error."""
+        _check_key(key)
+        _check_ints("buffer_ptr/size", (buffer_ptr, size))
+        n = _replica_num(config)
+        s = self._session
+        if s is None or buffer_ptr <= 0 or size <= 0:
+            return int(ErrorCode.INVALID_PARAMS)
+        try:
+            s.client_for(n).put(key, (buffer_ptr, size))
+            return 0
+        except KvbError as e:
+            return _code_of(e)
+
+    def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        """Reads the object into [buffer_ptr, buffer_ptr + size): bytes read, or an error
+        (INVALID_PARAMS when the buffer is smaller than the object; it is then untouched)."""
+        _check_key(key)
+        _check_ints("buffer_ptr/size", (buffer_ptr, size))
+        s = self._session
+        if s is None or buffer_ptr <= 0 or size < 0:
+            return int(ErrorCode.INVALID_PARAMS)
+        try:  # a missing key is OBJECT_NOT_FOUND whatever the size, as in Mooncake
+            return s.client.get_into(key, (buffer_ptr, size))
+        except KvbError as e:
+            return _code_of(e)
+
+    def batch_put_from(self, keys: list, buffer_ptrs: list, sizes: list,
+                       config: Any = None) -> list:
+        """Stores each key from one buffer. One result per key: 0 or an error."""
+        _check_keys(keys)
+        _check_ints("buffer_ptrs", buffer_ptrs)
+        _check_ints("sizes", sizes)
+        if len(buffer_ptrs) != len(keys) or len(sizes) != len(keys):
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        return self._batch_put(keys, [[(p, n)] for p, n in zip(buffer_ptrs, sizes)], config)
+
+    def batch_get_into(self, keys: list, buffer_ptrs: list, sizes: list) -> list:
+        """Reads each key into one buffer. One result per key: bytes read or an error."""
+        _check_keys(keys)
+        _check_ints("buffer_ptrs", buffer_ptrs)
+        _check_ints("sizes", sizes)
+        if len(buffer_ptrs) != len(keys) or len(sizes) != len(keys):
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        return self._batch_get(keys, [[(p, n)] for p, n in zip(buffer_ptrs, sizes)])
+
+    def batch_put_from_multi_buffers(self, keys: list, all_buffer_ptrs: list, all_sizes: list,
+                                     config: Any = None) -> list:
+        """Stores each key from several buffers (e.g. K and V), concatenated into one object."""
+        bufs = _multi_buffers(keys, all_buffer_ptrs, all_sizes)
+        if bufs is None:
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        return self._batch_put(keys, bufs, config)
+
+    def batch_get_into_multi_buffers(self, keys: list, all_buffer_ptrs: list, all_sizes: list,
+                                     prefer_alloc_in_same_node: bool = False) -> list:
+        """Reads each key into several buffers, filled in order: bytes read or an error.
+        (prefer_alloc_in_same_node is accepted and ignored.)"""
+        bufs = _multi_buffers(keys, all_buffer_ptrs, all_sizes)
+        if bufs is None:
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        return self._batch_get(keys, bufs)
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """Registers memory for zero-copy transfers. 0, or INVALID_PARAMS (zero size, overlap)."""
+        _check_ints("buffer_ptr/size", (buffer_ptr, size))
+        s = self._session
+        if s is None or buffer_ptr <= 0 or size <= 0:
+            return int(ErrorCode.INVALID_PARAMS)
+        try:
+            s.register(buffer_ptr, size)
+            return 0
+        except KvbError as e:
+            return int(ErrorCode.INVALID_PARAMS) if e.name != "UNAVAILABLE" else _code_of(e)
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        """0, or INVALID_PARAMS unless buffer_ptr starts a registered buffer."""
+        _check_ints("buffer_ptr", (buffer_ptr,))
+        s = self._session
+        if s is None or buffer_ptr <= 0:
+            return int(ErrorCode.INVALID_PARAMS)
+        try:
+            s.unregister(buffer_ptr)
+            return 0
+        except (KvbError, ValueError) as e:  # ValueError: not in the client's own list
+            name = getattr(e, "name", "")
+            return int(ErrorCode.INVALID_PARAMS) if name != "UNAVAILABLE" else _code_of(e)
+
+    # -- existence, sizes, removal ---------------------------------------------------------
+    def is_exist(self, key: str) -> int:
+        """1 if the key exists (complete), 0 if not, negative on error."""
+        _check_key(key)
+        return self.batch_is_exist([key])[0]
+
+    def batch_is_exist(self, keys: list) -> list:
+        """One 1/0/negative per key."""
+        _check_keys(keys)
+        s = self._session
+        if s is None:
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        if not keys:
+            return []
+        try:
+            return [1 if e else 0 for e in s.client.batch_exists(list(keys))]
+        except KvbError as e:
+            return [_code_of(e, master_call=True)] * len(keys)
+
+    def get_size(self, key: str) -> int:
+        """The object's size in bytes, or an error (OBJECT_NOT_FOUND)."""
+        _check_key(key)
+        s = self._session
+        if s is None:
+            return int(ErrorCode.INVALID_PARAMS)
+        return self._sizes(s, [key])[0]
+
+    def remove(self, key: str, force: bool = False) -> int:
+        """0, OBJECT_NOT_FOUND, or an error. kvbridge never refuses for a read lease (the
+        space stays reserved until leased reads end), so ``force`` changes nothing."""
+        _check_key(key)
+        return self.batch_remove([key], force)[0]
+
+    def batch_remove(self, keys: list, force: bool = False) -> list:
+        """One 0/negative per key."""
+        _check_keys(keys)
+        s = self._session
+        if s is None:
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        if not keys:
+            return []
+        try:
+            return [_code_of(st, master_call=True) for st in s.client.batch_remove(list(keys))]
+        except KvbError as e:
+            return [_code_of(e, master_call=True)] * len(keys)
+
+    def remove_all(self, force: bool = False) -> int:
+        """Removes every complete object in the cluster: how many were removed, or an error.
+        (The count is the master's object count before minus after, so puts completing
+        meanwhile are subtracted.)"""
+        s = self._session
+        if s is None:
+            return int(ErrorCode.INVALID_PARAMS)
+        try:
+            before = cluster_status(s.master)["objects"]
+            s.client.remove_all()
+            after = cluster_status(s.master)["objects"]
+        except KvbError as e:
+            return _code_of(e, master_call=True)
+        return max(before - after, 0)
+
+    # -- internals -------------------------------------------------------------------------
+    def _sizes(self, s: _Session, keys: list) -> list:
+        try:
+            results = s.client.batch_get_size(keys)
+        except KvbError as e:
+            return [_code_of(e, master_call=True)] * len(keys)
+        return [r.size if r.ok else _code_of(r.status, master_call=True) for r in results]
+
+    def _staged_put(self, s: _Session, client: StoreClient, keys: list,
+                    views: list) -> list:
+        """Puts through the registered staging area, in as few batches as it allows; values
+        larger than the area go alone through kvbridge's own staging copy."""
+        results = [0] * len(keys)
+        capacity = len(s.staging) if s.staging is not None else 0
+        chunk: list[tuple[int, int]] = []  # (index, offset)
+        used = 0
+
+        def flush() -> None:
+            # The staging area is one buffer, so batches through it take turns (as
+            # StoreClient.put does with kvbridge's own staging area).
+            with s.staging_lock:
+                for i, off in chunk:
+                    s.staging[off:off + len(views[i])] = views[i]
+                try:
+                    st = client.batch_put_from(
+                        [keys[i] for i, _ in chunk],
+                        [(s.staging_address + off, len(views[i])) for i, off in chunk])
+                    for (i, _), status in zip(chunk, st):
+                        results[i] = _code_of(status)
+                except KvbError as e:
+                    for i, _ in chunk:
+                        results[i] = _code_of(e)
+
+        for i, v in enumerate(views):
+            if len(v) > capacity:
+                try:
+                    client.put(keys[i], v)
+                except KvbError as e:
+                    results[i] = _code_of(e)
+                continue
+            if used + len(v) > capacity:
+                flush()
+                chunk, used = [], 0
+            chunk.append((i, used))
+            used += len(v)
+        if chunk:
+            flush()
+        return results
+
+    def _staged_get(self, s: _Session, keys: list, chunk: list, out: list) -> None:
+        with s.staging_lock:
+            try:
+                results = s.client.batch_get_into(
+                    [keys[i] for i, _, _ in chunk],
+                    [(s.staging_address + off, size) for _, off, size in chunk])
+            except KvbError:
+                return
+            for (i, off, _), r in zip(chunk, results):
+                if r.ok:
+                    out[i] = bytes(s.staging[off:off + r.size])
+        for (i, _, _), r in zip(chunk, results):
+            if not r.ok and r.status.name == "INVALID_ARGUMENT":
+                out[i] = self.get(keys[i])  # replaced by a larger object meanwhile
+
+    def _batch_put(self, keys: list, bufs: list, config: Any) -> list:
+        _check_keys(keys)
+        n = _replica_num(config)
+        s = self._session
+        if s is None:
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        try:
+            client = s.client_for(n)
+        except KvbError as e:
+            return [_code_of(e)] * len(keys)
+        results = [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        valid = [i for i, b in enumerate(bufs) if _valid_ranges(b)]
+        first, repeats = _split_duplicates([keys[i] for i in valid])
+        for group in (first, repeats):
+            idx = [valid[j] for j in group]
+            if not idx:
+                continue
+            try:
+                statuses = client.batch_put_from([keys[i] for i in idx], [bufs[i] for i in idx])
+            except KvbError as e:
+                for i in idx:
+                    results[i] = _code_of(e)
+                continue
+            for i, st in zip(idx, statuses):
+                if st.name == "NOT_REGISTERED":  # Mooncake accepts any memory: copy it once
+                    results[i] = _put_copy(client, keys[i], bufs[i])
+                else:
+                    results[i] = _code_of(st)
+        return results
+
+    def _batch_get(self, keys: list, bufs: list) -> list:
+        s = self._session
+        if s is None:
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        results = [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        idx = [i for i, b in enumerate(bufs) if _valid_ranges(b)]
+        if not idx:
+            return results
+        try:
+            got = s.client.batch_get_into([keys[i] for i in idx], [bufs[i] for i in idx])
+        except KvbError as e:
+            for i in idx:
+                results[i] = _code_of(e)
+            return results
+        for i, r in zip(idx, got):
+            if r.ok:
+                results[i] = r.size
+            elif r.status.name == "NOT_REGISTERED":
+                results[i] = _get_copy(s.client, keys[i], bufs[i])
+            else:
+                results[i] = _code_of(r.status)
+        return results
+
+
+def _setup_arguments(args: tuple, kwargs: dict) -> dict:
+    """setup()'s arguments as one dict (TypeError for a call that fits neither form)."""
+    if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
+        config = dict(args[0])
+    elif not args and set(kwargs) == {"config"} and isinstance(kwargs["config"], dict):
+        config = dict(kwargs["config"])
+    else:
+        config = _positional_setup(*args, **kwargs)
+    for required in ("local_hostname", "metadata_server"):
+        if required not in config:
+            raise TypeError(f"setup: missing {required!r}")
+    return config
+
+
+def _positional_setup(local_hostname: str, metadata_server: str, global_segment_size: int,
+                      local_buffer_size: int, protocol: str, rdma_devices: str,
+                      master_server_addr: str, engine: Any = None,
+                      enable_ssd_offload: bool = False, ssd_offload_path: str = "",
+                      tenant_id: str = "default", enable_client_http_server: bool = False,
+                      client_http_port: int = 9300) -> dict:
+    return dict(locals())
+
+
+_DEFAULTS = {"global_segment_size": 16 << 20, "local_buffer_size": 16 << 20, "protocol": "tcp",
+             "rdma_devices": "", "master_server_addr": "127.0.0.1:50051",
+             "enable_ssd_offload": False, "ssd_offload_path": ""}
+_IGNORED = {"metadata_server", "rdma_devices", "engine", "tenant_id",
+            "enable_client_http_server", "client_http_port", "ipc_socket_path"}
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def _start(config: dict) -> _Session:
+    """Starts the Node (when global_segment_size > 0) and the StoreClient; ValueError or a
+    KvbError says why not."""
+    unknown = set(config) - set(_DEFAULTS) - _IGNORED - {"local_hostname"}
+    if unknown:
+        _log.warning("setup: ignoring unknown keys %s", ", ".join(sorted(unknown)))
+    c = dict(_DEFAULTS, **{k: v for k, v in config.items() if v is not None})
+    segment_bytes = int(c["global_segment_size"])
+    staging_bytes = int(c["local_buffer_size"])
+    if segment_bytes < 0 or staging_bytes < 0:
+        raise ValueError("global_segment_size and local_buffer_size must be >= 0")
+    master = str(c["master_server_addr"]).strip()
+    if "://" in master or ";" in master:
+        raise ValueError(f"master_server_addr {master!r}: kvbridge takes one master as "
+                         "host:port (no etcd/redis/k8s HA addresses)")
+    if master.rpartition(":")[2].isdigit() is False:
+        raise ValueError(f"master_server_addr {master!r}: expected host:port")
+    host = _host_of(str(c["local_hostname"]))
+    node_id = f"mooncake-{host}-{os.getpid()}-{next(_instances)}"
+    engine: dict[str, Any] = {"node_id": node_id, "listen": f"{host}:0"}
+    if str(c["protocol"]).lower() == "tcp":
+        engine["transports"] = ["tcp"]
+    # Fail fast (Mooncake retries for about a minute and a half) when the master is not there.
+    cluster_status(master, timeout_ms=3000)
+    node = None
+    if segment_bytes > 0:
+        node_opts: dict[str, Any] = dict(engine, master=master, node_dram_bytes=segment_bytes,
+                                         node_rpc_listen=f"{host}:0")
+        if _flag(c["enable_ssd_offload"]):
+            path = c["ssd_offload_path"] or os.environ.get("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", "")
+            if not path:
+                raise ValueError("enable_ssd_offload needs ssd_offload_path "
+                                 "(or MOONCAKE_OFFLOAD_FILE_STORAGE_PATH)")
+            node_opts["node_ssd_path"] = str(path)
+        node = Node(**node_opts)
+    client_opts = dict(engine, master=master)
+    try:
+        client = StoreClient(replica_num=1, **client_opts)
+        staging = mmap.mmap(-1, staging_bytes) if staging_bytes > 0 else None
+        return _Session(master, node, client, client_opts, staging)
+    except BaseException:
+        if node is not None:
+            node.close()
+        raise
+
+
+def _valid_ranges(ranges: list) -> bool:
+    return bool(ranges) and all(p > 0 and n > 0 for p, n in ranges)
+
+
+def _multi_buffers(keys: Any, all_ptrs: Any, all_sizes: Any) -> Optional[list]:
+    _check_keys(keys)
+    if len(all_ptrs) != len(keys) or len(all_sizes) != len(keys):
+        return None
+    out = []
+    for ptrs, sizes in zip(all_ptrs, all_sizes):
+        _check_ints("all_buffer_ptrs", ptrs)
+        _check_ints("all_sizes", sizes)
+        if len(ptrs) != len(sizes):
+            return None
+        out.append(list(zip(ptrs, sizes)))
+    return out
+
+
+def _put_copy(client: StoreClient, key: Any, ranges: list) -> int:
+    """Puts unregistered memory through one copy (Mooncake's TCP path accepts any memory)."""
+    data = b"".join(ctypes.string_at(p, n) for p, n in ranges)
+    try:
+        client.put(key, data)
+        return 0
+    except KvbError as e:
+        return _code_of(e)
+
+
+def _get_copy(client: StoreClient, key: Any, ranges: list) -> int:
+    """Reads into unregistered memory through one copy; the ranges are filled in order."""
+    try:
+        data = client.get(key)
+    except KvbError as e:
+        return _code_of(e)
+    if len(data) > sum(n for _, n in ranges):
+        return int(ErrorCode.INVALID_PARAMS)
+    base = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+    at = 0
+    for p, n in ranges:
+        take = min(n, len(data) - at)
+        if take <= 0:
+            break
+        ctypes.memmove(p, base + at, take)
+        at += take
+    return len(data)

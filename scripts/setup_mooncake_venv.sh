@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Creates the reference system's venv (.venv-mooncake at the repository root, git-ignored) with
+# the real Mooncake wheel pinned in python/requirements-mooncake.txt, plus pytest. The compat
+# suite (scripts/test_mooncake_compat.sh) runs there with PYTHONPATH=build/python, so kvbridge
+# and Mooncake are tested side by side in one interpreter.
+#
+# Mooncake is optional for the project: when it cannot be installed or imported here (no PyPI,
+# a system library missing and no root to install it), this prints the reason and exits 1, and
+# the tests that need it skip. The wheel's native libraries link libibverbs.so.1 even for TCP;
+# as root (or with sudo) the Debian package libibverbs1 is installed when it is missing.
+#
+# Idempotent: when the venv already satisfies the requirements file and imports, it only checks
+# (no network). MOONCAKE_VENV=path overrides the location.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${MOONCAKE_VENV:-$here/.venv-mooncake}"
+py="$venv/bin/python"
+reqs="$here/python/requirements-mooncake.txt"
+stamp="$venv/.kvbridge-requirements"
+check_import='import mooncake.store, mooncake.engine'
+
+fail() {
+  echo "setup_mooncake_venv: $*" >&2
+  exit 1
+}
+
+# The shared libraries Mooncake's extension modules cannot find, as Debian packages.
+missing_system_packages() {
+  local pkg_dir
+  pkg_dir="$("$py" -c 'import importlib.util, os; s = importlib.util.find_spec("mooncake"); print(os.path.dirname(s.origin))' 2>/dev/null)" || return 0
+  ldd "$pkg_dir"/store.so "$pkg_dir"/engine.so 2>/dev/null | awk '/not found/ {print $1}' | sort -u |
+    while read -r lib; do
+      case "$lib" in
+        libibverbs.so.1) echo libibverbs1 ;;
+        librdmacm.so.1) echo librdmacm1 ;;
+        libnuma.so.1) echo libnuma1 ;;
+        libcurl.so.4) echo libcurl4 ;;
+        *) echo "?$lib" ;;
+      esac
+    done
+}
+
+install_system_packages() {
+  local as_root=()
+  if [[ $(id -u) -ne 0 ]]; then
+    command -v sudo >/dev/null 2>&1 || return 1
+    as_root=(sudo -n)
+  fi
+  command -v apt-get >/dev/null 2>&1 || return 1
+  echo "setup_mooncake_venv: installing Debian packages $*"
+  export DEBIAN_FRONTEND=noninteractive
+  "${as_root[@]}" apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1 ||
+    { "${as_root[@]}" apt-get update -q >/dev/null 2>&1 &&
+      "${as_root[@]}" apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1; }
+}
+
+if [[ -x "$py" && -f "$stamp" ]] && cmp -s "$stamp" "$reqs" && "$py" -c "$check_import" 2>/dev/null; then
+  echo "setup_mooncake_venv: $venv is up to date with $(basename "$reqs")"
+  exit 0
+fi
+
+command -v python3 >/dev/null 2>&1 || fail "python3 is not installed (scripts/setup.sh installs it)"
+if [[ ! -x "$py" ]]; then
+  echo "setup_mooncake_venv: creating $venv"
+  existed=0
+  [[ -e "$venv" ]] && existed=1
+  if ! python3 -m venv "$venv"; then
+    [[ $existed -eq 1 ]] || rm -rf "$venv"  # never a folder that was there before
+    fail "'python3 -m venv' failed (the python3-venv package is missing?)"
+  fi
+fi
+rm -f "$stamp"
+echo "setup_mooncake_venv: installing $(basename "$reqs") into $venv"
+"$py" -m pip install --disable-pip-version-check --quiet -r "$reqs" ||
+  fail "pip could not install $(grep -m1 '^mooncake' "$reqs") (no PyPI access, or no wheel for $("$py" -c 'import sys, platform; print(f"CPython {sys.version_info[0]}.{sys.version_info[1]} on {platform.machine()}")'))"
+
+if ! "$py" -c "$check_import" 2>/dev/null; then
+  mapfile -t pkgs < <(missing_system_packages)
+  unknown=()
+  for p in "${pkgs[@]}"; do [[ "$p" == \?* ]] && unknown+=("${p#\?}"); done
+  if [[ ${#unknown[@]} -gt 0 ]]; then
+    fail "Mooncake's native modules need ${unknown[*]}, which no known Debian package provides here"
+  fi
+  if [[ ${#pkgs[@]} -gt 0 ]]; then
+    install_system_packages "${pkgs[@]}" ||
+      fail "Mooncake's native modules need the Debian package(s) ${pkgs[*]}; install them as root (apt-get install ${pkgs[*]}) and rerun"
+  fi
+  err="$("$py" -c "$check_import" 2>&1 | tail -1)" ||
+    fail "the Mooncake wheel installed but does not import: $err"
+fi
+"$py" -c 'import importlib.metadata as m, pytest; print("setup_mooncake_venv: mooncake-transfer-engine-non-cuda", m.version("mooncake-transfer-engine-non-cuda"), "pytest", pytest.__version__)'
+cp "$reqs" "$stamp"

@@ -1,0 +1,610 @@
+"""One suite written against Mooncake's store API (``MooncakeDistributedStore``), run against
+every implementation present in this interpreter:
+
+* ``kvbridge``: kvbridge.compat.mooncake on an in-process kvbridge Master (always);
+* ``mooncake``: the real wheel (``mooncake.store``) on its own ``mooncake_master`` over TCP
+  with ``P2PHANDSHAKE`` metadata, when it imports here: scripts/test_mooncake_compat.sh runs
+  this file again in .venv-mooncake (scripts/setup_mooncake_venv.sh) for that.
+
+Where the two differ by design the test says which behaviour belongs to which
+(docs/mooncake.md lists the differences). Where Mooncake's behaviour is a bug, reported
+(../shared/seeds/) or found by this suite, the test asserts kvbridge's behaviour and marks
+Mooncake's run xfail with the reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from conftest import free_port, python_env, read_line
+
+# Mooncake Store's error numbers (mooncake-store/include/types.h).
+NO_AVAILABLE_HANDLE = -200
+INVALID_PARAMS = -600
+OBJECT_NOT_FOUND = -704
+OBJECT_HAS_LEASE = -706
+TRANSFER_FAIL = -800
+RPC_FAIL = -900
+
+SEGMENT_BYTES = 64 << 20
+LOCAL_BUFFER_BYTES = 16 << 20
+# The real master's read lease (default 10 s), shortened so objects read by one test do not
+# stay pinned for long; still far longer than a get followed by a remove.
+MOONCAKE_LEASE_MS = 2000
+
+
+@dataclass
+class Impl:
+    """One implementation of Mooncake's store API plus a master it can use."""
+
+    name: str
+    store_cls: type
+    config_cls: type
+    master: str  # host:port
+    closers: list = field(default_factory=list)
+
+    def new_store(self, segment_bytes: int = SEGMENT_BYTES,
+                  local_buffer_bytes: int = LOCAL_BUFFER_BYTES) -> Any:
+        store = self.store_cls()
+        rc = store.setup("127.0.0.1", "P2PHANDSHAKE", segment_bytes, local_buffer_bytes, "tcp",
+                         "", self.master)
+        assert rc == 0, f"{self.name}: setup returned {rc}"
+        self.closers.append(store.close)
+        return store
+
+    def replicate(self, replica_num: int) -> Any:
+        # Mooncake's pybind ReplicateConfig takes no constructor arguments; both take this.
+        config = self.config_cls()
+        config.replica_num = replica_num
+        return config
+
+    @property
+    def is_mooncake(self) -> bool:
+        return self.name == "mooncake"
+
+
+def _start_kvbridge() -> tuple[Impl, Callable[[], None]]:
+    import kvbridge
+    from kvbridge.compat.mooncake import MooncakeDistributedStore, ReplicateConfig
+
+    master = kvbridge.Master(master_listen="127.0.0.1:0")
+    return Impl("kvbridge", MooncakeDistributedStore, ReplicateConfig, master.address), master.close
+
+
+def _start_mooncake(log_dir: Path) -> tuple[Impl, Callable[[], None]]:
+    try:
+        import mooncake
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    except ImportError as e:
+        pytest.skip(f"the real Mooncake store does not import in this interpreter ({e}); "
+                    "scripts/test_mooncake_compat.sh runs this suite in .venv-mooncake")
+    binary = Path(mooncake.__file__).parent / "mooncake_master"
+    if not os.access(binary, os.X_OK):
+        pytest.skip(f"the Mooncake wheel has no runnable mooncake_master ({binary})")
+    rpc_port, metrics_port = free_port(), free_port()
+    log = log_dir / "mooncake_master.log"
+    proc = subprocess.Popen(
+        [str(binary), f"--rpc_port={rpc_port}", "--rpc_address=127.0.0.1",
+         f"--metrics_port={metrics_port}", "--metrics_host=127.0.0.1",
+         "--enable_metric_reporting=false", f"--default_kv_lease_ttl={MOONCAKE_LEASE_MS}"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", rpc_port), timeout=0.2).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.skip(f"mooncake_master did not start: {log.read_text()[-1000:]}")
+            time.sleep(0.05)
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    return (Impl("mooncake", MooncakeDistributedStore, ReplicateConfig, f"127.0.0.1:{rpc_port}"),
+            stop)
+
+
+def _start(name: str, log_dir: Path) -> tuple[Impl, Callable[[], None]]:
+    it, stop_master = _start_kvbridge() if name == "kvbridge" else _start_mooncake(log_dir)
+
+    def stop() -> None:
+        for close in reversed(it.closers):
+            close()
+        stop_master()
+
+    return it, stop
+
+
+@pytest.fixture(scope="module", params=["kvbridge", "mooncake"])
+def impl(request, tmp_path_factory):
+    it, stop = _start(request.param, tmp_path_factory.mktemp(request.param))
+    yield it
+    stop()
+
+
+@pytest.fixture(scope="module")
+def store(impl):
+    """A client that also contributes a segment to the pool (Mooncake's embedded mode)."""
+    return impl.new_store()
+
+
+class Arena:
+    """Registered memory handed out in pieces (raw addresses, as Mooncake takes them)."""
+
+    def __init__(self, store: Any, size: int = 8 << 20):
+        self._buf = ctypes.create_string_buffer(size)
+        self.base = ctypes.addressof(self._buf)
+        self.size = size
+        self._next = 0
+        assert store.register_buffer(self.base, size) == 0
+
+    def alloc(self, n: int, fill: bytes | None = None) -> int:
+        n_aligned = (n + 63) // 64 * 64
+        assert self._next + n_aligned <= self.size, "arena exhausted"
+        addr = self.base + self._next
+        self._next += n_aligned
+        if fill is not None:
+            write(addr, fill)
+        return addr
+
+
+@pytest.fixture(scope="module")
+def arena(store):
+    return Arena(store)
+
+
+def write(addr: int, data: bytes) -> None:
+    ctypes.memmove(addr, data, len(data))
+
+
+def read(addr: int, n: int) -> bytes:
+    return ctypes.string_at(addr, n)
+
+
+_ids = itertools.count()
+
+
+@pytest.fixture
+def key(request):
+    """Fresh key names per test (the store is shared by the module)."""
+    prefix = f"{request.node.name}-{next(_ids)}"
+    return lambda suffix="": f"{prefix}/{suffix}"
+
+
+def pattern(n: int, seed: int) -> bytes:
+    return bytes((seed * 131 + i * 7) & 0xFF for i in range(n))
+
+
+# -- setup and lifetime ----------------------------------------------------------------------
+def test_setup_positional_and_dict_forms(impl, store, key):
+    # Pure clients (the module's store holds the segment): a Mooncake segment holder takes
+    # about 2 s to close.
+    positional = impl.new_store(segment_bytes=0)
+    by_dict = impl.store_cls()
+    assert by_dict.setup({"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+                          "global_segment_size": 0, "local_buffer_size": 16 << 20,
+                          "protocol": "tcp", "master_server_addr": impl.master}) == 0
+    impl.closers.append(by_dict.close)
+    assert positional.put(key("a"), b"from positional") == 0
+    assert by_dict.get(key("a")) == b"from positional"
+    assert by_dict.put(key("b"), b"from dict") == 0
+    assert positional.get(key("b")) == b"from dict"
+    assert positional.health_check() == 0 and by_dict.health_check() == 0
+
+
+def test_setup_without_a_master_fails(impl):
+    if impl.is_mooncake:
+        pytest.skip("Mooncake retries for about 90 s before setup returns -1")
+    store = impl.store_cls()
+    started = time.monotonic()
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 0, "tcp", "",
+                       f"127.0.0.1:{free_port()}") == -1
+    assert time.monotonic() - started < 5
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 0, "tcp", "",
+                       "etcd://127.0.0.1:2379") == -1  # HA master addresses: not in kvbridge
+    assert store.health_check() == 1
+
+
+_AFTER_CLOSE = """
+import sys
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", sys.argv[1]) == 0
+assert store.close() == 0
+print(store.put("after-close", b"v"), flush=True)
+"""
+
+
+def test_health_check_and_close(impl, key):
+    fresh = impl.store_cls()
+    assert fresh.health_check() == 1  # not set up
+    s = impl.new_store(segment_bytes=0)
+    assert s.health_check() == 0
+    assert s.put(key("k"), b"v") == 0
+    assert s.close() == 0
+    assert s.health_check() == 1
+    assert s.close() == 0  # idempotent
+    if impl.is_mooncake:
+        # A call after close() crashes the real store's process, so it runs in a child.
+        child = subprocess.run([sys.executable, "-c", _AFTER_CLOSE, impl.master],
+                               env=python_env(), capture_output=True, timeout=60)
+        if child.returncode < 0:
+            pytest.xfail(f"Mooncake bug (found here): put() after close() kills the process "
+                         f"with signal {-child.returncode}; kvbridge returns INVALID_PARAMS, "
+                         "as Mooncake's RealClient does for a client not set up")
+        assert child.stdout.split() == [b"-600"]
+        return
+    assert s.put(key("k2"), b"v") == INVALID_PARAMS
+    assert s.is_exist(key("k")) == INVALID_PARAMS
+    assert s.get(key("k")) == b""
+    assert s.batch_get_into([key("k")], [1 << 20], [8]) == [INVALID_PARAMS]
+    assert fresh.put(key("k3"), b"v") == INVALID_PARAMS
+
+
+def test_master_gone(impl, key, tmp_path):
+    own, stop = _start(impl.name, tmp_path)  # a master this test can stop
+    try:
+        s = own.new_store(segment_bytes=0)  # a pure client: nothing to unmount at close
+        assert s.health_check() == 0
+    finally:
+        own.closers.clear()
+        stop()
+    assert s.is_exist(key("k")) == RPC_FAIL
+    started = time.monotonic()
+    assert s.put(key("k"), b"v") == RPC_FAIL
+    if not impl.is_mooncake:  # Mooncake retries for about 4 s (a get as long again)
+        assert time.monotonic() - started < 1
+        assert s.get(key("k")) == b""
+    deadline = time.monotonic() + 1.5
+    while s.health_check() != 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    health = s.health_check()
+    assert s.close() == 0
+    if impl.is_mooncake and health == 0:
+        pytest.xfail("Mooncake bug (found here): health_check reports 0 (healthy) for seconds "
+                     "after its master has stopped, while calls fail with RPC_FAIL")
+    assert health == 2
+
+
+# -- plain values ----------------------------------------------------------------------------
+def test_put_get_round_trip(store, key):
+    assert store.put(key("bytes"), b"hello mooncake") == 0
+    assert store.put(key("bytearray"), bytearray(b"\x00\x01\x02")) == 0
+    assert store.put(key("memoryview"), memoryview(pattern(5000, 1))) == 0
+    assert store.get(key("bytes")) == b"hello mooncake"
+    assert store.get(key("bytearray")) == b"\x00\x01\x02"
+    assert store.get(key("memoryview")) == pattern(5000, 1)
+    assert store.get_size(key("memoryview")) == 5000
+    assert store.put_parts(key("parts"), b"ab", b"cd", bytearray(b"ef")) == 0
+    assert store.get(key("parts")) == b"abcdef"
+    with pytest.raises(TypeError):
+        store.put(key("text"), "not bytes")
+
+
+def test_missing_keys(store, arena, key):
+    missing = key("never-put")
+    assert store.get(missing) == b""
+    assert store.get_size(missing) == OBJECT_NOT_FOUND
+    assert store.get_into(missing, arena.alloc(64), 64) == OBJECT_NOT_FOUND
+    assert store.is_exist(missing) == 0
+    assert store.batch_is_exist([missing]) == [0]
+    assert store.remove(missing) == OBJECT_NOT_FOUND
+    assert store.batch_get_into([missing], [arena.alloc(64)], [64]) == [OBJECT_NOT_FOUND]
+    assert store.get_batch([missing]) == [b""]
+
+
+def test_existing_key_succeeds_and_keeps_the_first_value(store, arena, key):
+    k = key("k")
+    assert store.put(k, b"first") == 0
+    assert store.put(k, b"second, longer") == 0
+    assert store.get(k) == b"first"
+    assert store.put_from(k, arena.alloc(6, b"third!"), 6) == 0
+    assert store.batch_put_from([k], [arena.alloc(6, b"fourth")], [6]) == [0]
+    assert store.put_batch([k], [b"fifth"]) == 0
+    assert store.get(k) == b"first" and store.get_size(k) == 5
+
+
+def test_empty_values_and_keys_are_invalid(impl, store, arena, key):
+    assert store.put(key("empty"), b"") == INVALID_PARAMS
+    assert store.put("", b"value") == INVALID_PARAMS
+    assert store.is_exist(key("empty")) == 0
+    assert store.put(key("one"), b"1") == 0
+    assert store.get_into(key("one"), arena.alloc(8), 0) == INVALID_PARAMS
+    assert store.get_into(key("missing"), arena.alloc(8), 0) == OBJECT_NOT_FOUND
+    rc = store.put_from(key("zero"), arena.alloc(8), 0)
+    assert store.is_exist(key("zero")) == 0
+    if impl.is_mooncake and rc == 0:
+        pytest.xfail("Mooncake bug (found here): put_from of 0 bytes returns 0 and stores nothing")
+    assert rc == INVALID_PARAMS
+
+
+# -- sizes -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [1, 4097, 1 << 20])
+def test_sizes_and_buffer_bounds(store, arena, key, size):
+    k = key("obj")
+    data = pattern(size, size)
+    assert store.put_from(k, arena.alloc(size, data), size) == 0
+    assert store.get_size(k) == size
+    exact = arena.alloc(size)
+    assert store.get_into(k, exact, size) == size and read(exact, size) == data
+    bigger = arena.alloc(size + 100)
+    assert store.get_into(k, bigger, size + 100) == size and read(bigger, size) == data
+    if size > 1:
+        small = arena.alloc(size - 1, b"\x5a" * (size - 1))
+        assert store.get_into(k, small, size - 1) == INVALID_PARAMS
+        assert read(small, size - 1) == b"\x5a" * (size - 1)  # untouched
+
+
+# -- batches ---------------------------------------------------------------------------------
+def test_batch_round_trip(store, arena, key):
+    keys = [key(str(i)) for i in range(32)]
+    datas = [pattern(4096 + i, i) for i in range(32)]
+    srcs = [arena.alloc(len(d), d) for d in datas]
+    assert store.batch_put_from(keys, srcs, [len(d) for d in datas]) == [0] * 32
+    dsts = [arena.alloc(len(d)) for d in datas]
+    assert store.batch_get_into(keys, dsts, [len(d) for d in datas]) == [len(d) for d in datas]
+    assert all(read(a, len(d)) == d for a, d in zip(dsts, datas))
+    assert store.batch_is_exist(keys) == [1] * 32
+
+
+def test_batch_partial_failures(store, arena, key):
+    ok1, bad, ok2 = key("ok1"), key("zero-size"), key("ok2")
+    src = arena.alloc(300, pattern(300, 3))
+    # One bad entry fails alone.
+    assert store.batch_put_from([ok1, bad, ok2], [src, src, src + 100], [100, 0, 200]) == \
+        [0, INVALID_PARAMS, 0]
+    assert store.batch_is_exist([ok1, bad, ok2]) == [1, 0, 1]
+    # Reads: a missing key and a too-small buffer fail alone; the others are read.
+    d1, d2, d3 = (arena.alloc(200) for _ in range(3))
+    assert store.batch_get_into([ok1, key("missing"), ok2], [d1, d2, d3],
+                                [100, 100, 199]) == [100, OBJECT_NOT_FOUND, INVALID_PARAMS]
+    assert read(d1, 100) == pattern(300, 3)[:100]
+    # Lists of different lengths fail every key.
+    assert store.batch_put_from([key("x"), key("y")], [src], [10]) == [INVALID_PARAMS] * 2
+    assert store.batch_get_into([ok1, ok2], [d1], [100]) == [INVALID_PARAMS] * 2
+    assert store.batch_is_exist([key("x"), key("y")]) == [0, 0]
+
+
+def test_a_key_twice_in_one_batch(impl, store, arena, key):
+    k = key("k")
+    first, second = arena.alloc(8, b"first..."), arena.alloc(8, b"second..")
+    assert store.batch_put_from([k, k], [first, second], [8, 8]) == [0, 0]
+    # kvbridge keeps the first (an existing key is never rewritten); Mooncake the last.
+    assert store.get(k) == (b"second.." if impl.is_mooncake else b"first...")
+    d1, d2 = arena.alloc(8, b"\0" * 8), arena.alloc(8, b"\0" * 8)
+    got = store.batch_get_into([k, k], [d1, d2], [8, 8])
+    assert got == [8, 8]
+    if impl.is_mooncake and read(d1, 8) != read(d2, 8):
+        pytest.xfail("Mooncake bug (found here): a key twice in one batch_get_into reports its "
+                     "bytes read for both buffers but fills only the last")
+    assert read(d1, 8) == read(d2, 8) == store.get(k)
+
+
+def test_put_batch_and_get_batch(impl, store, key):
+    keys = [key(str(i)) for i in range(10)]
+    values = [pattern(100 * (i + 1), i) for i in range(10)]
+    assert store.put_batch(keys, values) == 0
+    assert store.get_batch(keys + [key("missing")]) == values + [b""]
+    # Validation fails the whole call before anything is stored.
+    assert store.put_batch([key("a"), key("b")], [b"1"]) == INVALID_PARAMS
+    assert store.put_batch([key("c"), key("d")], [b"1", b""]) == INVALID_PARAMS
+    assert store.batch_is_exist([key("a"), key("c"), key("d")]) == [0, 0, 0]
+    # A value larger than the local buffer (16 MiB): Mooncake stages every value through that
+    # buffer; kvbridge sends larger ones through its own staging copy.
+    big = pattern(4096, 9) * (17 << 8)
+    if impl.is_mooncake:
+        assert store.put_batch([key("big")], [big]) == INVALID_PARAMS
+    else:
+        assert store.put_batch([key("big")], [big]) == 0
+        assert store.get_batch([key("big")]) == [big]
+
+
+def test_batches_from_several_threads(store, key):
+    def work(t: int, errors: list) -> None:
+        try:
+            for round_ in range(5):
+                keys = [key(f"{t}/{round_}/{i}") for i in range(8)]
+                values = [pattern(3000 + 100 * i, t * 31 + round_) for i in range(8)]
+                assert store.put_batch(keys, values) == 0
+                assert store.get_batch(keys) == values
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    errors: list = []
+    threads = [threading.Thread(target=work, args=(t, errors)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]
+
+
+def test_get_batch_of_no_keys(impl, store):
+    # Mooncake answers one empty value for no keys; kvbridge an empty list.
+    assert store.get_batch([]) == ([b""] if impl.is_mooncake else [])
+
+
+def test_multi_buffer_forms(impl, store, arena, key):
+    k_page, v_page = pattern(2048, 1), pattern(3072, 2)
+    keys = [key("p0"), key("p1")]
+    srcs = [[arena.alloc(2048, k_page), arena.alloc(3072, v_page)], [arena.alloc(512, b"x" * 512)]]
+    assert store.batch_put_from_multi_buffers(keys, srcs, [[2048, 3072], [512]]) == [0, 0]
+    assert store.get_size(keys[0]) == 5120
+    assert store.get(keys[0]) == k_page + v_page
+    dk, dv, d1 = arena.alloc(2048), arena.alloc(3072), arena.alloc(512)
+    got = store.batch_get_into_multi_buffers(keys + [key("missing")],
+                                             [[dk, dv], [d1], [arena.alloc(8)]],
+                                             [[2048, 3072], [512], [8]])
+    assert got == [5120, 512, OBJECT_NOT_FOUND]
+    assert read(dk, 2048) == k_page and read(dv, 3072) == v_page and read(d1, 512) == b"x" * 512
+    # Buffers holding fewer bytes than the object.
+    assert store.batch_get_into_multi_buffers([keys[0]], [[dk, dv]], [[2048, 3071]]) == \
+        [INVALID_PARAMS]
+    # Buffers holding more bytes than the object: kvbridge fills them in order and returns the
+    # object's size; Mooncake fails the key with TRANSFER_FAIL.
+    e1, e2 = arena.alloc(2048), arena.alloc(4096)
+    got = store.batch_get_into_multi_buffers([keys[0]], [[e1, e2]], [[2048, 4096]])
+    if impl.is_mooncake:
+        assert got == [TRANSFER_FAIL]
+    else:
+        assert got == [5120] and read(e1, 2048) == k_page and read(e2, 3072) == v_page
+    # Mismatched list lengths fail every key.
+    assert store.batch_put_from_multi_buffers(keys, [[dk]], [[8]]) == [INVALID_PARAMS] * 2
+
+
+# -- buffers ---------------------------------------------------------------------------------
+def test_register_and_unregister_buffer(store, key):
+    mem = ctypes.create_string_buffer(1 << 16)
+    base = ctypes.addressof(mem)
+    assert store.register_buffer(base, 1 << 16) == 0
+    assert store.register_buffer(base, 1 << 16) == INVALID_PARAMS  # twice
+    assert store.register_buffer(base + 4096, 4096) == INVALID_PARAMS  # overlapping
+    write(base, b"registered")
+    assert store.batch_put_from([key("r")], [base], [10]) == [0]
+    assert store.batch_get_into([key("r")], [base + 100], [10]) == [10]
+    assert read(base + 100, 10) == b"registered"
+    assert store.unregister_buffer(base) == 0
+    assert store.unregister_buffer(base) == INVALID_PARAMS  # not registered any more
+    assert store.register_buffer(base, 0) == INVALID_PARAMS
+
+
+def test_unregistered_memory_works_through_a_copy(store, key):
+    mem = ctypes.create_string_buffer(8192)
+    base = ctypes.addressof(mem)
+    write(base, pattern(1000, 5))
+    assert store.put_from(key("a"), base, 1000) == 0
+    assert store.batch_put_from([key("b")], [base], [1000]) == [0]
+    assert store.get_into(key("a"), base + 2000, 1000) == 1000
+    assert store.batch_get_into([key("b")], [base + 4000], [1000]) == [1000]
+    assert read(base + 2000, 1000) == read(base + 4000, 1000) == pattern(1000, 5)
+
+
+# -- existence and removal -------------------------------------------------------------------
+def test_is_exist_and_batch_is_exist(store, key):
+    assert store.put(key("a"), b"1") == 0 and store.put(key("c"), b"3") == 0
+    assert store.is_exist(key("a")) == 1
+    assert store.is_exist(key("b")) == 0
+    assert store.batch_is_exist([key("a"), key("b"), key("c")]) == [1, 0, 1]
+    assert store.batch_is_exist([]) == []
+
+
+def test_remove(store, key):
+    assert store.put(key("a"), b"1") == 0 and store.put(key("b"), b"2") == 0
+    assert store.remove(key("a")) == 0  # never read: no read lease on it
+    assert store.get(key("a")) == b""
+    assert store.remove(key("a")) == OBJECT_NOT_FOUND
+    assert store.batch_remove([key("b"), key("a")]) == [0, OBJECT_NOT_FOUND]
+    assert store.put(key("a"), b"new") == 0  # a removed key can be written again
+    assert store.get(key("a")) == b"new"
+
+
+def test_remove_right_after_a_read(impl, store, key):
+    assert store.put(key("a"), b"1") == 0
+    assert store.get(key("a")) == b"1"
+    if impl.is_mooncake:
+        # A read grants a lease (here 2 s) during which Mooncake refuses removal.
+        assert store.remove(key("a")) == OBJECT_HAS_LEASE
+        assert store.remove(key("a"), True) == 0  # force
+    else:
+        # kvbridge removes at once; the space stays reserved until leased reads end.
+        assert store.remove(key("a")) == 0
+    assert store.is_exist(key("a")) == 0
+
+
+def test_remove_all(store, key):
+    keys = [key(str(i)) for i in range(5)]
+    assert store.put_batch(keys, [b"v"] * 5) == 0
+    removed = store.remove_all()
+    assert removed >= 5  # objects of other tests may go too (those under a lease stay)
+    assert store.batch_is_exist(keys) == [0] * 5
+    assert store.remove_all() >= 0
+
+
+# -- replication -----------------------------------------------------------------------------
+def test_replicate_config(impl, store, key):
+    assert store.put(key("one"), b"1", impl.replicate(1)) == 0
+    assert store.get(key("one")) == b"1"
+    if not impl.is_mooncake:
+        from kvbridge.compat.mooncake import ReplicateConfig
+
+        assert ReplicateConfig(replica_num=3).replica_num == 3  # kvbridge also takes keywords
+    # Two replicas need two segments: a second store contributes one.
+    other = impl.new_store(segment_bytes=16 << 20)
+    assert store.put(key("two"), b"22", impl.replicate(2)) == 0
+    assert other.get(key("two")) == b"22"
+    assert store.put_batch([key("b1"), key("b2")], [b"x", b"yy"], impl.replicate(2)) == 0
+    assert other.get_batch([key("b1"), key("b2")]) == [b"x", b"yy"]
+    # More replicas than segments: Mooncake stores fewer and reports success; kvbridge
+    # refuses (replicas go to distinct nodes) with NO_AVAILABLE_HANDLE.
+    many = store.put(key("many"), b"3", impl.replicate(8))
+    assert many == (0 if impl.is_mooncake else NO_AVAILABLE_HANDLE)
+
+
+_HOLDER = """
+import importlib, sys
+module, master = sys.argv[1], sys.argv[2]
+store = importlib.import_module(module).MooncakeDistributedStore()
+rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 0, "tcp", "", master)
+print("ready", rc, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_get_survives_a_killed_replica_holder(impl, key, tmp_path):
+    """Seed 004 (vLLM scale-in with replica_num=3): with a second replica alive, reads of keys
+    whose first replica sat on a killed process keep failing with TRANSFER_FAIL until the
+    master expires that client (Mooncake has no replica fallback on Get). kvbridge tries the
+    next replica."""
+    impl, stop = _start(impl.name, tmp_path)  # a master of its own: only the holders' segments
+    module = "mooncake.store" if impl.is_mooncake else "kvbridge.compat.mooncake"
+    holders = [subprocess.Popen([sys.executable, "-c", _HOLDER, module, impl.master],
+                                env=python_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL) for _ in range(2)]
+    try:
+        for h in holders:
+            assert read_line(h).split() == [b"ready", b"0"]
+        client = impl.new_store(segment_bytes=0)  # a pure client: no replica is local
+        mem = Arena(client, 1 << 20)
+        keys = [key(str(i)) for i in range(16)]
+        srcs = [mem.alloc(4096, pattern(4096, i)) for i in range(16)]
+        assert client.batch_put_from(keys, srcs, [4096] * 16, impl.replicate(2)) == [0] * 16
+        holders[0].send_signal(signal.SIGKILL)
+        holders[0].wait()
+        dsts = [mem.alloc(4096) for _ in range(16)]
+        started = time.monotonic()
+        got = client.batch_get_into(keys, dsts, [4096] * 16)
+        elapsed = time.monotonic() - started
+        if impl.is_mooncake and got != [4096] * 16:
+            failed = sum(1 for r in got if r < 0)
+            pytest.xfail(f"Mooncake bug (seed 004, no replica fallback on Get): {failed} of 16 "
+                         f"keys failed ({sorted(set(r for r in got if r < 0))}) with a live "
+                         "second replica")
+        assert got == [4096] * 16
+        assert all(read(d, 4096) == pattern(4096, i) for i, d in enumerate(dsts))
+        assert elapsed < 5, f"reads around the dead holder took {elapsed:.1f} s"
+    finally:
+        for h in holders:
+            if h.poll() is None:
+                h.kill()
+            h.wait()
+        stop()
