@@ -68,6 +68,16 @@ std::vector<PyStatus> ToPy(const std::vector<Status>& v) {
   return out;
 }
 
+// Per-key sizes: (status, size) pairs, size 0 where the status is not OK.
+std::vector<std::pair<PyStatus, uint64_t>> ToPy(const std::vector<Result<uint64_t>>& rs) {
+  std::vector<std::pair<PyStatus, uint64_t>> out;
+  out.reserve(rs.size());
+  for (const auto& r : rs) {
+    out.emplace_back(r.ok() ? PyStatus{} : bindings::ToPy(r.status()), r.ok() ? r.value() : 0);
+  }
+  return out;
+}
+
 py::dict ToPy(const ClusterStatus& cs) {
   py::list nodes;
   for (const auto& n : cs.nodes) {
@@ -201,27 +211,13 @@ void BindClient(py::module_& m) {
               const std::vector<PyBuffers>& buffers) {
              CheckSameLength(keys.size(), buffers.size());
              auto bufs = ToBuffers(buffers);
-             auto rs = NoGil(
-                 [&] { return c.With([&](StoreClient& s) { return s.BatchGetInto(keys, bufs); }); });
-             std::vector<std::pair<PyStatus, uint64_t>> out;
-             out.reserve(rs.size());
-             for (const auto& r : rs) {
-               out.emplace_back(r.ok() ? PyStatus{} : bindings::ToPy(r.status()),
-                                r.ok() ? r.value() : 0);
-             }
-             return out;
+             return ToPy(NoGil(
+                 [&] { return c.With([&](StoreClient& s) { return s.BatchGetInto(keys, bufs); }); }));
            })
       .def("batch_get_size",
            [](PyStoreClient& c, const std::vector<std::string>& keys) {
-             auto rs = NoGil(
-                 [&] { return c.With([&](StoreClient& s) { return s.BatchGetSize(keys); }); });
-             std::vector<std::pair<PyStatus, uint64_t>> out;
-             out.reserve(rs.size());
-             for (const auto& r : rs) {
-               out.emplace_back(r.ok() ? PyStatus{} : bindings::ToPy(r.status()),
-                                r.ok() ? r.value() : 0);
-             }
-             return out;
+             return ToPy(NoGil(
+                 [&] { return c.With([&](StoreClient& s) { return s.BatchGetSize(keys); }); }));
            })
       .def("batch_exists",
            [](PyStoreClient& c, const std::vector<std::string>& keys) {

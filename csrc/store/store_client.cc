@@ -129,6 +129,18 @@ struct StoreClient::Impl {
     return Status::OK();
   }
   bool LocalSegment(const char* p, uint64_t len, SegmentId* seg, uint64_t* off);
+  // The master's replicas (and sizes, read leases) of each key; a failed call is a Status.
+  Status GetReplicas(std::span<const std::string> keys, rpc::GetReplicasReply* got) {
+    rpc::GetReplicasRequest req;
+    req.set_client_node_id(engine->self().node_id);
+    for (const auto& k : keys) req.add_keys(k);
+    auto ctx = Context();
+    grpc::Status gs = master->GetReplicas(ctx.get(), req, got);
+    if (!gs.ok() || got->items_size() != static_cast<int>(keys.size())) {
+      return store::FromGrpc(gs, "GetReplicas");
+    }
+    return Status::OK();
+  }
   Status ReadFromSsd(const rpc::ReplicaLocation& loc, const std::string& key, uint64_t version,
                      const std::vector<Piece>& pieces);
   // Makes sure the engine knows the current incarnation of every node named.
@@ -450,14 +462,9 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetSize(std::span<const std::str
   Impl& im = *impl_;
   std::vector<Result<uint64_t>> result(keys.size(), Status::Internal("not attempted"));
   if (keys.empty()) return result;
-  rpc::GetReplicasRequest req;
-  req.set_client_node_id(im.engine->self().node_id);
-  for (const auto& k : keys) req.add_keys(k);
   rpc::GetReplicasReply got;
-  auto ctx = im.Context();
-  grpc::Status gs = im.master->GetReplicas(ctx.get(), req, &got);
-  if (!gs.ok() || got.items_size() != static_cast<int>(keys.size())) {
-    result.assign(keys.size(), store::FromGrpc(gs, "GetReplicas"));
+  if (Status st = im.GetReplicas(keys, &got); !st.ok()) {
+    result.assign(keys.size(), st);
     return result;
   }
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -485,20 +492,13 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
     for (size_t j = 0; j < sub.size(); ++j) result[subset->index[j]] = std::move(sub[j]);
     return result;
   }
-  rpc::GetReplicasRequest req;
-  req.set_client_node_id(im.engine->self().node_id);
-  for (const auto& k : keys) req.add_keys(k);
   rpc::GetReplicasReply got;
   // The master granted each lease after it received the request, so leases measured from
   // before sending end no later than the master's.
   const auto lease_base = std::chrono::steady_clock::now();
-  {
-    auto ctx = im.Context();
-    grpc::Status gs = im.master->GetReplicas(ctx.get(), req, &got);
-    if (!gs.ok() || got.items_size() != static_cast<int>(keys.size())) {
-      result.assign(keys.size(), store::FromGrpc(gs, "GetReplicas"));
-      return result;
-    }
+  if (Status st = im.GetReplicas(keys, &got); !st.ok()) {
+    result.assign(keys.size(), st);
+    return result;
   }
   std::vector<std::vector<Piece>> pieces(keys.size());
   std::vector<int> next_replica(keys.size(), 0);
