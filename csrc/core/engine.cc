@@ -342,7 +342,10 @@ std::optional<BatchResult> TransferEngine::Impl::PollOrWait(BatchId id, bool blo
 }
 
 TransferEngine::TransferEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-TransferEngine::~TransferEngine() = default;
+TransferEngine::~TransferEngine() {
+  // The handshake thread calls LocalDescriptor(): stop it while impl_ is whole.
+  if (impl_) impl_->handshake.reset();
+}
 
 Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptions& options) {
   auto impl = std::make_unique<Impl>();

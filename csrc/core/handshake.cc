@@ -126,7 +126,11 @@ void HandshakeServer::Loop() {
     if (p[1].revents != 0) return;
     if ((p[0].revents & POLLIN) == 0) continue;
     const int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (c < 0) continue;
+    if (c < 0) {
+      // Out of descriptors (EMFILE/ENFILE) leaves the connection queued: don't spin on it.
+      if (errno == EMFILE || errno == ENFILE) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
     SetTimeouts(c, kIoTimeoutMs);
     char req[sizeof(kMagic)];
     if (ReadAll(c, req, sizeof(req)) && std::memcmp(req, kMagic, sizeof(kMagic)) == 0) {

@@ -47,6 +47,7 @@ Result<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
       }
       no.ssd_bytes = options.ssd_bytes_per_node;
       no.ssd_plugin = options.ssd_plugin;
+      no.ssd_staging_bytes = options.ssd_staging_bytes;
     }
     auto node = StorageNode::Start(no);
     if (!node.ok()) return node.status().WithContext("embedded node " + std::to_string(i));

@@ -405,7 +405,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   grpc::Status ReportBadReplica(grpc::ServerContext*, const rpc::BadReplicaRequest* req,
                                 rpc::Status* reply) override {
     return Done(
-        state->ReportBadReplica(req->key(), req->version(), FromProto(req->node()), util::MonoNs()),
+        state->ReportBadReplica(req->key(), req->version(), FromProto(req->node()), util::MonoNs(),
+                                req->segment_id(), req->offset()),
         reply);
   }
 

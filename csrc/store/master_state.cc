@@ -351,9 +351,18 @@ struct MasterState::Impl {
   // going away with its allocators).
   // Releases the SSD range of a pending demotion (the node's late report then gets NOT_FOUND
   // and deletes its copy).
-  void CancelDemotion(Replica& r) {
+  // An issued move whose target is DRAM (a promotion) may still be written by its node until
+  // its deadline: that range is held until then, never reused earlier. (An SSD target is the
+  // plugin's business: the node deletes its copy when DemoteDone answers NOT_FOUND.)
+  void CancelDemotion(Replica& r, uint64_t length = 0) {
     if (r.demote_segment == nullptr) return;
-    r.demote_segment->alloc.Free(r.demote_offset);
+    if (r.demote_issued && r.demote_segment->info.tier == Tier::kDram && length > 0) {
+      held.push_back({r.node, r.demote_segment, r.demote_offset, length,
+                      r.demote_deadline_ns + MsToNs(cfg.task_timeout_ms), std::nullopt});
+      r.node->held++;
+    } else {
+      r.demote_segment->alloc.Free(r.demote_offset);
+    }
     r.demote_segment = nullptr;
     r.demote_offset = 0;
     r.demote_id = 0;
@@ -388,7 +397,7 @@ struct MasterState::Impl {
   }
 
   void DetachReplica(Object* o, size_t idx) {
-    CancelDemotion(o->replicas[idx]);
+    CancelDemotion(o->replicas[idx], o->bytes);
     Replica& r = o->replicas[idx];
     Unreside(o, r);
     r.node->replicas--;
@@ -620,8 +629,6 @@ struct MasterState::Impl {
         MarkRepair(o, now_ns);
       }
     }
-    std::erase_if(held, [n](const Held& h) { return h.node == n; });
-
     std::vector<Object*> affected;
     for (auto& [sid, s] : n->segments)
       affected.insert(affected.end(), s.residents.begin(), s.residents.end());
@@ -639,6 +646,8 @@ struct MasterState::Impl {
       }
     }
 
+    // Last: detaching above may have held ranges of this node (cancelled promotions).
+    std::erase_if(held, [n](const Held& h) { return h.node == n; });
     if (expired) {
       NodeStats dead;
       dead.identity = n->id();
@@ -858,7 +867,7 @@ struct MasterState::Impl {
         for (Object* o : s.residents) {
           Replica& r = o->replicas[ReplicaOn(*o, &n)];
           if (r.demote_segment && r.demote_issued && r.demote_deadline_ns <= now_ns) {
-            CancelDemotion(r);
+            CancelDemotion(r, o->bytes);
             ++sum.demotions_timed_out;
           }
         }
@@ -1487,7 +1496,8 @@ size_t MasterState::RemoveAll(uint64_t now_ns) {
 }
 
 Status MasterState::ReportBadReplica(std::string_view key, uint64_t version,
-                                     const NodeIdentity& node, uint64_t now_ns) {
+                                     const NodeIdentity& node, uint64_t now_ns,
+                                     uint64_t segment_id, uint64_t offset) {
   Impl& m = *impl_;
   KVB_RETURN_IF_ERROR(m.CheckKey(key));
   std::lock_guard<std::mutex> lock(m.mu);
@@ -1499,6 +1509,10 @@ Status MasterState::ReportBadReplica(std::string_view key, uint64_t version,
   const int idx = n ? Impl::ReplicaOn(*o, n) : -1;
   if (idx < 0 || o->replicas[idx].state != ReplicaState::kComplete) {
     return Status::NotFound("no complete replica on " + ToString(node));
+  }
+  if (segment_id != 0 && (o->replicas[idx].segment->info.segment_id != segment_id ||
+                          o->replicas[idx].offset != offset)) {
+    return Status::NotFound("the replica on " + ToString(node) + " has moved since");
   }
   n->bad_reports += 1;
   ++m.bad_replicas_total;

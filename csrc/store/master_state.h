@@ -455,8 +455,10 @@ class MasterState {
   // A reader could not read (or verify) this replica: it is dropped, and the object is
   // re-replicated if now under its target (removed if it was the last replica). NOT_FOUND if
   // the object, version or replica is not there (already handled).
+  // `segment_id` (non-zero) and `offset` name the copy that was bad: a replica that has moved
+  // (demotion, promotion) since is not touched (NOT_FOUND).
   Status ReportBadReplica(std::string_view key, uint64_t version, const NodeIdentity& node,
-                          uint64_t now_ns);
+                          uint64_t now_ns, uint64_t segment_id = 0, uint64_t offset = 0);
 
   // --- Re-replication ---
 

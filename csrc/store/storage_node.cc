@@ -106,7 +106,11 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   std::mutex staging_mu;
   std::unique_ptr<util::RangeAllocator> staging_alloc;
   std::map<std::string, uint64_t> ssd_keys;      // key -> offset of its SSD record (under mu)
-  std::deque<rpc::Demotion> demotions;           // to run (under mu)
+  // Serializes changes of the SSD objects (drop + plugin remove; drop + put + record), since
+  // the plugin names objects by key alone. Lock order: ssd_mu, then mu.
+  std::mutex ssd_mu;
+  // Moves to run, with the time by which each must be reported (under mu).
+  std::deque<std::pair<rpc::Demotion, std::chrono::steady_clock::time_point>> demotions;
   std::deque<std::string> evicted;               // keys the SSD plugin dropped (under mu)
   std::thread demote_thread;
   Status ssd_status;  // OK: the tier runs; else why not
@@ -139,10 +143,19 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   Status Demote(const rpc::Demotion& d);
   Status Promote(const rpc::Demotion& d);
   void DropSsdObject(const std::string& key, uint64_t replica_id);  // record + plugin object
-  // Reads an SSD object into a staging range (caller frees it with FreeStaging); checks the
+  void DropSsdObjectLocked(const std::string& key, uint64_t replica_id);  // ssd_mu held
+  // Registered memory an SSD object was read into: a range of the staging area, or, for an
+  // object larger than the whole area, memory of its own registered for the occasion.
+  struct Staged {
+    char* data = nullptr;
+    uint64_t offset = 0;           // in the staging area (when temp_segment == 0)
+    SegmentId temp_segment = 0;    // its own registration, else 0
+    std::unique_ptr<char, void (*)(void*)> temp{nullptr, std::free};
+  };
+  // Reads an SSD object into registered memory (caller frees it with FreeStaging); checks the
   // record's checksum.
-  Result<uint64_t> ReadToStaging(const rpc::InventoryRecord& rec);
-  void FreeStaging(uint64_t offset);
+  Result<std::unique_ptr<Staged>> ReadToStaging(const rpc::InventoryRecord& rec);
+  void FreeStaging(Staged& s);
 
   grpc::Status Commit(grpc::ServerContext*, const rpc::CommitRequest* req,
                       rpc::Status* reply) override;
@@ -242,12 +255,18 @@ void StorageNode::Impl::ApplyFrees(
 }
 
 void StorageNode::Impl::DropSsdObject(const std::string& key, uint64_t replica_id) {
+  std::lock_guard<std::mutex> ssd_lock(ssd_mu);
+  DropSsdObjectLocked(key, replica_id);
+}
+
+void StorageNode::Impl::DropSsdObjectLocked(const std::string& key, uint64_t replica_id) {
   {
     std::lock_guard<std::mutex> lock(mu);
     auto k = ssd_keys.find(key);
     if (k == ssd_keys.end()) return;
     auto it = inventory.find({kSsdSegment, k->second});
-    if (it == inventory.end() || (replica_id != 0 && it->second.replica_id() != replica_id)) {
+    if (it == inventory.end() || it->second.key() != key ||
+        (replica_id != 0 && it->second.replica_id() != replica_id)) {
       return;
     }
     inventory.erase(it);
@@ -296,7 +315,10 @@ void StorageNode::Impl::HeartbeatLoop() {
     lock.lock();
     if (st.ok()) {
       for (const auto& t : reply.tasks()) tasks.push_back(t);
-      for (const auto& d : reply.demotions()) demotions.push_back(d);
+      const auto now = std::chrono::steady_clock::now();
+      for (const auto& d : reply.demotions()) {
+        demotions.emplace_back(d, now + std::chrono::milliseconds(d.timeout_ms()));
+      }
       if (reply.drained()) drained = true;
       cv.notify_all();
     }
@@ -305,12 +327,12 @@ void StorageNode::Impl::HeartbeatLoop() {
 
 std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::ReplicationTask>& batch) {
   std::vector<Status> result(batch.size());
-  std::vector<uint64_t> staged;  // staging ranges of SSD sources, freed when the batch ends
+  std::vector<std::unique_ptr<Staged>> staged;  // SSD sources, freed when the batch ends
   struct FreeStaged {
     Impl* im;
-    std::vector<uint64_t>* v;
+    std::vector<std::unique_ptr<Staged>>* v;
     ~FreeStaged() {
-      for (uint64_t off : *v) im->FreeStaging(off);
+      for (auto& s : *v) im->FreeStaging(*s);
     }
   } free_staged{this, &staged};
   std::vector<TransferOp> ops;
@@ -353,13 +375,13 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
         result[i] = Status::NotFound("task source is not on this node's SSD tier");
         continue;
       }
-      Result<uint64_t> off = ReadToStaging(rec);
-      if (!off.ok()) {
-        result[i] = off.status();
+      Result<std::unique_ptr<Staged>> got = ReadToStaging(rec);
+      if (!got.ok()) {
+        result[i] = got.status();
         continue;
       }
-      staged.push_back(*off);
-      local = staging.get() + *off;
+      local = got.value()->data;
+      staged.push_back(std::move(got).value());
     } else if (src.segment_id() != segment || src.offset() > pool_bytes ||
                src.length() > pool_bytes - src.offset()) {
       result[i] = Status::OutOfBounds("task source range is not inside this node's pool");
@@ -491,38 +513,60 @@ void StorageNode::Impl::OnEvict(void* user, const uint8_t* key, uint32_t key_len
   im->cv.notify_all();
 }
 
-Result<uint64_t> StorageNode::Impl::ReadToStaging(const rpc::InventoryRecord& rec) {
+Result<std::unique_ptr<StorageNode::Impl::Staged>> StorageNode::Impl::ReadToStaging(
+    const rpc::InventoryRecord& rec) {
   const uint64_t bytes = ObjectBytes(rec);
-  std::optional<uint64_t> off;
-  {
-    std::lock_guard<std::mutex> lock(staging_mu);
-    off = staging_alloc->Allocate(std::max<uint64_t>(bytes, 1));
+  auto out = std::make_unique<Staged>();
+  if (bytes > staging_bytes) {
+    // Larger than the whole staging area: memory of its own, registered for this read.
+    const uint64_t n = (bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+    out->temp.reset(static_cast<char*>(std::aligned_alloc(kStagingAlign, n)));
+    if (!out->temp) return Status::NoSpace("cannot allocate " + std::to_string(n) + " bytes");
+    Result<SegmentId> seg = engine->RegisterMemory(out->temp.get(), n);
+    if (!seg.ok()) return seg.status().WithContext("registering a large SSD read");
+    out->temp_segment = seg.value();
+    out->data = out->temp.get();
+  } else {
+    std::optional<uint64_t> off;
+    {
+      std::lock_guard<std::mutex> lock(staging_mu);
+      off = staging_alloc->Allocate(std::max<uint64_t>(bytes, 1));
+    }
+    if (!off) {
+      return Status::Backpressure("SSD staging is full (" + std::to_string(staging_bytes) +
+                                  " bytes; KVBRIDGE_NODE_SSD_STAGING_BYTES)");
+    }
+    out->offset = *off;
+    out->data = staging.get() + *off;
   }
-  if (!off) {
-    return Status::Backpressure("SSD staging is full (" + std::to_string(staging_bytes) +
-                                " bytes; KVBRIDGE_NODE_SSD_STAGING_BYTES)");
-  }
-  kvb_iovec_t iov{staging.get() + *off, bytes};
+  kvb_iovec_t iov{out->data, bytes};
   uint64_t length = 0;
   kvb_status_t st = ssd_ops->get(ssd, reinterpret_cast<const uint8_t*>(rec.key().data()),
                                  static_cast<uint32_t>(rec.key().size()), &iov, 1, &length);
-  Status out;
+  Status bad;
   if (st != KVB_OK) {
-    out = Status::FromAbi(st, "SSD read").WithContext("SSD tier");
-  } else if (length != bytes || util::Crc32c(staging.get() + *off, bytes) != rec.checksum()) {
-    out = Status::IoError("SSD copy does not match the object's checksum");
+    bad = Status::FromAbi(st, "SSD read").WithContext("SSD tier");
+  } else if (length != bytes || util::Crc32c(out->data, bytes) != rec.checksum()) {
+    bad = Status::IoError("SSD copy does not match the object's checksum");
   }
-  if (!out.ok()) {
-    FreeStaging(*off);
+  if (!bad.ok()) {
+    FreeStaging(*out);
     if (st != KVB_ERR_BACKPRESSURE) DropSsdObject(rec.key(), rec.replica_id());
-    return out;
+    return bad;
   }
-  return *off;
+  return out;
 }
 
-void StorageNode::Impl::FreeStaging(uint64_t offset) {
-  std::lock_guard<std::mutex> lock(staging_mu);
-  staging_alloc->Free(offset);
+void StorageNode::Impl::FreeStaging(Staged& s) {
+  if (s.temp_segment != 0) {
+    (void)engine->DeregisterMemory(s.temp_segment);
+    s.temp_segment = 0;
+    s.temp.reset();
+  } else if (s.data != nullptr) {
+    std::lock_guard<std::mutex> lock(staging_mu);
+    staging_alloc->Free(s.offset);
+  }
+  s.data = nullptr;
 }
 
 Status StorageNode::Impl::Demote(const rpc::Demotion& d) {
@@ -541,7 +585,8 @@ Status StorageNode::Impl::Demote(const rpc::Demotion& d) {
   if (util::Crc32c(pool + src.offset(), bytes) != src.checksum()) {
     return Status::IoError("the DRAM replica does not match its checksum; not demoted");
   }
-  DropSsdObject(src.key(), 0);  // an older copy of the key (one replica per node and key)
+  std::lock_guard<std::mutex> ssd_lock(ssd_mu);
+  DropSsdObjectLocked(src.key(), 0);  // an older copy of the key (one replica per node and key)
   const std::string meta = MetaOf(d.dest());
   kvb_iovec_t iov{pool + src.offset(), bytes};
   kvb_status_t st =
@@ -593,7 +638,7 @@ void StorageNode::Impl::DemoteLoop() {
     if (stopping) return;
     std::deque<std::string> gone;
     gone.swap(evicted);
-    std::deque<rpc::Demotion> batch;
+    std::deque<std::pair<rpc::Demotion, std::chrono::steady_clock::time_point>> batch;
     batch.swap(demotions);
     lock.unlock();
     // Objects the SSD plugin evicted on its own: their records go, and the master drops the
@@ -615,12 +660,18 @@ void StorageNode::Impl::DemoteLoop() {
       report.set_key(key);
       report.set_version(rec.version());
       *report.mutable_node() = Identity();
+      report.set_segment_id(kSsdSegment);
+      report.set_offset(rec.offset());
       rpc::Status ignored;
       auto ctx = Context();
       (void)master->ReportBadReplica(ctx.get(), report, &ignored);
     }
-    for (const rpc::Demotion& d : batch) {
-      Status st = Demote(d);
+    for (const auto& [d, deadline] : batch) {
+      // Past its deadline the master has given the target range up (a DRAM one may hold new
+      // data by now): do nothing, just say so.
+      Status st = std::chrono::steady_clock::now() >= deadline
+                      ? Status::DeadlineExceeded("move arrived past its deadline; not done")
+                      : Demote(d);
       rpc::DemoteDoneRequest done;
       *done.mutable_node() = Identity();
       done.set_key(d.source().key());
@@ -654,7 +705,7 @@ void StorageNode::Impl::DemoteLoop() {
   }
 }
 
-grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext*, const rpc::ReadSsdRequest* req,
+grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::ReadSsdRequest* req,
                                         rpc::ReadSsdReply* reply) {
   auto done = [&](const Status& st) {
     store::ToProto(st, reply->mutable_status());
@@ -686,22 +737,33 @@ grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext*, const rpc::ReadSsd
   }
   Result<PeerId> client = engine->AddPeer(req->client_descriptor());
   if (!client.ok()) return done(client.status().WithContext("client descriptor"));
-  Result<uint64_t> off = ReadToStaging(rec);
-  if (!off.ok()) return done(off.status());
+  Result<std::unique_ptr<Staged>> got = ReadToStaging(rec);
+  if (!got.ok()) return done(got.status());
+  Staged& staged = *got.value();
   std::vector<TransferOp> ops;
   uint64_t pos = 0;
   for (const auto& p : req->dests()) {
     if (pos == bytes) break;
     const uint64_t n = std::min(p.length(), bytes - pos);
-    ops.push_back(TransferOp{OpCode::kWrite, staging.get() + *off + pos, n, client->node_id,
+    ops.push_back(TransferOp{OpCode::kWrite, staged.data + pos, n, client->node_id,
                              p.segment_id(), p.offset()});
     pos += n;
   }
+  // Write only while the client still waits for the answer: never into buffers it has
+  // already given up on (the call's deadline, less a margin for the reply).
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      ctx->deadline() - std::chrono::system_clock::now() - std::chrono::milliseconds(50));
+  if (ctx->IsCancelled() || left.count() <= 0) {
+    FreeStaging(staged);
+    return done(Status::DeadlineExceeded("the client's call expired during the SSD read"));
+  }
   SubmitOptions so;
-  so.deadline_ms = req->timeout_ms() > 0 ? req->timeout_ms() : options.rpc_timeout_ms;
+  so.deadline_ms = static_cast<uint32_t>(std::min<int64_t>(
+      left.count(), req->timeout_ms() > 0 ? req->timeout_ms() : options.rpc_timeout_ms));
   Status st = engine->Transfer(ops, so);
-  FreeStaging(*off);
-  if (!st.ok()) return done(st.WithContext("writing to the client"));
+  FreeStaging(staged);
+  // Not the replica's fault: the client must not report it (UNAVAILABLE is not reported).
+  if (!st.ok()) return done(Status::Unavailable("writing to the client: " + st.ToString()));
   reply->set_size(bytes);
   return done(Status::OK());
 }

@@ -581,11 +581,19 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
       // range the node does not hold) are reported per key: only the reader can see them.
       const bool node_level = st.IsPeerUnreachable() || st.IsStalePeer() ||
                               st.Is(StatusCode::kProgressTimeout) || st.IsDeadlineExceeded();
-      if (!node_level || reported_nodes.insert(bad.node().node_id()).second) {
+      // Says nothing about the replica (a busy node, our own memory, a node that could not
+      // write back to us): move on without reporting it.
+      const bool not_the_replica = st.Is(StatusCode::kBackpressure) ||
+                                   st.Is(StatusCode::kNotRegistered) ||
+                                   st.Is(StatusCode::kUnavailable);
+      if (!not_the_replica &&
+          (!node_level || reported_nodes.insert(bad.node().node_id()).second)) {
         rpc::BadReplicaRequest report;
         report.set_key(keys[i]);
         report.set_version(item.version());
         *report.mutable_node() = bad.node();
+        report.set_segment_id(bad.segment_id());
+        report.set_offset(bad.offset());
         rpc::Status ignored;
         auto ctx = im.Context();
         (void)im.master->ReportBadReplica(ctx.get(), report, &ignored);

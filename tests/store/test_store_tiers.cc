@@ -282,6 +282,23 @@ TEST_P(StoreTiers, RestartedNodeInTheSameProcessGetsItsSsdObjectsBack) {
   EXPECT_EQ(static_cast<uint64_t>(ReadBackOneByOne(c, dst)), before.ssd_replicas);
 }
 
+TEST_P(StoreTiers, SsdObjectsLargerThanTheStagingAreaAreStillServed) {
+  EmbeddedClusterOptions o = Options(1, 4u << 20, 32u << 20, 1);
+  o.ssd_staging_bytes = 64 * 1024;  // smaller than one object: every SSD read needs its own
+  auto cluster = Must(EmbeddedCluster::Start(o));
+  StoreClient& c = cluster->client();
+  Buffer src(16 * kObject), dst(16 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  ClusterStatus before = FillOneTieredNode(*cluster, c, src);
+  ASSERT_GT(before.ssd_replicas, 8u);
+  std::string why;
+  for (size_t first = 0; first < 48; first += 16) {
+    EXPECT_EQ(GetAndCheck(c, dst, first, 16, &why), 0) << why;
+  }
+  EXPECT_EQ(Must(QueryClusterStatus(cluster->master_address())).bad_replicas_total, 0u);
+}
+
 TEST_P(StoreTiers, SsdObjectsReadRepeatedlyArePromotedBackToDram) {
   auto cluster = Must(EmbeddedCluster::Start(Options(1, 4u << 20, 32u << 20, 1)));
   StoreClient& c = cluster->client();

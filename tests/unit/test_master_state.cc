@@ -1850,6 +1850,51 @@ TEST(MasterTier, SsdReplicaReadTwiceIsPromotedBackToDramWhenThereIsRoom) {
   ExpectConsistent(c);
 }
 
+TEST(MasterTier, CancelledPromotionHoldsItsDramRangeUntilItsDeadline) {
+  // The node may still be copying into the promotion's DRAM range after the master cancelled
+  // it (the object was removed): that range must not be handed to a new put before then.
+  Cluster c;
+  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
+  for (int i = 0; i < 14; ++i) {
+    ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
+    c.now += kMs;
+  }
+  c.m().Tick(c.now);
+  for (const Demotion& d : HeartbeatDemotions(c, n)) ASSERT_TRUE(RunDemotion(c, n, d).ok());
+  for (int i = 6; i < 14; ++i) ASSERT_TRUE(c.m().Remove("k" + std::to_string(i), c.now).ok());
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(c.m().GetReplicas({"k1"}, "", c.now)[0].ok());
+  std::vector<Demotion> ps = HeartbeatDemotions(c, n);  // issued
+  ASSERT_EQ(ps.size(), 1u);
+  ASSERT_EQ(ps[0].dest.segment_id, 100u);
+  const uint64_t held_before = c.m().Stats().held_bytes;
+  ASSERT_TRUE(c.m().Remove("k1", c.now).ok());  // cancels the promotion
+  EXPECT_GE(c.m().Stats().held_bytes, held_before + 4 * kKiB);  // its DRAM range is held
+  ExpectConsistent(c);
+  EXPECT_EQ(RunDemotion(c, n, ps[0]).code(), StatusCode::kNotFound);  // a late report
+  ExpectConsistent(c);
+}
+
+TEST(MasterTier, BadReplicaReportForACopyThatMovedDropsNothing) {
+  Cluster c;
+  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
+  for (int i = 0; i < 14; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
+  c.m().Tick(c.now);
+  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  ASSERT_FALSE(ds.empty());
+  ASSERT_TRUE(RunDemotion(c, n, ds[0]).ok());  // now on SSD
+  const Demotion& d = ds[0];
+  // A reader that still had the DRAM location reports it: the SSD replica stays.
+  EXPECT_EQ(c.m().ReportBadReplica(d.source.key, d.source.version, n.id, c.now,
+                                   d.source.segment_id, d.source.offset).code(),
+            StatusCode::kNotFound);
+  EXPECT_TRUE(c.m().Exists({d.source.key})[0]);
+  // A report naming the current copy drops it (the last one: the object goes).
+  EXPECT_TRUE(c.m().ReportBadReplica(d.source.key, d.source.version, n.id, c.now,
+                                     d.dest.segment_id, d.dest.offset).ok());
+  EXPECT_FALSE(c.m().Exists({d.source.key})[0]);
+  ExpectConsistent(c);
+}
+
 TEST(MasterTier, FailedDemotionsBackOffThatNode) {
   Cluster c;
   FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);

@@ -238,6 +238,7 @@ struct EmbeddedClusterOptions {
   std::string ssd_dir;
   uint64_t ssd_bytes_per_node = 1ull << 30;
   std::string ssd_plugin = "ssd";
+  uint64_t ssd_staging_bytes = 64ull << 20;  // NodeOptions::ssd_staging_bytes of each node
   MasterOptions master;  // listen defaults to a free loopback port here
   EngineOptions engine;  // template for the nodes' and the client's engines
 };
