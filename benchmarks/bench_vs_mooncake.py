@@ -6,8 +6,10 @@
     system registers a buffer; this process drives it through the Mooncake TransferEngine API:
     kvbridge.compat.mooncake.TransferEngine or mooncake.engine.TransferEngine), blocks of
     64 KiB .. 4 MiB, batches of `--batch` blocks, p50/p99 per batch;
-(b) store: (see --store) batch_put_from / batch_get_into of 128 x 64 KiB pages through
-    MooncakeDistributedStore, replica_num 1 and 2, when the store compat layer is present.
+(b) store: a master plus two storage processes per system (kvbridge: a kvbridge master;
+    Mooncake: its mooncake_master), this process a pure client: batch_put_from then
+    batch_get_into of 128 x 64 KiB pages per iteration through MooncakeDistributedStore
+    (kvbridge.compat.mooncake or mooncake.store), replica_num 1 and 2.
 
 Runs with an interpreter that imports both (scripts/setup_mooncake_venv.sh makes
 .venv-mooncake; PYTHONPATH points at the kvbridge build). Progress on stderr; the last stdout
@@ -51,6 +53,145 @@ def serve(impl: str, nbytes: int) -> None:
         return
     print(f"127.0.0.1:{eng.get_rpc_port()} {addr}", flush=True)
     sys.stdin.readline()  # until the driver closes stdin
+
+
+def store_class(impl: str):
+    if impl == "kvbridge":
+        from kvbridge.compat.mooncake import MooncakeDistributedStore, ReplicateConfig
+    else:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    return MooncakeDistributedStore, ReplicateConfig
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_master(impl: str) -> None:
+    """kvbridge's master in a process of its own (Mooncake's is its mooncake_master binary)."""
+    import kvbridge
+    m = kvbridge.Master(master_listen="127.0.0.1:0", lease_ms=200)
+    print(m.address, flush=True)
+    sys.stdin.readline()
+    m.close()
+
+
+def serve_storage(impl: str, master: str, segment: int) -> None:
+    """A storage process: contributes `segment` bytes to the pool, serves until stdin closes."""
+    cls, _ = store_class(impl)
+    store = cls()
+    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", segment, 0, "tcp", "", master)
+    print("ready" if rc == 0 else f"ERROR setup {rc}", flush=True)
+    sys.stdin.readline()
+    store.close()
+
+
+def start_master(impl: str):
+    if impl == "kvbridge":
+        p = subprocess.Popen([sys.executable, __file__, "--master", impl], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return p.stdout.readline().strip(), p
+    import mooncake
+    binary = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    port = free_port()
+    p = subprocess.Popen([binary, f"--rpc_port={port}", "--rpc_address=127.0.0.1",
+                          f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1",
+                          "--enable_metric_reporting=false", "--default_kv_lease_ttl=200"],
+                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, text=True)
+    import socket
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError("mooncake_master did not start")
+            time.sleep(0.05)
+    return f"127.0.0.1:{port}", p
+
+
+def stop(p) -> None:
+    try:
+        p.stdin.close()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        p.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        p.terminate()
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def bench_store(impl: str, seconds: float, segment: int) -> list[dict]:
+    page, batch = 64 << 10, 128
+    master, mproc = start_master(impl)
+    nodes = []
+    rows = []
+    try:
+        for _ in range(2):
+            n = subprocess.Popen([sys.executable, __file__, "--storage", impl, "--master-addr",
+                                  master, "--bytes", str(segment)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            nodes.append(n)
+            line = n.stdout.readline().strip()
+            if line != "ready":
+                raise RuntimeError(f"{impl} storage process: {line!r}")
+        cls, config_cls = store_class(impl)
+        client = cls()
+        assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master) == 0
+        src_raw, src = aligned(page * batch)
+        dst_raw, dst = aligned(page * batch)
+        ctypes.memset(src, 0x3C, page * batch)
+        assert client.register_buffer(src, page * batch) == 0
+        assert client.register_buffer(dst, page * batch) == 0
+        ptr_src = [src + i * page for i in range(batch)]
+        ptr_dst = [dst + i * page for i in range(batch)]
+        sizes = [page] * batch
+        for replicas in (1, 2):
+            config = config_cls()
+            config.replica_num = replicas
+            # Stay well inside the pool (2 x segment): no eviction in the measurement.
+            max_iters = max(1, int(0.7 * 2 * segment / (page * batch * replicas)))
+            put_lat, get_lat, failed = [], [], 0
+            t_end = time.perf_counter() + seconds
+            it = 0
+            while time.perf_counter() < t_end and it < max_iters:
+                keys = [f"vs-{impl}-r{replicas}-{it}-{i}" for i in range(batch)]
+                t = time.perf_counter()
+                res = client.batch_put_from(keys, ptr_src, sizes, config)
+                put_lat.append(time.perf_counter() - t)
+                failed += sum(1 for r in res if r != 0)
+                t = time.perf_counter()
+                got = client.batch_get_into(keys, ptr_dst, sizes)
+                get_lat.append(time.perf_counter() - t)
+                failed += sum(1 for r in got if r != page)
+                it += 1
+            for op, lat in (("batch_put_from", put_lat), ("batch_get_into", get_lat)):
+                rows.append({"system": impl, "op": op, "replica_num": replicas,
+                             "pages": batch, "page_bytes": page, "batches": len(lat),
+                             "gbps": round(page * batch * len(lat) / sum(lat) / 1e9, 3)
+                             if lat else 0.0,
+                             "p50_ms": round(percentile(lat, 0.5) * 1e3, 3),
+                             "p99_ms": round(percentile(lat, 0.99) * 1e3, 3), "failed": failed})
+                print(f"  {impl:8s} {op:15s} r{replicas}: {rows[-1]['gbps']:7.3f} GB/s p50 "
+                      f"{rows[-1]['p50_ms']:.2f} ms p99 {rows[-1]['p99_ms']:.2f} ms, "
+                      f"{failed} failed", file=sys.stderr)
+            time.sleep(0.3)  # past the read leases
+            client.remove_all()
+        client.close()
+    finally:
+        for n in nodes:
+            stop(n)
+        stop(mproc)
+    return rows
 
 
 def percentile(v: list[float], q: float) -> float:
@@ -110,11 +251,22 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seconds", type=float, default=None)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--segment-mib", type=int, default=1024,
+                    help="bytes each storage process contributes (MiB)")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
+    ap.add_argument("--master", help=argparse.SUPPRESS)
+    ap.add_argument("--storage", help=argparse.SUPPRESS)
+    ap.add_argument("--master-addr", help=argparse.SUPPRESS)
     ap.add_argument("--bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         serve(args.serve, args.bytes)
+        return 0
+    if args.master:
+        serve_master(args.master)
+        return 0
+    if args.storage:
+        serve_storage(args.storage, args.master_addr, args.bytes)
         return 0
     seconds = args.seconds or (0.5 if args.quick else 3.0)
     sizes = [64 << 10, 256 << 10, 1 << 20, 4 << 20]
@@ -139,14 +291,30 @@ def main() -> int:
                        "ratio": round(r["gbps"] / m["gbps"], 3) if m["gbps"] else None,
                        "p99_ratio": round(r["p99_ms"] / m["p99_ms"], 3) if m["p99_ms"] else None})
     small = [x["ratio"] for x in ratios if x["block_bytes"] <= (1 << 20) and x["ratio"]]
+    print("store: 2 storage processes + master per system, 128 x 64 KiB pages per batch",
+          file=sys.stderr)
+    srows = []
+    for impl in ("kvbridge", "mooncake"):
+        srows += bench_store(impl, seconds, args.segment_mib << 20)
+    sratios = []
+    for r in srows:
+        if r["system"] != "kvbridge":
+            continue
+        m = next(x for x in srows if x["system"] == "mooncake" and x["op"] == r["op"]
+                 and x["replica_num"] == r["replica_num"])
+        sratios.append({"op": r["op"], "replica_num": r["replica_num"],
+                        "ratio": round(r["gbps"] / m["gbps"], 3) if m["gbps"] else None,
+                        "p99_ratio": round(r["p99_ms"] / m["p99_ms"], 3) if m["p99_ms"] else None})
+    head = [x["ratio"] for x in sratios if x["op"] == "batch_get_into" and x["ratio"]]
     out = {"benchmark": "vs-mooncake", "quick": args.quick, "seconds": seconds,
            "transfer": {"rows": rows, "ratios": ratios,
                         "min_ratio_64k_to_1m": min(small) if small else None,
                         "min_ratio_all": min(x["ratio"] for x in ratios if x["ratio"])},
-           "store": None,
-           "headline": {"metric": "transfer GB/s kvbridge / Mooncake, minimum over "
-                        "64 KiB-1 MiB write and read (the store headline arrives with the "
-                        "store part)", "value": min(small) if small else None,
+           "store": {"rows": srows, "ratios": sratios,
+                     "min_ratio_all": min((x["ratio"] for x in sratios if x["ratio"]),
+                                          default=None)},
+           "headline": {"metric": "store batch_get_into GB/s, kvbridge / Mooncake (minimum of "
+                        "replica_num 1 and 2)", "value": min(head) if head else None,
                         "goal": 1.5}}
     print(json.dumps(out))
     return 0
