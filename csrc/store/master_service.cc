@@ -365,7 +365,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
                            rpc::GetReplicasReply* reply) override {
     std::vector<std::string> keys(req->keys().begin(), req->keys().end());
     const uint64_t now = util::MonoNs();
-    for (auto& r : state->GetReplicas(keys, req->client_node_id(), now)) {
+    for (auto& r : state->GetReplicas(keys, req->client_node_id(), now, req->sizes_only())) {
       auto* item = reply->add_items();
       if (!r.ok()) {
         ToProto(r.status(), item->mutable_status());

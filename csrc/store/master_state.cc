@@ -1412,7 +1412,7 @@ std::vector<Status> MasterState::PutRevoke(const std::vector<KeyVersion>& items,
 
 std::vector<Result<ReplicaSet>> MasterState::GetReplicas(const std::vector<std::string>& keys,
                                                          std::string_view client_node_id,
-                                                         uint64_t now_ns) {
+                                                         uint64_t now_ns, bool sizes_only) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   std::vector<Result<ReplicaSet>> out;
@@ -1442,11 +1442,13 @@ std::vector<Result<ReplicaSet>> MasterState::GetReplicas(const std::vector<std::
     };
     std::sort(reps.begin(), reps.end(),
               [&](const Impl::Replica* a, const Impl::Replica* b) { return rank(a) < rank(b); });
-    reps.front()->node->reads += 1;
-    o->lease_expiry_ns = std::max(o->lease_expiry_ns, now_ns + MsToNs(m.cfg.lease_ms));
-    o->last_access_ns = now_ns;
-    if (reps.front()->segment->info.tier == Tier::kSsd) {
-      m.MaybePromote(o, o->replicas[Impl::ReplicaOn(*o, reps.front()->node)], now_ns);
+    if (!sizes_only) {
+      reps.front()->node->reads += 1;
+      o->lease_expiry_ns = std::max(o->lease_expiry_ns, now_ns + MsToNs(m.cfg.lease_ms));
+      o->last_access_ns = now_ns;
+      if (reps.front()->segment->info.tier == Tier::kSsd) {
+        m.MaybePromote(o, o->replicas[Impl::ReplicaOn(*o, reps.front()->node)], now_ns);
+      }
     }
     ReplicaSet rs;
     rs.version = o->version;

@@ -442,9 +442,11 @@ class MasterState {
   // (its put end is in flight).
   std::vector<Status> PutRevoke(const std::vector<KeyVersion>& items, uint64_t now_ns);
   // Per key: INVALID_ARGUMENT, NOT_FOUND (absent or not complete), or the replicas under a read
-  // lease of lease_ms from now. Counts as an access for eviction.
+  // lease of lease_ms from now. Counts as an access for eviction (and SSD promotion) unless
+  // sizes_only: then no lease is granted and nothing is counted (a size query reads nothing).
   std::vector<Result<ReplicaSet>> GetReplicas(const std::vector<std::string>& keys,
-                                              std::string_view client_node_id, uint64_t now_ns);
+                                              std::string_view client_node_id, uint64_t now_ns,
+                                              bool sizes_only = false);
   // True for COMPLETE keys only.
   std::vector<bool> Exists(const std::vector<std::string>& keys) const;
   // Removes a COMPLETE object from the namespace at once; its space is freed when its lease

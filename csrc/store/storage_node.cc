@@ -875,6 +875,7 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
       impl->ssd = nullptr;
       if (impl->staging_segment != 0) (void)impl->engine->DeregisterMemory(impl->staging_segment);
       impl->staging_segment = 0;
+      impl->staging.reset();
       std::lock_guard<std::mutex> lock(impl->mu);
       std::erase_if(impl->inventory, [](const auto& e) { return e.first.first == kSsdSegment; });
       impl->ssd_keys.clear();

@@ -130,9 +130,11 @@ struct StoreClient::Impl {
   }
   bool LocalSegment(const char* p, uint64_t len, SegmentId* seg, uint64_t* off);
   // The master's replicas (and sizes, read leases) of each key; a failed call is a Status.
-  Status GetReplicas(std::span<const std::string> keys, rpc::GetReplicasReply* got) {
+  Status GetReplicas(std::span<const std::string> keys, rpc::GetReplicasReply* got,
+                     bool sizes_only = false) {
     rpc::GetReplicasRequest req;
     req.set_client_node_id(engine->self().node_id);
+    req.set_sizes_only(sizes_only);
     for (const auto& k : keys) req.add_keys(k);
     auto ctx = Context();
     grpc::Status gs = master->GetReplicas(ctx.get(), req, got);
@@ -463,7 +465,7 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetSize(std::span<const std::str
   std::vector<Result<uint64_t>> result(keys.size(), Status::Internal("not attempted"));
   if (keys.empty()) return result;
   rpc::GetReplicasReply got;
-  if (Status st = im.GetReplicas(keys, &got); !st.ok()) {
+  if (Status st = im.GetReplicas(keys, &got, /*sizes_only=*/true); !st.ok()) {
     result.assign(keys.size(), st);
     return result;
   }

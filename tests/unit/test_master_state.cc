@@ -1895,6 +1895,29 @@ TEST(MasterTier, BadReplicaReportForACopyThatMovedDropsNothing) {
   ExpectConsistent(c);
 }
 
+TEST(MasterTier, SizeQueriesGrantNoLeaseAndPromoteNothing) {
+  Cluster c;
+  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
+  for (int i = 0; i < 14; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
+  c.m().Tick(c.now);
+  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  ASSERT_FALSE(ds.empty());
+  ASSERT_TRUE(RunDemotion(c, n, ds[0]).ok());
+  for (int i = 6; i < 14; ++i) ASSERT_TRUE(c.m().Remove("k" + std::to_string(i), c.now).ok());
+  const std::string& key = ds[0].source.key;
+  for (int r = 0; r < 3; ++r) {
+    auto s = c.m().GetReplicas({key}, "", c.now, /*sizes_only=*/true);
+    ASSERT_TRUE(s[0].ok());
+    EXPECT_EQ(s[0]->sizes, std::vector<uint64_t>{4 * kKiB});
+  }
+  EXPECT_TRUE(HeartbeatDemotions(c, n).empty());  // three size queries promote nothing
+  const MasterSnapshot snap = c.m().Snapshot();
+  EXPECT_EQ(Find(snap, key)->lease_expiry_ns, 0u);  // and lease nothing: removable at once
+  ASSERT_TRUE(c.m().Remove(key, c.now).ok());
+  EXPECT_EQ(c.m().Stats().held_bytes, 0u);
+  ExpectConsistent(c);
+}
+
 TEST(MasterTier, FailedDemotionsBackOffThatNode) {
   Cluster c;
   FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
