@@ -84,6 +84,22 @@ std::vector<Status> Put(StoreClient& c, Buffer& arena, size_t first, size_t n) {
   return c.BatchPutFrom(keys, bufs);
 }
 
+// Puts objects [0, n) in batches of `batch`, pausing `pause_ms` after each (demotion runs in
+// the background; at these paces a writer never outruns it). Returns the failed puts, the
+// first one's error in *why.
+int PutPaced(StoreClient& c, Buffer& src, size_t n, size_t batch, int pause_ms,
+             std::string* why) {
+  int failed = 0;
+  for (size_t first = 0; first < n; first += batch) {
+    for (const Status& st : Put(c, src, first, batch)) {
+      if (st.ok()) continue;
+      if (failed++ == 0) *why = st.ToString();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+  }
+  return failed;
+}
+
 // Gets [first, first+n) into `out` and checks every byte; returns the failures. REQUIRES: the
 // objects were put from an arena with as many slots as `out` has (Put's slot i % slots).
 int GetAndCheck(StoreClient& c, Buffer& out, size_t first, size_t n, std::string* why) {
@@ -130,10 +146,9 @@ TEST_P(StoreTiers, DramPressureDemotesToSsdAndEveryObjectStaysReadable) {
   Buffer src(32 * kObject), dst(32 * kObject);
   ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
   ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
-  for (size_t first = 0; first < 160; first += 16) {
-    for (const Status& st : Put(c, src, first, 16)) ASSERT_TRUE(st.ok()) << st.ToString();
-    // Demotion runs in the background; a writer at this pace never outruns it.
-    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  {
+    std::string why;
+    ASSERT_EQ(PutPaced(c, src, 160, 16, 400, &why), 0) << why;
   }
   ClusterStatus s = Settle(cluster->master_address(), 10);
   EXPECT_EQ(s.objects, 160u);
@@ -165,9 +180,9 @@ void StopANodeOfATieredCluster(const EmbeddedClusterOptions& o) {
   Buffer src(16 * kObject), dst(16 * kObject);
   ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
   ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
-  for (size_t first = 0; first < 80; first += 8) {
-    for (const Status& st : Put(c, src, first, 8)) ASSERT_TRUE(st.ok()) << st.ToString();
-    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  {
+    std::string why;
+    ASSERT_EQ(PutPaced(c, src, 80, 8, 400, &why), 0) << why;
   }
   ClusterStatus s = Settle(cluster->master_address(), 10);
   ASSERT_GT(s.ssd_replicas, 0u);
@@ -220,9 +235,9 @@ TEST_P(StoreTiers, UnknownPeerDiscoveryModeIsANamedError) {
 
 // One node (4 MiB DRAM) filled with 48 objects at a pace demotion keeps up with.
 ClusterStatus FillOneTieredNode(EmbeddedCluster& cluster, StoreClient& c, Buffer& src) {
-  for (size_t first = 0; first < 48; first += 4) {
-    for (const Status& st : Put(c, src, first, 4)) EXPECT_TRUE(st.ok()) << st.ToString();
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  {
+    std::string why;
+    EXPECT_EQ(PutPaced(c, src, 48, 4, 300, &why), 0) << why;
   }
   return Settle(cluster.master_address(), 10);
 }
@@ -416,9 +431,9 @@ TEST_P(StoreTiers, FullSsdFileSystemKeepsObjectsInDram) {
   Buffer src(16 * kObject), dst(16 * kObject);
   ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
   ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
-  for (size_t first = 0; first < 56; first += 4) {
-    for (const Status& st : Put(c, src, first, 4)) ASSERT_TRUE(st.ok()) << st.ToString();
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  {
+    std::string why;
+    ASSERT_EQ(PutPaced(c, src, 56, 4, 200, &why), 0) << why;
   }
   ClusterStatus s = Settle(cluster->master_address(), 6);
   // Some went to SSD before it filled; the rest stayed in DRAM; nothing was lost to the
@@ -471,9 +486,9 @@ TEST_P(StoreTiers, DaemonsWithSeveralEndpointsDemoteServeAndSurviveKill9) {
   Buffer src(16 * kObject), dst(16 * kObject);
   ASSERT_TRUE(client->RegisterBuffer(src.data(), src.size()).ok());
   ASSERT_TRUE(client->RegisterBuffer(dst.data(), dst.size()).ok());
-  for (size_t first = 0; first < 96; first += 8) {
-    for (const Status& st : Put(*client, src, first, 8)) ASSERT_TRUE(st.ok()) << st.ToString();
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  {
+    std::string why;
+    ASSERT_EQ(PutPaced(*client, src, 96, 8, 300, &why), 0) << why;
   }
   ClusterStatus before = Settle(master, 10);
   ASSERT_EQ(before.evictions_total, 0u);
