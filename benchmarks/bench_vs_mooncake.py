@@ -253,6 +253,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--segment-mib", type=int, default=1024,
                     help="bytes each storage process contributes (MiB)")
+    ap.add_argument("--only", choices=("transfer", "store"),
+                    help="run one part only (the headline needs the store part)")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--master", help=argparse.SUPPRESS)
     ap.add_argument("--storage", help=argparse.SUPPRESS)
@@ -280,7 +282,8 @@ def main() -> int:
           file=sys.stderr)
     rows = []
     for impl in ("kvbridge", "mooncake"):
-        rows += bench_transfer(impl, sizes, args.batch, seconds)
+        if args.only != "store":
+            rows += bench_transfer(impl, sizes, args.batch, seconds)
     ratios = []
     for r in rows:
         if r["system"] != "kvbridge":
@@ -295,7 +298,8 @@ def main() -> int:
           file=sys.stderr)
     srows = []
     for impl in ("kvbridge", "mooncake"):
-        srows += bench_store(impl, seconds, args.segment_mib << 20)
+        if args.only != "transfer":
+            srows += bench_store(impl, seconds, args.segment_mib << 20)
     sratios = []
     for r in srows:
         if r["system"] != "kvbridge":
@@ -309,7 +313,8 @@ def main() -> int:
     out = {"benchmark": "vs-mooncake", "quick": args.quick, "seconds": seconds,
            "transfer": {"rows": rows, "ratios": ratios,
                         "min_ratio_64k_to_1m": min(small) if small else None,
-                        "min_ratio_all": min(x["ratio"] for x in ratios if x["ratio"])},
+                        "min_ratio_all": min((x["ratio"] for x in ratios if x["ratio"]),
+                                             default=None)},
            "store": {"rows": srows, "ratios": sratios,
                      "min_ratio_all": min((x["ratio"] for x in sratios if x["ratio"]),
                                           default=None)},
