@@ -989,12 +989,14 @@ bool Lane::RecvSome(uint64_t now, Outcome* out, Completions* done) {
   uint64_t budget = 8u << 20;  // then let the sender and the checks run
   while (budget > 0) {
     if (!in_payload_) {
-      const ssize_t r = recv(fd_, rhdr_ + rhdr_got_, sizeof(rhdr_) - rhdr_got_, MSG_DONTWAIT);
-      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
-      if (r <= 0) return socket_error(r, errno);
-      last_progress_ns_ = now;
-      rhdr_got_ += static_cast<size_t>(r);
-      if (rhdr_got_ < sizeof(rhdr_)) continue;
+      if (rhdr_got_ < sizeof(rhdr_)) {  // it may have come with the previous payload
+        const ssize_t r = recv(fd_, rhdr_ + rhdr_got_, sizeof(rhdr_) - rhdr_got_, MSG_DONTWAIT);
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
+        if (r <= 0) return socket_error(r, errno);
+        last_progress_ns_ = now;
+        rhdr_got_ += static_cast<size_t>(r);
+        if (rhdr_got_ < sizeof(rhdr_)) continue;
+      }
       rhdr_got_ = 0;
       wire::ResponseHeader h;
       wire::DecodeResponseHeader(rhdr_, sizeof(rhdr_), &h);
@@ -1040,22 +1042,34 @@ bool Lane::RecvSome(uint64_t now, Outcome* out, Completions* done) {
       continue;
     }
     Entry& e = inflight_.front();
-    const uint64_t want = std::min(e.s->length - payload_got_, budget);
-    ssize_t r;
-    int err;
-    if (!e.abandoned && EnterUserMem(*e.s)) {
-      r = recv(fd_, e.s->local + payload_got_, want, MSG_DONTWAIT);
-      err = errno;
-      ExitUserMem(*e.s);
+    const uint64_t rest = e.s->length - payload_got_;
+    const uint64_t want = std::min(rest, budget);
+    const bool user = !e.abandoned && EnterUserMem(*e.s);
+    iovec v[2];
+    if (user) {
+      v[0] = {e.s->local + payload_got_, static_cast<size_t>(want)};
     } else {
       e.abandoned = true;
-      r = recv(fd_, scratch_.get(), std::min<uint64_t>(want, kScratchBytes), MSG_DONTWAIT);
-      err = errno;
+      v[0] = {scratch_.get(), static_cast<size_t>(std::min<uint64_t>(want, kScratchBytes))};
     }
+    // The next response's header follows this payload in the stream; when another request is
+    // outstanding, take it in the same call (rhdr_got_ is 0 while a payload is read).
+    msghdr m{};
+    m.msg_iov = v;
+    m.msg_iovlen = 1;
+    if (v[0].iov_len == rest && send_idx_ > 1) {
+      v[1] = {rhdr_, sizeof(rhdr_)};
+      m.msg_iovlen = 2;
+    }
+    const ssize_t r = recvmsg(fd_, &m, MSG_DONTWAIT);
+    const int err = errno;
+    if (user) ExitUserMem(*e.s);
     if (r < 0 && (err == EAGAIN || err == EWOULDBLOCK || err == EINTR)) return true;
     if (r <= 0) return socket_error(r, err);
     last_progress_ns_ = now;
-    payload_got_ += static_cast<uint64_t>(r);
+    const uint64_t payload_part = std::min<uint64_t>(static_cast<uint64_t>(r), v[0].iov_len);
+    payload_got_ += payload_part;
+    rhdr_got_ = static_cast<size_t>(static_cast<uint64_t>(r) - payload_part);
     budget -= std::min<uint64_t>(budget, static_cast<uint64_t>(r));
     if (payload_got_ == e.s->length) {
       in_payload_ = false;
@@ -1504,23 +1518,107 @@ void Transport::ReleaseRegion(const std::shared_ptr<Region>& region) {
 void Transport::ServeRequests(int fd, const std::string& addr) {
   const Limits io_lim{0, config_.progress_timeout_ms * kMsNs, -1};
   std::unique_ptr<uint8_t[]> scratch;
-  uint8_t hb[wire::kRequestHeaderBytes];
-  uint8_t rb[wire::kResponseHeaderBytes];
   int err = 0;
+  // Read-ahead: one recv picks up every request header a lane has pipelined. A WRITE's payload
+  // may start inside it; those bytes are copied out before the rest is received in place.
+  constexpr size_t kReadAhead = 4096;
+  uint8_t in[kReadAhead];
+  size_t in_begin = 0, in_end = 0;
+  uint64_t last_in_ns = Now();
+  auto buffered = [&] { return in_end - in_begin; };
+  auto recv_payload = [&](uint8_t* dst, uint64_t len) -> Io {
+    const size_t take = static_cast<size_t>(std::min<uint64_t>(len, buffered()));
+    if (dst != nullptr) memcpy(dst, in + in_begin, take);
+    in_begin += take;
+    if (take == len) return Io::kOk;
+    if (dst != nullptr) return RecvAll(*this, fd, dst + take, len - take, io_lim, &err);
+    // Drain into scratch: a refused WRITE's payload never touches a region.
+    if (!scratch) scratch = std::make_unique<uint8_t[]>(kScratchBytes);
+    for (uint64_t left = len - take; left > 0;) {
+      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(left, kScratchBytes));
+      const Io io = RecvAll(*this, fd, scratch.get(), chunk, io_lim, &err);
+      if (io != Io::kOk) return io;
+      left -= chunk;
+    }
+    return Io::kOk;
+  };
+  // Responses are gathered and sent with one sendmsg once no further request is waiting (or
+  // the batch is full): a burst of pipelined READs costs one send, and the stream fills whole
+  // segments instead of trailing a few bytes after every payload. A READ's region stays
+  // acquired until its payload is sent.
+  constexpr int kMaxBatch = kMaxIov / 2;
+  constexpr uint64_t kMaxBatchBytes = 8u << 20;
+  uint8_t rbs[kMaxBatch][wire::kResponseHeaderBytes];
+  iovec iov[kMaxIov];
+  std::shared_ptr<Region> held[kMaxBatch];
+  int nresp = 0, niov = 0;
+  uint64_t batch_bytes = 0;
+  auto flush = [&]() -> Io {
+    if (nresp == 0) return Io::kOk;
+    const Io io = SendAllV(*this, fd, iov, niov, io_lim, &err);
+    for (int i = 0; i < nresp; ++i) {
+      if (held[i]) ReleaseRegion(held[i]);
+      held[i].reset();
+    }
+    nresp = niov = 0;
+    batch_bytes = 0;
+    return io;
+  };
+  auto queue = [&](const wire::ResponseHeader& resp, uint8_t* payload,
+                   std::shared_ptr<Region> region) -> Io {
+    wire::EncodeResponseHeader(resp, rbs[nresp]);
+    iov[niov++] = {rbs[nresp], wire::kResponseHeaderBytes};
+    batch_bytes += wire::kResponseHeaderBytes;
+    if (payload != nullptr) {
+      iov[niov++] = {payload, static_cast<size_t>(resp.length)};
+      batch_bytes += resp.length;
+    }
+    held[nresp++] = std::move(region);
+    return nresp == kMaxBatch || batch_bytes >= kMaxBatchBytes ? flush() : Io::kOk;
+  };
+  auto log_send_failure = [&](Io io) {
+    if (io != Io::kClosed) {
+      Log(KVB_LOG_WARN, "closing inbound %s while sending responses: %s", addr.c_str(),
+          io == Io::kTimeout ? "no progress within tcp.progress_timeout_ms"
+                             : IoError(io, err).c_str());
+    }
+  };
   while (!stopping_.load()) {
-    const Io ready = WaitFd(fd, POLLIN, 1000, -1, &err);
-    if (ready == Io::kTimeout) continue;
-    if (ready == Io::kError) return;
-    Io io = RecvAll(*this, fd, hb, sizeof(hb), io_lim, &err);
-    if (io != Io::kOk) {
-      if (io == Io::kTimeout) {
-        Log(KVB_LOG_WARN, "closing inbound %s: request header stalled for %u ms", addr.c_str(),
-            config_.progress_timeout_ms);
+    if (buffered() < wire::kRequestHeaderBytes) {
+      memmove(in, in + in_begin, buffered());
+      in_end = buffered();
+      in_begin = 0;
+      const ssize_t r = recv(fd, in + in_end, kReadAhead - in_end, MSG_DONTWAIT);
+      if (r > 0) {
+        in_end += static_cast<size_t>(r);
+        last_in_ns = Now();
+        continue;
       }
-      return;
+      if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        (void)flush();  // best effort: the peer is gone or going
+        return;
+      }
+      if (errno == EINTR) continue;
+      // Nothing more right now: send what is gathered before waiting.
+      if (const Io io = flush(); io != Io::kOk) {
+        log_send_failure(io);
+        return;
+      }
+      int wait_ms = 1000;
+      if (in_end > 0) {  // a partial header must complete within the progress timeout
+        wait_ms = WaitBudgetMs(*this, io_lim, last_in_ns);
+        if (wait_ms < 0) {
+          Log(KVB_LOG_WARN, "closing inbound %s: request header stalled for %u ms",
+              addr.c_str(), config_.progress_timeout_ms);
+          return;
+        }
+      }
+      if (WaitFd(fd, POLLIN, wait_ms, -1, &err) == Io::kError) return;
+      continue;
     }
     wire::RequestHeader h;
-    wire::DecodeRequestHeader(hb, sizeof(hb), &h);
+    wire::DecodeRequestHeader(in + in_begin, wire::kRequestHeaderBytes, &h);
+    in_begin += wire::kRequestHeaderBytes;
     std::shared_ptr<Region> region =
         h.magic == wire::kRequestMagic ? AcquireRegion(h.segment_id) : nullptr;
     wire::RegionRef ref;
@@ -1538,10 +1636,13 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
           "length %llu)",
           addr.c_str(), check.reason, h.magic, h.opcode, h.flags, U(h.segment_id), U(h.offset),
           U(h.length));
+      if (flush() != Io::kOk) return;
+      uint8_t rb[wire::kResponseHeaderBytes];
       wire::EncodeResponseHeader(resp, rb);
       (void)!send(fd, rb, sizeof(rb), MSG_NOSIGNAL | MSG_DONTWAIT);
       return;
     }
+    Io io = Io::kOk;
     if (check.status != KVB_OK) {
       if (region) ReleaseRegion(region);
       counters_.frames_rejected.fetch_add(1);
@@ -1552,33 +1653,19 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
             "lines suppressed",
             addr.c_str(), check.reason, U(h.segment_id), U(h.offset), U(h.length), U(suppressed));
       }
-      if (h.opcode == KVB_OP_WRITE) {
-        // Drain the payload so the connection stays usable; it never touches a region.
-        if (!scratch) scratch = std::make_unique<uint8_t[]>(kScratchBytes);
-        for (uint64_t left = h.length; left > 0;) {
-          const size_t chunk = static_cast<size_t>(std::min<uint64_t>(left, kScratchBytes));
-          if (RecvAll(*this, fd, scratch.get(), chunk, io_lim, &err) != Io::kOk) return;
-          left -= chunk;
-        }
-      }
-      wire::EncodeResponseHeader(resp, rb);
-      if (SendAll(*this, fd, rb, sizeof(rb), io_lim, &err) != Io::kOk) return;
-      continue;
-    }
-    uint8_t* p = region->base + h.offset;
-    if (h.opcode == KVB_OP_READ) {
+      // Drain the payload so the connection stays usable.
+      if (h.opcode == KVB_OP_WRITE) io = recv_payload(nullptr, h.length);
+      if (io == Io::kOk) io = queue(resp, nullptr, nullptr);
+    } else if (h.opcode == KVB_OP_READ) {
       resp.length = h.length;
-      wire::EncodeResponseHeader(resp, rb);
-      iovec iov[2] = {{rb, sizeof(rb)}, {p, static_cast<size_t>(h.length)}};
-      io = SendAllV(*this, fd, iov, 2, io_lim, &err);
-      ReleaseRegion(region);
+      uint8_t* payload = region->base + h.offset;
+      io = queue(resp, payload, std::move(region));
     } else {
-      io = RecvAll(*this, fd, p, static_cast<size_t>(h.length), io_lim, &err);
+      // Responses already gathered go out before this payload is awaited from the socket.
+      if (buffered() < h.length) io = flush();
+      if (io == Io::kOk) io = recv_payload(region->base + h.offset, h.length);
       ReleaseRegion(region);
-      if (io == Io::kOk) {
-        wire::EncodeResponseHeader(resp, rb);
-        io = SendAll(*this, fd, rb, sizeof(rb), io_lim, &err);
-      }
+      if (io == Io::kOk) io = queue(resp, nullptr, nullptr);
     }
     if (io != Io::kOk) {
       if (io != Io::kClosed) {
@@ -1587,9 +1674,11 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
             io == Io::kTimeout ? "no progress within tcp.progress_timeout_ms"
                                : IoError(io, err).c_str());
       }
+      (void)flush();
       return;
     }
   }
+  (void)flush();
 }
 
 // ---------------------------------------------------------------------------------------------

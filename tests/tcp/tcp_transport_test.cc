@@ -270,6 +270,129 @@ TEST(TcpTransport, MalformedFramesAreRefusedAndTouchNoMemory) {
   EXPECT_EQ(std::memcmp(a.mem->data(), b.mem->data(), 64 * 1024), 0);
 }
 
+// The server reads pipelined request headers ahead (several per recv) and gathers responses
+// into one send: a burst written in one piece, mixing READs, a refused WRITE whose payload
+// starts inside the read-ahead, an accepted WRITE longer than the read-ahead and more READs
+// than one gathered send holds, is answered completely, in order, with the right bytes.
+TEST(TcpTransport, PipelinedBurstIsServedInOrderWithTheRightBytes) {
+  Server b("b", 0xb5, 64 * 1024);
+  ASSERT_TRUE(b.inst);
+  b.mem->Fill(3);
+  std::vector<uint8_t> burst;
+  auto add = [&](uint16_t opcode, uint64_t id, uint64_t seg, uint64_t off, uint64_t len,
+                 const uint8_t* payload) {
+    uint8_t hb[wire::kRequestHeaderBytes];
+    wire::EncodeRequestHeader({wire::kRequestMagic, opcode, 0, id, seg, off, len}, hb);
+    burst.insert(burst.end(), hb, hb + sizeof(hb));
+    if (payload != nullptr) burst.insert(burst.end(), payload, payload + len);
+  };
+  std::vector<uint8_t> refused(3000, 0xAB), written(9000);
+  for (size_t i = 0; i < written.size(); ++i) written[i] = static_cast<uint8_t>(i * 7 + 1);
+  std::vector<uint8_t> expect_mem(b.mem->data(), b.mem->data() + b.mem->size());
+  std::memcpy(expect_mem.data() + 1000, written.data(), written.size());
+  struct Want {
+    uint64_t id;
+    kvb_status_t status;
+    uint64_t off, len;  // READ payload expected from expect_mem
+  };
+  std::vector<Want> want;
+  add(KVB_OP_READ, 1, b.seg, 5, 100, nullptr);
+  want.push_back({1, KVB_OK, 5, 100});
+  add(KVB_OP_WRITE, 2, b.seg + 1, 0, refused.size(), refused.data());
+  want.push_back({2, KVB_ERR_NOT_REGISTERED, 0, 0});
+  add(KVB_OP_WRITE, 3, b.seg, 1000, written.size(), written.data());
+  want.push_back({3, KVB_OK, 0, 0});
+  add(KVB_OP_READ, 4, b.seg, 1000, written.size(), nullptr);
+  want.push_back({4, KVB_OK, 1000, written.size()});
+  for (uint64_t i = 0; i < 70; ++i) {  // more than one gathered send (32 responses) holds
+    const uint64_t off = (i * 911) % (60 * 1024);
+    add(KVB_OP_READ, 100 + i, b.seg, off, 1 + i * 37, nullptr);
+    want.push_back({100 + i, KVB_OK, off, 1 + i * 37});
+  }
+  add(KVB_OP_READ, 500, b.seg, 64 * 1024 - 4, 8, nullptr);  // out of bounds
+  want.push_back({500, KVB_ERR_OUT_OF_BOUNDS, 0, 0});
+  add(KVB_OP_READ, 501, b.seg, 0, 64 * 1024, nullptr);
+  want.push_back({501, KVB_OK, 0, 64 * 1024});
+
+  RawClient c(b.inst->Port());
+  ASSERT_EQ(c.Handshake("raw", 1, "b", 0xb5), KVB_OK);
+  ASSERT_TRUE(c.SendAll(burst.data(), burst.size()));
+  std::vector<uint8_t> got;
+  for (const Want& w : want) {
+    SCOPED_TRACE("request " + std::to_string(w.id));
+    wire::ResponseHeader resp;
+    ASSERT_TRUE(c.RecvResponse(&resp));
+    ASSERT_EQ(resp.magic, wire::kResponseMagic);
+    ASSERT_EQ(resp.request_id, w.id);
+    ASSERT_EQ(resp.status, w.status);
+    ASSERT_EQ(resp.length, w.len);
+    got.assign(w.len, 0);
+    if (w.len > 0) ASSERT_TRUE(c.RecvAll(got.data(), got.size()));
+    EXPECT_EQ(std::memcmp(got.data(), expect_mem.data() + w.off, w.len), 0) << "wrong bytes";
+  }
+  EXPECT_EQ(std::memcmp(b.mem->data(), expect_mem.data(), expect_mem.size()), 0)
+      << "registered memory differs from what the accepted WRITE alone should have made it";
+  EXPECT_EQ(b.inst->Stats().frames_rejected, 2u);
+}
+
+// A request header cut short on an otherwise live connection: the server waits for the rest
+// no longer than tcp.progress_timeout_ms, then closes the connection and says why.
+TEST(TcpTransport, StalledRequestHeaderClosesTheConnection) {
+  Server b("b", 0xb6, 4096, {{"tcp.progress_timeout_ms", "300"}});
+  ASSERT_TRUE(b.inst);
+  RawClient c(b.inst->Port());
+  ASSERT_EQ(c.Handshake("raw", 1, "b", 0xb6), KVB_OK);
+  uint8_t hb[wire::kRequestHeaderBytes];
+  wire::EncodeRequestHeader({wire::kRequestMagic, KVB_OP_READ, 0, 1, b.seg, 0, 16}, hb);
+  const uint64_t start = NowNs();
+  ASSERT_TRUE(c.SendAll(hb, 25));
+  EXPECT_TRUE(c.WaitClosed(3000)) << "a half-sent header kept the connection open";
+  EXPECT_GE(MsSince(start), 250.0);
+  EXPECT_TRUE(b.inst->host().LogContains("request header stalled"));
+}
+
+// Many small READs and WRITEs interleaved in one request over a single lane with a deep
+// window: every byte lands where it belongs, whatever the server batched.
+TEST(TcpTransport, InterleavedSmallOpsOnOneLaneMoveTheRightBytes) {
+  Server b("b", 0xb7, 4 * kMiB);
+  Client a("a", 4 * kMiB, {{"tcp.lanes_per_peer", "1"}, {"tcp.window_slices", "64"}});
+  ASSERT_TRUE(b.inst && a.inst);
+  kvb_tpeer_t* peer = a.inst->AddPeer(*b.inst);
+  b.mem->Fill(11);
+  a.mem->Fill(12);
+  std::vector<uint8_t> remote_before(b.mem->data(), b.mem->data() + b.mem->size());
+  std::vector<kvb_xfer_op_t> ops;
+  // Even slots: WRITE local [2 MiB + i*8 KiB) to remote [i*8 KiB); odd slots: READ remote
+  // [2 MiB + i*8 KiB) into local [i*8 KiB). The ranges are disjoint, so order cannot matter.
+  for (uint64_t i = 0; i < 200; ++i) {
+    const uint64_t len = 1 + (i * 997) % 8192;
+    if (i % 2 == 0) {
+      ops.push_back(a.Write(2 * kMiB + i * 8192, len, b.seg, i * 8192));
+    } else {
+      ops.push_back(a.Read(i * 8192, len, b.seg, 2 * kMiB + i * 8192));
+    }
+  }
+  Result r = a.inst->Transfer(peer, ops);
+  ASSERT_EQ(r.status, KVB_OK) << r.msg;
+  for (uint64_t i = 0; i < 200; ++i) {
+    SCOPED_TRACE("op " + std::to_string(i));
+    const uint64_t len = 1 + (i * 997) % 8192;
+    if (i % 2 == 0) {
+      ASSERT_EQ(std::memcmp(b.mem->data() + i * 8192, a.mem->data() + 2 * kMiB + i * 8192, len),
+                0);
+      // Past the written range the remote bytes are what they were.
+      ASSERT_EQ(std::memcmp(b.mem->data() + i * 8192 + len,
+                            remote_before.data() + i * 8192 + len, 8192 - len),
+                0);
+    } else {
+      ASSERT_EQ(std::memcmp(a.mem->data() + i * 8192, b.mem->data() + 2 * kMiB + i * 8192, len),
+                0);
+    }
+  }
+  EXPECT_EQ(a.inst->Stats().connections_opened, 1u);
+  EXPECT_EQ(a.inst->Stats().connections_evicted, 0u);
+}
+
 TEST(TcpTransport, WrongIncarnationIsStalePeerAndWritesNothing) {
   Server b("b", 0xb3, 64 * 1024);
   Client a("a", 64 * 1024);
