@@ -394,6 +394,29 @@ class Lane {
   bool established = false;  // under peer->mu
   std::atomic<uint32_t> inflight_count{0};
 
+  // Inline sending: while the lane thread is parked in poll(2) it does not hold io_mu, and a
+  // posting thread that gets it (try_lock, with peer->mu held) moves queued slices onto this
+  // lane and sends their request frames itself, sparing the hand-off to the lane thread.
+  // Everything below `io_mu` in this class is guarded by it.
+  std::mutex io_mu;
+  // REQUIRES: io_mu and peer->mu held. Whether the lane can take inline work now: serving,
+  // with room in its window, and no close or error pending on its socket that the lane thread
+  // has yet to see (a peer that just died or restarted must fail the lane, not the new work,
+  // so a restarted peer is met by a fresh handshake and STALE_PEER).
+  bool TakesInline() const {
+    if (!serving_ || inflight_.size() >= t_->config().window_slices) return false;
+    pollfd p{fd_, POLLIN | POLLRDHUP, 0};
+    if (poll(&p, 1, 0) < 0) return false;
+    if (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) return false;
+    return !(inflight_.empty() && (p.revents & POLLIN));  // an idle lane has nothing to read
+  }
+  // REQUIRES: io_mu and peer->mu held. Moves queued slices onto the lane, up to its window.
+  void Admit(uint64_t now, Completions* done);
+  // REQUIRES: io_mu held (peer->mu not). Sends what Admit added; true when the lane thread
+  // must be woken: frames left unsent (it must poll for POLLOUT), a send error, or a deadline
+  // earlier than the one its poll(2) was armed for.
+  bool SendInline(uint64_t now);
+
  private:
   enum class Exit { kIdle, kStop, kFail, kRequeue };
   struct Outcome {
@@ -449,6 +472,9 @@ class Lane {
   Transport* const t_;
   Peer* const peer_;
   const int wake_fd_;
+  bool serving_ = false;         // Serve is running: inline posters may use the lane
+  uint64_t poll_until_ns_ = 0;   // when the lane's current poll(2) times out
+  uint64_t admit_floor_ns_ = 0;  // earliest deadline among slices admitted inline
   int fd_ = -1;
   std::atomic<bool> stop_{false};
   std::string endpoint_;
@@ -486,6 +512,10 @@ void Lane::Run() {
     }
     o = Serve();
   } catch (const std::exception& e) {
+    {
+      std::lock_guard<std::mutex> lock(io_mu);
+      serving_ = false;
+    }
     if (!connected) {
       if (fd_ >= 0) close(fd_);
       fd_ = -1;
@@ -792,15 +822,72 @@ uint64_t Lane::ProgressTimeoutNs() const {
   return pt;
 }
 
+void Lane::Admit(uint64_t now, Completions* done) {
+  const uint32_t window = t_->config().window_slices;
+  while (inflight_.size() < window && !peer_->queue.empty()) {
+    std::unique_ptr<Slice> s = std::move(peer_->queue.front());
+    peer_->queue.pop_front();
+    if (!Wanted(*s)) {
+      t_->EndSlice(*s, KVB_ERR_CANCELLED, "dropped", done);
+      continue;
+    }
+    if (s->deadline_ns != 0 && now >= s->deadline_ns) {
+      t_->EndSlice(*s, KVB_ERR_DEADLINE_EXCEEDED,
+                   Fmt("deadline passed before the slice was sent to '%s' (queued %llu ms)",
+                       peer_->node_id.c_str(), U((now - s->posted_ns) / kMsNs)),
+                   done);
+      continue;
+    }
+    if (inflight_.empty()) last_progress_ns_ = now;
+    // What the lane's armed poll(2) must not sleep past for this slice.
+    uint64_t floor = last_progress_ns_ + s->progress_timeout_ns;
+    if (s->deadline_ns != 0) floor = std::min(floor, s->deadline_ns);
+    admit_floor_ns_ = admit_floor_ns_ == 0 ? floor : std::min(admit_floor_ns_, floor);
+    Entry e;
+    wire::RequestHeader h;
+    h.opcode = s->opcode;
+    h.request_id = next_id_++;
+    h.segment_id = s->segment;
+    h.offset = s->offset;
+    h.length = s->length;
+    wire::EncodeRequestHeader(h, e.hdr);
+    e.id = h.request_id;
+    e.s = std::move(s);
+    inflight_.push_back(std::move(e));
+  }
+  inflight_count.store(static_cast<uint32_t>(inflight_.size()));
+}
+
+bool Lane::SendInline(uint64_t now) {
+  Outcome out;
+  if (!SendSome(now, &out)) return true;  // the lane thread finds the error again and evicts
+  const bool late = admit_floor_ns_ != 0 && admit_floor_ns_ < poll_until_ns_;
+  admit_floor_ns_ = 0;
+  return send_idx_ < inflight_.size() || late;
+}
+
 Lane::Outcome Lane::Serve() {
   const Config& cfg = t_->config();
   const uint64_t idle_ns = cfg.idle_timeout_ms * kMsNs;
   uint64_t idle_retry_ns = 0;
   idle_since_ns_ = t_->Now();
+  Completions done;
+  std::unique_lock<std::mutex> io(io_mu);
+  serving_ = true;
+  // Every return below leaves with io_mu held: inline posters check serving_ under it, so none
+  // touches the lane once it is false. Completions always run with io_mu released (an
+  // on_complete may post again, and that post may try this lane).
+  auto leave = [&](Outcome o) {
+    serving_ = false;
+    io.unlock();
+    Transport::RunCompletions(done);
+    done.clear();
+    io.lock();
+    return o;
+  };
   while (true) {
-    if (stop_.load()) return {Exit::kStop, KVB_ERR_CANCELLED, "peer removed"};
+    if (stop_.load()) return leave({Exit::kStop, KVB_ERR_CANCELLED, "peer removed"});
     uint64_t now = t_->Now();
-    Completions done;
     // Entries whose request went final or whose deadline passed: never touch their memory
     // again. One that never reached the wire just leaves; a READ's response is drained into
     // scratch; a WRITE cut mid-payload leaves the stream unusable, so the lane goes.
@@ -820,48 +907,21 @@ Lane::Outcome Lane::Serve() {
         continue;
       }
       if (e.abandoned && i == send_idx_ && e.s->opcode == KVB_OP_WRITE) {
-        Transport::RunCompletions(done);
-        return {Exit::kRequeue, KVB_OK, "a WRITE was abandoned mid-payload (cancel or deadline)"};
+        return leave(
+            {Exit::kRequeue, KVB_OK, "a WRITE was abandoned mid-payload (cancel or deadline)"});
       }
       ++i;
     }
     if (!inflight_.empty() && now - last_progress_ns_ >= ProgressTimeoutNs()) {
-      Transport::RunCompletions(done);
-      return {Exit::kFail, KVB_ERR_PROGRESS_TIMEOUT,
-              Fmt("no byte moved for %llu ms on the lane to %s",
-                  U((now - last_progress_ns_) / kMsNs), Name().c_str())};
+      return leave({Exit::kFail, KVB_ERR_PROGRESS_TIMEOUT,
+                    Fmt("no byte moved for %llu ms on the lane to %s",
+                        U((now - last_progress_ns_) / kMsNs), Name().c_str())});
     }
     bool close_idle = false;
     if (inflight_.size() < cfg.window_slices) {
       std::lock_guard<std::mutex> lock(peer_->mu);
-      while (inflight_.size() < cfg.window_slices && !peer_->queue.empty()) {
-        std::unique_ptr<Slice> s = std::move(peer_->queue.front());
-        peer_->queue.pop_front();
-        if (!Wanted(*s)) {
-          t_->EndSlice(*s, KVB_ERR_CANCELLED, "dropped", &done);
-          continue;
-        }
-        if (s->deadline_ns != 0 && now >= s->deadline_ns) {
-          t_->EndSlice(*s, KVB_ERR_DEADLINE_EXCEEDED,
-                       Fmt("deadline passed before the slice was sent to '%s' (queued %llu ms)",
-                           peer_->node_id.c_str(), U((now - s->posted_ns) / kMsNs)),
-                       &done);
-          continue;
-        }
-        if (inflight_.empty()) last_progress_ns_ = now;
-        Entry e;
-        wire::RequestHeader h;
-        h.opcode = s->opcode;
-        h.request_id = next_id_++;
-        h.segment_id = s->segment;
-        h.offset = s->offset;
-        h.length = s->length;
-        wire::EncodeRequestHeader(h, e.hdr);
-        e.id = h.request_id;
-        e.s = std::move(s);
-        inflight_.push_back(std::move(e));
-      }
-      inflight_count.store(static_cast<uint32_t>(inflight_.size()));
+      Admit(now, &done);
+      admit_floor_ns_ = 0;  // this thread arms its own poll below
       if (inflight_.empty() && idle_since_ns_ != 0 && now - idle_since_ns_ >= idle_ns &&
           now >= idle_retry_ns) {
         uint64_t next = 0;
@@ -877,9 +937,11 @@ Lane::Outcome Lane::Serve() {
     } else if (idle_since_ns_ == 0) {
       idle_since_ns_ = now;
     }
-    Transport::RunCompletions(done);
-    done.clear();
-    if (close_idle) return {Exit::kIdle, KVB_OK, ""};
+    if (close_idle) return leave({Exit::kIdle, KVB_OK, ""});
+    if (send_idx_ < inflight_.size()) {  // newly admitted frames go out before polling
+      Outcome out;
+      if (!SendSome(now, &out)) return leave(out);
+    }
 
     uint64_t wait_ns = 1000 * kMsNs;
     if (!inflight_.empty()) {
@@ -895,12 +957,18 @@ Lane::Outcome Lane::Serve() {
       wait_ns = std::min(wait_ns, at > now ? at - now : 0);
     }
     const int timeout_ms = static_cast<int>((wait_ns + kMsNs - 1) / kMsNs);
+    poll_until_ns_ = now + static_cast<uint64_t>(timeout_ms) * kMsNs;
     const short events = POLLIN | (send_idx_ < inflight_.size() ? POLLOUT : 0);
     pollfd p[2] = {{fd_, events, 0}, {wake_fd_, POLLIN, 0}};
+    io.unlock();
+    Transport::RunCompletions(done);
+    done.clear();
     const int n = poll(p, 2, timeout_ms);
+    const int poll_errno = errno;
+    io.lock();
     if (n < 0) {
-      if (errno == EINTR) continue;
-      return {Exit::kFail, KVB_ERR_PEER_UNREACHABLE, "poll: " + ErrnoText(errno)};
+      if (poll_errno == EINTR) continue;
+      return leave({Exit::kFail, KVB_ERR_PEER_UNREACHABLE, "poll: " + ErrnoText(poll_errno)});
     }
     if (p[1].revents & POLLIN) {
       uint64_t v;
@@ -909,14 +977,13 @@ Lane::Outcome Lane::Serve() {
     now = t_->Now();
     Outcome out;
     if ((p[0].revents & (POLLIN | POLLHUP | POLLERR)) && !RecvSome(now, &out, &done)) {
-      Transport::RunCompletions(done);
-      return out;
+      return leave(out);
     }
-    if ((p[0].revents & (POLLOUT | POLLERR)) && !SendSome(now, &out)) {
-      Transport::RunCompletions(done);
-      return out;
+    // Frames a poster queued inline while this thread slept are sent here too.
+    if ((p[0].revents & (POLLOUT | POLLERR) || send_idx_ < inflight_.size()) &&
+        !SendSome(now, &out)) {
+      return leave(out);
     }
-    Transport::RunCompletions(done);
   }
 }
 
@@ -1961,6 +2028,8 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
   };
   std::vector<std::unique_ptr<Slice>> slices;
   std::vector<PrefailedOp> prefailed;
+  std::vector<std::pair<Lane*, std::unique_lock<std::mutex>>> inline_lanes;
+  Completions done;
   uint64_t bytes = 0;
   {
     std::lock_guard<std::mutex> lock(peer->mu);
@@ -2021,11 +2090,29 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
       });
       peer->prune_live_at = std::max<size_t>(64, 2 * peer->live.size());
     }
-    MaybeSpawnLanes(*peer);
+    // Lanes parked in poll(2) take the work on this thread (Lane::io_mu); the rest of the queue
+    // goes to lanes woken or opened for it.
     for (auto& l : peer->lanes) {
-      if (l->established) l->Wake();
+      if (peer->queue.empty()) break;
+      if (!l->established) continue;
+      std::unique_lock<std::mutex> io(l->io_mu, std::try_to_lock);
+      if (!io.owns_lock() || !l->TakesInline()) continue;
+      l->Admit(now, &done);
+      inline_lanes.emplace_back(l.get(), std::move(io));
+    }
+    MaybeSpawnLanes(*peer);
+    if (!peer->queue.empty()) {
+      for (auto& l : peer->lanes) {
+        if (l->established) l->Wake();
+      }
     }
   }
+  for (auto& [lane, io] : inline_lanes) {
+    // Woken while io_mu is held: once it is released the lane may end and be freed.
+    if (lane->SendInline(now)) lane->Wake();
+    io.unlock();
+  }
+  RunCompletions(done);
   if (!prefailed.empty()) {
     std::lock_guard<std::mutex> lock(hk_mu_);
     for (auto& p : prefailed) prefailed_.push_back(std::move(p));

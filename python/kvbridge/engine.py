@@ -177,6 +177,19 @@ class TransferEngine:
             out.append((op.opcode, r.address, length, op.peer, op.segment, op.offset))
         return out
 
+    def submit_raw(self, ops: Sequence[tuple], *, deadline_ms: int = 0,
+                   progress_timeout_ms: int = 0) -> int:
+        """submit() for ops given as ``(opcode, local_address, length, peer, segment, offset)``
+        tuples of ints (and the peer's node id): no Python-side buffer resolution, for hot
+        loops over raw addresses. The engine still checks that the local range is registered
+        (NOT_REGISTERED) and every other rule; a malformed tuple is a TypeError."""
+        return self._h.submit(list(ops), deadline_ms, progress_timeout_ms)
+
+    def transfer_raw(self, ops: Sequence[tuple], *, deadline_ms: int = 0,
+                     progress_timeout_ms: int = 0) -> list:
+        """transfer() for raw tuples, as submit_raw()."""
+        return _check_batch(self._h.transfer(list(ops), deadline_ms, progress_timeout_ms))
+
     def submit(self, ops: Sequence[Op], *, deadline_ms: int = 0,
                progress_timeout_ms: int = 0) -> int:
         """Queues a batch and returns its id (0 timeouts = the engine's defaults)."""

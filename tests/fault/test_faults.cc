@@ -131,6 +131,43 @@ TEST_F(FaultTest, FrozenPeerTripsProgressTimeoutLongBeforeDeadline) {
   peer->Signal(SIGCONT);
 }
 
+// A small batch posted to an idle lane is sent by the posting thread itself (the lane thread
+// sleeps in poll(2), armed for up to a second). When the peer is frozen, the progress timeout
+// and the deadline must still fire on time: the poster re-arms the lane when its poll would
+// sleep past them.
+TEST_F(FaultTest, FrozenPeerFailsAnInlineSentBatchOnTime) {
+  auto peer = StartPeer("frozen-idle", 0, 1);
+  ASSERT_TRUE(peer);
+  Must(engine_->AddPeer(peer->descriptor()));
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "frozen-idle", 0, 4096)}).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the lane parks in poll
+  peer->Signal(SIGSTOP);
+  SubmitOptions so;
+  so.deadline_ms = 20000;
+  so.progress_timeout_ms = 300;
+  auto t0 = Clock::now();
+  BatchResult r = engine_->Wait(
+      Must(engine_->Submit(std::vector{Op(OpCode::kRead, "frozen-idle", 0, 4096)}, so)));
+  double ms = MsSince(t0);
+  EXPECT_EQ(r.status.code(), StatusCode::kProgressTimeout) << r.status.ToString();
+  EXPECT_GE(ms, 250);
+  EXPECT_LT(ms, 800) << "the lane slept through the progress timeout";
+  peer->Signal(SIGCONT);
+  // Healthy again (a new lane); then the same with a deadline shorter than everything else.
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "frozen-idle", 0, 4096)}).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  peer->Signal(SIGSTOP);
+  so.deadline_ms = 250;
+  so.progress_timeout_ms = 10000;
+  t0 = Clock::now();
+  r = engine_->Wait(
+      Must(engine_->Submit(std::vector{Op(OpCode::kRead, "frozen-idle", 0, 4096)}, so)));
+  ms = MsSince(t0);
+  EXPECT_EQ(r.status.code(), StatusCode::kDeadlineExceeded) << r.status.ToString();
+  EXPECT_LT(ms, 800) << "the lane slept through the deadline";
+  peer->Signal(SIGCONT);
+}
+
 TEST_F(FaultTest, PeerRestartedOnSamePortIsStaleAndNeverWritten) {
   const uint16_t port = testing::FreePort();
   auto first = StartPeer("restarts", port, 1);

@@ -112,6 +112,34 @@ def test_bad_input_errors(peer):
         eng.descriptor()
 
 
+def test_raw_tuple_ops_round_trip_and_refuse_bad_input(peer):
+    proc, desc, seg = peer
+    with engine() as eng:
+        eng.add_peer(desc)
+        local = torch.zeros(1 << 16, dtype=torch.uint8)
+        eng.register(local)
+        base = local.data_ptr()
+        # 16 x 4 KiB READs as raw tuples, then one WRITE back through submit_raw + wait.
+        ops = [(kvbridge.READ, base + i * 4096, 4096, "py-peer", seg, i * 4096) for i in range(16)]
+        assert all(s.ok for s in eng.transfer_raw(ops))
+        assert bytes(local[:512].numpy()) == bytes(range(256)) * 2
+        local[:4096] = 7
+        bid = eng.submit_raw([(kvbridge.WRITE, base, 4096, "py-peer", seg, 65536)])
+        assert all(s.ok for s in eng.wait(bid))
+        expected = bytearray(bytes(range(256)) * 4096)
+        expected[65536:69632] = b"\x07" * 4096
+        assert peer_crc(proc) == zlib.crc32(expected)
+        # The engine still checks the local range: one past the registered tensor refuses the
+        # batch, naming the op.
+        with pytest.raises(errors.NotRegisteredError, match="op 1"):
+            eng.transfer_raw([(kvbridge.READ, base, 4096, "py-peer", seg, 0),
+                              (kvbridge.READ, base + (1 << 16), 4096, "py-peer", seg, 0)])
+        with pytest.raises(errors.InvalidArgumentError, match="opcode 9"):
+            eng.transfer_raw([(9, base, 4096, "py-peer", seg, 0)])
+        with pytest.raises(TypeError):
+            eng.transfer_raw([(kvbridge.READ, "not an address", 4096, "py-peer", seg, 0)])
+
+
 def test_killed_peer_fails_fast_then_breaker_opens(peer):
     proc, desc, seg = peer
     with engine() as eng:

@@ -86,7 +86,9 @@ class TransferEngine:
     def __init__(self) -> None:
         self._eng: Optional[kvbridge.TransferEngine] = None
         self._lock = threading.Lock()
-        self._targets: dict[str, str] = {}  # "host:port" -> peer node id
+        # "host:port" -> (peer node id, its segments as (id, base, length)); a peer's segments
+        # change only when it is handshaken again (_peer with refresh), which replaces both.
+        self._targets: dict[str, tuple[str, list]] = {}
         self._local: dict[int, int] = {}  # registered address -> segment id
         self._done: dict[int, int] = {}  # async batch id -> final transfer_check_status value
         self._slabs: list[tuple[mmap.mmap, int]] = []  # managed-buffer slabs: (mapping, address)
@@ -176,16 +178,22 @@ class TransferEngine:
         return rc
 
     # -- peers -------------------------------------------------------------------------------
+    def _peer_and_segments(self, target: str, refresh: bool = False) -> tuple[str, list]:
+        """(node id, segments) of the engine at "host:port", handshaking when unknown or asked."""
+        with self._lock:
+            known = None if refresh else self._targets.get(target)
+        if known is not None:
+            return known
+        eng = self._engine()
+        peer = eng.add_peer(kvbridge.fetch_descriptor(target, _HANDSHAKE_TIMEOUT_MS))
+        known = (peer.node_id, eng.peer_segments(peer.node_id))
+        with self._lock:
+            self._targets[target] = known
+        return known
+
     def _peer(self, target: str, refresh: bool = False) -> str:
         """The node id of the engine at "host:port", handshaking when unknown or asked."""
-        with self._lock:
-            node = None if refresh else self._targets.get(target)
-        if node is not None:
-            return node
-        peer = self._engine().add_peer(kvbridge.fetch_descriptor(target, _HANDSHAKE_TIMEOUT_MS))
-        with self._lock:
-            self._targets[target] = peer.node_id
-        return peer.node_id
+        return self._peer_and_segments(target, refresh)[0]
 
     def _forget(self, target: str) -> None:
         with self._lock:
@@ -193,20 +201,20 @@ class TransferEngine:
 
     def _remote(self, target: str, addresses: Sequence[int], lengths: Sequence[int]):
         """(node, [(segment id, offset)]) for remote [address, address+length) ranges."""
-        node = self._peer(target)
+        node, segs = self._peer_and_segments(target)
         for attempt in range(2):
-            segs = self._engine().peer_segments(node)
             out = []
             for a, n in zip(addresses, lengths):
-                hit = next(((sid, a - base) for sid, base, length in segs
-                            if base <= a and a + n <= base + length), None)
-                if hit is None:
+                for sid, base, length in segs:
+                    if base <= a and a + n <= base + length:
+                        out.append((sid, a - base))
+                        break
+                else:
                     break
-                out.append(hit)
             if len(out) == len(addresses):
                 return node, out
             if attempt == 0:  # the peer may have registered more memory since: ask again
-                node = self._peer(target, refresh=True)
+                node, segs = self._peer_and_segments(target, refresh=True)
         raise errors.NotRegisteredError(
             f"remote range [{a:#x}, +{n}) is not inside memory {target} registered")
 
@@ -222,14 +230,19 @@ class TransferEngine:
         if not (len(buffers) == len(peer_addrs) == len(lengths)) or not buffers:
             raise errors.InvalidArgumentError(
                 "buffers, peer_buffer_addresses and lengths must be non-empty and of one length")
-        node, remote = self._remote(target, [int(a) for a in peer_addrs], [int(n) for n in lengths])
+        buffers, lengths = [int(b) for b in buffers], [int(n) for n in lengths]
+        if any(n <= 0 for n in lengths) or any(b <= 0 for b in buffers):
+            raise errors.InvalidArgumentError("buffer addresses and lengths must be positive")
+        node, remote = self._remote(target, [int(a) for a in peer_addrs], lengths)
         op = kvbridge.WRITE if int(opcode) == TransferOpcode.WRITE else kvbridge.READ
-        return [kvbridge.Op(op, (int(b), int(n)), node, sid, off)
+        # Raw (opcode, address, length, peer, segment, offset) tuples: the engine checks the
+        # local ranges against registered memory itself.
+        return [(op, b, n, node, sid, off)
                 for b, n, (sid, off) in zip(buffers, lengths, remote)]
 
     def _sync(self, target: str, buffers, peer_addrs, lengths, opcode: int) -> int:
         try:
-            self._engine().transfer(self._ops(target, buffers, peer_addrs, lengths, opcode))
+            self._engine().transfer_raw(self._ops(target, buffers, peer_addrs, lengths, opcode))
             return 0
         except kvbridge.BatchError as e:
             err = e.error
@@ -273,7 +286,8 @@ class TransferEngine:
 
     def _submit(self, target: str, buffers, peer_addrs, lengths, opcode: int) -> int:
         try:
-            return self._engine().submit(self._ops(target, buffers, peer_addrs, lengths, opcode))
+            return self._engine().submit_raw(
+                self._ops(target, buffers, peer_addrs, lengths, opcode))
         except errors.KvbError as e:
             log.warning("submit to %s failed: %s", target, e)
             return 0
@@ -308,7 +322,7 @@ class TransferEngine:
                               length: int, transport_hint: str = "") -> int:
         """A batch id, or a negative code."""
         try:
-            return self._engine().submit(self._ops(target_hostname, [buffer],
+            return self._engine().submit_raw(self._ops(target_hostname, [buffer],
                                                    [peer_buffer_address], [length],
                                                    TransferOpcode.WRITE))
         except errors.KvbError as e:
