@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <type_traits>
 
 #include "tcp_wire.h"
@@ -218,7 +219,10 @@ Io WaitFd(int fd, short events, int timeout_ms, int wake_fd, int* err) {
   return Io::kOk;  // ready, or an error condition the next socket call reports
 }
 
-Io RecvAll(const Transport& t, int fd, void* buf, size_t len, const Limits& lim, int* err) {
+// `before_wait`, when given, runs each time the socket has no more bytes and the call is about
+// to wait for them; a failure it returns ends the call.
+Io RecvAll(const Transport& t, int fd, void* buf, size_t len, const Limits& lim, int* err,
+           const std::function<Io()>& before_wait = nullptr) {
   auto* p = static_cast<uint8_t*>(buf);
   size_t got = 0;
   uint64_t last = t.Now();
@@ -234,6 +238,9 @@ Io RecvAll(const Transport& t, int fd, void* buf, size_t len, const Limits& lim,
     if (errno != EAGAIN && errno != EWOULDBLOCK) {
       *err = errno;
       return Io::kError;
+    }
+    if (before_wait) {
+      if (const Io io = before_wait(); io != Io::kOk) return io;
     }
     const int ms = WaitBudgetMs(t, lim, last);
     if (ms < 0) return Io::kTimeout;
@@ -394,29 +401,6 @@ class Lane {
   bool established = false;  // under peer->mu
   std::atomic<uint32_t> inflight_count{0};
 
-  // Inline sending: while the lane thread is parked in poll(2) it does not hold io_mu, and a
-  // posting thread that gets it (try_lock, with peer->mu held) moves queued slices onto this
-  // lane and sends their request frames itself, sparing the hand-off to the lane thread.
-  // Everything below `io_mu` in this class is guarded by it.
-  std::mutex io_mu;
-  // REQUIRES: io_mu and peer->mu held. Whether the lane can take inline work now: serving,
-  // with room in its window, and no close or error pending on its socket that the lane thread
-  // has yet to see (a peer that just died or restarted must fail the lane, not the new work,
-  // so a restarted peer is met by a fresh handshake and STALE_PEER).
-  bool TakesInline() const {
-    if (!serving_ || inflight_.size() >= t_->config().window_slices) return false;
-    pollfd p{fd_, POLLIN | POLLRDHUP, 0};
-    if (poll(&p, 1, 0) < 0) return false;
-    if (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) return false;
-    return !(inflight_.empty() && (p.revents & POLLIN));  // an idle lane has nothing to read
-  }
-  // REQUIRES: io_mu and peer->mu held. Moves queued slices onto the lane, up to its window.
-  void Admit(uint64_t now, Completions* done);
-  // REQUIRES: io_mu held (peer->mu not). Sends what Admit added; true when the lane thread
-  // must be woken: frames left unsent (it must poll for POLLOUT), a send error, or a deadline
-  // earlier than the one its poll(2) was armed for.
-  bool SendInline(uint64_t now);
-
  private:
   enum class Exit { kIdle, kStop, kFail, kRequeue };
   struct Outcome {
@@ -472,9 +456,6 @@ class Lane {
   Transport* const t_;
   Peer* const peer_;
   const int wake_fd_;
-  bool serving_ = false;         // Serve is running: inline posters may use the lane
-  uint64_t poll_until_ns_ = 0;   // when the lane's current poll(2) times out
-  uint64_t admit_floor_ns_ = 0;  // earliest deadline among slices admitted inline
   int fd_ = -1;
   std::atomic<bool> stop_{false};
   std::string endpoint_;
@@ -512,10 +493,6 @@ void Lane::Run() {
     }
     o = Serve();
   } catch (const std::exception& e) {
-    {
-      std::lock_guard<std::mutex> lock(io_mu);
-      serving_ = false;
-    }
     if (!connected) {
       if (fd_ >= 0) close(fd_);
       fd_ = -1;
@@ -822,72 +799,15 @@ uint64_t Lane::ProgressTimeoutNs() const {
   return pt;
 }
 
-void Lane::Admit(uint64_t now, Completions* done) {
-  const uint32_t window = t_->config().window_slices;
-  while (inflight_.size() < window && !peer_->queue.empty()) {
-    std::unique_ptr<Slice> s = std::move(peer_->queue.front());
-    peer_->queue.pop_front();
-    if (!Wanted(*s)) {
-      t_->EndSlice(*s, KVB_ERR_CANCELLED, "dropped", done);
-      continue;
-    }
-    if (s->deadline_ns != 0 && now >= s->deadline_ns) {
-      t_->EndSlice(*s, KVB_ERR_DEADLINE_EXCEEDED,
-                   Fmt("deadline passed before the slice was sent to '%s' (queued %llu ms)",
-                       peer_->node_id.c_str(), U((now - s->posted_ns) / kMsNs)),
-                   done);
-      continue;
-    }
-    if (inflight_.empty()) last_progress_ns_ = now;
-    // What the lane's armed poll(2) must not sleep past for this slice.
-    uint64_t floor = last_progress_ns_ + s->progress_timeout_ns;
-    if (s->deadline_ns != 0) floor = std::min(floor, s->deadline_ns);
-    admit_floor_ns_ = admit_floor_ns_ == 0 ? floor : std::min(admit_floor_ns_, floor);
-    Entry e;
-    wire::RequestHeader h;
-    h.opcode = s->opcode;
-    h.request_id = next_id_++;
-    h.segment_id = s->segment;
-    h.offset = s->offset;
-    h.length = s->length;
-    wire::EncodeRequestHeader(h, e.hdr);
-    e.id = h.request_id;
-    e.s = std::move(s);
-    inflight_.push_back(std::move(e));
-  }
-  inflight_count.store(static_cast<uint32_t>(inflight_.size()));
-}
-
-bool Lane::SendInline(uint64_t now) {
-  Outcome out;
-  if (!SendSome(now, &out)) return true;  // the lane thread finds the error again and evicts
-  const bool late = admit_floor_ns_ != 0 && admit_floor_ns_ < poll_until_ns_;
-  admit_floor_ns_ = 0;
-  return send_idx_ < inflight_.size() || late;
-}
-
 Lane::Outcome Lane::Serve() {
   const Config& cfg = t_->config();
   const uint64_t idle_ns = cfg.idle_timeout_ms * kMsNs;
   uint64_t idle_retry_ns = 0;
   idle_since_ns_ = t_->Now();
-  Completions done;
-  std::unique_lock<std::mutex> io(io_mu);
-  serving_ = true;
-  // Every return below leaves with io_mu held: inline posters check serving_ under it, so none
-  // touches the lane once it is false. Completions always run with io_mu released (an
-  // on_complete may post again, and that post may try this lane).
-  auto leave = [&](Outcome o) {
-    serving_ = false;
-    io.unlock();
-    Transport::RunCompletions(done);
-    done.clear();
-    io.lock();
-    return o;
-  };
   while (true) {
-    if (stop_.load()) return leave({Exit::kStop, KVB_ERR_CANCELLED, "peer removed"});
+    if (stop_.load()) return {Exit::kStop, KVB_ERR_CANCELLED, "peer removed"};
     uint64_t now = t_->Now();
+    Completions done;
     // Entries whose request went final or whose deadline passed: never touch their memory
     // again. One that never reached the wire just leaves; a READ's response is drained into
     // scratch; a WRITE cut mid-payload leaves the stream unusable, so the lane goes.
@@ -907,21 +827,48 @@ Lane::Outcome Lane::Serve() {
         continue;
       }
       if (e.abandoned && i == send_idx_ && e.s->opcode == KVB_OP_WRITE) {
-        return leave(
-            {Exit::kRequeue, KVB_OK, "a WRITE was abandoned mid-payload (cancel or deadline)"});
+        Transport::RunCompletions(done);
+        return {Exit::kRequeue, KVB_OK, "a WRITE was abandoned mid-payload (cancel or deadline)"};
       }
       ++i;
     }
     if (!inflight_.empty() && now - last_progress_ns_ >= ProgressTimeoutNs()) {
-      return leave({Exit::kFail, KVB_ERR_PROGRESS_TIMEOUT,
-                    Fmt("no byte moved for %llu ms on the lane to %s",
-                        U((now - last_progress_ns_) / kMsNs), Name().c_str())});
+      Transport::RunCompletions(done);
+      return {Exit::kFail, KVB_ERR_PROGRESS_TIMEOUT,
+              Fmt("no byte moved for %llu ms on the lane to %s",
+                  U((now - last_progress_ns_) / kMsNs), Name().c_str())};
     }
     bool close_idle = false;
     if (inflight_.size() < cfg.window_slices) {
       std::lock_guard<std::mutex> lock(peer_->mu);
-      Admit(now, &done);
-      admit_floor_ns_ = 0;  // this thread arms its own poll below
+      while (inflight_.size() < cfg.window_slices && !peer_->queue.empty()) {
+        std::unique_ptr<Slice> s = std::move(peer_->queue.front());
+        peer_->queue.pop_front();
+        if (!Wanted(*s)) {
+          t_->EndSlice(*s, KVB_ERR_CANCELLED, "dropped", &done);
+          continue;
+        }
+        if (s->deadline_ns != 0 && now >= s->deadline_ns) {
+          t_->EndSlice(*s, KVB_ERR_DEADLINE_EXCEEDED,
+                       Fmt("deadline passed before the slice was sent to '%s' (queued %llu ms)",
+                           peer_->node_id.c_str(), U((now - s->posted_ns) / kMsNs)),
+                       &done);
+          continue;
+        }
+        if (inflight_.empty()) last_progress_ns_ = now;
+        Entry e;
+        wire::RequestHeader h;
+        h.opcode = s->opcode;
+        h.request_id = next_id_++;
+        h.segment_id = s->segment;
+        h.offset = s->offset;
+        h.length = s->length;
+        wire::EncodeRequestHeader(h, e.hdr);
+        e.id = h.request_id;
+        e.s = std::move(s);
+        inflight_.push_back(std::move(e));
+      }
+      inflight_count.store(static_cast<uint32_t>(inflight_.size()));
       if (inflight_.empty() && idle_since_ns_ != 0 && now - idle_since_ns_ >= idle_ns &&
           now >= idle_retry_ns) {
         uint64_t next = 0;
@@ -937,11 +884,9 @@ Lane::Outcome Lane::Serve() {
     } else if (idle_since_ns_ == 0) {
       idle_since_ns_ = now;
     }
-    if (close_idle) return leave({Exit::kIdle, KVB_OK, ""});
-    if (send_idx_ < inflight_.size()) {  // newly admitted frames go out before polling
-      Outcome out;
-      if (!SendSome(now, &out)) return leave(out);
-    }
+    Transport::RunCompletions(done);
+    done.clear();
+    if (close_idle) return {Exit::kIdle, KVB_OK, ""};
 
     uint64_t wait_ns = 1000 * kMsNs;
     if (!inflight_.empty()) {
@@ -957,18 +902,12 @@ Lane::Outcome Lane::Serve() {
       wait_ns = std::min(wait_ns, at > now ? at - now : 0);
     }
     const int timeout_ms = static_cast<int>((wait_ns + kMsNs - 1) / kMsNs);
-    poll_until_ns_ = now + static_cast<uint64_t>(timeout_ms) * kMsNs;
     const short events = POLLIN | (send_idx_ < inflight_.size() ? POLLOUT : 0);
     pollfd p[2] = {{fd_, events, 0}, {wake_fd_, POLLIN, 0}};
-    io.unlock();
-    Transport::RunCompletions(done);
-    done.clear();
     const int n = poll(p, 2, timeout_ms);
-    const int poll_errno = errno;
-    io.lock();
     if (n < 0) {
-      if (poll_errno == EINTR) continue;
-      return leave({Exit::kFail, KVB_ERR_PEER_UNREACHABLE, "poll: " + ErrnoText(poll_errno)});
+      if (errno == EINTR) continue;
+      return {Exit::kFail, KVB_ERR_PEER_UNREACHABLE, "poll: " + ErrnoText(errno)};
     }
     if (p[1].revents & POLLIN) {
       uint64_t v;
@@ -977,13 +916,14 @@ Lane::Outcome Lane::Serve() {
     now = t_->Now();
     Outcome out;
     if ((p[0].revents & (POLLIN | POLLHUP | POLLERR)) && !RecvSome(now, &out, &done)) {
-      return leave(out);
+      Transport::RunCompletions(done);
+      return out;
     }
-    // Frames a poster queued inline while this thread slept are sent here too.
-    if ((p[0].revents & (POLLOUT | POLLERR) || send_idx_ < inflight_.size()) &&
-        !SendSome(now, &out)) {
-      return leave(out);
+    if ((p[0].revents & (POLLOUT | POLLERR)) && !SendSome(now, &out)) {
+      Transport::RunCompletions(done);
+      return out;
     }
+    Transport::RunCompletions(done);
   }
 }
 
@@ -1593,22 +1533,6 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
   size_t in_begin = 0, in_end = 0;
   uint64_t last_in_ns = Now();
   auto buffered = [&] { return in_end - in_begin; };
-  auto recv_payload = [&](uint8_t* dst, uint64_t len) -> Io {
-    const size_t take = static_cast<size_t>(std::min<uint64_t>(len, buffered()));
-    if (dst != nullptr) memcpy(dst, in + in_begin, take);
-    in_begin += take;
-    if (take == len) return Io::kOk;
-    if (dst != nullptr) return RecvAll(*this, fd, dst + take, len - take, io_lim, &err);
-    // Drain into scratch: a refused WRITE's payload never touches a region.
-    if (!scratch) scratch = std::make_unique<uint8_t[]>(kScratchBytes);
-    for (uint64_t left = len - take; left > 0;) {
-      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(left, kScratchBytes));
-      const Io io = RecvAll(*this, fd, scratch.get(), chunk, io_lim, &err);
-      if (io != Io::kOk) return io;
-      left -= chunk;
-    }
-    return Io::kOk;
-  };
   // Responses are gathered and sent with one sendmsg once no further request is waiting (or
   // the batch is full): a burst of pipelined READs costs one send, and the stream fills whole
   // segments instead of trailing a few bytes after every payload. A READ's region stays
@@ -1642,6 +1566,26 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
     }
     held[nresp++] = std::move(region);
     return nresp == kMaxBatch || batch_bytes >= kMaxBatchBytes ? flush() : Io::kOk;
+  };
+  auto recv_payload = [&](uint8_t* dst, uint64_t len) -> Io {
+    const size_t take = static_cast<size_t>(std::min<uint64_t>(len, buffered()));
+    if (dst != nullptr) memcpy(dst, in + in_begin, take);
+    in_begin += take;
+    if (take == len) return Io::kOk;
+    // Responses gathered so far go out only if the payload has to be waited for.
+    const std::function<Io()> before_wait = [&] { return flush(); };
+    if (dst != nullptr) {
+      return RecvAll(*this, fd, dst + take, len - take, io_lim, &err, before_wait);
+    }
+    // Drain into scratch: a refused WRITE's payload never touches a region.
+    if (!scratch) scratch = std::make_unique<uint8_t[]>(kScratchBytes);
+    for (uint64_t left = len - take; left > 0;) {
+      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(left, kScratchBytes));
+      const Io io = RecvAll(*this, fd, scratch.get(), chunk, io_lim, &err, before_wait);
+      if (io != Io::kOk) return io;
+      left -= chunk;
+    }
+    return Io::kOk;
   };
   auto log_send_failure = [&](Io io) {
     if (io != Io::kClosed) {
@@ -1728,9 +1672,7 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
       uint8_t* payload = region->base + h.offset;
       io = queue(resp, payload, std::move(region));
     } else {
-      // Responses already gathered go out before this payload is awaited from the socket.
-      if (buffered() < h.length) io = flush();
-      if (io == Io::kOk) io = recv_payload(region->base + h.offset, h.length);
+      io = recv_payload(region->base + h.offset, h.length);
       ReleaseRegion(region);
       if (io == Io::kOk) io = queue(resp, nullptr, nullptr);
     }
@@ -2028,8 +1970,6 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
   };
   std::vector<std::unique_ptr<Slice>> slices;
   std::vector<PrefailedOp> prefailed;
-  std::vector<std::pair<Lane*, std::unique_lock<std::mutex>>> inline_lanes;
-  Completions done;
   uint64_t bytes = 0;
   {
     std::lock_guard<std::mutex> lock(peer->mu);
@@ -2090,29 +2030,11 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
       });
       peer->prune_live_at = std::max<size_t>(64, 2 * peer->live.size());
     }
-    // Lanes parked in poll(2) take the work on this thread (Lane::io_mu); the rest of the queue
-    // goes to lanes woken or opened for it.
-    for (auto& l : peer->lanes) {
-      if (peer->queue.empty()) break;
-      if (!l->established) continue;
-      std::unique_lock<std::mutex> io(l->io_mu, std::try_to_lock);
-      if (!io.owns_lock() || !l->TakesInline()) continue;
-      l->Admit(now, &done);
-      inline_lanes.emplace_back(l.get(), std::move(io));
-    }
     MaybeSpawnLanes(*peer);
-    if (!peer->queue.empty()) {
-      for (auto& l : peer->lanes) {
-        if (l->established) l->Wake();
-      }
+    for (auto& l : peer->lanes) {
+      if (l->established) l->Wake();
     }
   }
-  for (auto& [lane, io] : inline_lanes) {
-    // Woken while io_mu is held: once it is released the lane may end and be freed.
-    if (lane->SendInline(now)) lane->Wake();
-    io.unlock();
-  }
-  RunCompletions(done);
   if (!prefailed.empty()) {
     std::lock_guard<std::mutex> lock(hk_mu_);
     for (auto& p : prefailed) prefailed_.push_back(std::move(p));

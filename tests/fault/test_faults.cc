@@ -131,11 +131,10 @@ TEST_F(FaultTest, FrozenPeerTripsProgressTimeoutLongBeforeDeadline) {
   peer->Signal(SIGCONT);
 }
 
-// A small batch posted to an idle lane is sent by the posting thread itself (the lane thread
-// sleeps in poll(2), armed for up to a second). When the peer is frozen, the progress timeout
-// and the deadline must still fire on time: the poster re-arms the lane when its poll would
-// sleep past them.
-TEST_F(FaultTest, FrozenPeerFailsAnInlineSentBatchOnTime) {
+// A small batch posted to a lane that sat idle (its poll(2) armed for up to a second) while the
+// peer froze: the progress timeout and the deadline still fire on time, not at the next idle
+// wake-up.
+TEST_F(FaultTest, FrozenPeerFailsABatchOnAnIdleLaneOnTime) {
   auto peer = StartPeer("frozen-idle", 0, 1);
   ASSERT_TRUE(peer);
   Must(engine_->AddPeer(peer->descriptor()));
