@@ -40,6 +40,13 @@ def _key(k: Any, i: Optional[int] = None) -> Union[str, bytes]:
     raise InvalidArgumentError(f"{where}: expected str or bytes, got {type(k).__name__}")
 
 
+def _raw_pair(b: Any) -> bool:
+    """A valid (address, length) pair of plain ints (anything else takes the general path,
+    which names what is wrong)."""
+    return (type(b) is tuple and len(b) == 2 and type(b[0]) is int and type(b[1]) is int
+            and b[0] > 0 and b[1] >= 0)
+
+
 @dataclass(frozen=True)
 class GetResult:
     """One key's outcome of batch_get_into: ``size`` bytes read when ``status.ok``."""
@@ -160,9 +167,17 @@ class StoreClient:
                        what: str) -> tuple[list, list]:
         if len(keys) != len(buffers):
             raise InvalidArgumentError(f"{what}: {len(keys)} keys but {len(buffers)} buffers")
-        ks = [_key(k, i) for i, k in enumerate(keys)]
+        ks = [k if type(k) is str else _key(k, i) for i, k in enumerate(keys)]
         bufs = []
         for i, b in enumerate(buffers):
+            # Fast path for raw (address, length) pairs, alone or in a list: what the Mooncake
+            # layer and integrations over pinned pools pass, 128 per batch.
+            if _raw_pair(b):
+                bufs.append([b])
+                continue
+            if type(b) is list and b and all(_raw_pair(x) for x in b):
+                bufs.append(b)
+                continue
             rs = _buffers.regions(b, writable=writable, what=f"{what} buffers[{i}]")
             for r in rs:
                 _buffers.host_only(r, f"{what} buffers[{i}]")

@@ -92,6 +92,27 @@ def test_batch_zero_copy_with_multi_buffers_and_partial_failures(cluster):
         store.unregister_buffer(src)
 
 
+def test_batch_raw_address_pairs_and_bad_pairs_named(cluster):
+    store = cluster.client()
+    src = torch.arange(16 * 1024, dtype=torch.int32)  # 64 KiB
+    dst = torch.zeros(16 * 1024, dtype=torch.int32)
+    store.register_buffer(src)
+    store.register_buffer(dst)
+    a, b = src.data_ptr(), dst.data_ptr()
+    # (address, length) pairs alone and in lists (K|V), as the Mooncake layer passes them.
+    st = store.batch_put_from(["raw0", "raw1"], [(a, 4096), [(a + 4096, 1024), (a + 8192, 1024)]])
+    assert all(s.ok for s in st), st
+    got = store.batch_get_into(["raw0", "raw1"], [(b, 4096), [(b + 4096, 1024), (b + 8192, 1024)]])
+    assert [r.size for r in got] == [4096, 2048]
+    assert torch.equal(dst[:1024], src[:1024]) and torch.equal(dst[1024:1280], src[1024:1280])
+    assert torch.equal(dst[2048:2304], src[2048:2304])
+    # A pair that is not a valid range is named with its position, never sent.
+    with pytest.raises(errors.InvalidArgumentError, match=r"buffers\[1\]\[0\].*not a valid range"):
+        store.batch_get_into(["raw0", "raw1"], [(b, 4096), [(0, 1024)]])
+    with pytest.raises(errors.InvalidArgumentError, match=r"buffers\[0\].*not a valid range"):
+        store.batch_put_from(["neg"], [(a, -1)])
+
+
 def test_registered_buffer_get_into_is_zero_copy_path(cluster):
     store = cluster.client()
     buf = torch.zeros(1 << 16, dtype=torch.uint8)
