@@ -23,33 +23,60 @@ constexpr char kMagic[8] = {'K', 'V', 'B', 'D', 'E', 'S', 'C', '1'};
 constexpr uint32_t kMaxDescriptorBytes = 16u << 20;
 constexpr int kIoTimeoutMs = 1000;
 
-void SetTimeouts(int fd, int ms) {
-  timeval tv{ms / 1000, (ms % 1000) * 1000};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+using Clock = std::chrono::steady_clock;
+
+// Milliseconds left until `deadline` (0 once it has passed).
+int LeftMs(Clock::time_point deadline) {
+  const auto d = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  return static_cast<int>(std::max<int64_t>(d.count(), 0));
 }
 
-// Reads or writes exactly n bytes (the socket's timeouts bound each call).
-bool ReadAll(int fd, void* buf, size_t n) {
+// Waits until fd is ready for `events` or the deadline passes; EINTR waits again.
+bool WaitReady(int fd, short events, Clock::time_point deadline) {
+  for (;;) {
+    const int left = LeftMs(deadline);
+    if (left == 0) return false;
+    pollfd p{fd, events, 0};
+    const int n = poll(&p, 1, left);
+    if (n > 0) return true;
+    if (n < 0 && errno != EINTR) return false;
+  }
+}
+
+// Reads or writes exactly n bytes on a nonblocking socket, all of them by `deadline`: a peer
+// that trickles bytes cannot stretch the exchange past it, whichever side it is on.
+bool ReadAll(int fd, void* buf, size_t n, Clock::time_point deadline) {
   auto* p = static_cast<char*>(buf);
   while (n > 0) {
-    const ssize_t r = recv(fd, p, n, 0);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<size_t>(r);
+    const ssize_t r = recv(fd, p, n, MSG_DONTWAIT);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<size_t>(r);
+      continue;
+    }
+    if (r == 0) return false;
+    if (errno == EINTR) continue;
+    if ((errno != EAGAIN && errno != EWOULDBLOCK) || !WaitReady(fd, POLLIN, deadline)) {
+      return false;
+    }
   }
   return true;
 }
 
-bool WriteAll(int fd, const void* buf, size_t n) {
+bool WriteAll(int fd, const void* buf, size_t n, Clock::time_point deadline) {
   const auto* p = static_cast<const char*>(buf);
   while (n > 0) {
-    const ssize_t r = send(fd, p, n, MSG_NOSIGNAL);
+    const ssize_t r = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<size_t>(r);
+      continue;
+    }
     if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<size_t>(r);
+    if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK) ||
+        !WaitReady(fd, POLLOUT, deadline)) {
+      return false;
+    }
   }
   return true;
 }
@@ -125,21 +152,24 @@ void HandshakeServer::Loop() {
     }
     if (p[1].revents != 0) return;
     if ((p[0].revents & POLLIN) == 0) continue;
-    const int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    const int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (c < 0) {
       // Out of descriptors (EMFILE/ENFILE) leaves the connection queued: don't spin on it.
       if (errno == EMFILE || errno == ENFILE) std::this_thread::sleep_for(std::chrono::milliseconds(50));
       continue;
     }
-    SetTimeouts(c, kIoTimeoutMs);
+    // One exchange gets kIoTimeoutMs in all: this thread serves connections one at a time,
+    // so a client that is silent or trickles bytes holds it up no longer than that.
+    const auto deadline = Clock::now() + std::chrono::milliseconds(kIoTimeoutMs);
     char req[sizeof(kMagic)];
-    if (ReadAll(c, req, sizeof(req)) && std::memcmp(req, kMagic, sizeof(kMagic)) == 0) {
+    if (ReadAll(c, req, sizeof(req), deadline) &&
+        std::memcmp(req, kMagic, sizeof(kMagic)) == 0) {
       const std::string d = describe_();
       const auto n = static_cast<uint32_t>(d.size());
       uint8_t len[4] = {static_cast<uint8_t>(n), static_cast<uint8_t>(n >> 8),
                         static_cast<uint8_t>(n >> 16), static_cast<uint8_t>(n >> 24)};
-      if (WriteAll(c, kMagic, sizeof(kMagic)) && WriteAll(c, len, 4) &&
-          WriteAll(c, d.data(), d.size())) {
+      if (WriteAll(c, kMagic, sizeof(kMagic), deadline) && WriteAll(c, len, 4, deadline) &&
+          WriteAll(c, d.data(), d.size(), deadline)) {
         ++served_;
       }
     } else {
@@ -154,12 +184,7 @@ Result<std::string> FetchDescriptor(const std::string& host_port, uint32_t timeo
   if (!util::SplitHostPort(host_port, &host, &port) || host.empty()) {
     return Status::InvalidArgument("'" + host_port + "' is not host:port");
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-  auto left_ms = [&] {
-    auto d = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    return static_cast<int>(std::max<int64_t>(d.count(), 0));
-  };
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -176,12 +201,11 @@ Result<std::string> FetchDescriptor(const std::string& host_port, uint32_t timeo
     if (fd < 0) continue;
     if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) break;
     if (errno == EINPROGRESS) {
-      pollfd p{fd, POLLOUT, 0};
       int err = 0;
       socklen_t elen = sizeof(err);
-      const int ready = poll(&p, 1, left_ms());
-      if (ready == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) == 0 && err == 0) break;
-      why = ready == 0 ? "connect timed out" : std::strerror(err != 0 ? err : errno);
+      const bool ready = WaitReady(fd, POLLOUT, deadline);  // EINTR keeps waiting
+      if (ready && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) == 0 && err == 0) break;
+      why = !ready ? "connect timed out" : std::strerror(err != 0 ? err : errno);
     } else {
       why = ErrnoText();
     }
@@ -190,16 +214,13 @@ Result<std::string> FetchDescriptor(const std::string& host_port, uint32_t timeo
   }
   freeaddrinfo(res);
   if (fd < 0) return Status::PeerUnreachable("handshake with " + host_port + ": " + why);
-  const int flags = fcntl(fd, F_GETFL);
-  fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
-  SetTimeouts(fd, std::max(1, left_ms()));
   char magic[sizeof(kMagic)];
   uint8_t len[4];
   std::string out;
   Status st;
-  if (!WriteAll(fd, kMagic, sizeof(kMagic)) || !ReadAll(fd, magic, sizeof(magic)) ||
-      !ReadAll(fd, len, 4)) {
-    st = left_ms() == 0
+  if (!WriteAll(fd, kMagic, sizeof(kMagic), deadline) ||
+      !ReadAll(fd, magic, sizeof(magic), deadline) || !ReadAll(fd, len, 4, deadline)) {
+    st = LeftMs(deadline) == 0
              ? Status::DeadlineExceeded("handshake with " + host_port + " timed out")
              : Status::PeerUnreachable("handshake with " + host_port + ": connection closed");
   } else if (std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) {
@@ -211,8 +232,11 @@ Result<std::string> FetchDescriptor(const std::string& host_port, uint32_t timeo
                             " bytes");
     } else {
       out.resize(n);
-      if (!ReadAll(fd, out.data(), n)) {
-        st = Status::PeerUnreachable("handshake with " + host_port + ": truncated descriptor");
+      if (!ReadAll(fd, out.data(), n, deadline)) {
+        st = LeftMs(deadline) == 0
+                 ? Status::DeadlineExceeded("handshake with " + host_port + " timed out")
+                 : Status::PeerUnreachable("handshake with " + host_port +
+                                           ": truncated descriptor");
       }
     }
   }

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -101,6 +102,67 @@ TEST(Handshake, GarbageAndSilentClientsDoNotStopTheService) {
   EXPECT_TRUE(closed.status().IsPeerUnreachable()) << closed.status().ToString();
   EXPECT_TRUE(TransferEngine::FetchDescriptor("no-port", 1000).status().Is(
       StatusCode::kInvalidArgument));
+}
+
+// A peer that trickles bytes cannot stretch an exchange past its bound, on either side.
+// Client side: a fake handshake port answering one byte of the magic every 150 ms (each byte
+// well within any per-call timeout) must fail FetchDescriptor at its 500 ms timeout.
+TEST(Handshake, TricklingServerCannotStretchFetchDescriptorPastItsTimeout) {
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(listen(lfd, 4), 0);
+  socklen_t alen = sizeof(a);
+  getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &alen);
+  std::thread drip([lfd] {
+    const int c = accept(lfd, nullptr, nullptr);
+    if (c < 0) return;
+    const char magic[] = "KVBDESC1\x10\x00\x00\x00";
+    for (size_t i = 0; i < 12; ++i) {
+      if (send(c, magic + i, 1, MSG_NOSIGNAL) <= 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    }
+    close(c);
+  });
+  const auto t = Clock::now();
+  auto d = TransferEngine::FetchDescriptor("127.0.0.1:" + std::to_string(ntohs(a.sin_port)), 500);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();
+  EXPECT_TRUE(d.status().IsDeadlineExceeded()) << d.status().ToString();
+  EXPECT_GE(ms, 450);
+  EXPECT_LT(ms, 900) << "the trickle stretched the handshake";
+  drip.join();
+  close(lfd);
+}
+
+// Server side: the service handles one connection at a time, so a client trickling its request
+// (one byte every 600 ms: each within a per-call timeout, 4.8 s for the whole magic) is cut
+// off after the one-second exchange bound and a real client is served soon after.
+TEST(Handshake, TricklingClientHoldsTheServiceForAtMostOneSecond) {
+  auto a = WithHandshake("hs-trickle", "127.0.0.1:0");
+  const uint16_t port = PortOf(a->handshake_endpoint());
+  int slow = Connect(port);
+  ASSERT_GE(slow, 0);
+  std::atomic<bool> stop{false};
+  std::thread drip([slow, &stop] {
+    const char magic[] = "KVBDESC1";
+    for (size_t i = 0; i < 8 && !stop.load(); ++i) {
+      if (send(slow, magic + i, 1, MSG_NOSIGNAL) <= 0) break;
+      for (int k = 0; k < 60 && !stop.load(); ++k) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the service is on it now
+  const auto t = Clock::now();
+  auto d = TransferEngine::FetchDescriptor(a->handshake_endpoint(), 2500);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();
+  EXPECT_TRUE(d.ok()) << d.status().ToString() << " after " << ms << " ms";
+  EXPECT_LT(ms, 1800);
+  stop = true;
+  drip.join();
+  close(slow);
 }
 
 TEST(Handshake, RestartOnTheSameHandshakePortIsANewIncarnation) {
