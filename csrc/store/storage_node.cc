@@ -112,6 +112,10 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   // Moves to run, with the time by which each must be reported (under mu).
   std::deque<std::pair<rpc::Demotion, std::chrono::steady_clock::time_point>> demotions;
   std::deque<std::string> evicted;               // keys the SSD plugin dropped (under mu)
+  // SSD copies this node dropped after a read found them unreadable or damaged (under mu):
+  // reported to the master by the demote loop, so it stops listing them at once rather than
+  // at the next client read.
+  std::deque<rpc::InventoryRecord> lost_ssd;
   std::thread demote_thread;
   Status ssd_status;  // OK: the tier runs; else why not
 
@@ -551,7 +555,12 @@ Result<std::unique_ptr<StorageNode::Impl::Staged>> StorageNode::Impl::ReadToStag
   }
   if (!bad.ok()) {
     FreeStaging(*out);
-    if (st != KVB_ERR_BACKPRESSURE) DropSsdObject(rec.key(), rec.replica_id());
+    if (st != KVB_ERR_BACKPRESSURE) {
+      DropSsdObject(rec.key(), rec.replica_id());
+      std::lock_guard<std::mutex> lock(mu);
+      lost_ssd.push_back(rec);
+      cv.notify_all();
+    }
     return bad;
   }
   return out;
@@ -634,15 +643,30 @@ Status StorageNode::Impl::Promote(const rpc::Demotion& d) {
 void StorageNode::Impl::DemoteLoop() {
   std::unique_lock<std::mutex> lock(mu);
   for (;;) {
-    cv.wait(lock, [&] { return stopping || !demotions.empty() || !evicted.empty(); });
+    cv.wait(lock, [&] {
+      return stopping || !demotions.empty() || !evicted.empty() || !lost_ssd.empty();
+    });
     if (stopping) return;
     std::deque<std::string> gone;
     gone.swap(evicted);
+    std::deque<rpc::InventoryRecord> lost;
+    lost.swap(lost_ssd);
     std::deque<std::pair<rpc::Demotion, std::chrono::steady_clock::time_point>> batch;
     batch.swap(demotions);
     lock.unlock();
     // Objects the SSD plugin evicted on its own: their records go, and the master drops the
     // replicas (re-replicating objects that still have copies elsewhere).
+    for (const rpc::InventoryRecord& rec : lost) {
+      rpc::BadReplicaRequest report;
+      report.set_key(rec.key());
+      report.set_version(rec.version());
+      *report.mutable_node() = Identity();
+      report.set_segment_id(kSsdSegment);
+      report.set_offset(rec.offset());
+      rpc::Status ignored;
+      auto ctx = Context();
+      (void)master->ReportBadReplica(ctx.get(), report, &ignored);
+    }
     for (const std::string& key : gone) {
       rpc::InventoryRecord rec;
       {

@@ -2,6 +2,7 @@
 // owning node, nothing lost, and (with the persistent ssd plugin) objects surviving a node
 // restart. Runs against each SSD-tier plugin that is built: the in-memory mock (always) and
 // plugins/storage_ssd.
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -16,6 +17,8 @@
 #include <thread>
 #include <vector>
 
+#include "kvbridge.grpc.pb.h"
+#include "kvbridge/engine.h"
 #include "kvbridge/store.h"
 #include "tests/common/test_util.h"
 
@@ -378,6 +381,100 @@ TEST_P(StoreTiers, CorruptedBucketLosesOnlyItsObjectsAcrossARestart) {
   ClusterStatus after = Must(QueryClusterStatus(cluster->master_address()));
   EXPECT_EQ(after.objects, static_cast<uint64_t>(first_pass));
   EXPECT_EQ(after.ssd_replicas, before.ssd_replicas - io_errors);
+}
+
+// A node that finds one of its SSD copies damaged while serving it drops the copy and tells
+// the master itself: no client report is needed for the master to stop listing it. The reads
+// here are raw ReadSsd calls to the node, so no StoreClient ever reports anything.
+TEST_P(StoreTiers, NodeReportsTheSsdCopyItDropsAfterAFailedRead) {
+  if (GetParam().plugin == "mock") GTEST_SKIP() << "the mock keeps no files";
+  auto cluster = Must(EmbeddedCluster::Start(Options(1, 4u << 20, 32u << 20, 1)));
+  StoreClient& c = cluster->client();
+  Buffer src(16 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ClusterStatus before = FillOneTieredNode(*cluster, c, src);
+  ASSERT_GT(before.ssd_replicas, 10u);
+  cluster->nodes()[0].reset();
+  std::vector<fs::path> buckets;
+  for (const auto& e : fs::directory_iterator(dir_ / "node0")) {
+    if (e.path().filename().string().rfind("bucket-", 0) == 0) buckets.push_back(e.path());
+  }
+  ASSERT_FALSE(buckets.empty());
+  std::sort(buckets.begin(), buckets.end());
+  {
+    FILE* f = std::fopen(buckets[0].c_str(), "r+b");
+    ASSERT_NE(f, nullptr);
+    std::vector<char> junk(256 * 1024, '\x5a');
+    ASSERT_EQ(std::fwrite(junk.data(), 1, junk.size(), f), junk.size());
+    std::fclose(f);
+  }
+  RestartNode0(*cluster, GetParam(), dir_);
+  ClusterStatus restarted = Must(QueryClusterStatus(cluster->master_address()));
+
+  auto master = rpc::Master::NewStub(
+      grpc::CreateChannel(cluster->master_address(), grpc::InsecureChannelCredentials()));
+  rpc::NodeDescriptorsRequest dreq;
+  dreq.add_node_ids("embedded-node0");
+  rpc::NodeDescriptorsReply drep;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(master->GetNodeDescriptors(&ctx, dreq, &drep).ok());
+  }
+  ASSERT_EQ(drep.nodes_size(), 1);
+  auto node = rpc::Node::NewStub(
+      grpc::CreateChannel(drep.nodes(0).rpc_address(), grpc::InsecureChannelCredentials()));
+  EngineOptions eo;
+  eo.node_id = "raw-reader";
+  eo.transports = {"tcp"};
+  auto reader = Must(TransferEngine::Create(eo));
+  Buffer dst(kObject);
+  const SegmentId seg = Must(reader->RegisterMemory(dst.data(), dst.size()));
+  int failed = 0, served = 0;
+  for (size_t i = 0; i < 48; ++i) {
+    rpc::GetReplicasRequest greq;
+    greq.add_keys(Key(i));
+    greq.set_sizes_only(true);  // no lease, no access counting: just where it is
+    rpc::GetReplicasReply grep;
+    {
+      grpc::ClientContext ctx;
+      ASSERT_TRUE(master->GetReplicas(&ctx, greq, &grep).ok());
+    }
+    if (grep.items(0).status().code() != 0 || grep.items(0).replicas_size() == 0) continue;
+    const rpc::ReplicaLocation& loc = grep.items(0).replicas(0);
+    if (loc.tier() != 2) continue;  // a DRAM replica
+    rpc::ReadSsdRequest req;
+    *req.mutable_node() = loc.node();
+    req.set_key(Key(i));
+    req.set_version(grep.items(0).version());
+    req.set_client_descriptor(reader->LocalDescriptor());
+    rpc::Piece* piece = req.add_dests();
+    piece->set_segment_id(seg);
+    piece->set_offset(0);
+    piece->set_length(kObject);
+    req.set_timeout_ms(3000);
+    rpc::ReadSsdReply reply;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ASSERT_TRUE(node->ReadSsd(&ctx, req, &reply).ok());
+    if (reply.status().code() == 0) {
+      ++served;
+      EXPECT_TRUE(dst.Matches(i, 0, kObject, (i % 16) * kObject)) << Key(i);
+    } else {
+      ++failed;
+    }
+  }
+  ASSERT_GT(failed, 0) << "the damage went unnoticed";
+  EXPECT_GT(served, 0);
+  // The node reports in the background: the master drops exactly those copies, soon.
+  ClusterStatus after;
+  for (int i = 0; i < 50; ++i) {
+    after = Must(QueryClusterStatus(cluster->master_address()));
+    if (after.bad_replicas_total >= static_cast<uint64_t>(failed)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(after.bad_replicas_total, restarted.bad_replicas_total + failed)
+      << "the master still lists SSD copies the node dropped";
+  EXPECT_EQ(after.ssd_replicas, restarted.ssd_replicas - failed);
 }
 
 TEST_P(StoreTiers, MissingSsdDirectoryLeavesTheNodeServingDram) {
