@@ -5,7 +5,9 @@
 (a) transfer: batch_transfer_sync_write / _read between two processes (a server process per
     system registers a buffer; this process drives it through the Mooncake TransferEngine API:
     kvbridge.compat.mooncake.TransferEngine or mooncake.engine.TransferEngine), blocks of
-    64 KiB .. 4 MiB, batches of `--batch` blocks, p50/p99 per batch;
+    64 KiB .. 4 MiB, batches of `--batch` blocks, p50/p99 per batch; and, as the loopback
+    limit of one synchronous stream, a raw-socket baseline moving each batch as ONE request
+    over one plain TCP connection (ratios "vs_raw_socket" for both systems);
 (b) store: a master plus two storage processes per system (kvbridge: a kvbridge master;
     Mooncake: its mooncake_master), this process a pure client: batch_put_from then
     batch_get_into of 128 x 64 KiB pages per iteration through MooncakeDistributedStore
@@ -194,6 +196,90 @@ def bench_store(impl: str, seconds: float, segment: int) -> list[dict]:
     return rows
 
 
+def serve_raw(nbytes: int) -> None:
+    """Raw-socket baseline server: per request (op byte, length u64), 'R' sends `length` bytes,
+    'W' receives them and answers one byte. Prints its port; one client at a time."""
+    import socket
+    import struct
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(1)
+    print(ls.getsockname()[1], flush=True)
+    conn, _ = ls.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    hdr = bytearray(9)
+    while True:
+        if recv_exact(conn, memoryview(hdr)) == 0:
+            return
+        op, n = hdr[0], struct.unpack_from("<Q", hdr, 1)[0]
+        if op == ord("R"):
+            conn.sendall(view[:n])
+        else:
+            recv_exact(conn, view[:n])
+            conn.sendall(b"k")
+
+
+def recv_exact(sock, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return 0
+        got += n
+    return got
+
+
+def bench_raw(sizes: list[int], batch: int, seconds: float) -> list[dict]:
+    """The loopback limit for one synchronous stream: each batch as ONE request of
+    size x batch bytes over one plain TCP connection (no per-block framing, no lanes)."""
+    import socket
+    import struct
+    span = max(sizes) * batch
+    server = subprocess.Popen([sys.executable, __file__, "--serve-raw", "--bytes", str(span)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              stderr=subprocess.DEVNULL)
+    port = int(server.stdout.readline())
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(span)
+    view = memoryview(buf)
+    ack = bytearray(1)
+    rows = []
+    try:
+        for size in sizes:
+            n = size * batch
+            for op in ("write", "read"):
+                def once():
+                    sock.sendall(struct.pack("<BQ", ord("W" if op == "write" else "R"), n))
+                    if op == "write":
+                        sock.sendall(view[:n])
+                        recv_exact(sock, memoryview(ack))
+                    else:
+                        recv_exact(sock, view[:n])
+                once()
+                lat = []
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < seconds:
+                    t = time.perf_counter()
+                    once()
+                    lat.append(time.perf_counter() - t)
+                total = time.perf_counter() - t0
+                rows.append({"system": "raw_socket", "op": op, "block_bytes": size,
+                             "batch": batch, "gbps": round(n * len(lat) / total / 1e9, 3),
+                             "p50_ms": round(percentile(lat, 0.5) * 1e3, 3),
+                             "p99_ms": round(percentile(lat, 0.99) * 1e3, 3),
+                             "batches": len(lat), "failed": 0})
+                print(f"  {'raw':8s} {op:5s} {size >> 10:5d} KiB: {rows[-1]['gbps']:7.3f} GB/s "
+                      f"p50 {rows[-1]['p50_ms']:.3f} ms p99 {rows[-1]['p99_ms']:.3f} ms",
+                      file=sys.stderr)
+    finally:
+        sock.close()
+        server.wait(timeout=10)
+    return rows
+
+
 def percentile(v: list[float], q: float) -> float:
     s = sorted(v)
     return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
@@ -256,6 +342,7 @@ def main() -> int:
     ap.add_argument("--only", choices=("transfer", "store"),
                     help="run one part only (the headline needs the store part)")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-raw", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--master", help=argparse.SUPPRESS)
     ap.add_argument("--storage", help=argparse.SUPPRESS)
     ap.add_argument("--master-addr", help=argparse.SUPPRESS)
@@ -263,6 +350,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.serve:
         serve(args.serve, args.bytes)
+        return 0
+    if args.serve_raw:
+        serve_raw(args.bytes)
         return 0
     if args.master:
         serve_master(args.master)
@@ -284,15 +374,22 @@ def main() -> int:
     for impl in ("kvbridge", "mooncake"):
         if args.only != "store":
             rows += bench_transfer(impl, sizes, args.batch, seconds)
+    raw_rows = bench_raw(sizes, args.batch, seconds) if args.only != "store" else []
     ratios = []
     for r in rows:
         if r["system"] != "kvbridge":
             continue
         m = next(x for x in rows if x["system"] == "mooncake" and x["op"] == r["op"]
                  and x["block_bytes"] == r["block_bytes"])
+        raw = next((x for x in raw_rows if x["op"] == r["op"]
+                    and x["block_bytes"] == r["block_bytes"]), None)
         ratios.append({"op": r["op"], "block_bytes": r["block_bytes"],
                        "ratio": round(r["gbps"] / m["gbps"], 3) if m["gbps"] else None,
-                       "p99_ratio": round(r["p99_ms"] / m["p99_ms"], 3) if m["p99_ms"] else None})
+                       "p99_ratio": round(r["p99_ms"] / m["p99_ms"], 3) if m["p99_ms"] else None,
+                       "vs_raw_socket": round(r["gbps"] / raw["gbps"], 3)
+                       if raw and raw["gbps"] else None,
+                       "mooncake_vs_raw_socket": round(m["gbps"] / raw["gbps"], 3)
+                       if raw and raw["gbps"] else None})
     small = [x["ratio"] for x in ratios if x["block_bytes"] <= (1 << 20) and x["ratio"]]
     print("store: 2 storage processes + master per system, 128 x 64 KiB pages per batch",
           file=sys.stderr)
@@ -311,7 +408,10 @@ def main() -> int:
                         "p99_ratio": round(r["p99_ms"] / m["p99_ms"], 3) if m["p99_ms"] else None})
     head = [x["ratio"] for x in sratios if x["op"] == "batch_get_into" and x["ratio"]]
     out = {"benchmark": "vs-mooncake", "quick": args.quick, "seconds": seconds,
-           "transfer": {"rows": rows, "ratios": ratios,
+           "transfer": {"rows": rows, "raw_socket_rows": raw_rows,
+                        "raw_socket_baseline": "each batch as one request of block x batch "
+                        "bytes on one plain TCP connection, Python sendall/recv_into",
+                        "ratios": ratios,
                         "min_ratio_64k_to_1m": min(small) if small else None,
                         "min_ratio_all": min((x["ratio"] for x in ratios if x["ratio"]),
                                              default=None)},
