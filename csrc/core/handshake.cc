@@ -73,8 +73,7 @@ bool WriteAll(int fd, const void* buf, size_t n, Clock::time_point deadline) {
       continue;
     }
     if (r < 0 && errno == EINTR) continue;
-    if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK) ||
-        !WaitReady(fd, POLLOUT, deadline)) {
+    if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK) || !WaitReady(fd, POLLOUT, deadline)) {
       return false;
     }
   }
@@ -162,8 +161,7 @@ void HandshakeServer::Loop() {
     // so a client that is silent or trickles bytes holds it up no longer than that.
     const auto deadline = Clock::now() + std::chrono::milliseconds(kIoTimeoutMs);
     char req[sizeof(kMagic)];
-    if (ReadAll(c, req, sizeof(req), deadline) &&
-        std::memcmp(req, kMagic, sizeof(kMagic)) == 0) {
+    if (ReadAll(c, req, sizeof(req), deadline) && std::memcmp(req, kMagic, sizeof(kMagic)) == 0) {
       const std::string d = describe_();
       const auto n = static_cast<uint32_t>(d.size());
       uint8_t len[4] = {static_cast<uint8_t>(n), static_cast<uint8_t>(n >> 8),
@@ -233,10 +231,10 @@ Result<std::string> FetchDescriptor(const std::string& host_port, uint32_t timeo
     } else {
       out.resize(n);
       if (!ReadAll(fd, out.data(), n, deadline)) {
-        st = LeftMs(deadline) == 0
-                 ? Status::DeadlineExceeded("handshake with " + host_port + " timed out")
-                 : Status::PeerUnreachable("handshake with " + host_port +
-                                           ": truncated descriptor");
+        st =
+            LeftMs(deadline) == 0
+                ? Status::DeadlineExceeded("handshake with " + host_port + " timed out")
+                : Status::PeerUnreachable("handshake with " + host_port + ": truncated descriptor");
       }
     }
   }

@@ -654,19 +654,23 @@ void StorageNode::Impl::DemoteLoop() {
     std::deque<std::pair<rpc::Demotion, std::chrono::steady_clock::time_point>> batch;
     batch.swap(demotions);
     lock.unlock();
-    // Objects the SSD plugin evicted on its own: their records go, and the master drops the
-    // replicas (re-replicating objects that still have copies elsewhere).
-    for (const rpc::InventoryRecord& rec : lost) {
+    // SSD copies that are gone: the master drops those replicas (re-replicating objects that
+    // still have copies elsewhere).
+    auto report_gone = [&](const std::string& key, uint64_t version, uint64_t offset) {
       rpc::BadReplicaRequest report;
-      report.set_key(rec.key());
-      report.set_version(rec.version());
+      report.set_key(key);
+      report.set_version(version);
       *report.mutable_node() = Identity();
       report.set_segment_id(kSsdSegment);
-      report.set_offset(rec.offset());
+      report.set_offset(offset);
       rpc::Status ignored;
       auto ctx = Context();
       (void)master->ReportBadReplica(ctx.get(), report, &ignored);
-    }
+    };
+    // Copies dropped after a failed read (ReadToStaging) are already out of the inventory.
+    for (const rpc::InventoryRecord& rec : lost)
+      report_gone(rec.key(), rec.version(), rec.offset());
+    // Objects the SSD plugin evicted on its own: their records go too.
     for (const std::string& key : gone) {
       rpc::InventoryRecord rec;
       {
@@ -680,15 +684,7 @@ void StorageNode::Impl::DemoteLoop() {
         }
         ssd_keys.erase(k);
       }
-      rpc::BadReplicaRequest report;
-      report.set_key(key);
-      report.set_version(rec.version());
-      *report.mutable_node() = Identity();
-      report.set_segment_id(kSsdSegment);
-      report.set_offset(rec.offset());
-      rpc::Status ignored;
-      auto ctx = Context();
-      (void)master->ReportBadReplica(ctx.get(), report, &ignored);
+      report_gone(key, rec.version(), rec.offset());
     }
     for (const auto& [d, deadline] : batch) {
       // Past its deadline the master has given the target range up (a DRAM one may hold new

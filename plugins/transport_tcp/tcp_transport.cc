@@ -1619,8 +1619,8 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
       if (in_end > 0) {  // a partial header must complete within the progress timeout
         wait_ms = WaitBudgetMs(*this, io_lim, last_in_ns);
         if (wait_ms < 0) {
-          Log(KVB_LOG_WARN, "closing inbound %s: request header stalled for %u ms",
-              addr.c_str(), config_.progress_timeout_ms);
+          Log(KVB_LOG_WARN, "closing inbound %s: request header stalled for %u ms", addr.c_str(),
+              config_.progress_timeout_ms);
           return;
         }
       }

@@ -262,6 +262,22 @@ void RestartNode0(EmbeddedCluster& cluster, const TierCase& tier, const fs::path
   ASSERT_TRUE(cluster.nodes()[0]->ssd_status().ok()) << cluster.nodes()[0]->ssd_status().ToString();
 }
 
+// Writes garbage over the first 256 KiB of records of the node's first bucket file (the node
+// must be down).
+void CorruptFirstBucket(const fs::path& node_dir) {
+  std::vector<fs::path> buckets;
+  for (const auto& e : fs::directory_iterator(node_dir)) {
+    if (e.path().filename().string().rfind("bucket-", 0) == 0) buckets.push_back(e.path());
+  }
+  ASSERT_FALSE(buckets.empty());
+  std::sort(buckets.begin(), buckets.end());
+  FILE* f = std::fopen(buckets[0].c_str(), "r+b");
+  ASSERT_NE(f, nullptr);
+  std::vector<char> junk(256 * 1024, '\x5a');
+  ASSERT_EQ(std::fwrite(junk.data(), 1, junk.size(), f), junk.size());
+  std::fclose(f);
+}
+
 // Reads objects [0, 48) one by one: returns how many came back; each must have its bytes. A
 // missing one must be NOT_FOUND, or IO when io_errors is given (counted there).
 int ReadBackOneByOne(StoreClient& c, Buffer& dst, int* io_errors = nullptr) {
@@ -352,20 +368,7 @@ TEST_P(StoreTiers, CorruptedBucketLosesOnlyItsObjectsAcrossARestart) {
   ClusterStatus before = FillOneTieredNode(*cluster, c, src);
   ASSERT_GT(before.ssd_replicas, 10u);
   cluster->nodes()[0].reset();
-  // Garbage over the first 256 KiB of records of one bucket file while the node is down.
-  std::vector<fs::path> buckets;
-  for (const auto& e : fs::directory_iterator(dir_ / "node0")) {
-    if (e.path().filename().string().rfind("bucket-", 0) == 0) buckets.push_back(e.path());
-  }
-  ASSERT_FALSE(buckets.empty());
-  std::sort(buckets.begin(), buckets.end());
-  {
-    FILE* f = std::fopen(buckets[0].c_str(), "r+b");
-    ASSERT_NE(f, nullptr);
-    std::vector<char> junk(256 * 1024, '\x5a');
-    ASSERT_EQ(std::fwrite(junk.data(), 1, junk.size(), f), junk.size());
-    std::fclose(f);
-  }
+  CorruptFirstBucket(dir_ / "node0");
   RestartNode0(*cluster, GetParam(), dir_);
   // Damaged objects fail their first read with IO (the node checks every SSD read against the
   // object's checksum) or are already gone; no read returns wrong bytes (ReadBackOneByOne).
@@ -395,19 +398,7 @@ TEST_P(StoreTiers, NodeReportsTheSsdCopyItDropsAfterAFailedRead) {
   ClusterStatus before = FillOneTieredNode(*cluster, c, src);
   ASSERT_GT(before.ssd_replicas, 10u);
   cluster->nodes()[0].reset();
-  std::vector<fs::path> buckets;
-  for (const auto& e : fs::directory_iterator(dir_ / "node0")) {
-    if (e.path().filename().string().rfind("bucket-", 0) == 0) buckets.push_back(e.path());
-  }
-  ASSERT_FALSE(buckets.empty());
-  std::sort(buckets.begin(), buckets.end());
-  {
-    FILE* f = std::fopen(buckets[0].c_str(), "r+b");
-    ASSERT_NE(f, nullptr);
-    std::vector<char> junk(256 * 1024, '\x5a');
-    ASSERT_EQ(std::fwrite(junk.data(), 1, junk.size(), f), junk.size());
-    std::fclose(f);
-  }
+  CorruptFirstBucket(dir_ / "node0");
   RestartNode0(*cluster, GetParam(), dir_);
   ClusterStatus restarted = Must(QueryClusterStatus(cluster->master_address()));
 

@@ -378,15 +378,13 @@ TEST(TcpTransport, InterleavedSmallOpsOnOneLaneMoveTheRightBytes) {
     SCOPED_TRACE("op " + std::to_string(i));
     const uint64_t len = 1 + (i * 997) % 8192;
     if (i % 2 == 0) {
-      ASSERT_EQ(std::memcmp(b.mem->data() + i * 8192, a.mem->data() + 2 * kMiB + i * 8192, len),
-                0);
+      ASSERT_EQ(std::memcmp(b.mem->data() + i * 8192, a.mem->data() + 2 * kMiB + i * 8192, len), 0);
       // Past the written range the remote bytes are what they were.
-      ASSERT_EQ(std::memcmp(b.mem->data() + i * 8192 + len,
-                            remote_before.data() + i * 8192 + len, 8192 - len),
+      ASSERT_EQ(std::memcmp(b.mem->data() + i * 8192 + len, remote_before.data() + i * 8192 + len,
+                            8192 - len),
                 0);
     } else {
-      ASSERT_EQ(std::memcmp(a.mem->data() + i * 8192, b.mem->data() + 2 * kMiB + i * 8192, len),
-                0);
+      ASSERT_EQ(std::memcmp(a.mem->data() + i * 8192, b.mem->data() + 2 * kMiB + i * 8192, len), 0);
     }
   }
   EXPECT_EQ(a.inst->Stats().connections_opened, 1u);
