@@ -88,6 +88,17 @@ struct StoreClient::Impl {
   std::unordered_map<std::string, uint64_t> peers;  // node id -> incarnation added to engine
   std::unordered_map<std::string, std::string> node_rpc;  // node id -> its Node service
   std::unordered_map<std::string, std::unique_ptr<rpc::Node::Stub>> node_stubs;  // by address
+  // Direct discovery: nodes whose Describe failed (frozen, unreachable, another incarnation
+  // answering) are not asked again until retry_at, with the wait doubling per failure, so one
+  // bad node costs one Describe timeout per backoff period instead of one per get. Their keys
+  // go to other replicas meanwhile. Under peers_mu.
+  struct Unreachable {
+    uint64_t incarnation = 0;
+    std::chrono::steady_clock::time_point retry_at;
+    uint32_t backoff_ms = 0;
+  };
+  std::unordered_map<std::string, Unreachable> unreachable;
+  static constexpr uint32_t kDescribeBackoffMs = 1000, kDescribeMaxBackoffMs = 16000;
   SegmentId staging_segment = 0;
 
   struct Registered {
@@ -147,6 +158,12 @@ struct StoreClient::Impl {
                      const std::vector<Piece>& pieces);
   // Makes sure the engine knows the current incarnation of every node named.
   Status EnsurePeers(const std::set<std::pair<std::string, uint64_t>>& nodes);
+  // Whether the engine knows this incarnation of the node (EnsurePeers added it).
+  bool Knows(const rpc::NodeIdentity& node) {
+    std::lock_guard<std::mutex> lock(peers_mu);
+    auto it = peers.find(node.node_id());
+    return it != peers.end() && it->second == node.incarnation();
+  }
   // One transfer pass; fills ok[i] per group of ops.
   void Run(std::vector<TransferOp>& ops, const std::vector<size_t>& group_of_op, size_t groups,
            std::vector<Status>* group_status);
@@ -154,11 +171,17 @@ struct StoreClient::Impl {
 
 Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint64_t>>& nodes) {
   rpc::NodeDescriptorsRequest req;
+  const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(peers_mu);
     for (const auto& [id, inc] : nodes) {
       auto it = peers.find(id);
-      if (it == peers.end() || it->second != inc) req.add_node_ids(id);
+      if (it != peers.end() && it->second == inc) continue;
+      auto u = unreachable.find(id);
+      if (u != unreachable.end() && u->second.incarnation == inc && now < u->second.retry_at) {
+        continue;  // failed recently: its keys use other replicas until retry_at
+      }
+      req.add_node_ids(id);
     }
   }
   if (req.node_ids_size() == 0) return Status::OK();
@@ -172,9 +195,25 @@ Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint
       Result<std::string> d = store::DescribeNode(nd.rpc_address(), nd.node(),
                                                   options.rpc_timeout_ms);
       if (!d.ok()) {
+        uint32_t backoff;
+        {
+          std::lock_guard<std::mutex> lock(peers_mu);
+          Unreachable& u = unreachable[nd.node().node_id()];
+          u.backoff_ms = u.incarnation == nd.node().incarnation() && u.backoff_ms != 0
+                             ? std::min(2 * u.backoff_ms, kDescribeMaxBackoffMs)
+                             : kDescribeBackoffMs;
+          u.incarnation = nd.node().incarnation();
+          u.retry_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(u.backoff_ms);
+          backoff = u.backoff_ms;
+        }
         KVB_LOG(WARN) << "cannot reach storage node " << nd.node().node_id() << " directly: "
-                      << d.status().ToString();
+                      << d.status().ToString() << "; its replicas are skipped for " << backoff
+                      << " ms";
         continue;
+      }
+      {
+        std::lock_guard<std::mutex> lock(peers_mu);
+        unreachable.erase(nd.node().node_id());
       }
       descriptor = std::move(d).value();
     }
@@ -584,10 +623,11 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
       const bool node_level = st.IsPeerUnreachable() || st.IsStalePeer() ||
                               st.Is(StatusCode::kProgressTimeout) || st.IsDeadlineExceeded();
       // Says nothing about the replica (a busy node, our own memory, a node that could not
-      // write back to us): move on without reporting it.
-      const bool not_the_replica = st.Is(StatusCode::kBackpressure) ||
-                                   st.Is(StatusCode::kNotRegistered) ||
-                                   st.Is(StatusCode::kUnavailable);
+      // write back to us, a node this client could not learn about and so never asked): move
+      // on without reporting it.
+      const bool not_the_replica =
+          st.Is(StatusCode::kBackpressure) || st.Is(StatusCode::kNotRegistered) ||
+          st.Is(StatusCode::kUnavailable) || !im.Knows(bad.node());
       if (!not_the_replica &&
           (!node_level || reported_nodes.insert(bad.node().node_id()).second)) {
         rpc::BadReplicaRequest report;
