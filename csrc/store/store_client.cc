@@ -206,9 +206,9 @@ Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint
           u.retry_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(u.backoff_ms);
           backoff = u.backoff_ms;
         }
-        KVB_LOG(WARN) << "cannot reach storage node " << nd.node().node_id() << " directly: "
-                      << d.status().ToString() << "; its replicas are skipped for " << backoff
-                      << " ms";
+        KVB_LOG(WARN) << "cannot reach storage node " << nd.node().node_id()
+                      << " directly: " << d.status().ToString() << "; its replicas are skipped for "
+                      << backoff << " ms";
         continue;
       }
       {
@@ -625,9 +625,9 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
       // Says nothing about the replica (a busy node, our own memory, a node that could not
       // write back to us, a node this client could not learn about and so never asked): move
       // on without reporting it.
-      const bool not_the_replica =
-          st.Is(StatusCode::kBackpressure) || st.Is(StatusCode::kNotRegistered) ||
-          st.Is(StatusCode::kUnavailable) || !im.Knows(bad.node());
+      const bool not_the_replica = st.Is(StatusCode::kBackpressure) ||
+                                   st.Is(StatusCode::kNotRegistered) ||
+                                   st.Is(StatusCode::kUnavailable) || !im.Knows(bad.node());
       if (!not_the_replica &&
           (!node_level || reported_nodes.insert(bad.node().node_id()).second)) {
         rpc::BadReplicaRequest report;

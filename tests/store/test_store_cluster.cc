@@ -61,8 +61,9 @@ class StoreCluster : public ::testing::Test {
   }
 
   void StartMaster() {
-    master_ = ChildProcess::Start({kBin, "master", "--listen", master_addr_, "--node-ttl-ms",
-                                   std::to_string(ttl_ms_), "--lease-ms", std::to_string(kLeaseMs)});
+    master_ =
+        ChildProcess::Start({kBin, "master", "--listen", master_addr_, "--node-ttl-ms",
+                             std::to_string(ttl_ms_), "--lease-ms", std::to_string(kLeaseMs)});
     ASSERT_TRUE(master_);
     const std::string line = master_->ReadLine(20000);
     ASSERT_NE(line.find("listening on"), std::string::npos) << "master said: " << line;
@@ -429,8 +430,7 @@ TEST_F(StoreClusterLongTtl, DirectDiscoveryStopsAskingANodeItCannotReach) {
     const double ms = timed_get(&err);
     EXPECT_LT(ms, 600) << "get " << i + 2 << " asked the frozen node again";
   }
-  std::printf("direct discovery with one node frozen: first get %.0f ms, later gets fast\n",
-              first);
+  std::printf("direct discovery with one node frozen: first get %.0f ms, later gets fast\n", first);
   EXPECT_EQ(View().bad_replicas_total, 0u)
       << "replicas were reported bad for a node this client merely could not reach";
   nodes_[0]->Signal(SIGCONT);
