@@ -138,33 +138,33 @@ TEST_F(FaultTest, FrozenPeerFailsABatchOnAnIdleLaneOnTime) {
   auto peer = StartPeer("frozen-idle", 0, 1);
   ASSERT_TRUE(peer);
   Must(engine_->AddPeer(peer->descriptor()));
-  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "frozen-idle", 0, 4096)}).ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the lane parks in poll
-  peer->Signal(SIGSTOP);
+  // Warms a lane up, lets it park in poll, freezes the peer, then posts one small READ.
+  auto frozen_read = [&](const SubmitOptions& so, double* ms) {
+    EXPECT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "frozen-idle", 0, 4096)}).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    peer->Signal(SIGSTOP);
+    const auto t0 = Clock::now();
+    BatchResult r = engine_->Wait(
+        Must(engine_->Submit(std::vector{Op(OpCode::kRead, "frozen-idle", 0, 4096)}, so)));
+    *ms = MsSince(t0);
+    peer->Signal(SIGCONT);
+    return r.status;
+  };
   SubmitOptions so;
   so.deadline_ms = 20000;
   so.progress_timeout_ms = 300;
-  auto t0 = Clock::now();
-  BatchResult r = engine_->Wait(
-      Must(engine_->Submit(std::vector{Op(OpCode::kRead, "frozen-idle", 0, 4096)}, so)));
-  double ms = MsSince(t0);
-  EXPECT_EQ(r.status.code(), StatusCode::kProgressTimeout) << r.status.ToString();
+  double ms = 0;
+  Status st = frozen_read(so, &ms);
+  EXPECT_EQ(st.code(), StatusCode::kProgressTimeout) << st.ToString();
   EXPECT_GE(ms, 250);
   EXPECT_LT(ms, 800) << "the lane slept through the progress timeout";
-  peer->Signal(SIGCONT);
-  // Healthy again (a new lane); then the same with a deadline shorter than everything else.
-  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "frozen-idle", 0, 4096)}).ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  peer->Signal(SIGSTOP);
+  // The same with a deadline shorter than everything else (a new lane: the old one was
+  // evicted).
   so.deadline_ms = 250;
   so.progress_timeout_ms = 10000;
-  t0 = Clock::now();
-  r = engine_->Wait(
-      Must(engine_->Submit(std::vector{Op(OpCode::kRead, "frozen-idle", 0, 4096)}, so)));
-  ms = MsSince(t0);
-  EXPECT_EQ(r.status.code(), StatusCode::kDeadlineExceeded) << r.status.ToString();
+  st = frozen_read(so, &ms);
+  EXPECT_EQ(st.code(), StatusCode::kDeadlineExceeded) << st.ToString();
   EXPECT_LT(ms, 800) << "the lane slept through the deadline";
-  peer->Signal(SIGCONT);
 }
 
 TEST_F(FaultTest, PeerRestartedOnSamePortIsStaleAndNeverWritten) {

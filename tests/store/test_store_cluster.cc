@@ -47,17 +47,22 @@ class StoreCluster : public ::testing::Test {
       nodes_.push_back(StartNode(i));
     }
     WaitForActiveNodes(3);
+    client_ = Must(StoreClient::Create(ClientOptions("client")));
+    ASSERT_TRUE(client_->RegisterBuffer(src_.data(), src_.size()).ok());
+    ASSERT_TRUE(client_->RegisterBuffer(dst_.data(), dst_.size()).ok());
+  }
+
+  // A client of this cluster: replica_num 2, short deadlines so failures show quickly.
+  StoreOptions ClientOptions(const std::string& node_id) const {
     StoreOptions so;
     so.master_address = master_addr_;
     so.replica_num = 2;
     so.transfer_deadline_ms = 3000;
-    so.engine.node_id = "client";
+    so.engine.node_id = node_id;
     so.engine.transports = {"tcp"};
     so.engine.progress_timeout_ms = 500;
     so.engine.default_deadline_ms = 3000;
-    client_ = Must(StoreClient::Create(so));
-    ASSERT_TRUE(client_->RegisterBuffer(src_.data(), src_.size()).ok());
-    ASSERT_TRUE(client_->RegisterBuffer(dst_.data(), dst_.size()).ok());
+    return so;
   }
 
   void StartMaster() {
@@ -407,15 +412,9 @@ TEST_F(StoreClusterLongTtl, DirectDiscoveryStopsAskingANodeItCannotReach) {
   constexpr size_t kObjects = 64;
   ASSERT_EQ(PutRange(0, kObjects), 0);
   nodes_[0]->Signal(SIGSTOP);
-  StoreOptions so;
-  so.master_address = master_addr_;
+  StoreOptions so = ClientOptions("direct-client");
   so.peer_discovery = "direct";
   so.rpc_timeout_ms = 800;
-  so.transfer_deadline_ms = 3000;
-  so.engine.node_id = "direct-client";
-  so.engine.transports = {"tcp"};
-  so.engine.progress_timeout_ms = 500;
-  so.engine.default_deadline_ms = 3000;
   auto direct = Must(StoreClient::Create(so));
   ASSERT_TRUE(direct->RegisterBuffer(dst_.data(), dst_.size()).ok());
   auto timed_get = [&](std::string* err) {
