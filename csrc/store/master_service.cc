@@ -9,8 +9,10 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
@@ -33,7 +35,9 @@ MasterOptions MasterOptions::FromEnv() {
   store::EnvUint("KVBRIDGE_MIN_REPLICAS", &o.min_replicas);
   store::EnvUint("KVBRIDGE_DRAIN_TIMEOUT_MS", &o.drain_timeout_ms);
   store::EnvUint("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
+  store::EnvUint("KVBRIDGE_TASK_TIMEOUT_MS", &o.task_timeout_ms);
   store::EnvUint("KVBRIDGE_PROMOTE_AFTER_READS", &o.promote_after_reads);
+  if (const char* v = std::getenv("KVBRIDGE_MASTER_FAULTS")) o.faults = v;
   for (auto [var, out] : {std::pair{"KVBRIDGE_HIGH_WATERMARK", &o.high_watermark},
                           std::pair{"KVBRIDGE_LOW_WATERMARK", &o.low_watermark},
                           std::pair{"KVBRIDGE_DEMOTE_HIGH_WATERMARK", &o.demote_high_watermark},
@@ -101,8 +105,62 @@ grpc::Status Done(const Status& st, rpc::Status* reply) {
 
 }  // namespace
 
+// MasterOptions::faults: counters of calls still to be failed, each taken once.
+struct Faults {
+  std::atomic<uint32_t> demote_done_lose_request{0};
+  std::atomic<uint32_t> demote_done_lose_reply{0};
+
+  Status Parse(const std::string& spec) {
+    for (const std::string& item : SplitFaults(spec)) {
+      const size_t eq = item.find('=');
+      const std::string name = item.substr(0, eq);
+      std::atomic<uint32_t>* counter = name == "demote_done_lose_request" ? &demote_done_lose_request
+                                       : name == "demote_done_lose_reply" ? &demote_done_lose_reply
+                                                                          : nullptr;
+      if (counter == nullptr) {
+        return Status::InvalidArgument("MasterOptions::faults: unknown fault '" + name +
+                                       "' (known: demote_done_lose_request, demote_done_lose_reply)");
+      }
+      const std::string count = eq == std::string::npos ? "" : item.substr(eq + 1);
+      char* end = nullptr;
+      const unsigned long n = std::strtoul(count.c_str(), &end, 10);
+      if (count.empty() || *end != '\0' || n > UINT32_MAX) {
+        return Status::InvalidArgument("MasterOptions::faults: '" + item +
+                                       "' needs a count (name=N, N a non-negative integer)");
+      }
+      counter->store(static_cast<uint32_t>(n));
+    }
+    return Status::OK();
+  }
+  // True (and one fewer left) when the next call is to fail.
+  static bool Take(std::atomic<uint32_t>* left) {
+    uint32_t n = left->load();
+    while (n > 0 && !left->compare_exchange_weak(n, n - 1)) {
+    }
+    if (n > 0) KVB_LOG(WARN) << "fault injection: failing a call (" << n - 1 << " more to fail)";
+    return n > 0;
+  }
+
+ private:
+  static std::vector<std::string> SplitFaults(const std::string& spec) {
+    std::vector<std::string> out;
+    size_t start = 0;
+    while (start <= spec.size()) {
+      size_t comma = spec.find(',', start);
+      if (comma == std::string::npos) comma = spec.size();
+      std::string item = spec.substr(start, comma - start);
+      item.erase(0, item.find_first_not_of(" \t"));
+      item.erase(item.find_last_not_of(" \t") + 1);
+      if (!item.empty()) out.push_back(item);
+      start = comma + 1;
+    }
+    return out;
+  }
+};
+
 struct MasterServer::Impl final : public rpc::Master::Service {
   MasterOptions options;
+  Faults faults;
   std::unique_ptr<store::MasterState> state;
   std::unique_ptr<grpc::Server> server;
   std::string address;
@@ -267,14 +325,22 @@ struct MasterServer::Impl final : public rpc::Master::Service {
 
   grpc::Status DemoteDone(grpc::ServerContext*, const rpc::DemoteDoneRequest* req,
                           rpc::Status* reply) override {
+    if (faults.Take(&faults.demote_done_lose_request)) {
+      return {grpc::StatusCode::UNAVAILABLE, "fault injection: DemoteDone request lost"};
+    }
     const bool ok = req->status().code() == KVB_OK;
     if (!ok) {
       KVB_LOG(WARN) << "demotion of a replica on " << req->node().node_id()
                     << " failed: " << FromProto(req->status()).ToString();
     }
-    return Done(state->DemoteDone(FromProto(req->node()), req->key(), req->version(),
-                                  req->dest_replica_id(), ok, util::MonoNs()),
-                reply);
+    grpc::Status answer = Done(state->DemoteDone(FromProto(req->node()), req->key(),
+                                                 req->version(), req->dest_replica_id(), ok,
+                                                 util::MonoNs()),
+                               reply);
+    if (faults.Take(&faults.demote_done_lose_reply)) {
+      return {grpc::StatusCode::UNAVAILABLE, "fault injection: DemoteDone reply lost"};
+    }
+    return answer;
   }
 
   grpc::Status TaskDone(grpc::ServerContext*, const rpc::TaskDoneRequest* req,
@@ -467,6 +533,7 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
   cfg.demote_low_watermark = options.demote_low_watermark;
   cfg.promote_after_reads = options.promote_after_reads;
   cfg.drain_timeout_ms = options.drain_timeout_ms;
+  cfg.task_timeout_ms = options.task_timeout_ms;
   // Versions start at wall-clock microseconds, so a put that no node recorded before a master
   // restart can never see its version handed out again by the new master.
   cfg.first_version = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
@@ -475,6 +542,7 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
   auto state = store::MasterState::Create(cfg);
   if (!state.ok()) return state.status().WithContext("master configuration");
   auto impl = std::make_unique<Impl>();
+  if (Status st = impl->faults.Parse(options.faults); !st.ok()) return st;
   impl->options = options;
   impl->state = std::move(state).value();
   auto server = store::StartServer(options.listen, impl.get(), "master", &impl->address);

@@ -1604,6 +1604,13 @@ Status MasterState::DemoteDone(const NodeIdentity& node, std::string_view key, u
   Impl::Node* n = m.FindNode(node, &st);
   if (!n) return st;
   Impl::Object* o = m.FindObject(key);
+  // Asked again after an answer was lost on the way: a move already applied answers OK again,
+  // or the node would drop the copy the master now lists.
+  if (ok && o && o->version == version) {
+    for (const Impl::Replica& r : o->replicas) {
+      if (r.node == n && r.replica_id == dest_replica_id) return Status::OK();
+    }
+  }
   const int idx = o && o->version == version ? Impl::ReplicaOn(*o, n) : -1;
   if (idx < 0 || o->replicas[idx].demote_id != dest_replica_id ||
       o->replicas[idx].demote_segment == nullptr) {

@@ -144,6 +144,10 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   Status StartSsd();
   static void OnEvict(void* user, const uint8_t* key, uint32_t key_len);
   void DemoteLoop();
+  // Reports a finished move and acts on the answer (drops the copy when it is not wanted).
+  // False when no answer came (the call failed on the way): the master may or may not have
+  // applied it, so the caller asks again later; DemoteDone is idempotent.
+  bool ReportMove(const rpc::Demotion& d, const rpc::DemoteDoneRequest& done, bool made);
   Status Demote(const rpc::Demotion& d);
   Status Promote(const rpc::Demotion& d);
   void DropSsdObject(const std::string& key, uint64_t replica_id);  // record + plugin object
@@ -640,12 +644,56 @@ Status StorageNode::Impl::Promote(const rpc::Demotion& d) {
   return Status::OK();
 }
 
+bool StorageNode::Impl::ReportMove(const rpc::Demotion& d, const rpc::DemoteDoneRequest& done,
+                                   bool made) {
+  rpc::Status reply;
+  auto ctx = Context();
+  grpc::Status gs = master->DemoteDone(ctx.get(), done, &reply);
+  if (!gs.ok()) {
+    KVB_LOG(WARN) << store::FromGrpc(gs, "DemoteDone").ToString() << " (move of "
+                  << d.source().key() << "; asking again)";
+    return false;
+  }
+  Status answer = store::FromProto(reply);
+  if (made && (answer.IsNotFound() || answer.IsStalePeer())) {
+    // Not wanted any more: drop the copy just made (an SSD object, or a DRAM record).
+    if (d.dest().segment_id() == kSsdSegment) {
+      DropSsdObject(d.source().key(), d.dest().replica_id());
+    } else {
+      std::lock_guard<std::mutex> l(mu);
+      auto it = inventory.find({d.dest().segment_id(), d.dest().offset()});
+      if (it != inventory.end() && it->second.replica_id() == d.dest().replica_id()) {
+        inventory.erase(it);
+      }
+    }
+  } else if (!answer.ok()) {
+    KVB_LOG(WARN) << "DemoteDone: " << answer.ToString();
+  }
+  return true;
+}
+
 void StorageNode::Impl::DemoteLoop() {
+  // Reports whose answer was lost, asked again in order from retry_at on (the wait doubling to
+  // 5 s while the master does not answer). Until answered, a copy made stays: if the master
+  // applied the move, it lists that copy.
+  struct Unanswered {
+    rpc::Demotion d;
+    rpc::DemoteDoneRequest done;
+    bool made = false;
+  };
+  std::deque<Unanswered> unanswered;
+  std::chrono::steady_clock::time_point retry_at;
+  uint32_t retry_ms = 0;
   std::unique_lock<std::mutex> lock(mu);
   for (;;) {
-    cv.wait(lock, [&] {
+    auto work = [&] {
       return stopping || !demotions.empty() || !evicted.empty() || !lost_ssd.empty();
-    });
+    };
+    if (unanswered.empty()) {
+      cv.wait(lock, work);
+    } else {
+      cv.wait_until(lock, retry_at, work);
+    }
     if (stopping) return;
     std::deque<std::string> gone;
     gone.swap(evicted);
@@ -698,24 +746,17 @@ void StorageNode::Impl::DemoteLoop() {
       done.set_version(d.source().version());
       done.set_dest_replica_id(d.dest().replica_id());
       store::ToProto(st, done.mutable_status());
-      rpc::Status reply;
-      auto ctx = Context();
-      grpc::Status gs = master->DemoteDone(ctx.get(), done, &reply);
-      Status answer = gs.ok() ? store::FromProto(reply) : store::FromGrpc(gs, "DemoteDone");
-      if (st.ok() && (answer.IsNotFound() || answer.IsStalePeer())) {
-        // Not wanted any more: drop the copy just made (an SSD object, or a DRAM record).
-        if (d.dest().segment_id() == kSsdSegment) {
-          DropSsdObject(d.source().key(), d.dest().replica_id());
-        } else {
-          std::lock_guard<std::mutex> l(mu);
-          auto it = inventory.find({d.dest().segment_id(), d.dest().offset()});
-          if (it != inventory.end() && it->second.replica_id() == d.dest().replica_id()) {
-            inventory.erase(it);
-          }
-        }
-      } else if (!answer.ok()) {
-        KVB_LOG(WARN) << "DemoteDone: " << answer.ToString();
+      if (!ReportMove(d, done, st.ok())) unanswered.push_back({d, done, st.ok()});
+    }
+    if (!unanswered.empty() && (retry_ms == 0 || std::chrono::steady_clock::now() >= retry_at)) {
+      // (retry_ms 0: the first failure, just now; wait before asking again.)
+      while (retry_ms != 0 && !unanswered.empty()) {
+        const Unanswered& u = unanswered.front();
+        if (!ReportMove(u.d, u.done, u.made)) break;
+        unanswered.pop_front();
       }
+      retry_ms = unanswered.empty() ? 0 : retry_ms == 0 ? 200 : std::min<uint32_t>(2 * retry_ms, 5000);
+      retry_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(retry_ms);
     }
     lock.lock();
     if (!batch.empty()) {

@@ -13,7 +13,10 @@
 #include <fstream>
 #include <numeric>
 #include <random>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
@@ -176,6 +179,24 @@ TEST(EmbeddedStore, InvalidOptionsAreNamedErrors) {
   StoreOptions so;
   so.replica_num = 0;
   EXPECT_EQ(StoreClient::Create(so).status().code(), StatusCode::kInvalidArgument);
+  // Fault-injection specs: an unknown fault or a missing or bad count is named.
+  for (const auto& [spec, named] : std::vector<std::pair<std::string, std::string>>{
+           {"demote_done_drop=1", "demote_done_drop"},
+           {"demote_done_lose_reply", "demote_done_lose_reply"},
+           {"demote_done_lose_reply=-1", "demote_done_lose_reply=-1"},
+           {"demote_done_lose_request=2,x=1", "'x'"}}) {
+    MasterOptions mo;
+    mo.listen = "127.0.0.1:0";
+    mo.faults = spec;
+    auto m = MasterServer::Start(mo);
+    ASSERT_FALSE(m.ok()) << spec;
+    EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument) << spec;
+    EXPECT_NE(m.status().message().find(named), std::string::npos) << m.status().ToString();
+  }
+  MasterOptions mo;
+  mo.listen = "127.0.0.1:0";
+  mo.faults = " demote_done_lose_request=0 ,";
+  EXPECT_TRUE(MasterServer::Start(mo).ok());
 }
 
 // A replica whose bytes changed under the reader (what a lapsed lease and reused space look

@@ -468,6 +468,42 @@ TEST_P(StoreTiers, NodeReportsTheSsdCopyItDropsAfterAFailedRead) {
   EXPECT_EQ(after.ssd_replicas, restarted.ssd_replicas - failed);
 }
 
+// DemoteDone answers lost on the way (the master's fault injection): four moves the master
+// never saw, then four it applied but whose answer was lost. The node asks again: the first
+// are applied then, the others answered OK again (not "no longer wanted", which would make
+// the node delete the only copy the master lists). Nothing is lost, and once every give-up
+// deadline has passed, the node holds exactly the copies the master lists (no orphan on SSD).
+TEST_P(StoreTiers, LostDemoteDoneAnswersLoseNothingAndLeaveNoOrphan) {
+  EmbeddedClusterOptions o = Options(1, 4u << 20, 32u << 20, 1);
+  o.master.faults = "demote_done_lose_request=4, demote_done_lose_reply=4";
+  o.master.task_timeout_ms = 1500;
+  auto cluster = Must(EmbeddedCluster::Start(o));
+  StoreClient& c = cluster->client();
+  Buffer src(16 * kObject), dst(16 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  ClusterStatus s = FillOneTieredNode(*cluster, c, src);
+  // The first 4 calls were refused and the next 4 passed the refusal, so more than 4 applied
+  // moves mean every injected fault fired.
+  ASSERT_GT(s.demotions_total, 4u);
+  ASSERT_EQ(s.evictions_total, 0u);
+  // Past every deadline (1.5 s, plus 1.5 s more for a range the master gave up) and the read
+  // leases (1 s), with heartbeats delivering the frees: the node's records match the master's.
+  size_t held = 0;
+  uint64_t listed = 0;
+  for (int i = 0; i < 60; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    s = Must(QueryClusterStatus(cluster->master_address()));
+    listed = s.nodes.at(0).replicas;
+    held = cluster->nodes()[0]->object_count();
+    if (i >= 35 && held == listed) break;
+  }
+  EXPECT_EQ(held, listed) << "the node keeps copies the master does not list (or lacks some)";
+  EXPECT_EQ(s.objects, 48u);
+  EXPECT_EQ(ReadBackOneByOne(c, dst), 48);
+  EXPECT_EQ(Must(QueryClusterStatus(cluster->master_address())).bad_replicas_total, 0u);
+}
+
 TEST_P(StoreTiers, MissingSsdDirectoryLeavesTheNodeServingDram) {
   if (GetParam().plugin == "mock") GTEST_SKIP() << "the mock keeps no files";
   EmbeddedClusterOptions o = Options(1, 8u << 20, 32u << 20, 1);

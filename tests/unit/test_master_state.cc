@@ -1802,6 +1802,45 @@ TEST(MasterTier, FailedLateOrUnwantedDemotionsReleaseTheSsdRange) {
   EXPECT_EQ(c.m().Stats().evictions_total, 0u);
 }
 
+// A node whose DemoteDone answer was lost asks again: a move already applied answers OK (the
+// node keeps the copy the master lists), every time, and changes nothing; a repeat for a move
+// that was not applied, or a failure report for an applied one, changes nothing either.
+TEST(MasterTier, RepeatedDemoteDoneForAnAppliedMoveAnswersOkAndChangesNothing) {
+  Cluster c;
+  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
+  for (int i = 0; i < 14; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
+  c.m().Tick(c.now);
+  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  ASSERT_GE(ds.size(), 2u);
+  ASSERT_TRUE(RunDemotion(c, n, ds[0]).ok());
+  const MasterStats before = c.m().Stats();
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(c.m().DemoteDone(n.id, ds[0].source.key, ds[0].source.version,
+                                 ds[0].dest.replica_id, true, c.now).ok());
+  }
+  const MasterStats after = c.m().Stats();
+  EXPECT_EQ(after.demotions_total, before.demotions_total) << "a repeat counted as a new move";
+  EXPECT_EQ(after.ssd_replicas, before.ssd_replicas);
+  EXPECT_EQ(after.nodes[0].ssd_used, before.nodes[0].ssd_used);
+  EXPECT_EQ(after.nodes[0].used, before.nodes[0].used);
+  // A failure report naming the applied move does not undo it.
+  c.m().DemoteDone(n.id, ds[0].source.key, ds[0].source.version, ds[0].dest.replica_id, false,
+                   c.now);
+  auto g = c.m().GetReplicas({ds[0].source.key}, "", c.now);
+  ASSERT_TRUE(g[0].ok());
+  EXPECT_EQ(g[0]->replicas[0].tier, Tier::kSsd);
+  EXPECT_EQ(g[0]->replicas[0].offset, ds[0].dest.offset);
+  // The source replica id is not the applied move: NOT_FOUND, as for any move not wanted.
+  EXPECT_EQ(c.m().DemoteDone(n.id, ds[0].source.key, ds[0].source.version,
+                             ds[0].source.replica_id, true, c.now)
+                .code(),
+            StatusCode::kNotFound);
+  // Another object's pending move is untouched by all this and still applies once.
+  EXPECT_TRUE(RunDemotion(c, n, ds[1]).ok());
+  EXPECT_EQ(c.m().Stats().demotions_total, before.demotions_total + 1);
+  ExpectConsistent(c);
+}
+
 TEST(MasterTier, SsdReplicaReadTwiceIsPromotedBackToDramWhenThereIsRoom) {
   Cluster c;
   FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);

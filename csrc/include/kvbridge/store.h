@@ -179,6 +179,16 @@ struct MasterOptions {
   uint32_t drain_timeout_ms = 30000;
   // Deadline of the master's calls to nodes (inventory commits). KVBRIDGE_RPC_TIMEOUT_MS.
   uint32_t rpc_timeout_ms = 3000;
+  // A re-replication task or a DRAM<->SSD move not reported done within this is given up and
+  // its target range freed (a move's node drops a copy reported late). KVBRIDGE_TASK_TIMEOUT_MS.
+  uint32_t task_timeout_ms = 10000;
+  // Fault injection for tests; empty in production. A comma-separated list of name=count:
+  //   demote_done_lose_request  the next `count` DemoteDone calls are answered UNAVAILABLE
+  //                             without being applied (a request lost on the way);
+  //   demote_done_lose_reply    the next `count` are applied, then answered UNAVAILABLE (a
+  //                             reply lost on the way).
+  // An unknown name or a bad count makes Start fail naming it. KVBRIDGE_MASTER_FAULTS.
+  std::string faults;
   static MasterOptions FromEnv();
 };
 
