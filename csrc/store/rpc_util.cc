@@ -1,5 +1,6 @@
 #include "store/rpc_util.h"
 
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cstdlib>
@@ -8,7 +9,6 @@
 #include <string>
 
 #include "kvbridge.grpc.pb.h"
-
 #include "util/logging.h"
 
 namespace kvbridge::store {
@@ -49,14 +49,59 @@ Result<std::string> DescribeNode(const std::string& rpc_address, const rpc::Node
   return reply.engine_descriptor();
 }
 
+uint64_t DescribeBackoff::WaitMs(const rpc::NodeIdentity& node) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = nodes_.find(node.node_id());
+  if (it == nodes_.end() || it->second.incarnation != node.incarnation()) return 0;
+  const auto now = std::chrono::steady_clock::now();
+  if (now >= it->second.retry_at) return 0;
+  return static_cast<uint64_t>(
+      std::chrono::ceil<std::chrono::milliseconds>(it->second.retry_at - now).count());
+}
+
+uint32_t DescribeBackoff::Failed(const rpc::NodeIdentity& node) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& e = nodes_[node.node_id()];
+  e.backoff_ms = e.incarnation == node.incarnation() && e.backoff_ms != 0
+                     ? std::min(2 * e.backoff_ms, kMaxMs)
+                     : kFirstMs;
+  e.incarnation = node.incarnation();
+  e.retry_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(e.backoff_ms);
+  return e.backoff_ms;
+}
+
+void DescribeBackoff::Succeeded(const rpc::NodeIdentity& node) {
+  std::lock_guard<std::mutex> lock(mu_);
+  nodes_.erase(node.node_id());
+}
+
+Result<std::string> DescribeNode(DescribeBackoff& backoff, const std::string& rpc_address,
+                                 const rpc::NodeIdentity& expect, uint32_t timeout_ms) {
+  if (const uint64_t wait = backoff.WaitMs(expect); wait != 0) {
+    return Status::PeerUnreachable("node " + expect.node_id() +
+                                   " did not answer Describe recently; not asked again for " +
+                                   std::to_string(wait) + " ms");
+  }
+  Result<std::string> d = DescribeNode(rpc_address, expect, timeout_ms);
+  if (d.ok()) {
+    backoff.Succeeded(expect);
+  } else {
+    const uint32_t ms = backoff.Failed(expect);
+    KVB_LOG(WARN) << "cannot reach storage node " << expect.node_id()
+                  << " directly: " << d.status().ToString() << "; not asked again for " << ms
+                  << " ms";
+  }
+  return d;
+}
+
 Status FromGrpc(const grpc::Status& s, std::string_view call) {
   const std::string what = std::string(call) + ": ";
-  if (s.ok()) return Status::Protocol(what + "malformed reply from the master");
+  if (s.ok()) return Status::Protocol(what + "malformed reply");
   switch (s.error_code()) {
     case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return Status::DeadlineExceeded(what + "the master did not answer in time");
+      return Status::DeadlineExceeded(what + "no answer in time");
     case grpc::StatusCode::UNAVAILABLE:
-      return Status::PeerUnreachable(what + "master unreachable: " + s.error_message());
+      return Status::PeerUnreachable(what + "unreachable: " + s.error_message());
     case grpc::StatusCode::INVALID_ARGUMENT:
       return Status::InvalidArgument(what + s.error_message());
     case grpc::StatusCode::UNIMPLEMENTED:

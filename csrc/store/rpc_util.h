@@ -4,10 +4,13 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 
 #include "kvbridge.pb.h"
 #include "kvbridge/status.h"
@@ -36,6 +39,34 @@ Result<std::unique_ptr<grpc::Server>> StartServer(const std::string& listen, grp
 // restarted). Channels are cached per address.
 Result<std::string> DescribeNode(const std::string& rpc_address, const rpc::NodeIdentity& expect,
                                  uint32_t timeout_ms);
+
+// Direct discovery: nodes whose Describe failed (frozen, partitioned, another incarnation
+// answering) are not asked again until a backoff has passed (1 s, doubling per failure of the
+// same incarnation up to 16 s; forgotten on success), so one bad node costs one Describe
+// timeout per backoff period instead of one per request. Thread-safe.
+class DescribeBackoff {
+ public:
+  static constexpr uint32_t kFirstMs = 1000, kMaxMs = 16000;
+  // Milliseconds left before `node` (this incarnation) may be asked again; 0: ask now.
+  uint64_t WaitMs(const rpc::NodeIdentity& node) const;
+  // Records a failed Describe; returns the backoff now in force (ms).
+  uint32_t Failed(const rpc::NodeIdentity& node);
+  void Succeeded(const rpc::NodeIdentity& node);
+
+ private:
+  struct Entry {
+    uint64_t incarnation = 0;
+    std::chrono::steady_clock::time_point retry_at;
+    uint32_t backoff_ms = 0;
+  };
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, Entry> nodes_;
+};
+
+// DescribeNode behind `backoff`: while the node is backing off, PEER_UNREACHABLE at once
+// (naming the wait left) without a call.
+Result<std::string> DescribeNode(DescribeBackoff& backoff, const std::string& rpc_address,
+                                 const rpc::NodeIdentity& expect, uint32_t timeout_ms);
 
 // "master" (descriptors from the master's directory and tasks) or "direct" (from each node's
 // own Node service); INVALID_ARGUMENT naming the value otherwise.

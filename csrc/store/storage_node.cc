@@ -82,6 +82,7 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   std::unique_ptr<rpc::Master::Stub> master;
   std::unique_ptr<rpc::Master::Stub> heartbeat_master;
   uint32_t heartbeat_interval_ms = 1000;
+  store::DescribeBackoff describe_backoff;  // direct discovery of task destinations
 
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -347,17 +348,27 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
   std::vector<size_t> task_of_op;
   std::vector<std::string> dest_ids(batch.size());
   uint32_t deadline_ms = UINT32_MAX;
+  // Direct discovery: one Describe per destination and batch (the answer, or the failure, is
+  // reused for its other tasks), and none while that destination is backing off.
+  std::map<std::pair<std::string, uint64_t>, Result<std::string>> described;
   for (size_t i = 0; i < batch.size(); ++i) {
     const rpc::ReplicationTask& task = batch[i];
     std::string descriptor = task.dest_descriptor();
     if (options.peer_discovery == "direct") {
-      Result<std::string> d = store::DescribeNode(task.dest_rpc_address(), task.dest().node(),
-                                                  options.rpc_timeout_ms);
-      if (!d.ok()) {
-        result[i] = d.status().WithContext("asking the destination for its descriptor");
+      const rpc::NodeIdentity& dn = task.dest().node();
+      auto d = described.find({dn.node_id(), dn.incarnation()});
+      if (d == described.end()) {
+        d = described
+                .emplace(std::pair{dn.node_id(), dn.incarnation()},
+                         store::DescribeNode(describe_backoff, task.dest_rpc_address(), dn,
+                                             options.rpc_timeout_ms))
+                .first;
+      }
+      if (!d->second.ok()) {
+        result[i] = d->second.status().WithContext("asking the destination for its descriptor");
         continue;
       }
-      descriptor = std::move(d).value();
+      descriptor = d->second.value();
     }
     Result<PeerId> dest = engine->AddPeer(descriptor);
     if (!dest.ok()) {

@@ -88,17 +88,9 @@ struct StoreClient::Impl {
   std::unordered_map<std::string, uint64_t> peers;  // node id -> incarnation added to engine
   std::unordered_map<std::string, std::string> node_rpc;  // node id -> its Node service
   std::unordered_map<std::string, std::unique_ptr<rpc::Node::Stub>> node_stubs;  // by address
-  // Direct discovery: nodes whose Describe failed (frozen, unreachable, another incarnation
-  // answering) are not asked again until retry_at, with the wait doubling per failure, so one
-  // bad node costs one Describe timeout per backoff period instead of one per get. Their keys
-  // go to other replicas meanwhile. Under peers_mu.
-  struct Unreachable {
-    uint64_t incarnation = 0;
-    std::chrono::steady_clock::time_point retry_at;
-    uint32_t backoff_ms = 0;
-  };
-  std::unordered_map<std::string, Unreachable> unreachable;
-  static constexpr uint32_t kDescribeBackoffMs = 1000, kDescribeMaxBackoffMs = 16000;
+  // Direct discovery: a node whose Describe failed is not asked again for a while; its keys
+  // go to other replicas meanwhile.
+  store::DescribeBackoff describe_backoff;
   SegmentId staging_segment = 0;
 
   struct Registered {
@@ -171,16 +163,15 @@ struct StoreClient::Impl {
 
 Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint64_t>>& nodes) {
   rpc::NodeDescriptorsRequest req;
-  const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(peers_mu);
     for (const auto& [id, inc] : nodes) {
       auto it = peers.find(id);
       if (it != peers.end() && it->second == inc) continue;
-      auto u = unreachable.find(id);
-      if (u != unreachable.end() && u->second.incarnation == inc && now < u->second.retry_at) {
-        continue;  // failed recently: its keys use other replicas until retry_at
-      }
+      rpc::NodeIdentity node;
+      node.set_node_id(id);
+      node.set_incarnation(inc);
+      if (describe_backoff.WaitMs(node) != 0) continue;  // its keys use other replicas
       req.add_node_ids(id);
     }
   }
@@ -192,29 +183,9 @@ Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint
   for (const auto& nd : reply.nodes()) {
     std::string descriptor = nd.engine_descriptor();
     if (options.peer_discovery == "direct") {
-      Result<std::string> d = store::DescribeNode(nd.rpc_address(), nd.node(),
+      Result<std::string> d = store::DescribeNode(describe_backoff, nd.rpc_address(), nd.node(),
                                                   options.rpc_timeout_ms);
-      if (!d.ok()) {
-        uint32_t backoff;
-        {
-          std::lock_guard<std::mutex> lock(peers_mu);
-          Unreachable& u = unreachable[nd.node().node_id()];
-          u.backoff_ms = u.incarnation == nd.node().incarnation() && u.backoff_ms != 0
-                             ? std::min(2 * u.backoff_ms, kDescribeMaxBackoffMs)
-                             : kDescribeBackoffMs;
-          u.incarnation = nd.node().incarnation();
-          u.retry_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(u.backoff_ms);
-          backoff = u.backoff_ms;
-        }
-        KVB_LOG(WARN) << "cannot reach storage node " << nd.node().node_id()
-                      << " directly: " << d.status().ToString() << "; its replicas are skipped for "
-                      << backoff << " ms";
-        continue;
-      }
-      {
-        std::lock_guard<std::mutex> lock(peers_mu);
-        unreachable.erase(nd.node().node_id());
-      }
+      if (!d.ok()) continue;  // logged; skipped until the backoff passes
       descriptor = std::move(d).value();
     }
     Result<PeerId> added = engine->AddPeer(descriptor);
