@@ -114,12 +114,14 @@ struct Faults {
     for (const std::string& item : SplitFaults(spec)) {
       const size_t eq = item.find('=');
       const std::string name = item.substr(0, eq);
-      std::atomic<uint32_t>* counter = name == "demote_done_lose_request" ? &demote_done_lose_request
+      std::atomic<uint32_t>* counter = name == "demote_done_lose_request"
+                                           ? &demote_done_lose_request
                                        : name == "demote_done_lose_reply" ? &demote_done_lose_reply
                                                                           : nullptr;
       if (counter == nullptr) {
-        return Status::InvalidArgument("MasterOptions::faults: unknown fault '" + name +
-                                       "' (known: demote_done_lose_request, demote_done_lose_reply)");
+        return Status::InvalidArgument(
+            "MasterOptions::faults: unknown fault '" + name +
+            "' (known: demote_done_lose_request, demote_done_lose_reply)");
       }
       const std::string count = eq == std::string::npos ? "" : item.substr(eq + 1);
       char* end = nullptr;
@@ -333,9 +335,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       KVB_LOG(WARN) << "demotion of a replica on " << req->node().node_id()
                     << " failed: " << FromProto(req->status()).ToString();
     }
-    grpc::Status answer = Done(state->DemoteDone(FromProto(req->node()), req->key(),
-                                                 req->version(), req->dest_replica_id(), ok,
-                                                 util::MonoNs()),
+    grpc::Status answer = Done(state->DemoteDone(FromProto(req->node()), req->key(), req->version(),
+                                                 req->dest_replica_id(), ok, util::MonoNs()),
                                reply);
     if (faults.Take(&faults.demote_done_lose_reply)) {
       return {grpc::StatusCode::UNAVAILABLE, "fault injection: DemoteDone reply lost"};

@@ -766,7 +766,9 @@ void StorageNode::Impl::DemoteLoop() {
         if (!ReportMove(u.d, u.done, u.made)) break;
         unanswered.pop_front();
       }
-      retry_ms = unanswered.empty() ? 0 : retry_ms == 0 ? 200 : std::min<uint32_t>(2 * retry_ms, 5000);
+      retry_ms = unanswered.empty() ? 0
+                 : retry_ms == 0    ? 200
+                                    : std::min<uint32_t>(2 * retry_ms, 5000);
       retry_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(retry_ms);
     }
     lock.lock();

@@ -1,7 +1,6 @@
 // The store in one process (EmbeddedCluster), plus the daemons' operator surface: eviction
 // under pressure, drain through the API, `kvbridge status`, config files, garbage on the
 // master's port.
-#include <cstring>
 #include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -10,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <numeric>
 #include <random>

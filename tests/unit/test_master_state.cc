@@ -1815,8 +1815,10 @@ TEST(MasterTier, RepeatedDemoteDoneForAnAppliedMoveAnswersOkAndChangesNothing) {
   ASSERT_TRUE(RunDemotion(c, n, ds[0]).ok());
   const MasterStats before = c.m().Stats();
   for (int i = 0; i < 3; ++i) {
-    EXPECT_TRUE(c.m().DemoteDone(n.id, ds[0].source.key, ds[0].source.version,
-                                 ds[0].dest.replica_id, true, c.now).ok());
+    EXPECT_TRUE(c.m()
+                    .DemoteDone(n.id, ds[0].source.key, ds[0].source.version, ds[0].dest.replica_id,
+                                true, c.now)
+                    .ok());
   }
   const MasterStats after = c.m().Stats();
   EXPECT_EQ(after.demotions_total, before.demotions_total) << "a repeat counted as a new move";
@@ -1831,8 +1833,9 @@ TEST(MasterTier, RepeatedDemoteDoneForAnAppliedMoveAnswersOkAndChangesNothing) {
   EXPECT_EQ(g[0]->replicas[0].tier, Tier::kSsd);
   EXPECT_EQ(g[0]->replicas[0].offset, ds[0].dest.offset);
   // The source replica id is not the applied move: NOT_FOUND, as for any move not wanted.
-  EXPECT_EQ(c.m().DemoteDone(n.id, ds[0].source.key, ds[0].source.version,
-                             ds[0].source.replica_id, true, c.now)
+  EXPECT_EQ(c.m()
+                .DemoteDone(n.id, ds[0].source.key, ds[0].source.version, ds[0].source.replica_id,
+                            true, c.now)
                 .code(),
             StatusCode::kNotFound);
   // Another object's pending move is untouched by all this and still applies once.
