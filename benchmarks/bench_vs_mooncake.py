@@ -265,19 +265,47 @@ def bench_raw(sizes: list[int], batch: int, seconds: float) -> list[dict]:
                     t = time.perf_counter()
                     once()
                     lat.append(time.perf_counter() - t)
-                total = time.perf_counter() - t0
-                rows.append({"system": "raw_socket", "op": op, "block_bytes": size,
-                             "batch": batch, "gbps": round(n * len(lat) / total / 1e9, 3),
-                             "p50_ms": round(percentile(lat, 0.5) * 1e3, 3),
-                             "p99_ms": round(percentile(lat, 0.99) * 1e3, 3),
-                             "batches": len(lat), "failed": 0})
-                print(f"  {'raw':8s} {op:5s} {size >> 10:5d} KiB: {rows[-1]['gbps']:7.3f} GB/s "
-                      f"p50 {rows[-1]['p50_ms']:.3f} ms p99 {rows[-1]['p99_ms']:.3f} ms",
-                      file=sys.stderr)
+                rows.append(phase_row("raw_socket", op, size, batch, lat,
+                                      time.perf_counter() - t0, 0))
     finally:
         sock.close()
         server.wait(timeout=10)
     return rows
+
+
+def phase_row(system: str, op: str, size: int, batch: int, lat: list[float], total: float,
+              failed: int) -> dict:
+    """One measured phase; `_lat` and `_total` let merge_rounds pool phases of several rounds."""
+    r = {"system": system, "op": op, "block_bytes": size, "batch": batch,
+         "gbps": round(size * batch * len(lat) / total / 1e9, 3) if total else 0.0,
+         "p50_ms": round(percentile(lat, 0.5) * 1e3, 3),
+         "p99_ms": round(percentile(lat, 0.99) * 1e3, 3),
+         "batches": len(lat), "failed": failed, "_lat": lat, "_total": total}
+    print(f"  {system[:8]:8s} {op:5s} {size >> 10:5d} KiB: {r['gbps']:7.3f} GB/s "
+          f"p50 {r['p50_ms']:.3f} ms p99 {r['p99_ms']:.3f} ms", file=sys.stderr)
+    return r
+
+
+def merge_rounds(rows: list[dict]) -> list[dict]:
+    """Pools the phases of one (system, op, block) over the rounds: GB/s over the summed time,
+    percentiles over every batch."""
+    merged: dict[tuple, dict] = {}
+    for r in rows:
+        m = merged.setdefault((r["system"], r["op"], r["block_bytes"]),
+                              {**r, "_lat": [], "_total": 0.0, "failed": 0, "rounds": 0})
+        m["_lat"] = m["_lat"] + r["_lat"]
+        m["_total"] += r["_total"]
+        m["failed"] += r["failed"]
+        m["rounds"] += 1
+    out = []
+    for m in merged.values():
+        lat, total = m.pop("_lat"), m.pop("_total")
+        m.update(gbps=round(m["block_bytes"] * m["batch"] * len(lat) / total / 1e9, 3)
+                 if total else 0.0,
+                 p50_ms=round(percentile(lat, 0.5) * 1e3, 3),
+                 p99_ms=round(percentile(lat, 0.99) * 1e3, 3), batches=len(lat))
+        out.append(m)
+    return out
 
 
 def percentile(v: list[float], q: float) -> float:
@@ -315,15 +343,8 @@ def bench_transfer(impl: str, sizes: list[int], batch: int, seconds: float) -> l
                     t = time.perf_counter()
                     failed += fn(session, locs, rems, lens) != 0
                     lat.append(time.perf_counter() - t)
-                total = time.perf_counter() - t0
-                rows.append({"system": impl, "op": op, "block_bytes": size, "batch": batch,
-                             "gbps": round(size * batch * len(lat) / total / 1e9, 3),
-                             "p50_ms": round(percentile(lat, 0.5) * 1e3, 3),
-                             "p99_ms": round(percentile(lat, 0.99) * 1e3, 3),
-                             "batches": len(lat), "failed": failed})
-                print(f"  {impl:8s} {op:5s} {size >> 10:5d} KiB: {rows[-1]['gbps']:7.3f} GB/s "
-                      f"p50 {rows[-1]['p50_ms']:.3f} ms p99 {rows[-1]['p99_ms']:.3f} ms",
-                      file=sys.stderr)
+                rows.append(phase_row(impl, op, size, batch, lat, time.perf_counter() - t0,
+                                      failed))
     finally:
         server.stdin.close()
         server.wait(timeout=10)
@@ -339,6 +360,10 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--segment-mib", type=int, default=1024,
                     help="bytes each storage process contributes (MiB)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="transfer part: alternate the systems this many times, each phase "
+                    "getting seconds/rounds, and pool the rounds (default 3, --quick 1), so "
+                    "that load drifting on the machine weighs on every system alike")
     ap.add_argument("--only", choices=("transfer", "store"),
                     help="run one part only (the headline needs the store part)")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
@@ -370,11 +395,14 @@ def main() -> int:
         return 1
     print("transfer: batch_transfer_sync_write/read, two processes, loopback TCP",
           file=sys.stderr)
-    rows = []
-    for impl in ("kvbridge", "mooncake"):
-        if args.only != "store":
-            rows += bench_transfer(impl, sizes, args.batch, seconds)
-    raw_rows = bench_raw(sizes, args.batch, seconds) if args.only != "store" else []
+    rounds = max(1, args.rounds or (1 if args.quick else 3))
+    rows, raw_rows = [], []
+    for rnd in range(rounds if args.only != "store" else 0):
+        print(f" round {rnd + 1} of {rounds}", file=sys.stderr)
+        for impl in ("kvbridge", "mooncake"):
+            rows += bench_transfer(impl, sizes, args.batch, seconds / rounds)
+        raw_rows += bench_raw(sizes, args.batch, seconds / rounds)
+    rows, raw_rows = merge_rounds(rows), merge_rounds(raw_rows)
     ratios = []
     for r in rows:
         if r["system"] != "kvbridge":
@@ -408,6 +436,7 @@ def main() -> int:
                         "p99_ratio": round(r["p99_ms"] / m["p99_ms"], 3) if m["p99_ms"] else None})
     head = [x["ratio"] for x in sratios if x["op"] == "batch_get_into" and x["ratio"]]
     out = {"benchmark": "vs-mooncake", "quick": args.quick, "seconds": seconds,
+           "transfer_rounds": rounds,
            "transfer": {"rows": rows, "raw_socket_rows": raw_rows,
                         "raw_socket_baseline": "each batch as one request of block x batch "
                         "bytes on one plain TCP connection, Python sendall/recv_into",
