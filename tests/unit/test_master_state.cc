@@ -292,6 +292,16 @@ std::vector<Demotion> HeartbeatDemotions(Cluster& c, FakeNode& n) {
   return cmds->demotions;
 }
 
+// A tiered node n0 (64 KiB DRAM, 256 KiB SSD) given 14 objects of 4 KiB, past its demote
+// watermark; returns the demotions its next heartbeat hands out.
+std::vector<Demotion> FillTieredNode(Cluster& c, FakeNode** node) {
+  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
+  for (int i = 0; i < 14; ++i) EXPECT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
+  c.m().Tick(c.now);
+  *node = &n;
+  return HeartbeatDemotions(c, n);
+}
+
 // Runs a demotion as a node does: record the SSD copy, report it; drops the copy on NOT_FOUND.
 Status RunDemotion(Cluster& c, FakeNode& n, const Demotion& d, bool ok = true) {
   if (ok) n.records[{d.dest.segment_id, d.dest.offset}] = d.dest;
@@ -1736,10 +1746,9 @@ TEST(MasterTier, DramAboveTheDemoteWatermarkMovesToSsdAndDramIsFreedAfterTheLeas
 
 TEST(MasterTier, LeasesProtectSsdReplicasLikeDramOnes) {
   Cluster c;
-  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
-  for (int i = 0; i < 14; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
-  c.m().Tick(c.now);
-  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  FakeNode* node = nullptr;
+  std::vector<Demotion> ds = FillTieredNode(c, &node);
+  FakeNode& n = *node;
   ASSERT_FALSE(ds.empty());
   for (const Demotion& d : ds) ASSERT_TRUE(RunDemotion(c, n, d).ok());
   const Demotion& d = ds[0];
@@ -1765,10 +1774,9 @@ TEST(MasterTier, LeasesProtectSsdReplicasLikeDramOnes) {
 
 TEST(MasterTier, FailedLateOrUnwantedDemotionsReleaseTheSsdRange) {
   Cluster c;
-  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
-  for (int i = 0; i < 14; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
-  c.m().Tick(c.now);
-  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  FakeNode* node = nullptr;
+  std::vector<Demotion> ds = FillTieredNode(c, &node);
+  FakeNode& n = *node;
   ASSERT_GE(ds.size(), 3u);
   // 1. The node could not write: the replica stays in DRAM, the SSD range is released.
   ASSERT_TRUE(RunDemotion(c, n, ds[0], /*ok=*/false).ok());
@@ -1807,10 +1815,9 @@ TEST(MasterTier, FailedLateOrUnwantedDemotionsReleaseTheSsdRange) {
 // that was not applied, or a failure report for an applied one, changes nothing either.
 TEST(MasterTier, RepeatedDemoteDoneForAnAppliedMoveAnswersOkAndChangesNothing) {
   Cluster c;
-  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
-  for (int i = 0; i < 14; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
-  c.m().Tick(c.now);
-  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  FakeNode* node = nullptr;
+  std::vector<Demotion> ds = FillTieredNode(c, &node);
+  FakeNode& n = *node;
   ASSERT_GE(ds.size(), 2u);
   ASSERT_TRUE(RunDemotion(c, n, ds[0]).ok());
   const MasterStats before = c.m().Stats();
@@ -1825,9 +1832,11 @@ TEST(MasterTier, RepeatedDemoteDoneForAnAppliedMoveAnswersOkAndChangesNothing) {
   EXPECT_EQ(after.ssd_replicas, before.ssd_replicas);
   EXPECT_EQ(after.nodes[0].ssd_used, before.nodes[0].ssd_used);
   EXPECT_EQ(after.nodes[0].used, before.nodes[0].used);
-  // A failure report naming the applied move does not undo it.
-  c.m().DemoteDone(n.id, ds[0].source.key, ds[0].source.version, ds[0].dest.replica_id, false,
-                   c.now);
+  // A failure report naming the applied move does not undo it (NOT_FOUND: no move pending).
+  EXPECT_EQ(c.m().DemoteDone(n.id, ds[0].source.key, ds[0].source.version,
+                             ds[0].dest.replica_id, false, c.now)
+                .code(),
+            StatusCode::kNotFound);
   auto g = c.m().GetReplicas({ds[0].source.key}, "", c.now);
   ASSERT_TRUE(g[0].ok());
   EXPECT_EQ(g[0]->replicas[0].tier, Tier::kSsd);
@@ -1918,10 +1927,9 @@ TEST(MasterTier, CancelledPromotionHoldsItsDramRangeUntilItsDeadline) {
 
 TEST(MasterTier, BadReplicaReportForACopyThatMovedDropsNothing) {
   Cluster c;
-  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
-  for (int i = 0; i < 14; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
-  c.m().Tick(c.now);
-  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  FakeNode* node = nullptr;
+  std::vector<Demotion> ds = FillTieredNode(c, &node);
+  FakeNode& n = *node;
   ASSERT_FALSE(ds.empty());
   ASSERT_TRUE(RunDemotion(c, n, ds[0]).ok());  // now on SSD
   const Demotion& d = ds[0];
@@ -1939,10 +1947,9 @@ TEST(MasterTier, BadReplicaReportForACopyThatMovedDropsNothing) {
 
 TEST(MasterTier, SizeQueriesGrantNoLeaseAndPromoteNothing) {
   Cluster c;
-  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
-  for (int i = 0; i < 14; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
-  c.m().Tick(c.now);
-  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  FakeNode* node = nullptr;
+  std::vector<Demotion> ds = FillTieredNode(c, &node);
+  FakeNode& n = *node;
   ASSERT_FALSE(ds.empty());
   ASSERT_TRUE(RunDemotion(c, n, ds[0]).ok());
   for (int i = 6; i < 14; ++i) ASSERT_TRUE(c.m().Remove("k" + std::to_string(i), c.now).ok());
@@ -1962,10 +1969,9 @@ TEST(MasterTier, SizeQueriesGrantNoLeaseAndPromoteNothing) {
 
 TEST(MasterTier, FailedDemotionsBackOffThatNode) {
   Cluster c;
-  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
-  for (int i = 0; i < 14; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
-  c.m().Tick(c.now);
-  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  FakeNode* node = nullptr;
+  std::vector<Demotion> ds = FillTieredNode(c, &node);
+  FakeNode& n = *node;
   ASSERT_FALSE(ds.empty());
   for (const Demotion& d : ds) ASSERT_TRUE(RunDemotion(c, n, d, /*ok=*/false).ok());
   // A failing SSD (disk full) is not hammered: nothing new until repair_backoff_ms passed.
@@ -2002,10 +2008,9 @@ TEST(MasterTier, FullSsdEvictsItsColdestToTakeDemotions) {
 
 TEST(MasterTier, RestartedNodeBringsItsSsdObjectsBack) {
   Cluster c;
-  FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
-  for (int i = 0; i < 14; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB).ok());
-  c.m().Tick(c.now);
-  std::vector<Demotion> ds = HeartbeatDemotions(c, n);
+  FakeNode* node = nullptr;
+  std::vector<Demotion> ds = FillTieredNode(c, &node);
+  FakeNode& n = *node;
   for (const Demotion& d : ds) ASSERT_TRUE(RunDemotion(c, n, d).ok());
   // The process restarts: DRAM records are lost, SSD records come back from the SSD.
   std::vector<InventoryRecord> ssd;
