@@ -1833,8 +1833,9 @@ TEST(MasterTier, RepeatedDemoteDoneForAnAppliedMoveAnswersOkAndChangesNothing) {
   EXPECT_EQ(after.nodes[0].ssd_used, before.nodes[0].ssd_used);
   EXPECT_EQ(after.nodes[0].used, before.nodes[0].used);
   // A failure report naming the applied move does not undo it (NOT_FOUND: no move pending).
-  EXPECT_EQ(c.m().DemoteDone(n.id, ds[0].source.key, ds[0].source.version,
-                             ds[0].dest.replica_id, false, c.now)
+  EXPECT_EQ(c.m()
+                .DemoteDone(n.id, ds[0].source.key, ds[0].source.version, ds[0].dest.replica_id,
+                            false, c.now)
                 .code(),
             StatusCode::kNotFound);
   auto g = c.m().GetReplicas({ds[0].source.key}, "", c.now);
