@@ -1602,6 +1602,11 @@ Status MasterState::DemoteDone(const NodeIdentity& node, std::string_view key, u
   std::lock_guard<std::mutex> lock(m.mu);
   Status st;
   Impl::Node* n = m.FindNode(node, &st);
+  if (!n && st.IsNotFound()) {
+    // Not NOT_FOUND, which tells the node to drop its copy: after a master restart the node's
+    // registration (with that copy in its inventory) may be on its way.
+    return Status::Unavailable(st.message() + "; report the move again once registered");
+  }
   if (!n) return st;
   Impl::Object* o = m.FindObject(key);
   // Asked again after an answer was lost on the way: a move already applied answers OK again,

@@ -485,7 +485,8 @@ class MasterState {
   // node's moves pause for repair_backoff_ms. NOT_FOUND: the move is no longer wanted (the
   // object or replica changed, or it timed out): the node must drop its copy. Idempotent: a
   // node that lost the answer asks again, and a move already applied answers OK again.
-  // STALE_PEER as Heartbeat.
+  // UNAVAILABLE from a node the master does not know (it restarted): the node asks again after
+  // registering. STALE_PEER as Heartbeat.
   Status DemoteDone(const NodeIdentity& node, std::string_view key, uint64_t version,
                     uint64_t dest_replica_id, bool ok, uint64_t now_ns);
 

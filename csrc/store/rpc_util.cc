@@ -38,7 +38,7 @@ Result<std::string> DescribeNode(const std::string& rpc_address, const rpc::Node
   rpc::Empty req;
   rpc::NodeDescriptor reply;
   grpc::Status gs = stub->Describe(&ctx, req, &reply);
-  if (!gs.ok()) return FromGrpc(gs, "Describe");
+  if (!gs.ok()) return FromGrpc(gs, "Describe", "node");
   if (reply.node().node_id() != expect.node_id() ||
       reply.node().incarnation() != expect.incarnation()) {
     return Status::StalePeer(rpc_address + " is " + reply.node().node_id() + " incarnation " +
@@ -94,14 +94,16 @@ Result<std::string> DescribeNode(DescribeBackoff& backoff, const std::string& rp
   return d;
 }
 
-Status FromGrpc(const grpc::Status& s, std::string_view call) {
+Status FromGrpc(const grpc::Status& s, std::string_view call, std::string_view peer) {
   const std::string what = std::string(call) + ": ";
-  if (s.ok()) return Status::Protocol(what + "malformed reply");
+  if (s.ok()) return Status::Protocol(what + "malformed reply from the " + std::string(peer));
   switch (s.error_code()) {
     case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return Status::DeadlineExceeded(what + "no answer in time");
+      return Status::DeadlineExceeded(what + "the " + std::string(peer) +
+                                      " did not answer in time");
     case grpc::StatusCode::UNAVAILABLE:
-      return Status::PeerUnreachable(what + "unreachable: " + s.error_message());
+      return Status::PeerUnreachable(what + std::string(peer) +
+                                     " unreachable: " + s.error_message());
     case grpc::StatusCode::INVALID_ARGUMENT:
       return Status::InvalidArgument(what + s.error_message());
     case grpc::StatusCode::UNIMPLEMENTED:

@@ -666,6 +666,12 @@ bool StorageNode::Impl::ReportMove(const rpc::Demotion& d, const rpc::DemoteDone
     return false;
   }
   Status answer = store::FromProto(reply);
+  if (answer.Is(StatusCode::kUnavailable)) {
+    // The master does not know this node (it restarted; the heartbeat registers us again).
+    KVB_LOG(INFO) << "DemoteDone: " << answer.ToString() << " (move of " << d.source().key()
+                  << "; asking again)";
+    return false;
+  }
   if (made && (answer.IsNotFound() || answer.IsStalePeer())) {
     // Not wanted any more: drop the copy just made (an SSD object, or a DRAM record).
     if (d.dest().segment_id() == kSsdSegment) {

@@ -260,7 +260,7 @@ Status StoreClient::Impl::ReadFromSsd(const rpc::ReplicaLocation& loc, const std
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(options.rpc_timeout_ms + options.transfer_deadline_ms));
   grpc::Status gs = stub->ReadSsd(&ctx, req, &reply);
-  if (!gs.ok()) return store::FromGrpc(gs, "ReadSsd");
+  if (!gs.ok()) return store::FromGrpc(gs, "ReadSsd", "node");
   return FromProto(reply.status());
 }
 

@@ -1854,6 +1854,29 @@ TEST(MasterTier, RepeatedDemoteDoneForAnAppliedMoveAnswersOkAndChangesNothing) {
   ExpectConsistent(c);
 }
 
+// After a master restart a node may report a move before its registration is in: the answer
+// is UNAVAILABLE (ask again), never NOT_FOUND, which would make it drop a copy its
+// registration is about to list.
+TEST(MasterTier, DemoteDoneFromANodeTheMasterDoesNotKnowIsAnsweredUnavailable) {
+  Cluster c;
+  FakeNode* node = nullptr;
+  std::vector<Demotion> ds = FillTieredNode(c, &node);
+  ASSERT_FALSE(ds.empty());
+  Cluster restarted;  // a new master: empty state
+  const Status st = restarted.m().DemoteDone(node->id, ds[0].source.key, ds[0].source.version,
+                                             ds[0].dest.replica_id, true, restarted.now);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  EXPECT_NE(st.message().find(node->id.node_id), std::string::npos) << st.ToString();
+  // Another incarnation of a known node is still STALE_PEER.
+  NodeIdentity other = node->id;
+  other.incarnation += 1;
+  EXPECT_EQ(c.m()
+                .DemoteDone(other, ds[0].source.key, ds[0].source.version, ds[0].dest.replica_id,
+                            true, c.now)
+                .code(),
+            StatusCode::kStalePeer);
+}
+
 TEST(MasterTier, SsdReplicaReadTwiceIsPromotedBackToDramWhenThereIsRoom) {
   Cluster c;
   FakeNode& n = AddTieredNode(c, "n0", 64 * kKiB, 256 * kKiB);
