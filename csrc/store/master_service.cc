@@ -109,19 +109,27 @@ grpc::Status Done(const Status& st, rpc::Status* reply) {
 struct Faults {
   std::atomic<uint32_t> demote_done_lose_request{0};
   std::atomic<uint32_t> demote_done_lose_reply{0};
+  std::atomic<uint32_t> task_done_lose_request{0};
+  std::atomic<uint32_t> task_done_lose_reply{0};
 
   Status Parse(const std::string& spec) {
+    const std::pair<const char*, std::atomic<uint32_t>*> known[] = {
+        {"demote_done_lose_request", &demote_done_lose_request},
+        {"demote_done_lose_reply", &demote_done_lose_reply},
+        {"task_done_lose_request", &task_done_lose_request},
+        {"task_done_lose_reply", &task_done_lose_reply}};
     for (const std::string& item : SplitFaults(spec)) {
       const size_t eq = item.find('=');
       const std::string name = item.substr(0, eq);
-      std::atomic<uint32_t>* counter = name == "demote_done_lose_request"
-                                           ? &demote_done_lose_request
-                                       : name == "demote_done_lose_reply" ? &demote_done_lose_reply
-                                                                          : nullptr;
+      std::atomic<uint32_t>* counter = nullptr;
+      std::string names;
+      for (const auto& [n, c] : known) {
+        if (name == n) counter = c;
+        names += (names.empty() ? "" : ", ") + std::string(n);
+      }
       if (counter == nullptr) {
-        return Status::InvalidArgument(
-            "MasterOptions::faults: unknown fault '" + name +
-            "' (known: demote_done_lose_request, demote_done_lose_reply)");
+        return Status::InvalidArgument("MasterOptions::faults: unknown fault '" + name +
+                                       "' (known: " + names + ")");
       }
       const std::string count = eq == std::string::npos ? "" : item.substr(eq + 1);
       char* end = nullptr;
@@ -346,6 +354,17 @@ struct MasterServer::Impl final : public rpc::Master::Service {
 
   grpc::Status TaskDone(grpc::ServerContext*, const rpc::TaskDoneRequest* req,
                         rpc::Status* reply) override {
+    if (faults.Take(&faults.task_done_lose_request)) {
+      return {grpc::StatusCode::UNAVAILABLE, "fault injection: TaskDone request lost"};
+    }
+    grpc::Status answer = ApplyTaskDone(req, reply);
+    if (faults.Take(&faults.task_done_lose_reply)) {
+      return {grpc::StatusCode::UNAVAILABLE, "fault injection: TaskDone reply lost"};
+    }
+    return answer;
+  }
+
+  grpc::Status ApplyTaskDone(const rpc::TaskDoneRequest* req, rpc::Status* reply) {
     const bool ok = req->status().code() == KVB_OK;
     if (!ok) {
       // Summarized by the ticker: after a node loss hundreds can fail at once.

@@ -62,6 +62,39 @@ std::string MetaOf(const rpc::InventoryRecord& r) {
   return m.SerializeAsString();
 }
 
+// Reports to the master whose answer was lost (the call failed on the way, so the master may
+// or may not have applied them), asked again in order: 200 ms after a first failure, then with
+// the wait doubling to 5 s while the master does not answer. The master's handlers are
+// idempotent, so a report that did arrive can safely arrive twice. One thread uses it.
+template <typename Report>
+class Unanswered {
+ public:
+  using Clock = std::chrono::steady_clock;
+  bool empty() const { return q_.empty(); }
+  Clock::time_point retry_at() const { return at_; }
+  void Add(Report r) {
+    q_.push_back(std::move(r));
+    if (wait_ms_ == 0) Schedule();
+  }
+  // When due, sends the reports in order (`send` returns false while there is no answer),
+  // stopping at the first that still gets none.
+  template <typename Send>
+  void RetryDue(Send send) {
+    if (q_.empty() || Clock::now() < at_) return;
+    while (!q_.empty() && send(q_.front())) q_.pop_front();
+    Schedule();
+  }
+
+ private:
+  void Schedule() {
+    wait_ms_ = q_.empty() ? 0 : wait_ms_ == 0 ? 200 : std::min<uint32_t>(2 * wait_ms_, 5000);
+    at_ = Clock::now() + std::chrono::milliseconds(wait_ms_);
+  }
+  std::deque<Report> q_;
+  Clock::time_point at_;
+  uint32_t wait_ms_ = 0;
+};
+
 }  // namespace
 
 struct StorageNode::Impl final : public rpc::Node::Service {
@@ -139,6 +172,7 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   void TaskLoop();
   // Copies a batch of tasks' replicas with one engine batch; one status per task.
   std::vector<Status> RunTasks(const std::vector<rpc::ReplicationTask>& batch);
+  bool ReportTask(const rpc::TaskDoneRequest& done);
   void Stop();
 
   // SSD tier.
@@ -431,11 +465,38 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
   return result;
 }
 
+// False when no answer came (the call failed on the way): ask again later.
+bool StorageNode::Impl::ReportTask(const rpc::TaskDoneRequest& done) {
+  rpc::Status reply;
+  auto ctx = Context();
+  grpc::Status gs = master->TaskDone(ctx.get(), done, &reply);
+  if (!gs.ok()) {
+    KVB_LOG(WARN) << store::FromGrpc(gs, "TaskDone").ToString() << " (task " << done.task_id()
+                  << "; asking again)";
+  }
+  // Any answer settles it (NOT_FOUND: the first report arrived, or the master gave the task up).
+  return gs.ok();
+}
+
 void StorageNode::Impl::TaskLoop() {
+  // A TaskDone without an answer is asked again; the master would otherwise give the task up
+  // only at its deadline (task_timeout_ms) and copy the object once more.
+  Unanswered<rpc::TaskDoneRequest> unanswered;
   std::unique_lock<std::mutex> lock(mu);
   for (;;) {
-    cv.wait(lock, [&] { return stopping || !tasks.empty(); });
+    auto work = [&] { return stopping || !tasks.empty(); };
+    if (unanswered.empty()) {
+      cv.wait(lock, work);
+    } else {
+      cv.wait_until(lock, unanswered.retry_at(), work);
+    }
     if (stopping) return;
+    if (tasks.empty()) {  // only retries are due
+      lock.unlock();
+      unanswered.RetryDue([&](const rpc::TaskDoneRequest& d) { return ReportTask(d); });
+      lock.lock();
+      continue;
+    }
     // Everything queued goes out as one transfer batch: re-replication after a node loss moves
     // thousands of objects, and one engine batch per object would serialize them.
     std::vector<rpc::ReplicationTask> batch(std::make_move_iterator(tasks.begin()),
@@ -448,11 +509,9 @@ void StorageNode::Impl::TaskLoop() {
       *done.mutable_node() = Identity();
       done.set_task_id(batch[i].task_id());
       store::ToProto(statuses[i], done.mutable_status());
-      rpc::Status reply;
-      auto ctx = Context();
-      grpc::Status gs = master->TaskDone(ctx.get(), done, &reply);
-      if (!gs.ok()) KVB_LOG(WARN) << store::FromGrpc(gs, "TaskDone").ToString();
+      if (!ReportTask(done)) unanswered.Add(std::move(done));
     }
+    unanswered.RetryDue([&](const rpc::TaskDoneRequest& d) { return ReportTask(d); });
     lock.lock();
     heartbeat_now = true;  // ask for the next tasks now, not an interval from now
     cv.notify_all();
@@ -690,17 +749,13 @@ bool StorageNode::Impl::ReportMove(const rpc::Demotion& d, const rpc::DemoteDone
 }
 
 void StorageNode::Impl::DemoteLoop() {
-  // Reports whose answer was lost, asked again in order from retry_at on (the wait doubling to
-  // 5 s while the master does not answer). Until answered, a copy made stays: if the master
-  // applied the move, it lists that copy.
-  struct Unanswered {
+  // Until answered, a copy made stays: if the master applied the move, it lists that copy.
+  struct Move {
     rpc::Demotion d;
     rpc::DemoteDoneRequest done;
     bool made = false;
   };
-  std::deque<Unanswered> unanswered;
-  std::chrono::steady_clock::time_point retry_at;
-  uint32_t retry_ms = 0;
+  Unanswered<Move> unanswered;
   std::unique_lock<std::mutex> lock(mu);
   for (;;) {
     auto work = [&] {
@@ -709,7 +764,7 @@ void StorageNode::Impl::DemoteLoop() {
     if (unanswered.empty()) {
       cv.wait(lock, work);
     } else {
-      cv.wait_until(lock, retry_at, work);
+      cv.wait_until(lock, unanswered.retry_at(), work);
     }
     if (stopping) return;
     std::deque<std::string> gone;
@@ -763,20 +818,9 @@ void StorageNode::Impl::DemoteLoop() {
       done.set_version(d.source().version());
       done.set_dest_replica_id(d.dest().replica_id());
       store::ToProto(st, done.mutable_status());
-      if (!ReportMove(d, done, st.ok())) unanswered.push_back({d, done, st.ok()});
+      if (!ReportMove(d, done, st.ok())) unanswered.Add({d, done, st.ok()});
     }
-    if (!unanswered.empty() && (retry_ms == 0 || std::chrono::steady_clock::now() >= retry_at)) {
-      // (retry_ms 0: the first failure, just now; wait before asking again.)
-      while (retry_ms != 0 && !unanswered.empty()) {
-        const Unanswered& u = unanswered.front();
-        if (!ReportMove(u.d, u.done, u.made)) break;
-        unanswered.pop_front();
-      }
-      retry_ms = unanswered.empty() ? 0
-                 : retry_ms == 0    ? 200
-                                    : std::min<uint32_t>(2 * retry_ms, 5000);
-      retry_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(retry_ms);
-    }
+    unanswered.RetryDue([&](const Move& m) { return ReportMove(m.d, m.done, m.made); });
     lock.lock();
     if (!batch.empty()) {
       heartbeat_now = true;  // ask for the next demotions now, not an interval from now

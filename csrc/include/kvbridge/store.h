@@ -186,7 +186,8 @@ struct MasterOptions {
   //   demote_done_lose_request  the next `count` DemoteDone calls are answered UNAVAILABLE
   //                             without being applied (a request lost on the way);
   //   demote_done_lose_reply    the next `count` are applied, then answered UNAVAILABLE (a
-  //                             reply lost on the way).
+  //                             reply lost on the way);
+  //   task_done_lose_request, task_done_lose_reply   the same for TaskDone.
   // An unknown name or a bad count makes Start fail naming it. KVBRIDGE_MASTER_FAULTS.
   std::string faults;
   static MasterOptions FromEnv();
