@@ -132,68 +132,82 @@ def stop(p) -> None:
             p.kill()
 
 
-def bench_store(impl: str, seconds: float, segment: int) -> list[dict]:
+class StoreUnderTest:
+    """One system's store: a master, two storage processes and this process as a client, kept
+    up across rounds so that the systems can be measured in turn."""
+
     page, batch = 64 << 10, 128
-    master, mproc = start_master(impl)
-    nodes = []
-    rows = []
-    try:
-        for _ in range(2):
-            n = subprocess.Popen([sys.executable, __file__, "--storage", impl, "--master-addr",
-                                  master, "--bytes", str(segment)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            nodes.append(n)
-            line = n.stdout.readline().strip()
-            if line != "ready":
-                raise RuntimeError(f"{impl} storage process: {line!r}")
-        cls, config_cls = store_class(impl)
-        client = cls()
-        assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master) == 0
-        src_raw, src = aligned(page * batch)
-        dst_raw, dst = aligned(page * batch)
-        ctypes.memset(src, 0x3C, page * batch)
-        assert client.register_buffer(src, page * batch) == 0
-        assert client.register_buffer(dst, page * batch) == 0
-        ptr_src = [src + i * page for i in range(batch)]
-        ptr_dst = [dst + i * page for i in range(batch)]
+
+    def __init__(self, impl: str, segment: int):
+        self.impl, self.segment = impl, segment
+        self.master, self.mproc = start_master(impl)
+        self.nodes = []
+        try:
+            for _ in range(2):
+                n = subprocess.Popen([sys.executable, __file__, "--storage", impl,
+                                      "--master-addr", self.master, "--bytes", str(segment)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+                self.nodes.append(n)
+                line = n.stdout.readline().strip()
+                if line != "ready":
+                    raise RuntimeError(f"{impl} storage process: {line!r}")
+            cls, self.config_cls = store_class(impl)
+            self.client = cls()
+            assert self.client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "",
+                                     self.master) == 0
+            span = self.page * self.batch
+            self.src_raw, src = aligned(span)
+            self.dst_raw, dst = aligned(span)
+            ctypes.memset(src, 0x3C, span)
+            assert self.client.register_buffer(src, span) == 0
+            assert self.client.register_buffer(dst, span) == 0
+            self.ptr_src = [src + i * self.page for i in range(self.batch)]
+            self.ptr_dst = [dst + i * self.page for i in range(self.batch)]
+        except BaseException:
+            self.close()
+            raise
+
+    def measure(self, seconds: float, rnd: int) -> list[dict]:
+        """batch_put_from then batch_get_into of 128 pages per iteration, replica_num 1 and 2,
+        `seconds` each; the pool is emptied after each."""
+        page, batch, impl = self.page, self.batch, self.impl
         sizes = [page] * batch
+        rows = []
         for replicas in (1, 2):
-            config = config_cls()
+            config = self.config_cls()
             config.replica_num = replicas
             # Stay well inside the pool (2 x segment): no eviction in the measurement.
-            max_iters = max(1, int(0.7 * 2 * segment / (page * batch * replicas)))
+            max_iters = max(1, int(0.7 * 2 * self.segment / (page * batch * replicas)))
             put_lat, get_lat, failed = [], [], 0
             t_end = time.perf_counter() + seconds
             it = 0
             while time.perf_counter() < t_end and it < max_iters:
-                keys = [f"vs-{impl}-r{replicas}-{it}-{i}" for i in range(batch)]
+                keys = [f"vs-{impl}-{rnd}-r{replicas}-{it}-{i}" for i in range(batch)]
                 t = time.perf_counter()
-                res = client.batch_put_from(keys, ptr_src, sizes, config)
+                res = self.client.batch_put_from(keys, self.ptr_src, sizes, config)
                 put_lat.append(time.perf_counter() - t)
                 failed += sum(1 for r in res if r != 0)
                 t = time.perf_counter()
-                got = client.batch_get_into(keys, ptr_dst, sizes)
+                got = self.client.batch_get_into(keys, self.ptr_dst, sizes)
                 get_lat.append(time.perf_counter() - t)
                 failed += sum(1 for r in got if r != page)
                 it += 1
             for op, lat in (("batch_put_from", put_lat), ("batch_get_into", get_lat)):
-                rows.append({"system": impl, "op": op, "replica_num": replicas,
-                             "pages": batch, "page_bytes": page, "batches": len(lat),
-                             "gbps": round(page * batch * len(lat) / sum(lat) / 1e9, 3)
-                             if lat else 0.0,
-                             "p50_ms": round(percentile(lat, 0.5) * 1e3, 3),
-                             "p99_ms": round(percentile(lat, 0.99) * 1e3, 3), "failed": failed})
-                print(f"  {impl:8s} {op:15s} r{replicas}: {rows[-1]['gbps']:7.3f} GB/s p50 "
-                      f"{rows[-1]['p50_ms']:.2f} ms p99 {rows[-1]['p99_ms']:.2f} ms, "
-                      f"{failed} failed", file=sys.stderr)
+                rows.append(phase_row({"system": impl, "op": op, "replica_num": replicas,
+                                       "pages": batch, "page_bytes": page},
+                                      page * batch, lat, sum(lat), failed))
             time.sleep(0.3)  # past the read leases
-            client.remove_all()
-        client.close()
-    finally:
-        for n in nodes:
+            self.client.remove_all()
+        return rows
+
+    def close(self) -> None:
+        if getattr(self, "client", None) is not None:
+            self.client.close()
+            self.client = None
+        for n in self.nodes:
             stop(n)
-        stop(mproc)
-    return rows
+        stop(self.mproc)
 
 
 def serve_raw(nbytes: int) -> None:
@@ -265,43 +279,48 @@ def bench_raw(sizes: list[int], batch: int, seconds: float) -> list[dict]:
                     t = time.perf_counter()
                     once()
                     lat.append(time.perf_counter() - t)
-                rows.append(phase_row("raw_socket", op, size, batch, lat,
-                                      time.perf_counter() - t0, 0))
+                rows.append(phase_row({"system": "raw_socket", "op": op, "block_bytes": size,
+                                       "batch": batch}, n, lat, time.perf_counter() - t0, 0))
     finally:
         sock.close()
         server.wait(timeout=10)
     return rows
 
 
-def phase_row(system: str, op: str, size: int, batch: int, lat: list[float], total: float,
+def phase_row(fields: dict, batch_bytes: int, lat: list[float], total: float,
               failed: int) -> dict:
-    """One measured phase; `_lat` and `_total` let merge_rounds pool phases of several rounds."""
-    r = {"system": system, "op": op, "block_bytes": size, "batch": batch,
-         "gbps": round(size * batch * len(lat) / total / 1e9, 3) if total else 0.0,
+    """One measured phase: `fields` name it (system, op, size...), `lat` holds the batch
+    latencies, `total` the time the GB/s figure is over. `_lat`, `_total` and `_bytes` let
+    merge_rounds pool the phases of several rounds."""
+    r = {**fields,
+         "gbps": round(batch_bytes * len(lat) / total / 1e9, 3) if total else 0.0,
          "p50_ms": round(percentile(lat, 0.5) * 1e3, 3),
          "p99_ms": round(percentile(lat, 0.99) * 1e3, 3),
-         "batches": len(lat), "failed": failed, "_lat": lat, "_total": total}
-    print(f"  {system[:8]:8s} {op:5s} {size >> 10:5d} KiB: {r['gbps']:7.3f} GB/s "
-          f"p50 {r['p50_ms']:.3f} ms p99 {r['p99_ms']:.3f} ms", file=sys.stderr)
+         "batches": len(lat), "failed": failed,
+         "_lat": lat, "_total": total, "_bytes": batch_bytes}
+    what = fields.get("block_bytes")
+    what = f"{what >> 10:5d} KiB" if what else f"r{fields.get('replica_num')}"
+    print(f"  {fields['system'][:8]:8s} {fields['op']:15s} {what}: {r['gbps']:7.3f} GB/s "
+          f"p50 {r['p50_ms']:.3f} ms p99 {r['p99_ms']:.3f} ms, {failed} failed", file=sys.stderr)
     return r
 
 
 def merge_rounds(rows: list[dict]) -> list[dict]:
-    """Pools the phases of one (system, op, block) over the rounds: GB/s over the summed time,
-    percentiles over every batch."""
+    """Pools the phases of one row (same fields but the measured ones) over the rounds: GB/s
+    over the summed time, percentiles over every batch."""
+    measured = {"gbps", "p50_ms", "p99_ms", "batches", "failed", "_lat", "_total", "_bytes"}
     merged: dict[tuple, dict] = {}
     for r in rows:
-        m = merged.setdefault((r["system"], r["op"], r["block_bytes"]),
-                              {**r, "_lat": [], "_total": 0.0, "failed": 0, "rounds": 0})
+        key = tuple(sorted((k, v) for k, v in r.items() if k not in measured))
+        m = merged.setdefault(key, {**r, "_lat": [], "_total": 0.0, "failed": 0, "rounds": 0})
         m["_lat"] = m["_lat"] + r["_lat"]
         m["_total"] += r["_total"]
         m["failed"] += r["failed"]
         m["rounds"] += 1
     out = []
     for m in merged.values():
-        lat, total = m.pop("_lat"), m.pop("_total")
-        m.update(gbps=round(m["block_bytes"] * m["batch"] * len(lat) / total / 1e9, 3)
-                 if total else 0.0,
+        lat, total, nbytes = m.pop("_lat"), m.pop("_total"), m.pop("_bytes")
+        m.update(gbps=round(nbytes * len(lat) / total / 1e9, 3) if total else 0.0,
                  p50_ms=round(percentile(lat, 0.5) * 1e3, 3),
                  p99_ms=round(percentile(lat, 0.99) * 1e3, 3), batches=len(lat))
         out.append(m)
@@ -343,8 +362,9 @@ def bench_transfer(impl: str, sizes: list[int], batch: int, seconds: float) -> l
                     t = time.perf_counter()
                     failed += fn(session, locs, rems, lens) != 0
                     lat.append(time.perf_counter() - t)
-                rows.append(phase_row(impl, op, size, batch, lat, time.perf_counter() - t0,
-                                      failed))
+                rows.append(phase_row({"system": impl, "op": op, "block_bytes": size,
+                                       "batch": batch}, size * batch, lat,
+                                      time.perf_counter() - t0, failed))
     finally:
         server.stdin.close()
         server.wait(timeout=10)
@@ -361,9 +381,9 @@ def main() -> int:
     ap.add_argument("--segment-mib", type=int, default=1024,
                     help="bytes each storage process contributes (MiB)")
     ap.add_argument("--rounds", type=int, default=None,
-                    help="transfer part: alternate the systems this many times, each phase "
-                    "getting seconds/rounds, and pool the rounds (default 3, --quick 1), so "
-                    "that load drifting on the machine weighs on every system alike")
+                    help="alternate the systems this many times, each phase getting "
+                    "seconds/rounds, and pool the rounds (default 3, --quick 1), so that load "
+                    "drifting on the machine weighs on every system alike")
     ap.add_argument("--only", choices=("transfer", "store"),
                     help="run one part only (the headline needs the store part)")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
@@ -393,8 +413,9 @@ def main() -> int:
         print(json.dumps({"benchmark": "vs-mooncake", "error": f"Mooncake not importable: {e}; "
                           "run scripts/setup_mooncake_venv.sh"}))
         return 1
-    print("transfer: batch_transfer_sync_write/read, two processes, loopback TCP",
-          file=sys.stderr)
+    if args.only != "store":
+        print("transfer: batch_transfer_sync_write/read, two processes, loopback TCP",
+              file=sys.stderr)
     rounds = max(1, args.rounds or (1 if args.quick else 3))
     rows, raw_rows = [], []
     for rnd in range(rounds if args.only != "store" else 0):
@@ -419,12 +440,23 @@ def main() -> int:
                        "mooncake_vs_raw_socket": round(m["gbps"] / raw["gbps"], 3)
                        if raw and raw["gbps"] else None})
     small = [x["ratio"] for x in ratios if x["block_bytes"] <= (1 << 20) and x["ratio"]]
-    print("store: 2 storage processes + master per system, 128 x 64 KiB pages per batch",
-          file=sys.stderr)
+    if args.only != "transfer":
+        print("store: 2 storage processes + master per system, 128 x 64 KiB pages per batch",
+              file=sys.stderr)
     srows = []
-    for impl in ("kvbridge", "mooncake"):
-        if args.only != "transfer":
-            srows += bench_store(impl, seconds, args.segment_mib << 20)
+    if args.only != "transfer":
+        stores = []
+        try:
+            for impl in ("kvbridge", "mooncake"):
+                stores.append(StoreUnderTest(impl, args.segment_mib << 20))
+            for rnd in range(rounds):
+                print(f" round {rnd + 1} of {rounds}", file=sys.stderr)
+                for st in stores:
+                    srows += st.measure(seconds / rounds, rnd)
+        finally:
+            for st in stores:
+                st.close()
+        srows = merge_rounds(srows)
     sratios = []
     for r in srows:
         if r["system"] != "kvbridge":
@@ -436,7 +468,7 @@ def main() -> int:
                         "p99_ratio": round(r["p99_ms"] / m["p99_ms"], 3) if m["p99_ms"] else None})
     head = [x["ratio"] for x in sratios if x["op"] == "batch_get_into" and x["ratio"]]
     out = {"benchmark": "vs-mooncake", "quick": args.quick, "seconds": seconds,
-           "transfer_rounds": rounds,
+           "rounds": rounds,
            "transfer": {"rows": rows, "raw_socket_rows": raw_rows,
                         "raw_socket_baseline": "each batch as one request of block x batch "
                         "bytes on one plain TCP connection, Python sendall/recv_into",
