@@ -92,6 +92,7 @@ struct PyStatus {
   int code = 0;
   std::string name = "OK";
   std::string message;
+  std::string origin;  // StatusOriginName: "", "master" or "storage_node"
   bool ok() const { return code == 0; }
 };
 PyStatus ToPy(const Status& s);

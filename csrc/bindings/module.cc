@@ -14,6 +14,7 @@ PyStatus ToPy(const Status& s) {
   p.code = static_cast<int>(s.code());
   p.name = StatusCodeName(s.code());
   p.message = s.ok() ? std::string() : s.message();
+  p.origin = StatusOriginName(s.origin());
   return p;
 }
 
@@ -26,8 +27,8 @@ void TranslateStatusError(std::exception_ptr p) {
     if (p) std::rethrow_exception(p);
   } catch (const StatusError& e) {
     PyStatus s = ToPy(e.status());
-    py::object exc =
-        py::module_::import("kvbridge.errors").attr("from_status")(s.code, s.name, s.message);
+    py::object exc = py::module_::import("kvbridge.errors")
+                         .attr("from_status")(s.code, s.name, s.message, s.origin);
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   }
 }
@@ -41,10 +42,14 @@ void BindCommon(py::module_& m) {
   }
   m.attr("STATUS_CODES") = codes;
 
-  py::class_<PyStatus>(m, "Status", "A per-op or per-key outcome: code (int), name, message.")
+  py::class_<PyStatus>(m, "Status",
+                       "A per-op or per-key outcome: code (int), name, message, and origin: "
+                       "'master' or 'storage_node' when the store says which side failed, "
+                       "else ''.")
       .def_readonly("code", &PyStatus::code)
       .def_readonly("name", &PyStatus::name)
       .def_readonly("message", &PyStatus::message)
+      .def_readonly("origin", &PyStatus::origin)
       .def_property_readonly("ok", &PyStatus::ok)
       .def("__bool__", &PyStatus::ok)
       .def("__repr__", [](const PyStatus& s) {

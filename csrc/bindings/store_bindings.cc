@@ -99,6 +99,7 @@ py::dict ToPy(const ClusterStatus& cs) {
   d["stored_bytes"] = cs.stored_bytes;
   d["evictions_total"] = cs.evictions_total;
   d["bad_replicas_total"] = cs.bad_replicas_total;
+  d["unreachable_reports_total"] = cs.unreachable_reports_total;
   d["nodes_expired_total"] = cs.nodes_expired_total;
   d["under_replicated"] = cs.under_replicated;
   d["demotions_total"] = cs.demotions_total;

@@ -50,6 +50,18 @@ std::string StatusCodeName(StatusCode code) {
   return "UNKNOWN(" + std::to_string(static_cast<int32_t>(code)) + ")";
 }
 
+const char* StatusOriginName(StatusOrigin origin) {
+  switch (origin) {
+    case StatusOrigin::kUnspecified:
+      return "";
+    case StatusOrigin::kMaster:
+      return "master";
+    case StatusOrigin::kStorageNode:
+      return "storage_node";
+  }
+  return "";
+}
+
 Status::Status(StatusCode code, std::string_view msg) {
   if (code != StatusCode::kOk) state_ = std::make_unique<State>(State{code, std::string(msg)});
 }
@@ -93,7 +105,15 @@ Status Status::WithContext(std::string_view context) const {
     m += ": ";
     m += state_->msg;
   }
-  return Status(state_->code, m);
+  Status s(state_->code, m);
+  s.state_->origin = state_->origin;
+  return s;
+}
+
+Status Status::WithOrigin(StatusOrigin origin) const {
+  Status s(*this);
+  if (s.state_) s.state_->origin = origin;
+  return s;
 }
 
 }  // namespace kvbridge

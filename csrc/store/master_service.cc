@@ -490,6 +490,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
 
   grpc::Status ReportBadReplica(grpc::ServerContext*, const rpc::BadReplicaRequest* req,
                                 rpc::Status* reply) override {
+    if (req->node_unreachable()) {
+      return Done(state->ReportUnreachableNode(FromProto(req->node()), util::MonoNs()), reply);
+    }
     return Done(
         state->ReportBadReplica(req->key(), req->version(), FromProto(req->node()), util::MonoNs(),
                                 req->segment_id(), req->offset()),
@@ -527,6 +530,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     reply->set_bytes(s.bytes);
     reply->set_evictions_total(s.evictions_total);
     reply->set_bad_replicas_total(s.bad_replicas_total);
+    reply->set_unreachable_reports_total(s.unreachable_reports_total);
     reply->set_nodes_expired_total(s.nodes_expired_total);
     reply->set_under_replicated(s.under_replicated);
     reply->set_demotions_total(s.demotions_total);
@@ -599,6 +603,7 @@ Result<ClusterStatus> QueryClusterStatus(const std::string& master_address, uint
   out.stored_bytes = reply.bytes();
   out.evictions_total = reply.evictions_total();
   out.bad_replicas_total = reply.bad_replicas_total();
+  out.unreachable_reports_total = reply.unreachable_reports_total();
   out.nodes_expired_total = reply.nodes_expired_total();
   out.under_replicated = reply.under_replicated();
   out.demotions_total = reply.demotions_total();

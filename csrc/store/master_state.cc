@@ -206,6 +206,7 @@ struct MasterState::Impl {
   uint64_t revokes_total = 0;
   uint64_t nodes_expired_total = 0;
   uint64_t bad_replicas_total = 0;
+  uint64_t unreachable_reports_total = 0;
   uint64_t demotions_total = 0;
   uint64_t promotions_total = 0;
   // Heartbeat arrivals recorded without `mu` (Touch), so liveness never waits behind data-plane
@@ -1537,6 +1538,16 @@ Status MasterState::ReportBadReplica(std::string_view key, uint64_t version,
   return Status::OK();
 }
 
+Status MasterState::ReportUnreachableNode(const NodeIdentity& node, uint64_t /*now_ns*/) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  Impl::Node* n = m.FindNodeExact(node);
+  if (!n) return Status::NotFound("no node " + ToString(node));
+  n->bad_reports += 1;
+  ++m.unreachable_reports_total;
+  return Status::OK();
+}
+
 Result<TaskCommitPlan> MasterState::TaskDone(uint64_t task_id, const NodeIdentity& source, bool ok,
                                              uint64_t now_ns) {
   Impl& m = *impl_;
@@ -1810,6 +1821,7 @@ MasterStats MasterState::Stats() const {
   st.revokes_total = m.revokes_total;
   st.nodes_expired_total = m.nodes_expired_total;
   st.bad_replicas_total = m.bad_replicas_total;
+  st.unreachable_reports_total = m.unreachable_reports_total;
   st.demotions_total = m.demotions_total;
   st.promotions_total = m.promotions_total;
   for (const auto& [id, n] : m.nodes) st.demotions_in_flight += n.demotions;

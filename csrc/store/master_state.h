@@ -302,6 +302,7 @@ struct MasterStats {
   uint64_t revokes_total = 0;
   uint64_t nodes_expired_total = 0;
   uint64_t bad_replicas_total = 0;  // replicas dropped on a reader's report
+  uint64_t unreachable_reports_total = 0;  // readers that could not reach a node
   uint64_t demotions_total = 0;     // replicas moved from DRAM to SSD
   uint64_t promotions_total = 0;    // replicas moved from SSD back to DRAM
   size_t ssd_replicas = 0;          // COMPLETE replicas on SSD segments
@@ -461,6 +462,11 @@ class MasterState {
   // (demotion, promotion) since is not touched (NOT_FOUND).
   Status ReportBadReplica(std::string_view key, uint64_t version, const NodeIdentity& node,
                           uint64_t now_ns, uint64_t segment_id = 0, uint64_t offset = 0);
+  // A reader could not reach `node` at all (unreachable, frozen, restarted): the node counts
+  // as suspect (placed last, like a node with bad replicas) and keeps every replica. Whether
+  // it is gone is for its heartbeats (TTL) and registration to say: one reader's view of the
+  // network must not drop data other readers can still reach. NOT_FOUND for an unknown node.
+  Status ReportUnreachableNode(const NodeIdentity& node, uint64_t now_ns);
 
   // --- Re-replication ---
 

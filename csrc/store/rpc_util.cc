@@ -38,7 +38,7 @@ Result<std::string> DescribeNode(const std::string& rpc_address, const rpc::Node
   rpc::Empty req;
   rpc::NodeDescriptor reply;
   grpc::Status gs = stub->Describe(&ctx, req, &reply);
-  if (!gs.ok()) return FromGrpc(gs, "Describe", "node");
+  if (!gs.ok()) return FromGrpc(gs, "Describe", StatusOrigin::kStorageNode);
   if (reply.node().node_id() != expect.node_id() ||
       reply.node().incarnation() != expect.incarnation()) {
     return Status::StalePeer(rpc_address + " is " + reply.node().node_id() + " incarnation " +
@@ -94,24 +94,32 @@ Result<std::string> DescribeNode(DescribeBackoff& backoff, const std::string& rp
   return d;
 }
 
-Status FromGrpc(const grpc::Status& s, std::string_view call, std::string_view peer) {
+Status FromGrpc(const grpc::Status& s, std::string_view call, StatusOrigin peer) {
   const std::string what = std::string(call) + ": ";
-  if (s.ok()) return Status::Protocol(what + "malformed reply from the " + std::string(peer));
-  switch (s.error_code()) {
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return Status::DeadlineExceeded(what + "the " + std::string(peer) +
-                                      " did not answer in time");
-    case grpc::StatusCode::UNAVAILABLE:
-      return Status::PeerUnreachable(what + std::string(peer) +
-                                     " unreachable: " + s.error_message());
-    case grpc::StatusCode::INVALID_ARGUMENT:
-      return Status::InvalidArgument(what + s.error_message());
-    case grpc::StatusCode::UNIMPLEMENTED:
-      return Status::Unsupported(what + s.error_message());
-    default:
-      return Status::Internal(what + "rpc failed (" + std::to_string(s.error_code()) +
+  const std::string who = peer == StatusOrigin::kMaster ? "master" : "node";
+  Status st;
+  if (s.ok()) {
+    st = Status::Protocol(what + "malformed reply from the " + who);
+  } else {
+    switch (s.error_code()) {
+      case grpc::StatusCode::DEADLINE_EXCEEDED:
+        st = Status::DeadlineExceeded(what + "the " + who + " did not answer in time");
+        break;
+      case grpc::StatusCode::UNAVAILABLE:
+        st = Status::PeerUnreachable(what + who + " unreachable: " + s.error_message());
+        break;
+      case grpc::StatusCode::INVALID_ARGUMENT:
+        st = Status::InvalidArgument(what + s.error_message());
+        break;
+      case grpc::StatusCode::UNIMPLEMENTED:
+        st = Status::Unsupported(what + s.error_message());
+        break;
+      default:
+        st = Status::Internal(what + "rpc failed (" + std::to_string(s.error_code()) +
                               "): " + s.error_message());
+    }
   }
+  return st.WithOrigin(peer);
 }
 
 Result<std::unique_ptr<grpc::Server>> StartServer(const std::string& listen, grpc::Service* service,

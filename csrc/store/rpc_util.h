@@ -24,10 +24,12 @@ inline void ToProto(const Status& s, rpc::Status* out) {
   out->set_message(s.message());
 }
 
-// A failed gRPC call as a kvbridge Status naming the call and who was called ("master" or
-// "node"; the Mooncake compatibility layer tells master failures by that word). An OK grpc
-// status with a malformed reply (wrong number of entries) is a PROTOCOL error.
-Status FromGrpc(const grpc::Status& s, std::string_view call, std::string_view peer = "master");
+// A failed gRPC call as a kvbridge Status naming the call and who was called (the master or a
+// storage node), with that as its origin(): callers such as the Mooncake compatibility layer
+// tell a master failure from a data-path one by it. An OK grpc status with a malformed reply
+// (wrong number of entries) is a PROTOCOL error.
+Status FromGrpc(const grpc::Status& s, std::string_view call,
+                StatusOrigin peer = StatusOrigin::kMaster);
 
 // Starts a gRPC server for `service` on `listen` ("host:port", port 0 picks one) and sets
 // *address to "host:<port actually bound>". UNAVAILABLE naming `what` and the address if it

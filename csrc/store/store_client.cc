@@ -229,8 +229,8 @@ Status StoreClient::Impl::ReadFromSsd(const rpc::ReplicaLocation& loc, const std
     std::lock_guard<std::mutex> lock(peers_mu);
     auto a = node_rpc.find(loc.node().node_id());
     if (a == node_rpc.end() || a->second.empty()) {
-      return Status::PeerUnreachable("no control address known for node " +
-                                     loc.node().node_id());
+      return Status::PeerUnreachable("no control address known for node " + loc.node().node_id())
+          .WithOrigin(StatusOrigin::kStorageNode);
     }
     auto& s = node_stubs[a->second];
     if (!s) {
@@ -260,9 +260,19 @@ Status StoreClient::Impl::ReadFromSsd(const rpc::ReplicaLocation& loc, const std
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(options.rpc_timeout_ms + options.transfer_deadline_ms));
   grpc::Status gs = stub->ReadSsd(&ctx, req, &reply);
-  if (!gs.ok()) return store::FromGrpc(gs, "ReadSsd", "node");
+  if (!gs.ok()) return store::FromGrpc(gs, "ReadSsd", StatusOrigin::kStorageNode);
   return FromProto(reply.status());
 }
+
+namespace {
+
+// A failure of the node as a whole (gone, frozen, replaced), not of one replica or our memory.
+bool NodeLevel(const Status& st) {
+  return st.IsPeerUnreachable() || st.IsStalePeer() || st.Is(StatusCode::kProgressTimeout) ||
+         st.IsDeadlineExceeded();
+}
+
+}  // namespace
 
 void StoreClient::Impl::Run(std::vector<TransferOp>& ops, const std::vector<size_t>& group_of_op,
                             size_t groups, std::vector<Status>* group_status) {
@@ -278,7 +288,11 @@ void StoreClient::Impl::Run(std::vector<TransferOp>& ops, const std::vector<size
   BatchResult r = engine->Wait(id.value());
   for (size_t i = 0; i < ops.size(); ++i) {
     Status& gs = (*group_status)[group_of_op[i]];
-    if (gs.ok() && !r.op_status[i].ok()) gs = r.op_status[i];
+    if (gs.ok() && !r.op_status[i].ok()) {
+      // Every op here moves bytes to or from a storage node: say so when the node failed.
+      gs = NodeLevel(r.op_status[i]) ? r.op_status[i].WithOrigin(StatusOrigin::kStorageNode)
+                                     : r.op_status[i];
+    }
   }
 }
 
@@ -588,11 +602,12 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
       const auto& bad = item.replicas(next_replica[i]);
       // A node that is gone, frozen or replaced fails every key it holds; the master learns
       // that from its heartbeats (TTL) or re-registration, and one report per key would only
-      // delay this get: one report per node and pass is enough to mark it suspect (no new
-      // placements there until it recovers or expires). Replica-level faults (bad bytes, a
-      // range the node does not hold) are reported per key: only the reader can see them.
-      const bool node_level = st.IsPeerUnreachable() || st.IsStalePeer() ||
-                              st.Is(StatusCode::kProgressTimeout) || st.IsDeadlineExceeded();
+      // delay this get: one report per node and pass marks it suspect (placed last until it
+      // recovers or expires) and drops nothing: this client's view of the network is not
+      // proof that the replica is gone (other readers may reach it; a frozen node resumes).
+      // Replica-level faults (bad bytes, a range the node does not hold) are reported per key
+      // and drop that replica: only the reader can see them.
+      const bool node_level = NodeLevel(st);
       // Says nothing about the replica (a busy node, our own memory, a node that could not
       // write back to us, a node this client could not learn about and so never asked): move
       // on without reporting it.
@@ -607,6 +622,7 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
         *report.mutable_node() = bad.node();
         report.set_segment_id(bad.segment_id());
         report.set_offset(bad.offset());
+        report.set_node_unreachable(node_level);
         rpc::Status ignored;
         auto ctx = im.Context();
         (void)im.master->ReportBadReplica(ctx.get(), report, &ignored);
@@ -627,7 +643,8 @@ Result<std::vector<bool>> StoreClient::BatchExists(std::span<const std::string> 
   grpc::Status gs = impl_->master->Exists(ctx.get(), req, &reply);
   if (!gs.ok()) return store::FromGrpc(gs, "Exists");
   if (reply.exists_size() != static_cast<int>(keys.size())) {
-    return Status::Protocol("Exists: reply has the wrong number of entries");
+    return Status::Protocol("Exists: reply has the wrong number of entries")
+        .WithOrigin(StatusOrigin::kMaster);
   }
   return std::vector<bool>(reply.exists().begin(), reply.exists().end());
 }

@@ -136,6 +136,7 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"{_human(n['used_bytes']):>11} {pct:>5.1f} {n['replicas']:>9} {ssd:>11} "
               f"{ssd_used:>11}")
     print(f"evictions {st['evictions_total']}, bad replicas dropped {st['bad_replicas_total']}, "
+          f"reads that could not reach a node {st['unreachable_reports_total']}, "
           f"nodes expired {st['nodes_expired_total']}, under-replicated {st['under_replicated']}, "
           f"demoted to SSD {st['demotions_total']} ({st['ssd_replicas']} replicas on SSD)")
     return 0

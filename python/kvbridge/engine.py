@@ -33,7 +33,7 @@ Status = _C.Status
 def raise_if_error(status: Any) -> None:
     """Raises the KvbError for a non-OK kvbridge.Status."""
     if not status.ok:
-        raise from_status(status.code, status.name, status.message)
+        raise from_status(status.code, status.name, status.message, status.origin)
 
 
 class PeerId(NamedTuple):

@@ -4,6 +4,8 @@ Every failure of the native library arrives as a :class:`KvbError` subclass name
 status code (``StalePeerError`` for ``STALE_PEER``, ...). ``err.code`` is the numeric code
 (equal to the C++ ``kvbridge::StatusCode`` and the plugin ABI's ``kvb_status_t``), ``err.name``
 its name and ``err.message`` the library's message; ``str(err)`` is ``"NAME: message"``.
+``err.origin`` says which side of a store call failed, where the store knows: ``"master"``,
+``"storage_node"``, or ``""`` (this process, a transfer's peer, or not said).
 
 Batch calls do not raise for a single key or op: they return :class:`kvbridge.Status` values,
 and ``Status.raise_if_error()`` turns one into the same exception.
@@ -59,16 +61,19 @@ class StatusCode(enum.IntEnum):
     UNSUPPORTED = 15
     UNAVAILABLE = 16
     NO_SPACE = 17
-    IO = 18
+    IO_ERROR = 18
+    IO = 18  # an alias, kept for code that used it; the name is IO_ERROR, as in C++
     INTERNAL = 19
 
 
 class KvbError(Exception):
-    """A kvbridge failure: ``code`` (int), ``name`` (e.g. ``"STALE_PEER"``), ``message``."""
+    """A kvbridge failure: ``code`` (int), ``name`` (e.g. ``"STALE_PEER"``), ``message``,
+    ``origin`` (``"master"``, ``"storage_node"`` or ``""``)."""
 
     status_code: StatusCode = StatusCode.INTERNAL
 
-    def __init__(self, message: str = "", code: int | None = None, name: str | None = None):
+    def __init__(self, message: str = "", code: int | None = None, name: str | None = None,
+                 origin: str = ""):
         self.code = int(self.status_code if code is None else code)
         try:
             default_name = StatusCode(self.code).name
@@ -76,6 +81,7 @@ class KvbError(Exception):
             default_name = f"UNKNOWN({self.code})"
         self.name = name or default_name
         self.message = message
+        self.origin = origin
         super().__init__(f"{self.name}: {message}" if message else self.name)
 
 
@@ -121,7 +127,7 @@ class PeerUnreachableError(KvbError, ConnectionError):
 class IoError(KvbError, OSError):
     """A storage I/O failure."""
 
-    status_code = StatusCode.IO
+    status_code = StatusCode.IO_ERROR
 
 
 AlreadyExistsError = _subclass("AlreadyExistsError", StatusCode.ALREADY_EXISTS, "Already exists.")
@@ -158,7 +164,7 @@ _BY_CODE: dict[int, type[KvbError]] = {
 }
 
 
-def from_status(code: int, name: str, message: str) -> KvbError:
+def from_status(code: int, name: str, message: str, origin: str = "") -> KvbError:
     """The exception for a status (used by the native module)."""
     cls = _BY_CODE.get(int(code), KvbError)
-    return cls(message, code=int(code), name=name)
+    return cls(message, code=int(code), name=name, origin=origin)

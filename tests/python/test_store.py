@@ -230,6 +230,40 @@ def test_standalone_master_nodes_client_and_drain():
                 n.close()
 
 
+def test_failures_name_the_master_as_the_side_that_failed():
+    """A call that fails at the master says so in ``origin`` (exceptions and batch statuses
+    alike), not only in its message."""
+    with kvbridge.Master(master_listen="127.0.0.1:0", node_ttl_ms=2000) as master:
+        node = kvbridge.Node(master=master.address, node_dram_bytes=16 << 20, node_id="py-o")
+        try:
+            with kvbridge.StoreClient(master=master.address, rpc_timeout_ms=500) as client:
+                client.put("here", b"v" * 100)
+                buf = torch.zeros(4096, dtype=torch.uint8)
+                client.register_buffer(buf)
+                master.close()
+                with pytest.raises(errors.KvbError) as e:
+                    client.get("here")
+                assert e.value.origin == "master", e.value
+                (r,) = client.batch_get_into(["here"], [buf])
+                assert not r.ok and r.status.origin == "master", r.status
+                with pytest.raises(errors.KvbError) as e:
+                    r.raise_if_error()
+                assert e.value.origin == "master"
+        finally:
+            node.close()
+
+
+def test_error_names_match_the_native_codes():
+    """kvbridge.errors names every status as the C++ library does (IO_ERROR, not IO)."""
+    from kvbridge import _C
+
+    assert {c.name: int(c) for c in errors.StatusCode} == dict(_C.STATUS_CODES)
+    assert errors.StatusCode.IO == errors.StatusCode.IO_ERROR  # the old spelling still works
+    e = errors.from_status(18, "IO_ERROR", "disk gone", "storage_node")
+    assert isinstance(e, errors.IoError) and e.origin == "storage_node"
+    assert errors.from_status(3, "NOT_FOUND", "x").origin == ""
+
+
 def test_client_without_master_fails_fast_with_a_named_error():
     import time
 

@@ -437,6 +437,56 @@ TEST_F(StoreClusterLongTtl, DirectDiscoveryStopsAskingANodeItCannotReach) {
   nodes_[0]->Signal(SIGCONT);
 }
 
+// A client that cannot reach any replica of its keys (all their nodes frozen; or a partition
+// between it and them) gets failures that name the storage nodes as the failed side, and costs
+// the cluster nothing: its reports mark the nodes suspect but drop no replica, so the keys read
+// back once the nodes run again. (Before, each such report dropped the replica, and the last
+// one removed the object: one client's bad network erased what every other client could read.)
+TEST_F(StoreClusterLongTtl, ReadersThatCannotReachAnyReplicaDropNothing) {
+  ASSERT_EQ(PutRange(0, 2), 0);
+  const std::vector<std::string> keys{Key(0), Key(1)};
+  const std::vector<std::vector<BufferRef>> into{Slot(dst_, 0), Slot(dst_, 1)};
+  for (auto& n : nodes_) n->Signal(SIGSTOP);  // every replica frozen; the master still lists them
+  auto got = client_->BatchGetInto(keys, into);
+  for (auto& n : nodes_) n->Signal(SIGCONT);
+  for (const auto& r : got) {
+    ASSERT_FALSE(r.ok()) << "a get from frozen nodes succeeded";
+    EXPECT_EQ(r.status().origin(), StatusOrigin::kStorageNode) << r.status().ToString();
+  }
+  const ClusterStatus after = View();
+  EXPECT_EQ(after.bad_replicas_total, 0u)
+      << "replicas dropped for a node the reader could not reach";
+  EXPECT_GE(after.unreachable_reports_total, 2u) << "the unreachable nodes were not reported";
+  EXPECT_EQ(after.objects, 2u);
+  uint64_t replicas = 0;
+  for (const auto& n : after.nodes) replicas += n.replicas;
+  EXPECT_EQ(replicas, 4u) << "replicas were dropped";
+  std::string err;
+  EXPECT_EQ(GetRange(0, 2, &err), 0) << err;
+}
+
+// A store call that fails at the master says so in Status::origin(), whatever its message
+// says (the Mooncake layer turns it into RPC_FAIL, a node's failure into TRANSFER_FAIL).
+TEST_F(StoreCluster, MasterFailuresNameTheMaster) {
+  ASSERT_EQ(PutRange(0, 2), 0);
+  const std::vector<std::string> keys{Key(0), Key(1)};
+  const std::vector<std::vector<BufferRef>> into{Slot(dst_, 0), Slot(dst_, 1)};
+  master_->Kill();
+  for (const auto& r : client_->BatchGetInto(keys, into)) {
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().origin(), StatusOrigin::kMaster) << r.status().ToString();
+  }
+  auto exists = client_->BatchExists(keys);
+  ASSERT_FALSE(exists.ok());
+  EXPECT_EQ(exists.status().origin(), StatusOrigin::kMaster) << exists.status().ToString();
+  const std::vector<std::string> new_key{Key(2)};
+  const std::vector<std::vector<BufferRef>> from{Slot(src_, 2)};
+  for (const Status& st : client_->BatchPutFrom(new_key, from)) {
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.origin(), StatusOrigin::kMaster) << st.ToString();
+  }
+}
+
 // Daemons (nodes and master) in direct discovery mode, with an 800 ms deadline on control calls.
 class StoreClusterDirect : public StoreClusterLongTtl {
  protected:

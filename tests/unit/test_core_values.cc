@@ -46,6 +46,29 @@ TEST(Status, ToStringAndContext) {
   EXPECT_EQ(copy.ToString(), c.ToString());
 }
 
+TEST(Status, OriginIsKeptByCopiesAndContext) {
+  Status plain = Status::PeerUnreachable("connection refused");
+  EXPECT_EQ(plain.origin(), StatusOrigin::kUnspecified);
+  Status m = plain.WithOrigin(StatusOrigin::kMaster);
+  EXPECT_EQ(m.origin(), StatusOrigin::kMaster);
+  EXPECT_EQ(m.ToString(), plain.ToString());              // same code and message
+  EXPECT_EQ(plain.origin(), StatusOrigin::kUnspecified);  // the original is unchanged
+  Status c = m.WithContext("GetReplicas");
+  EXPECT_EQ(c.origin(), StatusOrigin::kMaster);
+  Status copy;
+  copy = c;
+  EXPECT_EQ(copy.origin(), StatusOrigin::kMaster);
+  Status moved = std::move(copy);
+  EXPECT_EQ(moved.origin(), StatusOrigin::kMaster);
+  EXPECT_EQ(moved.WithOrigin(StatusOrigin::kStorageNode).origin(), StatusOrigin::kStorageNode);
+  // OK has no origin and stays OK.
+  EXPECT_TRUE(Status::OK().WithOrigin(StatusOrigin::kMaster).ok());
+  EXPECT_EQ(Status::OK().WithOrigin(StatusOrigin::kMaster).origin(), StatusOrigin::kUnspecified);
+  EXPECT_STREQ(StatusOriginName(StatusOrigin::kMaster), "master");
+  EXPECT_STREQ(StatusOriginName(StatusOrigin::kStorageNode), "storage_node");
+  EXPECT_STREQ(StatusOriginName(StatusOrigin::kUnspecified), "");
+}
+
 TEST(Result, HoldsValueOrError) {
   Result<int> ok(7);
   ASSERT_TRUE(ok.ok());

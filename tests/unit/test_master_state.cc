@@ -1192,6 +1192,34 @@ TEST(MasterRepair, BadReplicaIsDroppedAndReplaced) {
   ExpectConsistent(c);
 }
 
+// A reader that cannot reach a node (unreachable, frozen, restarted) says nothing about the
+// replicas there: the node is placed last for a while, and every replica stays, even the last
+// one of an object. Only the node's own liveness (TTL, registration) drops them.
+TEST(MasterRepair, UnreachableNodeReportsKeepEveryReplica) {
+  Cluster c;
+  c.AddNode("n0", {1 << 20});
+  c.AddNode("big", {4 << 20});
+  ASSERT_TRUE(c.Put("solo", 4096, 1, "big").ok());
+  ASSERT_EQ(c.ReplicaNodes("solo"), std::vector<std::string>{"big"});
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(c.m().ReportUnreachableNode(c.nodes["big"].id, c.now).ok());
+  }
+  EXPECT_TRUE(c.m().Exists({"solo"})[0]) << "the last replica was dropped";
+  EXPECT_EQ(c.ReplicaNodes("solo"), std::vector<std::string>{"big"});
+  EXPECT_EQ(c.m().Stats().bad_replicas_total, 0u);
+  EXPECT_EQ(c.m().Stats().unreachable_reports_total, 3u);
+  EXPECT_EQ(c.m().Tick(c.now).tasks_created, 0u) << "nothing to repair";
+  // Suspect: new data goes to the other node although "big" has more room.
+  ASSERT_TRUE(c.Put("next", 4096).ok());
+  EXPECT_EQ(c.ReplicaNodes("next"), std::vector<std::string>{"n0"});
+  // Another incarnation of the node, or no such node: NOT_FOUND, nothing changes.
+  EXPECT_EQ(c.m().ReportUnreachableNode({"big", c.nodes["big"].id.incarnation + 1}, c.now).code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(c.m().ReportUnreachableNode({"nobody", 1}, c.now).code(), StatusCode::kNotFound);
+  EXPECT_EQ(c.m().Stats().unreachable_reports_total, 3u);
+  ExpectConsistent(c);
+}
+
 // ------------------------------------------------------------------ drain
 
 TEST(MasterDrain, MovesEverythingThenReportsDrained) {

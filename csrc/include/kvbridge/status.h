@@ -46,6 +46,19 @@ enum class StatusCode : int32_t {
 // "STALE_PEER", "DEADLINE_EXCEEDED", ...; "UNKNOWN(<n>)" for codes this build does not know.
 std::string StatusCodeName(StatusCode code);
 
+// Which remote party a failure came from, where a caller must tell them apart without reading
+// the message: a store call can fail at the master (metadata) or at a storage node (the
+// bytes), with the same code. kUnspecified: this process, a transfer's peer engine, or not
+// said. Kept by copies and WithContext.
+enum class StatusOrigin : uint8_t {
+  kUnspecified = 0,
+  kMaster = 1,
+  kStorageNode = 2,
+};
+
+// "", "master", "storage_node".
+const char* StatusOriginName(StatusOrigin origin);
+
 class [[nodiscard]] Status {
  public:
   Status() noexcept = default;  // OK
@@ -88,16 +101,20 @@ class [[nodiscard]] Status {
   bool IsPeerUnreachable() const { return Is(StatusCode::kPeerUnreachable); }
   bool IsDeadlineExceeded() const { return Is(StatusCode::kDeadlineExceeded); }
   bool IsNotFound() const { return Is(StatusCode::kNotFound); }
+  StatusOrigin origin() const { return state_ ? state_->origin : StatusOrigin::kUnspecified; }
+  // Same code and message, marked as coming from `origin` (an OK status stays OK).
+  Status WithOrigin(StatusOrigin origin) const;
 
   // "OK" or "STALE_PEER: <message>".
   std::string ToString() const;
-  // Same code, message prefixed with context: "<context>: <message>".
+  // Same code and origin, message prefixed with context: "<context>: <message>".
   Status WithContext(std::string_view context) const;
 
  private:
   struct State {
     StatusCode code;
     std::string msg;
+    StatusOrigin origin = StatusOrigin::kUnspecified;
   };
   std::unique_ptr<State> state_;
 };

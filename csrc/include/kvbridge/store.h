@@ -225,6 +225,7 @@ struct ClusterStatus {
   uint64_t stored_bytes = 0;
   uint64_t evictions_total = 0;
   uint64_t bad_replicas_total = 0;  // replicas dropped because a reader found them bad
+  uint64_t unreachable_reports_total = 0;  // reads that could not reach a node (replicas kept)
   uint64_t nodes_expired_total = 0;
   uint64_t under_replicated = 0;  // objects waiting for re-replication
   uint64_t demotions_total = 0;   // replicas moved from DRAM to an SSD tier

@@ -67,9 +67,10 @@ class ErrorCode(enum.IntEnum):
 
 
 # kvbridge statuses of moving bytes or reaching a peer: TRANSFER_FAIL, or RPC_FAIL when the
-# peer was the master (a master-only call, or kvbridge's message says so).
+# peer was the master (a master-only call, or the status's origin says so).
 _PEER_FAILURES = frozenset({"STALE_PEER", "PEER_UNREACHABLE", "DEADLINE_EXCEEDED",
-                            "PROGRESS_TIMEOUT", "BACKPRESSURE", "CANCELLED", "PROTOCOL", "IO"})
+                            "PROGRESS_TIMEOUT", "BACKPRESSURE", "CANCELLED", "PROTOCOL",
+                            "IO_ERROR"})
 _BY_NAME = {
     "NOT_FOUND": ErrorCode.OBJECT_NOT_FOUND,
     "INVALID_ARGUMENT": ErrorCode.INVALID_PARAMS,
@@ -84,12 +85,14 @@ _BY_NAME = {
 }
 
 
-def mooncake_code(name: str, message: str = "", master_call: bool = False) -> int:
-    """The Mooncake error number for a kvbridge status name (0 for OK)."""
+def mooncake_code(name: str, origin: str = "", master_call: bool = False) -> int:
+    """The Mooncake error number for a kvbridge status name (0 for OK). ``origin`` is the
+    status's: ``"master"`` makes a peer failure RPC_FAIL, as does ``master_call``. IO_ERROR
+    counts as one: bytes a node could not read (its SSD) or that arrived damaged (checksum)."""
     if name == "OK":
         return 0
     if name in _PEER_FAILURES:
-        if master_call or "master" in message:
+        if master_call or origin == "master":
             return int(ErrorCode.RPC_FAIL)
         return int(ErrorCode.TRANSFER_FAIL)
     return int(_BY_NAME.get(name, ErrorCode.INTERNAL_ERROR))
@@ -97,7 +100,7 @@ def mooncake_code(name: str, message: str = "", master_call: bool = False) -> in
 
 def _code_of(err: Any, master_call: bool = False) -> int:
     """err: a kvbridge.Status or a KvbError."""
-    return mooncake_code(err.name, err.message, master_call)
+    return mooncake_code(err.name, err.origin, master_call)
 
 
 class ReplicateConfig:

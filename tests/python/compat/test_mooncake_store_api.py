@@ -608,3 +608,20 @@ def test_get_survives_a_killed_replica_holder(impl, key, tmp_path):
                 h.kill()
             h.wait()
         stop()
+
+
+def test_error_numbers_follow_the_failed_side():
+    """kvbridge's mapping to Mooncake's numbers: a peer failure is RPC_FAIL when the status's
+    origin is the master (or the call only talks to the master), else TRANSFER_FAIL; the
+    message text plays no part. (The end-to-end cases: test_master_gone and the killed-node
+    tests above.)"""
+    from kvbridge.compat._mooncake_store import mooncake_code
+
+    assert mooncake_code("OK") == 0
+    assert mooncake_code("PEER_UNREACHABLE", "storage_node") == TRANSFER_FAIL
+    assert mooncake_code("PROGRESS_TIMEOUT", "") == TRANSFER_FAIL
+    assert mooncake_code("PEER_UNREACHABLE", "master") == RPC_FAIL
+    assert mooncake_code("DEADLINE_EXCEEDED", "", master_call=True) == RPC_FAIL
+    assert mooncake_code("IO_ERROR", "storage_node") == TRANSFER_FAIL
+    assert mooncake_code("NOT_FOUND", "master") == OBJECT_NOT_FOUND
+    assert mooncake_code("NO_SPACE", "master") == NO_AVAILABLE_HANDLE
