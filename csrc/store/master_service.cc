@@ -36,6 +36,7 @@ MasterOptions MasterOptions::FromEnv() {
   store::EnvUint("KVBRIDGE_DRAIN_TIMEOUT_MS", &o.drain_timeout_ms);
   store::EnvUint("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
   store::EnvUint("KVBRIDGE_TASK_TIMEOUT_MS", &o.task_timeout_ms);
+  store::EnvUint64("KVBRIDGE_DEPARTED_NODE_TTL_MS", &o.departed_node_ttl_ms);
   store::EnvUint("KVBRIDGE_PROMOTE_AFTER_READS", &o.promote_after_reads);
   if (const char* v = std::getenv("KVBRIDGE_MASTER_FAULTS")) o.faults = v;
   for (auto [var, out] : {std::pair{"KVBRIDGE_HIGH_WATERMARK", &o.high_watermark},
@@ -558,6 +559,7 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
   cfg.promote_after_reads = options.promote_after_reads;
   cfg.drain_timeout_ms = options.drain_timeout_ms;
   cfg.task_timeout_ms = options.task_timeout_ms;
+  cfg.departed_ttl_ms = options.departed_node_ttl_ms;
   // Versions start at wall-clock microseconds, so a put that no node recorded before a master
   // restart can never see its version handed out again by the new master.
   cfg.first_version = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(

@@ -197,6 +197,16 @@ struct MasterState::Impl {
   std::map<uint64_t, Task> tasks;
   std::vector<Held> held;
   std::deque<NodeStats> dead_nodes;
+  // What a node that left held, by node id (see MasterConfig::departed_ttl_ms): for each
+  // (key, version) it had a record of, whether the object left with it (true: its last copy,
+  // so the node may bring it back) or not (false: it stayed elsewhere, or was being freed).
+  // An entry turns false when the key is removed or put again; the whole node's entry is used
+  // and dropped when that node id registers again.
+  struct Departed {
+    uint64_t since_ns = 0;
+    std::map<std::pair<std::string, uint64_t>, bool> copies;
+  };
+  std::unordered_map<std::string, Departed> departed;
   uint64_t next_version;
   uint64_t next_replica_id = 1;
   uint64_t next_task_id = RandomTaskIdBase();
@@ -630,14 +640,24 @@ struct MasterState::Impl {
         MarkRepair(o, now_ns);
       }
     }
+    // Every record the node may still hold, for when it comes back (departed).
+    Departed& gone = departed[n->id().node_id];
+    gone = Departed{};
+    gone.since_ns = now_ns;
+    for (const InventoryRecord& rec : n->pending_frees) gone.copies[{rec.key, rec.version}] = false;
     std::vector<Object*> affected;
     for (auto& [sid, s] : n->segments)
       affected.insert(affected.end(), s.residents.begin(), s.residents.end());
     for (Object* o : affected) {
-      DetachReplica(o, ReplicaOn(*o, n));
+      const size_t idx = ReplicaOn(*o, n);
+      const bool recorded = o->replicas[idx].record_on_node;
+      std::pair<std::string, uint64_t> copy{o->key, o->version};
+      DetachReplica(o, idx);
+      bool left_with_it = false;
       if (o->state == ObjectState::kComplete) {
         if (CompleteReplicas(*o) == 0) {
           EraseObject(o, now_ns, false);
+          left_with_it = true;
         } else {
           MarkRepair(o, now_ns);
         }
@@ -645,9 +665,13 @@ struct MasterState::Impl {
         EraseObject(o, now_ns, false);  // a put that lost every replica
         ++revokes_total;
       }
+      if (recorded) gone.copies[std::move(copy)] = left_with_it;
     }
 
     // Last: detaching above may have held ranges of this node (cancelled promotions).
+    for (const Held& h : held) {
+      if (h.node == n && h.record) gone.copies[{h.record->key, h.record->version}] = false;
+    }
     std::erase_if(held, [n](const Held& h) { return h.node == n; });
     if (expired) {
       NodeStats dead;
@@ -666,6 +690,17 @@ struct MasterState::Impl {
   bool DrainDone(const Node& n, uint64_t now_ns) const {
     return n.state == NodeState::kDraining &&
            (n.drained || (n.replicas == 0 && n.held == 0) || now_ns >= n.drain_deadline_ns);
+  }
+
+  // A new put or a remove of `key`: no copy of an older version a departed node holds may come
+  // back with it.
+  void ForgetDepartedCopies(std::string_view key) {
+    for (auto& [id, d] : departed) {
+      for (auto it = d.copies.lower_bound({std::string(key), 0});
+           it != d.copies.end() && it->first.first == key; ++it) {
+        it->second = false;
+      }
+    }
   }
 
   // Rebuilds objects from a registering node's records; see RegisterNode.
@@ -713,7 +748,10 @@ struct MasterState::Impl {
         reply.frees.push_back(rec);
       }
     }
-    // 4. Against the table, newest versions first.
+    // 4. Against the table, newest versions first. A node id that left before (departed):
+    // a copy of an object that stayed on other nodes and is gone now (removed, evicted, put
+    // again) is freed; one of an object that left with it comes back.
+    const auto dep = departed.find(n.id().node_id);
     std::stable_sort(placed.begin(), placed.end(), newer_version);
     for (size_t i : placed) {
       const InventoryRecord& rec = inventory[i];
@@ -723,6 +761,10 @@ struct MasterState::Impl {
       bool accept;
       if (!o) {
         accept = true;
+        if (dep != departed.end()) {
+          auto c = dep->second.copies.find({rec.key, rec.version});
+          if (c != dep->second.copies.end()) accept = c->second;
+        }
       } else if (o->version > rec.version) {
         accept = false;
       } else if (o->version == rec.version) {
@@ -1209,6 +1251,7 @@ Result<RegisterReply> MasterState::RegisterNode(const NodeRegistration& registra
   RegisterReply reply;
   reply.heartbeat_interval_ms = std::max<uint64_t>(1, m.cfg.node_ttl_ms / 3);
   m.LoadInventory(n, inventory, now_ns, reply);
+  m.departed.erase(id.node_id);  // used up: what it holds now is in the table or freed
   if (n.state == NodeState::kDraining) {
     for (auto& [sid, s] : n.segments) {
       for (Impl::Object* o : s.residents) {
@@ -1347,6 +1390,7 @@ std::vector<Result<PutAllocation>> MasterState::PutStart(const std::vector<PutIt
       out.push_back(std::move(st));
       continue;
     }
+    if (!m.departed.empty()) m.ForgetDepartedCopies(item.key);  // a new version from here on
     out.push_back(m.AllocateObject(item, bytes, options, now_ns));
   }
   return out;
@@ -1479,6 +1523,7 @@ Status MasterState::Remove(std::string_view key, uint64_t now_ns) {
   KVB_RETURN_IF_ERROR(m.CheckKey(key));
   std::lock_guard<std::mutex> lock(m.mu);
   Impl::Object* o = m.FindObject(key);
+  m.ForgetDepartedCopies(key);  // even if absent here: a departed node may hold it
   if (!o) return Status::NotFound("no such object");
   if (o->state != ObjectState::kComplete) {
     return Status::Unavailable("a put of this key is in progress");
@@ -1495,6 +1540,9 @@ size_t MasterState::RemoveAll(uint64_t now_ns) {
     if (o->state == ObjectState::kComplete) victims.push_back(o.get());
   }
   for (Impl::Object* o : victims) m.EraseObject(o, now_ns, /*writer_done=*/false);
+  for (auto& [id, d] : m.departed) {
+    for (auto& [copy, comes_back] : d.copies) comes_back = false;
+  }
   return victims.size();
 }
 
@@ -1698,6 +1746,10 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
   for (auto& [id, n] : m.nodes) {
     if (now_ns >= n.last_seen_ns && now_ns - n.last_seen_ns >= ttl) dead.push_back(&n);
   }
+  std::erase_if(m.departed, [&](const auto& d) {
+    return now_ns >= d.second.since_ns &&
+           now_ns - d.second.since_ns >= MsToNs(m.cfg.departed_ttl_ms);
+  });
   for (Impl::Node* n : dead) m.DropNode(n, now_ns, /*expired=*/true);
   sum.nodes_expired = dead.size();
 

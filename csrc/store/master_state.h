@@ -144,6 +144,13 @@ struct MasterConfig {
   // Replication tasks in flight per source node.
   uint32_t max_tasks_per_node = 256;
 
+  // --- Nodes that left (expired, superseded by a restart, drained) ---
+  // What such a node held is remembered this long, so that when the node id registers again
+  // its copies of objects removed, evicted or rewritten meanwhile are freed instead of brought
+  // back, while objects that left with it (their last copy) come back. After this, its records
+  // are taken as a restarted master takes them (every key the table lacks comes back).
+  uint64_t departed_ttl_ms = 24ull * 3600 * 1000;
+
   // --- Replica ordering ---
   // Half-life of the per-node read and bad-replica counters used to order replicas.
   uint64_t health_half_life_ms = 10000;

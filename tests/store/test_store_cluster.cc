@@ -465,6 +465,38 @@ TEST_F(StoreClusterLongTtl, ReadersThatCannotReachAnyReplicaDropNothing) {
   EXPECT_EQ(GetRange(0, 2, &err), 0) << err;
 }
 
+// A node frozen for longer than the TTL is declared dead (its replicas are restored on the
+// others); when it runs again it registers anew with what it holds. Nothing is lost, objects
+// removed while it was away stay removed (its copies of them are freed, not brought back),
+// and it serves new objects again.
+TEST_F(StoreCluster, NodeBackFromAFreezeLongerThanTheTtlLosesAndRevivesNothing) {
+  constexpr size_t kObjects = 32, kRemoved = 8;
+  ASSERT_EQ(PutRange(0, kObjects), 0);
+  nodes_[0]->Signal(SIGSTOP);
+  WaitForActiveNodes(2, 5 * kTtlMs);
+  EXPECT_TRUE(WaitForReplicas(2, 5 * kTtlMs)) << "replicas of the dead node were not restored";
+  std::vector<std::string> removed;
+  for (size_t i = 0; i < kRemoved; ++i) removed.push_back(Key(i));
+  for (const Status& st : client_->BatchRemove(removed)) EXPECT_TRUE(st.ok()) << st.ToString();
+  nodes_[0]->Signal(SIGCONT);
+  WaitForActiveNodes(3, 5 * kTtlMs);
+  std::string err;
+  EXPECT_EQ(GetRange(kRemoved, kObjects - kRemoved, &err), 0) << err;
+  auto exists = Must(client_->BatchExists(removed));
+  EXPECT_EQ(std::count(exists.begin(), exists.end(), true), 0)
+      << "objects removed while the node was away came back with it";
+  EXPECT_EQ(View().objects, kObjects - kRemoved);
+  // Its returned copies either count (under target) or are freed: never more than the target.
+  EXPECT_TRUE(WaitForReplicas(2, 5 * kTtlMs)) << "replica count did not settle at 2";
+  ASSERT_EQ(PutRange(kObjects, 64), 0);
+  EXPECT_GT(View().nodes.size(), 2u);
+  uint64_t on_node0 = 0;
+  for (const auto& n : View().nodes) {
+    if (n.id.node_id == "node0" && n.state == "ACTIVE") on_node0 = n.replicas;
+  }
+  EXPECT_GT(on_node0, 0u) << "the returned node gets no new objects";
+}
+
 // A store call that fails at the master says so in Status::origin(), whatever its message
 // says (the Mooncake layer turns it into RPC_FAIL, a node's failure into TRANSFER_FAIL).
 TEST_F(StoreCluster, MasterFailuresNameTheMaster) {

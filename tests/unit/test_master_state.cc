@@ -1339,6 +1339,87 @@ TEST(MasterRestart, InventoriesRebuildTheTable) {
   EXPECT_GT(a->version, max_version);
 }
 
+// A node that expired comes back (same incarnation, re-registering with everything it held).
+// What left with it (its object's last copy) comes back; its copies of objects that stayed on
+// other nodes and were then removed, or removed and put again, are freed, never revived;
+// copies of objects still there count as replicas (up to the target).
+TEST(MasterMembership, ExpiredNodeBringsBackOnlyWhatLeftWithIt) {
+  Cluster c;
+  c.AddNode("n0", {1 << 20});
+  c.AddNode("n1", {1 << 20});
+  ASSERT_TRUE(c.Put("kept", 4096, 2).ok());
+  ASSERT_TRUE(c.Put("removed", 4096, 2).ok());
+  ASSERT_TRUE(c.Put("rewritten", 4096, 2).ok());
+  ASSERT_TRUE(c.Put("only-n0", 4096, 1, "n0").ok());
+  ASSERT_TRUE(c.Put("only-n0-removed", 4096, 1, "n0").ok());
+  ASSERT_EQ(c.ReplicaNodes("only-n0"), std::vector<std::string>{"n0"});
+  const uint64_t old_rewritten = c.m().GetReplicas({"rewritten"}, "", c.now)[0]->version;
+  // n0 goes silent: after the TTL it is dead, "only-n0" and "only-n0-removed" went with it.
+  for (int i = 0; i < 4; ++i) {
+    c.now += 1000 * kMs;
+    ASSERT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
+    c.m().Tick(c.now);
+  }
+  ASSERT_EQ(c.m().Heartbeat(c.nodes["n0"].id, c.now).status().code(), StatusCode::kNotFound);
+  EXPECT_FALSE(c.m().Exists({"only-n0"})[0]);
+  // Meanwhile: removes, and a key removed and put again.
+  ASSERT_TRUE(c.m().Remove("removed", c.now).ok());
+  ASSERT_TRUE(c.m().Remove("rewritten", c.now).ok());
+  ASSERT_TRUE(c.Put("rewritten", 4096, 1).ok());
+  EXPECT_EQ(c.m().Remove("only-n0-removed", c.now).code(), StatusCode::kNotFound);
+  c.now += 5000 * kMs;  // leases over: the removed objects' space is freed on n1
+  ASSERT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
+  c.m().Tick(c.now);
+  ASSERT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
+
+  FakeNode& n0 = c.nodes["n0"];
+  ASSERT_EQ(n0.records.size(), 5u) << "silent, n0 got no frees: it still holds every record";
+  auto back = c.Register(n0);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  const auto exists = c.m().Exists({"kept", "removed", "rewritten", "only-n0", "only-n0-removed"});
+  EXPECT_TRUE(exists[0]);
+  EXPECT_FALSE(exists[1]) << "a removed object came back with the node";
+  EXPECT_TRUE(exists[2]);
+  EXPECT_TRUE(exists[3]) << "the object that left with the node did not come back";
+  EXPECT_FALSE(exists[4]) << "an object removed (while only the departed node held it) came back";
+  auto rewritten = c.m().GetReplicas({"rewritten"}, "", c.now);
+  ASSERT_TRUE(rewritten[0].ok());
+  EXPECT_GT(rewritten[0]->version, old_rewritten);
+  EXPECT_FALSE(n0.Holds("rewritten", old_rewritten)) << "the old version's copy was not freed";
+  for (const auto& [at, r] : n0.records) {
+    EXPECT_TRUE(r.key != "removed" && r.key != "only-n0-removed")
+        << "n0's copy of removed " << r.key << " was not freed";
+  }
+  EXPECT_EQ(c.ReplicaNodes("kept").size(), 2u) << "n0's copy of a live object counts again";
+  EXPECT_EQ(c.ReplicaNodes("only-n0"), std::vector<std::string>{"n0"});
+  ExpectConsistent(c);
+}
+
+// What a departed node held is remembered for departed_ttl_ms; a node back after that is
+// taken as a restarted master takes nodes: every record of a key the table lacks comes back.
+TEST(MasterMembership, DepartedNodeIsRememberedForDepartedTtl) {
+  MasterConfig cfg;
+  cfg.departed_ttl_ms = 10000;
+  Cluster c(cfg);
+  c.AddNode("n0", {1 << 20});
+  c.AddNode("n1", {1 << 20});
+  ASSERT_TRUE(c.Put("removed", 4096, 2).ok());
+  for (int i = 0; i < 4; ++i) {
+    c.now += 1000 * kMs;
+    ASSERT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
+    c.m().Tick(c.now);
+  }
+  ASSERT_TRUE(c.m().Remove("removed", c.now).ok());
+  for (int i = 0; i < 11; ++i) {
+    c.now += 1000 * kMs;
+    ASSERT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
+    c.m().Tick(c.now);
+  }
+  ASSERT_TRUE(c.Register(c.nodes["n0"]).ok());
+  EXPECT_TRUE(c.m().Exists({"removed"})[0]);
+  ExpectConsistent(c);
+}
+
 TEST(MasterRestart, FirstVersionComesFromTheConfig) {
   MasterConfig cfg;
   cfg.first_version = 1700000000000000ull;

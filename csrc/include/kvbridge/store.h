@@ -182,6 +182,11 @@ struct MasterOptions {
   // A re-replication task or a DRAM<->SSD move not reported done within this is given up and
   // its target range freed (a move's node drops a copy reported late). KVBRIDGE_TASK_TIMEOUT_MS.
   uint32_t task_timeout_ms = 10000;
+  // A node that left (expired, restarted, drained) is remembered this long: when its node id
+  // registers again, its copies of objects removed, evicted or put again meanwhile are freed,
+  // and objects that left with it come back. A node back later is taken as after a master
+  // restart (every key the master lacks comes back). KVBRIDGE_DEPARTED_NODE_TTL_MS.
+  uint64_t departed_node_ttl_ms = 24ull * 3600 * 1000;
   // Fault injection for tests; empty in production. A comma-separated list of name=count:
   //   demote_done_lose_request  the next `count` DemoteDone calls are answered UNAVAILABLE
   //                             without being applied (a request lost on the way);
