@@ -9,7 +9,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libssl-dev liburing-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   python3 python3-venv
-  iproute2 procps
+  iproute2 nftables procps
   clang-format
 )
 
