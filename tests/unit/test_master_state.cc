@@ -109,6 +109,17 @@ class Cluster {
     for (auto& [name, n] : nodes) EXPECT_TRUE(Heartbeat(n).ok()) << name;
   }
 
+  // `seconds` pass one at a time: each, the nodes named in `alive` heartbeat (every node when
+  // it is empty) and the master ticks.
+  void PassSeconds(int seconds, const std::vector<std::string>& alive = {}) {
+    for (int i = 0; i < seconds; ++i) {
+      now += 1000 * kMs;
+      if (alive.empty()) HeartbeatAll();
+      for (const auto& name : alive) EXPECT_TRUE(Heartbeat(nodes[name]).ok()) << name;
+      m().Tick(now);
+    }
+  }
+
   Result<PutAllocation> Start(const std::string& key, std::vector<uint64_t> sizes,
                               uint32_t replica_num = 1, const std::string& client = "",
                               bool pinned = false) {
@@ -439,11 +450,7 @@ TEST(MasterPlacement, SuspectNodeIsAvoidedUntilItsReportsAgeOut) {
   const MasterSnapshot after = c.m().Snapshot();
   EXPECT_EQ(Find(after, "c")->replicas[0].location.node.node_id, "n0")
       << "placed on a node readers just reported bad";
-  for (int i = 0; i < 30; ++i) {  // 30 s: three half-lives of the report counter
-    c.now += 1000 * kMs;
-    c.HeartbeatAll();
-    c.m().Tick(c.now);
-  }
+  c.PassSeconds(30);  // three half-lives of the report counter
   ASSERT_TRUE(c.Put("d", 4096).ok());
   const MasterSnapshot later = c.m().Snapshot();
   EXPECT_EQ(Find(later, "d")->replicas[0].location.node.node_id, "big");
@@ -1355,11 +1362,7 @@ TEST(MasterMembership, ExpiredNodeBringsBackOnlyWhatLeftWithIt) {
   ASSERT_EQ(c.ReplicaNodes("only-n0"), std::vector<std::string>{"n0"});
   const uint64_t old_rewritten = c.m().GetReplicas({"rewritten"}, "", c.now)[0]->version;
   // n0 goes silent: after the TTL it is dead, "only-n0" and "only-n0-removed" went with it.
-  for (int i = 0; i < 4; ++i) {
-    c.now += 1000 * kMs;
-    ASSERT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
-    c.m().Tick(c.now);
-  }
+  c.PassSeconds(4, {"n1"});
   ASSERT_EQ(c.m().Heartbeat(c.nodes["n0"].id, c.now).status().code(), StatusCode::kNotFound);
   EXPECT_FALSE(c.m().Exists({"only-n0"})[0]);
   // Meanwhile: removes, and a key removed and put again.
@@ -1404,17 +1407,9 @@ TEST(MasterMembership, DepartedNodeIsRememberedForDepartedTtl) {
   c.AddNode("n0", {1 << 20});
   c.AddNode("n1", {1 << 20});
   ASSERT_TRUE(c.Put("removed", 4096, 2).ok());
-  for (int i = 0; i < 4; ++i) {
-    c.now += 1000 * kMs;
-    ASSERT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
-    c.m().Tick(c.now);
-  }
+  c.PassSeconds(4, {"n1"});
   ASSERT_TRUE(c.m().Remove("removed", c.now).ok());
-  for (int i = 0; i < 11; ++i) {
-    c.now += 1000 * kMs;
-    ASSERT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
-    c.m().Tick(c.now);
-  }
+  c.PassSeconds(11, {"n1"});
   ASSERT_TRUE(c.Register(c.nodes["n0"]).ok());
   EXPECT_TRUE(c.m().Exists({"removed"})[0]);
   ExpectConsistent(c);
