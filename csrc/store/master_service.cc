@@ -58,6 +58,11 @@ MasterOptions MasterOptions::FromEnv() {
 
 namespace {
 
+// How often the master ticks (liveness, repairs, eviction).
+uint64_t TickPeriodMs(uint64_t node_ttl_ms) {
+  return std::max<uint64_t>(20, std::min<uint64_t>(200, node_ttl_ms / 6));
+}
+
 store::NodeIdentity FromProto(const rpc::NodeIdentity& id) {
   return store::NodeIdentity{id.node_id(), id.incarnation()};
 }
@@ -247,14 +252,17 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   }
 
   void TickLoop() {
-    const uint64_t period_ms =
-        std::max<uint64_t>(20, std::min<uint64_t>(200, options.node_ttl_ms / 6));
+    const uint64_t period_ms = TickPeriodMs(options.node_ttl_ms);
     std::unique_lock<std::mutex> lock(tick_mu);
     while (!stopping) {
       tick_cv.wait_for(lock, std::chrono::milliseconds(period_ms), [&] { return stopping; });
       if (stopping) break;
       lock.unlock();
       store::TickSummary s = state->Tick(util::MonoNs());
+      if (s.paused_ms) {
+        KVB_LOG(WARN) << "the master did not run for " << s.paused_ms
+                      << " ms (frozen or paused); every node's TTL starts over";
+      }
       if (s.nodes_expired) KVB_LOG(WARN) << s.nodes_expired << " node(s) expired (silent past TTL)";
       if (s.tasks_created) KVB_LOG(INFO) << s.tasks_created << " re-replication task(s) scheduled";
       {
@@ -549,6 +557,10 @@ const std::string& MasterServer::address() const { return impl_->address; }
 Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& options) {
   store::MasterConfig cfg;
   cfg.node_ttl_ms = options.node_ttl_ms;
+  // The tick loop runs every min(200, ttl/6) ms (at least 20): a gap of three periods, and at
+  // least a quarter TTL, is not scheduling jitter but a pause of the whole master.
+  cfg.pause_threshold_ms =
+      std::max<uint64_t>(3 * TickPeriodMs(options.node_ttl_ms), options.node_ttl_ms / 4);
   cfg.lease_ms = options.lease_ms;
   cfg.put_timeout_ms = options.put_timeout_ms;
   cfg.min_replicas = options.min_replicas;

@@ -212,6 +212,7 @@ struct MasterState::Impl {
   uint64_t next_task_id = RandomTaskIdBase();
   uint64_t directory_version = 1;
   uint64_t last_decay_ns = 0;
+  uint64_t last_tick_ns = 0;
   uint64_t evictions_total = 0;
   uint64_t revokes_total = 0;
   uint64_t nodes_expired_total = 0;
@@ -1742,6 +1743,12 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
       }
     }
   }
+  if (m.cfg.pause_threshold_ms != 0 && m.last_tick_ns != 0 && now_ns > m.last_tick_ns &&
+      now_ns - m.last_tick_ns > MsToNs(m.cfg.pause_threshold_ms)) {
+    sum.paused_ms = (now_ns - m.last_tick_ns) / MsToNs(1);
+    for (auto& [id, n] : m.nodes) n.last_seen_ns = std::max(n.last_seen_ns, now_ns);
+  }
+  m.last_tick_ns = std::max(m.last_tick_ns, now_ns);
   std::vector<Impl::Node*> dead;
   for (auto& [id, n] : m.nodes) {
     if (now_ns >= n.last_seen_ns && now_ns - n.last_seen_ns >= ttl) dead.push_back(&n);

@@ -98,6 +98,12 @@ struct MasterConfig {
   // --- Membership ---
   // A node silent this long is DEAD. Nodes should heartbeat every node_ttl_ms / 3.
   uint64_t node_ttl_ms = 3000;
+  // Ticks further apart than this mean the master itself was not running (a frozen process, a
+  // paused VM, a stalled host) and heard nothing meanwhile through no fault of the nodes: each
+  // node's TTL starts over at that tick instead of every node being declared dead at once.
+  // 0 = off (tests that drive Tick in big steps). The master service sets it from its tick
+  // period.
+  uint64_t pause_threshold_ms = 0;
   // A DRAINING node is reported drained after this even if not everything moved.
   uint64_t drain_timeout_ms = 30000;
 
@@ -338,6 +344,7 @@ struct TickSummary {
   size_t drains_finished = 0;
   size_t demotions_scheduled = 0;
   size_t demotions_timed_out = 0;
+  uint64_t paused_ms = 0;  // the master did not tick for this long (pause_threshold_ms); 0 if not
 };
 
 // A full copy of the table, for tests, debugging and invariant checks. O(objects).

@@ -497,6 +497,27 @@ TEST_F(StoreCluster, NodeBackFromAFreezeLongerThanTheTtlLosesAndRevivesNothing) 
   EXPECT_GT(on_node0, 0u) << "the returned node gets no new objects";
 }
 
+// A master frozen (SIGSTOP: a VM pause, a stalled host) for longer than the node TTL heard no
+// heartbeat meanwhile, through no fault of the nodes. When it runs again it must not declare
+// every node dead (dropping every replica, removing every object): the time it was not running
+// does not count against the nodes.
+TEST_F(StoreCluster, MasterFrozenPastTheTtlDeclaresNoNodeDead) {
+  constexpr size_t kObjects = 32;
+  ASSERT_EQ(PutRange(0, kObjects), 0);
+  const ClusterStatus before = View();
+  master_->Signal(SIGSTOP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(4 * kTtlMs));
+  master_->Signal(SIGCONT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(kTtlMs));
+  const ClusterStatus after = View();
+  EXPECT_EQ(after.nodes_expired_total, before.nodes_expired_total)
+      << "nodes were declared dead for the master's own pause";
+  EXPECT_EQ(after.objects, kObjects);
+  std::string err;
+  EXPECT_EQ(GetRange(0, kObjects, &err), 0) << err;
+  EXPECT_EQ(PutRange(kObjects, 8), 0);
+}
+
 // A store call that fails at the master says so in Status::origin(), whatever its message
 // says (the Mooncake layer turns it into RPC_FAIL, a node's failure into TRANSFER_FAIL).
 TEST_F(StoreCluster, MasterFailuresNameTheMaster) {

@@ -412,6 +412,34 @@ TEST(MasterMembership, NodeSilentForTtlIsDeadAndMustReRegister) {
   EXPECT_TRUE(c.Heartbeat(c.nodes["n0"]).ok());
 }
 
+// Ticks further apart than pause_threshold_ms mean the master itself was not running: every
+// node's TTL starts over there, so a node that stays silent is still found dead, one TTL
+// later, and none is declared dead for the master's own pause.
+TEST(MasterMembership, APausedMasterStartsEveryTtlOver) {
+  MasterConfig cfg;
+  cfg.pause_threshold_ms = 500;
+  Cluster c(cfg);
+  c.AddNode("n0", {1 << 20});
+  c.AddNode("n1", {1 << 20});
+  EXPECT_EQ(c.m().Tick(c.now).paused_ms, 0u);
+  c.now += 400 * kMs;
+  EXPECT_EQ(c.m().Tick(c.now).paused_ms, 0u);  // an ordinary gap
+  c.now += 5000 * kMs;                         // the master was frozen
+  TickSummary t = c.m().Tick(c.now);
+  EXPECT_EQ(t.paused_ms, 5000u);
+  EXPECT_EQ(t.nodes_expired, 0u);
+  for (int i = 0; i < 14; ++i) {  // 2.8 s more: n1 heartbeats, n0 stays silent
+    c.now += 200 * kMs;
+    ASSERT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
+    EXPECT_EQ(c.m().Tick(c.now).nodes_expired, 0u) << i;
+  }
+  c.now += 200 * kMs;  // 3 s after the pause ended
+  ASSERT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
+  EXPECT_EQ(c.m().Tick(c.now).nodes_expired, 1u);
+  EXPECT_EQ(c.m().Heartbeat(c.nodes["n0"].id, c.now).status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
+}
+
 // Liveness is recorded by Touch() without the table lock (a heartbeat that then waits behind
 // data-plane work still counts); another incarnation's touch does not keep a node alive.
 TEST(MasterMembership, TouchKeepsANodeAliveWithoutTheTableLock) {
