@@ -299,6 +299,10 @@ NetNamespace::~NetNamespace() {
   if (!name_.empty()) Run("ip netns del " + name_);
 }
 
+bool NetNamespace::Exec(const std::string& cmd) const {
+  return Run("ip netns exec " + name_ + " " + cmd);
+}
+
 bool NetNamespace::SetLink(int nic, bool up) {
   if (nic < 0 || nic >= static_cast<int>(links_.size())) return false;
   return Run("ip link set " + links_[nic] + (up ? " up" : " down"));

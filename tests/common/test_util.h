@@ -121,6 +121,8 @@ class NetNamespace {
   static std::string RemoteAddress(int nic) { return "10.231." + std::to_string(nic + 1) + ".2"; }
   // Brings this side of NIC `nic` up or down.
   bool SetLink(int nic, bool up);
+  // Runs a shell command inside the namespace (output discarded); true if it exited 0.
+  bool Exec(const std::string& cmd) const;
 
  private:
   std::string name_;

@@ -35,15 +35,14 @@ double MsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-bool Sh(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()) == 0; }
-
 class StorePartition : public ::testing::Test {
  protected:
   void SetUp() override {
     std::string why;
     ns_ = testing::NetNamespace::Create(1, &why);
     if (!ns_) GTEST_SKIP() << "network namespaces unavailable: " << why;
-    if (!Sh("nft --version")) GTEST_SKIP() << "nft is not installed (scripts/setup.sh installs it)";
+    if (!ns_->Exec("nft --version"))
+      GTEST_SKIP() << "nft is not installed (scripts/setup.sh installs it)";
     setenv("KVBRIDGE_PROGRESS_TIMEOUT_MS", "500", 1);
     setenv("KVBRIDGE_DEADLINE_MS", "3000", 1);
     setenv("KVBRIDGE_LOG_LEVEL", "error", 1);
@@ -97,11 +96,11 @@ class StorePartition : public ::testing::Test {
   // Drops (or stops dropping) every packet to node 0's data port, inside its namespace.
   bool Cut(bool on) {
     if (!ns_) return true;
-    const std::string nft = "ip netns exec " + ns_->name() + " nft ";
-    if (!on) return Sh(nft + "delete table inet kvbcut");
-    return Sh(nft + "add table inet kvbcut") &&
-           Sh(nft + "'add chain inet kvbcut in { type filter hook input priority 0; }'") &&
-           Sh(nft + "add rule inet kvbcut in tcp dport " + std::to_string(cut_port_) + " drop");
+    if (!on) return ns_->Exec("nft delete table inet kvbcut");
+    return ns_->Exec("nft add table inet kvbcut") &&
+           ns_->Exec("nft 'add chain inet kvbcut in { type filter hook input priority 0; }'") &&
+           ns_->Exec("nft add rule inet kvbcut in tcp dport " + std::to_string(cut_port_) +
+                     " drop");
   }
 
   ClusterStatus View() { return Must(QueryClusterStatus(master_addr_)); }
