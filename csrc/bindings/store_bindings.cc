@@ -4,8 +4,11 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -59,6 +62,79 @@ void CheckSameLength(size_t keys, size_t buffers) {
     throw StatusError(Status::InvalidArgument(std::to_string(keys) + " keys but " +
                                               std::to_string(buffers) + " buffer lists"));
   }
+}
+
+// The pointer-list form of a batch (Mooncake's batch_put_from / batch_get_into arguments): one
+// registered buffer per key, given as parallel lists of keys, addresses and lengths. Read
+// without building a Python object per key; at 128 keys per call the general conversion cost
+// about 0.4 ms of a 3 ms store get.
+struct PtrBatch {
+  std::vector<std::string> keys;
+  std::vector<std::vector<BufferRef>> buffers;
+};
+
+// A positive int of exactly type int (bool is excluded), or nullopt.
+std::optional<uint64_t> PositiveInt(PyObject* o) {
+  if (!PyLong_CheckExact(o)) return std::nullopt;
+  const unsigned long long v = PyLong_AsUnsignedLongLong(o);
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();  // negative or too large
+    return std::nullopt;
+  }
+  if (v == 0) return std::nullopt;
+  return static_cast<uint64_t>(v);
+}
+
+// nullopt unless keys, addresses and lengths are lists of one length, every key a str or bytes
+// (distinct, when unique_keys), every address and length a positive int. Anything else goes to
+// the general path, which names what is wrong.
+std::optional<PtrBatch> ReadPtrBatch(const py::handle& keys, const py::handle& addrs,
+                                     const py::handle& lens, bool unique_keys) {
+  if (!PyList_CheckExact(keys.ptr()) || !PyList_CheckExact(addrs.ptr()) ||
+      !PyList_CheckExact(lens.ptr())) {
+    return std::nullopt;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
+  if (PyList_GET_SIZE(addrs.ptr()) != n || PyList_GET_SIZE(lens.ptr()) != n) return std::nullopt;
+  PtrBatch b;
+  b.keys.reserve(n);
+  b.buffers.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* k = PyList_GET_ITEM(keys.ptr(), i);
+    const char* data = nullptr;
+    Py_ssize_t size = 0;
+    if (PyUnicode_CheckExact(k)) {
+      data = PyUnicode_AsUTF8AndSize(k, &size);
+      if (data == nullptr) {
+        PyErr_Clear();  // not encodable (lone surrogates)
+        return std::nullopt;
+      }
+    } else if (PyBytes_CheckExact(k)) {
+      data = PyBytes_AS_STRING(k);
+      size = PyBytes_GET_SIZE(k);
+    } else {
+      return std::nullopt;
+    }
+    const auto addr = PositiveInt(PyList_GET_ITEM(addrs.ptr(), i));
+    const auto len = PositiveInt(PyList_GET_ITEM(lens.ptr(), i));
+    if (!addr || !len) return std::nullopt;
+    b.keys.emplace_back(data, static_cast<size_t>(size));
+    b.buffers.push_back({BufferRef{reinterpret_cast<void*>(*addr), *len}});
+  }
+  if (unique_keys) {
+    std::unordered_set<std::string_view> seen(b.keys.begin(), b.keys.end());
+    if (seen.size() != b.keys.size()) return std::nullopt;
+  }
+  return b;
+}
+
+// Failed keys only: {index: Status}.
+py::dict Failures(const std::vector<Status>& st) {
+  py::dict out;
+  for (size_t i = 0; i < st.size(); ++i) {
+    if (!st[i].ok()) out[py::int_(i)] = py::cast(bindings::ToPy(st[i]));
+  }
+  return out;
 }
 
 std::vector<PyStatus> ToPy(const std::vector<Status>& v) {
@@ -214,6 +290,32 @@ void BindClient(py::module_& m) {
              auto bufs = ToBuffers(buffers);
              return ToPy(NoGil(
                  [&] { return c.With([&](StoreClient& s) { return s.BatchGetInto(keys, bufs); }); }));
+           })
+      .def("batch_put_from_ptrs",
+           [](PyStoreClient& c, const py::handle& keys, const py::handle& addrs,
+              const py::handle& lens) -> py::object {
+             auto b = ReadPtrBatch(keys, addrs, lens, /*unique_keys=*/true);
+             if (!b) return py::none();
+             auto st = NoGil([&] {
+               return c.With([&](StoreClient& s) { return s.BatchPutFrom(b->keys, b->buffers); });
+             });
+             return Failures(st);
+           })
+      .def("batch_get_into_ptrs",
+           [](PyStoreClient& c, const py::handle& keys, const py::handle& addrs,
+              const py::handle& lens) -> py::object {
+             auto b = ReadPtrBatch(keys, addrs, lens, /*unique_keys=*/false);
+             if (!b) return py::none();
+             auto rs = NoGil([&] {
+               return c.With([&](StoreClient& s) { return s.BatchGetInto(b->keys, b->buffers); });
+             });
+             py::list sizes(rs.size());
+             py::dict failed;
+             for (size_t i = 0; i < rs.size(); ++i) {
+               sizes[i] = py::int_(rs[i].ok() ? rs[i].value() : 0);
+               if (!rs[i].ok()) failed[py::int_(i)] = py::cast(bindings::ToPy(rs[i].status()));
+             }
+             return py::make_tuple(std::move(sizes), std::move(failed));
            })
       .def("batch_get_size",
            [](PyStoreClient& c, const std::vector<std::string>& keys) {

@@ -21,6 +21,7 @@ the GIL; every object here may be used from several threads.
 from __future__ import annotations
 
 import bisect
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -45,6 +46,25 @@ def _raw_pair(b: Any) -> bool:
     which names what is wrong)."""
     return (type(b) is tuple and len(b) == 2 and type(b[0]) is int and type(b[1]) is int
             and b[0] > 0 and b[1] >= 0)
+
+
+def _ptr_pairs(keys: Sequence[Key], addresses: Sequence[int], lengths: Sequence[int]) -> list:
+    """(address, length) pairs of plain ints for the general path; integer-like values (numpy
+    integers) are taken, anything else is named with its position."""
+    if len(addresses) != len(keys) or len(lengths) != len(keys):
+        raise InvalidArgumentError(f"{len(keys)} keys but {len(addresses)} addresses and "
+                                   f"{len(lengths)} lengths")
+
+    def plain(v: Any, where: str) -> int:
+        if not isinstance(v, bool):
+            try:
+                return operator.index(v)
+            except TypeError:
+                pass
+        raise InvalidArgumentError(f"{where}: expected int, got {type(v).__name__}")
+
+    return [(plain(a, f"addresses[{i}]"), plain(n, f"lengths[{i}]"))
+            for i, (a, n) in enumerate(zip(addresses, lengths))]
 
 
 @dataclass(frozen=True)
@@ -195,6 +215,42 @@ class StoreClient:
         (status, size) per key: NOT_FOUND, INVALID_ARGUMENT (buffers too small), ..."""
         ks, bufs = self._batch_regions(keys, buffers, True, "batch_get_into")
         return [GetResult(s, n) for s, n in self._h.batch_get_into(ks, bufs)]
+
+    # Pointer lists (Mooncake's batch_put_from / batch_get_into arguments): one registered
+    # buffer per key. The lists are read natively, with no Python object per key; anything
+    # the fast reader does not take (other types, a zero address or length, a repeated key
+    # in a put) goes through the calls above, which name what is wrong.
+    def batch_put_from_ptrs(self, keys: Sequence[Key], addresses: Sequence[int],
+                            lengths: Sequence[int]) -> dict:
+        """batch_put_from for keys[i] stored from ``lengths[i]`` bytes at ``addresses[i]``
+        (registered memory). Returns the failed keys only: {index: kvbridge.Status}, empty
+        when every key was stored."""
+        failed = self._try_put_from_ptrs(keys, addresses, lengths)
+        if failed is not None:
+            return failed
+        statuses = self.batch_put_from(keys, _ptr_pairs(keys, addresses, lengths))
+        return {i: st for i, st in enumerate(statuses) if not st.ok}
+
+    def batch_get_into_ptrs(self, keys: Sequence[Key], addresses: Sequence[int],
+                            lengths: Sequence[int]) -> tuple[list[int], dict]:
+        """batch_get_into for keys[i] read into ``lengths[i]`` bytes at ``addresses[i]``
+        (registered memory). Returns (sizes, failures): bytes read per key (0 where it
+        failed) and {index: kvbridge.Status} for the failed keys only."""
+        got = self._try_get_into_ptrs(keys, addresses, lengths)
+        if got is not None:
+            return got
+        results = self.batch_get_into(keys, _ptr_pairs(keys, addresses, lengths))
+        return ([r.size if r.ok else 0 for r in results],
+                {i: r.status for i, r in enumerate(results) if not r.ok})
+
+    def _try_put_from_ptrs(self, keys: Any, addresses: Any, lengths: Any) -> Optional[dict]:
+        """The fast reader's batch_put_from_ptrs, or None when it does not take the lists
+        (the caller then takes its general path; the Mooncake layer has its own)."""
+        return self._h.batch_put_from_ptrs(keys, addresses, lengths)
+
+    def _try_get_into_ptrs(self, keys: Any, addresses: Any, lengths: Any) -> Optional[tuple]:
+        """As _try_put_from_ptrs, for batch_get_into_ptrs."""
+        return self._h.batch_get_into_ptrs(keys, addresses, lengths)
 
     def get_size(self, key: Key) -> int:
         """The object's size in bytes (NotFoundError if absent). Reads no bytes."""

@@ -113,6 +113,54 @@ def test_batch_raw_address_pairs_and_bad_pairs_named(cluster):
         store.batch_put_from(["neg"], [(a, -1)])
 
 
+def test_pointer_list_batches_and_their_bad_inputs(cluster):
+    np = pytest.importorskip("numpy")
+    store = cluster.client()
+    src = torch.arange(16 * 1024, dtype=torch.int32)  # 64 KiB
+    dst = torch.zeros(16 * 1024, dtype=torch.int32)
+    store.register_buffer(src)
+    store.register_buffer(dst)
+    a, b = src.data_ptr(), dst.data_ptr()
+    keys = [f"ptr{i}" for i in range(8)]
+    assert store.batch_put_from_ptrs(keys, [a + 4096 * i for i in range(8)], [4096] * 8) == {}
+    # Failures only, by index; the others are read.
+    sizes, failed = store.batch_get_into_ptrs(
+        keys[:2] + ["absent", keys[2]], [b, b + 4096, b + 8192, b + 12288], [4096, 4096, 64, 100])
+    assert sizes == [4096, 4096, 0, 0]
+    assert {i: st.name for i, st in failed.items()} == {2: "NOT_FOUND", 3: "INVALID_ARGUMENT"}
+    assert torch.equal(dst[:2048], src[:2048])
+    # Unregistered memory fails that key alone.
+    loose = torch.ones(1024, dtype=torch.int32)
+    failed = store.batch_put_from_ptrs(["loose", "ptr-ok"], [loose.data_ptr(), a], [4096, 64])
+    assert list(failed) == [0] and failed[0].name == "NOT_REGISTERED"
+    assert store.exists("ptr-ok") and not store.exists("loose")
+    # Lists of plain ints are read natively; anything else falls back (None).
+    assert store._try_get_into_ptrs(keys[:1], [b], [4096]) is not None
+    assert store._try_get_into_ptrs(tuple(keys[:1]), [b], [4096]) is None
+    assert store._try_put_from_ptrs(["k1", "k1"], [a, a], [64, 64]) is None
+    # What the native reader does not take goes through the general path: tuples and numpy
+    # integers work; a key twice in a put, bools, a zero address or different list lengths
+    # are named.
+    sizes, failed = store.batch_get_into_ptrs(tuple(keys[3:5]), (np.int64(b), b + 4096),
+                                              [np.uint32(4096), 4096])
+    assert sizes == [4096, 4096] and failed == {}
+    assert torch.equal(dst[:2048], src[3 * 1024:5 * 1024])
+    failed = store.batch_put_from_ptrs(["twice", "twice"], [a, a + 64], [64, 64])
+    assert {st.name for st in failed.values()} == {"INVALID_ARGUMENT"} and len(failed) == 2
+    assert "appears 2 times" in failed[0].message
+    with pytest.raises(errors.InvalidArgumentError, match=r"addresses\[1\]: expected int, got bool"):
+        store.batch_get_into_ptrs(keys[:2], [b, True], [64, 64])
+    with pytest.raises(errors.InvalidArgumentError, match=r"lengths\[0\]: expected int, got str"):
+        store.batch_put_from_ptrs(["s"], [a], ["64"])
+    with pytest.raises(errors.InvalidArgumentError, match=r"buffers\[0\].*not a valid range"):
+        store.batch_get_into_ptrs(keys[:1], [0], [64])
+    with pytest.raises(errors.InvalidArgumentError, match="2 keys but 1 addresses and 2 lengths"):
+        store.batch_get_into_ptrs(keys[:2], [b], [64, 64])
+    with pytest.raises(errors.InvalidArgumentError, match=r"keys\[1\]"):
+        store.batch_put_from_ptrs(["k", 7], [a, a], [64, 64])
+    assert not store.exists("k")
+
+
 def test_registered_buffer_get_into_is_zero_copy_path(cluster):
     store = cluster.client()
     buf = torch.zeros(1 << 16, dtype=torch.uint8)

@@ -385,6 +385,22 @@ def test_batch_partial_failures(store, arena, key):
     assert store.batch_is_exist([key("x"), key("y")]) == [0, 0]
 
 
+def test_batch_arguments_as_lists_or_tuples_give_the_same_results(store, arena, key):
+    # kvbridge reads lists of plain ints natively and takes everything else through its
+    # general path: both must answer alike, failures included.
+    data = [pattern(1000 + i, i) for i in range(4)]
+    srcs = [arena.alloc(len(d), d) for d in data]
+    sizes = [len(d) for d in data]
+    for kind in (list, tuple):
+        keys = [key(f"{kind.__name__}{i}") for i in range(4)]
+        assert store.batch_put_from(kind(keys), kind(srcs), kind(sizes)) == [0] * 4
+        dsts = [arena.alloc(1100) for _ in range(5)]
+        asked = keys[:3] + [key("missing"), keys[3]]
+        got = store.batch_get_into(kind(asked), kind(dsts), kind([1100, 1100, 1001, 1100, 900]))
+        assert got == [1000, 1001, INVALID_PARAMS, OBJECT_NOT_FOUND, INVALID_PARAMS], kind
+        assert read(dsts[0], 1000) == data[0] and read(dsts[1], 1001) == data[1]
+
+
 def test_a_key_twice_in_one_batch(impl, store, arena, key):
     k = key("k")
     first, second = arena.alloc(8, b"first..."), arena.alloc(8, b"second..")
