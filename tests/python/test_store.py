@@ -92,12 +92,18 @@ def test_batch_zero_copy_with_multi_buffers_and_partial_failures(cluster):
         store.unregister_buffer(src)
 
 
-def test_batch_raw_address_pairs_and_bad_pairs_named(cluster):
+def _registered_pair(cluster):
+    """A client with a 64 KiB source and a 64 KiB destination tensor registered."""
     store = cluster.client()
-    src = torch.arange(16 * 1024, dtype=torch.int32)  # 64 KiB
+    src = torch.arange(16 * 1024, dtype=torch.int32)
     dst = torch.zeros(16 * 1024, dtype=torch.int32)
     store.register_buffer(src)
     store.register_buffer(dst)
+    return store, src, dst
+
+
+def test_batch_raw_address_pairs_and_bad_pairs_named(cluster):
+    store, src, dst = _registered_pair(cluster)
     a, b = src.data_ptr(), dst.data_ptr()
     # (address, length) pairs alone and in lists (K|V), as the Mooncake layer passes them.
     st = store.batch_put_from(["raw0", "raw1"], [(a, 4096), [(a + 4096, 1024), (a + 8192, 1024)]])
@@ -115,11 +121,7 @@ def test_batch_raw_address_pairs_and_bad_pairs_named(cluster):
 
 def test_pointer_list_batches_and_their_bad_inputs(cluster):
     np = pytest.importorskip("numpy")
-    store = cluster.client()
-    src = torch.arange(16 * 1024, dtype=torch.int32)  # 64 KiB
-    dst = torch.zeros(16 * 1024, dtype=torch.int32)
-    store.register_buffer(src)
-    store.register_buffer(dst)
+    store, src, dst = _registered_pair(cluster)
     a, b = src.data_ptr(), dst.data_ptr()
     keys = [f"ptr{i}" for i in range(8)]
     assert store.batch_put_from_ptrs(keys, [a + 4096 * i for i in range(8)], [4096] * 8) == {}
