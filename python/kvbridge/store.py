@@ -48,9 +48,15 @@ def _raw_pair(b: Any) -> bool:
             and b[0] > 0 and b[1] >= 0)
 
 
-def _ptr_pairs(keys: Sequence[Key], addresses: Sequence[int], lengths: Sequence[int]) -> list:
-    """(address, length) pairs of plain ints for the general path; integer-like values (numpy
-    integers) are taken, anything else is named with its position."""
+def _multi(addresses: Sequence[Any]) -> bool:
+    """Whether a pointer-list call gives lists of buffers per key (judged by its first)."""
+    return len(addresses) > 0 and type(addresses[0]) is list
+
+
+def _ptr_pairs(keys: Sequence[Key], addresses: Sequence[Any], lengths: Sequence[Any]) -> list:
+    """(address, length) pairs of plain ints for the general path, a list of them where an
+    entry is a list; integer-like values (numpy integers) are taken, anything else is named
+    with its position."""
     if len(addresses) != len(keys) or len(lengths) != len(keys):
         raise InvalidArgumentError(f"{len(keys)} keys but {len(addresses)} addresses and "
                                    f"{len(lengths)} lengths")
@@ -63,8 +69,18 @@ def _ptr_pairs(keys: Sequence[Key], addresses: Sequence[int], lengths: Sequence[
                 pass
         raise InvalidArgumentError(f"{where}: expected int, got {type(v).__name__}")
 
-    return [(plain(a, f"addresses[{i}]"), plain(n, f"lengths[{i}]"))
-            for i, (a, n) in enumerate(zip(addresses, lengths))]
+    out = []
+    for i, (a, n) in enumerate(zip(addresses, lengths)):
+        if isinstance(a, (list, tuple)) or isinstance(n, (list, tuple)):
+            if not isinstance(a, (list, tuple)) or not isinstance(n, (list, tuple)) \
+                    or len(a) != len(n):
+                raise InvalidArgumentError(
+                    f"addresses[{i}] and lengths[{i}]: expected two lists of one length")
+            out.append([(plain(x, f"addresses[{i}][{j}]"), plain(y, f"lengths[{i}][{j}]"))
+                        for j, (x, y) in enumerate(zip(a, n))])
+        else:
+            out.append((plain(a, f"addresses[{i}]"), plain(n, f"lengths[{i}]")))
+    return out
 
 
 @dataclass(frozen=True)
@@ -216,41 +232,47 @@ class StoreClient:
         ks, bufs = self._batch_regions(keys, buffers, True, "batch_get_into")
         return [GetResult(s, n) for s, n in self._h.batch_get_into(ks, bufs)]
 
-    # Pointer lists (Mooncake's batch_put_from / batch_get_into arguments): one registered
-    # buffer per key. The lists are read natively, with no Python object per key; anything
-    # the fast reader does not take (other types, a zero address or length, a repeated key
-    # in a put) goes through the calls above, which name what is wrong.
-    def batch_put_from_ptrs(self, keys: Sequence[Key], addresses: Sequence[int],
-                            lengths: Sequence[int]) -> dict:
+    # Pointer lists (Mooncake's batch_put_from / batch_get_into arguments and their
+    # *_multi_buffers forms): registered buffers as parallel lists. They are read natively,
+    # with no Python object per key; anything the fast reader does not take (other types, a
+    # zero address or length, a repeated key in a put) goes through the calls above, which
+    # name what is wrong.
+    def batch_put_from_ptrs(self, keys: Sequence[Key], addresses: Sequence[Any],
+                            lengths: Sequence[Any]) -> dict:
         """batch_put_from for keys[i] stored from ``lengths[i]`` bytes at ``addresses[i]``
-        (registered memory). Returns the failed keys only: {index: kvbridge.Status}, empty
-        when every key was stored."""
-        failed = self._try_put_from_ptrs(keys, addresses, lengths)
+        (registered memory); addresses[i] and lengths[i] may also be lists of one length
+        (several buffers, concatenated into one object: K and V of a page). Returns the
+        failed keys only: {index: kvbridge.Status}, empty when every key was stored."""
+        failed = self._try_put_from_ptrs(keys, addresses, lengths, _multi(addresses))
         if failed is not None:
             return failed
         statuses = self.batch_put_from(keys, _ptr_pairs(keys, addresses, lengths))
         return {i: st for i, st in enumerate(statuses) if not st.ok}
 
-    def batch_get_into_ptrs(self, keys: Sequence[Key], addresses: Sequence[int],
-                            lengths: Sequence[int]) -> tuple[list[int], dict]:
+    def batch_get_into_ptrs(self, keys: Sequence[Key], addresses: Sequence[Any],
+                            lengths: Sequence[Any]) -> tuple[list[int], dict]:
         """batch_get_into for keys[i] read into ``lengths[i]`` bytes at ``addresses[i]``
-        (registered memory). Returns (sizes, failures): bytes read per key (0 where it
-        failed) and {index: kvbridge.Status} for the failed keys only."""
-        got = self._try_get_into_ptrs(keys, addresses, lengths)
+        (registered memory; lists of one length for several buffers, filled in order).
+        Returns (sizes, failures): bytes read per key (0 where it failed) and
+        {index: kvbridge.Status} for the failed keys only."""
+        got = self._try_get_into_ptrs(keys, addresses, lengths, _multi(addresses))
         if got is not None:
             return got
         results = self.batch_get_into(keys, _ptr_pairs(keys, addresses, lengths))
         return ([r.size if r.ok else 0 for r in results],
                 {i: r.status for i, r in enumerate(results) if not r.ok})
 
-    def _try_put_from_ptrs(self, keys: Any, addresses: Any, lengths: Any) -> Optional[dict]:
-        """The fast reader's batch_put_from_ptrs, or None when it does not take the lists
-        (the caller then takes its general path; the Mooncake layer has its own)."""
-        return self._h.batch_put_from_ptrs(keys, addresses, lengths)
+    def _try_put_from_ptrs(self, keys: Any, addresses: Any, lengths: Any,
+                           multi: bool) -> Optional[dict]:
+        """The fast reader's batch_put_from_ptrs (every entry an int, or with multi every entry
+        a list of ints), or None when it does not take the lists: the caller then takes its
+        general path (the Mooncake layer has its own)."""
+        return self._h.batch_put_from_ptrs(keys, addresses, lengths, multi)
 
-    def _try_get_into_ptrs(self, keys: Any, addresses: Any, lengths: Any) -> Optional[tuple]:
+    def _try_get_into_ptrs(self, keys: Any, addresses: Any, lengths: Any,
+                           multi: bool) -> Optional[tuple]:
         """As _try_put_from_ptrs, for batch_get_into_ptrs."""
-        return self._h.batch_get_into_ptrs(keys, addresses, lengths)
+        return self._h.batch_get_into_ptrs(keys, addresses, lengths, multi)
 
     def get_size(self, key: Key) -> int:
         """The object's size in bytes (NotFoundError if absent). Reads no bytes."""

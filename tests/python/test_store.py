@@ -137,9 +137,12 @@ def test_pointer_list_batches_and_their_bad_inputs(cluster):
     assert list(failed) == [0] and failed[0].name == "NOT_REGISTERED"
     assert store.exists("ptr-ok") and not store.exists("loose")
     # Lists of plain ints are read natively; anything else falls back (None).
-    assert store._try_get_into_ptrs(keys[:1], [b], [4096]) is not None
-    assert store._try_get_into_ptrs(tuple(keys[:1]), [b], [4096]) is None
-    assert store._try_put_from_ptrs(["k1", "k1"], [a, a], [64, 64]) is None
+    assert store._try_get_into_ptrs(keys[:1], [b], [4096], False) is not None
+    assert store._try_get_into_ptrs(tuple(keys[:1]), [b], [4096], False) is None
+    assert store._try_get_into_ptrs(keys[:1], [[b]], [[4096]], False) is None
+    assert store._try_get_into_ptrs(keys[:1], [[b, b + 64]], [[64, 64]], True) is not None
+    assert store._try_get_into_ptrs(keys[:1], [[b, b + 64]], [[64]], True) is None
+    assert store._try_put_from_ptrs(["k1", "k1"], [a, a], [64, 64], False) is None
     # What the native reader does not take goes through the general path: tuples and numpy
     # integers work; a key twice in a put, bools, a zero address or different list lengths
     # are named.
@@ -161,6 +164,26 @@ def test_pointer_list_batches_and_their_bad_inputs(cluster):
     with pytest.raises(errors.InvalidArgumentError, match=r"keys\[1\]"):
         store.batch_put_from_ptrs(["k", 7], [a, a], [64, 64])
     assert not store.exists("k")
+    # Several buffers per key (K and V): one object, read back into two buffers in order.
+    assert store.batch_put_from_ptrs(["kv0", "kv1"], [[a, a + 8192], [a + 4096, a + 100]],
+                                     [[1024, 1024], [512, 12]]) == {}
+    assert store.get_size("kv0") == 2048 and store.get_size("kv1") == 524
+    dst.zero_()
+    sizes, failed = store.batch_get_into_ptrs(["kv0", "kv1"], [[b, b + 1024], [b + 2048, b + 3072]],
+                                              [[1024, 1024], [512, 512]])
+    assert sizes == [2048, 524] and failed == {}
+    assert torch.equal(dst[:256], src[:256]) and torch.equal(dst[256:512], src[2048:2304])
+    assert torch.equal(dst[512:640], src[1024:1152])
+    assert torch.equal(dst[768:771], src[25:28])
+    # Lists of different lengths for one key, or a list against an int, are named.
+    with pytest.raises(errors.InvalidArgumentError,
+                       match=r"addresses\[0\] and lengths\[0\]: expected two lists"):
+        store.batch_get_into_ptrs(["kv0"], [[b, b + 64]], [[64]])
+    with pytest.raises(errors.InvalidArgumentError,
+                       match=r"addresses\[1\] and lengths\[1\]: expected two lists"):
+        store.batch_get_into_ptrs(["kv0", "kv1"], [[b], [b]], [[64], 64])
+    with pytest.raises(errors.InvalidArgumentError, match=r"lengths\[0\]\[1\]: expected int"):
+        store.batch_put_from_ptrs(["kv9"], [[a, a]], [[64, 6.4]])
 
 
 def test_registered_buffer_get_into_is_zero_copy_path(cluster):

@@ -462,6 +462,9 @@ class MooncakeDistributedStore:
     def batch_put_from_multi_buffers(self, keys: list, all_buffer_ptrs: list, all_sizes: list,
                                      config: Any = None) -> list:
         """Stores each key from several buffers (e.g. K and V), concatenated into one object."""
+        fast = self._put_from_ptrs(keys, all_buffer_ptrs, all_sizes, config, multi=True)
+        if fast is not None:
+            return fast
         bufs = _multi_buffers(keys, all_buffer_ptrs, all_sizes)
         if bufs is None:
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
@@ -471,6 +474,9 @@ class MooncakeDistributedStore:
                                      prefer_alloc_in_same_node: bool = False) -> list:
         """Reads each key into several buffers, filled in order: bytes read or an error.
         (prefer_alloc_in_same_node is accepted and ignored.)"""
+        fast = self._get_into_ptrs(keys, all_buffer_ptrs, all_sizes, multi=True)
+        if fast is not None:
+            return fast
         bufs = _multi_buffers(keys, all_buffer_ptrs, all_sizes)
         if bufs is None:
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
@@ -630,7 +636,8 @@ class MooncakeDistributedStore:
     # pointer lists' native reader (no Python object per key); None when it does not take the
     # arguments (other types, a zero pointer or size, a key twice in a put, no session), and
     # the general path below then decides, with Mooncake's errors.
-    def _put_from_ptrs(self, keys: Any, ptrs: Any, sizes: Any, config: Any) -> Optional[list]:
+    def _put_from_ptrs(self, keys: Any, ptrs: Any, sizes: Any, config: Any,
+                       multi: bool = False) -> Optional[list]:
         s = self._session
         if s is None:
             return None
@@ -639,7 +646,7 @@ class MooncakeDistributedStore:
         except (KvbError, TypeError):
             return None
         try:
-            failed = client._try_put_from_ptrs(keys, ptrs, sizes)
+            failed = client._try_put_from_ptrs(keys, ptrs, sizes, multi)
         except KvbError as e:
             return [_code_of(e)] * len(keys)
         if failed is None:
@@ -647,17 +654,18 @@ class MooncakeDistributedStore:
         results = [0] * len(keys)
         for i, st in failed.items():
             if st.name == "NOT_REGISTERED":  # Mooncake accepts any memory: copy it once
-                results[i] = _put_copy(client, keys[i], [(ptrs[i], sizes[i])])
+                results[i] = _put_copy(client, keys[i], _ranges(ptrs[i], sizes[i], multi))
             else:
                 results[i] = _code_of(st)
         return results
 
-    def _get_into_ptrs(self, keys: Any, ptrs: Any, sizes: Any) -> Optional[list]:
+    def _get_into_ptrs(self, keys: Any, ptrs: Any, sizes: Any,
+                       multi: bool = False) -> Optional[list]:
         s = self._session
         if s is None:
             return None
         try:
-            got = s.client._try_get_into_ptrs(keys, ptrs, sizes)
+            got = s.client._try_get_into_ptrs(keys, ptrs, sizes, multi)
         except KvbError as e:
             return [_code_of(e)] * len(keys)
         if got is None:
@@ -665,7 +673,7 @@ class MooncakeDistributedStore:
         results, failed = got
         for i, st in failed.items():
             if st.name == "NOT_REGISTERED":
-                results[i] = _get_copy(s.client, keys[i], [(ptrs[i], sizes[i])])
+                results[i] = _get_copy(s.client, keys[i], _ranges(ptrs[i], sizes[i], multi))
             else:
                 results[i] = _code_of(st)
         return results
@@ -822,6 +830,11 @@ def _multi_buffers(keys: Any, all_ptrs: Any, all_sizes: Any) -> Optional[list]:
             return None
         out.append(list(zip(ptrs, sizes)))
     return out
+
+
+def _ranges(ptrs: Any, sizes: Any, multi: bool) -> list:
+    """One key's (address, length) ranges from its pointer-list entries."""
+    return list(zip(ptrs, sizes)) if multi else [(ptrs, sizes)]
 
 
 def _put_copy(client: StoreClient, key: Any, ranges: list) -> int:

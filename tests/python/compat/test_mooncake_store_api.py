@@ -401,6 +401,24 @@ def test_batch_arguments_as_lists_or_tuples_give_the_same_results(store, arena, 
         assert read(dsts[0], 1000) == data[0] and read(dsts[1], 1001) == data[1]
 
 
+def test_multi_buffer_arguments_as_lists_or_tuples_give_the_same_results(store, arena, key):
+    # As above, for the *_multi_buffers forms (K and V of a page as one object).
+    k_data, v_data = pattern(700, 1), pattern(300, 2)
+    k_src, v_src = arena.alloc(700, k_data), arena.alloc(300, v_data)
+    for kind in (list, tuple):
+        keys = [key(f"multi-{kind.__name__}{i}") for i in range(2)]
+        ptrs = kind([kind([k_src, v_src]), kind([v_src, k_src])])
+        sizes = kind([kind([700, 300]), kind([300, 700])])
+        assert store.batch_put_from_multi_buffers(kind(keys), ptrs, sizes) == [0, 0]
+        d = [arena.alloc(1000) for _ in range(4)]
+        got = store.batch_get_into_multi_buffers(
+            kind(keys + [key("missing")]), kind([kind([d[0], d[1]]), kind([d[2], d[3]]),
+                                                 kind([d[0]])]),
+            kind([kind([600, 400]), kind([300, 699]), kind([10])]))
+        assert got == [1000, INVALID_PARAMS, OBJECT_NOT_FOUND], kind
+        assert read(d[0], 600) + read(d[1], 400) == k_data + v_data
+
+
 def test_a_key_twice_in_one_batch(impl, store, arena, key):
     k = key("k")
     first, second = arena.alloc(8, b"first..."), arena.alloc(8, b"second..")
