@@ -190,6 +190,24 @@ class TransferEngine:
         """transfer() for raw tuples, as submit_raw()."""
         return _check_batch(self._h.transfer(list(ops), deadline_ms, progress_timeout_ms))
 
+    # Mooncake's pointer lists for one peer (local addresses, the peer's addresses, lengths,
+    # with the peer's (segment id, base, length) list), read natively with no Python object
+    # per op. None when the lists do not qualify (non-empty lists of one length of positive
+    # plain ints, every remote range inside one segment): the Mooncake layer then takes its
+    # general path, which names what is wrong or re-reads the peer's segments.
+    def _try_transfer_ptrs(self, opcode: int, peer: str, segments: Sequence[tuple],
+                           local_addresses: Any, remote_addresses: Any,
+                           lengths: Any) -> Optional[list]:
+        r = self._h.transfer_ptrs(opcode, peer, segments, local_addresses, remote_addresses,
+                                  lengths, 0, 0)
+        return None if r is None else _check_batch(r)
+
+    def _try_submit_ptrs(self, opcode: int, peer: str, segments: Sequence[tuple],
+                         local_addresses: Any, remote_addresses: Any,
+                         lengths: Any) -> Optional[int]:
+        return self._h.submit_ptrs(opcode, peer, segments, local_addresses, remote_addresses,
+                                   lengths, 0, 0)
+
     def submit(self, ops: Sequence[Op], *, deadline_ms: int = 0,
                progress_timeout_ms: int = 0) -> int:
         """Queues a batch and returns its id (0 timeouts = the engine's defaults)."""

@@ -240,9 +240,24 @@ class TransferEngine:
         return [(op, b, n, node, sid, off)
                 for b, n, (sid, off) in zip(buffers, lengths, remote)]
 
+    def _native(self, target: str, buffers, peer_addrs, lengths, opcode: int, wait: bool):
+        """The batch through the engine's native pointer-list reader (no Python object per
+        op): the transfer's op statuses (wait) or its batch id; None when the arguments are
+        not plain lists of one length, or the reader does not take them (see _ops)."""
+        if not (type(buffers) is list and type(peer_addrs) is list and type(lengths) is list
+                and 0 < len(buffers) == len(peer_addrs) == len(lengths)):
+            return None
+        node, segs = self._peer_and_segments(target)
+        op = kvbridge.WRITE if int(opcode) == TransferOpcode.WRITE else kvbridge.READ
+        eng = self._engine()
+        run = eng._try_transfer_ptrs if wait else eng._try_submit_ptrs
+        return run(op, node, segs, buffers, peer_addrs, lengths)
+
     def _sync(self, target: str, buffers, peer_addrs, lengths, opcode: int) -> int:
         try:
-            self._engine().transfer_raw(self._ops(target, buffers, peer_addrs, lengths, opcode))
+            if self._native(target, buffers, peer_addrs, lengths, opcode, True) is None:
+                self._engine().transfer_raw(
+                    self._ops(target, buffers, peer_addrs, lengths, opcode))
             return 0
         except kvbridge.BatchError as e:
             err = e.error
@@ -286,6 +301,9 @@ class TransferEngine:
 
     def _submit(self, target: str, buffers, peer_addrs, lengths, opcode: int) -> int:
         try:
+            batch = self._native(target, buffers, peer_addrs, lengths, opcode, False)
+            if batch is not None:
+                return batch
             return self._engine().submit_raw(
                 self._ops(target, buffers, peer_addrs, lengths, opcode))
         except errors.KvbError as e:

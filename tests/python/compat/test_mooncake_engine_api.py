@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+ERR_INVALID_ARGUMENT = -1  # Mooncake's transfer engine error number
+
 
 def _implementations():
     impls = [pytest.param("kvbridge", id="kvbridge")]
@@ -112,6 +114,36 @@ def test_batch_sync_and_async(pair):
     while status == 0 and time.monotonic() < deadline:
         status = client.transfer_check_status(tid)
     assert status == 1
+
+
+def test_batch_arguments_as_lists_or_tuples_and_memory_registered_later(pair):
+    # kvbridge reads lists of plain ints natively and everything else through its general
+    # path: both must move the same bytes and fail the same inputs.
+    impl, server, session, sbuf, client, cbuf = pair
+    zero_length = {}
+    for kind in (list, tuple):
+        cbuf.fill(0, bytes(range(256)) * 64)
+        locals_ = kind(cbuf.addr + i * 4096 for i in range(4))
+        remotes = kind(sbuf.addr + 65536 + i * 4096 for i in range(4))
+        assert client.batch_transfer_sync_write(session, locals_, remotes, kind([4096] * 4)) == 0
+        assert sbuf.bytes(65536, 16384) == cbuf.bytes(0, 16384)
+        back = kind(cbuf.addr + 131072 + i * 4096 for i in range(4))
+        assert client.batch_transfer_sync_read(session, back, remotes, kind([4096] * 4)) == 0
+        assert cbuf.bytes(131072, 16384) == cbuf.bytes(0, 16384)
+        # An unregistered local range fails the batch. A zero length: kvbridge refuses the
+        # batch (ERR_INVALID_ARGUMENT), Mooncake moves the other ops; alike for both kinds.
+        assert client.batch_transfer_sync_write(session, kind([cbuf.addr + (2 << 20)]),
+                                                kind([sbuf.addr]), kind([64])) < 0
+        zero_length[kind] = client.batch_transfer_sync_write(session, locals_, remotes,
+                                                             kind([4096, 0, 4096, 4096]))
+    assert zero_length[list] == zero_length[tuple]
+    assert zero_length[list] == (0 if impl == "mooncake" else ERR_INVALID_ARGUMENT)
+    # Memory the peer registers after this client first reached it is found.
+    later = Buf(1 << 16)
+    assert server.register_memory(later.addr, later.n) == 0
+    assert client.batch_transfer_sync_write(session, [cbuf.addr], [later.addr + 512], [1024]) == 0
+    assert later.bytes(512, 1024) == cbuf.bytes(0, 1024)
+    assert server.unregister_memory(later.addr) == 0
 
 
 def test_failures_return_negative_codes_quickly(pair):
