@@ -263,7 +263,11 @@ struct MasterServer::Impl final : public rpc::Master::Service {
         KVB_LOG(WARN) << "the master did not run for " << s.paused_ms
                       << " ms (frozen or paused); every node's TTL starts over";
       }
-      if (s.nodes_expired) KVB_LOG(WARN) << s.nodes_expired << " node(s) expired (silent past TTL)";
+      if (s.nodes_expired) {
+        KVB_LOG(WARN) << s.nodes_expired << " node(s) expired (silent past TTL: up to "
+                      << s.expired_silence_ms << " ms without a heartbeat; the previous tick ran "
+                      << s.since_last_tick_ms << " ms earlier)";
+      }
       if (s.tasks_created) KVB_LOG(INFO) << s.tasks_created << " re-replication task(s) scheduled";
       {
         std::lock_guard<std::mutex> fail_lock(task_fail_mu);

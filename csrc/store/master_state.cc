@@ -1743,6 +1743,9 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
       }
     }
   }
+  if (m.last_tick_ns != 0 && now_ns > m.last_tick_ns) {
+    sum.since_last_tick_ms = (now_ns - m.last_tick_ns) / MsToNs(1);
+  }
   if (m.cfg.pause_threshold_ms != 0 && m.last_tick_ns != 0 && now_ns > m.last_tick_ns &&
       now_ns - m.last_tick_ns > MsToNs(m.cfg.pause_threshold_ms)) {
     sum.paused_ms = (now_ns - m.last_tick_ns) / MsToNs(1);
@@ -1751,7 +1754,11 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
   m.last_tick_ns = std::max(m.last_tick_ns, now_ns);
   std::vector<Impl::Node*> dead;
   for (auto& [id, n] : m.nodes) {
-    if (now_ns >= n.last_seen_ns && now_ns - n.last_seen_ns >= ttl) dead.push_back(&n);
+    if (now_ns >= n.last_seen_ns && now_ns - n.last_seen_ns >= ttl) {
+      dead.push_back(&n);
+      sum.expired_silence_ms =
+          std::max<uint64_t>(sum.expired_silence_ms, (now_ns - n.last_seen_ns) / MsToNs(1));
+    }
   }
   std::erase_if(m.departed, [&](const auto& d) {
     return now_ns >= d.second.since_ns &&

@@ -345,6 +345,10 @@ struct TickSummary {
   size_t demotions_scheduled = 0;
   size_t demotions_timed_out = 0;
   uint64_t paused_ms = 0;  // the master did not tick for this long (pause_threshold_ms); 0 if not
+  // With nodes_expired: the longest silence among them and the time since the previous tick,
+  // so that an expiry says whether the nodes or the master stopped.
+  uint64_t expired_silence_ms = 0;
+  uint64_t since_last_tick_ms = 0;
 };
 
 // A full copy of the table, for tests, debugging and invariant checks. O(objects).

@@ -435,7 +435,11 @@ TEST(MasterMembership, APausedMasterStartsEveryTtlOver) {
   }
   c.now += 200 * kMs;  // 3 s after the pause ended
   ASSERT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
-  EXPECT_EQ(c.m().Tick(c.now).nodes_expired, 1u);
+  t = c.m().Tick(c.now);
+  EXPECT_EQ(t.nodes_expired, 1u);
+  // The expiry says how long the node was silent and that the master was ticking meanwhile.
+  EXPECT_EQ(t.expired_silence_ms, 3000u);
+  EXPECT_EQ(t.since_last_tick_ms, 200u);
   EXPECT_EQ(c.m().Heartbeat(c.nodes["n0"].id, c.now).status().code(), StatusCode::kNotFound);
   EXPECT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
 }
