@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <stdexcept>
 #include <string>
@@ -35,6 +36,19 @@ class StatusError : public std::exception {
   Status status_;
   std::string what_;
 };
+
+// A positive int of exactly type int (bool excluded), or nullopt (the pointer-list readers
+// then hand the call to their general path). Needs the GIL.
+inline std::optional<uint64_t> PositiveInt(PyObject* o) {
+  if (!PyLong_CheckExact(o)) return std::nullopt;
+  const unsigned long long v = PyLong_AsUnsignedLongLong(o);
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();  // negative or too large
+    return std::nullopt;
+  }
+  if (v == 0) return std::nullopt;
+  return static_cast<uint64_t>(v);
+}
 
 inline void ThrowIfError(const Status& s) {
   if (!s.ok()) throw StatusError(s);

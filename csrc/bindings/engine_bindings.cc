@@ -44,17 +44,6 @@ std::vector<TransferOp> ToOps(const std::vector<PyOp>& in) {
 // caches it.
 using PySegment = std::tuple<uint64_t, uint64_t, uint64_t>;
 
-// A positive int of exactly type int (bool excluded), or 0.
-uint64_t PositiveIntOrZero(PyObject* o) {
-  if (!PyLong_CheckExact(o)) return 0;
-  const unsigned long long v = PyLong_AsUnsignedLongLong(o);
-  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
-    PyErr_Clear();  // negative or too large
-    return 0;
-  }
-  return v;
-}
-
 // One batch to one peer given as Mooncake's pointer lists (local addresses, the peer's
 // addresses, lengths), read without a Python object per op: at hundreds of ops per call the
 // tuple path cost about 0.5 us per op. nullopt unless the three are non-empty lists of one
@@ -81,10 +70,11 @@ std::optional<std::vector<TransferOp>> ReadPtrOps(int opcode, const std::string&
   std::vector<TransferOp> ops;
   ops.reserve(n);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    const uint64_t local = PositiveIntOrZero(PyList_GET_ITEM(locals.ptr(), i));
-    const uint64_t remote = PositiveIntOrZero(PyList_GET_ITEM(remotes.ptr(), i));
-    const uint64_t len = PositiveIntOrZero(PyList_GET_ITEM(lens.ptr(), i));
-    if (local == 0 || remote == 0 || len == 0) return std::nullopt;
+    const auto l = PositiveInt(PyList_GET_ITEM(locals.ptr(), i));
+    const auto r = PositiveInt(PyList_GET_ITEM(remotes.ptr(), i));
+    const auto n_bytes = PositiveInt(PyList_GET_ITEM(lens.ptr(), i));
+    if (!l || !r || !n_bytes) return std::nullopt;
+    const uint64_t local = *l, remote = *r, len = *n_bytes;
     const PySegment* in = nullptr;
     for (const auto& seg : segments) {
       const auto& [sid, base, seg_len] = seg;

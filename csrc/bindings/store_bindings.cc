@@ -74,18 +74,6 @@ struct PtrBatch {
   std::vector<std::vector<BufferRef>> buffers;
 };
 
-// A positive int of exactly type int (bool is excluded), or nullopt.
-std::optional<uint64_t> PositiveInt(PyObject* o) {
-  if (!PyLong_CheckExact(o)) return std::nullopt;
-  const unsigned long long v = PyLong_AsUnsignedLongLong(o);
-  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
-    PyErr_Clear();  // negative or too large
-    return std::nullopt;
-  }
-  if (v == 0) return std::nullopt;
-  return static_cast<uint64_t>(v);
-}
-
 // One key's buffers: an address and a length (multi false), or lists of them of one length
 // (multi true); false if anything else.
 bool ReadBuffers(PyObject* addr, PyObject* len, bool multi, std::vector<BufferRef>* out) {
