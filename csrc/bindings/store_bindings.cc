@@ -190,6 +190,7 @@ py::dict ToPy(const ClusterStatus& cs) {
   d["demotions_total"] = cs.demotions_total;
   d["ssd_replicas"] = cs.ssd_replicas;
   d["promotions_total"] = cs.promotions_total;
+  d["departed_copies"] = cs.departed_copies;
   return d;
 }
 

@@ -549,6 +549,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     reply->set_demotions_total(s.demotions_total);
     reply->set_ssd_replicas(s.ssd_replicas);
     reply->set_promotions_total(s.promotions_total);
+    reply->set_departed_copies(s.departed_copies);
     return grpc::Status::OK;
   }
 };
@@ -627,6 +628,7 @@ Result<ClusterStatus> QueryClusterStatus(const std::string& master_address, uint
   out.demotions_total = reply.demotions_total();
   out.ssd_replicas = reply.ssd_replicas();
   out.promotions_total = reply.promotions_total();
+  out.departed_copies = reply.departed_copies();
   return out;
 }
 

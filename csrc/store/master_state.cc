@@ -202,9 +202,55 @@ struct MasterState::Impl {
   // so the node may bring it back) or not (false: it stayed elsewhere, or was being freed).
   // An entry turns false when the key is removed or put again; the whole node's entry is used
   // and dropped when that node id registers again.
+  //
+  // Kept for up to a day, so it is compact: a sorted array of (64-bit key hash, version, flag),
+  // 24 bytes per copy, where a map of key strings cost about 200 (64-character keys). Versions are
+  // unique across keys, so a lookup by (hash, version) finds only its own copy. A remove or a new
+  // put clears every copy whose key hash matches; were two keys ever to share a hash, the other
+  // key's copy would be freed when its node returns, not revived: a cache miss, never stale data.
+  struct DepartedCopy {
+    uint64_t key_hash = 0;
+    uint64_t version = 0;
+    bool comes_back = false;
+    auto Order() const { return std::tie(key_hash, version); }
+  };
   struct Departed {
     uint64_t since_ns = 0;
-    std::map<std::pair<std::string, uint64_t>, bool> copies;
+    std::vector<DepartedCopy> copies;  // sorted by (key_hash, version), one entry each
+
+    // Entries go in with Note() in any order, the last word on a copy winning; Seal() sorts.
+    void Note(std::string_view key, uint64_t version, bool comes_back) {
+      copies.push_back({KeyHash(key), version, comes_back});
+    }
+    void Seal() {
+      std::stable_sort(copies.begin(), copies.end(),
+                       [](const auto& a, const auto& b) { return a.Order() < b.Order(); });
+      // Keep the last of each run of equal (hash, version): the latest note wins.
+      std::vector<DepartedCopy> out;
+      out.reserve(copies.size());
+      for (const DepartedCopy& c : copies) {
+        if (!out.empty() && out.back().Order() == c.Order()) {
+          out.back() = c;
+        } else {
+          out.push_back(c);
+        }
+      }
+      out.shrink_to_fit();
+      copies = std::move(out);
+    }
+    const DepartedCopy* Find(std::string_view key, uint64_t version) const {
+      const DepartedCopy probe{KeyHash(key), version};
+      auto it =
+          std::lower_bound(copies.begin(), copies.end(), probe,
+                           [](const auto& a, const auto& b) { return a.Order() < b.Order(); });
+      return it != copies.end() && it->Order() == probe.Order() ? &*it : nullptr;
+    }
+    void Forget(uint64_t h) {
+      auto it = std::lower_bound(copies.begin(), copies.end(), h,
+                                 [](const DepartedCopy& a, uint64_t v) { return a.key_hash < v; });
+      for (; it != copies.end() && it->key_hash == h; ++it) it->comes_back = false;
+    }
+    static uint64_t KeyHash(std::string_view key) { return std::hash<std::string_view>{}(key); }
   };
   std::unordered_map<std::string, Departed> departed;
   uint64_t next_version;
@@ -645,14 +691,15 @@ struct MasterState::Impl {
     Departed& gone = departed[n->id().node_id];
     gone = Departed{};
     gone.since_ns = now_ns;
-    for (const InventoryRecord& rec : n->pending_frees) gone.copies[{rec.key, rec.version}] = false;
+    for (const InventoryRecord& rec : n->pending_frees) gone.Note(rec.key, rec.version, false);
     std::vector<Object*> affected;
     for (auto& [sid, s] : n->segments)
       affected.insert(affected.end(), s.residents.begin(), s.residents.end());
     for (Object* o : affected) {
       const size_t idx = ReplicaOn(*o, n);
       const bool recorded = o->replicas[idx].record_on_node;
-      std::pair<std::string, uint64_t> copy{o->key, o->version};
+      const uint64_t version = o->version;
+      const uint64_t key_hash = Departed::KeyHash(o->key);
       DetachReplica(o, idx);
       bool left_with_it = false;
       if (o->state == ObjectState::kComplete) {
@@ -666,13 +713,14 @@ struct MasterState::Impl {
         EraseObject(o, now_ns, false);  // a put that lost every replica
         ++revokes_total;
       }
-      if (recorded) gone.copies[std::move(copy)] = left_with_it;
+      if (recorded) gone.copies.push_back({key_hash, version, left_with_it});
     }
 
     // Last: detaching above may have held ranges of this node (cancelled promotions).
     for (const Held& h : held) {
-      if (h.node == n && h.record) gone.copies[{h.record->key, h.record->version}] = false;
+      if (h.node == n && h.record) gone.Note(h.record->key, h.record->version, false);
     }
+    gone.Seal();
     std::erase_if(held, [n](const Held& h) { return h.node == n; });
     if (expired) {
       NodeStats dead;
@@ -696,12 +744,8 @@ struct MasterState::Impl {
   // A new put or a remove of `key`: no copy of an older version a departed node holds may come
   // back with it.
   void ForgetDepartedCopies(std::string_view key) {
-    for (auto& [id, d] : departed) {
-      for (auto it = d.copies.lower_bound({std::string(key), 0});
-           it != d.copies.end() && it->first.first == key; ++it) {
-        it->second = false;
-      }
-    }
+    const uint64_t h = Departed::KeyHash(key);
+    for (auto& [id, d] : departed) d.Forget(h);
   }
 
   // Rebuilds objects from a registering node's records; see RegisterNode.
@@ -763,8 +807,9 @@ struct MasterState::Impl {
       if (!o) {
         accept = true;
         if (dep != departed.end()) {
-          auto c = dep->second.copies.find({rec.key, rec.version});
-          if (c != dep->second.copies.end()) accept = c->second;
+          if (const DepartedCopy* c = dep->second.Find(rec.key, rec.version)) {
+            accept = c->comes_back;
+          }
         }
       } else if (o->version > rec.version) {
         accept = false;
@@ -1542,7 +1587,7 @@ size_t MasterState::RemoveAll(uint64_t now_ns) {
   }
   for (Impl::Object* o : victims) m.EraseObject(o, now_ns, /*writer_done=*/false);
   for (auto& [id, d] : m.departed) {
-    for (auto& [copy, comes_back] : d.copies) comes_back = false;
+    for (Impl::DepartedCopy& c : d.copies) c.comes_back = false;
   }
   return victims.size();
 }
@@ -1891,6 +1936,8 @@ MasterStats MasterState::Stats() const {
   st.demotions_total = m.demotions_total;
   st.promotions_total = m.promotions_total;
   for (const auto& [id, n] : m.nodes) st.demotions_in_flight += n.demotions;
+  st.departed_nodes = m.departed.size();
+  for (const auto& [id, d] : m.departed) st.departed_copies += d.copies.size();
   return st;
 }
 

@@ -320,6 +320,8 @@ struct MasterStats {
   uint64_t promotions_total = 0;    // replicas moved from SSD back to DRAM
   size_t ssd_replicas = 0;          // COMPLETE replicas on SSD segments
   size_t demotions_in_flight = 0;
+  size_t departed_nodes = 0;   // node ids whose copies are remembered (departed_ttl_ms)
+  size_t departed_copies = 0;  // copies remembered for them, 24 bytes each
 };
 
 struct NodeDirectoryEntry {

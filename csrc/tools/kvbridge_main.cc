@@ -229,13 +229,13 @@ int RunStatus(const Flags& f) {
         "\"bad_replicas_total\": %llu, \"unreachable_reports_total\": %llu, "
         "\"nodes_expired_total\": %llu, "
         "\"demotions_total\": %llu, \"promotions_total\": %llu, \"ssd_replicas\": %llu, "
-        "\"nodes\": [",
+        "\"departed_copies\": %llu, \"nodes\": [",
         master.c_str(), (unsigned long long)c.objects, (unsigned long long)c.pending_puts,
         (unsigned long long)c.stored_bytes, (unsigned long long)c.under_replicated,
         (unsigned long long)c.evictions_total, (unsigned long long)c.bad_replicas_total,
         (unsigned long long)c.unreachable_reports_total, (unsigned long long)c.nodes_expired_total,
         (unsigned long long)c.demotions_total, (unsigned long long)c.promotions_total,
-        (unsigned long long)c.ssd_replicas);
+        (unsigned long long)c.ssd_replicas, (unsigned long long)c.departed_copies);
     for (size_t i = 0; i < c.nodes.size(); ++i) {
       const NodeStatus& n = c.nodes[i];
       std::printf(
@@ -254,13 +254,14 @@ int RunStatus(const Flags& f) {
       "master %s: %llu objects (%s), %llu puts in progress, %llu under-replicated\n"
       "since start: %llu evicted, %llu bad replicas dropped, %llu reads could not reach a "
       "node, %llu nodes expired, %llu demoted to SSD, %llu promoted back (%llu replicas on SSD "
-      "now)\n\n",
+      "now)\n"
+      "copies remembered for nodes that left: %llu\n\n",
       master.c_str(), (unsigned long long)c.objects, Bytes(c.stored_bytes).c_str(),
       (unsigned long long)c.pending_puts, (unsigned long long)c.under_replicated,
       (unsigned long long)c.evictions_total, (unsigned long long)c.bad_replicas_total,
       (unsigned long long)c.unreachable_reports_total, (unsigned long long)c.nodes_expired_total,
       (unsigned long long)c.demotions_total, (unsigned long long)c.promotions_total,
-      (unsigned long long)c.ssd_replicas);
+      (unsigned long long)c.ssd_replicas, (unsigned long long)c.departed_copies);
   std::printf("%-24s %-18s %-9s %12s %12s %6s %9s %12s %12s\n", "NODE", "INCARNATION", "STATE",
               "CAPACITY", "USED", "USED%", "REPLICAS", "SSD", "SSD USED");
   for (const NodeStatus& n : c.nodes) {

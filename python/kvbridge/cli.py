@@ -138,7 +138,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"evictions {st['evictions_total']}, bad replicas dropped {st['bad_replicas_total']}, "
           f"reads that could not reach a node {st['unreachable_reports_total']}, "
           f"nodes expired {st['nodes_expired_total']}, under-replicated {st['under_replicated']}, "
-          f"demoted to SSD {st['demotions_total']} ({st['ssd_replicas']} replicas on SSD)")
+          f"demoted to SSD {st['demotions_total']} ({st['ssd_replicas']} replicas on SSD), "
+          f"copies remembered for nodes that left {st['departed_copies']}")
     return 0
 
 

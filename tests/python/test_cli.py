@@ -93,6 +93,10 @@ def test_master_nodes_status_bench_and_drain(daemons):
         time.sleep(0.2)
     else:
         pytest.fail(f"node a still listed: {st}")
+    # What node a held is remembered for when it comes back (one count, printed in both forms).
+    assert isinstance(st["departed_copies"], int) and st["departed_copies"] >= 0
+    text = kvb("status", "--master", addr).stdout
+    assert f"copies remembered for nodes that left {st['departed_copies']}" in text
     master.send_signal(signal.SIGINT)
     assert master.wait(timeout=15) == 0
 

@@ -475,6 +475,7 @@ TEST_F(StoreCluster, NodeBackFromAFreezeLongerThanTheTtlLosesAndRevivesNothing) 
   nodes_[0]->Signal(SIGSTOP);
   WaitForActiveNodes(2, 5 * kTtlMs);
   EXPECT_TRUE(WaitForReplicas(2, 5 * kTtlMs)) << "replicas of the dead node were not restored";
+  EXPECT_GT(View().departed_copies, 0u) << "the master made no note of node0's copies";
   std::vector<std::string> removed;
   for (size_t i = 0; i < kRemoved; ++i) removed.push_back(Key(i));
   for (const Status& st : client_->BatchRemove(removed)) EXPECT_TRUE(st.ok()) << st.ToString();
@@ -486,6 +487,7 @@ TEST_F(StoreCluster, NodeBackFromAFreezeLongerThanTheTtlLosesAndRevivesNothing) 
   EXPECT_EQ(std::count(exists.begin(), exists.end(), true), 0)
       << "objects removed while the node was away came back with it";
   EXPECT_EQ(View().objects, kObjects - kRemoved);
+  EXPECT_EQ(View().departed_copies, 0u) << "the note outlived node0's return";
   // Its returned copies either count (under target) or are freed: never more than the target.
   EXPECT_TRUE(WaitForReplicas(2, 5 * kTtlMs)) << "replica count did not settle at 2";
   ASSERT_EQ(PutRange(kObjects, 64), 0);

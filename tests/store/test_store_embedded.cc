@@ -364,6 +364,8 @@ TEST_F(Daemons, ConfigFileStatusTableAndJson) {
   EXPECT_EQ(code, 0);
   EXPECT_NE(json.find("\"node_id\": \"conf-node\""), std::string::npos) << json;
   EXPECT_NE(json.find("\"capacity_bytes\": 33554432"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"departed_copies\": 0,"), std::string::npos) << json;
+  EXPECT_NE(table.find("copies remembered for nodes that left: 0"), std::string::npos) << table;
   // Bad flags and files are named errors.
   std::string bad = Run({"node", "--dram-bytes", "lots"}, &code);
   EXPECT_EQ(code, 2);

@@ -1447,6 +1447,55 @@ TEST(MasterMembership, DepartedNodeIsRememberedForDepartedTtl) {
   ExpectConsistent(c);
 }
 
+// The note kept for a departed node is one entry per copy (MasterStats::departed_copies), and
+// with many copies it still answers for each one exactly: of 600 objects that left with the
+// node, the 200 removed and the 200 put again while it was away stay gone (their copies are
+// freed), the other 200 come back; the note is used up when the node returns.
+TEST(MasterMembership, DepartedNoteOfManyCopiesAnswersForEachOne) {
+  Cluster c;
+  c.AddNode("n0", {64ull << 20});
+  c.AddNode("n1", {64ull << 20});
+  constexpr int kKeys = 600;
+  auto key = [](int i) { return "page-" + std::to_string(i * 7919) + "-of-a-long-prefix"; };
+  for (int i = 0; i < kKeys; ++i) ASSERT_TRUE(c.Put(key(i), 4096, 1, "n0").ok()) << i;
+  ASSERT_TRUE(c.Put("stays", 4096, 2).ok());
+  EXPECT_EQ(c.m().Stats().departed_copies, 0u);
+  c.PassSeconds(4, {"n1"});
+  MasterStats st = c.m().Stats();
+  EXPECT_EQ(st.departed_nodes, 1u);
+  EXPECT_EQ(st.departed_copies, kKeys + 1u) << "one entry per copy n0 held";
+  for (int i = 0; i < kKeys; i += 3) {
+    EXPECT_EQ(c.m().Remove(key(i), c.now).code(), StatusCode::kNotFound);
+    ASSERT_TRUE(c.Put(key(i + 1), 4096, 1, "n1").ok());
+  }
+  FakeNode& n0 = c.nodes["n0"];
+  ASSERT_EQ(n0.records.size(), kKeys + 1u);
+  ASSERT_TRUE(c.Register(n0).ok());
+  for (int i = 0; i < kKeys; ++i) {
+    const bool back = c.m().Exists({key(i)})[0];
+    if (i % 3 == 0) {
+      EXPECT_FALSE(back) << key(i) << " was removed while n0 was away, yet came back";
+    } else if (i % 3 == 1) {
+      EXPECT_EQ(c.ReplicaNodes(key(i)), std::vector<std::string>{"n1"})
+          << key(i) << ": the old copy on n0 came back over the new version";
+    } else {
+      EXPECT_EQ(c.ReplicaNodes(key(i)), std::vector<std::string>{"n0"})
+          << key(i) << " left with n0 and did not come back";
+    }
+  }
+  size_t held_by_n0 = 0;
+  for (const auto& [at, r] : n0.records) {
+    const int i = r.key == "stays" ? 2 : std::stoi(r.key.substr(5)) / 7919;
+    EXPECT_EQ(i % 3, 2) << "n0 still holds " << r.key << ", which it should have freed";
+    ++held_by_n0;
+  }
+  EXPECT_EQ(held_by_n0, kKeys / 3 + 1u) << "n0 freed copies it should have kept";
+  st = c.m().Stats();
+  EXPECT_EQ(st.departed_nodes, 0u);
+  EXPECT_EQ(st.departed_copies, 0u);
+  ExpectConsistent(c);
+}
+
 TEST(MasterRestart, FirstVersionComesFromTheConfig) {
   MasterConfig cfg;
   cfg.first_version = 1700000000000000ull;
