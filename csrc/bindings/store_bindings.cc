@@ -332,6 +332,25 @@ void BindClient(py::module_& m) {
              return ToPy(NoGil(
                  [&] { return c.With([&](StoreClient& s) { return s.BatchGetSize(keys); }); }));
            })
+      .def("batch_replica_info",
+           [](PyStoreClient& c, const std::vector<std::string>& keys) {
+             auto rs = NoGil([&] {
+               return c.With([&](StoreClient& s) { return s.BatchGetReplicaInfo(keys); });
+             });
+             py::list out(rs.size());
+             for (size_t i = 0; i < rs.size(); ++i) {
+               py::list reps;
+               if (rs[i].ok()) {
+                 for (const ReplicaInfo& r : rs[i].value()) {
+                   reps.append(py::make_tuple(r.node.node_id, r.node.incarnation, r.on_ssd,
+                                              r.segment_id, r.offset, r.bytes));
+                 }
+               }
+               out[i] = py::make_tuple(rs[i].ok() ? PyStatus{} : bindings::ToPy(rs[i].status()),
+                                       std::move(reps));
+             }
+             return out;
+           })
       .def("batch_exists",
            [](PyStoreClient& c, const std::vector<std::string>& keys) {
              return NoGil([&] {

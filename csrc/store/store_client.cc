@@ -147,6 +147,24 @@ struct StoreClient::Impl {
     }
     return Status::OK();
   }
+  // Answers each key from the master's size-only reply (no lease, no access): `fn(item)` for
+  // the keys found, the item's status for the others.
+  template <typename T, typename Fn>
+  std::vector<Result<T>> FromSizeQuery(std::span<const std::string> keys, Fn&& fn) {
+    std::vector<Result<T>> result(keys.size(), Status::Internal("not attempted"));
+    if (keys.empty()) return result;
+    rpc::GetReplicasReply got;
+    if (Status st = GetReplicas(keys, &got, /*sizes_only=*/true); !st.ok()) {
+      result.assign(keys.size(), st);
+      return result;
+    }
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const auto& item = got.items(static_cast<int>(i));
+      Status st = FromProto(item.status());
+      result[i] = st.ok() ? Result<T>(fn(item)) : Result<T>(std::move(st));
+    }
+    return result;
+  }
   Status ReadFromSsd(const rpc::ReplicaLocation& loc, const std::string& key, uint64_t version,
                      const std::vector<Piece>& pieces);
   // Makes sure the engine knows the current incarnation of every node named.
@@ -486,24 +504,22 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
 }
 
 std::vector<Result<uint64_t>> StoreClient::BatchGetSize(std::span<const std::string> keys) {
-  Impl& im = *impl_;
-  std::vector<Result<uint64_t>> result(keys.size(), Status::Internal("not attempted"));
-  if (keys.empty()) return result;
-  rpc::GetReplicasReply got;
-  if (Status st = im.GetReplicas(keys, &got, /*sizes_only=*/true); !st.ok()) {
-    result.assign(keys.size(), st);
-    return result;
-  }
-  for (size_t i = 0; i < keys.size(); ++i) {
-    const auto& item = got.items(static_cast<int>(i));
-    Status st = FromProto(item.status());
-    if (!st.ok()) {
-      result[i] = st;
-      continue;
+  return impl_->FromSizeQuery<uint64_t>(keys, [](const rpc::GetItem& item) {
+    return std::accumulate(item.sizes().begin(), item.sizes().end(), uint64_t{0});
+  });
+}
+
+std::vector<Result<std::vector<ReplicaInfo>>> StoreClient::BatchGetReplicaInfo(
+    std::span<const std::string> keys) {
+  return impl_->FromSizeQuery<std::vector<ReplicaInfo>>(keys, [](const rpc::GetItem& item) {
+    std::vector<ReplicaInfo> out;
+    out.reserve(item.replicas_size());
+    for (const auto& r : item.replicas()) {
+      out.push_back({PeerId{r.node().node_id(), r.node().incarnation()}, r.tier() == 2,
+                     r.segment_id(), r.offset(), r.length()});
     }
-    result[i] = std::accumulate(item.sizes().begin(), item.sizes().end(), uint64_t{0});
-  }
-  return result;
+    return out;
+  });
 }
 
 std::vector<Result<uint64_t>> StoreClient::BatchGetInto(

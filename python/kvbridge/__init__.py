@@ -21,7 +21,8 @@ from kvbridge._native import _C
 from kvbridge.engine import (READ, WRITE, BatchError, Op, PeerId, TransferEngine, fetch_descriptor,
                              raise_if_error)
 from kvbridge.errors import KvbError, StatusCode
-from kvbridge.store import Cluster, GetResult, Master, Node, StoreClient, cluster_status
+from kvbridge.store import (Cluster, GetResult, Master, Node, Replica, ReplicasResult, StoreClient,
+                            cluster_status)
 
 __version__ = "0.1.0"
 
@@ -29,7 +30,8 @@ Status = _C.Status
 
 __all__ = [
     "__version__", "TransferEngine", "Op", "READ", "WRITE", "PeerId", "BatchError", "fetch_descriptor",
-    "StoreClient", "Node", "Master", "Cluster", "GetResult", "cluster_status", "Status",
+    "StoreClient", "Node", "Master", "Cluster", "GetResult", "Replica", "ReplicasResult",
+    "cluster_status", "Status",
     "StatusCode", "KvbError", "raise_if_error", "errors", "ops",
 ]
 

@@ -99,6 +99,34 @@ class GetResult:
         return self.size
 
 
+@dataclass(frozen=True)
+class Replica:
+    """One complete replica of an object (StoreClient.batch_replicas)."""
+
+    node_id: str
+    incarnation: int
+    tier: str  # "DRAM" (the node's pool) or "SSD" (its SSD tier)
+    segment_id: int  # the node's segment, and the replica's offset in it
+    offset: int
+    size: int  # the object's bytes
+
+
+@dataclass(frozen=True)
+class ReplicasResult:
+    """One key's outcome of batch_replicas: its ``replicas`` when ``status.ok``."""
+
+    status: Any  # kvbridge.Status
+    replicas: list
+
+    @property
+    def ok(self) -> bool:
+        return self.status.ok
+
+    def raise_if_error(self) -> list:
+        raise_if_error(self.status)
+        return self.replicas
+
+
 class StoreClient:
     """A store client. Options are keywords mirroring KVBRIDGE_*: master ("host:port"),
     replica_num, rpc_timeout_ms, store_transfer_deadline_ms, verify_checksums, plus the
@@ -282,6 +310,16 @@ class StoreClient:
         """One GetResult(status, size) per key, sizes from the master; no bytes are read."""
         return [GetResult(s, n) for s, n in
                 self._h.batch_get_size([_key(k, i) for i, k in enumerate(keys)])]
+
+    def batch_replicas(self, keys: Sequence[Key]) -> list[ReplicasResult]:
+        """One ReplicasResult(status, replicas) per key: where its complete replicas are, in
+        the order a get tries them (DRAM before SSD, this client's node first). The master
+        answers; no read lease is taken and no access counted, so asking does not keep an
+        object from eviction. NOT_FOUND for a key absent or still being written."""
+        return [ReplicasResult(s, [Replica(n, inc, "SSD" if ssd else "DRAM", seg, off, size)
+                                   for n, inc, ssd, seg, off, size in reps])
+                for s, reps in self._h.batch_replica_info([_key(k, i)
+                                                           for i, k in enumerate(keys)])]
 
     def batch_exists(self, keys: Sequence[Key]) -> list[bool]:
         return self._h.batch_exists([_key(k, i) for i, k in enumerate(keys)])

@@ -231,6 +231,16 @@ def test_replicas_survive_a_stopped_node():
         store = c.client()
         for i in range(20):
             store.put(f"k{i}", bytes([i]) * 4096)
+        # Where they are: two replicas each, on two distinct nodes of the cluster.
+        nodes = {p.node_id: p.incarnation for p in c.node_ids()}
+        reps = store.batch_replicas([f"k{i}" for i in range(20)] + ["absent"])
+        for r in reps[:20]:
+            assert r.ok and len({x.node_id for x in r.raise_if_error()}) == 2
+            assert all(nodes[x.node_id] == x.incarnation and x.tier == "DRAM" and x.size == 4096
+                       for x in r.replicas)
+        assert reps[20].status.name == "NOT_FOUND" and reps[20].replicas == []
+        with pytest.raises(errors.NotFoundError):
+            reps[20].raise_if_error()
         c.stop_node(0)
         for i in range(20):
             assert store.get(f"k{i}") == bytes([i]) * 4096

@@ -42,6 +42,22 @@ def test_pressure_demotes_to_ssd_and_everything_reads_back(tmp_path):
         assert st["objects"] == 120 and st["evictions_total"] == 0
         assert st["ssd_replicas"] > 0 and st["demotions_total"] >= st["ssd_replicas"]
         assert all(n["ssd_capacity_bytes"] == 64 << 20 for n in st["nodes"])
+        # Where each object is (no read, no access: nothing is promoted by asking). Demotion
+        # may go on meanwhile, so the SSD count lies between the two status reads.
+        reps = store.batch_replicas([f"tier/{i}" for i in range(120)])
+        after = cluster.status()["ssd_replicas"]
+        assert all(r.ok and len(r.replicas) == 1 for r in reps)
+        tiers = [r.replicas[0].tier for r in reps]
+        assert st["ssd_replicas"] <= tiers.count("SSD") <= after
+        assert tiers.count("SSD") + tiers.count("DRAM") == 120
+        assert all(r.replicas[0].size == 128 * 1024 for r in reps)
+        # The Mooncake layer shows an SSD replica as a local-disk one (vLLM's tier logging).
+        from kvbridge.compat.mooncake import ReplicaDescriptor
+        on_ssd = ReplicaDescriptor(next(r.replicas[0] for r in reps
+                                        if r.replicas[0].tier == "SSD"))
+        assert on_ssd.is_local_disk_replica() and not on_ssd.is_memory_replica()
+        with pytest.raises(RuntimeError, match="Expected MemoryDescriptor"):
+            on_ssd.get_memory_descriptor()
         out = torch.zeros(128 * 1024, dtype=torch.uint8)
         for i in range(120):
             assert store.get_into(f"tier/{i}", out) == 128 * 1024

@@ -476,6 +476,32 @@ TEST_F(StoreCluster, NodeBackFromAFreezeLongerThanTheTtlLosesAndRevivesNothing) 
   WaitForActiveNodes(2, 5 * kTtlMs);
   EXPECT_TRUE(WaitForReplicas(2, 5 * kTtlMs)) << "replicas of the dead node were not restored";
   EXPECT_GT(View().departed_copies, 0u) << "the master made no note of node0's copies";
+  {
+    // Where the objects are now: two complete replicas each, none on the dead node. (The node
+    // counts above include copies still being made, so the listing may lag them briefly.)
+    std::vector<std::string> keys;
+    for (size_t i = 0; i < kObjects; ++i) keys.push_back(Key(i));
+    std::string why = "never asked";
+    for (auto until = Clock::now() + std::chrono::milliseconds(5 * kTtlMs);
+         !why.empty() && Clock::now() < until;) {
+      why.clear();
+      auto infos = client_->BatchGetReplicaInfo(keys);
+      for (size_t i = 0; i < keys.size() && why.empty(); ++i) {
+        if (!infos[i].ok()) {
+          why = keys[i] + ": " + infos[i].status().ToString();
+          break;
+        }
+        std::set<std::string> on;
+        for (const ReplicaInfo& info : infos[i].value()) on.insert(info.node.node_id);
+        if (on.size() != 2 || on.count("node0") != 0) {
+          why = keys[i] + " has " + std::to_string(infos[i].value().size()) + " replica(s)";
+          for (const auto& n : on) why += " " + n;
+        }
+      }
+      if (!why.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_TRUE(why.empty()) << "not two complete replicas on live nodes: " << why;
+  }
   std::vector<std::string> removed;
   for (size_t i = 0; i < kRemoved; ++i) removed.push_back(Key(i));
   for (const Status& st : client_->BatchRemove(removed)) EXPECT_TRUE(st.ok()) << st.ToString();

@@ -52,6 +52,15 @@ struct StoreOptions {
   static StoreOptions FromEnv();
 };
 
+// One complete replica of an object (StoreClient::BatchGetReplicaInfo).
+struct ReplicaInfo {
+  PeerId node;              // the storage node holding it
+  bool on_ssd = false;      // in that node's SSD tier (else in its DRAM pool)
+  uint64_t segment_id = 0;  // the node's segment, and the replica's offset in it
+  uint64_t offset = 0;
+  uint64_t bytes = 0;  // the object's size
+};
+
 class StoreClient {
  public:
   static Result<std::unique_ptr<StoreClient>> Create(const StoreOptions& options);
@@ -76,6 +85,11 @@ class StoreClient {
   // Per key: the object's size in bytes (the sum of its buffers), or NOT_FOUND /
   // INVALID_ARGUMENT. Reads no bytes (the master answers).
   std::vector<Result<uint64_t>> BatchGetSize(std::span<const std::string> keys);
+  // Per key: where its complete replicas are, in the order a get tries them (DRAM before SSD,
+  // this client's node first), or NOT_FOUND / INVALID_ARGUMENT. The master answers; no read
+  // lease is taken and no access counted, so asking does not keep an object from eviction.
+  std::vector<Result<std::vector<ReplicaInfo>>> BatchGetReplicaInfo(
+      std::span<const std::string> keys);
   std::vector<Status> BatchRemove(std::span<const std::string> keys);
   Status RemoveAll();
 

@@ -43,7 +43,9 @@ from typing import Any, Optional, Sequence
 from kvbridge.errors import KvbError, UnavailableError
 from kvbridge.store import Node, StoreClient, cluster_status
 
-__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ErrorCode", "mooncake_code"]
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ErrorCode", "mooncake_code",
+           "ReplicaStatus", "ReplicaDescriptor", "MemoryDescriptor", "DiskDescriptor",
+           "Descriptor"]
 
 _log = logging.getLogger("kvbridge.compat.mooncake")
 
@@ -101,6 +103,83 @@ def mooncake_code(name: str, origin: str = "", master_call: bool = False) -> int
 def _code_of(err: Any, master_call: bool = False) -> int:
     """err: a kvbridge.Status or a KvbError."""
     return mooncake_code(err.name, err.origin, master_call)
+
+
+class ReplicaStatus(enum.IntEnum):
+    """Mooncake's replica states; kvbridge lists complete replicas only (COMPLETE)."""
+
+    UNDEFINED = 0
+    INITIALIZED = 1
+    PROCESSING = 2
+    COMPLETE = 3
+    REMOVED = 4
+    FAILED = 5
+
+    def __str__(self) -> str:
+        return f"ReplicaStatus.{self.name}"
+
+
+class Descriptor:
+    """Where a memory replica lies. Mooncake gives the holder's virtual address and its transfer
+    endpoint; kvbridge gives the replica's offset in the holding node's pool segment and that
+    node's id (node addresses are the transport's business, never a client's)."""
+
+    def __init__(self, buffer_address: int, size: int, transport_endpoint: str):
+        self.buffer_address = buffer_address
+        self.size = size
+        self.transport_endpoint = transport_endpoint
+
+    def __repr__(self) -> str:
+        return (f"<Descriptor size={self.size} buffer_address={self.buffer_address} "
+                f"transport_endpoint={self.transport_endpoint}>")
+
+
+class MemoryDescriptor:
+    def __init__(self, buffer_descriptor: Descriptor):
+        self.buffer_descriptor = buffer_descriptor
+
+    def __repr__(self) -> str:
+        return f"<MemoryDescriptor {self.buffer_descriptor!r}>"
+
+
+class DiskDescriptor:
+    """A shared-file-system replica in Mooncake; kvbridge has none (its SSD tier is node-local:
+    ReplicaDescriptor.is_local_disk_replica)."""
+
+    def __init__(self, file_path: str, object_size: int):
+        self.file_path = file_path
+        self.object_size = object_size
+
+
+class ReplicaDescriptor:
+    """One replica as ``get_replica_desc`` lists it: in a node's DRAM pool (a memory replica)
+    or in its SSD tier (a local-disk replica)."""
+
+    def __init__(self, replica: Any):
+        self._replica = replica  # kvbridge.store.Replica
+        self.status = ReplicaStatus.COMPLETE
+
+    def is_memory_replica(self) -> bool:
+        return self._replica.tier == "DRAM"
+
+    def is_disk_replica(self) -> bool:
+        return False
+
+    def is_local_disk_replica(self) -> bool:
+        return self._replica.tier == "SSD"
+
+    def get_memory_descriptor(self) -> MemoryDescriptor:
+        if not self.is_memory_replica():
+            raise RuntimeError("Expected MemoryDescriptor")
+        r = self._replica
+        return MemoryDescriptor(Descriptor(r.offset, r.size, r.node_id))
+
+    def get_disk_descriptor(self) -> DiskDescriptor:
+        raise RuntimeError("Expected DiskDescriptor")
+
+    def __repr__(self) -> str:
+        r = self._replica
+        return f"<ReplicaDescriptor {r.tier} on {r.node_id} size={r.size} {self.status}>"
 
 
 class ReplicateConfig:
@@ -533,6 +612,28 @@ class MooncakeDistributedStore:
         if s is None:
             return int(ErrorCode.INVALID_PARAMS)
         return self._sizes(s, [key])[0]
+
+    def get_replica_desc(self, key: str) -> list:
+        """The key's replicas (ReplicaDescriptor), in the order a get tries them; [] when it
+        is absent or the master cannot answer. Unlike Mooncake, asking takes no read lease:
+        a remove or an eviction right after it is not refused for it."""
+        _check_key(key)
+        return self.batch_get_replica_desc([key]).get(key, [])
+
+    def batch_get_replica_desc(self, keys: list) -> dict:
+        """{key: [ReplicaDescriptor, ...]} for the keys found; absent keys (and all keys, when
+        the master cannot answer) are left out, as in Mooncake."""
+        _check_keys(keys)
+        s = self._session
+        if s is None or not keys:
+            return {}
+        try:
+            results = s.client.batch_replicas(list(keys))
+        except KvbError as e:
+            _log.warning("batch_get_replica_desc: %s", e)
+            return {}
+        return {k: [ReplicaDescriptor(r) for r in res.replicas]
+                for k, res in zip(keys, results) if res.ok and res.replicas}
 
     def remove(self, key: str, force: bool = False) -> int:
         """0, OBJECT_NOT_FOUND, or an error. kvbridge never refuses for a read lease (the

@@ -4,7 +4,10 @@ MooncakeDistributedStore`` where code had ``from mooncake.engine import Transfer
 supported and what differs)."""
 
 from kvbridge.compat._mooncake_engine import TransferEngine, TransferNotify, TransferOpcode
-from kvbridge.compat._mooncake_store import MooncakeDistributedStore, ReplicateConfig
+from kvbridge.compat._mooncake_store import (Descriptor, DiskDescriptor, MemoryDescriptor,
+                                             MooncakeDistributedStore, ReplicaDescriptor,
+                                             ReplicateConfig, ReplicaStatus)
 
 __all__ = ["TransferEngine", "TransferNotify", "TransferOpcode", "MooncakeDistributedStore",
-           "ReplicateConfig"]
+           "ReplicateConfig", "ReplicaDescriptor", "ReplicaStatus", "MemoryDescriptor",
+           "DiskDescriptor", "Descriptor"]

@@ -594,6 +594,41 @@ def test_replicate_config(impl, store, key):
     assert many == (0 if impl.is_mooncake else NO_AVAILABLE_HANDLE)
 
 
+def test_replica_descriptors(impl, store, key):
+    """get_replica_desc / batch_get_replica_desc, as vLLM's store connector reads them for tier
+    logging: a list per key of memory replicas, absent keys left out."""
+    other = impl.new_store(segment_bytes=16 << 20)  # a second segment for replica 2
+    assert store.put(key("two"), b"x" * 5000, impl.replicate(2)) == 0
+    assert store.put(key("one"), b"y" * 300, impl.replicate(1)) == 0
+    descs = store.get_replica_desc(key("two"))
+    assert isinstance(descs, list) and len(descs) == 2
+    endpoints = set()
+    for d in descs:
+        assert d.is_memory_replica() and not d.is_disk_replica()
+        assert not d.is_local_disk_replica()
+        assert str(d.status) == "ReplicaStatus.COMPLETE" and int(d.status) == 3
+        bd = d.get_memory_descriptor().buffer_descriptor
+        assert bd.size == 5000 and isinstance(bd.buffer_address, int)
+        endpoints.add(bd.transport_endpoint)
+        with pytest.raises(RuntimeError, match="Expected DiskDescriptor"):
+            d.get_disk_descriptor()
+    assert len(endpoints) == 2, "two replicas on one holder"
+    assert store.get_replica_desc(key("absent")) == []
+    got = other.batch_get_replica_desc([key("one"), key("absent"), key("two"), key("one")])
+    assert isinstance(got, dict) and sorted(got) == sorted([key("one"), key("two")])
+    assert [len(got[key("one")]), len(got[key("two")])] == [1, 2]
+    assert got[key("one")][0].get_memory_descriptor().buffer_descriptor.size == 300
+    assert store.batch_get_replica_desc([]) == {}
+    if impl.is_mooncake:
+        # Mooncake's query grants a read lease, so the object cannot be removed for a while
+        # (with frequent polling, leased objects also escape eviction).
+        assert store.remove(key("one")) == OBJECT_HAS_LEASE
+    else:
+        # kvbridge's query reads nothing and takes no lease.
+        assert store.remove(key("one")) == 0
+        assert store.get_replica_desc(key("one")) == []
+
+
 _HOLDER = """
 import importlib, sys
 module, master = sys.argv[1], sys.argv[2]
