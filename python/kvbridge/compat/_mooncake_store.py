@@ -593,9 +593,18 @@ class MooncakeDistributedStore:
         return self.batch_is_exist([key])[0]
 
     def batch_is_exist(self, keys: list) -> list:
-        """One 1/0/negative per key."""
-        _check_keys(keys)
+        """One 1/0/negative per key. SGLang calls it before every batch write and for every
+        prefix lookup, so a list of str goes straight to the native call (which refuses
+        anything else with TypeError; the checked path then names the bad key)."""
         s = self._session
+        if type(keys) is list and s is not None and keys:
+            try:
+                return list(map(int, s.client._h.batch_exists(keys)))
+            except TypeError:
+                pass
+            except KvbError as e:
+                return [_code_of(e, master_call=True)] * len(keys)
+        _check_keys(keys)
         if s is None:
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         if not keys:

@@ -539,7 +539,10 @@ def test_is_exist_and_batch_is_exist(store, key):
     assert store.is_exist(key("a")) == 1
     assert store.is_exist(key("b")) == 0
     assert store.batch_is_exist([key("a"), key("b"), key("c")]) == [1, 0, 1]
+    assert store.batch_is_exist((key("a"), key("b"))) == [1, 0]
     assert store.batch_is_exist([]) == []
+    with pytest.raises(TypeError):
+        store.batch_is_exist([key("a"), 5])
 
 
 def test_remove(store, key):
