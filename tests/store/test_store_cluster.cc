@@ -116,7 +116,11 @@ class StoreCluster : public ::testing::Test {
       for (const auto& n : s.nodes) {
         if (n.state == "ACTIVE") replicas += n.replicas;
       }
-      if (s.objects > 0 && replicas == want_per_object * s.objects) return true;
+      // Node counts include copies still being made; under_replicated is 0 only once every
+      // re-replication is complete (committed) as well.
+      if (s.objects > 0 && replicas == want_per_object * s.objects && s.under_replicated == 0) {
+        return true;
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     return false;
@@ -477,30 +481,17 @@ TEST_F(StoreCluster, NodeBackFromAFreezeLongerThanTheTtlLosesAndRevivesNothing) 
   EXPECT_TRUE(WaitForReplicas(2, 5 * kTtlMs)) << "replicas of the dead node were not restored";
   EXPECT_GT(View().departed_copies, 0u) << "the master made no note of node0's copies";
   {
-    // Where the objects are now: two complete replicas each, none on the dead node. (The node
-    // counts above include copies still being made, so the listing may lag them briefly.)
+    // Where the objects are now: two complete replicas each, none on the dead node.
     std::vector<std::string> keys;
     for (size_t i = 0; i < kObjects; ++i) keys.push_back(Key(i));
-    std::string why = "never asked";
-    for (auto until = Clock::now() + std::chrono::milliseconds(5 * kTtlMs);
-         !why.empty() && Clock::now() < until;) {
-      why.clear();
-      auto infos = client_->BatchGetReplicaInfo(keys);
-      for (size_t i = 0; i < keys.size() && why.empty(); ++i) {
-        if (!infos[i].ok()) {
-          why = keys[i] + ": " + infos[i].status().ToString();
-          break;
-        }
-        std::set<std::string> on;
-        for (const ReplicaInfo& info : infos[i].value()) on.insert(info.node.node_id);
-        if (on.size() != 2 || on.count("node0") != 0) {
-          why = keys[i] + " has " + std::to_string(infos[i].value().size()) + " replica(s)";
-          for (const auto& n : on) why += " " + n;
-        }
-      }
-      if (!why.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    auto infos = client_->BatchGetReplicaInfo(keys);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      ASSERT_TRUE(infos[i].ok()) << keys[i] << ": " << infos[i].status().ToString();
+      std::set<std::string> on;
+      for (const ReplicaInfo& info : infos[i].value()) on.insert(info.node.node_id);
+      EXPECT_EQ(on.size(), 2u) << keys[i] << ": not two complete replicas on distinct nodes";
+      EXPECT_EQ(on.count("node0"), 0u) << keys[i] << ": a replica is listed on the dead node";
     }
-    EXPECT_TRUE(why.empty()) << "not two complete replicas on live nodes: " << why;
   }
   std::vector<std::string> removed;
   for (size_t i = 0; i < kRemoved; ++i) removed.push_back(Key(i));
