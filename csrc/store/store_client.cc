@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -419,10 +420,32 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
     auto* sizes = req.add_sizes();
     for (const auto& b : buffers[i]) sizes->add_sizes(b.length);
   }
+  // Checksums depend only on the caller's bytes, so they are computed while the master
+  // allocates: for 128 x 64 KiB pages the CRC takes about as long as the PutStart round trip
+  // (0.6 ms each), and overlapping them took 3-16% off a put batch (docs/performance.md).
   rpc::PutStartReply started;
+  std::vector<uint32_t> checksums(keys.size(), 0);
+  std::vector<Piece> pieces;
   {
     auto ctx = im.Context();
-    grpc::Status gs = im.master->PutStart(ctx.get(), req, &started);
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    grpc::Status gs;
+    im.master->async()->PutStart(ctx.get(), &req, &started, [&](grpc::Status s) {
+      std::lock_guard<std::mutex> lock(mu);
+      gs = std::move(s);
+      done = true;
+      cv.notify_one();
+    });
+    for (size_t i = 0; i < keys.size(); ++i) {
+      uint64_t total = 0;
+      for (const auto& b : buffers[i]) total += b.length;
+      MapPieces(total, buffers[i], &pieces);
+      checksums[i] = ChecksumOf(pieces);
+    }
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
     if (!gs.ok() || started.items_size() != static_cast<int>(keys.size())) {
       result.assign(keys.size(), store::FromGrpc(gs, "PutStart"));
       return result;
@@ -437,8 +460,6 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   std::vector<TransferOp> ops;
   std::vector<size_t> group_of_op;
   std::vector<std::pair<size_t, int>> groups;  // (key index, replica index)
-  std::vector<uint32_t> checksums(keys.size(), 0);
-  std::vector<Piece> pieces;
   for (size_t i = 0; i < keys.size(); ++i) {
     const auto& item = started.items(static_cast<int>(i));
     Status st = FromProto(item.status());
@@ -450,7 +471,6 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
     uint64_t total = 0;
     for (const auto& b : buffers[i]) total += b.length;
     MapPieces(total, buffers[i], &pieces);
-    checksums[i] = ChecksumOf(pieces);
     for (int r = 0; r < item.replicas_size(); ++r) {
       const auto& loc = item.replicas(r);
       groups.emplace_back(i, r);
