@@ -83,20 +83,28 @@ def _ptr_pairs(keys: Sequence[Key], addresses: Sequence[Any], lengths: Sequence[
     return out
 
 
-@dataclass(frozen=True)
-class GetResult:
-    """One key's outcome of batch_get_into: ``size`` bytes read when ``status.ok``."""
+class _KeyOutcome:
+    """A per-key outcome: ``status`` and, when ``status.ok``, the value named by ``_value``."""
 
-    status: Any  # kvbridge.Status
-    size: int
+    _value = ""
 
     @property
     def ok(self) -> bool:
         return self.status.ok
 
-    def raise_if_error(self) -> int:
+    def raise_if_error(self) -> Any:
+        """The value, or the status raised as its KvbError."""
         raise_if_error(self.status)
-        return self.size
+        return getattr(self, self._value)
+
+
+@dataclass(frozen=True)
+class GetResult(_KeyOutcome):
+    """One key's outcome of batch_get_into: ``size`` bytes read when ``status.ok``."""
+
+    status: Any  # kvbridge.Status
+    size: int
+    _value = "size"
 
 
 @dataclass(frozen=True)
@@ -112,19 +120,12 @@ class Replica:
 
 
 @dataclass(frozen=True)
-class ReplicasResult:
+class ReplicasResult(_KeyOutcome):
     """One key's outcome of batch_replicas: its ``replicas`` when ``status.ok``."""
 
     status: Any  # kvbridge.Status
     replicas: list
-
-    @property
-    def ok(self) -> bool:
-        return self.status.ok
-
-    def raise_if_error(self) -> list:
-        raise_if_error(self.status)
-        return self.replicas
+    _value = "replicas"
 
 
 class StoreClient:
