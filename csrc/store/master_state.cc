@@ -219,24 +219,22 @@ struct MasterState::Impl {
     std::vector<DepartedCopy> copies;  // sorted by (key_hash, version), one entry each
 
     // Entries go in with Note() in any order, the last word on a copy winning; Seal() sorts.
-    void Note(std::string_view key, uint64_t version, bool comes_back) {
-      copies.push_back({KeyHash(key), version, comes_back});
+    void Note(uint64_t key_hash, uint64_t version, bool comes_back) {
+      copies.push_back({key_hash, version, comes_back});
     }
     void Seal() {
       std::stable_sort(copies.begin(), copies.end(),
                        [](const auto& a, const auto& b) { return a.Order() < b.Order(); });
-      // Keep the last of each run of equal (hash, version): the latest note wins.
-      std::vector<DepartedCopy> out;
-      out.reserve(copies.size());
+      size_t kept = 0;  // of each run of equal (hash, version), the last note
       for (const DepartedCopy& c : copies) {
-        if (!out.empty() && out.back().Order() == c.Order()) {
-          out.back() = c;
+        if (kept > 0 && copies[kept - 1].Order() == c.Order()) {
+          copies[kept - 1] = c;
         } else {
-          out.push_back(c);
+          copies[kept++] = c;
         }
       }
-      out.shrink_to_fit();
-      copies = std::move(out);
+      copies.resize(kept);
+      copies.shrink_to_fit();
     }
     const DepartedCopy* Find(std::string_view key, uint64_t version) const {
       const DepartedCopy probe{KeyHash(key), version};
@@ -691,7 +689,8 @@ struct MasterState::Impl {
     Departed& gone = departed[n->id().node_id];
     gone = Departed{};
     gone.since_ns = now_ns;
-    for (const InventoryRecord& rec : n->pending_frees) gone.Note(rec.key, rec.version, false);
+    for (const InventoryRecord& rec : n->pending_frees)
+      gone.Note(Departed::KeyHash(rec.key), rec.version, false);
     std::vector<Object*> affected;
     for (auto& [sid, s] : n->segments)
       affected.insert(affected.end(), s.residents.begin(), s.residents.end());
@@ -713,12 +712,14 @@ struct MasterState::Impl {
         EraseObject(o, now_ns, false);  // a put that lost every replica
         ++revokes_total;
       }
-      if (recorded) gone.copies.push_back({key_hash, version, left_with_it});
+      if (recorded) gone.Note(key_hash, version, left_with_it);
     }
 
     // Last: detaching above may have held ranges of this node (cancelled promotions).
     for (const Held& h : held) {
-      if (h.node == n && h.record) gone.Note(h.record->key, h.record->version, false);
+      if (h.node == n && h.record) {
+        gone.Note(Departed::KeyHash(h.record->key), h.record->version, false);
+      }
     }
     gone.Seal();
     std::erase_if(held, [n](const Held& h) { return h.node == n; });
