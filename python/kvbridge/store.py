@@ -323,7 +323,20 @@ class StoreClient:
                                                            for i, k in enumerate(keys)])]
 
     def batch_exists(self, keys: Sequence[Key]) -> list[bool]:
-        return self._h.batch_exists([_key(k, i) for i, k in enumerate(keys)])
+        got = self._try_batch_exists(keys)
+        return got if got is not None else self._h.batch_exists(
+            [_key(k, i) for i, k in enumerate(keys)])
+
+    def _try_batch_exists(self, keys: Any) -> Optional[list]:
+        """A list of str/bytes keys goes to the native call as is (existence checks come
+        before every write and every prefix lookup in SGLang); None for anything else, which
+        the caller checks key by key."""
+        if type(keys) is not list:
+            return None
+        try:
+            return self._h.batch_exists(keys)
+        except TypeError:
+            return None
 
     def batch_remove(self, keys: Sequence[Key]) -> list:
         """One kvbridge.Status per key (NOT_FOUND for absent keys)."""

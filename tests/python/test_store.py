@@ -53,6 +53,9 @@ def test_exists_remove(cluster):
     store.put("k", b"v")
     assert store.exists("k") and not store.exists("nope")
     assert store.batch_exists(["k", "nope"]) == [True, False]
+    assert store.batch_exists(("k", b"nope")) == [True, False]  # not a list: checked per key
+    with pytest.raises(errors.InvalidArgumentError, match=r"keys\[1\]: expected str or bytes"):
+        store.batch_exists(["k", 5])
     assert store.remove("k") is True
     assert store.remove("k") is False
     assert not store.exists("k")

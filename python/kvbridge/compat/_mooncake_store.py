@@ -597,13 +597,13 @@ class MooncakeDistributedStore:
         prefix lookup, so a list of str goes straight to the native call (which refuses
         anything else with TypeError; the checked path then names the bad key)."""
         s = self._session
-        if type(keys) is list and s is not None and keys:
+        if s is not None and keys:
             try:
-                return list(map(int, s.client._h.batch_exists(keys)))
-            except TypeError:
-                pass
+                got = s.client._try_batch_exists(keys)
             except KvbError as e:
                 return [_code_of(e, master_call=True)] * len(keys)
+            if got is not None:
+                return list(map(int, got))
         _check_keys(keys)
         if s is None:
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
