@@ -682,6 +682,68 @@ def test_get_survives_a_killed_replica_holder(impl, key, tmp_path):
         stop()
 
 
+def test_reads_and_writes_around_a_frozen_replica_holder(impl, key, tmp_path):
+    """Seed 000 (SGLang HiCache degrading cluster-wide when one replica fails): a holder that
+    stops answering without closing its connections (SIGSTOP: a hung process, a stalled
+    host) holds every batch that touches it until Mooncake's 60 s transfer timeout. kvbridge
+    gives up on it after its progress timeout (2 s) and reads the second replica; a put whose
+    other replica lands keeps it and succeeds."""
+    impl, stop = _start(impl.name, tmp_path)  # a master of its own: only the holders' segments
+    module = "mooncake.store" if impl.is_mooncake else "kvbridge.compat.mooncake"
+    holders = [subprocess.Popen([sys.executable, "-c", _HOLDER, module, impl.master],
+                                env=python_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL) for _ in range(2)]
+    frozen = False
+    try:
+        for h in holders:
+            assert read_line(h).split() == [b"ready", b"0"]
+        client = impl.new_store(segment_bytes=0)  # a pure client: no replica is local
+        mem = Arena(client, 1 << 20)
+        keys = [key(str(i)) for i in range(16)]
+        srcs = [mem.alloc(4096, pattern(4096, i)) for i in range(16)]
+        assert client.batch_put_from(keys, srcs, [4096] * 16, impl.replicate(2)) == [0] * 16
+        dsts = [mem.alloc(4096) for _ in range(16)]
+        new_keys = [key(f"new{i}") for i in range(16)]
+        out: dict = {}
+
+        def work() -> None:
+            t = time.monotonic()
+            out["get"] = client.batch_get_into(keys, dsts, [4096] * 16)
+            out["get_s"] = time.monotonic() - t
+            t = time.monotonic()
+            out["put"] = client.batch_put_from(new_keys, srcs, [4096] * 16, impl.replicate(2))
+            out["put_s"] = time.monotonic() - t
+
+        holders[0].send_signal(signal.SIGSTOP)
+        frozen = True
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+        worker.join(15)
+        hung = worker.is_alive()
+        holders[0].send_signal(signal.SIGCONT)
+        frozen = False
+        worker.join(120)  # once the holder runs again, anything still waiting finishes
+        if impl.is_mooncake and (hung or out.get("get") != [4096] * 16):
+            pytest.xfail(f"Mooncake bug (seed 000): with one holder frozen, the batch get "
+                         f"{'was still blocked after 15 s' if hung else 'returned ' + str(out)}"
+                         " (its transfers wait up to 60 s)")
+        assert not hung, f"calls around a frozen holder still blocked after 15 s: {out}"
+        assert out["get"] == [4096] * 16
+        assert all(read(d, 4096) == pattern(4096, i) for i, d in enumerate(dsts))
+        assert out["get_s"] < 8, f"the get took {out['get_s']:.1f} s"
+        assert out["put"] == [0] * 16, out["put"]
+        assert out["put_s"] < 8, f"the put took {out['put_s']:.1f} s"
+        assert client.batch_is_exist(new_keys) == [1] * 16
+    finally:
+        if frozen:
+            holders[0].send_signal(signal.SIGCONT)
+        for h in holders:
+            if h.poll() is None:
+                h.kill()
+            h.wait()
+        stop()
+
+
 def test_error_numbers_follow_the_failed_side():
     """kvbridge's mapping to Mooncake's numbers: a peer failure is RPC_FAIL when the status's
     origin is the master (or the call only talks to the master), else TRANSFER_FAIL; the
