@@ -14,6 +14,7 @@ Mooncake's run xfail with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
@@ -642,12 +643,12 @@ sys.stdin.read()
 """
 
 
-def test_get_survives_a_killed_replica_holder(impl, key, tmp_path):
-    """Seed 004 (vLLM scale-in with replica_num=3): with a second replica alive, reads of keys
-    whose first replica sat on a killed process keep failing with TRANSFER_FAIL until the
-    master expires that client (Mooncake has no replica fallback on Get). kvbridge tries the
-    next replica."""
-    impl, stop = _start(impl.name, tmp_path)  # a master of its own: only the holders' segments
+@contextlib.contextmanager
+def _two_holders_of_16_keys(impl: Impl, key: Callable, tmp_path: Path):
+    """A master of its own, two holder processes (the only segments) and a pure client that
+    put 16 keys of 4 KiB at replica_num 2: yields (impl, holders, client, arena, keys, srcs).
+    Stops everything after, resuming a stopped holder first."""
+    impl, stop = _start(impl.name, tmp_path)
     module = "mooncake.store" if impl.is_mooncake else "kvbridge.compat.mooncake"
     holders = [subprocess.Popen([sys.executable, "-c", _HOLDER, module, impl.master],
                                 env=python_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -660,6 +661,22 @@ def test_get_survives_a_killed_replica_holder(impl, key, tmp_path):
         keys = [key(str(i)) for i in range(16)]
         srcs = [mem.alloc(4096, pattern(4096, i)) for i in range(16)]
         assert client.batch_put_from(keys, srcs, [4096] * 16, impl.replicate(2)) == [0] * 16
+        yield impl, holders, client, mem, keys, srcs
+    finally:
+        for h in holders:
+            if h.poll() is None:
+                h.send_signal(signal.SIGCONT)
+                h.kill()
+            h.wait()
+        stop()
+
+
+def test_get_survives_a_killed_replica_holder(impl, key, tmp_path):
+    """Seed 004 (vLLM scale-in with replica_num=3): with a second replica alive, reads of keys
+    whose first replica sat on a killed process keep failing with TRANSFER_FAIL until the
+    master expires that client (Mooncake has no replica fallback on Get). kvbridge tries the
+    next replica."""
+    with _two_holders_of_16_keys(impl, key, tmp_path) as (impl, holders, client, mem, keys, _):
         holders[0].send_signal(signal.SIGKILL)
         holders[0].wait()
         dsts = [mem.alloc(4096) for _ in range(16)]
@@ -674,12 +691,6 @@ def test_get_survives_a_killed_replica_holder(impl, key, tmp_path):
         assert got == [4096] * 16
         assert all(read(d, 4096) == pattern(4096, i) for i, d in enumerate(dsts))
         assert elapsed < 5, f"reads around the dead holder took {elapsed:.1f} s"
-    finally:
-        for h in holders:
-            if h.poll() is None:
-                h.kill()
-            h.wait()
-        stop()
 
 
 def test_reads_and_writes_around_a_frozen_replica_holder(impl, key, tmp_path):
@@ -688,20 +699,8 @@ def test_reads_and_writes_around_a_frozen_replica_holder(impl, key, tmp_path):
     host) holds every batch that touches it until Mooncake's 60 s transfer timeout. kvbridge
     gives up on it after its progress timeout (2 s) and reads the second replica; a put whose
     other replica lands keeps it and succeeds."""
-    impl, stop = _start(impl.name, tmp_path)  # a master of its own: only the holders' segments
-    module = "mooncake.store" if impl.is_mooncake else "kvbridge.compat.mooncake"
-    holders = [subprocess.Popen([sys.executable, "-c", _HOLDER, module, impl.master],
-                                env=python_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL) for _ in range(2)]
-    frozen = False
-    try:
-        for h in holders:
-            assert read_line(h).split() == [b"ready", b"0"]
-        client = impl.new_store(segment_bytes=0)  # a pure client: no replica is local
-        mem = Arena(client, 1 << 20)
-        keys = [key(str(i)) for i in range(16)]
-        srcs = [mem.alloc(4096, pattern(4096, i)) for i in range(16)]
-        assert client.batch_put_from(keys, srcs, [4096] * 16, impl.replicate(2)) == [0] * 16
+    with _two_holders_of_16_keys(impl, key, tmp_path) as (impl, holders, client, mem, keys,
+                                                           srcs):
         dsts = [mem.alloc(4096) for _ in range(16)]
         new_keys = [key(f"new{i}") for i in range(16)]
         out: dict = {}
@@ -715,13 +714,11 @@ def test_reads_and_writes_around_a_frozen_replica_holder(impl, key, tmp_path):
             out["put_s"] = time.monotonic() - t
 
         holders[0].send_signal(signal.SIGSTOP)
-        frozen = True
         worker = threading.Thread(target=work, daemon=True)
         worker.start()
         worker.join(10)
         hung = worker.is_alive()
         holders[0].send_signal(signal.SIGCONT)
-        frozen = False
         worker.join(120)  # once the holder runs again, anything still waiting finishes
         if impl.is_mooncake and (hung or out.get("get") != [4096] * 16):
             pytest.xfail(f"Mooncake bug (seed 000): with one holder frozen, the batch get "
@@ -734,14 +731,6 @@ def test_reads_and_writes_around_a_frozen_replica_holder(impl, key, tmp_path):
         assert out["put"] == [0] * 16, out["put"]
         assert out["put_s"] < 8, f"the put took {out['put_s']:.1f} s"
         assert client.batch_is_exist(new_keys) == [1] * 16
-    finally:
-        if frozen:
-            holders[0].send_signal(signal.SIGCONT)
-        for h in holders:
-            if h.poll() is None:
-                h.kill()
-            h.wait()
-        stop()
 
 
 def test_error_numbers_follow_the_failed_side():
