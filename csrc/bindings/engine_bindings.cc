@@ -106,6 +106,20 @@ BatchResult TransferOps(EngineHandle& h, const std::vector<TransferOp>& ops,
   });
 }
 
+// The pointer-list forms' binding (submit_ptrs, transfer_ptrs): the three lists are read
+// natively, then `run` gets the ops; None when they need the Python side's checked path.
+template <typename Run>
+auto PtrOpsCall(Run run) {
+  return [run](EngineHandle& h, int opcode, const std::string& peer,
+               const std::vector<PySegment>& segments, const py::handle& locals,
+               const py::handle& remotes, const py::handle& lens, uint32_t deadline_ms,
+               uint32_t progress_timeout_ms) -> py::object {
+    auto ops = ReadPtrOps(opcode, peer, segments, locals, remotes, lens);
+    if (!ops) return py::none();
+    return run(h, *ops, SubmitOptions{deadline_ms, progress_timeout_ms});
+  };
+}
+
 const char* BreakerName(BreakerState s) {
   switch (s) {
     case BreakerState::kClosed: return "closed";
@@ -237,24 +251,14 @@ void BindEngine(py::module_& m) {
              uint32_t progress_timeout_ms) {
             return ToPy(TransferOps(h, ToOps(in), SubmitOptions{deadline_ms, progress_timeout_ms}));
           })
-      .def("submit_ptrs",
-           [](EngineHandle& h, int opcode, const std::string& peer,
-              const std::vector<PySegment>& segments, const py::handle& locals,
-              const py::handle& remotes, const py::handle& lens, uint32_t deadline_ms,
-              uint32_t progress_timeout_ms) -> py::object {
-             auto ops = ReadPtrOps(opcode, peer, segments, locals, remotes, lens);
-             if (!ops) return py::none();
-             return py::int_(SubmitOps(h, *ops, SubmitOptions{deadline_ms, progress_timeout_ms}));
-           })
-      .def("transfer_ptrs",
-           [](EngineHandle& h, int opcode, const std::string& peer,
-              const std::vector<PySegment>& segments, const py::handle& locals,
-              const py::handle& remotes, const py::handle& lens, uint32_t deadline_ms,
-              uint32_t progress_timeout_ms) -> py::object {
-             auto ops = ReadPtrOps(opcode, peer, segments, locals, remotes, lens);
-             if (!ops) return py::none();
-             return ToPy(TransferOps(h, *ops, SubmitOptions{deadline_ms, progress_timeout_ms}));
-           })
+      .def("submit_ptrs", PtrOpsCall([](EngineHandle& h, const std::vector<TransferOp>& ops,
+                                        const SubmitOptions& so) -> py::object {
+             return py::int_(SubmitOps(h, ops, so));
+           }))
+      .def("transfer_ptrs", PtrOpsCall([](EngineHandle& h, const std::vector<TransferOp>& ops,
+                                          const SubmitOptions& so) -> py::object {
+             return ToPy(TransferOps(h, ops, so));
+           }))
       .def("peer_health",
            [](EngineHandle& h, const std::string& node_id) -> py::object {
              auto ph = NoGil(
