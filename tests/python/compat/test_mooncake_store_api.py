@@ -271,6 +271,7 @@ def test_master_gone(impl, key, tmp_path):
         own.closers.clear()
         stop()
     assert s.is_exist(key("k")) == RPC_FAIL
+    assert s.batch_get_replica_desc([key("k")]) == {}  # no answer: nothing listed
     started = time.monotonic()
     assert s.put(key("k"), b"v") == RPC_FAIL
     if not impl.is_mooncake:  # Mooncake retries for about 4 s (a get as long again)
