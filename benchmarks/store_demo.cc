@@ -379,14 +379,16 @@ int main(int argc, char** argv) {
           victim_active |= n.id.node_id == victim_id;
         }
         if (!victim_active && t_dead < 0) t_dead = now;
-        char buf[160];
+        char buf[224];
         std::snprintf(buf, sizeof(buf),
                       "%d ACTIVE nodes, %" PRIu64 " objects, %" PRIu64
-                      " replicas on ACTIVE nodes, %" PRIu64 " puts in flight",
-                      active, st->objects, replicas, st->pending_puts);
+                      " replicas on ACTIVE nodes, %" PRIu64 " puts in flight, %" PRIu64
+                      " objects waiting for a copy",
+                      active, st->objects, replicas, st->pending_puts, st->under_replicated);
         last_view = buf;
+        // Node counts include copies still being made: restored once none is left to make.
         if (!victim_active && st->pending_puts == 0 && st->objects > 0 &&
-            replicas == 2 * st->objects) {
+            replicas == 2 * st->objects && st->under_replicated == 0) {
           t_restored = now;
           break;
         }
