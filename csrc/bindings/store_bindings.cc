@@ -260,6 +260,20 @@ void BindOptions(py::module_& m) {
       .def_readwrite("engine", &EmbeddedClusterOptions::engine);
 }
 
+// The pointer-list forms' binding (batch_put_from_ptrs, batch_get_into_ptrs): the lists are
+// read natively (None when they need the Python side's checked path), `call` runs on the
+// client without the GIL, `reply` shapes its result for Python.
+template <typename Call, typename Reply>
+auto PtrBatchCall(bool unique_keys, Call call, Reply reply) {
+  return [=](PyStoreClient& c, const py::handle& keys, const py::handle& addrs,
+             const py::handle& lens, bool multi) -> py::object {
+    auto b = ReadPtrBatch(keys, addrs, lens, multi, unique_keys);
+    if (!b) return py::none();
+    auto r = NoGil([&] { return c.With([&](StoreClient& s) { return call(s, *b); }); });
+    return reply(r);
+  };
+}
+
 void BindClient(py::module_& m) {
   py::class_<PyStoreClient, std::shared_ptr<PyStoreClient>>(m, "StoreClient")
       .def(py::init([](const StoreOptions& o) {
@@ -302,31 +316,23 @@ void BindClient(py::module_& m) {
                  [&] { return c.With([&](StoreClient& s) { return s.BatchGetInto(keys, bufs); }); }));
            })
       .def("batch_put_from_ptrs",
-           [](PyStoreClient& c, const py::handle& keys, const py::handle& addrs,
-              const py::handle& lens, bool multi) -> py::object {
-             auto b = ReadPtrBatch(keys, addrs, lens, multi, /*unique_keys=*/true);
-             if (!b) return py::none();
-             auto st = NoGil([&] {
-               return c.With([&](StoreClient& s) { return s.BatchPutFrom(b->keys, b->buffers); });
-             });
-             return Failures(st);
-           })
+           PtrBatchCall(
+               /*unique_keys=*/true,
+               [](StoreClient& s, const PtrBatch& b) { return s.BatchPutFrom(b.keys, b.buffers); },
+               [](const std::vector<Status>& st) -> py::object { return Failures(st); }))
       .def("batch_get_into_ptrs",
-           [](PyStoreClient& c, const py::handle& keys, const py::handle& addrs,
-              const py::handle& lens, bool multi) -> py::object {
-             auto b = ReadPtrBatch(keys, addrs, lens, multi, /*unique_keys=*/false);
-             if (!b) return py::none();
-             auto rs = NoGil([&] {
-               return c.With([&](StoreClient& s) { return s.BatchGetInto(b->keys, b->buffers); });
-             });
-             py::list sizes(rs.size());
-             py::dict failed;
-             for (size_t i = 0; i < rs.size(); ++i) {
-               sizes[i] = py::int_(rs[i].ok() ? rs[i].value() : 0);
-               if (!rs[i].ok()) failed[py::int_(i)] = py::cast(bindings::ToPy(rs[i].status()));
-             }
-             return py::make_tuple(std::move(sizes), std::move(failed));
-           })
+           PtrBatchCall(
+               /*unique_keys=*/false,
+               [](StoreClient& s, const PtrBatch& b) { return s.BatchGetInto(b.keys, b.buffers); },
+               [](const std::vector<Result<uint64_t>>& rs) -> py::object {
+                 py::list sizes(rs.size());
+                 py::dict failed;
+                 for (size_t i = 0; i < rs.size(); ++i) {
+                   sizes[i] = py::int_(rs[i].ok() ? rs[i].value() : 0);
+                   if (!rs[i].ok()) failed[py::int_(i)] = py::cast(bindings::ToPy(rs[i].status()));
+                 }
+                 return py::make_tuple(std::move(sizes), std::move(failed));
+               }))
       .def("batch_get_size",
            [](PyStoreClient& c, const std::vector<std::string>& keys) {
              return ToPy(NoGil(
