@@ -165,7 +165,8 @@ struct TransferEngine::Impl {
   bool PollPass(Batch& b);
   void CancelSubs(Batch& b, bool by_deadline);
   BatchResult Collect(Batch& b);
-  std::optional<BatchResult> PollOrWait(BatchId id, bool block);
+  // block: wait until final or until_ns (0 = no limit); else return at once.
+  std::optional<BatchResult> PollOrWait(BatchId id, bool block, uint64_t until_ns = 0);
 };
 
 TransferEngine::Impl::~Impl() {
@@ -294,7 +295,8 @@ BatchResult TransferEngine::Impl::Collect(Batch& b) {
   return r;
 }
 
-std::optional<BatchResult> TransferEngine::Impl::PollOrWait(BatchId id, bool block) {
+std::optional<BatchResult> TransferEngine::Impl::PollOrWait(BatchId id, bool block,
+                                                            uint64_t until_ns) {
   std::shared_ptr<Batch> b = FindBatch(id);
   if (!b) {
     BatchResult r;
@@ -331,12 +333,14 @@ std::optional<BatchResult> TransferEngine::Impl::PollOrWait(BatchId id, bool blo
       }
     }
     if (!block) return std::nullopt;
+    const uint64_t now = util::MonoNs();
+    if (until_ns != 0 && now >= until_ns) return std::nullopt;
     std::unique_lock<std::mutex> lock(slot.mu);
     uint64_t wait_ns = 100'000'000;  // re-check at least every 100 ms
     if (b->deadline_ns != 0) {
-      uint64_t now = util::MonoNs();
       wait_ns = std::min<uint64_t>(wait_ns, b->deadline_ns > now ? b->deadline_ns - now : 0);
     }
+    if (until_ns != 0) wait_ns = std::min<uint64_t>(wait_ns, until_ns - now);
     slot.cv.wait_for(lock, std::chrono::nanoseconds(wait_ns), [&] { return slot.seq != seq; });
   }
 }
@@ -818,6 +822,11 @@ std::optional<BatchResult> TransferEngine::Poll(BatchId id) {
 }
 
 BatchResult TransferEngine::Wait(BatchId id) { return *impl_->PollOrWait(id, /*block=*/true); }
+
+std::optional<BatchResult> TransferEngine::WaitFor(BatchId id, std::chrono::nanoseconds timeout) {
+  const int64_t ns = std::max<int64_t>(timeout.count(), 0);
+  return impl_->PollOrWait(id, /*block=*/true, util::MonoNs() + static_cast<uint64_t>(ns) + 1);
+}
 
 void TransferEngine::Cancel(BatchId id) {
   std::shared_ptr<Batch> b = impl_->FindBatch(id);

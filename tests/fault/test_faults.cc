@@ -131,6 +131,40 @@ TEST_F(FaultTest, FrozenPeerTripsProgressTimeoutLongBeforeDeadline) {
   peer->Signal(SIGCONT);
 }
 
+// WaitFor: a batch to a frozen peer is still in flight when the wait ends, about on time; it
+// stays pending (a later wait collects it), and it is collected once, CANCELLED after Cancel.
+TEST_F(FaultTest, WaitForEndsOnTimeAndLeavesTheBatchPending) {
+  auto peer = StartPeer("frozen-wait", 0, 1);
+  ASSERT_TRUE(peer);
+  Must(engine_->AddPeer(peer->descriptor()));
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "frozen-wait", 0, 4096)}).ok());
+  peer->Signal(SIGSTOP);
+  SubmitOptions so;
+  so.deadline_ms = 20000;
+  so.progress_timeout_ms = 10000;
+  const BatchId id =
+      Must(engine_->Submit(std::vector{Op(OpCode::kRead, "frozen-wait", 0, 1u << 20)}, so));
+  auto t0 = Clock::now();
+  EXPECT_FALSE(engine_->WaitFor(id, std::chrono::milliseconds(150)).has_value());
+  const double waited = MsSince(t0);
+  EXPECT_GE(waited, 145);
+  EXPECT_LT(waited, 1000) << "WaitFor overslept its timeout";
+  EXPECT_FALSE(engine_->WaitFor(id, std::chrono::milliseconds(0)).has_value());
+  engine_->Cancel(id);
+  std::optional<BatchResult> r = engine_->WaitFor(id, std::chrono::milliseconds(2000));
+  ASSERT_TRUE(r.has_value()) << "a cancelled batch did not become final";
+  EXPECT_EQ(r->status.code(), StatusCode::kCancelled) << r->status.ToString();
+  r = engine_->WaitFor(id, std::chrono::milliseconds(10));
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->status.code(), StatusCode::kNotFound) << "results are returned once";
+  peer->Signal(SIGCONT);
+  // Done work is collected at once, whatever the timeout.
+  const BatchId ok = Must(engine_->Submit(std::vector{Op(OpCode::kRead, "frozen-wait", 0, 4096)}));
+  r = engine_->WaitFor(ok, std::chrono::milliseconds(5000));
+  ASSERT_TRUE(r.has_value());
+  EXPECT_TRUE(r->status.ok()) << r->status.ToString();
+}
+
 // A small batch posted to a lane that sat idle (its poll(2) armed for up to a second) while the
 // peer froze: the progress timeout and the deadline still fire on time, not at the next idle
 // wake-up.

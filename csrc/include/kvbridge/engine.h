@@ -21,6 +21,7 @@
 // Thread-safety: every method may be called concurrently from any thread.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -151,6 +152,9 @@ class TransferEngine {
   std::optional<BatchResult> Poll(BatchId id);
   // Blocks until the batch is final (at the latest at its deadline), returns and forgets it.
   BatchResult Wait(BatchId id);
+  // Wait for at most `timeout`: nullopt if the batch is still in flight then (it stays
+  // pending; a later Poll/Wait/WaitFor collects it).
+  std::optional<BatchResult> WaitFor(BatchId id, std::chrono::nanoseconds timeout);
   // Unfinished ops become CANCELLED; after return none of the batch's local memory is touched.
   void Cancel(BatchId id);
   // Submit + Wait; returns the batch status.
