@@ -214,6 +214,8 @@ void BindOptions(py::module_& m) {
       .def_readwrite("rpc_timeout_ms", &StoreOptions::rpc_timeout_ms)
       .def_readwrite("store_transfer_deadline_ms", &StoreOptions::transfer_deadline_ms)
       .def_readwrite("verify_checksums", &StoreOptions::verify_checksums)
+      .def_readwrite("hedge_after_ms", &StoreOptions::hedge_after_ms)
+      .def_readwrite("hedge_bandwidth_mbps", &StoreOptions::hedge_bandwidth_mbps)
       .def_readwrite("peer_discovery", &StoreOptions::peer_discovery)
       .def_readwrite("engine", &StoreOptions::engine);
   py::class_<NodeOptions>(m, "NodeOptions")

@@ -7,12 +7,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <numeric>
 #include <optional>
 #include <set>
 #include <span>
+#include <string_view>
 #include <unordered_map>
 
 #include "kvbridge.grpc.pb.h"
@@ -36,6 +38,8 @@ StoreOptions StoreOptions::FromEnv() {
   uint32_t verify = o.verify_checksums ? 1 : 0;
   store::EnvUint("KVBRIDGE_VERIFY_CHECKSUMS", &verify);
   o.verify_checksums = verify != 0;
+  store::EnvUint("KVBRIDGE_HEDGE_AFTER_MS", &o.hedge_after_ms);
+  store::EnvUint("KVBRIDGE_HEDGE_BANDWIDTH_MBPS", &o.hedge_bandwidth_mbps);
   if (const char* v = std::getenv("KVBRIDGE_PEER_DISCOVERY")) o.peer_discovery = v;
   return o;
 }
@@ -179,6 +183,17 @@ struct StoreClient::Impl {
   // One transfer pass; fills ok[i] per group of ops.
   void Run(std::vector<TransferOp>& ops, const std::vector<size_t>& group_of_op, size_t groups,
            std::vector<Status>* group_status);
+  // Appends the ops reading group g from another replica, not on node `avoid`; false if none.
+  using Alternative =
+      std::function<bool(size_t g, std::string_view avoid, std::vector<TransferOp>* out)>;
+  // A get's pass with hedging (StoreOptions::hedge_after_ms): every op of a group goes to one
+  // node; each node's ops are one batch, and a late batch's groups are read again through
+  // `alternative`. Returns once every batch is final or cancelled, so that no transfer
+  // touches the buffers afterwards. *late gets one group per node whose read was cancelled
+  // because other replicas served all its keys.
+  void RunHedged(const std::vector<TransferOp>& ops, const std::vector<size_t>& group_of_op,
+                 size_t groups, const Alternative& alternative, std::vector<Status>* group_status,
+                 std::vector<size_t>* late);
 };
 
 Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint64_t>>& nodes) {
@@ -316,6 +331,165 @@ void StoreClient::Impl::Run(std::vector<TransferOp>& ops, const std::vector<size
   }
 }
 
+void StoreClient::Impl::RunHedged(const std::vector<TransferOp>& ops,
+                                  const std::vector<size_t>& group_of_op, size_t groups,
+                                  const Alternative& alternative, std::vector<Status>* group_status,
+                                  std::vector<size_t>* late) {
+  using Clock = std::chrono::steady_clock;
+  group_status->assign(groups, Status::OK());
+  late->clear();
+  if (ops.empty()) return;
+  struct NodeBatch {
+    std::string_view node;
+    std::vector<TransferOp> ops;
+    std::vector<size_t> group_of_op;
+    std::vector<size_t> groups;                 // distinct, in first-op order
+    std::optional<BatchId> id;                  // set while in flight
+    std::optional<Clock::time_point> hedge_at;  // a first read not yet hedged
+    bool hedge = false;
+    bool cancelled = false;
+  };
+  std::vector<NodeBatch> batches;
+  auto batch_for = [&](std::string_view node, size_t from) -> NodeBatch& {
+    for (size_t b = from; b < batches.size(); ++b) {
+      if (batches[b].node == node) return batches[b];
+    }
+    batches.emplace_back();
+    batches.back().node = node;
+    return batches.back();
+  };
+  auto add_op = [](NodeBatch& nb, const TransferOp& op, size_t g) {
+    nb.ops.push_back(op);
+    nb.group_of_op.push_back(g);
+    if (nb.groups.empty() || nb.groups.back() != g) nb.groups.push_back(g);
+  };
+  for (size_t k = 0; k < ops.size(); ++k) add_op(batch_for(ops[k].peer, 0), ops[k], group_of_op[k]);
+
+  std::vector<uint32_t> sources(groups, 0);  // reads of the group in flight or not yet seen
+  std::vector<bool> resolved(groups, false);
+  std::vector<std::optional<Status>> first_error(groups);  // the first read's error first
+  SubmitOptions so;
+  so.deadline_ms = options.transfer_deadline_ms;
+  auto on_final = [&](NodeBatch& nb, const BatchResult& r) {
+    nb.id.reset();
+    std::unordered_map<size_t, Status> err;  // per group of this batch: its first failed op
+    for (size_t k = 0; k < nb.ops.size(); ++k) {
+      const Status& st = k < r.op_status.size() ? r.op_status[k] : r.status;
+      if (!st.ok()) err.emplace(nb.group_of_op[k], st);
+    }
+    for (size_t g : nb.groups) {
+      --sources[g];
+      if (resolved[g]) continue;
+      auto e = err.find(g);
+      if (e == err.end()) {
+        resolved[g] = true;
+        (*group_status)[g] = Status::OK();
+        continue;
+      }
+      Status st =
+          NodeLevel(e->second) ? e->second.WithOrigin(StatusOrigin::kStorageNode) : e->second;
+      // The first read's error is the one the caller reports and moves on from.
+      if (!first_error[g] || !nb.hedge) first_error[g] = std::move(st);
+      if (sources[g] == 0) {
+        resolved[g] = true;
+        (*group_status)[g] = *first_error[g];
+      }
+    }
+  };
+  auto submit = [&](NodeBatch& nb) {
+    for (size_t g : nb.groups) ++sources[g];
+    Result<BatchId> id = engine->Submit(nb.ops, so);
+    if (id.ok()) {
+      nb.id = id.value();
+      return;
+    }
+    BatchResult failed;
+    failed.status = id.status();
+    on_final(nb, failed);
+  };
+  const auto start = Clock::now();
+  for (auto& nb : batches) {
+    uint64_t bytes = 0;
+    for (const auto& op : nb.ops) bytes += op.length;
+    nb.hedge_at = start + std::chrono::milliseconds(options.hedge_after_ms) +
+                  std::chrono::nanoseconds(bytes * 1000 / options.hedge_bandwidth_mbps);
+  }
+  for (auto& nb : batches) submit(nb);
+
+  for (;;) {
+    bool changed = false;
+    for (auto& nb : batches) {
+      if (!nb.id) continue;
+      if (std::optional<BatchResult> r = engine->Poll(*nb.id)) {
+        on_final(nb, *r);
+        changed = true;
+      }
+    }
+    // Late first reads: their unresolved groups are read again from another replica.
+    const auto now = Clock::now();
+    const size_t first_reads = batches.size();
+    for (size_t b = 0; b < first_reads; ++b) {
+      if (!batches[b].id || !batches[b].hedge_at || now < *batches[b].hedge_at) continue;
+      batches[b].hedge_at.reset();
+      const size_t hedges_from = batches.size();
+      std::vector<TransferOp> alt;
+      for (size_t g : std::vector<size_t>(batches[b].groups)) {
+        alt.clear();
+        if (resolved[g] || !alternative(g, batches[b].node, &alt) || alt.empty()) continue;
+        NodeBatch& h = batch_for(alt.front().peer, hedges_from);
+        h.hedge = true;
+        for (const auto& op : alt) add_op(h, op, g);
+      }
+      for (size_t h = hedges_from; h < batches.size(); ++h) submit(batches[h]);
+      if (batches.size() > hedges_from) {
+        KVB_LOG(DEBUG) << "get: the read from " << batches[b].node << " is late; "
+                       << batches[b].groups.size() << " keys also read from other replicas";
+      }
+      changed = true;
+    }
+    // A read whose every key is served elsewhere is cancelled: after Cancel returns it
+    // touches no buffer, and it ends CANCELLED (ignored, its keys being resolved).
+    bool in_flight = false;
+    for (auto& nb : batches) {
+      if (!nb.id) continue;
+      in_flight = true;
+      if (nb.cancelled) continue;
+      if (std::all_of(nb.groups.begin(), nb.groups.end(), [&](size_t g) { return resolved[g]; })) {
+        engine->Cancel(*nb.id);
+        nb.cancelled = true;
+        if (!nb.hedge) late->push_back(nb.groups.front());
+        changed = true;
+      }
+    }
+    if (!in_flight) break;
+    if (changed) continue;
+    // Wait on the first read in flight until the next hedge is due; while two reads race,
+    // look at all of them every millisecond.
+    std::optional<Clock::time_point> until;
+    size_t flying = 0;
+    NodeBatch* first = nullptr;
+    for (auto& nb : batches) {
+      if (!nb.id) continue;
+      ++flying;
+      if (first == nullptr) first = &nb;
+      if (nb.hedge_at && (!until || *nb.hedge_at < *until)) until = nb.hedge_at;
+    }
+    const bool racing = std::any_of(batches.begin(), batches.end(),
+                                    [](const NodeBatch& nb) { return nb.id && nb.hedge; });
+    if (racing && flying > 1) {
+      const auto slice = Clock::now() + std::chrono::milliseconds(1);
+      if (!until || slice < *until) until = slice;
+    }
+    std::optional<BatchResult> r;
+    if (until) {
+      r = engine->WaitFor(*first->id, *until - Clock::now());
+    } else {
+      r = engine->Wait(*first->id);
+    }
+    if (r) on_final(*first, *r);
+  }
+}
+
 namespace {
 
 // The keys of a batch whose memory is registered, when some key's is not.
@@ -359,6 +533,10 @@ StoreClient::~StoreClient() = default;
 
 Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& options) {
   if (options.replica_num == 0) return Status::InvalidArgument("replica_num must be >= 1");
+  if (options.hedge_after_ms != 0 && options.hedge_bandwidth_mbps == 0) {
+    return Status::InvalidArgument(
+        "hedge_bandwidth_mbps must be >= 1 while hedging is on (hedge_after_ms > 0)");
+  }
   KVB_RETURN_IF_ERROR(store::CheckPeerDiscovery(options.peer_discovery));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
@@ -617,7 +795,31 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
       }
     }
     std::vector<Status> group_status;
-    im.Run(ops, group_of_op, pending.size(), &group_status);
+    std::vector<size_t> late;  // one group per node whose read other replicas served
+    std::vector<int> hedged_from(pending.size(), -1);  // the replica a hedge read, per group
+    if (im.options.hedge_after_ms == 0) {
+      im.Run(ops, group_of_op, pending.size(), &group_status);
+    } else {
+      // Another complete DRAM replica of group g's key, after the one this pass reads.
+      auto alternative = [&](size_t g, std::string_view avoid, std::vector<TransferOp>* out) {
+        const size_t i = pending[g];
+        const auto& item = got.items(static_cast<int>(i));
+        for (int r = next_replica[i] + 1; r < item.replicas_size(); ++r) {
+          const auto& loc = item.replicas(r);
+          if (loc.tier() == kTierSsd || loc.node().node_id() == avoid || !im.Knows(loc.node())) {
+            continue;
+          }
+          for (const auto& p : pieces[i]) {
+            out->push_back(TransferOp{OpCode::kRead, p.local, p.len, loc.node().node_id(),
+                                      loc.segment_id(), loc.offset() + p.obj_off});
+          }
+          hedged_from[g] = r;
+          return true;
+        }
+        return false;
+      };
+      im.RunHedged(ops, group_of_op, pending.size(), alternative, &group_status, &late);
+    }
     // SSD replicas are served by their node, which writes them into our buffers.
     for (size_t g : from_ssd) {
       const size_t i = pending[g];
@@ -628,6 +830,25 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
     const auto done_at = std::chrono::steady_clock::now();
     std::vector<size_t> retry;
     std::set<std::string> reported_nodes;
+    auto report = [&](size_t i, const rpc::ReplicaLocation& bad, bool node_level) {
+      rpc::BadReplicaRequest req;
+      req.set_key(keys[i]);
+      req.set_version(got.items(static_cast<int>(i)).version());
+      *req.mutable_node() = bad.node();
+      req.set_segment_id(bad.segment_id());
+      req.set_offset(bad.offset());
+      req.set_node_unreachable(node_level);
+      rpc::Status ignored;
+      auto ctx = im.Context();
+      (void)im.master->ReportBadReplica(ctx.get(), req, &ignored);
+    };
+    // A node so late that other replicas served all it was asked for is reported like one
+    // that is unreachable: placed last for a while, nothing dropped.
+    for (size_t g : late) {
+      const size_t i = pending[g];
+      const auto& slow = got.items(static_cast<int>(i)).replicas(next_replica[i]);
+      if (reported_nodes.insert(slow.node().node_id()).second) report(i, slow, true);
+    }
     for (size_t g = 0; g < pending.size(); ++g) {
       const size_t i = pending[g];
       const auto& item = got.items(static_cast<int>(i));
@@ -661,19 +882,12 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
                                    st.Is(StatusCode::kUnavailable) || !im.Knows(bad.node());
       if (!not_the_replica &&
           (!node_level || reported_nodes.insert(bad.node().node_id()).second)) {
-        rpc::BadReplicaRequest report;
-        report.set_key(keys[i]);
-        report.set_version(item.version());
-        *report.mutable_node() = bad.node();
-        report.set_segment_id(bad.segment_id());
-        report.set_offset(bad.offset());
-        report.set_node_unreachable(node_level);
-        rpc::Status ignored;
-        auto ctx = im.Context();
-        (void)im.master->ReportBadReplica(ctx.get(), report, &ignored);
+        report(i, bad, node_level);
       }
       result[i] = st.WithContext("replica on " + bad.node().node_id());
-      if (++next_replica[i] < item.replicas_size()) retry.push_back(i);
+      // A failed key whose hedge was sent failed there too: the next pass skips that replica.
+      next_replica[i] = std::max(next_replica[i], hedged_from[g]) + 1;
+      if (next_replica[i] < item.replicas_size()) retry.push_back(i);
     }
     pending.swap(retry);
   }

@@ -24,7 +24,7 @@ ENGINE_FIELDS = (
     "progress_timeout_ms", "breaker_failures", "breaker_backoff_ms", "breaker_max_backoff_ms",
 )
 STORE_FIELDS = ("master", "replica_num", "rpc_timeout_ms", "store_transfer_deadline_ms",
-                "verify_checksums", "peer_discovery")
+                "verify_checksums", "hedge_after_ms", "hedge_bandwidth_mbps", "peer_discovery")
 NODE_FIELDS = ("master", "node_dram_bytes", "node_storage_plugin", "node_rpc_listen",
                "rpc_timeout_ms", "drain_timeout_ms", "node_ssd_path", "node_ssd_bytes",
                "node_ssd_plugin", "node_ssd_staging_bytes", "peer_discovery")

@@ -227,6 +227,14 @@ def test_options_are_keywords_and_typos_are_refused():
     with kvbridge.Cluster(nodes=1, dram_bytes_per_node=16 << 20, tcp_lanes_per_peer=2,
                           deadline_ms=4000) as c:
         c.client().put("x", b"y")
+        # hedged-read options reach the client; a delay with no bandwidth to scale it is named
+        for opts in ({"hedge_after_ms": 0}, {"hedge_after_ms": 5, "hedge_bandwidth_mbps": 200}):
+            with kvbridge.StoreClient(master=c.master_address, **opts) as client:
+                assert client.get("x") == b"y"
+        with pytest.raises(errors.InvalidArgumentError, match="hedge_bandwidth_mbps"):
+            kvbridge.StoreClient(master=c.master_address, hedge_bandwidth_mbps=0)
+        with pytest.raises(errors.InvalidArgumentError, match="hedge_after_ms"):
+            kvbridge.StoreClient(master=c.master_address, hedge_after_ms=-1)
 
 
 def test_replicas_survive_a_stopped_node():

@@ -410,6 +410,50 @@ TEST_F(StoreCluster, FrozenNodeFailsOverWithinTheProgressTimeout) {
   nodes_[0]->Signal(SIGCONT);
 }
 
+// Hedged reads (StoreOptions::hedge_after_ms, 20 ms by default): the read from a frozen holder
+// is late, its keys are read again from their other replica, and the late read is cancelled.
+// The get costs about the hedge delay, not the progress timeout; and once it has returned, the
+// holder's answers to the cancelled reads (it is resumed while its lanes still wait for them)
+// never reach the caller's buffers. A client with hedging off pays the progress timeout.
+TEST_F(StoreCluster, FrozenHolderCostsAGetTheHedgeDelayAndWritesNothingLate) {
+  constexpr size_t kObjects = 128;
+  ASSERT_EQ(PutRange(0, kObjects), 0);
+  auto timed_get = [&](StoreClient* via, std::string* err) {
+    const auto t0 = Clock::now();
+    EXPECT_EQ(GetRange(0, kObjects, err, via), 0) << *err;
+    return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  };
+  std::string err;
+  // With hedging (the default): node 1 frozen costs about the hedge delay.
+  const uint64_t reports_before = View().unreachable_reports_total;
+  nodes_[1]->Signal(SIGSTOP);
+  const double hedged = timed_get(client_.get(), &err);
+  // Poison what the get filled, then let the holder answer the reads that were cancelled.
+  std::memset(dst_.data(), 0xEE, dst_.size());
+  nodes_[1]->Signal(SIGCONT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  size_t touched = 0;
+  for (size_t b = 0; b < dst_.size(); ++b) touched += dst_.data()[b] != 0xEE;
+  EXPECT_EQ(touched, 0u) << "a cancelled read wrote into the caller's buffer after the get";
+  EXPECT_LT(hedged, 300) << "the get waited for the frozen holder instead of hedging";
+  // The late node is reported once (placed last for a while, nothing dropped).
+  const ClusterStatus after = View();
+  EXPECT_EQ(after.unreachable_reports_total, reports_before + 1);
+  EXPECT_EQ(after.bad_replicas_total, 0u);
+
+  // Without hedging: node 0 frozen costs the get the progress timeout (500 ms).
+  StoreOptions so = ClientOptions("unhedged-client");
+  so.hedge_after_ms = 0;
+  auto unhedged = Must(StoreClient::Create(so));
+  ASSERT_TRUE(unhedged->RegisterBuffer(dst_.data(), dst_.size()).ok());
+  nodes_[0]->Signal(SIGSTOP);
+  const double waited = timed_get(unhedged.get(), &err);
+  nodes_[0]->Signal(SIGCONT);
+  EXPECT_GE(waited, 450) << "without hedging the get should wait out the progress timeout";
+  std::printf("get of %zu objects with a frozen holder: %.0f ms hedged, %.0f ms unhedged\n",
+              kObjects, hedged, waited);
+}
+
 // Direct discovery asks each node for its descriptor. A node that does not answer costs one
 // Describe timeout, and then is left alone for a backoff period (its keys are read from the
 // other replicas) instead of costing every get that timeout again. Not being able to reach a

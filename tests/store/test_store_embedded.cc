@@ -214,6 +214,12 @@ TEST(EmbeddedStore, InvalidOptionsAreNamedErrors) {
   StoreOptions so;
   so.replica_num = 0;
   EXPECT_EQ(StoreClient::Create(so).status().code(), StatusCode::kInvalidArgument);
+  so.replica_num = 1;
+  so.hedge_bandwidth_mbps = 0;  // hedging on (20 ms) with no bandwidth to scale its delay by
+  auto hedge = StoreClient::Create(so);
+  EXPECT_EQ(hedge.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(hedge.status().message().find("hedge_bandwidth_mbps"), std::string::npos)
+      << hedge.status().ToString();
   // Fault-injection specs: an unknown fault or a missing or bad count is named.
   for (const auto& [spec, named] : std::vector<std::pair<std::string, std::string>>{
            {"demote_done_drop=1", "demote_done_drop"},

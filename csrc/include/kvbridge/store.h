@@ -43,6 +43,15 @@ struct StoreOptions {
   // CRC-32C and retried on another replica on mismatch. true verifies every read, lease or
   // not (catches memory corruption too, costs CPU). KVBRIDGE_VERIFY_CHECKSUMS (0/1).
   bool verify_checksums = false;
+  // Hedged reads. A get reads each storage node's share of a batch as its own transfer; one
+  // that has not finished after hedge_after_ms plus its bytes at hedge_bandwidth_mbps (MB/s)
+  // has its keys read again from their next DRAM replica on another node, into the same
+  // buffers: whichever copy completes first serves the key and the other is cancelled. A
+  // frozen or stalled holder then costs a get about that delay instead of the transfer's
+  // progress timeout. 0 turns hedging off. KVBRIDGE_HEDGE_AFTER_MS,
+  // KVBRIDGE_HEDGE_BANDWIDTH_MBPS (>= 1).
+  uint32_t hedge_after_ms = 20;
+  uint32_t hedge_bandwidth_mbps = 1000;
   // The client's transfer engine (its node id is the "local node" for replica ordering).
   EngineOptions engine;
   // Where storage nodes' engine descriptors come from: "master" (the master's directory) or

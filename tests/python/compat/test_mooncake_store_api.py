@@ -697,9 +697,10 @@ def test_get_survives_a_killed_replica_holder(impl, key, tmp_path):
 def test_reads_and_writes_around_a_frozen_replica_holder(impl, key, tmp_path):
     """Seed 000 (SGLang HiCache degrading cluster-wide when one replica fails): a holder that
     stops answering without closing its connections (SIGSTOP: a hung process, a stalled
-    host) holds every batch that touches it until Mooncake's 60 s transfer timeout. kvbridge
-    gives up on it after its progress timeout (2 s) and reads the second replica; a put whose
-    other replica lands keeps it and succeeds."""
+    host) holds every batch that touches it until Mooncake's 60 s transfer timeout. kvbridge's
+    get finds the read from it late (hedged reads: 20 ms plus its bytes at 1 GB/s) and reads
+    the second replica meanwhile, well before its progress timeout (2 s); a put whose other
+    replica lands keeps it and succeeds."""
     with _two_holders_of_16_keys(impl, key, tmp_path) as (impl, holders, client, mem, keys,
                                                            srcs):
         dsts = [mem.alloc(4096) for _ in range(16)]
@@ -728,7 +729,7 @@ def test_reads_and_writes_around_a_frozen_replica_holder(impl, key, tmp_path):
         assert not hung, f"calls around a frozen holder still blocked after 10 s: {out}"
         assert out["get"] == [4096] * 16
         assert all(read(d, 4096) == pattern(4096, i) for i, d in enumerate(dsts))
-        assert out["get_s"] < 8, f"the get took {out['get_s']:.1f} s"
+        assert out["get_s"] < 1.0, f"the get took {out['get_s']:.2f} s (not hedged?)"
         assert out["put"] == [0] * 16, out["put"]
         assert out["put_s"] < 8, f"the put took {out['put_s']:.1f} s"
         assert client.batch_is_exist(new_keys) == [1] * 16
