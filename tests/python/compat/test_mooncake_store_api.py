@@ -727,6 +727,7 @@ def test_reads_and_writes_around_a_frozen_replica_holder(impl, key, tmp_path):
                          f"{'was still blocked after 10 s' if hung else 'returned ' + str(out)}"
                          " (its transfers wait up to 60 s)")
         assert not hung, f"calls around a frozen holder still blocked after 10 s: {out}"
+        print(f"frozen holder: get {out['get_s']:.3f} s, put {out['put_s']:.3f} s")
         assert out["get"] == [4096] * 16
         assert all(read(d, 4096) == pattern(4096, i) for i, d in enumerate(dsts))
         assert out["get_s"] < 1.0, f"the get took {out['get_s']:.2f} s (not hedged?)"
