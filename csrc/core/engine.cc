@@ -825,6 +825,7 @@ BatchResult TransferEngine::Wait(BatchId id) { return *impl_->PollOrWait(id, /*b
 
 std::optional<BatchResult> TransferEngine::WaitFor(BatchId id, std::chrono::nanoseconds timeout) {
   const int64_t ns = std::max<int64_t>(timeout.count(), 0);
+  if (ns >= (int64_t{1} << 62)) return impl_->PollOrWait(id, /*block=*/true);  // ~146 years
   return impl_->PollOrWait(id, /*block=*/true, util::MonoNs() + static_cast<uint64_t>(ns) + 1);
 }
 
