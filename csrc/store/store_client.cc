@@ -307,6 +307,12 @@ bool NodeLevel(const Status& st) {
          st.IsDeadlineExceeded();
 }
 
+// An op's failure as a get or put reports it: every op here moves bytes to or from a storage
+// node, so a node-level failure names the node as the side that failed.
+Status OpFailure(const Status& st) {
+  return NodeLevel(st) ? st.WithOrigin(StatusOrigin::kStorageNode) : st;
+}
+
 }  // namespace
 
 void StoreClient::Impl::Run(std::vector<TransferOp>& ops, const std::vector<size_t>& group_of_op,
@@ -323,11 +329,7 @@ void StoreClient::Impl::Run(std::vector<TransferOp>& ops, const std::vector<size
   BatchResult r = engine->Wait(id.value());
   for (size_t i = 0; i < ops.size(); ++i) {
     Status& gs = (*group_status)[group_of_op[i]];
-    if (gs.ok() && !r.op_status[i].ok()) {
-      // Every op here moves bytes to or from a storage node: say so when the node failed.
-      gs = NodeLevel(r.op_status[i]) ? r.op_status[i].WithOrigin(StatusOrigin::kStorageNode)
-                                     : r.op_status[i];
-    }
+    if (gs.ok() && !r.op_status[i].ok()) gs = OpFailure(r.op_status[i]);
   }
 }
 
@@ -367,7 +369,7 @@ void StoreClient::Impl::RunHedged(const std::vector<TransferOp>& ops,
 
   std::vector<uint32_t> sources(groups, 0);  // reads of the group in flight or not yet seen
   std::vector<bool> resolved(groups, false);
-  std::vector<std::optional<Status>> first_error(groups);  // the first read's error first
+  std::vector<std::optional<Status>> first_error(groups);
   SubmitOptions so;
   so.deadline_ms = options.transfer_deadline_ms;
   auto on_final = [&](NodeBatch& nb, const BatchResult& r) {
@@ -386,10 +388,8 @@ void StoreClient::Impl::RunHedged(const std::vector<TransferOp>& ops,
         (*group_status)[g] = Status::OK();
         continue;
       }
-      Status st =
-          NodeLevel(e->second) ? e->second.WithOrigin(StatusOrigin::kStorageNode) : e->second;
-      // The first read's error is the one the caller reports and moves on from.
-      if (!first_error[g] || !nb.hedge) first_error[g] = std::move(st);
+      // The error the caller reports and moves on from: the first read's, else a hedge's.
+      if (!first_error[g] || !nb.hedge) first_error[g] = OpFailure(e->second);
       if (sources[g] == 0) {
         resolved[g] = true;
         (*group_status)[g] = *first_error[g];
