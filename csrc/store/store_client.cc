@@ -180,6 +180,20 @@ struct StoreClient::Impl {
     auto it = peers.find(node.node_id());
     return it != peers.end() && it->second == node.incarnation();
   }
+  // Tells the master a replica (node_level: its whole node) failed this client; best effort.
+  void Report(const std::string& key, uint64_t version, const rpc::ReplicaLocation& loc,
+              bool node_level) {
+    rpc::BadReplicaRequest req;
+    req.set_key(key);
+    req.set_version(version);
+    *req.mutable_node() = loc.node();
+    req.set_segment_id(loc.segment_id());
+    req.set_offset(loc.offset());
+    req.set_node_unreachable(node_level);
+    rpc::Status ignored;
+    auto ctx = Context();
+    (void)master->ReportBadReplica(ctx.get(), req, &ignored);
+  }
   // One transfer pass; fills ok[i] per group of ops.
   void Run(std::vector<TransferOp>& ops, const std::vector<size_t>& group_of_op, size_t groups,
            std::vector<Status>* group_status);
@@ -698,6 +712,19 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
       }
     }
   }
+  // A node that failed a write as a whole (gone, frozen, replaced) is reported once, as gets
+  // do: placed last for a while, so the next puts put their replicas elsewhere first instead
+  // of each waiting out the same progress timeout until its TTL expires. Nothing is dropped.
+  std::set<std::string> reported;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (group_status[g].ok() || !NodeLevel(group_status[g])) continue;
+    const auto [i, r] = groups[g];
+    const auto& item = started.items(static_cast<int>(i));
+    const auto& loc = item.replicas(r);
+    if (im.Knows(loc.node()) && reported.insert(loc.node().node_id()).second) {
+      im.Report(keys[i], item.version(), loc, /*node_level=*/true);
+    }
+  }
   return result;
 }
 
@@ -831,16 +858,7 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
     std::vector<size_t> retry;
     std::set<std::string> reported_nodes;
     auto report = [&](size_t i, const rpc::ReplicaLocation& bad, bool node_level) {
-      rpc::BadReplicaRequest req;
-      req.set_key(keys[i]);
-      req.set_version(got.items(static_cast<int>(i)).version());
-      *req.mutable_node() = bad.node();
-      req.set_segment_id(bad.segment_id());
-      req.set_offset(bad.offset());
-      req.set_node_unreachable(node_level);
-      rpc::Status ignored;
-      auto ctx = im.Context();
-      (void)im.master->ReportBadReplica(ctx.get(), req, &ignored);
+      im.Report(keys[i], got.items(static_cast<int>(i)).version(), bad, node_level);
     };
     // A node so late that other replicas served all it was asked for is reported like one
     // that is unreachable: placed last for a while, nothing dropped.

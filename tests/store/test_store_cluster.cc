@@ -454,6 +454,33 @@ TEST_F(StoreCluster, FrozenHolderCostsAGetTheHedgeDelayAndWritesNothingLate) {
               kObjects, hedged, waited);
 }
 
+// A put whose write to a frozen node waited out the progress timeout reports that node, so the
+// next puts place their replicas elsewhere at once instead of each paying the same timeout
+// until the node's TTL runs out. The report drops nothing, and the node is still ACTIVE
+// (a 20 s TTL: the node is not declared dead meanwhile).
+TEST_F(StoreClusterLongTtl, FrozenNodeCostsOnePutItsTimeoutNotEveryPut) {
+  const uint64_t reports_before = View().unreachable_reports_total;
+  nodes_[0]->Signal(SIGSTOP);
+  auto t0 = Clock::now();
+  EXPECT_EQ(PutRange(0, 128), 0);  // two replicas each on three nodes: node 0 gets some
+  const double first = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  t0 = Clock::now();
+  EXPECT_EQ(PutRange(128, 128), 0);
+  const double second = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  const ClusterStatus after = View();
+  nodes_[0]->Signal(SIGCONT);
+  std::printf("puts with node 0 frozen: first batch %.0f ms, second %.0f ms\n", first, second);
+  EXPECT_GE(first, 450) << "the first put did not touch the frozen node";
+  EXPECT_LT(second, 300) << "the second put waited for the frozen node again";
+  EXPECT_EQ(after.unreachable_reports_total, reports_before + 1);
+  const auto node0 = std::find_if(after.nodes.begin(), after.nodes.end(),
+                                  [](const NodeStatus& n) { return n.id.node_id == "node0"; });
+  ASSERT_NE(node0, after.nodes.end());
+  EXPECT_EQ(node0->state, "ACTIVE");
+  std::string err;
+  EXPECT_EQ(GetRange(0, 256, &err), 0) << err;
+}
+
 // Direct discovery asks each node for its descriptor. A node that does not answer costs one
 // Describe timeout, and then is left alone for a backoff period (its keys are read from the
 // other replicas) instead of costing every get that timeout again. Not being able to reach a
