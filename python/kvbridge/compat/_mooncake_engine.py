@@ -432,6 +432,13 @@ class TransferEngine:
             log.warning("get_first_buffer_address(%s): %s", segment_name, e)
             return 0
 
+    def get_engine(self) -> kvbridge.TransferEngine:
+        """The kvbridge engine behind this one. Mooncake returns its native engine here, to
+        share with ``MooncakeDistributedStore.setup(..., engine)`` (SGLang's HiCache does with
+        the PD engine); that argument is accepted and not used (the store runs engines of its
+        own), so sharing changes nothing. RuntimeError before ``initialize``."""
+        return self._engine()
+
     def get_local_topology(self, device_name: Optional[str] = None) -> str:
         return "{}"
 

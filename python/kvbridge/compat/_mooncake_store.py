@@ -45,7 +45,7 @@ from kvbridge.store import Node, StoreClient, cluster_status
 
 __all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ErrorCode", "mooncake_code",
            "ReplicaStatus", "ReplicaDescriptor", "MemoryDescriptor", "DiskDescriptor",
-           "Descriptor"]
+           "Descriptor", "MooncakeHostMemAllocator"]
 
 _log = logging.getLogger("kvbridge.compat.mooncake")
 
@@ -273,6 +273,22 @@ def _host_of(local_hostname: str) -> str:
         return socket.gethostbyname(host)
 
 
+def _local_host_towards(address: str) -> str:
+    """The local address this host reaches ``address`` ("host:port") from: loopback for a
+    loopback master, else the source address the routing table picks (no packet is sent)."""
+    host, sep, port = address.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit():
+        raise ValueError("expected host:port")
+    ip = _host_of(host)
+    if ipaddress.ip_address(ip).is_loopback:
+        return ip
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((ip, int(port)))
+        return s.getsockname()[0]
+
+
 _instances = itertools.count()
 
 
@@ -385,6 +401,31 @@ class MooncakeDistributedStore:
                 return 0
         session.close()  # another thread's setup won
         return 0
+
+    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int,
+                    server_address: str) -> int:
+        """Mooncake's standalone ("dummy client") mode: this process contributes no memory and
+        a separate process holds the pool. Mooncake's dummy client talks to a ``mooncake_client``
+        daemon at ``server_address`` and hands it shared memory (``MooncakeHostMemAllocator``)
+        to read from. Here ``server_address`` is a kvbridge master's ``host:port``, the pool is
+        the kvbridge nodes (``kvbridge node``) registered with it, and this is a pure client of
+        it (``setup`` with ``global_segment_size=0``): nodes read and write this process's
+        registered buffers over the transport, so no memory is handed over and
+        ``mem_pool_size`` is only checked. 0, or -1 with the reason logged."""
+        _check_ints("mem_pool_size/local_buffer_size", (mem_pool_size, local_buffer_size))
+        if not isinstance(server_address, str):
+            raise TypeError(f"server_address: expected str, got {type(server_address).__name__}")
+        if mem_pool_size < 0 or local_buffer_size < 0:
+            _log.error("setup_dummy: sizes must be >= 0")
+            return -1
+        try:
+            host = _local_host_towards(server_address)
+        except (ValueError, OSError) as e:
+            _log.error("setup_dummy: server_address %r: %s", server_address, e)
+            return -1
+        return self.setup({"local_hostname": host, "metadata_server": "P2PHANDSHAKE",
+                           "global_segment_size": 0, "local_buffer_size": local_buffer_size,
+                           "protocol": "tcp", "master_server_addr": server_address})
 
     def close(self) -> int:
         """Closes the client and stops this process's contribution to the pool. 0; idempotent."""
@@ -974,3 +1015,81 @@ def _get_copy(client: StoreClient, key: Any, ranges: list) -> int:
         ctypes.memmove(p, base + at, take)
         at += take
     return len(data)
+
+
+class MooncakeHostMemAllocator:
+    """Mooncake's host-memory allocator (SGLang allocates its HiCache host pool with it when
+    the storage backend is ``mooncake``): ``alloc(size)`` gives the address of ``size`` bytes of
+    zeroed, page-aligned shared memory, 0 when none can be had; ``free(ptr)`` returns it.
+
+    Mooncake hands this memory to its ``mooncake_client`` daemon in standalone mode; kvbridge
+    reads and writes registered memory of any kind, so here it is anonymous shared memory that
+    only has to be registered with ``register_buffer`` like any other. The memory lives until
+    ``free`` (not until the allocator is collected: tensors over it may outlive the allocator).
+    ``use_hugepage`` asks for huge pages (``MAP_HUGETLB``) and falls back to normal pages when
+    the kernel has none to give; ``hugepage_size`` ("2MB" or "1GB") is accepted and, like the
+    rest of huge-page sizing, left to the kernel's default.
+    """
+
+    _lock = threading.Lock()
+    _live: dict = {}  # address -> length, for every allocator of this process
+
+    def __init__(self, use_hugepage: Optional[bool] = None,
+                 hugepage_size: Optional[Any] = None) -> None:
+        self.use_hugepage = bool(use_hugepage)
+        self.hugepage_size = hugepage_size
+
+    def alloc(self, size: int) -> int:
+        _check_ints("size", (size,))
+        if size <= 0:
+            return 0
+        libc = _libc()
+        flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        length = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        addr = None
+        if self.use_hugepage:
+            huge = (size + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+            addr = libc.mmap(None, huge, prot, flags | _MAP_HUGETLB, -1, 0)
+            if addr in (None, _MAP_FAILED):
+                _log.warning("MooncakeHostMemAllocator: no huge pages for %d bytes; using "
+                             "normal pages", size)
+                addr = None
+            else:
+                length = huge
+        if addr is None:
+            addr = libc.mmap(None, length, prot, flags, -1, 0)
+        if addr in (None, _MAP_FAILED):
+            _log.error("MooncakeHostMemAllocator: mmap of %d bytes failed (errno %d)", size,
+                       ctypes.get_errno())
+            return 0
+        with self._lock:
+            MooncakeHostMemAllocator._live[addr] = length
+        return addr
+
+    def free(self, ptr: int) -> int:
+        """0, or -1 when ``ptr`` is not an address ``alloc`` gave (and not yet freed)."""
+        _check_ints("ptr", (ptr,))
+        with self._lock:
+            length = MooncakeHostMemAllocator._live.pop(ptr, None)
+        if length is None:
+            return -1
+        return 0 if _libc().munmap(ctypes.c_void_p(ptr), ctypes.c_size_t(length)) == 0 else -1
+
+
+_MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_libc_handle = None
+
+
+def _libc():
+    global _libc_handle
+    if _libc_handle is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc_handle = libc
+    return _libc_handle

@@ -5,9 +5,9 @@ supported and what differs)."""
 
 from kvbridge.compat._mooncake_engine import TransferEngine, TransferNotify, TransferOpcode
 from kvbridge.compat._mooncake_store import (Descriptor, DiskDescriptor, MemoryDescriptor,
-                                             MooncakeDistributedStore, ReplicaDescriptor,
-                                             ReplicateConfig, ReplicaStatus)
+                                             MooncakeDistributedStore, MooncakeHostMemAllocator,
+                                             ReplicaDescriptor, ReplicateConfig, ReplicaStatus)
 
 __all__ = ["TransferEngine", "TransferNotify", "TransferOpcode", "MooncakeDistributedStore",
            "ReplicateConfig", "ReplicaDescriptor", "ReplicaStatus", "MemoryDescriptor",
-           "DiskDescriptor", "Descriptor"]
+           "DiskDescriptor", "Descriptor", "MooncakeHostMemAllocator"]

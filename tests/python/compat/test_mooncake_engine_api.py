@@ -182,6 +182,20 @@ def test_first_buffer_address_of_a_peer(pair):
     assert client.get_first_buffer_address(session) == sbuf.addr
 
 
+def test_get_engine_gives_the_engine_to_share(pair):
+    # SGLang's shared PD engine hands get_engine() to MooncakeDistributedStore.setup(engine=)
+    # (HiCache reusing the PD engine); kvbridge gives the kvbridge.TransferEngine behind it.
+    impl, server, session, *_ = pair
+    native = server.get_engine()
+    assert native is not None
+    if impl == "kvbridge":
+        import kvbridge
+        assert isinstance(native, kvbridge.TransferEngine)
+        assert native.handshake_endpoint.endswith(f":{server.get_rpc_port()}")
+        with pytest.raises(RuntimeError):
+            _engine_class(impl)().get_engine()  # not initialized
+
+
 def test_restarted_peer_on_the_same_port_is_never_written_by_old_addresses(pair):
     """kvbridge's behaviour, not Mooncake's (seeds 000 and 002: a reused port or a restarted
     peer keeps receiving traffic meant for the old process): the old peer's addresses fail with

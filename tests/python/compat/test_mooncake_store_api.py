@@ -262,6 +262,79 @@ def test_health_check_and_close(impl, key):
     assert fresh.put(key("k3"), b"v") == INVALID_PARAMS
 
 
+def _host_allocator(impl: Impl) -> Any:
+    if impl.is_mooncake:
+        try:
+            from mooncake.store import MooncakeHostMemAllocator
+        except ImportError as e:
+            pytest.skip(f"this Mooncake wheel has no MooncakeHostMemAllocator ({e})")
+        return MooncakeHostMemAllocator()
+    from kvbridge.compat.mooncake import MooncakeHostMemAllocator
+    return MooncakeHostMemAllocator()
+
+
+def test_host_mem_allocator(impl, store, key):
+    # SGLang allocates its HiCache host pool with it (storage backend "mooncake"), wraps the
+    # address in a tensor, then registers it with the store.
+    alloc = _host_allocator(impl)
+    size = 3 * 4096 + 100
+    addr = alloc.alloc(size)
+    assert addr != 0 and addr % 4096 == 0
+    assert read(addr, size) == bytes(size)  # zeroed
+    write(addr, pattern(size, 9))
+    assert store.register_buffer(addr, size) == 0
+    assert store.batch_put_from([key("a")], [addr], [size]) == [0]
+    write(addr, bytes(size))
+    assert store.batch_get_into([key("a")], [addr], [size]) == [size]
+    assert read(addr, size) == pattern(size, 9)
+    assert store.unregister_buffer(addr) == 0
+    assert alloc.free(addr) == 0
+    if not impl.is_mooncake:
+        assert alloc.alloc(0) == 0
+        assert alloc.free(addr) == -1  # freed already
+        huge = type(alloc)(use_hugepage=True)  # falls back to normal pages when none are free
+        a2 = huge.alloc(1 << 20)
+        assert a2 != 0 and huge.free(a2) == 0
+
+
+def test_setup_dummy_is_a_pure_client_of_the_master(impl, store, key):
+    """SGLang's standalone_storage mode: setup_dummy(mem_pool_size, local_buffer_size,
+    server_address). Mooncake's server_address is a mooncake_client daemon that owns the pool;
+    kvbridge's is a kvbridge master, and the pool is the nodes registered with it (here the
+    module's store, which contributes a segment)."""
+    if impl.is_mooncake:
+        pytest.skip("Mooncake's setup_dummy needs a mooncake_client daemon, which this suite "
+                    "does not start")
+    from kvbridge.compat.mooncake import MooncakeHostMemAllocator
+    import kvbridge
+    before = kvbridge.cluster_status(impl.master)
+    dummy = impl.store_cls()
+    assert dummy.setup_dummy(64 << 20, 16 << 20, impl.master) == 0
+    impl.closers.append(dummy.close)
+    def node_ids(status: dict) -> set:
+        return {n["node_id"] for n in status["nodes"]}
+
+    assert node_ids(kvbridge.cluster_status(impl.master)) == node_ids(before)  # no segment
+    assert dummy.health_check() == 0
+    alloc = MooncakeHostMemAllocator()
+    size = 64 << 10
+    addr = alloc.alloc(2 * size)
+    write(addr, pattern(size, 3))
+    assert dummy.register_buffer(addr, 2 * size) == 0
+    assert dummy.batch_put_from([key("p")], [addr], [size]) == [0]
+    assert store.get(key("p")) == pattern(size, 3)  # another client of the same pool
+    assert dummy.batch_get_into([key("p")], [addr + size], [size]) == [size]
+    assert read(addr + size, size) == pattern(size, 3)
+    assert dummy.put(key("w"), b"warmup") == 0 and dummy.is_exist(key("w")) == 1
+    assert dummy.unregister_buffer(addr) == 0 and dummy.close() == 0
+    alloc.free(addr)
+    # No master there: -1 quickly, as setup.
+    assert impl.store_cls().setup_dummy(0, 0, f"127.0.0.1:{free_port()}") == -1
+    assert impl.store_cls().setup_dummy(0, 0, "no-port") == -1
+    with pytest.raises(TypeError):
+        impl.store_cls().setup_dummy("64", 0, impl.master)
+
+
 def test_master_gone(impl, key, tmp_path):
     own, stop = _start(impl.name, tmp_path)  # a master this test can stop
     try:
