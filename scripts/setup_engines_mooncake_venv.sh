@@ -49,34 +49,8 @@ pip_in() {
   env -u PYTHONPATH PIP_DISABLE_PIP_VERSION_CHECK=1 "$venv/bin/python" -m pip install --quiet "$@"
 }
 
-# The Debian packages providing the shared libraries the real wheel's modules cannot find.
-missing_system_packages() {
-  local dir
-  dir="$(env -u PYTHONPATH "$real/bin/python" -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("mooncake").origin))' 2>/dev/null)" || return 0
-  ldd "$dir"/*.so 2>/dev/null | awk '/not found/ {print $1}' | sort -u | while read -r lib; do
-    case "$lib" in
-      libibverbs.so.1) echo libibverbs1 ;;
-      librdmacm.so.1) echo librdmacm1 ;;
-      libnuma.so.1) echo libnuma1 ;;
-      libcurl.so.4) echo libcurl4 ;;
-      *) echo "?$lib" ;;
-    esac
-  done
-}
-
-install_system_packages() {
-  local as_root=()
-  if [[ $(id -u) -ne 0 ]]; then
-    command -v sudo >/dev/null 2>&1 || return 1
-    as_root=(sudo -n)
-  fi
-  command -v apt-get >/dev/null 2>&1 || return 1
-  echo "setup_engines_mooncake_venv: installing Debian packages $*"
-  export DEBIAN_FRONTEND=noninteractive
-  "${as_root[@]}" apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1 ||
-    { "${as_root[@]}" apt-get update -q >/dev/null 2>&1 &&
-      "${as_root[@]}" apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1; }
-}
+# shellcheck source=scripts/mooncake_system_packages.sh
+source "$here/scripts/mooncake_system_packages.sh"
 
 check_real='import mooncake.engine, aiohttp, requests, msgpack
 assert not hasattr(__import__("mooncake"), "IMPLEMENTATION"), "the drop-in, not Mooncake"'
@@ -97,13 +71,13 @@ else
   pip_in "$real" "$wheel" ||
     fail "pip could not install $wheel (no PyPI access, or no wheel for this CPython/platform)"
   if ! env -u PYTHONPATH "$real/bin/python" -c "$check_real" 2>/dev/null; then
-    mapfile -t pkgs < <(missing_system_packages)
+    mapfile -t pkgs < <(missing_system_packages "$real/bin/python")
     unknown=()
     for p in "${pkgs[@]}"; do [[ "$p" == \?* ]] && unknown+=("${p#\?}"); done
     [[ ${#unknown[@]} -eq 0 ]] ||
       fail "Mooncake's native modules need ${unknown[*]}, which no known Debian package provides"
     if [[ ${#pkgs[@]} -gt 0 ]]; then
-      install_system_packages "${pkgs[@]}" ||
+      install_system_packages setup_engines_mooncake_venv "${pkgs[@]}" ||
         fail "Mooncake's native modules need the Debian package(s) ${pkgs[*]}; install them as root (apt-get install ${pkgs[*]}) and rerun"
     fi
     err="$(env -u PYTHONPATH "$real/bin/python" -c "$check_real" 2>&1 | tail -1)" ||

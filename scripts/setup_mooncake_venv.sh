@@ -24,35 +24,8 @@ fail() {
   exit 1
 }
 
-# The shared libraries Mooncake's extension modules cannot find, as Debian packages.
-missing_system_packages() {
-  local pkg_dir
-  pkg_dir="$("$py" -c 'import importlib.util, os; s = importlib.util.find_spec("mooncake"); print(os.path.dirname(s.origin))' 2>/dev/null)" || return 0
-  ldd "$pkg_dir"/store.so "$pkg_dir"/engine.so 2>/dev/null | awk '/not found/ {print $1}' | sort -u |
-    while read -r lib; do
-      case "$lib" in
-        libibverbs.so.1) echo libibverbs1 ;;
-        librdmacm.so.1) echo librdmacm1 ;;
-        libnuma.so.1) echo libnuma1 ;;
-        libcurl.so.4) echo libcurl4 ;;
-        *) echo "?$lib" ;;
-      esac
-    done
-}
-
-install_system_packages() {
-  local as_root=()
-  if [[ $(id -u) -ne 0 ]]; then
-    command -v sudo >/dev/null 2>&1 || return 1
-    as_root=(sudo -n)
-  fi
-  command -v apt-get >/dev/null 2>&1 || return 1
-  echo "setup_mooncake_venv: installing Debian packages $*"
-  export DEBIAN_FRONTEND=noninteractive
-  "${as_root[@]}" apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1 ||
-    { "${as_root[@]}" apt-get update -q >/dev/null 2>&1 &&
-      "${as_root[@]}" apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1; }
-}
+# shellcheck source=scripts/mooncake_system_packages.sh
+source "$here/scripts/mooncake_system_packages.sh"
 
 if [[ -x "$py" && -f "$stamp" ]] && cmp -s "$stamp" "$reqs" && "$py" -c "$check_import" 2>/dev/null; then
   echo "setup_mooncake_venv: $venv is up to date with $(basename "$reqs")"
@@ -75,14 +48,14 @@ echo "setup_mooncake_venv: installing $(basename "$reqs") into $venv"
   fail "pip could not install $(grep -m1 '^mooncake' "$reqs") (no PyPI access, or no wheel for $("$py" -c 'import sys, platform; print(f"CPython {sys.version_info[0]}.{sys.version_info[1]} on {platform.machine()}")'))"
 
 if ! "$py" -c "$check_import" 2>/dev/null; then
-  mapfile -t pkgs < <(missing_system_packages)
+  mapfile -t pkgs < <(missing_system_packages "$py")
   unknown=()
   for p in "${pkgs[@]}"; do [[ "$p" == \?* ]] && unknown+=("${p#\?}"); done
   if [[ ${#unknown[@]} -gt 0 ]]; then
     fail "Mooncake's native modules need ${unknown[*]}, which no known Debian package provides here"
   fi
   if [[ ${#pkgs[@]} -gt 0 ]]; then
-    install_system_packages "${pkgs[@]}" ||
+    install_system_packages setup_mooncake_venv "${pkgs[@]}" ||
       fail "Mooncake's native modules need the Debian package(s) ${pkgs[*]}; install them as root (apt-get install ${pkgs[*]}) and rerun"
   fi
   err="$("$py" -c "$check_import" 2>&1 | tail -1)" ||

@@ -197,27 +197,26 @@ class _Stats:
         if seconds > c[f"{op}_max_seconds"]:
             c[f"{op}_max_seconds"] = seconds
 
-    def get(self, pages: int, hits: int, page_bytes: int, seconds: float) -> None:
+    def _pages(self, op: str, done_name: str, undone_name: str, pages: int, done: int,
+               page_bytes: int, seconds: float, pgs: List[int], bandwidth: List[float]) -> None:
         with self.lock:
-            self._call("get", seconds)
-            self.c["get_pages"] += pages
-            self.c["get_hit_pages"] += hits
-            self.c["get_miss_pages"] += pages - hits
-            self.c["get_bytes"] += hits * page_bytes
-            if self.keep_samples and hits and len(self.prefetch_pgs) < self.SAMPLES_MAX:
-                self.prefetch_pgs.append(hits)
-                self.prefetch_bandwidth.append(hits * page_bytes / max(seconds, 1e-9) / 1e9)
+            self._call(op, seconds)
+            c = self.c
+            c[f"{op}_pages"] += pages
+            c[done_name] += done
+            c[undone_name] += pages - done
+            c[f"{op}_bytes"] += done * page_bytes
+            if self.keep_samples and done and len(pgs) < self.SAMPLES_MAX:
+                pgs.append(done)
+                bandwidth.append(done * page_bytes / max(seconds, 1e-9) / 1e9)
+
+    def get(self, pages: int, hits: int, page_bytes: int, seconds: float) -> None:
+        self._pages("get", "get_hit_pages", "get_miss_pages", pages, hits, page_bytes, seconds,
+                    self.prefetch_pgs, self.prefetch_bandwidth)
 
     def set(self, pages: int, ok: int, page_bytes: int, seconds: float) -> None:
-        with self.lock:
-            self._call("set", seconds)
-            self.c["set_pages"] += pages
-            self.c["set_ok_pages"] += ok
-            self.c["set_failed_pages"] += pages - ok
-            self.c["set_bytes"] += ok * page_bytes
-            if self.keep_samples and ok and len(self.backup_pgs) < self.SAMPLES_MAX:
-                self.backup_pgs.append(ok)
-                self.backup_bandwidth.append(ok * page_bytes / max(seconds, 1e-9) / 1e9)
+        self._pages("set", "set_ok_pages", "set_failed_pages", pages, ok, page_bytes, seconds,
+                    self.backup_pgs, self.backup_bandwidth)
 
     def exists(self, pages: int, hits: int, seconds: float) -> None:
         with self.lock:

@@ -87,6 +87,17 @@ log = logging.getLogger("vllm.kvbridge")
 # After a failed store call, lookups (scheduler) and saves (worker) pause this long.
 _STORE_BACKOFF_S = 5.0
 
+
+def _block_pieces(io: Any, slots: list) -> tuple[list, list]:
+    """Parallel (addresses, lengths) lists of each slot's pieces in io (a KvLayout)."""
+    addrs, lens = [], []
+    for slot in slots:
+        a, n = io.block_pieces(slot)
+        addrs.append(a)
+        lens.append(n)
+    return addrs, lens
+
+
 # --------------------------------------------------------------------------------------------
 # What travels between the connector's halves
 # --------------------------------------------------------------------------------------------
@@ -787,11 +798,7 @@ class _WorkerSide:
     def _get(self, keys: list, slots: list, io: KvLayout, blocks: list) -> set:
         """batch_get of keys into io's slots; the blocks (of the same index) that failed."""
         assert self.store is not None
-        addrs, lens = [], []
-        for slot in slots:
-            a, n = io.block_pieces(slot)
-            addrs.append(a)
-            lens.append(n)
+        addrs, lens = _block_pieces(io, slots)
         want = io.bytes_per_block
         try:
             sizes, failed = self.store.batch_get_into_ptrs(keys, addrs, lens)
@@ -853,11 +860,7 @@ class _WorkerSide:
         if not items:
             return 0
         assert self.store is not None
-        addrs, lens = [], []
-        for slot in slots:
-            a, n = io.block_pieces(slot)
-            addrs.append(a)
-            lens.append(n)
+        addrs, lens = _block_pieces(io, slots)
         failed = self.store.batch_put_from_ptrs([k for _, k in items], addrs, lens)
         if failed:
             first = next(iter(failed.values()))

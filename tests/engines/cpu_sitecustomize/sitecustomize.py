@@ -26,8 +26,6 @@ this side) to ``<dir>/engine-<pid>-<n>.json`` after every sync transfer call, so
 can show bytes moved inside processes it does not control.
 """
 
-import importlib.abc
-import importlib.machinery
 import itertools
 import json
 import os
@@ -162,29 +160,7 @@ if _STATS_DIR:
     _HOOKS["kvbridge.compat._mooncake_engine"] = _patch_kvbridge_mooncake_engine
 
 
-class _PostImportHooks(importlib.abc.MetaPathFinder):
-    """Finds the hooked modules with the path finder and runs the hook after the module ran."""
-
-    def find_spec(self, name, path=None, target=None):
-        hook = _HOOKS.get(name)
-        if hook is None:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        loader = spec.loader
-        original = loader.exec_module
-
-        def exec_module(module):
-            original(module)
-            try:
-                hook(module)
-            except Exception as e:
-                _warn(f"patch of {name} failed: {e!r}")
-
-        loader.exec_module = exec_module
-        return spec
-
-
 if _HOOKS:
-    sys.meta_path.insert(0, _PostImportHooks())
+    from post_import_hooks import install  # tests/engines, on PYTHONPATH
+
+    install(_HOOKS, _warn)
