@@ -62,7 +62,8 @@ test-engines: setup setup-engines
 .PHONY: engines-pytest
 engines-pytest:
 	KVBRIDGE_REQUIRE_ENGINES=1 KVBRIDGE_BUILD_DIR=$(abspath $(BUILD_DIR)) \
-	  PYTHONPATH=$(abspath $(BUILD_DIR))/python $(ENGINES_PYTHON) -m pytest tests/engines -q -rs
+	  PYTHONPATH=$(abspath $(BUILD_DIR))/python $(ENGINES_PYTHON) -m pytest tests/engines -q -rs \
+	  --durations=0 --durations-min=5
 
 # Installs kvbridge into the project venv (pip install ., reusing $(BUILD_DIR)).
 install: build

@@ -144,6 +144,11 @@ def role_vllm_decode(a: dict) -> None:
     info = _which_mooncake()
     llm = _vllm_llm(a, _mooncake_connector("kv_consumer", "decode-0"))
     emit(event="ready", **info)
+    # As a router would: the decode request goes out once the prefill answered (the prefill
+    # registers its engine with the bootstrap server as it starts, which may be later).
+    deadline = time.monotonic() + a.get("go_wait_s", 280)
+    while "go_file" in a and not os.path.exists(a["go_file"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
     params = [{"do_remote_prefill": True, "remote_engine_id": a["remote_engine_id"],
                "remote_bootstrap_addr": a["remote_bootstrap_addr"], "transfer_id": t}
               for t in a["transfer_ids"]]

@@ -77,6 +77,7 @@ def test_vllm_pd_through_stock_mooncake_connector(overlay, log_dir, tmp_path):
     stats = tmp_path / "stats"
     stats.mkdir()
     done = tmp_path / "decode-done"
+    go = tmp_path / "prefilled"
     xfer = [f"dropin-xfer-{i}" for i in range(len(prompts))]
     net = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port)}
     with role("prefill", "vllm-prefill",
@@ -84,12 +85,14 @@ def test_vllm_pd_through_stock_mooncake_connector(overlay, log_dir, tmp_path):
               dict(net, VLLM_CPU_OMP_THREADS_BIND="0"), stats) as p, \
          role("decode", "vllm-decode",
               dict(common, remote_engine_id="prefill-0", transfer_ids=xfer,
-                   remote_bootstrap_addr=f"http://127.0.0.1:{port}"),
+                   remote_bootstrap_addr=f"http://127.0.0.1:{port}", go_file=str(go)),
               dict(net, VLLM_CPU_OMP_THREADS_BIND="1"), stats) as d:
         p_ready = p.wait_json(lambda x: x.get("event") == "ready", timeout=280)
         d_ready = d.wait_json(lambda x: x.get("event") == "ready", timeout=280)
+        # The decode's requests go out after the prefill answered, as a router sends them.
+        p.wait_json(lambda x: x.get("event") == "prefilled", timeout=120)
+        go.write_text("ok")
         out = d.wait_json(lambda x: x.get("role") == "decode", timeout=240)
-        p.wait_json(lambda x: x.get("event") == "prefilled", timeout=60)
         done.write_text("ok")
         counters = dropin_roles.read_stats(stats)
 
