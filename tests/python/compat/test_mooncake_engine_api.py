@@ -2,7 +2,7 @@
 compat class always, and against the real ``mooncake.engine`` when it is importable (run it
 with .venv-mooncake/bin/python: scripts/test_mooncake_compat.sh). Two engines in this process,
 peers named "host:port", remote memory by the peer's virtual addresses, as SGLang and vLLM use
-it. Where Mooncake's behaviour is a reported bug (../shared/seeds/), the test asserts
+it. Where Mooncake's behaviour is a bug its users reported (docs/mooncake.md), the test asserts
 kvbridge's behaviour and says so."""
 
 from __future__ import annotations

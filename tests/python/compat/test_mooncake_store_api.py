@@ -8,7 +8,7 @@ every implementation present in this interpreter:
 
 Where the two differ by design the test says which behaviour belongs to which
 (docs/mooncake.md lists the differences). Where Mooncake's behaviour is a bug, reported
-(../shared/seeds/) or found by this suite, the test asserts kvbridge's behaviour and marks
+(docs/mooncake.md) or found by this suite, the test asserts kvbridge's behaviour and marks
 Mooncake's run xfail with the reason.
 """
 
