@@ -7,7 +7,7 @@
 // per-row loop. GPU (when one is usable): kvb_page_copy_cuda between device buffers against
 // cudaMemcpy device-to-device of the same bytes, and into pinned host memory against
 // cudaMemcpy device-to-host. Progress goes to stderr; the last stdout line is one JSON object
-// (ARCHITECTURE.md, "Benchmarks"). Usage: kvb_bench_kernels [--quick] [--threads N]
+// (docs/performance.md). Usage: kvb_bench_kernels [--quick] [--threads N]
 // [--seconds S] [--pages N] [--no-gpu]
 #include <algorithm>
 #include <chrono>

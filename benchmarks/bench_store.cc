@@ -17,7 +17,7 @@
 // connections and buffers, without the control plane, placement and checksums. Checked first:
 // the baseline's reads return stored pages.
 //
-// Progress goes to stderr; the last stdout line is one JSON object (ARCHITECTURE.md).
+// Progress goes to stderr; the last stdout line is one JSON object (docs/performance.md).
 #include <atomic>
 #include <cinttypes>
 #include <cstdio>

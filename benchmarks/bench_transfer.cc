@@ -4,7 +4,7 @@
 // The initiator re-executes itself as the target (--role target). The target registers a
 // region with its engine and also serves a raw-socket baseline: plain blocking send/recv of
 // the same bytes over as many connections as the engine has lanes. Progress goes to stderr;
-// the last stdout line is one JSON object (ARCHITECTURE.md, "Benchmarks").
+// the last stdout line is one JSON object (docs/performance.md).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>

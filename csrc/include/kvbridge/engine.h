@@ -7,7 +7,7 @@
 //   PeerId peer = engine->AddPeer(descriptor_from_peer).value();
 //   Status st = engine->Transfer({{OpCode::kWrite, buf, len, peer.node_id, remote_seg, 0}});
 //
-// Rules the engine enforces (ARCHITECTURE.md):
+// Rules the engine enforces (docs/transfer-engine.md):
 //  - Peers are (node id, incarnation). A peer restarted on the same address is a different
 //    incarnation: ops to the old one fail with STALE_PEER, never land in the new process, and
 //    keep failing fast until AddPeer() is called with the new descriptor.

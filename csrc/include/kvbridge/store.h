@@ -1,6 +1,6 @@
 // The KV-page store: StoreClient (what an inference engine links), StorageNode (a process's
 // contribution of DRAM), MasterServer (the control plane, embeddable). docs/store.md has the
-// design; ARCHITECTURE.md "Store semantics" the rules.
+// design and the rules (replicas, leases, failure, drain, tiers).
 //
 // Keys are byte strings (1..4096 bytes). An object holds one or more buffers (K and V of a
 // page) and is stored as `replica_num` replicas on distinct nodes. Every call takes batches;

@@ -3,7 +3,7 @@
  * processes. A transport moves bytes; the core (transfer engine) owns identity, the peer
  * directory, circuit breakers and batch bookkeeping, and calls these ops.
  *
- * Contract every transport follows (ARCHITECTURE.md, "Identity, deadlines, isolation"):
+ * Contract every transport follows (docs/transfer-engine.md, docs/plugin-abi.md):
  *  - Identity: connections are made to a peer *incarnation*. The handshake carries both sides'
  *    (node id, incarnation); when the process answering is not the incarnation the host asked
  *    for, ops fail with KVB_ERR_STALE_PEER and not one byte is written into that process.
