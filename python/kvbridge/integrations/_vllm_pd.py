@@ -76,9 +76,16 @@ def _recv_frame(sock: socket.socket) -> Any:
 
 def side_channel_call(endpoint: str, msg: dict, timeout_ms: int) -> dict:
     """One request to a side channel. The whole exchange, connect included, ends within
-    ``timeout_ms`` (DeadlineExceededError); a refused connection is PeerUnreachableError."""
+    ``timeout_ms`` (DeadlineExceededError, saying how far it got); a refused connection is
+    PeerUnreachableError."""
     host, _, port = endpoint.rpartition(":")
-    deadline = time.monotonic() + timeout_ms / 1000.0
+    t0 = time.monotonic()
+    deadline = t0 + timeout_ms / 1000.0
+    steps: list[str] = []
+
+    def took() -> str:
+        return f"{(time.monotonic() - t0) * 1000.0:.0f} ms"
+
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout_ms / 1000.0)
     except socket.timeout:
@@ -88,13 +95,16 @@ def side_channel_call(endpoint: str, msg: dict, timeout_ms: int) -> dict:
         raise errors.PeerUnreachableError(f"side channel {endpoint}: {e.strerror or e}") from None
     try:
         with sock:
+            steps.append(f"connected after {took()}")
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             _send_frame(sock, msg)
+            steps.append(f"sent after {took()}")
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             reply = _recv_frame(sock)
     except socket.timeout:
         raise errors.DeadlineExceededError(
-            f"side channel {endpoint}: no answer within {timeout_ms} ms") from None
+            f"side channel {endpoint}: no answer within {timeout_ms} ms "
+            f"({', '.join(steps)}; gave up after {took()})") from None
     except OSError as e:
         raise errors.PeerUnreachableError(f"side channel {endpoint}: {e.strerror or e}") from None
     if not isinstance(reply, dict):
