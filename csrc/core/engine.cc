@@ -703,7 +703,7 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
   if (ops.size() > UINT32_MAX) return Status::InvalidArgument("Submit: too many ops");
   std::vector<uint64_t> local_seg(ops.size());
   // Held until the batch is in `batches`: DeregisterMemory erases a region under the exclusive
-  // lock, so every batch that saw the region is then findable, and cancelled.
+  // lock, so every batch that saw the region is findable then, and cancelled.
   std::shared_lock<std::shared_mutex> regions_lock(im.regions_mu);
   {
     for (size_t i = 0; i < ops.size(); ++i) {
@@ -743,6 +743,14 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
   batch->local_segments.erase(
       std::unique(batch->local_segments.begin(), batch->local_segments.end()),
       batch->local_segments.end());
+  {
+    std::lock_guard<std::mutex> lock(im.batches_mu);
+    im.batches.emplace(batch->id, batch);
+  }
+  // Posted under the batch's own lock and no map's: a DeregisterMemory that found the batch
+  // waits for the posting to end, then cancels what was posted.
+  std::lock_guard<std::mutex> batch_lock(batch->mu);
+  regions_lock.unlock();
 
   // Group ops by peer, keeping submission order inside each group.
   std::vector<std::pair<std::string_view, std::vector<uint32_t>>> groups;
@@ -839,10 +847,6 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
       continue;
     }
     batch->subs.push_back(std::move(sub));
-  }
-  {
-    std::lock_guard<std::mutex> lock(im.batches_mu);
-    im.batches.emplace(batch->id, batch);
   }
   return batch->id;
 }
