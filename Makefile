@@ -16,7 +16,7 @@ ENGINES_VENV ?= .venv-engines
 ENGINES_PYTHON := $(abspath $(ENGINES_VENV))/bin/python
 
 .PHONY: all setup setup-engines configure build test pytest test-engines install demo bench \
-        format clean
+        format clean asan
 
 all: build
 
@@ -46,6 +46,7 @@ test: setup setup-engines
 	$(MAKE) pytest
 	BUILD_DIR=$(abspath $(BUILD_DIR)) PYTHON=$(PYTHON) scripts/test_mooncake_compat.sh
 	$(MAKE) engines-pytest
+	$(MAKE) asan
 	scripts/check_pip_install.sh
 
 # The Python suites alone (tests/python), against $(BUILD_DIR)/python.
@@ -64,6 +65,25 @@ engines-pytest:
 	KVBRIDGE_REQUIRE_ENGINES=1 KVBRIDGE_BUILD_DIR=$(abspath $(BUILD_DIR)) \
 	  PYTHONPATH=$(abspath $(BUILD_DIR))/python $(ENGINES_PYTHON) -m pytest tests/engines -q -rs \
 	  --durations=0 --durations-min=5
+
+# The suites about object lifetimes under AddressSanitizer, in their own build tree
+# ($(ASAN_DIR), KVBRIDGE_SANITIZE=address, no CUDA, no benchmarks): the engine, handshake,
+# fault and store gtests, and the Python lifetime and store suites with libasan preloaded into
+# the interpreter. A use after free or an overflow fails the run. Part of `make test`.
+ASAN_DIR ?= build-asan
+ASAN_GTESTS := kvb_unit_tests kvb_fault_tests kvb_store_tests
+asan: setup
+	cmake -G Ninja -B $(ASAN_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVBRIDGE_SANITIZE=address \
+	  -DKVBRIDGE_CUDA=OFF -DKVBRIDGE_BUILD_BENCHMARKS=OFF -DPython_EXECUTABLE=$(PYTHON)
+	ninja -C $(ASAN_DIR) -j$(JOBS) $(ASAN_GTESTS) kvb_test_peer kvbridge_python_stage kvbridge_cli \
+	  kvb_transport_tcp kvb_testing_plugins
+	set -e; for t in $(ASAN_GTESTS); do \
+	  echo "== $$t (AddressSanitizer)"; \
+	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 $(ASAN_DIR)/tests/$$t --gtest_brief=1; \
+	done
+	ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD=$$(gcc -print-file-name=libasan.so) \
+	  PYTHONPATH=$(abspath $(ASAN_DIR))/python $(PYTHON) -m pytest -q -p no:cacheprovider \
+	  tests/python/test_lifetime.py tests/python/test_store.py
 
 # Installs kvbridge into the project venv (pip install ., reusing $(BUILD_DIR)).
 install: build

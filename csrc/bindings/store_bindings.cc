@@ -4,7 +4,9 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -18,7 +20,45 @@
 namespace kvbridge::bindings {
 namespace {
 
-using ClusterHandle = Handle<EmbeddedCluster>;
+StorageNode& NodeAt(EmbeddedCluster& c, size_t i) {
+  auto& nodes = c.nodes();
+  if (i >= nodes.size()) {
+    throw StatusError(Status::InvalidArgument("node index " + std::to_string(i) +
+                                              " out of range (cluster has " +
+                                              std::to_string(nodes.size()) + " nodes)"));
+  }
+  if (!nodes[i]) throw StatusError(Status::Unavailable("node " + std::to_string(i) + " is stopped"));
+  return *nodes[i];
+}
+
+// The embedded cluster, plus a lock for its node slots: calls on a node hold it shared and
+// stop_node exclusively while it takes the node out of its slot, so a node is never destroyed
+// under a call still using it (a stop waits for them, a drain in flight included; later calls
+// fail with "node i is stopped").
+class ClusterHandle : public Handle<EmbeddedCluster> {
+ public:
+  using Handle::Handle;
+
+  template <typename F>
+  decltype(auto) WithNode(size_t i, F&& f) {
+    return With([&](EmbeddedCluster& c) -> decltype(auto) {
+      std::shared_lock lock(nodes_mu_);
+      return f(NodeAt(c, i));
+    });
+  }
+  // Takes node i out of the cluster; the caller destroys it (no lock held).
+  std::unique_ptr<StorageNode> TakeNode(size_t i) {
+    return With([&](EmbeddedCluster& c) {
+      std::unique_lock lock(nodes_mu_);
+      NodeAt(c, i);  // range and state check
+      return std::move(c.nodes()[i]);
+    });
+  }
+
+ private:
+  std::shared_mutex nodes_mu_;
+};
+
 using NodeHandle = Handle<StorageNode>;
 using MasterHandle = Handle<MasterServer>;
 // One key's buffers: (address, length) pairs.
@@ -192,17 +232,6 @@ py::dict ToPy(const ClusterStatus& cs) {
   d["promotions_total"] = cs.promotions_total;
   d["departed_copies"] = cs.departed_copies;
   return d;
-}
-
-StorageNode& NodeAt(EmbeddedCluster& c, size_t i) {
-  auto& nodes = c.nodes();
-  if (i >= nodes.size()) {
-    throw StatusError(Status::InvalidArgument("node index " + std::to_string(i) +
-                                              " out of range (cluster has " +
-                                              std::to_string(nodes.size()) + " nodes)"));
-  }
-  if (!nodes[i]) throw StatusError(Status::Unavailable("node " + std::to_string(i) + " is stopped"));
-  return *nodes[i];
 }
 
 void BindOptions(py::module_& m) {
@@ -446,27 +475,21 @@ void BindServers(py::module_& m) {
            })
       .def("node_id",
            [](ClusterHandle& h, size_t i) {
-             PeerId id = NoGil(
-                 [&] { return h.With([&](EmbeddedCluster& c) { return NodeAt(c, i).id(); }); });
+             PeerId id =
+                 NoGil([&] { return h.WithNode(i, [](StorageNode& n) { return n.id(); }); });
              return py::make_tuple(id.node_id, id.incarnation);
            })
       .def("node_object_count",
            [](ClusterHandle& h, size_t i) {
-             return NoGil([&] {
-               return h.With([&](EmbeddedCluster& c) { return NodeAt(c, i).object_count(); });
-             });
+             return NoGil(
+                 [&] { return h.WithNode(i, [](StorageNode& n) { return n.object_count(); }); });
            })
       .def("drain_node",
            [](ClusterHandle& h, size_t i) {
-             NoGil([&] { h.With([&](EmbeddedCluster& c) { ThrowIfError(NodeAt(c, i).Drain()); }); });
+             NoGil([&] { h.WithNode(i, [](StorageNode& n) { ThrowIfError(n.Drain()); }); });
            })
       .def("stop_node", [](ClusterHandle& h, size_t i) {
-        NoGil([&] {
-          h.With([&](EmbeddedCluster& c) {
-            NodeAt(c, i);  // range and state check
-            c.nodes()[i].reset();
-          });
-        });
+        NoGil([&] { h.TakeNode(i).reset(); });  // destroyed with no lock held
       });
 
   m.def(

@@ -110,6 +110,7 @@ struct Batch {
   std::mutex mu;  // serializes poll passes, cancel and collection of this batch
   std::vector<Status> op_status;
   std::vector<SubRequest> subs;
+  std::vector<SegmentId> local_segments;  // the local regions its ops use (sorted, unique)
   bool collected = false;
 };
 
@@ -542,6 +543,28 @@ Status TransferEngine::DeregisterMemory(SegmentId id) {
     }
     impl_->regions.erase(it);
   }
+  // Outbound batches still using the region are cancelled: once cancel returns, a transport
+  // no longer touches their local memory (ABI), so the caller may free it when this returns.
+  std::vector<std::shared_ptr<Batch>> users;
+  {
+    std::lock_guard<std::mutex> lock(impl_->batches_mu);
+    for (const auto& [bid, b] : impl_->batches) {
+      if (std::binary_search(b->local_segments.begin(), b->local_segments.end(), id)) {
+        users.push_back(b);
+      }
+    }
+  }
+  size_t cancelled = 0;
+  for (const auto& b : users) {
+    std::lock_guard<std::mutex> lock(b->mu);
+    if (b->collected) continue;
+    for (const SubRequest& sub : b->subs) cancelled += sub.final ? 0 : 1;
+    impl_->CancelSubs(*b, /*by_deadline=*/false);
+  }
+  if (cancelled > 0) {
+    KVB_LOG(WARN) << "DeregisterMemory: segment " << id << " was the local memory of " << cancelled
+                  << " transfer(s) not yet seen final; cancelled";
+  }
   Status result;
   for (auto& t : impl_->transports) {
     kvb_status_t st = t->ops->deregister_memory(t->inst, id);
@@ -679,8 +702,10 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
   if (ops.empty()) return Status::InvalidArgument("Submit: empty batch");
   if (ops.size() > UINT32_MAX) return Status::InvalidArgument("Submit: too many ops");
   std::vector<uint64_t> local_seg(ops.size());
+  // Held until the batch is in `batches`: DeregisterMemory erases a region under the exclusive
+  // lock, so every batch that saw the region is findable then, and cancelled.
+  std::shared_lock<std::shared_mutex> regions_lock(im.regions_mu);
   {
-    std::shared_lock<std::shared_mutex> lock(im.regions_mu);
     for (size_t i = 0; i < ops.size(); ++i) {
       const TransferOp& op = ops[i];
       auto where = [i] { return "Submit: op " + std::to_string(i); };
@@ -713,6 +738,19 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
   const uint32_t progress_ms =
       options.progress_timeout_ms ? options.progress_timeout_ms : im.options.progress_timeout_ms;
   batch->op_status.assign(ops.size(), Status::InProgress());
+  batch->local_segments.assign(local_seg.begin(), local_seg.end());
+  std::sort(batch->local_segments.begin(), batch->local_segments.end());
+  batch->local_segments.erase(
+      std::unique(batch->local_segments.begin(), batch->local_segments.end()),
+      batch->local_segments.end());
+  {
+    std::lock_guard<std::mutex> lock(im.batches_mu);
+    im.batches.emplace(batch->id, batch);
+  }
+  // Posted under the batch's own lock and no map's: a DeregisterMemory that found the batch
+  // waits for the posting to end, then cancels what was posted.
+  std::lock_guard<std::mutex> batch_lock(batch->mu);
+  regions_lock.unlock();
 
   // Group ops by peer, keeping submission order inside each group.
   std::vector<std::pair<std::string_view, std::vector<uint32_t>>> groups;
@@ -809,10 +847,6 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
       continue;
     }
     batch->subs.push_back(std::move(sub));
-  }
-  {
-    std::lock_guard<std::mutex> lock(im.batches_mu);
-    im.batches.emplace(batch->id, batch);
   }
   return batch->id;
 }

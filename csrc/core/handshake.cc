@@ -9,9 +9,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "util/host_port.h"
 #include "util/logging.h"
@@ -22,6 +25,8 @@ namespace {
 constexpr char kMagic[8] = {'K', 'V', 'B', 'D', 'E', 'S', 'C', '1'};
 constexpr uint32_t kMaxDescriptorBytes = 16u << 20;
 constexpr int kIoTimeoutMs = 1000;
+constexpr size_t kMaxExchanges = 256;  // open at once
+constexpr size_t kMaxPerSource = 32;   // open at once from one client address
 
 using Clock = std::chrono::steady_clock;
 
@@ -103,11 +108,11 @@ Result<std::unique_ptr<HandshakeServer>> HandshakeServer::Start(
   s->describe_ = std::move(describe);
   std::string why = "no address";
   for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
-    int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, 0);
+    int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) continue;
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 64) == 0) {
+    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 256) == 0) {
       s->fd_ = fd;
       break;
     }
@@ -142,39 +147,136 @@ HandshakeServer::~HandshakeServer() {
   }
 }
 
-void HandshakeServer::Loop() {
-  for (;;) {
-    pollfd p[2] = {{fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
-    if (poll(p, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
-    }
-    if (p[1].revents != 0) return;
-    if ((p[0].revents & POLLIN) == 0) continue;
-    const int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (c < 0) {
-      // Out of descriptors (EMFILE/ENFILE) leaves the connection queued: don't spin on it.
-      if (errno == EMFILE || errno == ENFILE) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+namespace {
+
+// One exchange in progress: the 8-byte request coming in, then the answer going out.
+struct Exchange {
+  int fd = -1;
+  std::string source;  // the client's address, without the port
+  Clock::time_point deadline;
+  char req[sizeof(kMagic)] = {};
+  size_t got = 0;
+  std::string out;  // the answer, once the request was read
+  size_t sent = 0;
+};
+
+std::string SourceOf(const sockaddr_storage& ss) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_addr, buf, sizeof(buf));
+  } else {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, buf, sizeof(buf));
+  }
+  return buf;
+}
+
+// Advances one exchange as far as the socket allows: 1 when the answer went out in full,
+// -1 when it failed (bad request, peer gone), 0 when it must wait for the socket.
+int Advance(Exchange& x, const std::function<std::string()>& describe) {
+  while (x.out.empty()) {
+    const ssize_t r = recv(x.fd, x.req + x.got, sizeof(x.req) - x.got, MSG_DONTWAIT);
+    if (r == 0) return -1;
+    if (r < 0) return errno == EINTR ? 0 : (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1;
+    x.got += static_cast<size_t>(r);
+    if (x.got < sizeof(x.req)) continue;
+    if (std::memcmp(x.req, kMagic, sizeof(kMagic)) != 0) return -1;
+    const std::string d = describe();
+    const auto n = static_cast<uint32_t>(d.size());
+    x.out.assign(kMagic, sizeof(kMagic));
+    const char len[4] = {static_cast<char>(n), static_cast<char>(n >> 8),
+                         static_cast<char>(n >> 16), static_cast<char>(n >> 24)};
+    x.out.append(len, 4);
+    x.out += d;
+  }
+  while (x.sent < x.out.size()) {
+    const ssize_t r =
+        send(x.fd, x.out.data() + x.sent, x.out.size() - x.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (r > 0) {
+      x.sent += static_cast<size_t>(r);
       continue;
     }
-    // One exchange gets kIoTimeoutMs in all: this thread serves connections one at a time,
-    // so a client that is silent or trickles bytes holds it up no longer than that.
-    const auto deadline = Clock::now() + std::chrono::milliseconds(kIoTimeoutMs);
-    char req[sizeof(kMagic)];
-    if (ReadAll(c, req, sizeof(req), deadline) && std::memcmp(req, kMagic, sizeof(kMagic)) == 0) {
-      const std::string d = describe_();
-      const auto n = static_cast<uint32_t>(d.size());
-      uint8_t len[4] = {static_cast<uint8_t>(n), static_cast<uint8_t>(n >> 8),
-                        static_cast<uint8_t>(n >> 16), static_cast<uint8_t>(n >> 24)};
-      if (WriteAll(c, kMagic, sizeof(kMagic), deadline) && WriteAll(c, len, 4, deadline) &&
-          WriteAll(c, d.data(), d.size(), deadline)) {
-        ++served_;
-      }
-    } else {
-      ++rejected_;
-    }
-    close(c);
+    if (r < 0 && errno == EINTR) continue;
+    return r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1;
   }
+  return 1;
+}
+
+}  // namespace
+
+// Every exchange is multiplexed on this one thread, each with its own kIoTimeoutMs bound, so
+// clients that connect and stay silent (or trickle bytes) delay nobody else. At most
+// kMaxExchanges are open, kMaxPerSource from one address: past either bound the oldest
+// exchange (of that address, or of all) is closed to make room, so a flood from one address
+// costs that address its own stalled connections, not everyone the service.
+void HandshakeServer::Loop() {
+  std::vector<Exchange> xs;
+  auto finish = [&](size_t i, bool ok) {
+    close(xs[i].fd);
+    ++(ok ? served_ : rejected_);
+    xs[i] = std::move(xs.back());
+    xs.pop_back();
+  };
+  auto evict_oldest = [&](const std::string* source) {
+    size_t oldest = xs.size();
+    for (size_t i = 0; i < xs.size(); ++i) {
+      if ((source == nullptr || xs[i].source == *source) &&
+          (oldest == xs.size() || xs[i].deadline < xs[oldest].deadline)) {
+        oldest = i;
+      }
+    }
+    if (oldest < xs.size()) finish(oldest, false);
+  };
+  std::vector<pollfd> fds;
+  for (;;) {
+    auto now = Clock::now();
+    for (size_t i = xs.size(); i-- > 0;) {
+      if (xs[i].deadline <= now) finish(i, false);
+    }
+    int timeout = -1;
+    for (const Exchange& x : xs) {
+      const int left = std::max(1, LeftMs(x.deadline));
+      timeout = timeout < 0 ? left : std::min(timeout, left);
+    }
+    fds.assign({{fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}});
+    for (const Exchange& x : xs) fds.push_back({x.fd, x.out.empty() ? POLLIN : POLLOUT, 0});
+    if (poll(fds.data(), fds.size(), timeout) < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    if (fds[1].revents != 0) break;
+    // Exchanges first (their indices match fds[2..] until one finishes), then new ones.
+    for (size_t i = xs.size(); i-- > 0;) {
+      if (fds[i + 2].revents == 0) continue;
+      const int r = Advance(xs[i], describe_);
+      if (r != 0) finish(i, r > 0);
+    }
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    for (int accepted = 0; accepted < 64; ++accepted) {
+      sockaddr_storage ss{};
+      socklen_t len = sizeof(ss);
+      const int c = accept4(fd_, reinterpret_cast<sockaddr*>(&ss), &len,
+                            SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (c < 0) {
+        // Out of descriptors (EMFILE/ENFILE) leaves the connection queued: don't spin on it.
+        if (errno == EMFILE || errno == ENFILE) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        break;
+      }
+      Exchange x;
+      x.fd = c;
+      x.source = SourceOf(ss);
+      x.deadline = Clock::now() + std::chrono::milliseconds(kIoTimeoutMs);
+      size_t same = 0;
+      for (const Exchange& y : xs) same += y.source == x.source ? 1 : 0;
+      if (same >= kMaxPerSource) evict_oldest(&x.source);
+      if (xs.size() >= kMaxExchanges) evict_oldest(nullptr);
+      xs.push_back(std::move(x));
+      const int r = Advance(xs.back(), describe_);  // the request is often there already
+      if (r != 0) finish(xs.size() - 1, r > 0);
+    }
+  }
+  for (const Exchange& x : xs) close(x.fd);
 }
 
 Result<std::string> FetchDescriptor(const std::string& host_port, uint32_t timeout_ms) {

@@ -4,8 +4,10 @@
 //
 // Wire: the client sends the 8 bytes "KVBDESC1"; the server answers "KVBDESC1", a 4-byte
 // little-endian length and the descriptor, then closes. Anything else is closed without an
-// answer. Each connection is served with 1 s socket timeouts, so a client that stops talking
-// (or a port scanner) holds the service for at most that long.
+// answer. One thread serves every connection at once (poll), each exchange bounded to 1 s in
+// all: a client that stops talking, trickles bytes or scans the port holds its own connection
+// for at most that long and delays no one else. At most 256 exchanges are open, 32 from one
+// client address; past a bound the oldest (of that address, or of all) is closed.
 //
 // Thread-safety: Start/Stop from one thread; the describe callback runs on the service thread.
 #pragma once

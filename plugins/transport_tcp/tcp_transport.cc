@@ -152,6 +152,17 @@ std::string AddrText(const sockaddr_storage& ss) {
   return "?";
 }
 
+// The IP address of a peer, without the port: what per-source limits count.
+std::string SourceText(const sockaddr_storage& ss) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  if (ss.ss_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, host, sizeof(host));
+  } else if (ss.ss_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_addr, host, sizeof(host));
+  }
+  return host;
+}
+
 void SetSocketOptions(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -336,6 +347,9 @@ bool LoadConfig(const kvb_host_services_t* host, Config* out, std::string* err) 
       read("tcp.idle_timeout_ms", 1, 86400000, &c.idle_timeout_ms) &&
       read("tcp.idle_close_per_sec", 1, 1000000, &c.idle_close_per_sec) &&
       read("tcp.max_inbound", 1, 1000000, &c.max_inbound) &&
+      read("tcp.max_inbound_per_source", 1, 1000000, &c.max_inbound_per_source) &&
+      read("tcp.min_inbound_bytes_per_sec", 1, 1ull << 40, &c.min_inbound_bytes_per_sec) &&
+      read("tcp.inbound_idle_timeout_ms", 1, 86400000, &c.inbound_idle_timeout_ms) &&
       read("tcp.max_frame_bytes", 1, 1ull << 32, &c.max_frame_bytes);
   if (!ok) return false;
   if (c.slice_bytes > c.max_frame_bytes) {
@@ -1349,6 +1363,23 @@ void Transport::AcceptLoop() {
           break;
         }
         const std::string addr = AddrText(ss);
+        const std::string source = SourceText(ss);
+        size_t from_source = 0;
+        {
+          std::lock_guard<std::mutex> lock(inbound_mu_);
+          for (const auto& c : inbound_) from_source += !c->done.load() && c->source == source;
+        }
+        if (from_source >= config_.max_inbound_per_source) {
+          uint64_t suppressed = 0;
+          if (inbound_refusal_log_.Allow(Now(), &suppressed)) {
+            Log(KVB_LOG_WARN,
+                "refusing inbound connection from %s: %zu connections open from %s "
+                "(tcp.max_inbound_per_source); %llu similar refusals suppressed",
+                addr.c_str(), from_source, source.c_str(), U(suppressed));
+          }
+          close(fd);
+          continue;
+        }
         if (counters_.inbound_open.load() >= config_.max_inbound) {
           uint64_t suppressed = 0;
           if (inbound_refusal_log_.Allow(Now(), &suppressed)) {
@@ -1364,6 +1395,7 @@ void Transport::AcceptLoop() {
         auto conn = std::make_unique<Inbound>();
         conn->fd = fd;
         conn->addr = addr;
+        conn->source = source;
         Inbound* raw = conn.get();
         counters_.inbound_open.fetch_add(1);
         std::lock_guard<std::mutex> lock(inbound_mu_);
@@ -1509,21 +1541,36 @@ bool Transport::ServerHandshake(int fd, const std::string& addr) {
   return io == Io::kOk;
 }
 
-std::shared_ptr<Transport::Region> Transport::AcquireRegion(uint64_t segment_id) {
+std::shared_ptr<Transport::Region> Transport::AcquireRegion(uint64_t segment_id, int fd) {
   std::lock_guard<std::mutex> lock(regions_mu_);
   auto it = regions_.find(segment_id);
   if (it == regions_.end()) return nullptr;
   ++it->second->in_use;
+  it->second->users.push_back(fd);
   return it->second;
 }
 
-void Transport::ReleaseRegion(const std::shared_ptr<Region>& region) {
+void Transport::ReleaseRegion(const std::shared_ptr<Region>& region, int fd) {
   std::lock_guard<std::mutex> lock(regions_mu_);
+  auto& u = region->users;
+  if (auto it = std::find(u.begin(), u.end(), fd); it != u.end()) {
+    *it = u.back();
+    u.pop_back();
+  }
   if (--region->in_use == 0) regions_cv_.notify_all();
 }
 
 void Transport::ServeRequests(int fd, const std::string& addr) {
-  const Limits io_lim{0, config_.progress_timeout_ms * kMsNs, -1};
+  const uint64_t progress_ns = config_.progress_timeout_ms * kMsNs;
+  const Limits io_lim{0, progress_ns, -1};
+  // A payload of n bytes, in or out, must also be done by an absolute deadline: the progress
+  // timeout plus n at tcp.min_inbound_bytes_per_sec. A peer trickling a byte now and then
+  // cannot hold a region (and a DeregisterMemory waiting on it) for ever.
+  auto payload_lim = [&](uint64_t n) {
+    const uint64_t ns = static_cast<uint64_t>(static_cast<double>(n) * 1e9 /
+                                              static_cast<double>(config_.min_inbound_bytes_per_sec));
+    return Limits{Now() + progress_ns + ns, progress_ns, -1};
+  };
   std::unique_ptr<uint8_t[]> scratch;
   int err = 0;
   // Read-ahead: one recv picks up every request header a lane has pipelined. A WRITE's payload
@@ -1546,9 +1593,9 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
   uint64_t batch_bytes = 0;
   auto flush = [&]() -> Io {
     if (nresp == 0) return Io::kOk;
-    const Io io = SendAllV(*this, fd, iov, niov, io_lim, &err);
+    const Io io = SendAllV(*this, fd, iov, niov, payload_lim(batch_bytes), &err);
     for (int i = 0; i < nresp; ++i) {
-      if (held[i]) ReleaseRegion(held[i]);
+      if (held[i]) ReleaseRegion(held[i], fd);
       held[i].reset();
     }
     nresp = niov = 0;
@@ -1574,14 +1621,13 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
     if (take == len) return Io::kOk;
     // Responses gathered so far go out only if the payload has to be waited for.
     const std::function<Io()> before_wait = [&] { return flush(); };
-    if (dst != nullptr) {
-      return RecvAll(*this, fd, dst + take, len - take, io_lim, &err, before_wait);
-    }
+    const Limits lim = payload_lim(len - take);
+    if (dst != nullptr) return RecvAll(*this, fd, dst + take, len - take, lim, &err, before_wait);
     // Drain into scratch: a refused WRITE's payload never touches a region.
     if (!scratch) scratch = std::make_unique<uint8_t[]>(kScratchBytes);
     for (uint64_t left = len - take; left > 0;) {
       const size_t chunk = static_cast<size_t>(std::min<uint64_t>(left, kScratchBytes));
-      const Io io = RecvAll(*this, fd, scratch.get(), chunk, io_lim, &err, before_wait);
+      const Io io = RecvAll(*this, fd, scratch.get(), chunk, lim, &err, before_wait);
       if (io != Io::kOk) return io;
       left -= chunk;
     }
@@ -1616,6 +1662,11 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
         return;
       }
       int wait_ms = 1000;
+      if (in_end == 0 && Now() - last_in_ns > config_.inbound_idle_timeout_ms * kMsNs) {
+        Log(KVB_LOG_INFO, "closing inbound %s: no request for %u ms (tcp.inbound_idle_timeout_ms)",
+            addr.c_str(), config_.inbound_idle_timeout_ms);
+        return;
+      }
       if (in_end > 0) {  // a partial header must complete within the progress timeout
         wait_ms = WaitBudgetMs(*this, io_lim, last_in_ns);
         if (wait_ms < 0) {
@@ -1631,7 +1682,7 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
     wire::DecodeRequestHeader(in + in_begin, wire::kRequestHeaderBytes, &h);
     in_begin += wire::kRequestHeaderBytes;
     std::shared_ptr<Region> region =
-        h.magic == wire::kRequestMagic ? AcquireRegion(h.segment_id) : nullptr;
+        h.magic == wire::kRequestMagic ? AcquireRegion(h.segment_id, fd) : nullptr;
     wire::RegionRef ref;
     if (region) ref = {region->base, region->length};
     const wire::RequestCheck check =
@@ -1640,7 +1691,7 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
     resp.status = check.status;
     resp.request_id = h.request_id;
     if (check.status == KVB_ERR_PROTOCOL) {
-      if (region) ReleaseRegion(region);
+      if (region) ReleaseRegion(region, fd);
       counters_.frames_rejected.fetch_add(1);
       Log(KVB_LOG_WARN,
           "closing inbound %s: %s (magic %#x opcode %u flags %#x segment %llu offset %llu "
@@ -1655,7 +1706,7 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
     }
     Io io = Io::kOk;
     if (check.status != KVB_OK) {
-      if (region) ReleaseRegion(region);
+      if (region) ReleaseRegion(region, fd);
       counters_.frames_rejected.fetch_add(1);
       uint64_t suppressed = 0;
       if (reject_log_.Allow(Now(), &suppressed)) {
@@ -1673,19 +1724,21 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
       io = queue(resp, payload, std::move(region));
     } else {
       io = recv_payload(region->base + h.offset, h.length);
-      ReleaseRegion(region);
+      ReleaseRegion(region, fd);
       if (io == Io::kOk) io = queue(resp, nullptr, nullptr);
     }
     if (io != Io::kOk) {
       if (io != Io::kClosed) {
         Log(KVB_LOG_WARN, "closing inbound %s during a %s of %llu bytes: %s", addr.c_str(),
             h.opcode == KVB_OP_READ ? "READ" : "WRITE", U(h.length),
-            io == Io::kTimeout ? "no progress within tcp.progress_timeout_ms"
+            io == Io::kTimeout ? "no progress within tcp.progress_timeout_ms, or past the "
+                                 "payload's bound (tcp.min_inbound_bytes_per_sec)"
                                : IoError(io, err).c_str());
       }
       (void)flush();
       return;
     }
+    last_in_ns = Now();  // idleness counts from the end of the last request
   }
   (void)flush();
 }
@@ -1718,7 +1771,15 @@ kvb_status_t Transport::DeregisterMemory(uint64_t segment_id) {
   if (it == regions_.end()) return KVB_ERR_NOT_FOUND;
   std::shared_ptr<Region> r = it->second;
   regions_.erase(it);
-  // Server threads inside it finish or fail within tcp.progress_timeout_ms.
+  // Connections still inside the region (a WRITE being received, a READ being sent) are shut
+  // down rather than waited for: a stalled or trickling peer cannot hold this call. Their
+  // threads leave at once (recv/send fail); the descriptors stay valid until then, as a
+  // connection is closed only after its thread ended.
+  if (r->in_use > 0) {
+    Log(KVB_LOG_WARN, "deregistering segment %llu: cutting %zu inbound connection(s) still using it",
+        U(segment_id), r->users.size());
+    for (int fd : r->users) shutdown(fd, SHUT_RDWR);
+  }
   regions_cv_.wait(lock, [&] { return r->in_use == 0; });
   return KVB_OK;
 }

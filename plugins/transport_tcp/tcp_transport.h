@@ -42,6 +42,9 @@ struct Config {
   uint32_t idle_timeout_ms = 30000;
   uint32_t idle_close_per_sec = 4;
   uint32_t max_inbound = 1024;
+  uint32_t max_inbound_per_source = 64;  // open inbound connections from one IP address
+  uint64_t min_inbound_bytes_per_sec = 64u << 20;  // an inbound payload's absolute bound
+  uint32_t inbound_idle_timeout_ms = 300000;  // an authenticated connection with no request
   uint64_t max_frame_bytes = 16u << 20;
 };
 
@@ -155,10 +158,12 @@ class Transport {
     uint8_t* base = nullptr;
     uint64_t length = 0;
     uint32_t in_use = 0;  // server threads inside the region (under regions_mu_)
+    std::vector<int> users;  // their connections, one entry per use (under regions_mu_)
   };
   struct Inbound {
     int fd = -1;
     std::string addr;
+    std::string source;  // the client's IP address (addr without the port)
     std::thread thread;
     std::atomic<bool> done{false};
   };
@@ -179,8 +184,10 @@ class Transport {
   void ServeInbound(Inbound* conn);
   bool ServerHandshake(int fd, const std::string& addr);
   void ServeRequests(int fd, const std::string& addr);
-  std::shared_ptr<Region> AcquireRegion(uint64_t segment_id);
-  void ReleaseRegion(const std::shared_ptr<Region>& region);
+  // A server thread enters / leaves a region on behalf of connection `fd` (DeregisterMemory
+  // shuts those connections down rather than wait for a stalled peer).
+  std::shared_ptr<Region> AcquireRegion(uint64_t segment_id, int fd);
+  void ReleaseRegion(const std::shared_ptr<Region>& region, int fd);
   void HousekeeperLoop();
   void JoinGraveyard();
   void WakeHousekeeper(uint64_t deadline_ns);

@@ -126,7 +126,9 @@ class TransferEngine:
         return seg
 
     def deregister(self, segment: int) -> None:
-        """After return no peer request touches the segment. NotFoundError for an unknown id."""
+        """After return nothing touches the segment: no peer request, and no transfer of this
+        engine that used it as local memory (unfinished ones are cancelled: their ops end
+        CANCELLED). NotFoundError for an unknown id."""
         self._h.deregister_memory(segment)
         self._keepalive.pop(segment, None)
 

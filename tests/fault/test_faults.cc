@@ -165,6 +165,60 @@ TEST_F(FaultTest, WaitForEndsOnTimeAndLeavesTheBatchPending) {
   EXPECT_TRUE(r->status.ok()) << r->status.ToString();
 }
 
+// Deregistering local memory while an outbound WRITE from it is stuck (the peer is frozen,
+// the socket buffers full) cancels that transfer: DeregisterMemory returns promptly, the batch
+// ends CANCELLED, and once it returned the memory is the caller's again: bytes written into it
+// afterwards never reach the peer (checked page by page once the peer runs again).
+TEST_F(FaultTest, DeregisterCancelsOutboundTransfersFromTheRegion) {
+  auto peer = StartPeer("dereg", 0, 1);
+  ASSERT_TRUE(peer);
+  Must(engine_->AddPeer(peer->descriptor()));
+  Buffer src(kPeerBytes);
+  src.Fill(5);
+  const SegmentId seg = Must(engine_->RegisterMemory(src.data(), src.size()));
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "dereg", 0, 4096)}).ok());
+  peer->Signal(SIGSTOP);
+  SubmitOptions so;
+  so.deadline_ms = 30000;
+  so.progress_timeout_ms = 20000;
+  const BatchId id = Must(engine_->Submit(
+      std::vector{TransferOp{OpCode::kWrite, src.data(), src.size(), "dereg", 1, 0}}, so));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // stuck on the full socket
+  EXPECT_FALSE(engine_->WaitFor(id, std::chrono::milliseconds(0)).has_value());
+  auto t0 = Clock::now();
+  ASSERT_TRUE(engine_->DeregisterMemory(seg).ok());
+  EXPECT_LT(MsSince(t0), 3000) << "deregister waited for the stuck transfer";
+  std::optional<BatchResult> r = engine_->WaitFor(id, std::chrono::milliseconds(2000));
+  ASSERT_TRUE(r.has_value()) << "the transfer from the deregistered memory is still running";
+  EXPECT_EQ(r->status.code(), StatusCode::kCancelled) << r->status.ToString();
+  // The memory is the caller's again: new contents must never reach the peer.
+  src.Fill(9);
+  EXPECT_TRUE(engine_->Submit(std::vector{TransferOp{OpCode::kWrite, src.data(), 4096, "dereg", 1,
+                                                     0}})
+                  .status()
+                  .Is(StatusCode::kNotRegistered));
+  peer->Signal(SIGCONT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "dereg", 0, kPeerBytes)}).ok());
+  // Every byte is the peer's own (seed 1) or what was written before the deregister (seed 5);
+  // a page can be half of each where the stuck write stopped.
+  size_t written = 0, untouched = 0, foreign = 0;
+  for (size_t off = 0; off < kPeerBytes; ++off) {
+    const uint8_t b = local_->data()[off];
+    if (b == testing::PatternByte(5, off)) {
+      ++written;
+    } else if (b == testing::PatternByte(1, off)) {
+      ++untouched;
+    } else if (foreign++ == 0) {
+      ADD_FAILURE() << "byte " << off << " was written after DeregisterMemory returned";
+    }
+  }
+  EXPECT_EQ(foreign, 0u);
+  EXPECT_GT(untouched, 0u) << "the whole write landed: it was never stuck";
+  std::printf("deregistered mid-write: %zu bytes written before, %zu untouched\n", written,
+              untouched);
+}
+
 // A small batch posted to a lane that sat idle (its poll(2) armed for up to a second) while the
 // peer froze: the progress timeout and the deadline still fire on time, not at the next idle
 // wake-up.

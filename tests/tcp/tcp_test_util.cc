@@ -324,8 +324,18 @@ uint16_t DeadPort() {
   return ntohs(a.sin_port);
 }
 
-RawClient::RawClient(uint16_t port) {
+RawClient::RawClient(uint16_t port, const std::string& source) {
   fd_ = socket(AF_INET, SOCK_STREAM, 0);
+  if (!source.empty()) {
+    sockaddr_in from{};
+    from.sin_family = AF_INET;
+    inet_pton(AF_INET, source.c_str(), &from.sin_addr);
+    if (bind(fd_, reinterpret_cast<sockaddr*>(&from), sizeof(from)) != 0) {
+      close(fd_);
+      fd_ = -1;
+      return;
+    }
+  }
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(port);

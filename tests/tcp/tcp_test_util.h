@@ -141,7 +141,8 @@ uint16_t DeadPort();
 // A blocking TCP client for hand-made frames.
 class RawClient {
  public:
-  explicit RawClient(uint16_t port);
+  // Connects to 127.0.0.1:port, from `source` (an address on this host) when given.
+  explicit RawClient(uint16_t port, const std::string& source = "");
   ~RawClient();
   bool connected() const { return fd_ >= 0; }
   bool SendAll(const void* data, size_t len);

@@ -692,6 +692,12 @@ TEST(TcpTransport, RestartOnTheSamePortIsStaleThenHeals) {
   b2.mem->Fill(5);
   const uint64_t before = b2.mem->Checksum();
   Result r = a.inst->Transfer(old_peer, {a.Write(0, 4096, b2.seg, 0)});
+  if (r.status == KVB_ERR_PEER_UNREACHABLE) {
+    // The write raced the close: it went out on the pooled lane before its thread saw the
+    // socket die. The next one opens a lane and meets the new incarnation.
+    EXPECT_NE(r.msg.find("closed the connection"), std::string::npos) << r.msg;
+    r = a.inst->Transfer(old_peer, {a.Write(0, 4096, b2.seg, 0)});
+  }
   EXPECT_EQ(r.status, KVB_ERR_STALE_PEER) << r.msg;
   EXPECT_NE(r.msg.find("0x1111"), std::string::npos) << r.msg;
   EXPECT_NE(r.msg.find("0x2222"), std::string::npos) << r.msg;
@@ -731,6 +737,98 @@ TEST(TcpTransport, InboundConnectionsAreBounded) {
   EXPECT_TRUE(c3.WaitClosed()) << "a third inbound connection was kept";
   EXPECT_TRUE(b.inst->host().LogContains("tcp.max_inbound"));
   EXPECT_EQ(b.inst->Stats().inbound_open, 2u);
+}
+
+// A WRITE whose payload is trickled (a byte every 100 ms: always within the progress timeout)
+// is cut at its absolute bound, progress timeout + length / tcp.min_inbound_bytes_per_sec,
+// instead of holding the region for as long as the peer likes.
+TEST(TcpTransport, TrickledWriteIsCutAtItsAbsoluteBound) {
+  Server b("b", 0xc1, 1 << 20,
+           {{"tcp.progress_timeout_ms", "1000"}, {"tcp.min_inbound_bytes_per_sec", "1048576"}});
+  ASSERT_TRUE(b.inst);
+  RawClient c(b.inst->Port());
+  ASSERT_EQ(c.Handshake("raw", 1, "b", 0xc1), KVB_OK);
+  uint8_t hb[wire::kRequestHeaderBytes];
+  wire::EncodeRequestHeader({wire::kRequestMagic, KVB_OP_WRITE, 0, 1, b.seg, 0, 65536}, hb);
+  ASSERT_TRUE(c.SendAll(hb, sizeof(hb)));
+  const uint64_t start = NowNs();
+  std::atomic<bool> stop{false};
+  std::thread drip([&] {
+    const uint8_t x = 0x5a;
+    for (int i = 0; i < 60 && !stop.load() && c.SendAll(&x, 1); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
+  // Bound: 1000 ms + 65536 B at 1 MiB/s (62 ms).
+  const bool closed = c.WaitClosed(4000);
+  const double ms = MsSince(start);
+  stop = true;
+  drip.join();
+  EXPECT_TRUE(closed) << "a trickled WRITE held its connection (and region) for 4 s";
+  EXPECT_GE(ms, 950.0);
+  EXPECT_LT(ms, 2500.0);
+  EXPECT_TRUE(b.inst->host().LogContains("tcp.min_inbound_bytes_per_sec"));
+  EXPECT_EQ(b.inst->Deregister(b.seg), KVB_OK);
+}
+
+// DeregisterMemory while a peer trickles a WRITE into the region (its absolute bound far off):
+// the call cuts that connection and returns at once; nothing lands in the memory afterwards.
+TEST(TcpTransport, DeregisterCutsAConnectionStillInsideTheRegion) {
+  Server b("b", 0xc2, 1 << 20,
+           {{"tcp.progress_timeout_ms", "5000"}, {"tcp.min_inbound_bytes_per_sec", "1"}});
+  ASSERT_TRUE(b.inst);
+  b.mem->Fill(3);
+  RawClient c(b.inst->Port());
+  ASSERT_EQ(c.Handshake("raw", 1, "b", 0xc2), KVB_OK);
+  uint8_t hb[wire::kRequestHeaderBytes];
+  wire::EncodeRequestHeader({wire::kRequestMagic, KVB_OP_WRITE, 0, 1, b.seg, 0, 65536}, hb);
+  ASSERT_TRUE(c.SendAll(hb, sizeof(hb)));
+  std::atomic<bool> stop{false};
+  std::thread drip([&] {
+    const uint8_t x = 0x5a;
+    for (int i = 0; i < 30 && !stop.load() && c.SendAll(&x, 1); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));  // the server is inside it
+  const uint64_t start = NowNs();
+  EXPECT_EQ(b.inst->Deregister(b.seg), KVB_OK);
+  EXPECT_LT(MsSince(start), 500.0) << "deregister waited for the trickling peer";
+  const uint64_t after = b.mem->Checksum(4096);  // past the first bytes the trickle reached
+  EXPECT_TRUE(c.WaitClosed(2000)) << "the connection inside the region was not cut";
+  stop = true;
+  drip.join();
+  EXPECT_EQ(b.mem->Checksum(4096), after);
+  EXPECT_TRUE(b.inst->host().LogContains("still using it"));
+}
+
+// One client address cannot take every inbound slot: past tcp.max_inbound_per_source its new
+// connections are closed at once, while another address is still served.
+TEST(TcpTransport, InboundConnectionsPerSourceAreBounded) {
+  Server b("b", 0xc3, 4096, {{"tcp.max_inbound_per_source", "2"}, {"tcp.max_inbound", "16"}});
+  ASSERT_TRUE(b.inst);
+  RawClient c1(b.inst->Port()), c2(b.inst->Port());
+  ASSERT_EQ(c1.Handshake("raw", 1, "b", 0xc3), KVB_OK);
+  ASSERT_EQ(c2.Handshake("raw", 2, "b", 0xc3), KVB_OK);
+  RawClient c3(b.inst->Port());
+  EXPECT_TRUE(c3.WaitClosed()) << "a third connection from 127.0.0.1 was kept";
+  EXPECT_TRUE(b.inst->host().LogContains("tcp.max_inbound_per_source"));
+  RawClient other(b.inst->Port(), "127.0.0.2");  // another address on loopback
+  ASSERT_TRUE(other.connected());
+  EXPECT_EQ(other.Handshake("raw", 3, "b", 0xc3), KVB_OK);
+  EXPECT_EQ(b.inst->Stats().inbound_open, 3u);
+}
+
+// An authenticated connection that sends no request for tcp.inbound_idle_timeout_ms is closed.
+TEST(TcpTransport, IdleInboundConnectionIsClosed) {
+  Server b("b", 0xc4, 4096, {{"tcp.inbound_idle_timeout_ms", "300"}});
+  ASSERT_TRUE(b.inst);
+  RawClient c(b.inst->Port());
+  ASSERT_EQ(c.Handshake("raw", 1, "b", 0xc4), KVB_OK);
+  const uint64_t start = NowNs();
+  EXPECT_TRUE(c.WaitClosed(3000)) << "an idle inbound connection was kept";
+  EXPECT_GE(MsSince(start), 250.0);
+  EXPECT_TRUE(b.inst->host().LogContains("tcp.inbound_idle_timeout_ms"));
 }
 
 }  // namespace

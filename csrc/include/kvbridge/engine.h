@@ -119,8 +119,9 @@ class TransferEngine {
   // ALREADY_EXISTS. The returned id is what peers name as remote_segment.
   Result<SegmentId> RegisterMemory(void* addr, uint64_t length, MemoryKind kind = MemoryKind::kHost,
                                    int device_id = -1);
-  // After return no peer request touches the region. REQUIRES: no batch of this process that
-  // uses the region as local memory is still in flight. NOT_FOUND for an unknown id.
+  // After return nothing touches the region any more: no peer request, and no batch of this
+  // process that used it as local memory (those are cancelled: their unfinished ops end
+  // CANCELLED). The memory may be freed then. NOT_FOUND for an unknown id.
   Status DeregisterMemory(SegmentId id);
 
   // Everything a peer needs to reach this process: identity, endpoints per transport and the
