@@ -14,6 +14,7 @@
 #include "core/plugin_loader.h"
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
+#include "store/rpc_auth.h"
 #include "store/rpc_util.h"
 #include "util/checksum.h"
 #include "util/clock.h"
@@ -36,6 +37,7 @@ NodeOptions NodeOptions::FromEnv() {
   store::EnvUint64("KVBRIDGE_NODE_SSD_BYTES", &o.ssd_bytes);
   store::EnvUint64("KVBRIDGE_NODE_SSD_STAGING_BYTES", &o.ssd_staging_bytes);
   if (const char* v = std::getenv("KVBRIDGE_PEER_DISCOVERY")) o.peer_discovery = v;
+  store::EnvUint("KVBRIDGE_RPC_AUTH_SKEW_MS", &o.rpc_auth_skew_ms);
   return o;
 }
 
@@ -97,6 +99,15 @@ class Unanswered {
 
 }  // namespace
 
+// The first line of every handler: a call without a valid proof of the cluster token is
+// answered UNAUTHENTICATED before anything is read or changed (store/rpc_auth.h).
+#define KVB_AUTH(ctx, method)                                                                      \
+  do {                                                                                             \
+    if (grpc::Status _kvb_auth = auth->Check(*(ctx), (method), "storage node"); !_kvb_auth.ok()) { \
+      return _kvb_auth;                                                                            \
+    }                                                                                              \
+  } while (0)
+
 struct StorageNode::Impl final : public rpc::Node::Service {
   NodeOptions options;
   std::unique_ptr<TransferEngine> engine;
@@ -110,6 +121,10 @@ struct StorageNode::Impl final : public rpc::Node::Service {
 
   std::unique_ptr<grpc::Server> server;
   std::string rpc_address;
+  std::unique_ptr<store::RpcAuth> auth;  // signs calls to the master, checks calls to us
+  // From the master's RegisterNodeReply.node_secret (under mu): proves it is this node that
+  // drains or deregisters itself.
+  store::CallKey node_key;
   // Data-plane calls (task results, drain) and the heartbeat use separate channels, so a slow
   // control call can never delay a heartbeat behind it on one connection.
   std::unique_ptr<rpc::Master::Stub> master;
@@ -154,10 +169,19 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   Status ssd_status;  // OK: the tier runs; else why not
 
   ~Impl() override;
-  std::unique_ptr<grpc::ClientContext> Context() const {
+  // A call's context: its deadline and its proof of the cluster token (for `method`).
+  std::unique_ptr<grpc::ClientContext> Context(std::string_view method) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
     ctx->set_deadline(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(options.rpc_timeout_ms));
+    auth->Sign(ctx.get(), method);
+    return ctx;
+  }
+  // Context() plus the proof of this registration's secret (Drain, Deregister of itself).
+  std::unique_ptr<grpc::ClientContext> NodeContext(std::string_view method) const {
+    auto ctx = Context(method);
+    std::lock_guard<std::mutex> lock(mu);
+    store::RpcAuth::SignWith(ctx.get(), store::kNodeHeader, node_key, method);
     return ctx;
   }
   rpc::NodeIdentity Identity() const {
@@ -204,8 +228,9 @@ struct StorageNode::Impl final : public rpc::Node::Service {
                       rpc::Status* reply) override;
   grpc::Status ReadSsd(grpc::ServerContext*, const rpc::ReadSsdRequest* req,
                        rpc::ReadSsdReply* reply) override;
-  grpc::Status Describe(grpc::ServerContext*, const rpc::Empty*,
+  grpc::Status Describe(grpc::ServerContext* ctx, const rpc::Empty*,
                         rpc::NodeDescriptor* reply) override {
+    KVB_AUTH(ctx, store::method::kDescribe);
     *reply->mutable_node() = Identity();
     reply->set_engine_descriptor(engine->LocalDescriptor());
     reply->set_rpc_address(rpc_address);
@@ -222,8 +247,9 @@ StorageNode::Impl::~Impl() {
   if (ssd != nullptr) ssd_ops->destroy(ssd);
 }
 
-grpc::Status StorageNode::Impl::Commit(grpc::ServerContext*, const rpc::CommitRequest* req,
+grpc::Status StorageNode::Impl::Commit(grpc::ServerContext* ctx, const rpc::CommitRequest* req,
                                        rpc::Status* reply) {
+  KVB_AUTH(ctx, store::method::kCommit);
   if (req->node().node_id() != engine->self().node_id ||
       req->node().incarnation() != engine->self().incarnation) {
     store::ToProto(Status::StalePeer("commit meant for another incarnation"), reply);
@@ -265,12 +291,16 @@ Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
     for (const auto& [k, r] : inventory) *req.add_inventory() = r;
   }
   rpc::RegisterNodeReply reply;
-  auto ctx = Context();
+  auto ctx = Context(store::method::kRegisterNode);
   grpc::Status gs = stub->RegisterNode(ctx.get(), req, &reply);
   if (!gs.ok()) return store::FromGrpc(gs, "RegisterNode");
   Status st = store::FromProto(reply.status());
   if (!st.ok()) return st.WithContext("RegisterNode");
   if (reply.heartbeat_interval_ms() > 0) heartbeat_interval_ms = reply.heartbeat_interval_ms();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    node_key = store::CallKey(reply.node_secret(), store::kNodeKeyPurpose);
+  }
   // Demotions are handed out in heartbeat replies: a node with an SSD tier asks often, so DRAM
   // pressure turns into SSD writes within a fraction of a second.
   if (ssd != nullptr) heartbeat_interval_ms = std::min<uint32_t>(heartbeat_interval_ms, 200);
@@ -333,7 +363,7 @@ void StorageNode::Impl::HeartbeatLoop() {
     rpc::HeartbeatRequest req;
     *req.mutable_node() = Identity();
     rpc::HeartbeatReply reply;
-    auto ctx = Context();
+    auto ctx = Context(store::method::kHeartbeat);
     grpc::Status gs = heartbeat_master->Heartbeat(ctx.get(), req, &reply);
     Status st = gs.ok() ? store::FromProto(reply.status()) : store::FromGrpc(gs, "Heartbeat");
     if (st.IsNotFound()) {
@@ -394,7 +424,7 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
       if (d == described.end()) {
         d = described
                 .emplace(std::pair{dn.node_id(), dn.incarnation()},
-                         store::DescribeNode(describe_backoff, task.dest_rpc_address(), dn,
+                         store::DescribeNode(describe_backoff, *auth, task.dest_rpc_address(), dn,
                                              options.rpc_timeout_ms))
                 .first;
       }
@@ -468,7 +498,7 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
 // False when no answer came (the call failed on the way): ask again later.
 bool StorageNode::Impl::ReportTask(const rpc::TaskDoneRequest& done) {
   rpc::Status reply;
-  auto ctx = Context();
+  auto ctx = Context(store::method::kTaskDone);
   grpc::Status gs = master->TaskDone(ctx.get(), done, &reply);
   if (!gs.ok()) {
     KVB_LOG(WARN) << store::FromGrpc(gs, "TaskDone").ToString() << " (task " << done.task_id()
@@ -717,7 +747,7 @@ Status StorageNode::Impl::Promote(const rpc::Demotion& d) {
 bool StorageNode::Impl::ReportMove(const rpc::Demotion& d, const rpc::DemoteDoneRequest& done,
                                    bool made) {
   rpc::Status reply;
-  auto ctx = Context();
+  auto ctx = Context(store::method::kDemoteDone);
   grpc::Status gs = master->DemoteDone(ctx.get(), done, &reply);
   if (!gs.ok()) {
     KVB_LOG(WARN) << store::FromGrpc(gs, "DemoteDone").ToString() << " (move of "
@@ -784,7 +814,7 @@ void StorageNode::Impl::DemoteLoop() {
       report.set_segment_id(kSsdSegment);
       report.set_offset(offset);
       rpc::Status ignored;
-      auto ctx = Context();
+      auto ctx = Context(store::method::kReportBadReplica);
       (void)master->ReportBadReplica(ctx.get(), report, &ignored);
     };
     // Copies dropped after a failed read (ReadToStaging) are already out of the inventory.
@@ -831,6 +861,7 @@ void StorageNode::Impl::DemoteLoop() {
 
 grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::ReadSsdRequest* req,
                                         rpc::ReadSsdReply* reply) {
+  KVB_AUTH(ctx, store::method::kReadSsd);
   auto done = [&](const Status& st) {
     store::ToProto(st, reply->mutable_status());
     return grpc::Status::OK;
@@ -918,7 +949,7 @@ StorageNode::~StorageNode() {
   if (!superseded && impl_->master) {
     rpc::NodeIdentity id = impl_->Identity();
     rpc::Status reply;
-    auto ctx = impl_->Context();
+    auto ctx = impl_->NodeContext(store::method::kDeregister);
     (void)impl_->master->Deregister(ctx.get(), id, &reply);
   }
 }
@@ -936,6 +967,8 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   KVB_RETURN_IF_ERROR(store::CheckPeerDiscovery(options.peer_discovery));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->auth =
+      std::make_unique<store::RpcAuth>(options.engine.cluster_token, options.rpc_auth_skew_ms);
   auto engine = TransferEngine::Create(options.engine);
   if (!engine.ok()) return engine.status().WithContext("storage node");
   impl->engine = std::move(engine).value();
@@ -981,6 +1014,8 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
       store::StartServer(options.rpc_listen, impl.get(), "the node service", &impl->rpc_address);
   if (!server.ok()) return server.status();
   impl->server = std::move(server).value();
+  impl->auth->WarnIfDisabled("storage node " + impl->engine->self().node_id + "'s control service",
+                             impl->rpc_address);
 
   impl->master = rpc::Master::NewStub(
       grpc::CreateChannel(options.master_address, grpc::InsecureChannelCredentials()));
@@ -1027,7 +1062,7 @@ Status StorageNode::Drain() {
     im.draining = true;
   }
   {
-    auto ctx = im.Context();
+    auto ctx = im.NodeContext(store::method::kDrain);
     grpc::Status gs = im.master->Drain(ctx.get(), id, &reply);
     if (!gs.ok()) return store::FromGrpc(gs, "Drain");
     Status st = store::FromProto(reply);
