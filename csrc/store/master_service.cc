@@ -5,6 +5,7 @@
 // re-replication, drains).
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/descriptor.h"
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
 #include "store/master_state.h"
@@ -111,6 +113,32 @@ void ToProto(const store::InventoryRecord& r, rpc::InventoryRecord* out) {
 grpc::Status Done(const Status& st, rpc::Status* reply) {
   ToProto(st, reply);
   return grpc::Status::OK;
+}
+
+// A registration's engine descriptor must be the registering node's own: its identity, with
+// every DRAM segment registered (at least its capacity long). Otherwise other nodes, told by
+// tasks to write to "this node", would write into whatever process the descriptor names.
+Status CheckDescriptor(const rpc::RegisterNodeRequest& req) {
+  Result<core::Descriptor> d = core::DecodeDescriptor(req.engine_descriptor());
+  if (!d.ok()) return d.status().WithContext("engine descriptor");
+  if (d->node_id != req.node().node_id() || d->incarnation != req.node().incarnation()) {
+    return Status::InvalidArgument(
+        "the engine descriptor is " +
+        store::ToString(store::NodeIdentity{d->node_id, d->incarnation}) +
+        ", not the registering " +
+        store::ToString(store::NodeIdentity{req.node().node_id(), req.node().incarnation()}));
+  }
+  for (const auto& s : req.segments()) {
+    if (s.tier() == 2) continue;  // SSD tiers are not engine memory
+    auto it = std::find_if(d->segments.begin(), d->segments.end(),
+                           [&](const core::SegmentDesc& e) { return e.id == s.segment_id(); });
+    if (it == d->segments.end() || it->length < s.capacity()) {
+      return Status::InvalidArgument("DRAM segment " + std::to_string(s.segment_id()) + " (" +
+                                     std::to_string(s.capacity()) +
+                                     " bytes) is not registered in the engine descriptor");
+    }
+  }
+  return Status::OK();
 }
 
 }  // namespace
@@ -365,6 +393,12 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   grpc::Status RegisterNode(grpc::ServerContext* ctx, const rpc::RegisterNodeRequest* req,
                             rpc::RegisterNodeReply* reply) override {
     KVB_AUTH(ctx, store::method::kRegisterNode);
+    if (Status st = CheckDescriptor(*req); !st.ok()) {
+      KVB_LOG(WARN) << "refused the registration of " << req->node().node_id() << " from "
+                    << ctx->peer() << ": " << st.ToString();
+      ToProto(st, reply->mutable_status());
+      return grpc::Status::OK;
+    }
     store::NodeRegistration reg;
     reg.identity = FromProto(req->node());
     reg.engine_descriptor = req->engine_descriptor();

@@ -222,6 +222,13 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   // Reads an SSD object into registered memory (caller frees it with FreeStaging); checks the
   // record's checksum.
   Result<std::unique_ptr<Staged>> ReadToStaging(const rpc::InventoryRecord& rec);
+  // Whether a ReadSsd may write to `client`: not this node, and not a storage node by the
+  // master's directory (asked once per client incarnation a minute; refused if it cannot be
+  // asked). INVALID_ARGUMENT or PERMISSION_DENIED naming why not.
+  Status CheckReadClient(const rpc::NodeIdentity& client);
+  std::mutex clients_mu;
+  std::map<std::pair<std::string, uint64_t>, std::chrono::steady_clock::time_point>
+      checked_clients;  // client identity -> when the directory said it is no node
   void FreeStaging(Staged& s);
 
   grpc::Status Commit(grpc::ServerContext*, const rpc::CommitRequest* req,
@@ -434,7 +441,12 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
       }
       descriptor = d->second.value();
     }
-    Result<PeerId> dest = engine->AddPeer(descriptor);
+    // The destination must be the node the master named: a descriptor naming another
+    // process (or moving a known one) would send the copy there.
+    const PeerId named{task.dest().node().node_id(), task.dest().node().incarnation()};
+    AddPeerOptions expect;
+    expect.expect = &named;
+    Result<PeerId> dest = engine->AddPeer(descriptor, expect);
     if (!dest.ok()) {
       result[i] = dest.status().WithContext("destination descriptor");
       continue;
@@ -870,6 +882,21 @@ grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::Rea
       req->node().incarnation() != engine->self().incarnation) {
     return done(Status::StalePeer("read meant for another incarnation of this node"));
   }
+  // The bytes go to the client's memory only: the descriptor must be the client's own (its
+  // stated identity), and the client no storage node, so that no request makes this node
+  // write into another node's pool (or its own).
+  if (Status st = CheckReadClient(req->client()); !st.ok()) {
+    KVB_LOG(WARN) << "refused ReadSsd from " << ctx->peer() << ": " << st.ToString();
+    return done(st);
+  }
+  const PeerId claimed{req->client().node_id(), req->client().incarnation()};
+  AddPeerOptions expect;
+  expect.expect = &claimed;
+  Result<PeerId> client = engine->AddPeer(req->client_descriptor(), expect);
+  if (!client.ok()) {
+    KVB_LOG(WARN) << "refused ReadSsd from " << ctx->peer() << ": " << client.status().ToString();
+    return done(client.status().WithContext("client descriptor"));
+  }
   if (ssd == nullptr) return done(Status::NotFound("this node has no SSD tier"));
   rpc::InventoryRecord rec;
   {
@@ -890,8 +917,6 @@ grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::Rea
     return done(Status::InvalidArgument("destination holds " + std::to_string(room) +
                                         " bytes; the object has " + std::to_string(bytes)));
   }
-  Result<PeerId> client = engine->AddPeer(req->client_descriptor());
-  if (!client.ok()) return done(client.status().WithContext("client descriptor"));
   Result<std::unique_ptr<Staged>> got = ReadToStaging(rec);
   if (!got.ok()) return done(got.status());
   Staged& staged = *got.value();
@@ -921,6 +946,45 @@ grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::Rea
   if (!st.ok()) return done(Status::Unavailable("writing to the client: " + st.ToString()));
   reply->set_size(bytes);
   return done(Status::OK());
+}
+
+Status StorageNode::Impl::CheckReadClient(const rpc::NodeIdentity& client) {
+  if (client.node_id().empty()) {
+    return Status::InvalidArgument("ReadSsd names no client (ReadSsdRequest.client)");
+  }
+  if (client.node_id() == engine->self().node_id) {
+    return Status::PermissionDenied("ReadSsd names this node itself as the client");
+  }
+  const auto now = std::chrono::steady_clock::now();
+  const std::pair<std::string, uint64_t> key{client.node_id(), client.incarnation()};
+  {
+    std::lock_guard<std::mutex> lock(clients_mu);
+    auto it = checked_clients.find(key);
+    if (it != checked_clients.end() && now - it->second < std::chrono::minutes(1)) {
+      return Status::OK();
+    }
+  }
+  rpc::NodeDescriptorsRequest req;
+  req.add_node_ids(client.node_id());
+  rpc::NodeDescriptorsReply reply;
+  auto ctx = Context(store::method::kGetNodeDescriptors);
+  grpc::Status gs = master->GetNodeDescriptors(ctx.get(), req, &reply);
+  if (!gs.ok()) {
+    return store::FromGrpc(gs, "GetNodeDescriptors")
+        .WithContext("cannot tell whether ReadSsd client " + client.node_id() +
+                     " is a storage node");
+  }
+  for (const auto& n : reply.nodes()) {
+    if (n.node().node_id() == client.node_id()) {
+      return Status::PermissionDenied("ReadSsd client " + client.node_id() +
+                                      " is a storage node: a node never writes into another "
+                                      "node's pool on a read request");
+    }
+  }
+  std::lock_guard<std::mutex> lock(clients_mu);
+  if (checked_clients.size() >= 4096) checked_clients.clear();  // bounded; asked again
+  checked_clients[key] = now;
+  return Status::OK();
 }
 
 void StorageNode::Impl::Stop() {

@@ -243,7 +243,12 @@ Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint
       if (!d.ok()) continue;  // logged; skipped until the backoff passes
       descriptor = std::move(d).value();
     }
-    Result<PeerId> added = engine->AddPeer(descriptor);
+    // The entry's descriptor must be that node's own: one naming another node would send the
+    // reads and writes meant for it elsewhere (and its SSD reads to this entry's address).
+    const PeerId listed{nd.node().node_id(), nd.node().incarnation()};
+    AddPeerOptions expect;
+    expect.expect = &listed;
+    Result<PeerId> added = engine->AddPeer(descriptor, expect);
     if (!added.ok()) {
       KVB_LOG(WARN) << "cannot add storage node " << nd.node().node_id() << ": "
                     << added.status().ToString();
@@ -298,6 +303,8 @@ Status StoreClient::Impl::ReadFromSsd(const rpc::ReplicaLocation& loc, const std
   req.set_key(key);
   req.set_version(version);
   req.set_client_descriptor(engine->LocalDescriptor());
+  req.mutable_client()->set_node_id(engine->self().node_id);
+  req.mutable_client()->set_incarnation(engine->self().incarnation);
   req.set_timeout_ms(options.transfer_deadline_ms);
   for (const Piece& p : pieces) {
     SegmentId seg = 0;
