@@ -18,6 +18,8 @@
 // the baseline's reads return stored pages.
 //
 // Progress goes to stderr; the last stdout line is one JSON object (docs/performance.md).
+// With KVBRIDGE_CLUSTER_TOKEN (and KVBRIDGE_ADMIN_TOKEN, to empty the pool between rounds) set,
+// the daemons and the client run with them (docs/security.md).
 #include <atomic>
 #include <cinttypes>
 #include <cstdio>
@@ -122,7 +124,7 @@ bool EmptyPool(StoreClient& client, const std::string& master) {
   if (!cleared.ok()) std::fprintf(stderr, "store: RemoveAll: %s\n", cleared.ToString().c_str());
   const auto until = Clock::now() + std::chrono::seconds(15);
   while (Clock::now() < until) {
-    auto view = QueryClusterStatus(master);
+    auto view = QueryClusterStatus(master, 3000, EngineOptions::FromEnv().cluster_token);
     uint64_t used = 0;
     if (view.ok()) {
       for (const auto& n : view->nodes) used += n.used_bytes;
@@ -183,6 +185,7 @@ int Run(const Args& a) {
     so.master_address = cluster.master_address();
     so.replica_num = rn;
     so.engine = EngineOptions::FromEnv();
+    so.admin_token = StoreOptions::FromEnv().admin_token;  // empties the pool between rounds
     so.engine.node_id = "bench-client";
     so.engine.transports = {"tcp"};
     auto created = StoreClient::Create(so);
@@ -249,7 +252,8 @@ int Run(const Args& a) {
     // ---- the baseline's check: the first page of each node's pool is one of ours.
     std::vector<NodePool> pools;
     if (rn == 1) {
-      auto view = QueryClusterStatus(cluster.master_address());
+      auto view = QueryClusterStatus(cluster.master_address(), 3000,
+                                     EngineOptions::FromEnv().cluster_token);
       if (view.ok()) {
         for (const auto& n : view->nodes) {
           if (n.state == "ACTIVE" && n.used_bytes >= kPage) {

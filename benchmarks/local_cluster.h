@@ -254,7 +254,8 @@ class LocalCluster {
   }
 
   int ActiveNodes() const {
-    auto st = QueryClusterStatus(address_, 2000);
+    // The daemons' token (inherited from this process's environment), if the cluster has one.
+    auto st = QueryClusterStatus(address_, 2000, EngineOptions::FromEnv().cluster_token);
     if (!st.ok()) return -1;
     int n = 0;
     for (const auto& node : st->nodes) n += node.state == "ACTIVE";

@@ -367,7 +367,7 @@ int main(int argc, char** argv) {
     for (;;) {
       const double now = SecondsSince(s.t0);
       if (now > a.seconds + a.restore_timeout_s) break;
-      auto st = QueryClusterStatus(cluster->master_address(), 2000);
+      auto st = QueryClusterStatus(cluster->master_address(), 2000, so.engine.cluster_token);
       if (st.ok()) {
         bool victim_active = false;
         uint64_t replicas = 0;

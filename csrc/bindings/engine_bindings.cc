@@ -202,7 +202,11 @@ void BindEngine(py::module_& m) {
       .def("add_peer",
            [](EngineHandle& h, const std::string& descriptor) {
              PeerId id = NoGil([&] {
-               return h.With([&](TransferEngine& e) { return Unwrap(e.AddPeer(descriptor)); });
+               // Python's add_peer learns or replaces a peer as given (python/kvbridge/engine.py):
+               // the caller chose the descriptor, so it may also move a known peer.
+               AddPeerOptions o;
+               o.allow_endpoint_change = true;
+               return h.With([&](TransferEngine& e) { return Unwrap(e.AddPeer(descriptor, o)); });
              });
              return py::make_tuple(id.node_id, id.incarnation);
            })

@@ -37,7 +37,7 @@ void TranslateStatusError(std::exception_ptr p) {
 
 void BindCommon(py::module_& m) {
   py::dict codes;
-  for (int c = 0; c <= static_cast<int>(StatusCode::kInternal); ++c) {
+  for (int c = 0; c < KVB_STATUS_CODE_COUNT; ++c) {
     codes[py::str(StatusCodeName(static_cast<StatusCode>(c)))] = c;
   }
   m.attr("STATUS_CODES") = codes;

@@ -246,6 +246,7 @@ void BindOptions(py::module_& m) {
       .def_readwrite("hedge_after_ms", &StoreOptions::hedge_after_ms)
       .def_readwrite("hedge_bandwidth_mbps", &StoreOptions::hedge_bandwidth_mbps)
       .def_readwrite("peer_discovery", &StoreOptions::peer_discovery)
+      .def_readwrite("admin_token", &StoreOptions::admin_token)
       .def_readwrite("engine", &StoreOptions::engine);
   py::class_<NodeOptions>(m, "NodeOptions")
       .def(py::init<>())
@@ -261,6 +262,7 @@ void BindOptions(py::module_& m) {
       .def_readwrite("node_ssd_plugin", &NodeOptions::ssd_plugin)
       .def_readwrite("node_ssd_staging_bytes", &NodeOptions::ssd_staging_bytes)
       .def_readwrite("peer_discovery", &NodeOptions::peer_discovery)
+      .def_readwrite("rpc_auth_skew_ms", &NodeOptions::rpc_auth_skew_ms)
       .def_readwrite("engine", &NodeOptions::engine);
   py::class_<MasterOptions>(m, "MasterOptions")
       .def(py::init<>())
@@ -276,7 +278,10 @@ void BindOptions(py::module_& m) {
       .def_readwrite("demote_low_watermark", &MasterOptions::demote_low_watermark)
       .def_readwrite("promote_after_reads", &MasterOptions::promote_after_reads)
       .def_readwrite("drain_timeout_ms", &MasterOptions::drain_timeout_ms)
-      .def_readwrite("rpc_timeout_ms", &MasterOptions::rpc_timeout_ms);
+      .def_readwrite("rpc_timeout_ms", &MasterOptions::rpc_timeout_ms)
+      .def_readwrite("cluster_token", &MasterOptions::cluster_token)
+      .def_readwrite("admin_token", &MasterOptions::admin_token)
+      .def_readwrite("rpc_auth_skew_ms", &MasterOptions::rpc_auth_skew_ms);
   py::class_<EmbeddedClusterOptions>(m, "ClusterOptions")
       .def(py::init<>())
       .def_readwrite("nodes", &EmbeddedClusterOptions::nodes)
@@ -494,11 +499,12 @@ void BindServers(py::module_& m) {
 
   m.def(
       "query_cluster_status",
-      [](const std::string& master, uint32_t timeout_ms) {
-        ClusterStatus cs = NoGil([&] { return Unwrap(QueryClusterStatus(master, timeout_ms)); });
+      [](const std::string& master, uint32_t timeout_ms, const std::string& cluster_token) {
+        ClusterStatus cs =
+            NoGil([&] { return Unwrap(QueryClusterStatus(master, timeout_ms, cluster_token)); });
         return ToPy(cs);
       },
-      py::arg("master"), py::arg("timeout_ms") = 3000);
+      py::arg("master"), py::arg("timeout_ms") = 3000, py::arg("cluster_token") = "");
 }
 
 }  // namespace

@@ -65,6 +65,7 @@ struct PeerRecord {
   PeerId id;
   TransportSlot* transport = nullptr;
   kvb_tpeer_t* tpeer = nullptr;
+  std::string endpoints;  // where the transport reaches it (from its descriptor; under peers_mu)
   std::shared_ptr<const SegmentMap> segments;  // replaced wholesale on update (under peers_mu)
   CircuitBreaker breaker;
   std::atomic<bool> stale{false};
@@ -593,10 +594,15 @@ std::string TransferEngine::LocalDescriptor() const {
   return core::EncodeDescriptor(d);
 }
 
-Result<PeerId> TransferEngine::AddPeer(std::string_view blob) {
+Result<PeerId> TransferEngine::AddPeer(std::string_view blob, const AddPeerOptions& options) {
   Result<Descriptor> decoded = core::DecodeDescriptor(blob);
   if (!decoded.ok()) return decoded.status();
   Descriptor& d = decoded.value();
+  if (options.expect != nullptr &&
+      (d.node_id != options.expect->node_id || d.incarnation != options.expect->incarnation)) {
+    return Status::StalePeer("the descriptor is " + PeerId{d.node_id, d.incarnation}.ToString() +
+                             ", not the expected " + options.expect->ToString());
+  }
   TransportSlot* chosen = nullptr;
   const core::TransportDesc* remote = nullptr;
   for (const auto& t : impl_->transports) {
@@ -646,10 +652,22 @@ Result<PeerId> TransferEngine::AddPeer(std::string_view blob) {
   PeerId pid{d.node_id, d.incarnation};
 
   std::shared_ptr<PeerRecord> existing;
+  std::string known_endpoints;
   {
     std::shared_lock<std::shared_mutex> lock(impl_->peers_mu);
     auto it = impl_->peers.find(d.node_id);
-    if (it != impl_->peers.end()) existing = it->second;
+    if (it != impl_->peers.end()) {
+      existing = it->second;
+      known_endpoints = existing->endpoints;
+    }
+  }
+  if (existing && existing->id.incarnation == d.incarnation && !options.allow_endpoint_change &&
+      (existing->transport != chosen || known_endpoints != remote->endpoints)) {
+    return Status::AlreadyExists("peer " + pid.ToString() + " is known at " +
+                                 existing->transport->name + " " + known_endpoints +
+                                 "; a descriptor naming " + chosen->name + " " + remote->endpoints +
+                                 " for the same incarnation is refused (a peer does not move "
+                                 "without restarting)");
   }
   if (existing && existing->id.incarnation == d.incarnation && existing->transport == chosen) {
     char err[kErrLen] = {0};
@@ -658,10 +676,12 @@ Result<PeerId> TransferEngine::AddPeer(std::string_view blob) {
       return Status::FromAbi(st, err).WithContext("updating peer " + pid.ToString());
     std::unique_lock<std::shared_mutex> lock(impl_->peers_mu);
     existing->segments = std::move(segments);
+    existing->endpoints = remote->endpoints;
     return pid;
   }
   auto record = std::make_shared<PeerRecord>(pid, chosen, impl_->breaker_config);
   record->segments = std::move(segments);
+  record->endpoints = remote->endpoints;
   char err[kErrLen] = {0};
   kvb_status_t st = chosen->ops->add_peer(chosen->inst, &info, &record->tpeer, err, kErrLen);
   if (st != KVB_OK) {

@@ -46,6 +46,8 @@ std::string StatusCodeName(StatusCode code) {
       return "IO_ERROR";
     case StatusCode::kInternal:
       return "INTERNAL";
+    case StatusCode::kPermissionDenied:
+      return "PERMISSION_DENIED";
   }
   return "UNKNOWN(" + std::to_string(static_cast<int32_t>(code)) + ")";
 }

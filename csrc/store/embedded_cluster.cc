@@ -28,6 +28,8 @@ Result<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
   auto impl = std::make_unique<Impl>();
   MasterOptions mo = options.master;
   if (mo.listen == MasterOptions{}.listen) mo.listen = "127.0.0.1:0";
+  // One token for the whole cluster: the engines' (EmbeddedClusterOptions::engine).
+  mo.cluster_token = options.engine.cluster_token;
   auto master = MasterServer::Start(mo);
   if (!master.ok()) return master.status().WithContext("embedded master");
   impl->master = std::move(master).value();
@@ -59,6 +61,7 @@ Result<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
   so.peer_discovery = options.peer_discovery;
   so.engine = options.engine;
   so.engine.node_id = options.node_id_prefix + "-client";
+  so.admin_token = mo.admin_token;  // the cluster's own client may RemoveAll
   auto client = StoreClient::Create(so);
   if (!client.ok()) return client.status().WithContext("embedded client");
   impl->client = std::move(client).value();

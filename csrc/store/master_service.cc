@@ -5,6 +5,7 @@
 // re-replication, drains).
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -14,9 +15,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/descriptor.h"
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
 #include "store/master_state.h"
+#include "store/rpc_auth.h"
 #include "store/rpc_util.h"
 #include "util/clock.h"
 #include "util/logging.h"
@@ -39,6 +42,9 @@ MasterOptions MasterOptions::FromEnv() {
   store::EnvUint64("KVBRIDGE_DEPARTED_NODE_TTL_MS", &o.departed_node_ttl_ms);
   store::EnvUint("KVBRIDGE_PROMOTE_AFTER_READS", &o.promote_after_reads);
   if (const char* v = std::getenv("KVBRIDGE_MASTER_FAULTS")) o.faults = v;
+  if (const char* v = std::getenv("KVBRIDGE_CLUSTER_TOKEN")) o.cluster_token = v;
+  if (const char* v = std::getenv("KVBRIDGE_ADMIN_TOKEN")) o.admin_token = v;
+  store::EnvUint("KVBRIDGE_RPC_AUTH_SKEW_MS", &o.rpc_auth_skew_ms);
   for (auto [var, out] : {std::pair{"KVBRIDGE_HIGH_WATERMARK", &o.high_watermark},
                           std::pair{"KVBRIDGE_LOW_WATERMARK", &o.low_watermark},
                           std::pair{"KVBRIDGE_DEMOTE_HIGH_WATERMARK", &o.demote_high_watermark},
@@ -109,7 +115,42 @@ grpc::Status Done(const Status& st, rpc::Status* reply) {
   return grpc::Status::OK;
 }
 
+// A registration's engine descriptor must be the registering node's own: its identity, with
+// every DRAM segment registered (at least its capacity long). Otherwise other nodes, told by
+// tasks to write to "this node", would write into whatever process the descriptor names.
+Status CheckDescriptor(const rpc::RegisterNodeRequest& req) {
+  Result<core::Descriptor> d = core::DecodeDescriptor(req.engine_descriptor());
+  if (!d.ok()) return d.status().WithContext("engine descriptor");
+  if (d->node_id != req.node().node_id() || d->incarnation != req.node().incarnation()) {
+    return Status::InvalidArgument(
+        "the engine descriptor is " +
+        store::ToString(store::NodeIdentity{d->node_id, d->incarnation}) +
+        ", not the registering " +
+        store::ToString(store::NodeIdentity{req.node().node_id(), req.node().incarnation()}));
+  }
+  for (const auto& s : req.segments()) {
+    if (s.tier() == 2) continue;  // SSD tiers are not engine memory
+    auto it = std::find_if(d->segments.begin(), d->segments.end(),
+                           [&](const core::SegmentDesc& e) { return e.id == s.segment_id(); });
+    if (it == d->segments.end() || it->length < s.capacity()) {
+      return Status::InvalidArgument("DRAM segment " + std::to_string(s.segment_id()) + " (" +
+                                     std::to_string(s.capacity()) +
+                                     " bytes) is not registered in the engine descriptor");
+    }
+  }
+  return Status::OK();
+}
+
 }  // namespace
+
+// The first line of every handler: a call without a valid proof of the cluster token is
+// answered UNAUTHENTICATED before anything is read or changed (store/rpc_auth.h).
+#define KVB_AUTH(ctx, method)                                                                \
+  do {                                                                                       \
+    if (grpc::Status _kvb_auth = auth->Check(*(ctx), (method), "master"); !_kvb_auth.ok()) { \
+      return _kvb_auth;                                                                      \
+    }                                                                                        \
+  } while (0)
 
 // MasterOptions::faults: counters of calls still to be failed, each taken once.
 struct Faults {
@@ -176,6 +217,19 @@ struct Faults {
 
 struct MasterServer::Impl final : public rpc::Master::Service {
   MasterOptions options;
+  std::unique_ptr<store::RpcAuth> auth;
+  // Destructive calls (RemoveAll; Drain/Deregister of a node by someone else) need the admin
+  // token's proof whenever the cluster has a token (or an admin token is set).
+  bool admin_required = false;
+  store::CallKey admin_key;  // empty: no admin token configured
+  // Per node id: the secret of its current registration (admin_required only), with which a
+  // node drains and deregisters itself. Lost on a master restart: the node registers again.
+  struct NodeSecret {
+    uint64_t incarnation = 0;
+    std::string secret;
+  };
+  std::mutex secrets_mu;
+  std::unordered_map<std::string, NodeSecret> node_secrets;
   Faults faults;
   std::unique_ptr<store::MasterState> state;
   std::unique_ptr<grpc::Server> server;
@@ -229,6 +283,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       auto call = std::make_unique<Call>();
       call->ctx.set_deadline(std::chrono::system_clock::now() +
                              std::chrono::milliseconds(options.rpc_timeout_ms));
+      auth->Sign(&call->ctx, store::method::kCommit);
       ToProto(c.node, call->req.mutable_node());
       for (const auto& r : c.records) ToProto(r, call->req.add_records());
       Call* raw = call.get();
@@ -281,9 +336,69 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     }
   }
 
+  // The secret of this registration of `id`: the same for the same incarnation, a new one for
+  // a new incarnation. Empty when no proof is asked for.
+  std::string SecretFor(const rpc::NodeIdentity& id) {
+    if (!admin_required) return {};
+    std::lock_guard<std::mutex> lock(secrets_mu);
+    NodeSecret& s = node_secrets[id.node_id()];
+    if (s.secret.empty() || s.incarnation != id.incarnation()) {
+      s.incarnation = id.incarnation();
+      s.secret = store::RandomSecret();
+    }
+    return s.secret;
+  }
+
+  // Authorizes a destructive call: OK when nothing is asked for (no token), when the call
+  // proves the admin token, or, for a call about `self_node` (Drain, Deregister), when it
+  // proves that node's registration secret. Else PERMISSION_DENIED naming what is missing;
+  // nothing was changed.
+  grpc::Status Authorize(const grpc::ServerContext& ctx, std::string_view method,
+                         const rpc::NodeIdentity* self_node) {
+    if (!admin_required) return grpc::Status::OK;
+    std::string why;
+    if (self_node != nullptr) {
+      store::CallKey node_key;
+      {
+        std::lock_guard<std::mutex> lock(secrets_mu);
+        auto it = node_secrets.find(self_node->node_id());
+        if (it != node_secrets.end() && it->second.incarnation == self_node->incarnation()) {
+          node_key = store::CallKey(it->second.secret, store::kNodeKeyPurpose);
+        }
+      }
+      if (!node_key.empty() && auth->CheckExtra(ctx, store::kNodeHeader, node_key, method, &why)) {
+        return grpc::Status::OK;
+      }
+    }
+    const std::string what =
+        std::string(method) + (self_node ? " of node " + self_node->node_id() + " by another" : "");
+    if (admin_key.empty()) {
+      KVB_LOG(WARN) << "refused " << what << " from " << ctx.peer()
+                    << ": no admin token is configured (KVBRIDGE_ADMIN_TOKEN)";
+      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                          what +
+                              " needs the admin token, and this master has none: set "
+                              "KVBRIDGE_ADMIN_TOKEN on the master and the caller");
+    }
+    if (auth->CheckExtra(ctx, store::kAdminHeader, admin_key, method, &why)) {
+      return grpc::Status::OK;
+    }
+    KVB_LOG(WARN) << "refused " << what << " from " << ctx.peer() << ": " << why
+                  << " (the admin token, KVBRIDGE_ADMIN_TOKEN)";
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        what + " needs the admin token (KVBRIDGE_ADMIN_TOKEN): " + why);
+  }
+
   // --- node-facing ---
-  grpc::Status RegisterNode(grpc::ServerContext*, const rpc::RegisterNodeRequest* req,
+  grpc::Status RegisterNode(grpc::ServerContext* ctx, const rpc::RegisterNodeRequest* req,
                             rpc::RegisterNodeReply* reply) override {
+    KVB_AUTH(ctx, store::method::kRegisterNode);
+    if (Status st = CheckDescriptor(*req); !st.ok()) {
+      KVB_LOG(WARN) << "refused the registration of " << req->node().node_id() << " from "
+                    << ctx->peer() << ": " << st.ToString();
+      ToProto(st, reply->mutable_status());
+      return grpc::Status::OK;
+    }
     store::NodeRegistration reg;
     reg.identity = FromProto(req->node());
     reg.engine_descriptor = req->engine_descriptor();
@@ -296,12 +411,25 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     std::vector<store::InventoryRecord> inventory;
     inventory.reserve(req->inventory_size());
     for (const auto& r : req->inventory()) inventory.push_back(FromProto(r));
+    // A new incarnation of a registered node id takes its place (a restart); token holders may
+    // do that, but it is said loudly.
+    uint64_t replaced = 0;
+    for (const auto& n : state->GetNodeDirectory({req->node().node_id()}).nodes) {
+      if (n.identity.incarnation != req->node().incarnation()) replaced = n.identity.incarnation;
+    }
     auto r = state->RegisterNode(reg, inventory, util::MonoNs());
     if (!r.ok() && !r.status().Is(StatusCode::kAlreadyExists)) {
       ToProto(r.status(), reply->mutable_status());
       return grpc::Status::OK;
     }
+    if (r.ok() && replaced != 0) {
+      KVB_LOG(WARN) << "node " << store::ToString(reg.identity) << " (from " << ctx->peer()
+                    << ") takes over node id " << req->node().node_id() << " from "
+                    << store::ToString(store::NodeIdentity{req->node().node_id(), replaced})
+                    << ", which is dropped: a restart, or someone holding the cluster token";
+    }
     ToProto(Status::OK(), reply->mutable_status());
+    reply->set_node_secret(SecretFor(req->node()));
     reply->set_heartbeat_interval_ms(
         static_cast<uint32_t>(r.ok() ? r->heartbeat_interval_ms : options.node_ttl_ms / 3));
     if (r.ok()) {
@@ -313,8 +441,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Heartbeat(grpc::ServerContext*, const rpc::HeartbeatRequest* req,
+  grpc::Status Heartbeat(grpc::ServerContext* ctx, const rpc::HeartbeatRequest* req,
                          rpc::HeartbeatReply* reply) override {
+    KVB_AUTH(ctx, store::method::kHeartbeat);
     // Liveness first, under its own lock: never behind a data-plane call holding the table.
     state->Touch(FromProto(req->node()), util::MonoNs());
     auto r = state->Heartbeat(FromProto(req->node()), util::MonoNs());
@@ -346,8 +475,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status DemoteDone(grpc::ServerContext*, const rpc::DemoteDoneRequest* req,
+  grpc::Status DemoteDone(grpc::ServerContext* ctx, const rpc::DemoteDoneRequest* req,
                           rpc::Status* reply) override {
+    KVB_AUTH(ctx, store::method::kDemoteDone);
     if (faults.Take(&faults.demote_done_lose_request)) {
       return {grpc::StatusCode::UNAVAILABLE, "fault injection: DemoteDone request lost"};
     }
@@ -365,8 +495,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     return answer;
   }
 
-  grpc::Status TaskDone(grpc::ServerContext*, const rpc::TaskDoneRequest* req,
+  grpc::Status TaskDone(grpc::ServerContext* ctx, const rpc::TaskDoneRequest* req,
                         rpc::Status* reply) override {
+    KVB_AUTH(ctx, store::method::kTaskDone);
     if (faults.Take(&faults.task_done_lose_request)) {
       return {grpc::StatusCode::UNAVAILABLE, "fault injection: TaskDone request lost"};
     }
@@ -394,20 +525,33 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     return Done(state->FinishTask(plan.value(), util::MonoNs()), reply);
   }
 
-  grpc::Status Drain(grpc::ServerContext*, const rpc::NodeIdentity* req,
+  grpc::Status Drain(grpc::ServerContext* ctx, const rpc::NodeIdentity* req,
                      rpc::Status* reply) override {
+    KVB_AUTH(ctx, store::method::kDrain);
+    if (grpc::Status a = Authorize(*ctx, store::method::kDrain, req); !a.ok()) return a;
     KVB_LOG(INFO) << "node " << req->node_id() << " asked to drain";
     return Done(state->StartDrain(FromProto(*req), util::MonoNs()), reply);
   }
 
-  grpc::Status Deregister(grpc::ServerContext*, const rpc::NodeIdentity* req,
+  grpc::Status Deregister(grpc::ServerContext* ctx, const rpc::NodeIdentity* req,
                           rpc::Status* reply) override {
-    return Done(state->Deregister(FromProto(*req), util::MonoNs()), reply);
+    KVB_AUTH(ctx, store::method::kDeregister);
+    if (grpc::Status a = Authorize(*ctx, store::method::kDeregister, req); !a.ok()) return a;
+    Status st = state->Deregister(FromProto(*req), util::MonoNs());
+    if (st.ok() && admin_required) {
+      std::lock_guard<std::mutex> lock(secrets_mu);
+      auto it = node_secrets.find(req->node_id());
+      if (it != node_secrets.end() && it->second.incarnation == req->incarnation()) {
+        node_secrets.erase(it);
+      }
+    }
+    return Done(st, reply);
   }
 
   // --- client-facing ---
-  grpc::Status PutStart(grpc::ServerContext*, const rpc::PutStartRequest* req,
+  grpc::Status PutStart(grpc::ServerContext* ctx, const rpc::PutStartRequest* req,
                         rpc::PutStartReply* reply) override {
+    KVB_AUTH(ctx, store::method::kPutStart);
     std::vector<store::PutItem> items(req->keys_size());
     for (int i = 0; i < req->keys_size(); ++i) {
       items[i].key = req->keys(i);
@@ -432,8 +576,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status PutEnd(grpc::ServerContext*, const rpc::PutEndRequest* req,
+  grpc::Status PutEnd(grpc::ServerContext* ctx, const rpc::PutEndRequest* req,
                       rpc::KeyStatusReply* reply) override {
+    KVB_AUTH(ctx, store::method::kPutEnd);
     std::vector<store::PutEndItem> items(req->items_size());
     for (int i = 0; i < req->items_size(); ++i) {
       const auto& in = req->items(i);
@@ -450,8 +595,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status PutRevoke(grpc::ServerContext*, const rpc::PutRevokeRequest* req,
+  grpc::Status PutRevoke(grpc::ServerContext* ctx, const rpc::PutRevokeRequest* req,
                          rpc::KeyStatusReply* reply) override {
+    KVB_AUTH(ctx, store::method::kPutRevoke);
     std::vector<store::KeyVersion> items;
     for (const auto& kv : req->items()) items.push_back({kv.key(), kv.version()});
     for (const Status& st : state->PutRevoke(items, util::MonoNs())) {
@@ -460,8 +606,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status GetReplicas(grpc::ServerContext*, const rpc::GetReplicasRequest* req,
+  grpc::Status GetReplicas(grpc::ServerContext* ctx, const rpc::GetReplicasRequest* req,
                            rpc::GetReplicasReply* reply) override {
+    KVB_AUTH(ctx, store::method::kGetReplicas);
     std::vector<std::string> keys(req->keys().begin(), req->keys().end());
     const uint64_t now = util::MonoNs();
     for (auto& r : state->GetReplicas(keys, req->client_node_id(), now, req->sizes_only())) {
@@ -481,28 +628,33 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Exists(grpc::ServerContext*, const rpc::KeysRequest* req,
+  grpc::Status Exists(grpc::ServerContext* ctx, const rpc::KeysRequest* req,
                       rpc::ExistsReply* reply) override {
+    KVB_AUTH(ctx, store::method::kExists);
     std::vector<std::string> keys(req->keys().begin(), req->keys().end());
     for (bool e : state->Exists(keys)) reply->add_exists(e);
     return grpc::Status::OK;
   }
 
-  grpc::Status Remove(grpc::ServerContext*, const rpc::KeysRequest* req,
+  grpc::Status Remove(grpc::ServerContext* ctx, const rpc::KeysRequest* req,
                       rpc::KeyStatusReply* reply) override {
+    KVB_AUTH(ctx, store::method::kRemove);
     const uint64_t now = util::MonoNs();
     for (const auto& k : req->keys()) ToProto(state->Remove(k, now), reply->add_statuses());
     return grpc::Status::OK;
   }
 
-  grpc::Status RemoveAll(grpc::ServerContext*, const rpc::Empty*, rpc::Status* reply) override {
+  grpc::Status RemoveAll(grpc::ServerContext* ctx, const rpc::Empty*, rpc::Status* reply) override {
+    KVB_AUTH(ctx, store::method::kRemoveAll);
+    if (grpc::Status a = Authorize(*ctx, store::method::kRemoveAll, nullptr); !a.ok()) return a;
     const size_t n = state->RemoveAll(util::MonoNs());
     KVB_LOG(INFO) << "RemoveAll removed " << n << " objects";
     return Done(Status::OK(), reply);
   }
 
-  grpc::Status ReportBadReplica(grpc::ServerContext*, const rpc::BadReplicaRequest* req,
+  grpc::Status ReportBadReplica(grpc::ServerContext* ctx, const rpc::BadReplicaRequest* req,
                                 rpc::Status* reply) override {
+    KVB_AUTH(ctx, store::method::kReportBadReplica);
     if (req->node_unreachable()) {
       return Done(state->ReportUnreachableNode(FromProto(req->node()), util::MonoNs()), reply);
     }
@@ -512,8 +664,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
         reply);
   }
 
-  grpc::Status GetNodeDescriptors(grpc::ServerContext*, const rpc::NodeDescriptorsRequest* req,
+  grpc::Status GetNodeDescriptors(grpc::ServerContext* ctx, const rpc::NodeDescriptorsRequest* req,
                                   rpc::NodeDescriptorsReply* reply) override {
+    KVB_AUTH(ctx, store::method::kGetNodeDescriptors);
     std::vector<std::string> ids(req->node_ids().begin(), req->node_ids().end());
     store::NodeDirectory dir = state->GetNodeDirectory(ids);
     reply->set_directory_version(dir.directory_version);
@@ -526,7 +679,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Stats(grpc::ServerContext*, const rpc::Empty*, rpc::StatsReply* reply) override {
+  grpc::Status Stats(grpc::ServerContext* ctx, const rpc::Empty*, rpc::StatsReply* reply) override {
+    KVB_AUTH(ctx, store::method::kStats);
     store::MasterStats s = state->Stats();
     for (const auto& n : s.nodes) {
       auto* out = reply->add_nodes();
@@ -587,20 +741,26 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
   auto impl = std::make_unique<Impl>();
   if (Status st = impl->faults.Parse(options.faults); !st.ok()) return st;
   impl->options = options;
+  impl->auth = std::make_unique<store::RpcAuth>(options.cluster_token, options.rpc_auth_skew_ms);
+  impl->admin_required = !options.cluster_token.empty() || !options.admin_token.empty();
+  impl->admin_key = store::CallKey(options.admin_token, store::kAdminKeyPurpose);
   impl->state = std::move(state).value();
   auto server = store::StartServer(options.listen, impl.get(), "master", &impl->address);
   if (!server.ok()) return server.status();
   impl->server = std::move(server).value();
+  impl->auth->WarnIfDisabled("master's control plane", impl->address);
   Impl* raw = impl.get();
   impl->ticker = std::thread([raw] { raw->TickLoop(); });
   return std::unique_ptr<MasterServer>(new MasterServer(std::move(impl)));
 }
 
-Result<ClusterStatus> QueryClusterStatus(const std::string& master_address, uint32_t timeout_ms) {
+Result<ClusterStatus> QueryClusterStatus(const std::string& master_address, uint32_t timeout_ms,
+                                         const std::string& cluster_token) {
   auto stub =
       rpc::Master::NewStub(grpc::CreateChannel(master_address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+  store::RpcAuth(cluster_token).Sign(&ctx, store::method::kStats);
   rpc::Empty req;
   rpc::StatsReply reply;
   grpc::Status gs = stub->Stats(&ctx, req, &reply);

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kvbridge.grpc.pb.h"
+#include "store/rpc_auth.h"
 #include "util/logging.h"
 
 namespace kvbridge::store {
@@ -19,8 +20,8 @@ Status CheckPeerDiscovery(const std::string& mode) {
                                  "'; use 'master' or 'direct' (KVBRIDGE_PEER_DISCOVERY)");
 }
 
-Result<std::string> DescribeNode(const std::string& rpc_address, const rpc::NodeIdentity& expect,
-                                 uint32_t timeout_ms) {
+Result<std::string> DescribeNode(const std::string& rpc_address, const RpcAuth& auth,
+                                 const rpc::NodeIdentity& expect, uint32_t timeout_ms) {
   if (rpc_address.empty()) {
     return Status::PeerUnreachable("node " + expect.node_id() + " published no control address");
   }
@@ -35,6 +36,7 @@ Result<std::string> DescribeNode(const std::string& rpc_address, const rpc::Node
   }
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+  auth.Sign(&ctx, method::kDescribe);
   rpc::Empty req;
   rpc::NodeDescriptor reply;
   grpc::Status gs = stub->Describe(&ctx, req, &reply);
@@ -75,14 +77,15 @@ void DescribeBackoff::Succeeded(const rpc::NodeIdentity& node) {
   nodes_.erase(node.node_id());
 }
 
-Result<std::string> DescribeNode(DescribeBackoff& backoff, const std::string& rpc_address,
-                                 const rpc::NodeIdentity& expect, uint32_t timeout_ms) {
+Result<std::string> DescribeNode(DescribeBackoff& backoff, const RpcAuth& auth,
+                                 const std::string& rpc_address, const rpc::NodeIdentity& expect,
+                                 uint32_t timeout_ms) {
   if (const uint64_t wait = backoff.WaitMs(expect); wait != 0) {
     return Status::PeerUnreachable("node " + expect.node_id() +
                                    " did not answer Describe recently; not asked again for " +
                                    std::to_string(wait) + " ms");
   }
-  Result<std::string> d = DescribeNode(rpc_address, expect, timeout_ms);
+  Result<std::string> d = DescribeNode(rpc_address, auth, expect, timeout_ms);
   if (d.ok()) {
     backoff.Succeeded(expect);
   } else {
@@ -113,6 +116,14 @@ Status FromGrpc(const grpc::Status& s, std::string_view call, StatusOrigin peer)
         break;
       case grpc::StatusCode::UNIMPLEMENTED:
         st = Status::Unsupported(what + s.error_message());
+        break;
+      case grpc::StatusCode::UNAUTHENTICATED:
+        // No valid proof of the cluster token (none, another token, a replay, clocks apart).
+        st = Status::Unauthenticated(what + s.error_message() +
+                                     " (KVBRIDGE_CLUSTER_TOKEN must be the " + who + "'s)");
+        break;
+      case grpc::StatusCode::PERMISSION_DENIED:
+        st = Status::PermissionDenied(what + s.error_message());
         break;
       default:
         st = Status::Internal(what + "rpc failed (" + std::to_string(s.error_code()) +

@@ -17,6 +17,8 @@
 
 namespace kvbridge::store {
 
+class RpcAuth;  // store/rpc_auth.h
+
 inline Status FromProto(const rpc::Status& s) { return Status::FromAbi(s.code(), s.message()); }
 
 inline void ToProto(const Status& s, rpc::Status* out) {
@@ -39,9 +41,10 @@ Result<std::unique_ptr<grpc::Server>> StartServer(const std::string& listen, grp
 
 // Direct peer discovery: asks the Node service at `rpc_address` for its engine descriptor and
 // checks that it is `expect` (node id and incarnation; STALE_PEER otherwise, e.g. the node
-// restarted). Channels are cached per address.
-Result<std::string> DescribeNode(const std::string& rpc_address, const rpc::NodeIdentity& expect,
-                                 uint32_t timeout_ms);
+// restarted), and that the descriptor is that node's. The call is signed with `auth`.
+// Channels are cached per address.
+Result<std::string> DescribeNode(const std::string& rpc_address, const RpcAuth& auth,
+                                 const rpc::NodeIdentity& expect, uint32_t timeout_ms);
 
 // Direct discovery: nodes whose Describe failed (frozen, partitioned, another incarnation
 // answering) are not asked again until a backoff has passed (1 s, doubling per failure of the
@@ -68,8 +71,9 @@ class DescribeBackoff {
 
 // DescribeNode behind `backoff`: while the node is backing off, PEER_UNREACHABLE at once
 // (naming the wait left) without a call.
-Result<std::string> DescribeNode(DescribeBackoff& backoff, const std::string& rpc_address,
-                                 const rpc::NodeIdentity& expect, uint32_t timeout_ms);
+Result<std::string> DescribeNode(DescribeBackoff& backoff, const RpcAuth& auth,
+                                 const std::string& rpc_address, const rpc::NodeIdentity& expect,
+                                 uint32_t timeout_ms);
 
 // "master" (descriptors from the master's directory and tasks) or "direct" (from each node's
 // own Node service); INVALID_ARGUMENT naming the value otherwise.

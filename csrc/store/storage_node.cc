@@ -14,6 +14,7 @@
 #include "core/plugin_loader.h"
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
+#include "store/rpc_auth.h"
 #include "store/rpc_util.h"
 #include "util/checksum.h"
 #include "util/clock.h"
@@ -36,6 +37,7 @@ NodeOptions NodeOptions::FromEnv() {
   store::EnvUint64("KVBRIDGE_NODE_SSD_BYTES", &o.ssd_bytes);
   store::EnvUint64("KVBRIDGE_NODE_SSD_STAGING_BYTES", &o.ssd_staging_bytes);
   if (const char* v = std::getenv("KVBRIDGE_PEER_DISCOVERY")) o.peer_discovery = v;
+  store::EnvUint("KVBRIDGE_RPC_AUTH_SKEW_MS", &o.rpc_auth_skew_ms);
   return o;
 }
 
@@ -97,6 +99,15 @@ class Unanswered {
 
 }  // namespace
 
+// The first line of every handler: a call without a valid proof of the cluster token is
+// answered UNAUTHENTICATED before anything is read or changed (store/rpc_auth.h).
+#define KVB_AUTH(ctx, method)                                                                      \
+  do {                                                                                             \
+    if (grpc::Status _kvb_auth = auth->Check(*(ctx), (method), "storage node"); !_kvb_auth.ok()) { \
+      return _kvb_auth;                                                                            \
+    }                                                                                              \
+  } while (0)
+
 struct StorageNode::Impl final : public rpc::Node::Service {
   NodeOptions options;
   std::unique_ptr<TransferEngine> engine;
@@ -110,6 +121,10 @@ struct StorageNode::Impl final : public rpc::Node::Service {
 
   std::unique_ptr<grpc::Server> server;
   std::string rpc_address;
+  std::unique_ptr<store::RpcAuth> auth;  // signs calls to the master, checks calls to us
+  // From the master's RegisterNodeReply.node_secret (under mu): proves it is this node that
+  // drains or deregisters itself.
+  store::CallKey node_key;
   // Data-plane calls (task results, drain) and the heartbeat use separate channels, so a slow
   // control call can never delay a heartbeat behind it on one connection.
   std::unique_ptr<rpc::Master::Stub> master;
@@ -154,10 +169,19 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   Status ssd_status;  // OK: the tier runs; else why not
 
   ~Impl() override;
-  std::unique_ptr<grpc::ClientContext> Context() const {
+  // A call's context: its deadline and its proof of the cluster token (for `method`).
+  std::unique_ptr<grpc::ClientContext> Context(std::string_view method) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
     ctx->set_deadline(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(options.rpc_timeout_ms));
+    auth->Sign(ctx.get(), method);
+    return ctx;
+  }
+  // Context() plus the proof of this registration's secret (Drain, Deregister of itself).
+  std::unique_ptr<grpc::ClientContext> NodeContext(std::string_view method) const {
+    auto ctx = Context(method);
+    std::lock_guard<std::mutex> lock(mu);
+    store::RpcAuth::SignWith(ctx.get(), store::kNodeHeader, node_key, method);
     return ctx;
   }
   rpc::NodeIdentity Identity() const {
@@ -198,14 +222,22 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   // Reads an SSD object into registered memory (caller frees it with FreeStaging); checks the
   // record's checksum.
   Result<std::unique_ptr<Staged>> ReadToStaging(const rpc::InventoryRecord& rec);
+  // Whether a ReadSsd may write to `client`: not this node, and not a storage node by the
+  // master's directory (asked once per client incarnation a minute; refused if it cannot be
+  // asked). INVALID_ARGUMENT or PERMISSION_DENIED naming why not.
+  Status CheckReadClient(const rpc::NodeIdentity& client);
+  std::mutex clients_mu;
+  std::map<std::pair<std::string, uint64_t>, std::chrono::steady_clock::time_point>
+      checked_clients;  // client identity -> when the directory said it is no node
   void FreeStaging(Staged& s);
 
   grpc::Status Commit(grpc::ServerContext*, const rpc::CommitRequest* req,
                       rpc::Status* reply) override;
   grpc::Status ReadSsd(grpc::ServerContext*, const rpc::ReadSsdRequest* req,
                        rpc::ReadSsdReply* reply) override;
-  grpc::Status Describe(grpc::ServerContext*, const rpc::Empty*,
+  grpc::Status Describe(grpc::ServerContext* ctx, const rpc::Empty*,
                         rpc::NodeDescriptor* reply) override {
+    KVB_AUTH(ctx, store::method::kDescribe);
     *reply->mutable_node() = Identity();
     reply->set_engine_descriptor(engine->LocalDescriptor());
     reply->set_rpc_address(rpc_address);
@@ -222,8 +254,9 @@ StorageNode::Impl::~Impl() {
   if (ssd != nullptr) ssd_ops->destroy(ssd);
 }
 
-grpc::Status StorageNode::Impl::Commit(grpc::ServerContext*, const rpc::CommitRequest* req,
+grpc::Status StorageNode::Impl::Commit(grpc::ServerContext* ctx, const rpc::CommitRequest* req,
                                        rpc::Status* reply) {
+  KVB_AUTH(ctx, store::method::kCommit);
   if (req->node().node_id() != engine->self().node_id ||
       req->node().incarnation() != engine->self().incarnation) {
     store::ToProto(Status::StalePeer("commit meant for another incarnation"), reply);
@@ -265,12 +298,16 @@ Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
     for (const auto& [k, r] : inventory) *req.add_inventory() = r;
   }
   rpc::RegisterNodeReply reply;
-  auto ctx = Context();
+  auto ctx = Context(store::method::kRegisterNode);
   grpc::Status gs = stub->RegisterNode(ctx.get(), req, &reply);
   if (!gs.ok()) return store::FromGrpc(gs, "RegisterNode");
   Status st = store::FromProto(reply.status());
   if (!st.ok()) return st.WithContext("RegisterNode");
   if (reply.heartbeat_interval_ms() > 0) heartbeat_interval_ms = reply.heartbeat_interval_ms();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    node_key = store::CallKey(reply.node_secret(), store::kNodeKeyPurpose);
+  }
   // Demotions are handed out in heartbeat replies: a node with an SSD tier asks often, so DRAM
   // pressure turns into SSD writes within a fraction of a second.
   if (ssd != nullptr) heartbeat_interval_ms = std::min<uint32_t>(heartbeat_interval_ms, 200);
@@ -333,7 +370,7 @@ void StorageNode::Impl::HeartbeatLoop() {
     rpc::HeartbeatRequest req;
     *req.mutable_node() = Identity();
     rpc::HeartbeatReply reply;
-    auto ctx = Context();
+    auto ctx = Context(store::method::kHeartbeat);
     grpc::Status gs = heartbeat_master->Heartbeat(ctx.get(), req, &reply);
     Status st = gs.ok() ? store::FromProto(reply.status()) : store::FromGrpc(gs, "Heartbeat");
     if (st.IsNotFound()) {
@@ -394,7 +431,7 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
       if (d == described.end()) {
         d = described
                 .emplace(std::pair{dn.node_id(), dn.incarnation()},
-                         store::DescribeNode(describe_backoff, task.dest_rpc_address(), dn,
+                         store::DescribeNode(describe_backoff, *auth, task.dest_rpc_address(), dn,
                                              options.rpc_timeout_ms))
                 .first;
       }
@@ -404,7 +441,12 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
       }
       descriptor = d->second.value();
     }
-    Result<PeerId> dest = engine->AddPeer(descriptor);
+    // The destination must be the node the master named: a descriptor naming another
+    // process (or moving a known one) would send the copy there.
+    const PeerId named{task.dest().node().node_id(), task.dest().node().incarnation()};
+    AddPeerOptions expect;
+    expect.expect = &named;
+    Result<PeerId> dest = engine->AddPeer(descriptor, expect);
     if (!dest.ok()) {
       result[i] = dest.status().WithContext("destination descriptor");
       continue;
@@ -468,7 +510,7 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
 // False when no answer came (the call failed on the way): ask again later.
 bool StorageNode::Impl::ReportTask(const rpc::TaskDoneRequest& done) {
   rpc::Status reply;
-  auto ctx = Context();
+  auto ctx = Context(store::method::kTaskDone);
   grpc::Status gs = master->TaskDone(ctx.get(), done, &reply);
   if (!gs.ok()) {
     KVB_LOG(WARN) << store::FromGrpc(gs, "TaskDone").ToString() << " (task " << done.task_id()
@@ -717,7 +759,7 @@ Status StorageNode::Impl::Promote(const rpc::Demotion& d) {
 bool StorageNode::Impl::ReportMove(const rpc::Demotion& d, const rpc::DemoteDoneRequest& done,
                                    bool made) {
   rpc::Status reply;
-  auto ctx = Context();
+  auto ctx = Context(store::method::kDemoteDone);
   grpc::Status gs = master->DemoteDone(ctx.get(), done, &reply);
   if (!gs.ok()) {
     KVB_LOG(WARN) << store::FromGrpc(gs, "DemoteDone").ToString() << " (move of "
@@ -784,7 +826,7 @@ void StorageNode::Impl::DemoteLoop() {
       report.set_segment_id(kSsdSegment);
       report.set_offset(offset);
       rpc::Status ignored;
-      auto ctx = Context();
+      auto ctx = Context(store::method::kReportBadReplica);
       (void)master->ReportBadReplica(ctx.get(), report, &ignored);
     };
     // Copies dropped after a failed read (ReadToStaging) are already out of the inventory.
@@ -831,6 +873,7 @@ void StorageNode::Impl::DemoteLoop() {
 
 grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::ReadSsdRequest* req,
                                         rpc::ReadSsdReply* reply) {
+  KVB_AUTH(ctx, store::method::kReadSsd);
   auto done = [&](const Status& st) {
     store::ToProto(st, reply->mutable_status());
     return grpc::Status::OK;
@@ -838,6 +881,21 @@ grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::Rea
   if (req->node().node_id() != engine->self().node_id ||
       req->node().incarnation() != engine->self().incarnation) {
     return done(Status::StalePeer("read meant for another incarnation of this node"));
+  }
+  // The bytes go to the client's memory only: the descriptor must be the client's own (its
+  // stated identity), and the client no storage node, so that no request makes this node
+  // write into another node's pool (or its own).
+  if (Status st = CheckReadClient(req->client()); !st.ok()) {
+    KVB_LOG(WARN) << "refused ReadSsd from " << ctx->peer() << ": " << st.ToString();
+    return done(st);
+  }
+  const PeerId claimed{req->client().node_id(), req->client().incarnation()};
+  AddPeerOptions expect;
+  expect.expect = &claimed;
+  Result<PeerId> client = engine->AddPeer(req->client_descriptor(), expect);
+  if (!client.ok()) {
+    KVB_LOG(WARN) << "refused ReadSsd from " << ctx->peer() << ": " << client.status().ToString();
+    return done(client.status().WithContext("client descriptor"));
   }
   if (ssd == nullptr) return done(Status::NotFound("this node has no SSD tier"));
   rpc::InventoryRecord rec;
@@ -859,8 +917,6 @@ grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::Rea
     return done(Status::InvalidArgument("destination holds " + std::to_string(room) +
                                         " bytes; the object has " + std::to_string(bytes)));
   }
-  Result<PeerId> client = engine->AddPeer(req->client_descriptor());
-  if (!client.ok()) return done(client.status().WithContext("client descriptor"));
   Result<std::unique_ptr<Staged>> got = ReadToStaging(rec);
   if (!got.ok()) return done(got.status());
   Staged& staged = *got.value();
@@ -892,6 +948,45 @@ grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::Rea
   return done(Status::OK());
 }
 
+Status StorageNode::Impl::CheckReadClient(const rpc::NodeIdentity& client) {
+  if (client.node_id().empty()) {
+    return Status::InvalidArgument("ReadSsd names no client (ReadSsdRequest.client)");
+  }
+  if (client.node_id() == engine->self().node_id) {
+    return Status::PermissionDenied("ReadSsd names this node itself as the client");
+  }
+  const auto now = std::chrono::steady_clock::now();
+  const std::pair<std::string, uint64_t> key{client.node_id(), client.incarnation()};
+  {
+    std::lock_guard<std::mutex> lock(clients_mu);
+    auto it = checked_clients.find(key);
+    if (it != checked_clients.end() && now - it->second < std::chrono::minutes(1)) {
+      return Status::OK();
+    }
+  }
+  rpc::NodeDescriptorsRequest req;
+  req.add_node_ids(client.node_id());
+  rpc::NodeDescriptorsReply reply;
+  auto ctx = Context(store::method::kGetNodeDescriptors);
+  grpc::Status gs = master->GetNodeDescriptors(ctx.get(), req, &reply);
+  if (!gs.ok()) {
+    return store::FromGrpc(gs, "GetNodeDescriptors")
+        .WithContext("cannot tell whether ReadSsd client " + client.node_id() +
+                     " is a storage node");
+  }
+  for (const auto& n : reply.nodes()) {
+    if (n.node().node_id() == client.node_id()) {
+      return Status::PermissionDenied("ReadSsd client " + client.node_id() +
+                                      " is a storage node: a node never writes into another "
+                                      "node's pool on a read request");
+    }
+  }
+  std::lock_guard<std::mutex> lock(clients_mu);
+  if (checked_clients.size() >= 4096) checked_clients.clear();  // bounded; asked again
+  checked_clients[key] = now;
+  return Status::OK();
+}
+
 void StorageNode::Impl::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -918,7 +1013,7 @@ StorageNode::~StorageNode() {
   if (!superseded && impl_->master) {
     rpc::NodeIdentity id = impl_->Identity();
     rpc::Status reply;
-    auto ctx = impl_->Context();
+    auto ctx = impl_->NodeContext(store::method::kDeregister);
     (void)impl_->master->Deregister(ctx.get(), id, &reply);
   }
 }
@@ -936,6 +1031,8 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   KVB_RETURN_IF_ERROR(store::CheckPeerDiscovery(options.peer_discovery));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->auth =
+      std::make_unique<store::RpcAuth>(options.engine.cluster_token, options.rpc_auth_skew_ms);
   auto engine = TransferEngine::Create(options.engine);
   if (!engine.ok()) return engine.status().WithContext("storage node");
   impl->engine = std::move(engine).value();
@@ -981,6 +1078,8 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
       store::StartServer(options.rpc_listen, impl.get(), "the node service", &impl->rpc_address);
   if (!server.ok()) return server.status();
   impl->server = std::move(server).value();
+  impl->auth->WarnIfDisabled("storage node " + impl->engine->self().node_id + "'s control service",
+                             impl->rpc_address);
 
   impl->master = rpc::Master::NewStub(
       grpc::CreateChannel(options.master_address, grpc::InsecureChannelCredentials()));
@@ -1027,7 +1126,7 @@ Status StorageNode::Drain() {
     im.draining = true;
   }
   {
-    auto ctx = im.Context();
+    auto ctx = im.NodeContext(store::method::kDrain);
     grpc::Status gs = im.master->Drain(ctx.get(), id, &reply);
     if (!gs.ok()) return store::FromGrpc(gs, "Drain");
     Status st = store::FromProto(reply);

@@ -19,6 +19,7 @@
 
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
+#include "store/rpc_auth.h"
 #include "store/rpc_util.h"
 #include "util/checksum.h"
 #include "util/logging.h"
@@ -41,6 +42,7 @@ StoreOptions StoreOptions::FromEnv() {
   store::EnvUint("KVBRIDGE_HEDGE_AFTER_MS", &o.hedge_after_ms);
   store::EnvUint("KVBRIDGE_HEDGE_BANDWIDTH_MBPS", &o.hedge_bandwidth_mbps);
   if (const char* v = std::getenv("KVBRIDGE_PEER_DISCOVERY")) o.peer_discovery = v;
+  if (const char* v = std::getenv("KVBRIDGE_ADMIN_TOKEN")) o.admin_token = v;
   return o;
 }
 
@@ -89,6 +91,8 @@ struct StoreClient::Impl {
   std::unique_ptr<TransferEngine> engine;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<rpc::Master::Stub> master;
+  std::unique_ptr<store::RpcAuth> auth;  // signs every control-plane call
+  store::CallKey admin_key;              // StoreOptions::admin_token (RemoveAll)
 
   std::mutex peers_mu;
   std::unordered_map<std::string, uint64_t> peers;  // node id -> incarnation added to engine
@@ -109,10 +113,12 @@ struct StoreClient::Impl {
   std::mutex staging_mu;  // one Put/Get at a time uses the staging area
   std::unique_ptr<char[]> staging;
 
-  std::unique_ptr<grpc::ClientContext> Context() const {
+  // A call's context: its deadline and its proof of the cluster token (for `method`).
+  std::unique_ptr<grpc::ClientContext> Context(std::string_view method) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
     ctx->set_deadline(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(options.rpc_timeout_ms));
+    auth->Sign(ctx.get(), method);
     return ctx;
   }
   // OK when every buffer of one key lies inside a registered buffer (or the staging area);
@@ -145,7 +151,7 @@ struct StoreClient::Impl {
     req.set_client_node_id(engine->self().node_id);
     req.set_sizes_only(sizes_only);
     for (const auto& k : keys) req.add_keys(k);
-    auto ctx = Context();
+    auto ctx = Context(store::method::kGetReplicas);
     grpc::Status gs = master->GetReplicas(ctx.get(), req, got);
     if (!gs.ok() || got->items_size() != static_cast<int>(keys.size())) {
       return store::FromGrpc(gs, "GetReplicas");
@@ -191,7 +197,7 @@ struct StoreClient::Impl {
     req.set_offset(loc.offset());
     req.set_node_unreachable(node_level);
     rpc::Status ignored;
-    auto ctx = Context();
+    auto ctx = Context(store::method::kReportBadReplica);
     (void)master->ReportBadReplica(ctx.get(), req, &ignored);
   }
   // One transfer pass; fills ok[i] per group of ops.
@@ -226,18 +232,23 @@ Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint
   }
   if (req.node_ids_size() == 0) return Status::OK();
   rpc::NodeDescriptorsReply reply;
-  auto ctx = Context();
+  auto ctx = Context(store::method::kGetNodeDescriptors);
   grpc::Status gs = master->GetNodeDescriptors(ctx.get(), req, &reply);
   if (!gs.ok()) return store::FromGrpc(gs, "GetNodeDescriptors");
   for (const auto& nd : reply.nodes()) {
     std::string descriptor = nd.engine_descriptor();
     if (options.peer_discovery == "direct") {
-      Result<std::string> d = store::DescribeNode(describe_backoff, nd.rpc_address(), nd.node(),
-                                                  options.rpc_timeout_ms);
+      Result<std::string> d = store::DescribeNode(describe_backoff, *auth, nd.rpc_address(),
+                                                  nd.node(), options.rpc_timeout_ms);
       if (!d.ok()) continue;  // logged; skipped until the backoff passes
       descriptor = std::move(d).value();
     }
-    Result<PeerId> added = engine->AddPeer(descriptor);
+    // The entry's descriptor must be that node's own: one naming another node would send the
+    // reads and writes meant for it elsewhere (and its SSD reads to this entry's address).
+    const PeerId listed{nd.node().node_id(), nd.node().incarnation()};
+    AddPeerOptions expect;
+    expect.expect = &listed;
+    Result<PeerId> added = engine->AddPeer(descriptor, expect);
     if (!added.ok()) {
       KVB_LOG(WARN) << "cannot add storage node " << nd.node().node_id() << ": "
                     << added.status().ToString();
@@ -292,6 +303,8 @@ Status StoreClient::Impl::ReadFromSsd(const rpc::ReplicaLocation& loc, const std
   req.set_key(key);
   req.set_version(version);
   req.set_client_descriptor(engine->LocalDescriptor());
+  req.mutable_client()->set_node_id(engine->self().node_id);
+  req.mutable_client()->set_incarnation(engine->self().incarnation);
   req.set_timeout_ms(options.transfer_deadline_ms);
   for (const Piece& p : pieces) {
     SegmentId seg = 0;
@@ -308,6 +321,7 @@ Status StoreClient::Impl::ReadFromSsd(const rpc::ReplicaLocation& loc, const std
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(options.rpc_timeout_ms + options.transfer_deadline_ms));
+  auth->Sign(&ctx, store::method::kReadSsd);
   grpc::Status gs = stub->ReadSsd(&ctx, req, &reply);
   if (!gs.ok()) return store::FromGrpc(gs, "ReadSsd", StatusOrigin::kStorageNode);
   return FromProto(reply.status());
@@ -554,6 +568,8 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& opt
   KVB_RETURN_IF_ERROR(store::CheckPeerDiscovery(options.peer_discovery));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->auth = std::make_unique<store::RpcAuth>(options.engine.cluster_token);
+  impl->admin_key = store::CallKey(options.admin_token, store::kAdminKeyPurpose);
   auto engine = TransferEngine::Create(options.engine);
   if (!engine.ok()) return engine.status().WithContext("store client");
   impl->engine = std::move(engine).value();
@@ -619,7 +635,7 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   std::vector<uint32_t> checksums(keys.size(), 0);
   std::vector<Piece> pieces;
   {
-    auto ctx = im.Context();
+    auto ctx = im.Context(store::method::kPutStart);
     std::mutex mu;
     std::condition_variable cv;
     bool done = false;
@@ -692,7 +708,7 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   }
   if (end.items_size() == 0) return result;
   rpc::KeyStatusReply ended;
-  auto ctx = im.Context();
+  auto ctx = im.Context(store::method::kPutEnd);
   grpc::Status gs = im.master->PutEnd(ctx.get(), end, &ended);
   for (size_t i = 0; i < keys.size(); ++i) {
     const int e = end_item_of_key[i];
@@ -916,7 +932,7 @@ Result<std::vector<bool>> StoreClient::BatchExists(std::span<const std::string> 
   rpc::KeysRequest req;
   for (const auto& k : keys) req.add_keys(k);
   rpc::ExistsReply reply;
-  auto ctx = impl_->Context();
+  auto ctx = impl_->Context(store::method::kExists);
   grpc::Status gs = impl_->master->Exists(ctx.get(), req, &reply);
   if (!gs.ok()) return store::FromGrpc(gs, "Exists");
   if (reply.exists_size() != static_cast<int>(keys.size())) {
@@ -930,7 +946,7 @@ std::vector<Status> StoreClient::BatchRemove(std::span<const std::string> keys) 
   rpc::KeysRequest req;
   for (const auto& k : keys) req.add_keys(k);
   rpc::KeyStatusReply reply;
-  auto ctx = impl_->Context();
+  auto ctx = impl_->Context(store::method::kRemove);
   grpc::Status gs = impl_->master->Remove(ctx.get(), req, &reply);
   std::vector<Status> out(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -944,7 +960,9 @@ std::vector<Status> StoreClient::BatchRemove(std::span<const std::string> keys) 
 Status StoreClient::RemoveAll() {
   rpc::Empty req;
   rpc::Status reply;
-  auto ctx = impl_->Context();
+  auto ctx = impl_->Context(store::method::kRemoveAll);
+  store::RpcAuth::SignWith(ctx.get(), store::kAdminHeader, impl_->admin_key,
+                           store::method::kRemoveAll);
   grpc::Status gs = impl_->master->RemoveAll(ctx.get(), req, &reply);
   if (!gs.ok()) return store::FromGrpc(gs, "RemoveAll");
   return FromProto(reply);

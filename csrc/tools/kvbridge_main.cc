@@ -216,7 +216,8 @@ std::string Bytes(uint64_t b) {
 int RunStatus(const Flags& f) {
   StoreOptions so = StoreOptions::FromEnv();
   const std::string master = f.Has("master") ? f.Get("master") : so.master_address;
-  auto st = QueryClusterStatus(master, so.rpc_timeout_ms);
+  // The token from the environment or the config file, never a flag (argv is public).
+  auto st = QueryClusterStatus(master, so.rpc_timeout_ms, so.engine.cluster_token);
   if (!st.ok()) {
     std::fprintf(stderr, "kvbridge status: %s\n", st.status().ToString().c_str());
     return 1;

@@ -113,6 +113,7 @@ const char* const kCodeNames[KVB_STATUS_CODE_COUNT] = {
     "NO_SPACE",
     "IO_ERROR",
     "INTERNAL",
+    "PERMISSION_DENIED",
 };
 
 const char* CodeName(kvb_status_t code) {

@@ -640,10 +640,12 @@ kvb_status_t Lane::Handshake(int fd, const std::string& ep, uint64_t deadline_ns
                wire::kProtocolVersion);
     return KVB_ERR_PROTOCOL;
   }
-  const wire::Transcript tr{hello.client_node_id, hello.client_incarnation,
-                            reply.server_node_id, reply.server_incarnation,
-                            hello.client_nonce,   reply.server_nonce,
-                            reply.status};
+  // The identity this side asked for (hello.expected_*, the peer it means), not what the
+  // server says it is: a Hello rewritten on the way fails the server's proof here.
+  const wire::Transcript tr{
+      hello.client_node_id,     hello.client_incarnation, reply.server_node_id,
+      reply.server_incarnation, hello.expected_node_id,   hello.expected_incarnation,
+      hello.client_nonce,       reply.server_nonce,       reply.status};
   if (!token.empty()) {
     if ((reply.flags & wire::kReplyFlagProof) == 0) {
       *why = reply.status == KVB_ERR_UNAUTHENTICATED
@@ -1495,9 +1497,12 @@ bool Transport::ServerHandshake(int fd, const std::string& addr) {
         node_id_.c_str(), U(incarnation_));
   }
   if (reply.status != KVB_OK) counters_.frames_rejected.fetch_add(1);
-  const wire::Transcript tr{hello.client_node_id, hello.client_incarnation, node_id_,
-                            incarnation_,         hello.client_nonce,       reply.server_nonce,
-                            reply.status};
+  // The identity the Hello asked for, as received: the client's proof holds only if that is
+  // what it sent.
+  const wire::Transcript tr{
+      hello.client_node_id, hello.client_incarnation, node_id_,
+      incarnation_,         hello.expected_node_id,   hello.expected_incarnation,
+      hello.client_nonce,   reply.server_nonce,       reply.status};
   const bool authenticating =
       !token_.empty() && client_auth && hello.version == wire::kProtocolVersion;
   if (authenticating) {

@@ -203,13 +203,15 @@ RequestCheck CheckRequest(const RequestHeader& h, const RegionRef* region,
 }
 
 bool ComputeProof(std::string_view token, Role role, const Transcript& t, Proof* out) {
-  std::string msg = "kvbridge-tcp-auth-v1";
+  std::string msg = "kvbridge-tcp-auth-v2";
   const uint8_t r = static_cast<uint8_t>(role);
   AppendField(&msg, &r, 1);
   AppendField(&msg, t.client_node_id.data(), t.client_node_id.size());
   AppendU64(&msg, t.client_incarnation);
   AppendField(&msg, t.server_node_id.data(), t.server_node_id.size());
   AppendU64(&msg, t.server_incarnation);
+  AppendField(&msg, t.expected_node_id.data(), t.expected_node_id.size());
+  AppendU64(&msg, t.expected_incarnation);
   AppendField(&msg, t.client_nonce.data(), kNonceBytes);
   AppendField(&msg, t.server_nonce.data(), kNonceBytes);
   AppendU64(&msg, static_cast<uint32_t>(t.server_status));

@@ -19,7 +19,8 @@
 
 namespace kvbridge::tcp::wire {
 
-constexpr uint16_t kProtocolVersion = 1;
+// 2: the proofs also cover the identity the client expected (Transcript::expected_*).
+constexpr uint16_t kProtocolVersion = 2;
 
 // Magics, chosen so that the bytes on the wire read "KVBH", "KVBA", ... in a capture.
 constexpr uint32_t kHelloMagic = 0x4842564bu;       // client hello
@@ -146,19 +147,24 @@ RequestCheck CheckRequest(const RequestHeader& h, const RegionRef* region,
                           uint64_t max_frame_bytes);
 
 // Who is who in one handshake; both proofs are computed over all of it, so a proof cannot be
-// replayed on another connection (fresh nonces) or reflected to the other role (role byte).
+// replayed on another connection (fresh nonces) or reflected to the other role (role byte),
+// and a Hello whose expected identity was rewritten on the way fails both proofs (the server
+// proves what it was asked for, the client checks against what it asked for).
 struct Transcript {
   std::string_view client_node_id;
   uint64_t client_incarnation = 0;
   std::string_view server_node_id;
   uint64_t server_incarnation = 0;
+  std::string_view expected_node_id;  // whom the client meant (its Hello)
+  uint64_t expected_incarnation = 0;
   Nonce client_nonce{};
   Nonce server_nonce{};
   int32_t server_status = KVB_OK;
 };
 enum class Role : uint8_t { kServer = 'S', kClient = 'C' };
 
-// HMAC-SHA256(token, role || transcript). Returns false only if libcrypto fails.
+// HMAC-SHA256(token, "kvbridge-tcp-auth-v2" || role || transcript). Returns false only if
+// libcrypto fails.
 bool ComputeProof(std::string_view token, Role role, const Transcript& t, Proof* out);
 // Constant-time check of `proof` against the expected one.
 bool VerifyProof(std::string_view token, Role role, const Transcript& t, const Proof& proof);

@@ -36,6 +36,7 @@ __all__ = [
     "NoSpaceError",
     "IoError",
     "InternalError",
+    "PermissionDeniedError",
     "from_status",
 ]
 
@@ -64,6 +65,7 @@ class StatusCode(enum.IntEnum):
     IO_ERROR = 18
     IO = 18  # an alias, kept for code that used it; the name is IO_ERROR, as in C++
     INTERNAL = 19
+    PERMISSION_DENIED = 20
 
 
 class KvbError(Exception):
@@ -124,6 +126,13 @@ class PeerUnreachableError(KvbError, ConnectionError):
     status_code = StatusCode.PEER_UNREACHABLE
 
 
+class PermissionDeniedError(KvbError, PermissionError):
+    """Authenticated, but not allowed this call: a destructive store call (remove_all, draining
+    another node) without the admin token (KVBRIDGE_ADMIN_TOKEN, docs/security.md)."""
+
+    status_code = StatusCode.PERMISSION_DENIED
+
+
 class IoError(KvbError, OSError):
     """A storage I/O failure."""
 
@@ -160,7 +169,7 @@ _BY_CODE: dict[int, type[KvbError]] = {
                 OutOfBoundsError, StalePeerError, PeerUnreachableError, DeadlineExceededError,
                 ProgressTimeoutError, BackpressureError, CancelledError, ProtocolError,
                 UnauthenticatedError, UnsupportedError, UnavailableError, NoSpaceError, IoError,
-                InternalError)
+                InternalError, PermissionDeniedError)
 }
 
 

@@ -24,14 +24,18 @@ ENGINE_FIELDS = (
     "progress_timeout_ms", "breaker_failures", "breaker_backoff_ms", "breaker_max_backoff_ms",
 )
 STORE_FIELDS = ("master", "replica_num", "rpc_timeout_ms", "store_transfer_deadline_ms",
-                "verify_checksums", "hedge_after_ms", "hedge_bandwidth_mbps", "peer_discovery")
+                "verify_checksums", "hedge_after_ms", "hedge_bandwidth_mbps", "peer_discovery",
+                "admin_token")
 NODE_FIELDS = ("master", "node_dram_bytes", "node_storage_plugin", "node_rpc_listen",
                "rpc_timeout_ms", "drain_timeout_ms", "node_ssd_path", "node_ssd_bytes",
-               "node_ssd_plugin", "node_ssd_staging_bytes", "peer_discovery")
+               "node_ssd_plugin", "node_ssd_staging_bytes", "peer_discovery", "rpc_auth_skew_ms")
 MASTER_FIELDS = ("master_listen", "node_ttl_ms", "lease_ms", "put_timeout_ms", "min_replicas",
                  "high_watermark", "low_watermark", "demote_high_watermark",
                  "demote_low_watermark", "promote_after_reads", "drain_timeout_ms",
-                 "rpc_timeout_ms")
+                 "rpc_timeout_ms", "admin_token", "rpc_auth_skew_ms")
+# A Master alone takes the cluster token as a master option; in a Cluster it is the engines'
+# (cluster_token among ENGINE_FIELDS), which the embedded master uses too.
+MASTER_ONLY_FIELDS = ("cluster_token",)
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
@@ -99,7 +103,8 @@ def node_options(kwargs: dict[str, Any]) -> Any:
     return opts
 
 
-def master_options(kwargs: dict[str, Any], base: Any = None) -> Any:
+def master_options(kwargs: dict[str, Any], base: Any = None, alone: bool = False) -> Any:
+    """Pops master options from kwargs; `alone`: a Master of its own (takes cluster_token)."""
     opts = base if base is not None else _C.MasterOptions.from_env()
-    _apply(opts, MASTER_FIELDS, kwargs)
+    _apply(opts, MASTER_FIELDS + (MASTER_ONLY_FIELDS if alone else ()), kwargs)
     return opts

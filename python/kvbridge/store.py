@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import operator
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -360,8 +361,10 @@ class Master:
     low_watermark, drain_timeout_ms, rpc_timeout_ms."""
 
     def __init__(self, **kwargs: Any):
-        opts = options.master_options(kwargs)
-        options.check_consumed(kwargs, "Master", options.MASTER_FIELDS)
+        opts = options.master_options(kwargs, alone=True)
+        options.check_consumed(kwargs, "Master",
+                               options.MASTER_FIELDS + options.MASTER_ONLY_FIELDS)
+        self._token = opts.cluster_token
         self._h = _C.Master(opts)
 
     @property
@@ -370,7 +373,7 @@ class Master:
         return self._h.address()
 
     def status(self, timeout_ms: int = 3000) -> dict:
-        return cluster_status(self.address, timeout_ms)
+        return cluster_status(self.address, timeout_ms, cluster_token=self._token)
 
     def close(self) -> None:
         self._h.close()
@@ -448,6 +451,7 @@ class Cluster:
         opts.master = options.master_options(kwargs, master)
         opts.engine = options.engine_options(kwargs)
         options.check_consumed(kwargs, "Cluster", options.MASTER_FIELDS + options.ENGINE_FIELDS)
+        self._token = opts.engine.cluster_token  # the embedded master's too
         self._h = _C.Cluster(opts)
         self._client: Optional[StoreClient] = None
 
@@ -475,7 +479,7 @@ class Cluster:
         self._h.stop_node(index)
 
     def status(self, timeout_ms: int = 3000) -> dict:
-        return cluster_status(self.master_address, timeout_ms)
+        return cluster_status(self.master_address, timeout_ms, cluster_token=self._token)
 
     def close(self) -> None:
         self._h.close()
@@ -487,10 +491,14 @@ class Cluster:
         self.close()
 
 
-def cluster_status(master: str, timeout_ms: int = 3000) -> dict:
+def cluster_status(master: str, timeout_ms: int = 3000,
+                   cluster_token: Optional[str] = None) -> dict:
     """A master's view: nodes (id, state, capacity, usage, replicas), object counts,
-    evictions, bad replicas dropped, nodes expired, under-replicated objects."""
-    return _C.query_cluster_status(master, timeout_ms)
+    evictions, bad replicas dropped, nodes expired, under-replicated objects.
+    ``cluster_token``: the cluster's (docs/security.md); None reads KVBRIDGE_CLUSTER_TOKEN."""
+    if cluster_token is None:
+        cluster_token = os.environ.get("KVBRIDGE_CLUSTER_TOKEN", "")
+    return _C.query_cluster_status(master, timeout_ms, cluster_token)
 
 
 __all__ = ["StoreClient", "Master", "Node", "Cluster", "GetResult", "cluster_status"]

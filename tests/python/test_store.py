@@ -324,6 +324,45 @@ def test_standalone_master_nodes_client_and_drain():
                 n.close()
 
 
+def test_a_tokened_cluster_refuses_strangers_and_remove_all_needs_the_admin_token():
+    """With a cluster token (docs/security.md) every control-plane call must prove it:
+    a client or status query without it gets UnauthenticatedError; remove_all needs the
+    admin token (PermissionDeniedError naming KVBRIDGE_ADMIN_TOKEN without it)."""
+    with kvbridge.Cluster(nodes=2, dram_bytes_per_node=16 << 20, cluster_token="py-t0ken",
+                          transports="tcp") as cluster:
+        client = cluster.client()
+        client.put("secret", b"s" * 1000)
+        assert client.get("secret") == b"s" * 1000
+        assert cluster.status()["objects"] == 1
+        with pytest.raises(errors.UnauthenticatedError):
+            kvbridge.cluster_status(cluster.master_address, cluster_token="")
+        with kvbridge.StoreClient(master=cluster.master_address, transports="tcp",
+                                  cluster_token="") as stranger:
+            with pytest.raises(errors.UnauthenticatedError):
+                stranger.get("secret")
+        with pytest.raises(errors.PermissionDeniedError, match="KVBRIDGE_ADMIN_TOKEN"):
+            client.remove_all()
+        assert client.get("secret") == b"s" * 1000
+        cluster.drain_node(1)  # a node drains itself with its own registration secret
+        assert client.get("secret") == b"s" * 1000
+    with kvbridge.Master(master_listen="127.0.0.1:0", cluster_token="py-t0ken",
+                         admin_token="py-adm1n") as master:
+        node = kvbridge.Node(master=master.address, node_dram_bytes=16 << 20, node_id="py-adm",
+                             cluster_token="py-t0ken", transports="tcp")
+        try:
+            with kvbridge.StoreClient(master=master.address, cluster_token="py-t0ken",
+                                      transports="tcp") as client:
+                client.put("k", b"v" * 100)
+                with pytest.raises(errors.PermissionDeniedError):
+                    client.remove_all()
+            with kvbridge.StoreClient(master=master.address, cluster_token="py-t0ken",
+                                      admin_token="py-adm1n", transports="tcp") as admin:
+                admin.remove_all()
+            assert master.status()["objects"] == 0
+        finally:
+            node.close()
+
+
 def test_failures_name_the_master_as_the_side_that_failed():
     """A call that fails at the master says so in ``origin`` (exceptions and batch statuses
     alike), not only in its message."""

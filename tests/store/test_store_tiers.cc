@@ -438,6 +438,8 @@ TEST_P(StoreTiers, NodeReportsTheSsdCopyItDropsAfterAFailedRead) {
     req.set_key(Key(i));
     req.set_version(grep.items(0).version());
     req.set_client_descriptor(reader->LocalDescriptor());
+    req.mutable_client()->set_node_id(reader->self().node_id);
+    req.mutable_client()->set_incarnation(reader->self().incarnation);
     rpc::Piece* piece = req.add_dests();
     piece->set_segment_id(seg);
     piece->set_offset(0);

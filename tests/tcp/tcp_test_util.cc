@@ -415,9 +415,9 @@ int32_t RawClient::Handshake(const std::string& my_node, uint64_t my_incarnation
   }
   if (pr.result != wire::Parse::kOk) return -1;
   if (rep.status != KVB_OK || token.empty()) return rep.status;
-  const wire::Transcript tr{
-      h.client_node_id, h.client_incarnation, rep.server_node_id, rep.server_incarnation,
-      h.client_nonce,   rep.server_nonce,     rep.status};
+  const wire::Transcript tr{h.client_node_id,       h.client_incarnation, rep.server_node_id,
+                            rep.server_incarnation, h.expected_node_id,   h.expected_incarnation,
+                            h.client_nonce,         rep.server_nonce,     rep.status};
   if (!wire::VerifyProof(token, wire::Role::kServer, tr, rep.server_proof)) return -2;
   wire::ClientProof cp;
   wire::ComputeProof(token, wire::Role::kClient, tr, &cp.proof);

@@ -308,7 +308,7 @@ TEST(TcpWire, FuzzHandshakeDecoders) {
 }
 
 TEST(TcpWire, ProofsBindEveryTranscriptField) {
-  Transcript t{"client", 1, "server", 2, {}, {}, KVB_OK};
+  Transcript t{"client", 1, "server", 2, "server", 2, {}, {}, KVB_OK};
   t.client_nonce[0] = 1;
   t.server_nonce[0] = 2;
   Proof p;
@@ -328,6 +328,14 @@ TEST(TcpWire, ProofsBindEveryTranscriptField) {
   EXPECT_TRUE(changed([](Transcript& u) { u.client_nonce[5] ^= 1; }));
   EXPECT_TRUE(changed([](Transcript& u) { u.server_nonce[15] ^= 1; }));
   EXPECT_TRUE(changed([](Transcript& u) { u.server_status = KVB_ERR_STALE_PEER; }));
+  // Protocol 2: the identity the client expected is bound too, so a Hello whose expected
+  // identity was rewritten on the way yields proofs that the other side does not accept.
+  EXPECT_TRUE(changed([](Transcript& u) { u.expected_node_id = "serveR"; }));
+  EXPECT_TRUE(changed([](Transcript& u) { u.expected_incarnation = 3; }));
+  EXPECT_TRUE(changed([](Transcript& u) {
+    u.expected_node_id = "";
+    u.expected_incarnation = 0;
+  }));
   // Field boundaries are length-prefixed: moving a byte between ids changes the proof.
   EXPECT_TRUE(changed([](Transcript& u) {
     u.client_node_id = "clients";

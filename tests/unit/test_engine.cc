@@ -7,6 +7,7 @@
 #include <chrono>
 #include <thread>
 
+#include "core/descriptor.h"
 #include "kvbridge/engine.h"
 #include "tests/common/test_util.h"
 
@@ -144,6 +145,35 @@ TEST_F(EngineMockTest, MalformedDescriptorIsNamedError) {
   auto r = a_->AddPeer("not a descriptor at all");
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("descriptor"), std::string::npos);
+}
+
+// A descriptor of a known (node id, incarnation) may add segments but not move the peer to
+// other endpoints: whoever hands this engine descriptors (a re-replication task, a read
+// request, a directory) could otherwise re-route its traffic for that peer through another
+// address. And a descriptor that is not the identity the caller expects is refused.
+TEST_F(EngineMockTest, AddPeerRefusesToMoveAKnownPeer) {
+  Buffer more(4096);
+  const SegmentId seg2 = Must(b_->RegisterMemory(more.data(), more.size()));
+  Must(a_->AddPeer(b_->LocalDescriptor()));  // one more segment: an update
+  EXPECT_TRUE(
+      a_->Transfer(std::vector{TransferOp{OpCode::kWrite, mem_a_.data(), 4096, "eng-b", seg2, 0}})
+          .ok());
+  core::Descriptor moved = Must(core::DecodeDescriptor(b_->LocalDescriptor()));
+  ASSERT_FALSE(moved.transports.empty());
+  for (auto& t : moved.transports) t.endpoints = "attacker:1";
+  Result<PeerId> r = a_->AddPeer(core::EncodeDescriptor(moved));
+  EXPECT_EQ(r.status().code(), StatusCode::kAlreadyExists) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("attacker:1"), std::string::npos) << r.status().ToString();
+  EXPECT_TRUE(WriteToB().ok()) << "the refused descriptor changed the peer";
+
+  const PeerId other{"eng-c", 1};
+  AddPeerOptions expect;
+  expect.expect = &other;
+  r = a_->AddPeer(b_->LocalDescriptor(), expect);
+  EXPECT_TRUE(r.status().IsStalePeer()) << r.status().ToString();
+  const PeerId b = b_->self();
+  expect.expect = &b;
+  EXPECT_TRUE(a_->AddPeer(b_->LocalDescriptor(), expect).ok());
 }
 
 TEST_F(EngineMockTest, StructuralErrorsRefuseWholeBatch) {

@@ -63,6 +63,18 @@ struct SubmitOptions {
   uint32_t progress_timeout_ms = 0;  // 0 = EngineOptions::progress_timeout_ms
 };
 
+struct AddPeerOptions {
+  // The identity the descriptor must carry (STALE_PEER naming both if it carries another);
+  // null: any.
+  const PeerId* expect = nullptr;
+  // Let a descriptor of an already known (node id, incarnation) change how that peer is
+  // reached (its transport or endpoints). Off, such a descriptor is refused ALREADY_EXISTS:
+  // whoever hands this process descriptors (a task, a read request, a directory) could
+  // otherwise re-route its traffic for a known peer through another address. A real peer
+  // never moves without restarting (a new incarnation).
+  bool allow_endpoint_change = false;
+};
+
 // A segment a peer registered, as its descriptor lists it: `base` is the peer's own address
 // of byte 0 (what Mooncake-style APIs call the remote virtual address).
 struct RemoteSegment {
@@ -128,9 +140,11 @@ class TransferEngine {
   // registered segments. Opaque bytes; re-fetch after registering more memory.
   std::string LocalDescriptor() const;
   // Learns (or updates) a peer from its descriptor. A descriptor with a new incarnation for a
-  // known node id replaces the old incarnation. INVALID_ARGUMENT for a malformed descriptor,
-  // UNSUPPORTED when no transport is shared with the peer.
-  Result<PeerId> AddPeer(std::string_view descriptor);
+  // known node id replaces the old incarnation; one of the known incarnation may add segments
+  // but not move the peer (AddPeerOptions::allow_endpoint_change). INVALID_ARGUMENT for a
+  // malformed descriptor, UNSUPPORTED when no transport is shared with the peer, STALE_PEER
+  // when it is not options.expect, ALREADY_EXISTS for a move.
+  Result<PeerId> AddPeer(std::string_view descriptor, const AddPeerOptions& options = {});
   Status RemovePeer(std::string_view node_id);
   // The segments of a known peer's current incarnation (NOT_FOUND for an unknown peer).
   Result<std::vector<RemoteSegment>> PeerSegments(std::string_view node_id) const;

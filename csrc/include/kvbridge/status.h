@@ -41,6 +41,7 @@ enum class StatusCode : int32_t {
   kNoSpace = KVB_ERR_NO_SPACE,
   kIoError = KVB_ERR_IO,
   kInternal = KVB_ERR_INTERNAL,
+  kPermissionDenied = KVB_ERR_PERMISSION_DENIED,
 };
 
 // "STALE_PEER", "DEADLINE_EXCEEDED", ...; "UNKNOWN(<n>)" for codes this build does not know.
@@ -90,6 +91,9 @@ class [[nodiscard]] Status {
   static Status NoSpace(std::string_view m) { return {StatusCode::kNoSpace, m}; }
   static Status IoError(std::string_view m) { return {StatusCode::kIoError, m}; }
   static Status Internal(std::string_view m) { return {StatusCode::kInternal, m}; }
+  static Status PermissionDenied(std::string_view m) {
+    return {StatusCode::kPermissionDenied, m};
+  }
   // From a plugin's int32 code; unknown codes become kInternal with the number in the message.
   static Status FromAbi(kvb_status_t code, std::string_view msg);
 

@@ -57,6 +57,10 @@ struct StoreOptions {
   // Where storage nodes' engine descriptors come from: "master" (the master's directory) or
   // "direct" (each node's own Node service, found through the directory). KVBRIDGE_PEER_DISCOVERY.
   std::string peer_discovery = "master";
+  // The cluster's admin token, for RemoveAll (docs/security.md); without it a cluster with a
+  // token refuses RemoveAll PERMISSION_DENIED. Keep it off hosts that need only puts and gets.
+  // KVBRIDGE_ADMIN_TOKEN.
+  std::string admin_token;
   // Defaults, overridden by the KVBRIDGE_* variables named above and EngineOptions::FromEnv().
   static StoreOptions FromEnv();
 };
@@ -100,6 +104,8 @@ class StoreClient {
   std::vector<Result<std::vector<ReplicaInfo>>> BatchGetReplicaInfo(
       std::span<const std::string> keys);
   std::vector<Status> BatchRemove(std::span<const std::string> keys);
+  // Removes every object. With a cluster token it needs StoreOptions::admin_token
+  // (PERMISSION_DENIED without it).
   Status RemoveAll();
 
   // Convenience forms over unregistered memory (one staging copy each way, through one
@@ -144,6 +150,9 @@ struct NodeOptions {
   // Where a re-replication task's destination descriptor comes from: "master" (in the task)
   // or "direct" (asked from the destination's Node service). KVBRIDGE_PEER_DISCOVERY.
   std::string peer_discovery = "master";
+  // How far a call's proof of the cluster token (engine.cluster_token, docs/security.md) may
+  // be from this node's wall clock. KVBRIDGE_RPC_AUTH_SKEW_MS.
+  uint32_t rpc_auth_skew_ms = 60000;
   EngineOptions engine;
   static NodeOptions FromEnv();
 };
@@ -218,6 +227,18 @@ struct MasterOptions {
   //   task_done_lose_request, task_done_lose_reply   the same for TaskDone.
   // An unknown name or a bad count makes Start fail naming it. KVBRIDGE_MASTER_FAULTS.
   std::string faults;
+  // The cluster's shared secret (docs/security.md): every call to the master, and from it to
+  // the nodes, must prove it; calls without a valid proof are refused UNAUTHENTICATED. Empty:
+  // the control plane accepts anyone (logged as a SECURITY warning at start).
+  // KVBRIDGE_CLUSTER_TOKEN (what the engines read).
+  std::string cluster_token;
+  // Needed, besides the cluster token, for the destructive calls: RemoveAll, and Drain or
+  // Deregister of a node by anyone but that node itself. With a cluster token and no admin
+  // token these calls are refused PERMISSION_DENIED. KVBRIDGE_ADMIN_TOKEN.
+  std::string admin_token;
+  // How far a call's proof may be from the master's wall clock (either way); it is good
+  // once within it. KVBRIDGE_RPC_AUTH_SKEW_MS.
+  uint32_t rpc_auth_skew_ms = 60000;
   static MasterOptions FromEnv();
 };
 
@@ -265,9 +286,11 @@ struct ClusterStatus {
   uint64_t departed_copies = 0;
 };
 
-// Asks a master for its view (what `kvbridge status` prints).
+// Asks a master for its view (what `kvbridge status` prints). `cluster_token`: the
+// cluster's, when it has one (KVBRIDGE_CLUSTER_TOKEN; else UNAUTHENTICATED).
 Result<ClusterStatus> QueryClusterStatus(const std::string& master_address,
-                                         uint32_t timeout_ms = 3000);
+                                         uint32_t timeout_ms = 3000,
+                                         const std::string& cluster_token = "");
 
 // Master + storage nodes + client in one process, on loopback: the default for one-machine
 // use and for tests. Nodes get node ids "<prefix>-node<i>".
@@ -283,7 +306,8 @@ struct EmbeddedClusterOptions {
   uint64_t ssd_bytes_per_node = 1ull << 30;
   std::string ssd_plugin = "ssd";
   uint64_t ssd_staging_bytes = 64ull << 20;  // NodeOptions::ssd_staging_bytes of each node
-  MasterOptions master;  // listen defaults to a free loopback port here
+  // listen defaults to a free loopback port here; cluster_token is engine.cluster_token.
+  MasterOptions master;
   EngineOptions engine;  // template for the nodes' and the client's engines
 };
 

@@ -68,9 +68,10 @@ enum {
   KVB_ERR_UNAVAILABLE = 16,      /* the plugin cannot run here (missing library, no device) */
   KVB_ERR_NO_SPACE = 17,
   KVB_ERR_IO = 18,
-  KVB_ERR_INTERNAL = 19
+  KVB_ERR_INTERNAL = 19,
+  KVB_ERR_PERMISSION_DENIED = 20 /* authenticated, but not allowed this call (admin token) */
 };
-#define KVB_STATUS_CODE_COUNT 20
+#define KVB_STATUS_CODE_COUNT 21
 
 typedef enum kvb_plugin_kind {
   KVB_PLUGIN_TRANSPORT = 1,
