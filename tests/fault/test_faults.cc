@@ -37,7 +37,7 @@ std::unique_ptr<PeerProcess> StartPeer(const std::string& node, uint16_t port, u
   return p;
 }
 
-SegmentId FirstSegment(const std::string&) { return 1; }  // the peer registers exactly one
+SegmentId FirstSegment(std::string_view) { return 1; }  // the peer registers exactly one
 
 class FaultTest : public ::testing::Test {
  protected:
@@ -55,7 +55,8 @@ class FaultTest : public ::testing::Test {
   }
   virtual void Configure(EngineOptions&) {}
 
-  TransferOp Op(OpCode code, const std::string& peer, size_t off, size_t len) {
+  // `peer` must outlive the op (TransferOp holds a view): a literal or a caller-owned string.
+  TransferOp Op(OpCode code, std::string_view peer, size_t off, size_t len) {
     return TransferOp{code, local_->data() + off, len, peer, FirstSegment(peer), off};
   }
 
