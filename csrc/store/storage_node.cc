@@ -173,6 +173,9 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   // Copies a batch of tasks' replicas with one engine batch; one status per task.
   std::vector<Status> RunTasks(const std::vector<rpc::ReplicationTask>& batch);
   bool ReportTask(const rpc::TaskDoneRequest& done);
+  // Tells the master this node's copy at (segment_id, offset) is bad or gone; best effort.
+  void ReportBadCopy(const std::string& key, uint64_t version, uint64_t segment_id,
+                     uint64_t offset);
   void Stop();
 
   // SSD tier.
@@ -441,6 +444,13 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
       continue;
     } else {
       local = pool + src.offset();
+      // A damaged DRAM source is reported, not spread: the copy would pass for good at the
+      // destination until a reader checked it, and might be the last one left by then.
+      if (util::Crc32c(local, src.length()) != task.checksum()) {
+        result[i] = Status::IoError("task source does not match the object's checksum; not copied");
+        ReportBadCopy(task.key(), task.version(), src.segment_id(), src.offset());
+        continue;
+      }
     }
     if (src.length() != task.dest().length()) {
       result[i] = Status::InvalidArgument("task source and destination lengths differ");
@@ -463,6 +473,19 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
   BatchResult r = engine->Wait(id.value());
   for (size_t k = 0; k < ops.size(); ++k) result[task_of_op[k]] = r.op_status[k];
   return result;
+}
+
+void StorageNode::Impl::ReportBadCopy(const std::string& key, uint64_t version,
+                                      uint64_t segment_id, uint64_t offset) {
+  rpc::BadReplicaRequest report;
+  report.set_key(key);
+  report.set_version(version);
+  *report.mutable_node() = Identity();
+  report.set_segment_id(segment_id);
+  report.set_offset(offset);
+  rpc::Status ignored;
+  auto ctx = Context();
+  (void)master->ReportBadReplica(ctx.get(), report, &ignored);
 }
 
 // False when no answer came (the call failed on the way): ask again later.
@@ -666,6 +689,7 @@ Status StorageNode::Impl::Demote(const rpc::Demotion& d) {
     }
   }
   if (util::Crc32c(pool + src.offset(), bytes) != src.checksum()) {
+    ReportBadCopy(src.key(), src.version(), src.segment_id(), src.offset());
     return Status::IoError("the DRAM replica does not match its checksum; not demoted");
   }
   std::lock_guard<std::mutex> ssd_lock(ssd_mu);
@@ -777,15 +801,7 @@ void StorageNode::Impl::DemoteLoop() {
     // SSD copies that are gone: the master drops those replicas (re-replicating objects that
     // still have copies elsewhere).
     auto report_gone = [&](const std::string& key, uint64_t version, uint64_t offset) {
-      rpc::BadReplicaRequest report;
-      report.set_key(key);
-      report.set_version(version);
-      *report.mutable_node() = Identity();
-      report.set_segment_id(kSsdSegment);
-      report.set_offset(offset);
-      rpc::Status ignored;
-      auto ctx = Context();
-      (void)master->ReportBadReplica(ctx.get(), report, &ignored);
+      ReportBadCopy(key, version, kSsdSegment, offset);
     };
     // Copies dropped after a failed read (ReadToStaging) are already out of the inventory.
     for (const rpc::InventoryRecord& rec : lost)
