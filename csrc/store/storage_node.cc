@@ -174,10 +174,19 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   struct SsdFree {
     std::string key;
     uint64_t replica_id = 0;
+    uint64_t seq = 0;  // the master's sequence number of the free
   };
   std::deque<SsdFree> ssd_frees;
   std::set<std::pair<std::string, uint64_t>> ssd_freeing;  // (key, replica_id) not yet applied
   std::thread free_thread;
+  // Frees are acknowledged once applied (an SSD one once free_thread removed it): the master
+  // sends each again until then (under mu). frees_received: the highest sequence number seen.
+  uint64_t frees_received = 0;
+  std::set<uint64_t> frees_unapplied;
+  uint64_t FreesAcked() const {  // mu held
+    return frees_unapplied.empty() ? frees_received
+                                   : std::min(frees_received, *frees_unapplied.begin() - 1);
+  }
   // Moves to run, with the time by which each must be reported (under mu).
   std::deque<std::pair<rpc::Demotion, std::chrono::steady_clock::time_point>> demotions;
   std::deque<std::string> evicted;               // keys the SSD plugin dropped (under mu)
@@ -202,7 +211,8 @@ struct StorageNode::Impl final : public rpc::Node::Service {
     return id;
   }
   Status Register(rpc::Master::Stub* stub);
-  void ApplyFrees(const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& frees);
+  void ApplyFrees(const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& frees,
+                  const google::protobuf::RepeatedField<uint64_t>& seqs);
   void HeartbeatLoop();
   void TaskLoop();
   // Copies a batch of tasks' replicas with one engine batch; one status per task.
@@ -317,20 +327,26 @@ Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
   // Demotions are handed out in heartbeat replies: a node with an SSD tier asks often, so DRAM
   // pressure turns into SSD writes within a fraction of a second.
   if (ssd != nullptr) heartbeat_interval_ms = std::min<uint32_t>(heartbeat_interval_ms, 200);
-  ApplyFrees(reply.frees());
+  ApplyFrees(reply.frees(), reply.free_seqs());
   return Status::OK();
 }
 
 // Runs on the heartbeat thread: memory only. SSD frees go to free_thread.
 void StorageNode::Impl::ApplyFrees(
-    const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& frees) {
+    const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& frees,
+    const google::protobuf::RepeatedField<uint64_t>& seqs) {
   std::lock_guard<std::mutex> lock(mu);
   bool queued = false;
-  for (const auto& f : frees) {
+  for (int i = 0; i < frees.size(); ++i) {
+    const auto& f = frees[i];
+    const uint64_t seq = i < seqs.size() ? seqs[i] : 0;
+    if (seq != 0 && seq <= frees_received) continue;  // sent again before our ack arrived
+    frees_received = std::max(frees_received, seq);
     if (f.segment_id() == kSsdSegment) {
       if (ssd == nullptr) continue;  // no tier: nothing of it here
-      ssd_frees.push_back({f.key(), f.replica_id()});
+      ssd_frees.push_back({f.key(), f.replica_id(), seq});
       ssd_freeing.emplace(f.key(), f.replica_id());
+      if (seq != 0) frees_unapplied.insert(seq);
       queued = true;
       continue;
     }
@@ -365,7 +381,10 @@ void StorageNode::Impl::FreeLoop() {
     work();
     for (auto& t : workers) t.join();
     lock.lock();
-    for (const SsdFree& f : batch) ssd_freeing.erase({f.key, f.replica_id});
+    for (const SsdFree& f : batch) {
+      ssd_freeing.erase({f.key, f.replica_id});
+      frees_unapplied.erase(f.seq);
+    }
   }
 }
 
@@ -401,9 +420,11 @@ void StorageNode::Impl::HeartbeatLoop() {
                 [&] { return stopping || heartbeat_now; });
     if (stopping) break;
     heartbeat_now = false;
+    const uint64_t frees_acked = FreesAcked();
     lock.unlock();
     rpc::HeartbeatRequest req;
     *req.mutable_node() = Identity();
+    req.set_frees_acked(frees_acked);
     rpc::HeartbeatReply reply;
     auto ctx = Context();
     grpc::Status gs = heartbeat_master->Heartbeat(ctx.get(), req, &reply);
@@ -425,7 +446,7 @@ void StorageNode::Impl::HeartbeatLoop() {
     } else if (!st.ok()) {
       KVB_LOG(WARN) << "heartbeat: " << st.ToString();
     } else {
-      ApplyFrees(reply.frees());
+      ApplyFrees(reply.frees(), reply.free_seqs());
     }
     lock.lock();
     if (st.ok()) {

@@ -216,7 +216,11 @@ struct MasterOptions {
   //                             without being applied (a request lost on the way);
   //   demote_done_lose_reply    the next `count` are applied, then answered UNAVAILABLE (a
   //                             reply lost on the way);
-  //   task_done_lose_request, task_done_lose_reply   the same for TaskDone.
+  //   task_done_lose_request, task_done_lose_reply   the same for TaskDone;
+  //   heartbeat_lose_reply      the next `count` Heartbeat replies that carry frees are
+  //                             answered UNAVAILABLE after the master handed them out;
+  //   register_lose_reply       the next `count` RegisterNode calls with an inventory (a
+  //                             node coming back) are applied, then answered UNAVAILABLE.
   // An unknown name or a bad count makes Start fail naming it. KVBRIDGE_MASTER_FAULTS.
   std::string faults;
   static MasterOptions FromEnv();
