@@ -158,13 +158,17 @@ struct Faults {
   std::atomic<uint32_t> demote_done_lose_reply{0};
   std::atomic<uint32_t> task_done_lose_request{0};
   std::atomic<uint32_t> task_done_lose_reply{0};
+  std::atomic<uint32_t> heartbeat_lose_reply{0};  // counts only replies that carry frees
+  std::atomic<uint32_t> register_lose_reply{0};   // counts only registrations with an inventory
 
   Status Parse(const std::string& spec) {
     const std::pair<const char*, std::atomic<uint32_t>*> known[] = {
         {"demote_done_lose_request", &demote_done_lose_request},
         {"demote_done_lose_reply", &demote_done_lose_reply},
         {"task_done_lose_request", &task_done_lose_request},
-        {"task_done_lose_reply", &task_done_lose_reply}};
+        {"task_done_lose_reply", &task_done_lose_reply},
+        {"heartbeat_lose_reply", &heartbeat_lose_reply},
+        {"register_lose_reply", &register_lose_reply}};
     for (const std::string& item : SplitFaults(spec)) {
       const size_t eq = item.find('=');
       const std::string name = item.substr(0, eq);
@@ -434,9 +438,17 @@ struct MasterServer::Impl final : public rpc::Master::Service {
         static_cast<uint32_t>(r.ok() ? r->heartbeat_interval_ms : options.node_ttl_ms / 3));
     if (r.ok()) {
       for (const auto& f : r->frees) ToProto(f, reply->add_frees());
+      for (uint64_t seq : r->free_seqs) reply->add_free_seqs(seq);
       KVB_LOG(INFO) << "node " << store::ToString(reg.identity) << " registered ("
                     << r->records_accepted << " inventory records accepted, " << r->frees.size()
                     << " dropped)";
+    } else if (auto queued = state->UnackedFrees(reg.identity); queued.ok()) {
+      // Registered already: the first reply was lost, maybe with frees. They are still queued.
+      for (const auto& f : queued->frees) ToProto(f, reply->add_frees());
+      for (uint64_t seq : queued->free_seqs) reply->add_free_seqs(seq);
+    }
+    if (req->inventory_size() > 0 && faults.Take(&faults.register_lose_reply)) {
+      return {grpc::StatusCode::UNAVAILABLE, "fault injection: RegisterNode reply lost"};
     }
     return grpc::Status::OK;
   }
@@ -446,10 +458,11 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     KVB_AUTH(ctx, store::method::kHeartbeat);
     // Liveness first, under its own lock: never behind a data-plane call holding the table.
     state->Touch(FromProto(req->node()), util::MonoNs());
-    auto r = state->Heartbeat(FromProto(req->node()), util::MonoNs());
+    auto r = state->Heartbeat(FromProto(req->node()), req->frees_acked(), util::MonoNs());
     ToProto(r.ok() ? Status::OK() : r.status(), reply->mutable_status());
     if (!r.ok()) return grpc::Status::OK;
     for (const auto& f : r->frees) ToProto(f, reply->add_frees());
+    for (uint64_t seq : r->free_seqs) reply->add_free_seqs(seq);
     const uint64_t now = util::MonoNs();
     for (const auto& t : r->tasks) {
       auto* out = reply->add_tasks();
@@ -472,6 +485,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
           static_cast<uint32_t>(d.deadline_ns > now ? (d.deadline_ns - now) / 1000000 : 0));
     }
     reply->set_drained(r->drained);
+    if (!r->frees.empty() && faults.Take(&faults.heartbeat_lose_reply)) {
+      return {grpc::StatusCode::UNAVAILABLE, "fault injection: Heartbeat reply lost"};
+    }
     return grpc::Status::OK;
   }
 
@@ -736,6 +752,9 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
   cfg.first_version = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
                                                 std::chrono::system_clock::now().time_since_epoch())
                                                 .count());
+  // Free sequence numbers likewise: a node's acknowledgement of the old master's frees is
+  // below every number the new one hands out.
+  cfg.first_free_seq = cfg.first_version;
   auto state = store::MasterState::Create(cfg);
   if (!state.ok()) return state.status().WithContext("master configuration");
   auto impl = std::make_unique<Impl>();

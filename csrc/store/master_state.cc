@@ -86,6 +86,7 @@ Status MasterConfig::Validate() const {
   }
   if (max_demotions_per_node == 0) return bad("max_demotions_per_node must be > 0");
   if (max_tasks_per_node == 0) return bad("max_tasks_per_node must be > 0");
+  if (max_frees_per_reply == 0) return bad("max_frees_per_reply must be > 0");
   if (health_half_life_ms == 0) return bad("health_half_life_ms must be > 0");
   return Status::OK();
 }
@@ -107,7 +108,9 @@ struct MasterState::Impl {
     uint64_t drain_deadline_ns = 0;
     bool drained = false;
     std::map<uint64_t, Segment> segments;
-    std::vector<InventoryRecord> pending_frees;
+    // Frees not yet acknowledged, by sequence number (increasing): resent in every heartbeat
+    // reply until the node says it applied them (HeartbeatRequest.frees_acked).
+    std::deque<std::pair<uint64_t, InventoryRecord>> frees;
     std::deque<uint64_t> task_queue;  // tasks to hand out (stale ids are skipped)
     size_t replicas = 0;              // replicas of any state on this node
     size_t held = 0;                  // held ranges on this node
@@ -185,7 +188,8 @@ struct MasterState::Impl {
   explicit Impl(const MasterConfig& c)
       : cfg(c),
         rng(c.random_seed != 0 ? c.random_seed : std::random_device{}()),
-        next_version(std::max<uint64_t>(1, c.first_version)) {}
+        next_version(std::max<uint64_t>(1, c.first_version)),
+        next_free_seq(std::max<uint64_t>(1, c.first_free_seq)) {}
 
   MasterConfig cfg;
   std::mt19937_64 rng;
@@ -253,6 +257,7 @@ struct MasterState::Impl {
   std::unordered_map<std::string, Departed> departed;
   uint64_t next_version;
   uint64_t next_replica_id = 1;
+  uint64_t next_free_seq;
   uint64_t next_task_id = RandomTaskIdBase();
   uint64_t directory_version = 1;
   uint64_t last_decay_ns = 0;
@@ -367,7 +372,20 @@ struct MasterState::Impl {
         if (r.replica_id == rec.replica_id) return;
       }
     }
-    n->pending_frees.push_back(rec);
+    QueueFree(n, rec);
+  }
+
+  void QueueFree(Node* n, const InventoryRecord& rec) { n->frees.emplace_back(next_free_seq++, rec); }
+
+  // Drops the frees the node applied, then copies up to max_frees_per_reply of the rest.
+  void TakeFrees(Node* n, uint64_t acked, std::vector<InventoryRecord>* out,
+                 std::vector<uint64_t>* seqs) const {
+    while (!n->frees.empty() && n->frees.front().first <= acked) n->frees.pop_front();
+    for (const auto& [seq, rec] : n->frees) {
+      if (out->size() >= cfg.max_frees_per_reply) break;
+      out->push_back(rec);
+      seqs->push_back(seq);
+    }
   }
 
   void MarkRepair(Object* o, uint64_t not_before_ns) {
@@ -479,7 +497,7 @@ struct MasterState::Impl {
 
   void FreeRange(Node* n, Segment* s, uint64_t offset, const std::optional<InventoryRecord>& rec) {
     s->alloc.Free(offset);
-    if (rec) n->pending_frees.push_back(*rec);
+    if (rec) QueueFree(n, *rec);
   }
 
   // Detaches the replica and frees its space now, or holds it until hold_until_ns.
@@ -689,8 +707,7 @@ struct MasterState::Impl {
     Departed& gone = departed[n->id().node_id];
     gone = Departed{};
     gone.since_ns = now_ns;
-    for (const InventoryRecord& rec : n->pending_frees)
-      gone.Note(Departed::KeyHash(rec.key), rec.version, false);
+    for (const auto& [seq, rec] : n->frees) gone.Note(Departed::KeyHash(rec.key), rec.version, false);
     std::vector<Object*> affected;
     for (auto& [sid, s] : n->segments)
       affected.insert(affected.end(), s.residents.begin(), s.residents.end());
@@ -1298,6 +1315,12 @@ Result<RegisterReply> MasterState::RegisterNode(const NodeRegistration& registra
   RegisterReply reply;
   reply.heartbeat_interval_ms = std::max<uint64_t>(1, m.cfg.node_ttl_ms / 3);
   m.LoadInventory(n, inventory, now_ns, reply);
+  // Delivered in this reply and, until acknowledged, in every heartbeat reply: a lost reply
+  // loses none of them.
+  for (const InventoryRecord& rec : reply.frees) {
+    reply.free_seqs.push_back(m.next_free_seq);
+    m.QueueFree(&n, rec);
+  }
   m.departed.erase(id.node_id);  // used up: what it holds now is in the table or freed
   if (n.state == NodeState::kDraining) {
     for (auto& [sid, s] : n.segments) {
@@ -1309,7 +1332,8 @@ Result<RegisterReply> MasterState::RegisterNode(const NodeRegistration& registra
   return reply;
 }
 
-Result<NodeCommands> MasterState::Heartbeat(const NodeIdentity& node, uint64_t now_ns) {
+Result<NodeCommands> MasterState::Heartbeat(const NodeIdentity& node, uint64_t frees_acked,
+                                            uint64_t now_ns) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   Status st;
@@ -1317,7 +1341,7 @@ Result<NodeCommands> MasterState::Heartbeat(const NodeIdentity& node, uint64_t n
   if (!n) return st;
   n->last_seen_ns = std::max(n->last_seen_ns, now_ns);
   NodeCommands cmds;
-  cmds.frees.swap(n->pending_frees);
+  m.TakeFrees(n, frees_acked, &cmds.frees, &cmds.free_seqs);
   while (!n->task_queue.empty()) {
     const uint64_t tid = n->task_queue.front();
     n->task_queue.pop_front();
@@ -1347,6 +1371,17 @@ Result<NodeCommands> MasterState::Heartbeat(const NodeIdentity& node, uint64_t n
     cmds.demotions.push_back(std::move(d));
   }
   cmds.drained = m.DrainDone(*n, now_ns);
+  return cmds;
+}
+
+Result<NodeCommands> MasterState::UnackedFrees(const NodeIdentity& node) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  Status st;
+  Impl::Node* n = m.FindNode(node, &st);
+  if (!n) return st;
+  NodeCommands cmds;
+  m.TakeFrees(n, 0, &cmds.frees, &cmds.free_seqs);
   return cmds;
 }
 

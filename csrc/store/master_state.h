@@ -11,9 +11,12 @@
 // (a revoke, a put timeout, a node death, a newer version) is checked again in Finish.
 //
 // Commands to nodes (inventory records to drop, replication tasks) are queued per node and
-// handed out in Heartbeat replies. Delivery is at most once: a lost reply loses its frees (the
-// stale records are resolved at the next registration, newest version wins) and its tasks
-// (they time out after task_timeout_ms and are rescheduled).
+// handed out in Heartbeat replies. Frees are delivered until acknowledged: each has a sequence
+// number, increasing across the master's life and (from first_free_seq) across restarts; a
+// reply carries the unacknowledged ones (at most max_frees_per_reply) and the node names the
+// highest it applied in its next heartbeat, so a lost reply (heartbeat or registration) only
+// delays them. Tasks and demotions are at most once: a lost reply loses them (they time out
+// after task_timeout_ms and are rescheduled).
 //
 // Thread-safety: every method may be called concurrently; one internal mutex, never held
 // across anything but in-memory work.
@@ -165,6 +168,12 @@ struct MasterConfig {
   // wall clock in microseconds keeps versions increasing across restarts even for puts that no
   // node recorded (a stale put end then cannot match a new put's version).
   uint64_t first_version = 1;
+  // The first free sequence number. Like first_version, a master that starts it at the wall
+  // clock in microseconds keeps sequence numbers increasing across restarts, so a node's
+  // acknowledgement of an earlier master's frees never covers this one's.
+  uint64_t first_free_seq = 1;
+  // Most frees one heartbeat (or registration) reply carries; the rest follow in the next.
+  size_t max_frees_per_reply = 4096;
 
   // --- SSD tier (nodes that register an SSD segment) ---
   // DRAM of such a node used above demote_high_watermark is demoted (moved to its SSD) in the
@@ -188,6 +197,7 @@ struct MasterConfig {
 
 struct RegisterReply {
   std::vector<InventoryRecord> frees;  // inventory records the node must drop
+  std::vector<uint64_t> free_seqs;     // their sequence numbers, to acknowledge
   size_t records_accepted = 0;
   uint64_t heartbeat_interval_ms = 0;  // node_ttl_ms / 3
 };
@@ -213,6 +223,7 @@ struct Demotion {
 
 struct NodeCommands {
   std::vector<InventoryRecord> frees;  // records to drop (and their space to forget)
+  std::vector<uint64_t> free_seqs;     // one per free, increasing: acknowledge the highest applied
   std::vector<ReplicationTask> tasks;  // copy source -> dest, then TaskDone
   std::vector<Demotion> demotions;     // DRAM -> SSD moves, then DemoteDone
   bool drained = false;                // a DRAINING node may now deregister and exit
@@ -425,8 +436,14 @@ class MasterState {
                                      const std::vector<InventoryRecord>& inventory,
                                      uint64_t now_ns);
   // NOT_FOUND: unknown (register again, with the inventory); STALE_PEER: another incarnation
-  // holds that id (stop serving). Otherwise the commands queued for the node.
-  Result<NodeCommands> Heartbeat(const NodeIdentity& node, uint64_t now_ns);
+  // holds that id (stop serving). Otherwise the commands queued for the node. `frees_acked`:
+  // the highest free sequence number the node has applied (every lower one too); those are
+  // dropped, and the frees still unacknowledged come again.
+  Result<NodeCommands> Heartbeat(const NodeIdentity& node, uint64_t frees_acked, uint64_t now_ns);
+  // The frees not yet acknowledged by the node (at most max_frees_per_reply), nothing else:
+  // for a registration retried after its reply was lost (ALREADY_EXISTS). NOT_FOUND /
+  // STALE_PEER as Heartbeat.
+  Result<NodeCommands> UnackedFrees(const NodeIdentity& node);
   // Records that a heartbeat from `node` arrived, under a lock of its own that no data-plane
   // operation takes: call it first in the heartbeat handler, so a heartbeat that then waits for
   // the table lock still counts as liveness (Tick reads it). Never fails; unknown nodes and

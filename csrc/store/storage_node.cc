@@ -8,6 +8,7 @@
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "core/host_services.h"
@@ -155,9 +156,52 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   std::mutex staging_mu;
   std::unique_ptr<util::RangeAllocator> staging_alloc;
   std::map<std::string, uint64_t> ssd_keys;      // key -> offset of its SSD record (under mu)
-  // Serializes changes of the SSD objects (drop + plugin remove; drop + put + record), since
-  // the plugin names objects by key alone. Lock order: ssd_mu, then mu.
-  std::mutex ssd_mu;
+  // Changes of one SSD object (drop + plugin remove; drop + put + record) are serialized by its
+  // key (KeyLock), since the plugin names objects by key alone; other keys go on meanwhile, so
+  // a demotion writing one object holds up no free of another. Lock order: a key, then mu.
+  std::mutex ssd_key_mu;
+  std::condition_variable ssd_key_cv;
+  std::set<std::string> ssd_busy_keys;  // under ssd_key_mu
+  class KeyLock {
+   public:
+    KeyLock(Impl* im, std::string key) : im_(im), key_(std::move(key)) {
+      std::unique_lock<std::mutex> l(im_->ssd_key_mu);
+      im_->ssd_key_cv.wait(l, [&] { return im_->ssd_busy_keys.count(key_) == 0; });
+      im_->ssd_busy_keys.insert(key_);
+    }
+    ~KeyLock() {
+      {
+        std::lock_guard<std::mutex> l(im_->ssd_key_mu);
+        im_->ssd_busy_keys.erase(key_);
+      }
+      im_->ssd_key_cv.notify_all();
+    }
+    KeyLock(const KeyLock&) = delete;
+    KeyLock& operator=(const KeyLock&) = delete;
+
+   private:
+    Impl* im_;
+    std::string key_;
+  };
+  // SSD frees from the master, applied by free_thread: removing an object is a journal write and
+  // an fdatasync, which the heartbeat thread must never wait for (a slow disk would cost the node
+  // its TTL). Records queued here are no longer reported at registration (under mu).
+  struct SsdFree {
+    std::string key;
+    uint64_t replica_id = 0;
+    uint64_t seq = 0;  // the master's sequence number of the free
+  };
+  std::deque<SsdFree> ssd_frees;
+  std::set<std::pair<std::string, uint64_t>> ssd_freeing;  // (key, replica_id) not yet applied
+  std::thread free_thread;
+  // Frees are acknowledged once applied (an SSD one once free_thread removed it): the master
+  // sends each again until then (under mu). frees_received: the highest sequence number seen.
+  uint64_t frees_received = 0;
+  std::set<uint64_t> frees_unapplied;
+  uint64_t FreesAcked() const {  // mu held
+    return frees_unapplied.empty() ? frees_received
+                                   : std::min(frees_received, *frees_unapplied.begin() - 1);
+  }
   // Moves to run, with the time by which each must be reported (under mu).
   std::deque<std::pair<rpc::Demotion, std::chrono::steady_clock::time_point>> demotions;
   std::deque<std::string> evicted;               // keys the SSD plugin dropped (under mu)
@@ -191,12 +235,16 @@ struct StorageNode::Impl final : public rpc::Node::Service {
     return id;
   }
   Status Register(rpc::Master::Stub* stub);
-  void ApplyFrees(const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& frees);
+  void ApplyFrees(const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& frees,
+                  const google::protobuf::RepeatedField<uint64_t>& seqs);
   void HeartbeatLoop();
   void TaskLoop();
   // Copies a batch of tasks' replicas with one engine batch; one status per task.
   std::vector<Status> RunTasks(const std::vector<rpc::ReplicationTask>& batch);
   bool ReportTask(const rpc::TaskDoneRequest& done);
+  // Tells the master this node's copy at (segment_id, offset) is bad or gone; best effort.
+  void ReportBadCopy(const std::string& key, uint64_t version, uint64_t segment_id,
+                     uint64_t offset);
   void Stop();
 
   // SSD tier.
@@ -210,7 +258,8 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   Status Demote(const rpc::Demotion& d);
   Status Promote(const rpc::Demotion& d);
   void DropSsdObject(const std::string& key, uint64_t replica_id);  // record + plugin object
-  void DropSsdObjectLocked(const std::string& key, uint64_t replica_id);  // ssd_mu held
+  void DropSsdObjectLocked(const std::string& key, uint64_t replica_id);  // its KeyLock held
+  void FreeLoop();  // applies ssd_frees
   // Registered memory an SSD object was read into: a range of the staging area, or, for an
   // object larger than the whole area, memory of its own registered for the occasion.
   struct Staged {
@@ -295,7 +344,11 @@ Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
   {
     std::lock_guard<std::mutex> lock(mu);
     req.set_draining(draining);
-    for (const auto& [k, r] : inventory) *req.add_inventory() = r;
+    for (const auto& [k, r] : inventory) {
+      // A free still on its way to the disk: the master dropped that record already.
+      if (k.first == kSsdSegment && ssd_freeing.count({r.key(), r.replica_id()}) != 0) continue;
+      *req.add_inventory() = r;
+    }
   }
   rpc::RegisterNodeReply reply;
   auto ctx = Context(store::method::kRegisterNode);
@@ -311,31 +364,69 @@ Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
   // Demotions are handed out in heartbeat replies: a node with an SSD tier asks often, so DRAM
   // pressure turns into SSD writes within a fraction of a second.
   if (ssd != nullptr) heartbeat_interval_ms = std::min<uint32_t>(heartbeat_interval_ms, 200);
-  ApplyFrees(reply.frees());
+  ApplyFrees(reply.frees(), reply.free_seqs());
   return Status::OK();
 }
 
+// Runs on the heartbeat thread: memory only. SSD frees go to free_thread.
 void StorageNode::Impl::ApplyFrees(
-    const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& frees) {
-  std::vector<std::pair<std::string, uint64_t>> ssd_frees;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    for (const auto& f : frees) {
-      if (f.segment_id() == kSsdSegment) {
-        ssd_frees.emplace_back(f.key(), f.replica_id());
-        continue;
+    const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& frees,
+    const google::protobuf::RepeatedField<uint64_t>& seqs) {
+  std::lock_guard<std::mutex> lock(mu);
+  bool queued = false;
+  for (int i = 0; i < frees.size(); ++i) {
+    const auto& f = frees[i];
+    const uint64_t seq = i < seqs.size() ? seqs[i] : 0;
+    if (seq != 0 && seq <= frees_received) continue;  // sent again before our ack arrived
+    frees_received = std::max(frees_received, seq);
+    if (f.segment_id() == kSsdSegment) {
+      if (ssd == nullptr) continue;  // no tier: nothing of it here
+      ssd_frees.push_back({f.key(), f.replica_id(), seq});
+      ssd_freeing.emplace(f.key(), f.replica_id());
+      if (seq != 0) frees_unapplied.insert(seq);
+      queued = true;
+      continue;
+    }
+    // Only the exact record: the range may already hold a newer object whose commit
+    // overtook this free.
+    auto it = inventory.find({f.segment_id(), f.offset()});
+    if (it != inventory.end() && it->second.replica_id() == f.replica_id()) inventory.erase(it);
+  }
+  if (queued) cv.notify_all();
+}
+
+void StorageNode::Impl::FreeLoop() {
+  // Up to this many removes run side by side: the SSD plugin's group commit then covers many
+  // with one journal fdatasync, where one at a time would cost a sync each.
+  constexpr size_t kWorkers = 64;
+  std::unique_lock<std::mutex> lock(mu);
+  for (;;) {
+    cv.wait(lock, [&] { return stopping || !ssd_frees.empty(); });
+    if (stopping) return;
+    std::vector<SsdFree> batch(std::make_move_iterator(ssd_frees.begin()),
+                               std::make_move_iterator(ssd_frees.end()));
+    ssd_frees.clear();
+    lock.unlock();
+    std::atomic<size_t> next{0};
+    auto work = [&] {
+      for (size_t k; (k = next++) < batch.size();) {
+        DropSsdObject(batch[k].key, batch[k].replica_id);
       }
-      // Only the exact record: the range may already hold a newer object whose commit
-      // overtook this free.
-      auto it = inventory.find({f.segment_id(), f.offset()});
-      if (it != inventory.end() && it->second.replica_id() == f.replica_id()) inventory.erase(it);
+    };
+    std::vector<std::thread> workers;
+    for (size_t w = 1; w < std::min(kWorkers, batch.size()); ++w) workers.emplace_back(work);
+    work();
+    for (auto& t : workers) t.join();
+    lock.lock();
+    for (const SsdFree& f : batch) {
+      ssd_freeing.erase({f.key, f.replica_id});
+      frees_unapplied.erase(f.seq);
     }
   }
-  for (const auto& [key, replica_id] : ssd_frees) DropSsdObject(key, replica_id);
 }
 
 void StorageNode::Impl::DropSsdObject(const std::string& key, uint64_t replica_id) {
-  std::lock_guard<std::mutex> ssd_lock(ssd_mu);
+  KeyLock key_lock(this, key);
   DropSsdObjectLocked(key, replica_id);
 }
 
@@ -366,9 +457,11 @@ void StorageNode::Impl::HeartbeatLoop() {
                 [&] { return stopping || heartbeat_now; });
     if (stopping) break;
     heartbeat_now = false;
+    const uint64_t frees_acked = FreesAcked();
     lock.unlock();
     rpc::HeartbeatRequest req;
     *req.mutable_node() = Identity();
+    req.set_frees_acked(frees_acked);
     rpc::HeartbeatReply reply;
     auto ctx = Context(store::method::kHeartbeat);
     grpc::Status gs = heartbeat_master->Heartbeat(ctx.get(), req, &reply);
@@ -390,7 +483,7 @@ void StorageNode::Impl::HeartbeatLoop() {
     } else if (!st.ok()) {
       KVB_LOG(WARN) << "heartbeat: " << st.ToString();
     } else {
-      ApplyFrees(reply.frees());
+      ApplyFrees(reply.frees(), reply.free_seqs());
     }
     lock.lock();
     if (st.ok()) {
@@ -483,6 +576,13 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
       continue;
     } else {
       local = pool + src.offset();
+      // A damaged DRAM source is reported, not spread: the copy would pass for good at the
+      // destination until a reader checked it, and might be the last one left by then.
+      if (util::Crc32c(local, src.length()) != task.checksum()) {
+        result[i] = Status::IoError("task source does not match the object's checksum; not copied");
+        ReportBadCopy(task.key(), task.version(), src.segment_id(), src.offset());
+        continue;
+      }
     }
     if (src.length() != task.dest().length()) {
       result[i] = Status::InvalidArgument("task source and destination lengths differ");
@@ -505,6 +605,19 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
   BatchResult r = engine->Wait(id.value());
   for (size_t k = 0; k < ops.size(); ++k) result[task_of_op[k]] = r.op_status[k];
   return result;
+}
+
+void StorageNode::Impl::ReportBadCopy(const std::string& key, uint64_t version,
+                                      uint64_t segment_id, uint64_t offset) {
+  rpc::BadReplicaRequest report;
+  report.set_key(key);
+  report.set_version(version);
+  *report.mutable_node() = Identity();
+  report.set_segment_id(segment_id);
+  report.set_offset(offset);
+  rpc::Status ignored;
+  auto ctx = Context(store::method::kReportBadReplica);
+  (void)master->ReportBadReplica(ctx.get(), report, &ignored);
 }
 
 // False when no answer came (the call failed on the way): ask again later.
@@ -708,9 +821,10 @@ Status StorageNode::Impl::Demote(const rpc::Demotion& d) {
     }
   }
   if (util::Crc32c(pool + src.offset(), bytes) != src.checksum()) {
+    ReportBadCopy(src.key(), src.version(), src.segment_id(), src.offset());
     return Status::IoError("the DRAM replica does not match its checksum; not demoted");
   }
-  std::lock_guard<std::mutex> ssd_lock(ssd_mu);
+  KeyLock key_lock(this, src.key());
   DropSsdObjectLocked(src.key(), 0);  // an older copy of the key (one replica per node and key)
   const std::string meta = MetaOf(d.dest());
   kvb_iovec_t iov{pool + src.offset(), bytes};
@@ -819,15 +933,7 @@ void StorageNode::Impl::DemoteLoop() {
     // SSD copies that are gone: the master drops those replicas (re-replicating objects that
     // still have copies elsewhere).
     auto report_gone = [&](const std::string& key, uint64_t version, uint64_t offset) {
-      rpc::BadReplicaRequest report;
-      report.set_key(key);
-      report.set_version(version);
-      *report.mutable_node() = Identity();
-      report.set_segment_id(kSsdSegment);
-      report.set_offset(offset);
-      rpc::Status ignored;
-      auto ctx = Context(store::method::kReportBadReplica);
-      (void)master->ReportBadReplica(ctx.get(), report, &ignored);
+      ReportBadCopy(key, version, kSsdSegment, offset);
     };
     // Copies dropped after a failed read (ReadToStaging) are already out of the inventory.
     for (const rpc::InventoryRecord& rec : lost)
@@ -997,6 +1103,7 @@ void StorageNode::Impl::Stop() {
   if (heartbeat_thread.joinable()) heartbeat_thread.join();
   if (task_thread.joinable()) task_thread.join();
   if (demote_thread.joinable()) demote_thread.join();
+  if (free_thread.joinable()) free_thread.join();
   if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
 }
 
@@ -1113,7 +1220,10 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   Impl* raw = impl.get();
   impl->heartbeat_thread = std::thread([raw] { raw->HeartbeatLoop(); });
   impl->task_thread = std::thread([raw] { raw->TaskLoop(); });
-  if (impl->ssd != nullptr) impl->demote_thread = std::thread([raw] { raw->DemoteLoop(); });
+  if (impl->ssd != nullptr) {
+    impl->demote_thread = std::thread([raw] { raw->DemoteLoop(); });
+    impl->free_thread = std::thread([raw] { raw->FreeLoop(); });
+  }
   return std::unique_ptr<StorageNode>(new StorageNode(std::move(impl)));
 }
 

@@ -36,9 +36,7 @@ StoreOptions StoreOptions::FromEnv() {
   store::EnvUint("KVBRIDGE_REPLICA_NUM", &o.replica_num);
   store::EnvUint("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
   store::EnvUint("KVBRIDGE_STORE_TRANSFER_DEADLINE_MS", &o.transfer_deadline_ms);
-  uint32_t verify = o.verify_checksums ? 1 : 0;
-  store::EnvUint("KVBRIDGE_VERIFY_CHECKSUMS", &verify);
-  o.verify_checksums = verify != 0;
+  // KVBRIDGE_VERIFY_CHECKSUMS is still accepted and ignored: every read is verified.
   store::EnvUint("KVBRIDGE_HEDGE_AFTER_MS", &o.hedge_after_ms);
   store::EnvUint("KVBRIDGE_HEDGE_BANDWIDTH_MBPS", &o.hedge_bandwidth_mbps);
   if (const char* v = std::getenv("KVBRIDGE_PEER_DISCOVERY")) o.peer_discovery = v;
@@ -785,9 +783,6 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
   google::protobuf::Arena arena(arena_options);
   rpc::GetReplicasReply& got =
       *google::protobuf::Arena::CreateMessage<rpc::GetReplicasReply>(&arena);
-  // The master granted each lease after it received the request, so leases measured from
-  // before sending end no later than the master's.
-  const auto lease_base = std::chrono::steady_clock::now();
   if (Status st = im.GetReplicas(keys, &got); !st.ok()) {
     result.assign(keys.size(), st);
     return result;
@@ -870,7 +865,6 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
       group_status[g] = im.ReadFromSsd(item.replicas(next_replica[i]), keys[i], item.version(),
                                        pieces[i]);
     }
-    const auto done_at = std::chrono::steady_clock::now();
     std::vector<size_t> retry;
     std::set<std::string> reported_nodes;
     auto report = [&](size_t i, const rpc::ReplicaLocation& bad, bool node_level) {
@@ -887,12 +881,11 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
       const size_t i = pending[g];
       const auto& item = got.items(static_cast<int>(i));
       Status st = group_status[g];
-      // A 1 ms margin covers the two clocks' different rates over a lease's length.
-      const bool leased = done_at + std::chrono::milliseconds(1) <
-                          lease_base + std::chrono::milliseconds(item.lease_ms());
-      if (st.ok() && (im.options.verify_checksums || !leased) &&
-          ChecksumOf(pieces[i]) != item.checksum()) {
-        st = Status::IoError("checksum mismatch (replica changed during the read)");
+      // Every byte handed to the caller is checked, lease or not, DRAM or SSD: a lease keeps
+      // the master from reusing the range, but not a late writer, a node that lost track of
+      // its memory, or a node that answers a ReadSsd without writing (docs/store.md).
+      if (st.ok() && ChecksumOf(pieces[i]) != item.checksum()) {
+        st = Status::IoError("checksum mismatch: the replica's bytes are not the object's");
       }
       if (st.ok()) {
         result[i] = static_cast<uint64_t>(

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <thread>
 
 #include "ssd_io.h"
 
@@ -18,7 +20,7 @@ constexpr uint64_t kPreallocBytes = 64 * 1024;
 
 }  // namespace
 
-int GroupSync::Sync(int fd) {
+int GroupSync::Sync(int fd, uint32_t delay_ms) {
   std::unique_lock<std::mutex> lk(mu_);
   const uint64_t ticket = ++issued_;
   for (;;) {
@@ -31,6 +33,7 @@ int GroupSync::Sync(int fd) {
   running_ = true;
   const uint64_t target = issued_;
   lk.unlock();
+  if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
   const int rc = fdatasync(fd) == 0 ? 0 : -errno;
   lk.lock();
   running_ = false;
@@ -99,7 +102,7 @@ int Journal::Append(const JournalEntry& e) {
   uint8_t slot[kJournalEntryBytes];
   EncodeJournalEntry(e, slot);
   int rc = WriteExact(fd, slot, sizeof(slot), off);
-  if (rc == 0) rc = sync->Sync(fd);
+  if (rc == 0) rc = sync->Sync(fd, sync_delay_ms_);
   {
     std::lock_guard<std::mutex> lk(mu_);
     --appending_;

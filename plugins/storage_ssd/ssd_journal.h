@@ -21,7 +21,9 @@ namespace kvbridge::ssd {
 // issuing their own. 0 or -errno of the fdatasync that covered the caller.
 class GroupSync {
  public:
-  int Sync(int fd);
+  // `delay_ms` (tests only, ssd.test_sync_delay_ms): the fdatasync waits this long first, as on
+  // a slow disk; callers that arrive meanwhile share it as usual.
+  int Sync(int fd, uint32_t delay_ms = 0);
 
  private:
   std::mutex mu_;
@@ -39,7 +41,9 @@ class Journal {
   // Rewritten at run time once this long and at least half stale.
   static constexpr uint64_t kCompactBytes = 64 * 1024;
 
-  explicit Journal(int dir_fd) : dir_fd_(dir_fd) {}
+  // `sync_delay_ms`: GroupSync::Sync's test delay, for the journal's syncs.
+  explicit Journal(int dir_fd, uint32_t sync_delay_ms = 0)
+      : dir_fd_(dir_fd), sync_delay_ms_(sync_delay_ms) {}
   ~Journal();
   Journal(const Journal&) = delete;
   Journal& operator=(const Journal&) = delete;
@@ -63,6 +67,7 @@ class Journal {
   int RewriteLocked(const std::vector<JournalEntry>& entries);
 
   const int dir_fd_;
+  const uint32_t sync_delay_ms_;
   std::mutex mu_;
   std::condition_variable idle_cv_;
   int appending_ = 0;                    // guarded by mu_

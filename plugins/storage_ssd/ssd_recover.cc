@@ -122,7 +122,7 @@ void ScanBucket(int fd, BucketScan* s, uint64_t chunk_bytes) {
 }  // namespace
 
 kvb_status_t SsdStore::Recover(std::string* err) {
-  journal_ = std::make_unique<Journal>(dir_fd_);
+  journal_ = std::make_unique<Journal>(dir_fd_, config_.test_sync_delay_ms);
   std::vector<JournalEntry> journal;
   uint64_t torn_slots = 0;
   if (int rc = journal_->Load(&journal, &torn_slots); rc != 0) {

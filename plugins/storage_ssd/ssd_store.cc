@@ -125,6 +125,15 @@ bool LoadConfig(const kvb_host_services_t* host, Config* out, std::string* err) 
       return false;
     }
   }
+  if (!ReadKey(host, "ssd.test_sync_delay_ms", &v, &set, err)) return false;
+  if (set) {
+    uint64_t n = 0;
+    if (!ParseUnsigned(v, &n) || n > 60000) {
+      *err = "ssd: ssd.test_sync_delay_ms must be from 0 to 60000, not '" + v + "'";
+      return false;
+    }
+    out->test_sync_delay_ms = static_cast<uint32_t>(n);
+  }
   if (!ReadKey(host, "ssd.max_inflight_bytes", &v, &set, err)) return false;
   if (set) {
     uint64_t n = 0;
@@ -460,7 +469,7 @@ void SsdStore::MaybeSeal(const std::shared_ptr<Bucket>& b) {
   if (fh != nullptr) {
     BufferSource src(footer);
     rc = io_->Write(fh->fd(), footer_at, footer.size(), &src);
-    if (rc == 0) rc = b->sync.Sync(fh->fd());
+    if (rc == 0) rc = b->sync.Sync(fh->fd(), config_.test_sync_delay_ms);
   }
   if (rc != 0) {
     Log(KVB_LOG_WARN, dir_ + "/" + b->name + ": cannot write its index (" + Err(-rc) +
@@ -634,7 +643,7 @@ kvb_status_t SsdStore::Put(std::string_view key, const kvb_iovec_t* iov, uint32_
     SealHeader(&h);
     RecordWriter writer(h, key, meta, iov, iov_count);
     rc = io_->Write(fh->fd(), offset, rb, &writer);
-    if (rc == 0) rc = b->sync.Sync(fh->fd());
+    if (rc == 0) rc = b->sync.Sync(fh->fd(), config_.test_sync_delay_ms);
   }
   bool seal_now = false;
   const JournalEntry kill{b->id, offset, seq};

@@ -38,6 +38,7 @@ struct Config {
   uint64_t bucket_bytes = 64 * kMiB;        // a bucket is sealed when the next record won't fit
   IoMode io = IoMode::kAuto;                // io_uring, pread/pwrite, or io_uring when it works
   uint64_t max_inflight_bytes = 64 * kMiB;  // staging memory: bound on bytes moving to/from disk
+  uint32_t test_sync_delay_ms = 0;          // tests only: every fdatasync waits this long first
 };
 
 // Reads the ssd.* keys through host->config_get; unset keys keep their defaults. Returns false

@@ -131,8 +131,9 @@ class ReplicasResult(_KeyOutcome):
 
 class StoreClient:
     """A store client. Options are keywords mirroring KVBRIDGE_*: master ("host:port"),
-    replica_num, rpc_timeout_ms, store_transfer_deadline_ms, verify_checksums, hedge_after_ms,
-    hedge_bandwidth_mbps, plus the engine's (TransferEngine)."""
+    replica_num, rpc_timeout_ms, store_transfer_deadline_ms, hedge_after_ms,
+    hedge_bandwidth_mbps, plus the engine's (TransferEngine). verify_checksums is accepted and
+    ignored: every read is checked against the object's CRC-32C."""
 
     def __init__(self, **kwargs: Any):
         handle = kwargs.pop("_handle", None)

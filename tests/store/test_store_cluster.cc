@@ -751,6 +751,52 @@ TEST_F(StoreCluster, MasterRestartUnderLoadForgetsNothing) {
   EXPECT_EQ(GetRange(kObjects, 20), 0);
 }
 
+// Frees reach the nodes even when the replies carrying them are lost, so a master restart
+// afterwards brings back no removed key. The master runs with fault injection: the first six
+// heartbeat replies that carry frees are lost (two per node), and so is the reply to the first
+// registration with an inventory. Objects 0-149 are removed (their frees go out in heartbeat
+// replies, lost, then sent again until acknowledged); then node 0 is frozen past the TTL,
+// objects 150-179 are removed while it is away, and it registers again when it runs: the
+// copies of those it still holds are freed in the registration's reply, which is lost, and
+// follow in its heartbeats. Then the master is killed (-9) and restarted: the nodes register
+// with what they hold, and none of the 180 removed objects is among it. (Before, frees were
+// sent once: every lost reply's frees stayed on the nodes and came back with the restart.)
+TEST_F(StoreCluster, LostFreesAreSentAgainAndNoRemovedKeyComesBack) {
+  master_->Kill();
+  setenv("KVBRIDGE_MASTER_FAULTS", "heartbeat_lose_reply=6,register_lose_reply=1", 1);
+  StartMaster();
+  unsetenv("KVBRIDGE_MASTER_FAULTS");
+  WaitForActiveNodes(3);
+  constexpr size_t kObjects = 200;
+  ASSERT_EQ(PutRange(0, kObjects), 0);
+  std::vector<std::string> removed;
+  for (size_t i = 0; i < 150; ++i) removed.push_back(Key(i));
+  for (const Status& st : client_->BatchRemove(removed)) ASSERT_TRUE(st.ok()) << st.ToString();
+  std::this_thread::sleep_for(std::chrono::milliseconds(3 * kTtlMs));  // lost, then sent again
+  nodes_[0]->Signal(SIGSTOP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(3 * kTtlMs));  // expired
+  std::vector<std::string> removed_later;
+  for (size_t i = 150; i < 180; ++i) removed_later.push_back(Key(i));
+  for (const Status& st : client_->BatchRemove(removed_later)) {
+    ASSERT_TRUE(st.ok()) << st.ToString();
+  }
+  removed.insert(removed.end(), removed_later.begin(), removed_later.end());
+  nodes_[0]->Signal(SIGCONT);
+  WaitForActiveNodes(3, 5 * kTtlMs);
+  std::this_thread::sleep_for(std::chrono::milliseconds(3 * kTtlMs));  // its frees delivered
+  EXPECT_TRUE(WaitForReplicas(2, 10 * kTtlMs));
+  master_->Kill();
+  StartMaster();  // same port, empty state, no faults
+  WaitForActiveNodes(3);
+  std::this_thread::sleep_for(std::chrono::milliseconds(kTtlMs));
+  auto exists = Must(client_->BatchExists(removed));
+  EXPECT_EQ(std::count(exists.begin(), exists.end(), true), 0)
+      << "removed objects came back with the master restart: their frees never reached a node";
+  EXPECT_EQ(View().objects, kObjects - removed.size());
+  std::string err;
+  EXPECT_EQ(GetRange(180, kObjects - 180, &err), 0) << err;
+}
+
 TEST_F(StoreCluster, NodeRestartedOnSamePortServesNoStaleBytes) {
   constexpr size_t kObjects = 128;
   ASSERT_EQ(PutRange(0, kObjects), 0);

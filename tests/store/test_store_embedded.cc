@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
 #include "tests/common/test_util.h"
+#include "util/checksum.h"
 
 namespace kvbridge {
 namespace {
@@ -241,32 +243,23 @@ TEST(EmbeddedStore, InvalidOptionsAreNamedErrors) {
   EXPECT_TRUE(MasterServer::Start(mo).ok());
 }
 
-// A replica whose bytes changed under the reader (what a lapsed lease and reused space look
-// like) is caught by the CRC-32C, reported, and the read is served by the other replica.
-// `lease_ms` is the master's read lease; `verify` the reading client's verify_checksums.
-void CorruptOneReplicaThenRead(uint32_t lease_ms, bool verify) {
-  EmbeddedClusterOptions o = SmallCluster(2, 32u << 20, 2);
-  o.master.lease_ms = lease_ms;
-  auto cluster = Must(EmbeddedCluster::Start(o));
-  StoreClient& c = cluster->client();
-  Buffer src(8 * kObject), dst(8 * kObject);
-  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
-  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
-  for (const Status& st : PutObjects(c, src, 0, 1)) ASSERT_TRUE(st.ok());
-
-  // Find where the replicas live, through the master's own protocol, and scribble over the
-  // first one with a one-sided WRITE from an outside engine.
-  auto stub = rpc::Master::NewStub(
-      grpc::CreateChannel(cluster->master_address(), grpc::InsecureChannelCredentials()));
+// Where the replicas of `key` live, through the master's own protocol (this takes a lease).
+rpc::GetItem ReplicasOf(const std::string& master, const std::string& key) {
+  auto stub =
+      rpc::Master::NewStub(grpc::CreateChannel(master, grpc::InsecureChannelCredentials()));
   rpc::GetReplicasRequest greq;
-  greq.add_keys(Key(0));
+  greq.add_keys(key);
   rpc::GetReplicasReply grep;
-  {
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(stub->GetReplicas(&ctx, greq, &grep).ok());
-  }
-  ASSERT_EQ(grep.items(0).replicas_size(), 2);
-  const rpc::ReplicaLocation victim = grep.items(0).replicas(0);
+  grpc::ClientContext ctx;
+  EXPECT_TRUE(stub->GetReplicas(&ctx, greq, &grep).ok());
+  return grep.items_size() == 1 ? grep.items(0) : rpc::GetItem{};
+}
+
+// Scribbles over a replica with a one-sided WRITE from an outside engine (what a late writer,
+// or memory gone bad, looks like to the store).
+void Scribble(const std::string& master, const rpc::ReplicaLocation& victim) {
+  auto stub =
+      rpc::Master::NewStub(grpc::CreateChannel(master, grpc::InsecureChannelCredentials()));
   rpc::NodeDescriptorsRequest dreq;
   dreq.add_node_ids(victim.node().node_id());
   rpc::NodeDescriptorsReply drep;
@@ -274,6 +267,7 @@ void CorruptOneReplicaThenRead(uint32_t lease_ms, bool verify) {
     grpc::ClientContext ctx;
     ASSERT_TRUE(stub->GetNodeDescriptors(&ctx, dreq, &drep).ok());
   }
+  ASSERT_EQ(drep.nodes_size(), 1);
   EngineOptions eo;
   eo.node_id = "vandal";
   eo.transports = {"tcp"};
@@ -285,13 +279,32 @@ void CorruptOneReplicaThenRead(uint32_t lease_ms, bool verify) {
   TransferOp op{OpCode::kWrite,          junk.data(),         kObject,
                 victim.node().node_id(), victim.segment_id(), victim.offset()};
   ASSERT_TRUE(vandal->Transfer(std::span(&op, 1)).ok());
+}
 
-  // A client that verifies every read gets the right bytes from the other replica.
+// A replica whose bytes changed under the reader (what a late writer or a lapsed lease and
+// reused space look like) is caught by the CRC-32C, reported, and the read is served by the
+// other replica. `lease_ms` is the master's read lease.
+void CorruptOneReplicaThenRead(uint32_t lease_ms) {
+  EmbeddedClusterOptions o = SmallCluster(2, 32u << 20, 2);
+  o.master.lease_ms = lease_ms;
+  auto cluster = Must(EmbeddedCluster::Start(o));
+  StoreClient& c = cluster->client();
+  Buffer src(8 * kObject), dst(8 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  for (const Status& st : PutObjects(c, src, 0, 1)) ASSERT_TRUE(st.ok());
+
+  const rpc::GetItem item = ReplicasOf(cluster->master_address(), Key(0));
+  ASSERT_EQ(item.replicas_size(), 2);
+  Scribble(cluster->master_address(), item.replicas(0));
+
+  // Another client gets the right bytes from the other replica, even one that asks not to
+  // verify (the option is ignored).
   StoreOptions so;
   so.master_address = cluster->master_address();
   so.engine.transports = {"tcp"};
   so.engine.node_id = "verifier";
-  so.verify_checksums = verify;
+  so.verify_checksums = false;
   auto verifier = Must(StoreClient::Create(so));
   ASSERT_TRUE(verifier->RegisterBuffer(dst.data(), dst.size()).ok());
   // Reads rotate over replicas, so a few reads are sure to hit the corrupted one first.
@@ -314,14 +327,140 @@ void CorruptOneReplicaThenRead(uint32_t lease_ms, bool verify) {
   EXPECT_EQ(GetObjects(*verifier, dst, {0}), 0);
 }
 
-TEST(EmbeddedStore, CorruptedReplicaIsCaughtWhenEveryReadIsVerified) {
-  CorruptOneReplicaThenRead(/*lease_ms=*/3000, /*verify=*/true);
+// The reads finish well inside their 3 s lease. A lease keeps the master from reusing the
+// range; it does not make the bytes right. (Before, reads inside their lease skipped the
+// checksum unless verify_checksums was set, and this test got the scribbled bytes back.)
+TEST(EmbeddedStore, CorruptedReplicaUnderALiveLeaseIsCaught) {
+  CorruptOneReplicaThenRead(/*lease_ms=*/3000);
 }
 
-// With a lease shorter than any read, every read may have outlived it: the client verifies
-// the checksum on its own, without being asked to.
+// With a lease shorter than any read, every read has outlived it.
 TEST(EmbeddedStore, ReadsThatOutliveTheirLeaseAreVerified) {
-  CorruptOneReplicaThenRead(/*lease_ms=*/1, /*verify=*/false);
+  CorruptOneReplicaThenRead(/*lease_ms=*/1);
+}
+
+// Re-replication checks its DRAM source against the object's CRC-32C before it copies: a
+// damaged source is reported by its own node (bad_replicas_total) and the object, with no good
+// copy left, is lost, rather than restored on another node with wrong bytes that would pass
+// for a healthy replica until a reader checked them.
+TEST(EmbeddedStore, ReReplicationDoesNotSpreadADamagedSource) {
+  auto cluster = Must(EmbeddedCluster::Start(SmallCluster(3, 32u << 20, 2)));
+  StoreClient& c = cluster->client();
+  Buffer src(8 * kObject), dst(8 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  for (const Status& st : PutObjects(c, src, 0, 8)) ASSERT_TRUE(st.ok());
+  const rpc::GetItem item = ReplicasOf(cluster->master_address(), Key(0));
+  ASSERT_EQ(item.replicas_size(), 2);
+  Scribble(cluster->master_address(), item.replicas(0));
+  // The other holder of object 0 stops: object 0 is re-replicated from the damaged copy only.
+  const std::string other = item.replicas(1).node().node_id();
+  bool stopped = false;
+  for (auto& n : cluster->nodes()) {
+    if (n && n->id().node_id == other) {
+      n.reset();
+      stopped = true;
+    }
+  }
+  ASSERT_TRUE(stopped);
+  ClusterStatus s;
+  for (int i = 0; i < 200; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    s = Must(QueryClusterStatus(cluster->master_address()));
+    if (s.under_replicated == 0 && s.bad_replicas_total > 0) break;
+  }
+  EXPECT_EQ(s.bad_replicas_total, 1u) << "the damaged source was copied, not reported";
+  EXPECT_EQ(s.under_replicated, 0u);
+  EXPECT_EQ(s.objects, 7u) << "object 0 still listed: its damaged copy was spread";
+  auto got = c.BatchGetInto(std::vector<std::string>{Key(0)},
+                            std::vector<std::vector<BufferRef>>{{BufferRef{dst.data(), kObject}}});
+  EXPECT_TRUE(!got[0].ok() && got[0].status().IsNotFound()) << "object 0 must be a miss";
+  std::vector<size_t> rest = {1, 2, 3, 4, 5, 6, 7};
+  EXPECT_EQ(GetObjects(c, dst, rest), 0);
+}
+
+// A node that answers a ReadSsd "OK" without writing the bytes (a bug, a node that lost its
+// memory, a stale answer) cannot make a get return whatever the caller's buffer held: the
+// client checks SSD-served objects like DRAM ones, inside the lease too. The liar here is a
+// registered engine with a Node service of its own, listing one object on its SSD tier.
+TEST(EmbeddedStore, SsdReadAnsweredWithoutTheBytesIsCaught) {
+  MasterOptions mo;
+  mo.listen = "127.0.0.1:0";
+  mo.node_ttl_ms = 30000;  // the liar never heartbeats
+  mo.lease_ms = 5000;
+  auto master = Must(MasterServer::Start(mo));
+  EngineOptions eo;
+  eo.node_id = "liar";
+  eo.transports = {"tcp"};
+  auto engine = Must(TransferEngine::Create(eo));
+  Buffer pool(1 << 20);
+  const SegmentId seg = Must(engine->RegisterMemory(pool.data(), pool.size()));
+  struct Liar : rpc::Node::Service {
+    std::atomic<int> reads{0};
+    grpc::Status ReadSsd(grpc::ServerContext*, const rpc::ReadSsdRequest*,
+                         rpc::ReadSsdReply* reply) override {
+      ++reads;
+      reply->mutable_status()->set_code(0);
+      reply->set_size(kObject);
+      return grpc::Status::OK;
+    }
+  } liar;
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&liar);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_GT(port, 0);
+
+  Buffer src(kObject), dst(kObject);
+  src.Fill(7);
+  constexpr uint64_t kSsdSegment = 0x5353440000000001ull;  // the SSD tier's segment id
+  rpc::RegisterNodeRequest reg;
+  reg.mutable_node()->set_node_id("liar");
+  reg.mutable_node()->set_incarnation(engine->self().incarnation);
+  reg.set_engine_descriptor(engine->LocalDescriptor());
+  reg.set_rpc_address("127.0.0.1:" + std::to_string(port));
+  auto* dram = reg.add_segments();
+  dram->set_segment_id(seg);
+  dram->set_capacity(pool.size());
+  dram->set_tier(1);
+  auto* ssd = reg.add_segments();
+  ssd->set_segment_id(kSsdSegment);
+  ssd->set_capacity(64u << 20);
+  ssd->set_tier(2);
+  auto* rec = reg.add_inventory();
+  rec->set_key("on-ssd");
+  rec->set_version(1);
+  rec->add_sizes(kObject);
+  rec->set_checksum(util::Crc32c(src.data(), kObject));
+  rec->set_segment_id(kSsdSegment);
+  rec->set_offset(0);
+  rec->set_replica_num(1);
+  rec->set_replica_id(1);
+  auto stub = rpc::Master::NewStub(
+      grpc::CreateChannel(master->address(), grpc::InsecureChannelCredentials()));
+  rpc::RegisterNodeReply rep;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->RegisterNode(&ctx, reg, &rep).ok());
+  }
+  ASSERT_EQ(rep.status().code(), 0) << rep.status().message();
+  ASSERT_EQ(rep.frees_size(), 0);
+
+  StoreOptions so;
+  so.master_address = master->address();
+  so.engine.transports = {"tcp"};
+  so.engine.node_id = "reader";
+  so.verify_checksums = false;  // ignored
+  auto reader = Must(StoreClient::Create(so));
+  ASSERT_TRUE(reader->RegisterBuffer(dst.data(), dst.size()).ok());
+  auto got = reader->BatchGetInto(std::vector<std::string>{"on-ssd"},
+                                  std::vector<std::vector<BufferRef>>{{BufferRef{dst.data(), kObject}}});
+  EXPECT_GE(liar.reads.load(), 1) << "the read never went to the liar";
+  ASSERT_FALSE(got[0].ok()) << "a ReadSsd that wrote nothing was returned as the object";
+  EXPECT_TRUE(got[0].status().Is(StatusCode::kIoError)) << got[0].status().ToString();
+  EXPECT_EQ(Must(QueryClusterStatus(master->address())).bad_replicas_total, 1u);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
 }
 
 // The daemons' operator surface.

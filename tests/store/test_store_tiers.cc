@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <numeric>
 #include <ostream>
 #include <string>
@@ -246,7 +247,8 @@ ClusterStatus FillOneTieredNode(EmbeddedCluster& cluster, StoreClient& c, Buffer
 }
 
 // Stops node 0 of the cluster and starts it again on the same SSD directory.
-void RestartNode0(EmbeddedCluster& cluster, const TierCase& tier, const fs::path& dir) {
+void RestartNode0(EmbeddedCluster& cluster, const TierCase& tier, const fs::path& dir,
+                  const std::map<std::string, std::string>& plugin_config = {}) {
   const std::string node_id = "embedded-node0";  // EmbeddedCluster's name for node 0
   cluster.nodes()[0].reset();
   NodeOptions no;
@@ -258,6 +260,7 @@ void RestartNode0(EmbeddedCluster& cluster, const TierCase& tier, const fs::path
   no.ssd_path = (dir / "node0").string();
   no.ssd_bytes = 32u << 20;
   no.ssd_plugin = tier.plugin;
+  no.engine.plugin_config = plugin_config;
   cluster.nodes()[0] = Must(StorageNode::Start(no));
   ASSERT_TRUE(cluster.nodes()[0]->ssd_status().ok()) << cluster.nodes()[0]->ssd_status().ToString();
 }
@@ -314,6 +317,55 @@ TEST_P(StoreTiers, RestartedNodeInTheSameProcessGetsItsSsdObjectsBack) {
   EXPECT_EQ(after.ssd_replicas, before.ssd_replicas);
   EXPECT_EQ(after.objects, before.ssd_replicas);  // the DRAM-only ones are gone
   EXPECT_EQ(static_cast<uint64_t>(ReadBackOneByOne(c, dst)), before.ssd_replicas);
+}
+
+// A slow disk never costs a node its heartbeat. Node 0 restarts on its SSD directory with
+// every fdatasync of its tier delayed past the TTL (ssd.test_sync_delay_ms, 1.5 s against a
+// 1 s TTL), then every object is removed: the frees reach the node in heartbeat replies, and
+// each SSD one is a journal write and a sync. They are applied off the heartbeat thread, side
+// by side so that one sync covers many, and the heartbeat never waits for them nor for the
+// lock a write to the tier holds. (Before, the heartbeat thread removed them one by one, a
+// delayed sync each, and the master declared the live node dead.) Every free is still applied.
+TEST_P(StoreTiers, SlowSsdSyncsNeverCostTheNodeItsHeartbeat) {
+  if (GetParam().plugin == "mock") GTEST_SKIP() << "the mock has no disk to be slow";
+  EmbeddedClusterOptions o = Options(1, 4u << 20, 32u << 20, 1);
+  o.master.node_ttl_ms = 1000;
+  auto cluster = Must(EmbeddedCluster::Start(o));
+  StoreClient& c = cluster->client();
+  Buffer src(16 * kObject), dst(16 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  ClusterStatus before = FillOneTieredNode(*cluster, c, src);
+  ASSERT_GT(before.ssd_replicas, 10u);
+  RestartNode0(*cluster, GetParam(), dir_, {{"ssd.test_sync_delay_ms", "1500"}});
+  const uint64_t on_ssd = Must(QueryClusterStatus(cluster->master_address())).ssd_replicas;
+  ASSERT_EQ(on_ssd, before.ssd_replicas);
+  std::vector<std::string> all;
+  for (size_t i = 0; i < 48; ++i) all.push_back(Key(i));
+  c.BatchRemove(all);  // the DRAM-only ones are gone already: NOT_FOUND for those
+  const auto t0 = std::chrono::steady_clock::now();
+  size_t left = cluster->nodes()[0]->object_count();
+  while (left > 0 && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    left = cluster->nodes()[0]->object_count();
+    ASSERT_EQ(Must(QueryClusterStatus(cluster->master_address())).nodes_expired_total, 0u)
+        << "the node was declared dead while its disk was slow";
+  }
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("%llu SSD frees, 1.5 s syncs: records dropped in %.1f s, node ACTIVE\n",
+              static_cast<unsigned long long>(on_ssd), secs);
+  EXPECT_EQ(left, 0u) << "frees not applied";
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  ClusterStatus after = Must(QueryClusterStatus(cluster->master_address()));
+  EXPECT_EQ(after.nodes_expired_total, 0u);
+  EXPECT_EQ(after.objects, 0u);
+  ASSERT_EQ(after.nodes.size(), 1u);
+  EXPECT_EQ(after.nodes[0].state, "ACTIVE");
+  // The removes reached the disk: a restart on the directory finds nothing to bring back.
+  RestartNode0(*cluster, GetParam(), dir_);
+  EXPECT_EQ(cluster->nodes()[0]->object_count(), 0u) << "removed objects are still on the SSD";
+  EXPECT_EQ(Must(QueryClusterStatus(cluster->master_address())).objects, 0u);
 }
 
 TEST_P(StoreTiers, SsdObjectsLargerThanTheStagingAreaAreStillServed) {

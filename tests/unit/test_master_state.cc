@@ -29,6 +29,7 @@ struct FakeNode {
   bool drained = false;
   bool draining = false;
   bool partitioned = false;  // the master's commits do not reach it
+  uint64_t frees_acked = 0;  // the highest free sequence number applied (acknowledged)
 
   NodeRegistration Registration() const {
     return {id, "desc-" + id.node_id, "ep-" + id.node_id, segments, draining};
@@ -41,6 +42,10 @@ struct FakeNode {
   void ApplyFree(const InventoryRecord& f) {
     auto it = records.find({f.segment_id, f.offset});
     if (it != records.end() && it->second.replica_id == f.replica_id) records.erase(it);
+  }
+  void ApplyFrees(const std::vector<InventoryRecord>& frees, const std::vector<uint64_t>& seqs) {
+    for (const auto& f : frees) ApplyFree(f);
+    for (uint64_t seq : seqs) frees_acked = std::max(frees_acked, seq);
   }
   bool Holds(const std::string& key, uint64_t version) const {
     for (const auto& [k, r] : records) {
@@ -90,16 +95,14 @@ class Cluster {
 
   Result<RegisterReply> Register(FakeNode& n) {
     auto reply = master_->RegisterNode(n.Registration(), n.Inventory(), now);
-    if (reply.ok()) {
-      for (const auto& f : reply->frees) n.ApplyFree(f);
-    }
+    if (reply.ok()) n.ApplyFrees(reply->frees, reply->free_seqs);
     return reply;
   }
 
   Status Heartbeat(FakeNode& n) {
-    auto c = master_->Heartbeat(n.id, now);
+    auto c = master_->Heartbeat(n.id, n.frees_acked, now);
     if (!c.ok()) return c.status();
-    for (const auto& f : c->frees) n.ApplyFree(f);
+    n.ApplyFrees(c->frees, c->free_seqs);
     for (auto& t : c->tasks) n.tasks.push_back(t);
     n.drained = c->drained;
     return Status::OK();
@@ -295,10 +298,10 @@ FakeNode& AddTieredNode(Cluster& c, const std::string& name, uint64_t dram, uint
 
 // The demotions handed to a node by one heartbeat (frees applied, tasks kept, as Heartbeat).
 std::vector<Demotion> HeartbeatDemotions(Cluster& c, FakeNode& n) {
-  auto cmds = c.m().Heartbeat(n.id, c.now);
+  auto cmds = c.m().Heartbeat(n.id, n.frees_acked, c.now);
   EXPECT_TRUE(cmds.ok());
   if (!cmds.ok()) return {};
-  for (const auto& f : cmds->frees) n.ApplyFree(f);
+  n.ApplyFrees(cmds->frees, cmds->free_seqs);
   for (auto& t : cmds->tasks) n.tasks.push_back(t);
   return cmds->demotions;
 }
@@ -380,11 +383,11 @@ TEST(MasterMembership, RegisterValidatesTheRegistration) {
 TEST(MasterMembership, HeartbeatAnswersUnknownStaleAndKnown) {
   Cluster c;
   c.AddNode("n0", {1 << 20}, 7);
-  auto unknown = c.m().Heartbeat({"nX", 1}, c.now);
+  auto unknown = c.m().Heartbeat({"nX", 1}, 0, c.now);
   EXPECT_EQ(unknown.status().code(), StatusCode::kNotFound);
-  auto stale = c.m().Heartbeat({"n0", 8}, c.now);
+  auto stale = c.m().Heartbeat({"n0", 8}, 0, c.now);
   EXPECT_EQ(stale.status().code(), StatusCode::kStalePeer);
-  auto ok = c.m().Heartbeat({"n0", 7}, c.now);
+  auto ok = c.m().Heartbeat({"n0", 7}, 0, c.now);
   ASSERT_TRUE(ok.ok());
   EXPECT_FALSE(ok->drained);
   EXPECT_TRUE(ok->tasks.empty());
@@ -396,6 +399,83 @@ TEST(MasterMembership, HeartbeatAnswersUnknownStaleAndKnown) {
   EXPECT_EQ(reply->heartbeat_interval_ms, 1000u);
 }
 
+// Frees are delivered until acknowledged: a heartbeat reply that is lost (the node never
+// acknowledges) is followed by the same frees in the next one; once the node names the highest
+// sequence number it applied, they stop. At most max_frees_per_reply go in one reply.
+TEST(MasterFrees, FreesComeAgainUntilAcknowledgedAndAreCappedPerReply) {
+  MasterConfig cfg;
+  cfg.max_frees_per_reply = 2;
+  Cluster c(cfg);
+  c.AddNode("n0", {1 << 20});
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4096).ok());
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(c.m().Remove("k" + std::to_string(i), c.now).ok());
+  const NodeIdentity id = c.nodes["n0"].id;
+  auto lost = c.m().Heartbeat(id, 0, c.now);  // this reply never arrives
+  ASSERT_TRUE(lost.ok());
+  ASSERT_EQ(lost->frees.size(), 2u);
+  ASSERT_EQ(lost->free_seqs.size(), 2u);
+  EXPECT_LT(lost->free_seqs[0], lost->free_seqs[1]);
+  auto again = c.m().Heartbeat(id, 0, c.now);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->free_seqs, lost->free_seqs) << "lost frees must come again";
+  EXPECT_EQ(again->frees, lost->frees);
+  // The node applied the first two: the next three follow, two then one.
+  auto next = c.m().Heartbeat(id, again->free_seqs.back(), c.now);
+  ASSERT_TRUE(next.ok());
+  ASSERT_EQ(next->frees.size(), 2u);
+  EXPECT_GT(next->free_seqs.front(), again->free_seqs.back());
+  auto last = c.m().Heartbeat(id, next->free_seqs.back(), c.now);
+  ASSERT_TRUE(last.ok());
+  ASSERT_EQ(last->frees.size(), 1u);
+  auto none = c.m().Heartbeat(id, last->free_seqs.back(), c.now);
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->frees.empty());
+  EXPECT_TRUE(c.m().UnackedFrees(id)->frees.empty());
+}
+
+// The frees of a registration (records the master rejected) are queued like any other: when
+// the registration's reply is lost and the node registers again (ALREADY_EXISTS) or just
+// heartbeats, they are still there until acknowledged.
+TEST(MasterFrees, RegistrationFreesSurviveALostReply) {
+  Cluster c;
+  FakeNode& n = c.AddNode("n0", {1 << 20});
+  InventoryRecord bad{"x", 3, {4096}, 1, 999, 0, 1, 7};  // names a segment n0 does not have
+  NodeRegistration reg = n.Registration();
+  reg.identity.incarnation = 2;  // a restart of the node
+  auto r = c.m().RegisterNode(reg, {bad}, c.now);
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->frees.size(), 1u);
+  ASSERT_EQ(r->free_seqs.size(), 1u);
+  // The reply is lost. A retried registration changes nothing, and the free is still queued.
+  EXPECT_EQ(c.m().RegisterNode(reg, {bad}, c.now).status().code(), StatusCode::kAlreadyExists);
+  auto queued = c.m().UnackedFrees(reg.identity);
+  ASSERT_TRUE(queued.ok());
+  ASSERT_EQ(queued->frees.size(), 1u);
+  EXPECT_EQ(queued->frees[0], bad);
+  EXPECT_EQ(queued->free_seqs, r->free_seqs);
+  auto hb = c.m().Heartbeat(reg.identity, 0, c.now);
+  ASSERT_TRUE(hb.ok());
+  EXPECT_EQ(hb->free_seqs, r->free_seqs);
+  hb = c.m().Heartbeat(reg.identity, r->free_seqs[0], c.now);
+  ASSERT_TRUE(hb.ok());
+  EXPECT_TRUE(hb->frees.empty());
+}
+
+// Sequence numbers start at first_free_seq (the master service starts it at the wall clock
+// in microseconds): a new master's frees are above anything a node acknowledged to the old.
+TEST(MasterFrees, SequenceNumbersStartAtFirstFreeSeq) {
+  MasterConfig cfg;
+  cfg.first_free_seq = 1000000;
+  Cluster c(cfg);
+  c.AddNode("n0", {1 << 20});
+  ASSERT_TRUE(c.Put("k", 4096).ok());
+  ASSERT_TRUE(c.m().Remove("k", c.now).ok());
+  auto hb = c.m().Heartbeat(c.nodes["n0"].id, 999999, c.now);
+  ASSERT_TRUE(hb.ok());
+  ASSERT_EQ(hb->free_seqs.size(), 1u);
+  EXPECT_EQ(hb->free_seqs[0], 1000000u);
+}
+
 TEST(MasterMembership, NodeSilentForTtlIsDeadAndMustReRegister) {
   Cluster c;
   c.AddNode("n0", {1 << 20});
@@ -403,7 +483,7 @@ TEST(MasterMembership, NodeSilentForTtlIsDeadAndMustReRegister) {
   EXPECT_EQ(c.m().Tick(c.now).nodes_expired, 0u);
   c.now += 1 * kMs;
   EXPECT_EQ(c.m().Tick(c.now).nodes_expired, 1u);
-  EXPECT_EQ(c.m().Heartbeat(c.nodes["n0"].id, c.now).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(c.m().Heartbeat(c.nodes["n0"].id, 0, c.now).status().code(), StatusCode::kNotFound);
   auto st = c.m().Stats();
   ASSERT_EQ(st.nodes.size(), 1u);
   EXPECT_EQ(st.nodes[0].state, NodeState::kDead);
@@ -440,7 +520,7 @@ TEST(MasterMembership, APausedMasterStartsEveryTtlOver) {
   // The expiry says how long the node was silent and that the master was ticking meanwhile.
   EXPECT_EQ(t.expired_silence_ms, 3000u);
   EXPECT_EQ(t.since_last_tick_ms, 200u);
-  EXPECT_EQ(c.m().Heartbeat(c.nodes["n0"].id, c.now).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(c.m().Heartbeat(c.nodes["n0"].id, 0, c.now).status().code(), StatusCode::kNotFound);
   EXPECT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
 }
 
@@ -502,7 +582,7 @@ TEST(MasterMembership, NewIncarnationReplacesTheOld) {
   // n0 restarts: a new incarnation, its memory (and inventory) gone.
   FakeNode old = c.nodes["n0"];
   c.AddNode("n0", {1 << 20}, 2);
-  EXPECT_EQ(c.m().Heartbeat(old.id, c.now).status().code(), StatusCode::kStalePeer);
+  EXPECT_EQ(c.m().Heartbeat(old.id, 0, c.now).status().code(), StatusCode::kStalePeer);
   EXPECT_GT(c.m().Stats().directory_version, dir);
   auto after = c.ReplicaNodes("k");
   ASSERT_EQ(after.size(), 1u);
@@ -1395,7 +1475,7 @@ TEST(MasterMembership, ExpiredNodeBringsBackOnlyWhatLeftWithIt) {
   const uint64_t old_rewritten = c.m().GetReplicas({"rewritten"}, "", c.now)[0]->version;
   // n0 goes silent: after the TTL it is dead, "only-n0" and "only-n0-removed" went with it.
   c.PassSeconds(4, {"n1"});
-  ASSERT_EQ(c.m().Heartbeat(c.nodes["n0"].id, c.now).status().code(), StatusCode::kNotFound);
+  ASSERT_EQ(c.m().Heartbeat(c.nodes["n0"].id, 0, c.now).status().code(), StatusCode::kNotFound);
   EXPECT_FALSE(c.m().Exists({"only-n0"})[0]);
   // Meanwhile: removes, and a key removed and put again.
   ASSERT_TRUE(c.m().Remove("removed", c.now).ok());
@@ -1547,7 +1627,7 @@ TEST(MasterRestart, ConflictingRecordsAreResolvedAndFreed) {
   ASSERT_TRUE(r1.ok());
   ASSERT_EQ(r1->frees.size(), 1u);
   EXPECT_EQ(r1->frees[0].key, "h");
-  auto hb = m.Heartbeat(c.nodes["n0"].id, c.now);
+  auto hb = m.Heartbeat(c.nodes["n0"].id, r0->free_seqs.back(), c.now);
   ASSERT_TRUE(hb.ok());
   ASSERT_EQ(hb->frees.size(), 1u);
   EXPECT_EQ(hb->frees[0].key, "b");
@@ -1650,7 +1730,7 @@ TEST(MasterConcurrency, CallsFromManyThreadsKeepTheTableConsistent) {
             (void)m.Remove(key, now);
             break;
           case 4:
-            (void)m.Heartbeat({"n" + std::to_string(t), 1}, now);
+            (void)m.Heartbeat({"n" + std::to_string(t), 1}, 0, now);
             break;
           default:
             m.Tick(now);

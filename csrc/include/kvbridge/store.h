@@ -38,11 +38,12 @@ struct StoreOptions {
   uint32_t rpc_timeout_ms = 3000;
   // Deadline of the data transfers of one batch. KVBRIDGE_STORE_TRANSFER_DEADLINE_MS.
   uint32_t transfer_deadline_ms = 5000;
-  // A get's bytes are safe while its read lease holds (the master never frees or reuses leased
-  // space); a read that may have outlived its lease is always verified against the object's
-  // CRC-32C and retried on another replica on mismatch. true verifies every read, lease or
-  // not (catches memory corruption too, costs CPU). KVBRIDGE_VERIFY_CHECKSUMS (0/1).
-  bool verify_checksums = false;
+  // Ignored, kept so that configurations naming it still load: every get verifies every
+  // object it returns against the object's CRC-32C (DRAM and SSD replicas, lease or not) and
+  // moves on to the next replica on a mismatch. A lease only keeps the master from reusing the
+  // range; it says nothing about a late writer or a node that answers without writing
+  // (docs/store.md "Objects"). KVBRIDGE_VERIFY_CHECKSUMS is ignored likewise.
+  bool verify_checksums = true;
   // Hedged reads. A get reads each storage node's share of a batch as its own transfer; one
   // that has not finished after hedge_after_ms plus its bytes at hedge_bandwidth_mbps (MB/s)
   // has its keys read again from their next DRAM replica on another node, into the same
@@ -224,7 +225,11 @@ struct MasterOptions {
   //                             without being applied (a request lost on the way);
   //   demote_done_lose_reply    the next `count` are applied, then answered UNAVAILABLE (a
   //                             reply lost on the way);
-  //   task_done_lose_request, task_done_lose_reply   the same for TaskDone.
+  //   task_done_lose_request, task_done_lose_reply   the same for TaskDone;
+  //   heartbeat_lose_reply      the next `count` Heartbeat replies that carry frees are
+  //                             answered UNAVAILABLE after the master handed them out;
+  //   register_lose_reply       the next `count` RegisterNode calls with an inventory (a
+  //                             node coming back) are applied, then answered UNAVAILABLE.
   // An unknown name or a bad count makes Start fail naming it. KVBRIDGE_MASTER_FAULTS.
   std::string faults;
   // The cluster's shared secret (docs/security.md): every call to the master, and from it to
