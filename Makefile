@@ -69,20 +69,21 @@ engines-pytest:
 # The suites about object lifetimes under AddressSanitizer, in their own build tree
 # ($(ASAN_DIR), KVBRIDGE_SANITIZE=address, no CUDA, no benchmarks): the engine/handshake unit
 # gtests and the multi-process fault gtests (deregister during a transfer, killed and frozen
-# peers), and the Python lifetime and engine suites with libasan preloaded into the
-# interpreter. A use after free or an overflow fails the run. Part of `make test`.
+# peers), and the Python lifetime and engine suites with libasan (and libstdc++, whose
+# __cxa_throw ASan must find at start) preloaded into the interpreter. A use after free or an overflow fails the run. Part of `make test`.
 ASAN_DIR ?= build-asan
 ASAN_GTESTS := kvb_unit_tests kvb_fault_tests
 asan: setup
 	cmake -G Ninja -B $(ASAN_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVBRIDGE_SANITIZE=address \
 	  -DKVBRIDGE_CUDA=OFF -DKVBRIDGE_BUILD_BENCHMARKS=OFF -DPython_EXECUTABLE=$(PYTHON)
-	ninja -C $(ASAN_DIR) -j$(JOBS) $(ASAN_GTESTS) kvb_test_peer kvbridge_python_stage kvbridge_cli \
+	ninja -C $(ASAN_DIR) -j$(JOBS) $(ASAN_GTESTS) kvb_test_peer kvbridge_python kvbridge_python_stage kvbridge_cli \
 	  kvb_transport_tcp kvb_testing_plugins
 	set -e; for t in $(ASAN_GTESTS); do \
 	  echo "== $$t (AddressSanitizer)"; \
 	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 $(ASAN_DIR)/tests/$$t --gtest_brief=1; \
 	done
-	ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD=$$(gcc -print-file-name=libasan.so) \
+	ASAN_OPTIONS=detect_leaks=0 \
+	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
 	  PYTHONPATH=$(abspath $(ASAN_DIR))/python $(PYTHON) -m pytest -q -p no:cacheprovider \
 	  tests/python/test_lifetime.py tests/python/test_engine.py
 
