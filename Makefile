@@ -70,7 +70,8 @@ engines-pytest:
 # ($(ASAN_DIR), KVBRIDGE_SANITIZE=address, no CUDA, no benchmarks): the engine/handshake unit
 # gtests and the multi-process fault gtests (deregister during a transfer, killed and frozen
 # peers), and the Python lifetime and engine suites with libasan (and libstdc++, whose
-# __cxa_throw ASan must find at start) preloaded into the interpreter. A use after free or an overflow fails the run. Part of `make test`.
+# __cxa_throw ASan must find at start) preloaded into the interpreter. A use after free or an
+# overflow fails the run. Part of `make test`.
 ASAN_DIR ?= build-asan
 ASAN_GTESTS := kvb_unit_tests kvb_fault_tests
 asan: setup
