@@ -58,6 +58,15 @@ struct StoreOptions {
   // Where storage nodes' engine descriptors come from: "master" (the master's directory) or
   // "direct" (each node's own Node service, found through the directory). KVBRIDGE_PEER_DISCOVERY.
   std::string peer_discovery = "master";
+  // Fault injection for tests; empty in production. A comma-separated list of name=value:
+  //   put_stall_before_write_ms  every put sleeps this long between the master's PutStart
+  //                              answer and its transfer (a client stalled, swapped out);
+  //   put_ignore_deadline        1: the transfer starts, and runs for transfer_deadline_ms,
+  //                              even past the put's deadline from the master (what a client
+  //                              that ignored it would do: shows the master's hold of the
+  //                              ranges is what keeps such late bytes off other objects).
+  // An unknown name or a bad value makes Create fail naming it. KVBRIDGE_CLIENT_FAULTS.
+  std::string faults;
   // Defaults, overridden by the KVBRIDGE_* variables named above and EngineOptions::FromEnv().
   static StoreOptions FromEnv();
 };
