@@ -38,6 +38,7 @@ NodeOptions NodeOptions::FromEnv() {
   store::EnvUint64("KVBRIDGE_NODE_SSD_BYTES", &o.ssd_bytes);
   store::EnvUint64("KVBRIDGE_NODE_SSD_STAGING_BYTES", &o.ssd_staging_bytes);
   if (const char* v = std::getenv("KVBRIDGE_PEER_DISCOVERY")) o.peer_discovery = v;
+  if (const char* v = std::getenv("KVBRIDGE_NODE_FAULTS")) o.faults = v;
   return o;
 }
 
@@ -101,6 +102,7 @@ class Unanswered {
 
 struct StorageNode::Impl final : public rpc::Node::Service {
   NodeOptions options;
+  std::atomic<uint32_t> task_delay_ms{0};  // NodeOptions::faults
   std::unique_ptr<TransferEngine> engine;
   core::PluginRegistry plugins;
   std::unique_ptr<core::HostServices> host;
@@ -645,6 +647,10 @@ void StorageNode::Impl::TaskLoop() {
                                   std::make_move_iterator(tasks.end()));
     tasks.clear();
     lock.unlock();
+    if (const uint32_t delay = task_delay_ms.load(); delay > 0) {
+      KVB_LOG(WARN) << "fault injection: " << batch.size() << " task(s) wait " << delay << " ms";
+      std::this_thread::sleep_for(std::chrono::milliseconds(delay));
+    }
     std::vector<Status> statuses = RunTasks(batch);
     for (size_t i = 0; i < batch.size(); ++i) {
       rpc::TaskDoneRequest done;
@@ -1072,6 +1078,8 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   KVB_RETURN_IF_ERROR(store::CheckPeerDiscovery(options.peer_discovery));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  KVB_RETURN_IF_ERROR(store::ParseFaults(options.faults, "NodeOptions::faults",
+                                         {{"task_delay_ms", &impl->task_delay_ms}}));
   auto engine = TransferEngine::Create(options.engine);
   if (!engine.ok()) return engine.status().WithContext("storage node");
   impl->engine = std::move(engine).value();

@@ -56,9 +56,15 @@ class StoreFencing : public ::testing::Test {
     ASSERT_NE(line.find("listening on"), std::string::npos) << "master said: " << line;
   }
 
-  void StartNodes(const std::vector<uint64_t>& dram) {
+  // Node i gets dram[i] bytes and, when given, faults[i] as KVBRIDGE_NODE_FAULTS.
+  void StartNodes(const std::vector<uint64_t>& dram, const std::vector<std::string>& faults = {}) {
     for (size_t i = 0; i < dram.size(); ++i) {
       const std::string id = "node" + std::to_string(i);
+      if (i < faults.size() && !faults[i].empty()) {
+        setenv("KVBRIDGE_NODE_FAULTS", faults[i].c_str(), 1);
+      } else {
+        unsetenv("KVBRIDGE_NODE_FAULTS");
+      }
       auto node = ChildProcess::Start({kBin, "node", "--master", master_addr_, "--node-id", id,
                                        "--dram-bytes", std::to_string(dram[i]),
                                        "--drain-timeout-ms", "20000"});
@@ -67,6 +73,7 @@ class StoreFencing : public ::testing::Test {
       ASSERT_NE(line.find("serving"), std::string::npos) << id << " said: " << line;
       nodes_.push_back(std::move(node));
     }
+    unsetenv("KVBRIDGE_NODE_FAULTS");
     WaitForActiveNodes(static_cast<int>(dram.size()));
   }
 
@@ -270,6 +277,45 @@ TEST_F(StoreFencing, LateTaskBytesOfAFrozenDestinationLandOnNoNewObject) {
   EXPECT_EQ(View().bad_replicas_total, 0u) << "late task bytes corrupted new objects";
   EXPECT_EQ(View().nodes_expired_total, 1u) << "node 2 was declared dead while frozen";
   EXPECT_EQ(View().evictions_total, 0u) << "nodes too small for this test";
+}
+
+// A node that gets round to its re-replication tasks late (its fault injection delays each
+// batch 1.5 s; the task timeout is 800 ms). Node 2 is killed, so node 0 becomes the source of
+// the copies of the objects it shared with node 2, to node 1. The master gives those tasks up
+// at their deadline; meanwhile new puts go to nodes 0 and 1. The task deadline counts from when
+// the master handed the task out, so node 0 runs none of them when it gets to them (before, it
+// counted from when the node started the transfer, and the copies were written 1.5 s late into
+// ranges the master had freed and given to new objects), and the master holds the ranges past
+// the deadline anyway.
+TEST_F(StoreFencing, TaskRunLateByItsSourceWritesNothing) {
+  master_env_ = {{"KVBRIDGE_TASK_TIMEOUT_MS", "800"}};
+  StartMaster(/*ttl_ms=*/1000);
+  StartNodes({16u << 20, 16u << 20, 16u << 20}, {"task_delay_ms=1500"});
+  auto main_client = NewClient("main");
+  const std::vector<size_t> first = Seeds(0, 40);
+  for (const Status& st : Put(*main_client, first)) ASSERT_TRUE(st.ok()) << st.ToString();
+  nodes_[2]->Kill();
+  const auto killed = Clock::now();
+  while (View().nodes_expired_total == 0 && Clock::now() - killed < std::chrono::seconds(5)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(View().nodes_expired_total, 1u);
+  // New objects for the next 3 s, in small batches: they take the ranges the master frees.
+  std::vector<size_t> all = first;
+  for (size_t next = 40; next < 64; next += 4) {
+    const std::vector<size_t> batch = Seeds(next, 4);
+    auto r = Put(*main_client, batch);
+    for (size_t i = 0; i < r.size(); ++i) {
+      EXPECT_TRUE(r[i].ok()) << r[i].ToString();
+      if (r[i].ok()) all.push_back(batch[i]);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const Readback r = ReadAll(*main_client, all);
+  EXPECT_EQ(r.wrong, 0) << "wrong bytes returned";
+  EXPECT_EQ(r.missing, 0) << "first: " << r.first_miss;
+  EXPECT_EQ(View().bad_replicas_total, 0u) << "a late task's copy corrupted new objects";
 }
 
 // A put in flight across a master restart. A client gets its allocation from the master and

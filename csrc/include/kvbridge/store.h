@@ -154,6 +154,12 @@ struct NodeOptions {
   // Where a re-replication task's destination descriptor comes from: "master" (in the task)
   // or "direct" (asked from the destination's Node service). KVBRIDGE_PEER_DISCOVERY.
   std::string peer_discovery = "master";
+  // Fault injection for tests; empty in production. A comma-separated list of name=value:
+  //   task_delay_ms  every batch of re-replication tasks waits this long before it runs (a
+  //                  node that gets round to its tasks late: it must then run none whose
+  //                  deadline from the master has passed).
+  // An unknown name or a bad value makes Start fail naming it. KVBRIDGE_NODE_FAULTS.
+  std::string faults;
   EngineOptions engine;
   static NodeOptions FromEnv();
 };
