@@ -162,61 +162,15 @@ struct Faults {
   std::atomic<uint32_t> register_lose_reply{0};   // counts only registrations with an inventory
 
   Status Parse(const std::string& spec) {
-    const std::pair<const char*, std::atomic<uint32_t>*> known[] = {
-        {"demote_done_lose_request", &demote_done_lose_request},
-        {"demote_done_lose_reply", &demote_done_lose_reply},
-        {"task_done_lose_request", &task_done_lose_request},
-        {"task_done_lose_reply", &task_done_lose_reply},
-        {"heartbeat_lose_reply", &heartbeat_lose_reply},
-        {"register_lose_reply", &register_lose_reply}};
-    for (const std::string& item : SplitFaults(spec)) {
-      const size_t eq = item.find('=');
-      const std::string name = item.substr(0, eq);
-      std::atomic<uint32_t>* counter = nullptr;
-      std::string names;
-      for (const auto& [n, c] : known) {
-        if (name == n) counter = c;
-        names += (names.empty() ? "" : ", ") + std::string(n);
-      }
-      if (counter == nullptr) {
-        return Status::InvalidArgument("MasterOptions::faults: unknown fault '" + name +
-                                       "' (known: " + names + ")");
-      }
-      const std::string count = eq == std::string::npos ? "" : item.substr(eq + 1);
-      char* end = nullptr;
-      const unsigned long n = std::strtoul(count.c_str(), &end, 10);
-      if (count.empty() || *end != '\0' || n > UINT32_MAX) {
-        return Status::InvalidArgument("MasterOptions::faults: '" + item +
-                                       "' needs a count (name=N, N a non-negative integer)");
-      }
-      counter->store(static_cast<uint32_t>(n));
-    }
-    return Status::OK();
+    return store::ParseFaults(spec, "MasterOptions::faults",
+                              {{"demote_done_lose_request", &demote_done_lose_request},
+                               {"demote_done_lose_reply", &demote_done_lose_reply},
+                               {"task_done_lose_request", &task_done_lose_request},
+                               {"task_done_lose_reply", &task_done_lose_reply},
+                               {"heartbeat_lose_reply", &heartbeat_lose_reply},
+                               {"register_lose_reply", &register_lose_reply}});
   }
-  // True (and one fewer left) when the next call is to fail.
-  static bool Take(std::atomic<uint32_t>* left) {
-    uint32_t n = left->load();
-    while (n > 0 && !left->compare_exchange_weak(n, n - 1)) {
-    }
-    if (n > 0) KVB_LOG(WARN) << "fault injection: failing a call (" << n - 1 << " more to fail)";
-    return n > 0;
-  }
-
- private:
-  static std::vector<std::string> SplitFaults(const std::string& spec) {
-    std::vector<std::string> out;
-    size_t start = 0;
-    while (start <= spec.size()) {
-      size_t comma = spec.find(',', start);
-      if (comma == std::string::npos) comma = spec.size();
-      std::string item = spec.substr(start, comma - start);
-      item.erase(0, item.find_first_not_of(" \t"));
-      item.erase(item.find_last_not_of(" \t") + 1);
-      if (!item.empty()) out.push_back(item);
-      start = comma + 1;
-    }
-    return out;
-  }
+  static bool Take(std::atomic<uint32_t>* left) { return store::TakeFault(left); }
 };
 
 struct MasterServer::Impl final : public rpc::Master::Service {
@@ -408,6 +362,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     reg.engine_descriptor = req->engine_descriptor();
     reg.control_endpoint = req->rpc_address();
     reg.draining = req->draining();
+    reg.registered_before = req->registered_before();
     for (const auto& s : req->segments()) {
       reg.segments.push_back(store::SegmentInfo{
           s.segment_id(), s.capacity(), s.tier() == 2 ? store::Tier::kSsd : store::Tier::kDram});
@@ -442,6 +397,12 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       KVB_LOG(INFO) << "node " << store::ToString(reg.identity) << " registered ("
                     << r->records_accepted << " inventory records accepted, " << r->frees.size()
                     << " dropped)";
+      if (r->no_alloc_ms > 0) {
+        KVB_LOG(WARN) << "node " << store::ToString(reg.identity)
+                      << " registered again: no new data goes to its DRAM for " << r->no_alloc_ms
+                      << " ms, until writes and read leases of its previous registration have "
+                         "run out";
+      }
     } else if (auto queued = state->UnackedFrees(reg.identity); queued.ok()) {
       // Registered already: the first reply was lost, maybe with frees. They are still queued.
       for (const auto& f : queued->frees) ToProto(f, reply->add_frees());
@@ -578,7 +539,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     store::PutOptions po;
     po.replica_num = req->replica_num();
     po.client_node_id = req->client_node_id();
-    auto results = state->PutStart(items, po, util::MonoNs());
+    const uint64_t now = util::MonoNs();
+    auto results = state->PutStart(items, po, now);
     for (auto& r : results) {
       auto* item = reply->add_items();
       if (!r.ok()) {
@@ -588,6 +550,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       ToProto(Status::OK(), item->mutable_status());
       item->set_version(r->version);
       for (const auto& loc : r->replicas) ToProto(loc, item->add_replicas());
+      item->set_deadline_ms(static_cast<uint32_t>(
+          r->deadline_ns > now ? (r->deadline_ns - now) / 1000000 : 0));
     }
     return grpc::Status::OK;
   }
@@ -747,6 +711,17 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
   cfg.drain_timeout_ms = options.drain_timeout_ms;
   cfg.task_timeout_ms = options.task_timeout_ms;
   cfg.departed_ttl_ms = options.departed_node_ttl_ms;
+  // A late writer's bytes: a destination that stops reading its sockets for a TTL is declared
+  // dead (and falls under the re-registration wait); 1 s more covers queued bytes and a couple
+  // of TCP retransmissions (200 ms minimum timeout, doubling). docs/store.md "Late writes".
+  cfg.late_write_margin_ms = uint64_t{options.node_ttl_ms} + 1000;
+  // What a predecessor may have handed out: puts and tasks issued just before it stopped (a
+  // promotion's target is held for twice the task timeout), and its read leases.
+  const uint64_t restart_hold_ms =
+      std::max({uint64_t{options.put_timeout_ms}, 2 * uint64_t{options.task_timeout_ms},
+                uint64_t{options.lease_ms}}) +
+      cfg.late_write_margin_ms;
+  cfg.restart_hold_until_ns = util::MonoNs() + restart_hold_ms * 1000000;
   // Versions start at wall-clock microseconds, so a put that no node recorded before a master
   // restart can never see its version handed out again by the new master.
   cfg.first_version = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(

@@ -117,6 +117,9 @@ struct MasterState::Impl {
     size_t source_tasks = 0;          // tasks with this node as source
     size_t demotions = 0;             // replicas here with a demotion pending
     uint64_t demote_not_before_ns = 0;  // after a failed demotion (disk full, ...)
+    // No new DRAM allocation before this: the node registered again, and writers or readers of
+    // its previous registration may still be at its memory (RegisterNode).
+    uint64_t no_alloc_before_ns = 0;
     std::deque<std::pair<std::string, uint64_t>> demote_queue;  // (key, demote_id) to hand out
     double reads = 0;                 // decaying count of reads handed out (load)
     double bad_reports = 0;           // decaying count of bad-replica reports (health)
@@ -220,6 +223,11 @@ struct MasterState::Impl {
   };
   struct Departed {
     uint64_t since_ns = 0;
+    // The incarnation that left, and when its memory was free of every writer and reader the
+    // master knew of (leases, writer deadlines plus late_write_margin_ms, held ranges): if the
+    // same incarnation comes back, nothing new is placed in its DRAM before then.
+    uint64_t incarnation = 0;
+    uint64_t reuse_after_ns = 0;
     std::vector<DepartedCopy> copies;  // sorted by (key_hash, version), one entry each
 
     // Entries go in with Note() in any order, the last word on a copy winning; Seal() sorts.
@@ -479,17 +487,19 @@ struct MasterState::Impl {
   }
 
   // When the space of this replica may be reused: after the object's lease if readers may be
-  // on it, after its writer's deadline if a writer may still be writing.
-  uint64_t HoldUntil(const Object& o, const Replica& r, bool writer_done) const {
+  // on it; if a writer may still be writing, after the writer's deadline plus
+  // late_write_margin_ms, whether it reported failure, was revoked or is late: a writer that
+  // gave up (or was given up on) may still have bytes on their way. A replica whose write
+  // completed (COMMITTING: the writer's transfer was acknowledged) has no writer left.
+  uint64_t HoldUntil(const Object& o, const Replica& r) const {
+    const uint64_t margin = MsToNs(cfg.late_write_margin_ms);
     uint64_t h = 0;
     if (r.state == ReplicaState::kComplete) h = o.lease_expiry_ns;
-    if (!writer_done) {
-      if (r.state == ReplicaState::kWriting) h = std::max(h, o.put_deadline_ns);
-      if (r.state == ReplicaState::kCopying && r.task_id != 0) {
-        auto t = tasks.find(r.task_id);
-        if (t != tasks.end() && t->second.state == TaskState::kIssued) {
-          h = std::max(h, t->second.deadline_ns);
-        }
+    if (r.state == ReplicaState::kWriting) h = std::max(h, o.put_deadline_ns + margin);
+    if (r.state == ReplicaState::kCopying && r.task_id != 0) {
+      auto t = tasks.find(r.task_id);
+      if (t != tasks.end() && t->second.state == TaskState::kIssued) {
+        h = std::max(h, t->second.deadline_ns + margin);
       }
     }
     return h;
@@ -520,8 +530,8 @@ struct MasterState::Impl {
   }
 
   // Drops a replica (cancelling its task, if it is a task's destination).
-  void DropReplica(Object* o, size_t idx, uint64_t now_ns, bool writer_done) {
-    const uint64_t hold = HoldUntil(*o, o->replicas[idx], writer_done);
+  void DropReplica(Object* o, size_t idx, uint64_t now_ns) {
+    const uint64_t hold = HoldUntil(*o, o->replicas[idx]);
     if (uint64_t tid = o->replicas[idx].task_id; tid != 0) {
       auto t = tasks.find(tid);
       if (t != tasks.end()) EraseTask(t);
@@ -529,8 +539,8 @@ struct MasterState::Impl {
     ReleaseReplica(o, idx, now_ns, hold);
   }
 
-  void EraseObject(Object* o, uint64_t now_ns, bool writer_done) {
-    while (!o->replicas.empty()) DropReplica(o, o->replicas.size() - 1, now_ns, writer_done);
+  void EraseObject(Object* o, uint64_t now_ns) {
+    while (!o->replicas.empty()) DropReplica(o, o->replicas.size() - 1, now_ns);
     const std::string key = o->key;
     pending_keys.erase(key);
     repair_keys.erase(key);
@@ -568,11 +578,17 @@ struct MasterState::Impl {
     Segment* segment;
   };
 
-  // Up to `count` ACTIVE nodes that can hold `bytes`, most free space first; `holder` excludes
-  // nodes already holding a replica of it, `avoid` node ids to skip.
-  std::vector<Choice> ChooseNodes(uint64_t bytes, size_t count, const Object* holder,
-                                  const std::vector<std::string>* avoid, std::string_view preferred,
-                                  bool repair = false) {
+  // ACTIVE and not in its no-allocation window (a node back from expiry or a master restart
+  // whose memory may still be written by writers of its previous registration).
+  static bool Placeable(const Node& n, uint64_t now_ns) {
+    return n.state == NodeState::kActive && now_ns >= n.no_alloc_before_ns;
+  }
+
+  // Up to `count` placeable nodes that can hold `bytes`, most free space first; `holder`
+  // excludes nodes already holding a replica of it, `avoid` node ids to skip.
+  std::vector<Choice> ChooseNodes(uint64_t now_ns, uint64_t bytes, size_t count,
+                                  const Object* holder, const std::vector<std::string>* avoid,
+                                  std::string_view preferred, bool repair = false) {
     struct Cand {
       Choice c;
       bool preferred;
@@ -581,7 +597,7 @@ struct MasterState::Impl {
     };
     std::vector<Cand> cands;
     for (auto& [id, n] : nodes) {
-      if (n.state != NodeState::kActive) continue;
+      if (!Placeable(n, now_ns)) continue;
       if (holder && ReplicaOn(*holder, &n) >= 0) continue;
       if (avoid && std::find(avoid->begin(), avoid->end(), id) != avoid->end()) continue;
       Segment* s = FitSegment(n, bytes, repair);
@@ -636,7 +652,7 @@ struct MasterState::Impl {
     while (n < budget && !done()) {
       Object* victim = PickVictim(s, now_ns);
       if (!victim) break;
-      EraseObject(victim, now_ns, /*writer_done=*/false);
+      EraseObject(victim, now_ns);
       ++n;
       ++evictions_total;
     }
@@ -646,13 +662,13 @@ struct MasterState::Impl {
   // Evicts on ACTIVE nodes that cannot hold `bytes` until `count` nodes can (or the budget of
   // evictions is spent).
   void MakeRoom(uint64_t bytes, size_t count, std::string_view preferred, uint64_t now_ns) {
-    const size_t have = ChooseNodes(bytes, count, nullptr, nullptr, preferred).size();
+    const size_t have = ChooseNodes(now_ns, bytes, count, nullptr, nullptr, preferred).size();
     if (have >= count) return;
     size_t need = count - have;
     const uint64_t rb = RoundUp(bytes);
     std::vector<Segment*> cands;
     for (auto& [id, n] : nodes) {
-      if (n.state != NodeState::kActive || FitSegment(n, bytes, false)) continue;
+      if (!Placeable(n, now_ns) || FitSegment(n, bytes, false)) continue;
       Segment* best = nullptr;
       for (auto& [sid, s] : n.segments) {
         if (s.info.tier != Tier::kDram || HighLimit(s) < rb) continue;
@@ -680,9 +696,30 @@ struct MasterState::Impl {
 
   // ---------------------------------------------------------------- node lifecycle
 
+  // When nothing the master handed out may still read or write the node's memory: leases of
+  // the objects on it, writers' deadlines (plus late_write_margin_ms) of ranges being written,
+  // held ranges, promotions into its DRAM.
+  uint64_t ReuseHorizon(const Node* n) const {
+    uint64_t h = 0;
+    for (const auto& [sid, s] : n->segments) {
+      for (const Object* o : s.residents) {
+        const Replica& r = o->replicas[ReplicaOn(*o, n)];
+        h = std::max(h, HoldUntil(*o, r));
+        if (r.demote_segment && r.demote_issued && r.demote_segment->info.tier == Tier::kDram) {
+          h = std::max(h, r.demote_deadline_ns + MsToNs(cfg.task_timeout_ms));
+        }
+      }
+    }
+    for (const Held& held_range : held) {
+      if (held_range.node == n) h = std::max(h, held_range.release_at_ns);
+    }
+    return h;
+  }
+
   // Drops a node: its tasks, held ranges and replicas; objects left without a COMPLETE
   // replica are removed, the others queued for re-replication.
   void DropNode(Node* n, uint64_t now_ns, bool expired) {
+    const uint64_t reuse_after_ns = ReuseHorizon(n);
     for (auto it = tasks.begin(); it != tasks.end();) {
       Task& t = it->second;
       if (t.dest != n && t.source != n) {
@@ -696,8 +733,10 @@ struct MasterState::Impl {
         t.source->source_tasks--;
         it = tasks.erase(it);
       } else {
-        // A source declared dead may only be cut off: it may write until the task deadline.
-        const uint64_t hold = t.state == TaskState::kIssued ? t.deadline_ns : 0;
+        // A source declared dead may only be cut off: it may write until the task deadline
+        // (and its bytes land up to late_write_margin_ms later).
+        const uint64_t hold =
+            t.state == TaskState::kIssued ? t.deadline_ns + MsToNs(cfg.late_write_margin_ms) : 0;
         it = tasks.erase(it);
         ReleaseReplica(o, idx, now_ns, hold);
         MarkRepair(o, now_ns);
@@ -707,6 +746,8 @@ struct MasterState::Impl {
     Departed& gone = departed[n->id().node_id];
     gone = Departed{};
     gone.since_ns = now_ns;
+    gone.incarnation = n->id().incarnation;
+    gone.reuse_after_ns = reuse_after_ns;
     for (const auto& [seq, rec] : n->frees) gone.Note(Departed::KeyHash(rec.key), rec.version, false);
     std::vector<Object*> affected;
     for (auto& [sid, s] : n->segments)
@@ -720,13 +761,13 @@ struct MasterState::Impl {
       bool left_with_it = false;
       if (o->state == ObjectState::kComplete) {
         if (CompleteReplicas(*o) == 0) {
-          EraseObject(o, now_ns, false);
+          EraseObject(o, now_ns);
           left_with_it = true;
         } else {
           MarkRepair(o, now_ns);
         }
       } else if (o->replicas.empty()) {
-        EraseObject(o, now_ns, false);  // a put that lost every replica
+        EraseObject(o, now_ns);  // a put that lost every replica
         ++revokes_total;
       }
       if (recorded) gone.Note(key_hash, version, left_with_it);
@@ -839,7 +880,7 @@ struct MasterState::Impl {
                  o->checksum == rec.checksum && ReplicaOn(*o, &n) < 0 &&
                  (n.state == NodeState::kDraining || active < std::max(o->target, target));
       } else {
-        EraseObject(o, now_ns, /*writer_done=*/false);  // this record's version wins
+        EraseObject(o, now_ns);  // this record's version wins
         o = nullptr;
         accept = true;
       }
@@ -943,7 +984,7 @@ struct MasterState::Impl {
   void MaybePromote(Object* o, Replica& r, uint64_t now_ns) {
     Node& n = *r.node;
     if (cfg.promote_after_reads == 0 || ++o->ssd_reads < cfg.promote_after_reads) return;
-    if (n.state != NodeState::kActive || now_ns < n.demote_not_before_ns ||
+    if (!Placeable(n, now_ns) || now_ns < n.demote_not_before_ns ||
         n.demotions >= cfg.max_demotions_per_node || r.demote_segment != nullptr ||
         o->state != ObjectState::kComplete) {
       return;
@@ -984,10 +1025,10 @@ struct MasterState::Impl {
 
   // ---------------------------------------------------------------- re-replication
 
-  void FailTask(std::map<uint64_t, Task>::iterator it, uint64_t now_ns, bool writer_done) {
+  void FailTask(std::map<uint64_t, Task>::iterator it, uint64_t now_ns) {
     Object* o = FindObject(it->second.key);
     const int idx = ReplicaWithTask(*o, it->first);
-    const uint64_t hold = HoldUntil(*o, o->replicas[idx], writer_done);
+    const uint64_t hold = HoldUntil(*o, o->replicas[idx]);
     const std::string dest = it->second.dest->id().node_id;
     EraseTask(it);
     ReleaseReplica(o, idx, now_ns, hold);
@@ -1036,10 +1077,10 @@ struct MasterState::Impl {
     while (active + inflight < o->target) {
       const Replica* src = ChooseSource(*o);
       if (!src) break;  // sources busy: next tick
-      std::vector<Choice> dest = ChooseNodes(o->bytes, 1, o, &o->failed_dests, {}, true);
+      std::vector<Choice> dest = ChooseNodes(now_ns, o->bytes, 1, o, &o->failed_dests, {}, true);
       if (dest.empty() && !o->failed_dests.empty()) {
         o->failed_dests.clear();  // no other choice: retry the ones that failed
-        dest = ChooseNodes(o->bytes, 1, o, nullptr, {}, true);
+        dest = ChooseNodes(now_ns, o->bytes, 1, o, nullptr, {}, true);
       }
       std::optional<uint64_t> off;
       if (!dest.empty()) off = dest[0].segment->alloc.Allocate(o->bytes);
@@ -1065,7 +1106,7 @@ struct MasterState::Impl {
     }
     if (inflight == 0 && draining > 0 && active > 0 && (active >= o->target || blocked)) {
       for (size_t i = o->replicas.size(); i-- > 0;) {
-        if (o->replicas[i].node->state == NodeState::kDraining) DropReplica(o, i, now_ns, false);
+        if (o->replicas[i].node->state == NodeState::kDraining) DropReplica(o, i, now_ns);
       }
       draining = 0;
     }
@@ -1098,17 +1139,26 @@ struct MasterState::Impl {
   Result<PutAllocation> AllocateObject(const PutItem& item, uint64_t bytes,
                                        const PutOptions& options, uint64_t now_ns) {
     const size_t count = options.replica_num;
-    std::vector<Choice> picks = ChooseNodes(bytes, count, nullptr, nullptr, options.client_node_id);
+    std::vector<Choice> picks =
+        ChooseNodes(now_ns, bytes, count, nullptr, nullptr, options.client_node_id);
     if (picks.size() < count) {
       MakeRoom(bytes, count, options.client_node_id, now_ns);
-      picks = ChooseNodes(bytes, count, nullptr, nullptr, options.client_node_id);
+      picks = ChooseNodes(now_ns, bytes, count, nullptr, nullptr, options.client_node_id);
     }
-    size_t active = 0;
-    for (const auto& [id, n] : nodes) active += n.state == NodeState::kActive;
+    size_t active = 0, waiting = 0;
+    for (const auto& [id, n] : nodes) {
+      active += n.state == NodeState::kActive;
+      waiting += n.state == NodeState::kActive && !Placeable(n, now_ns);
+    }
     if (picks.size() < count) {
-      return Status::NoSpace("need " + Num(count) + " ACTIVE nodes with a free range of " +
-                             Num(RoundUp(bytes)) + " bytes; " + Num(picks.size()) + " of " +
-                             Num(active) + " ACTIVE nodes have one, even after eviction");
+      return Status::NoSpace(
+          "need " + Num(count) + " ACTIVE nodes with a free range of " + Num(RoundUp(bytes)) +
+          " bytes; " + Num(picks.size()) + " of " + Num(active) +
+          " ACTIVE nodes have one, even after eviction" +
+          (waiting == 0 ? std::string()
+                        : " (" + Num(waiting) +
+                              " registered again and take no new data until writes and leases "
+                              "of their previous registration have run out)"));
     }
     std::vector<uint64_t> offsets;
     for (const Choice& c : picks) {
@@ -1175,7 +1225,7 @@ struct MasterState::Impl {
       }
       if (idx < 0) continue;  // lost with its node
       if (!item.replica_ok[i]) {
-        DropReplica(o, idx, now_ns, /*writer_done=*/true);
+        DropReplica(o, idx, now_ns);
         continue;
       }
       o->replicas[idx].state = ReplicaState::kCommitting;
@@ -1184,7 +1234,7 @@ struct MasterState::Impl {
     }
     if (written < cfg.min_replicas) {
       const size_t total = o->put_layout.size();
-      EraseObject(o, now_ns, /*writer_done=*/true);
+      EraseObject(o, now_ns);
       ++revokes_total;
       return Status::Unavailable(Num(written) + " of " + Num(total) +
                                  " replicas written; min_replicas is " + Num(cfg.min_replicas) +
@@ -1242,14 +1292,14 @@ struct MasterState::Impl {
         o->replicas[idx].state = ReplicaState::kComplete;
         ++complete;
       } else {
-        DropReplica(o, idx, now_ns, /*writer_done=*/true);  // the node may have it: freed there
+        DropReplica(o, idx, now_ns);  // the node may have it: freed there
       }
     }
     for (size_t j = o->replicas.size(); j-- > 0;) {
-      if (o->replicas[j].state != ReplicaState::kComplete) DropReplica(o, j, now_ns, true);
+      if (o->replicas[j].state != ReplicaState::kComplete) DropReplica(o, j, now_ns);
     }
     if (complete < cfg.min_replicas) {
-      EraseObject(o, now_ns, /*writer_done=*/true);
+      EraseObject(o, now_ns);
       ++revokes_total;
       return Status::Unavailable(Num(complete) + " replicas committed; min_replicas is " +
                                  Num(cfg.min_replicas) + "; put revoked");
@@ -1314,6 +1364,19 @@ Result<RegisterReply> MasterState::RegisterNode(const NodeRegistration& registra
   ++m.directory_version;
   RegisterReply reply;
   reply.heartbeat_interval_ms = std::max<uint64_t>(1, m.cfg.node_ttl_ms / 3);
+  // The same incarnation coming back (it expired, or the master restarted): writers and readers
+  // of its previous registration may still be at its memory. This master knows how long when
+  // it dropped that registration itself; otherwise (a new master) it assumes the worst any
+  // predecessor could have handed out (restart_hold_until_ns).
+  if (auto dep = m.departed.find(id.node_id);
+      dep != m.departed.end() && dep->second.incarnation == id.incarnation) {
+    n.no_alloc_before_ns = dep->second.reuse_after_ns;
+  } else if (registration.registered_before) {
+    n.no_alloc_before_ns = m.cfg.restart_hold_until_ns;
+  }
+  if (n.no_alloc_before_ns > now_ns) {
+    reply.no_alloc_ms = (n.no_alloc_before_ns - now_ns + kNsPerMs - 1) / kNsPerMs;
+  }
   m.LoadInventory(n, inventory, now_ns, reply);
   // Delivered in this reply and, until acknowledged, in every heartbeat reply: a lost reply
   // loses none of them.
@@ -1529,7 +1592,7 @@ std::vector<Status> MasterState::PutRevoke(const std::vector<KeyVersion>& items,
     } else if (o->state == ObjectState::kCommitting) {
       st = Status::Unavailable("its put end is in flight");
     } else {
-      m.EraseObject(o, now_ns, /*writer_done=*/true);
+      m.EraseObject(o, now_ns);
       ++m.revokes_total;
     }
     out.push_back(std::move(st));
@@ -1610,7 +1673,7 @@ Status MasterState::Remove(std::string_view key, uint64_t now_ns) {
   if (o->state != ObjectState::kComplete) {
     return Status::Unavailable("a put of this key is in progress");
   }
-  m.EraseObject(o, now_ns, /*writer_done=*/false);
+  m.EraseObject(o, now_ns);
   return Status::OK();
 }
 
@@ -1621,7 +1684,7 @@ size_t MasterState::RemoveAll(uint64_t now_ns) {
   for (auto& [key, o] : m.objects) {
     if (o->state == ObjectState::kComplete) victims.push_back(o.get());
   }
-  for (Impl::Object* o : victims) m.EraseObject(o, now_ns, /*writer_done=*/false);
+  for (Impl::Object* o : victims) m.EraseObject(o, now_ns);
   for (auto& [id, d] : m.departed) {
     for (Impl::DepartedCopy& c : d.copies) c.comes_back = false;
   }
@@ -1658,10 +1721,10 @@ Status MasterState::ReportBadReplica(std::string_view key, uint64_t version,
   for (const auto& r : o->replicas) {
     if (r.task_id != 0 && m.tasks.at(r.task_id).source == n) cancel.push_back(r.task_id);
   }
-  for (uint64_t tid : cancel) m.DropReplica(o, Impl::ReplicaWithTask(*o, tid), now_ns, false);
-  m.DropReplica(o, Impl::ReplicaOn(*o, n), now_ns, /*writer_done=*/false);
+  for (uint64_t tid : cancel) m.DropReplica(o, Impl::ReplicaWithTask(*o, tid), now_ns);
+  m.DropReplica(o, Impl::ReplicaOn(*o, n), now_ns);
   if (Impl::CompleteReplicas(*o) == 0) {
-    m.EraseObject(o, now_ns, /*writer_done=*/false);
+    m.EraseObject(o, now_ns);
   } else {
     m.MarkRepair(o, now_ns);
   }
@@ -1694,7 +1757,7 @@ Result<TaskCommitPlan> MasterState::TaskDone(uint64_t task_id, const NodeIdentit
   TaskCommitPlan plan;
   plan.task_id = task_id;
   if (!ok) {
-    m.FailTask(it, now_ns, /*writer_done=*/true);
+    m.FailTask(it, now_ns);
     return plan;
   }
   Impl::Object* o = m.FindObject(t.key);
@@ -1724,7 +1787,7 @@ Status MasterState::FinishTask(const TaskCommitPlan& plan, uint64_t now_ns) {
     return Status::NotFound("task " + Num(plan.task_id) + " was cancelled while committing");
   }
   if (!c.ok) {
-    m.FailTask(it, now_ns, /*writer_done=*/true);
+    m.FailTask(it, now_ns);
     return Status::Unavailable("commit to " + ToString(c.node) + " failed; retried later");
   }
   Impl::Object* o = m.FindObject(it->second.key);
@@ -1854,7 +1917,7 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
     Impl::Object* o = m.FindObject(key);
     if (o->put_deadline_ns <= now_ns) overdue.push_back(o);
   }
-  for (Impl::Object* o : overdue) m.EraseObject(o, now_ns, /*writer_done=*/true);
+  for (Impl::Object* o : overdue) m.EraseObject(o, now_ns);
   sum.puts_revoked = overdue.size();
   m.revokes_total += overdue.size();
 
@@ -1863,7 +1926,7 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
   for (const auto& [tid, t] : m.tasks) {
     if (t.state != Impl::TaskState::kQueued && t.deadline_ns <= now_ns) late.push_back(tid);
   }
-  for (uint64_t tid : late) m.FailTask(m.tasks.find(tid), now_ns, /*writer_done=*/true);
+  for (uint64_t tid : late) m.FailTask(m.tasks.find(tid), now_ns);
   sum.tasks_timed_out = late.size();
 
   // Held space whose lease or writer deadline passed.

@@ -68,6 +68,9 @@ struct NodeRegistration {
   std::vector<SegmentInfo> segments;
   // The node is leaving (it asked to drain, then the master restarted): it registers DRAINING.
   bool draining = false;
+  // This incarnation was registered before (with this master or a predecessor): writes issued
+  // then may still reach its memory (see MasterConfig::restart_hold_until_ns).
+  bool registered_before = false;
 };
 
 struct ReplicaLocation {
@@ -189,6 +192,21 @@ struct MasterConfig {
   // back to its node's DRAM when that stays under demote_low_watermark; 0 = never promote.
   uint32_t promote_after_reads = 2;
 
+  // --- Late writers (docs/store.md "Late writes") ---
+  // A writer (a client's put, a task's source node) stops sending at its deadline, but bytes
+  // already sent can still land afterwards (queued in a socket, retransmitted, or waiting for a
+  // destination that stopped reading for a moment). A range such a writer may write is reused
+  // only this long after the writer's deadline, whether it reported failure, was revoked or is
+  // simply late. The master service sets node_ttl_ms + 1000.
+  uint64_t late_write_margin_ms = 2000;
+  // A node that registers again with registered_before and of whose previous registration this
+  // master knows nothing (it registered with a predecessor, before a master restart) may still
+  // be written by puts and tasks that master issued, and read under its leases: nothing new is
+  // placed in its DRAM before this time. The master service sets its own start time plus
+  // max(put_timeout_ms, 2 x task_timeout_ms, lease_ms) + late_write_margin_ms. 0 = no wait.
+  // (A node this master dropped itself waits only for what it knew of: see RegisterNode.)
+  uint64_t restart_hold_until_ns = 0;
+
   // Seed of the eviction sampler; 0 = random.
   uint64_t random_seed = 0;
 
@@ -200,6 +218,9 @@ struct RegisterReply {
   std::vector<uint64_t> free_seqs;     // their sequence numbers, to acknowledge
   size_t records_accepted = 0;
   uint64_t heartbeat_interval_ms = 0;  // node_ttl_ms / 3
+  // Nothing new is placed in the node's DRAM for this long (0: placed at once): it registered
+  // again, and writers or readers of its previous registration may still be at its memory.
+  uint64_t no_alloc_ms = 0;
 };
 
 struct ReplicationTask {
@@ -430,6 +451,10 @@ class MasterState {
   // (higher replica_id), is older than another version of its key (on this node or in the
   // table), or is surplus to its object's replica count. A newer version replaces the table's
   // object. Versions and replica ids handed out later exceed every one seen.
+  // An incarnation this master dropped (expired, deregistered) that registers again gets no new
+  // DRAM allocation until every lease and writer deadline (plus late_write_margin_ms) of its
+  // previous registration has passed; one that says registered_before and that this master
+  // never knew, none before restart_hold_until_ns (RegisterReply::no_alloc_ms).
   // INVALID_ARGUMENT (bad registration), ALREADY_EXISTS (this incarnation is registered
   // already: nothing changes, treat as success).
   Result<RegisterReply> RegisterNode(const NodeRegistration& registration,

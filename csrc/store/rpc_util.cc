@@ -162,6 +162,49 @@ static void EnvNumber(const char* var, T* out) {
   *out = value;
 }
 
+Status ParseFaults(const std::string& spec, std::string_view what,
+                   std::initializer_list<std::pair<const char*, std::atomic<uint32_t>*>> known) {
+  size_t start = 0;
+  while (start <= spec.size()) {
+    size_t comma = spec.find(',', start);
+    if (comma == std::string::npos) comma = spec.size();
+    std::string item = spec.substr(start, comma - start);
+    start = comma + 1;
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    const std::string name = item.substr(0, eq);
+    std::atomic<uint32_t>* counter = nullptr;
+    std::string names;
+    for (const auto& [n, c] : known) {
+      if (name == n) counter = c;
+      names += (names.empty() ? "" : ", ") + std::string(n);
+    }
+    if (counter == nullptr) {
+      return Status::InvalidArgument(std::string(what) + ": unknown fault '" + name +
+                                     "' (known: " + names + ")");
+    }
+    const std::string count = eq == std::string::npos ? "" : item.substr(eq + 1);
+    char* end = nullptr;
+    const unsigned long n = std::strtoul(count.c_str(), &end, 10);
+    if (count.empty() || *end != '\0' || count[0] == '-' || n > UINT32_MAX) {
+      return Status::InvalidArgument(std::string(what) + ": '" + item +
+                                     "' needs a count (name=N, N a non-negative integer)");
+    }
+    counter->store(static_cast<uint32_t>(n));
+  }
+  return Status::OK();
+}
+
+bool TakeFault(std::atomic<uint32_t>* left) {
+  uint32_t n = left->load();
+  while (n > 0 && !left->compare_exchange_weak(n, n - 1)) {
+  }
+  if (n > 0) KVB_LOG(WARN) << "fault injection: failing a call (" << n - 1 << " more to fail)";
+  return n > 0;
+}
+
 void EnvUint(const char* var, uint32_t* out) { EnvNumber(var, out); }
 void EnvUint64(const char* var, uint64_t* out) { EnvNumber(var, out); }
 

@@ -4,13 +4,16 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 
 #include "kvbridge.pb.h"
 #include "kvbridge/status.h"
@@ -78,6 +81,14 @@ Result<std::string> DescribeNode(DescribeBackoff& backoff, const RpcAuth& auth,
 // "master" (descriptors from the master's directory and tasks) or "direct" (from each node's
 // own Node service); INVALID_ARGUMENT naming the value otherwise.
 Status CheckPeerDiscovery(const std::string& mode);
+
+// Fault injection for tests (MasterOptions::faults, StoreOptions::faults): sets each counter
+// named in `spec` ("name=N,...", N a non-negative integer; blanks and empty items ignored).
+// INVALID_ARGUMENT naming `what` and the unknown name (with the known ones) or the bad item.
+Status ParseFaults(const std::string& spec, std::string_view what,
+                   std::initializer_list<std::pair<const char*, std::atomic<uint32_t>*>> known);
+// True (and one fewer left) when the next call is to fail.
+bool TakeFault(std::atomic<uint32_t>* left);
 
 // Reads an unsigned 32-bit environment variable; ignores (with a warning) malformed values.
 void EnvUint(const char* var, uint32_t* out);

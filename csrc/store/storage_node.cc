@@ -8,6 +8,7 @@
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -39,6 +40,7 @@ NodeOptions NodeOptions::FromEnv() {
   store::EnvUint64("KVBRIDGE_NODE_SSD_STAGING_BYTES", &o.ssd_staging_bytes);
   if (const char* v = std::getenv("KVBRIDGE_PEER_DISCOVERY")) o.peer_discovery = v;
   store::EnvUint("KVBRIDGE_RPC_AUTH_SKEW_MS", &o.rpc_auth_skew_ms);
+  if (const char* v = std::getenv("KVBRIDGE_NODE_FAULTS")) o.faults = v;
   return o;
 }
 
@@ -111,6 +113,7 @@ class Unanswered {
 
 struct StorageNode::Impl final : public rpc::Node::Service {
   NodeOptions options;
+  std::atomic<uint32_t> task_delay_ms{0};  // NodeOptions::faults
   std::unique_ptr<TransferEngine> engine;
   core::PluginRegistry plugins;
   std::unique_ptr<core::HostServices> host;
@@ -136,7 +139,14 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   mutable std::mutex mu;
   std::condition_variable cv;
   std::map<RangeKey, rpc::InventoryRecord> inventory;
-  std::deque<rpc::ReplicationTask> tasks;
+  // Tasks to run, each with its deadline: the master's, counted from before the heartbeat
+  // that brought it was sent, so it is never later than the master's own.
+  struct QueuedTask {
+    rpc::ReplicationTask task;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  std::deque<QueuedTask> tasks;
+  bool registered_once = false;  // a registration succeeded: later ones say registered_before
   bool stopping = false;
   bool draining = false;  // Drain() was called: say so when re-registering
   bool drained = false;
@@ -240,7 +250,7 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   void HeartbeatLoop();
   void TaskLoop();
   // Copies a batch of tasks' replicas with one engine batch; one status per task.
-  std::vector<Status> RunTasks(const std::vector<rpc::ReplicationTask>& batch);
+  std::vector<Status> RunTasks(const std::vector<QueuedTask>& batch);
   bool ReportTask(const rpc::TaskDoneRequest& done);
   // Tells the master this node's copy at (segment_id, offset) is bad or gone; best effort.
   void ReportBadCopy(const std::string& key, uint64_t version, uint64_t segment_id,
@@ -344,6 +354,7 @@ Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
   {
     std::lock_guard<std::mutex> lock(mu);
     req.set_draining(draining);
+    req.set_registered_before(registered_once);
     for (const auto& [k, r] : inventory) {
       // A free still on its way to the disk: the master dropped that record already.
       if (k.first == kSsdSegment && ssd_freeing.count({r.key(), r.replica_id()}) != 0) continue;
@@ -356,6 +367,10 @@ Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
   if (!gs.ok()) return store::FromGrpc(gs, "RegisterNode");
   Status st = store::FromProto(reply.status());
   if (!st.ok()) return st.WithContext("RegisterNode");
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    registered_once = true;
+  }
   if (reply.heartbeat_interval_ms() > 0) heartbeat_interval_ms = reply.heartbeat_interval_ms();
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -463,6 +478,9 @@ void StorageNode::Impl::HeartbeatLoop() {
     *req.mutable_node() = Identity();
     req.set_frees_acked(frees_acked);
     rpc::HeartbeatReply reply;
+    // Deadlines in the reply count from when the master answered: from here they are never
+    // later than the master's.
+    const auto sent_at = std::chrono::steady_clock::now();
     auto ctx = Context(store::method::kHeartbeat);
     grpc::Status gs = heartbeat_master->Heartbeat(ctx.get(), req, &reply);
     Status st = gs.ok() ? store::FromProto(reply.status()) : store::FromGrpc(gs, "Heartbeat");
@@ -487,10 +505,11 @@ void StorageNode::Impl::HeartbeatLoop() {
     }
     lock.lock();
     if (st.ok()) {
-      for (const auto& t : reply.tasks()) tasks.push_back(t);
-      const auto now = std::chrono::steady_clock::now();
+      for (const auto& t : reply.tasks()) {
+        tasks.push_back({t, sent_at + std::chrono::milliseconds(t.timeout_ms())});
+      }
       for (const auto& d : reply.demotions()) {
-        demotions.emplace_back(d, now + std::chrono::milliseconds(d.timeout_ms()));
+        demotions.emplace_back(d, sent_at + std::chrono::milliseconds(d.timeout_ms()));
       }
       if (reply.drained()) drained = true;
       cv.notify_all();
@@ -498,7 +517,8 @@ void StorageNode::Impl::HeartbeatLoop() {
   }
 }
 
-std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::ReplicationTask>& batch) {
+std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& batch) {
+  using Clock = std::chrono::steady_clock;
   std::vector<Status> result(batch.size());
   std::vector<std::unique_ptr<Staged>> staged;  // SSD sources, freed when the batch ends
   struct FreeStaged {
@@ -511,12 +531,17 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
   std::vector<TransferOp> ops;
   std::vector<size_t> task_of_op;
   std::vector<std::string> dest_ids(batch.size());
-  uint32_t deadline_ms = UINT32_MAX;
+  std::optional<Clock::time_point> deadline;  // the earliest of the batch's tasks
   // Direct discovery: one Describe per destination and batch (the answer, or the failure, is
   // reused for its other tasks), and none while that destination is backing off.
   std::map<std::pair<std::string, uint64_t>, Result<std::string>> described;
   for (size_t i = 0; i < batch.size(); ++i) {
-    const rpc::ReplicationTask& task = batch[i];
+    const rpc::ReplicationTask& task = batch[i].task;
+    // Past its deadline the master has given the destination range up: write nothing there.
+    if (Clock::now() >= batch[i].deadline) {
+      result[i] = Status::DeadlineExceeded("task reached the node past its deadline; not run");
+      continue;
+    }
     std::string descriptor = task.dest_descriptor();
     if (options.peer_discovery == "direct") {
       const rpc::NodeIdentity& dn = task.dest().node();
@@ -545,10 +570,6 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
       continue;
     }
     const auto& src = task.source();
-    if (task.timeout_ms() == 0) {
-      result[i] = Status::DeadlineExceeded("task arrived past its deadline");
-      continue;
-    }
     char* local = nullptr;
     if (ssd != nullptr && src.segment_id() == kSsdSegment) {
       // An SSD replica: read it into staging first, then write from there.
@@ -589,14 +610,24 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<rpc::Replicati
       continue;
     }
     dest_ids[i] = dest->node_id;
-    deadline_ms = std::min(deadline_ms, task.timeout_ms());  // the master gives up after it
+    if (!deadline || batch[i].deadline < *deadline) deadline = batch[i].deadline;
     ops.push_back(TransferOp{OpCode::kWrite, local, src.length(), dest_ids[i],
                              task.dest().segment_id(), task.dest().offset()});
     task_of_op.push_back(i);
   }
   if (ops.empty()) return result;
+  // The transfer ends by the earliest deadline of the batch (describing destinations and
+  // reading SSD sources took some of it): nothing is sent after the master gave up.
+  const int64_t left_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now()).count();
+  if (left_ms <= 0) {
+    for (size_t i : task_of_op) {
+      result[i] = Status::DeadlineExceeded("task deadline passed before its transfer started");
+    }
+    return result;
+  }
   SubmitOptions so;
-  so.deadline_ms = deadline_ms;
+  so.deadline_ms = static_cast<uint32_t>(std::min<int64_t>(left_ms, UINT32_MAX));
   Result<BatchId> id = engine->Submit(ops, so);
   if (!id.ok()) {
     for (size_t i : task_of_op) result[i] = id.status();
@@ -654,15 +685,19 @@ void StorageNode::Impl::TaskLoop() {
     }
     // Everything queued goes out as one transfer batch: re-replication after a node loss moves
     // thousands of objects, and one engine batch per object would serialize them.
-    std::vector<rpc::ReplicationTask> batch(std::make_move_iterator(tasks.begin()),
-                                            std::make_move_iterator(tasks.end()));
+    std::vector<QueuedTask> batch(std::make_move_iterator(tasks.begin()),
+                                  std::make_move_iterator(tasks.end()));
     tasks.clear();
     lock.unlock();
+    if (const uint32_t delay = task_delay_ms.load(); delay > 0) {
+      KVB_LOG(WARN) << "fault injection: " << batch.size() << " task(s) wait " << delay << " ms";
+      std::this_thread::sleep_for(std::chrono::milliseconds(delay));
+    }
     std::vector<Status> statuses = RunTasks(batch);
     for (size_t i = 0; i < batch.size(); ++i) {
       rpc::TaskDoneRequest done;
       *done.mutable_node() = Identity();
-      done.set_task_id(batch[i].task_id());
+      done.set_task_id(batch[i].task.task_id());
       store::ToProto(statuses[i], done.mutable_status());
       if (!ReportTask(done)) unanswered.Add(std::move(done));
     }
@@ -1140,6 +1175,8 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   impl->options = options;
   impl->auth =
       std::make_unique<store::RpcAuth>(options.engine.cluster_token, options.rpc_auth_skew_ms);
+  KVB_RETURN_IF_ERROR(store::ParseFaults(options.faults, "NodeOptions::faults",
+                                         {{"task_delay_ms", &impl->task_delay_ms}}));
   auto engine = TransferEngine::Create(options.engine);
   if (!engine.ok()) return engine.status().WithContext("storage node");
   impl->engine = std::move(engine).value();

@@ -2,6 +2,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -15,6 +16,7 @@
 #include <set>
 #include <span>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 
 #include "kvbridge.grpc.pb.h"
@@ -41,6 +43,7 @@ StoreOptions StoreOptions::FromEnv() {
   store::EnvUint("KVBRIDGE_HEDGE_BANDWIDTH_MBPS", &o.hedge_bandwidth_mbps);
   if (const char* v = std::getenv("KVBRIDGE_PEER_DISCOVERY")) o.peer_discovery = v;
   if (const char* v = std::getenv("KVBRIDGE_ADMIN_TOKEN")) o.admin_token = v;
+  if (const char* v = std::getenv("KVBRIDGE_CLIENT_FAULTS")) o.faults = v;
   return o;
 }
 
@@ -86,6 +89,9 @@ uint32_t ChecksumOf(const std::vector<Piece>& pieces) {
 
 struct StoreClient::Impl {
   StoreOptions options;
+  // StoreOptions::faults.
+  std::atomic<uint32_t> put_stall_before_write_ms{0};
+  std::atomic<uint32_t> put_ignore_deadline{0};
   std::unique_ptr<TransferEngine> engine;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<rpc::Master::Stub> master;
@@ -198,9 +204,10 @@ struct StoreClient::Impl {
     auto ctx = Context(store::method::kReportBadReplica);
     (void)master->ReportBadReplica(ctx.get(), req, &ignored);
   }
-  // One transfer pass; fills ok[i] per group of ops.
+  // One transfer pass, bounded by deadline_ms (0: transfer_deadline_ms); fills ok[i] per
+  // group of ops.
   void Run(std::vector<TransferOp>& ops, const std::vector<size_t>& group_of_op, size_t groups,
-           std::vector<Status>* group_status);
+           std::vector<Status>* group_status, uint32_t deadline_ms = 0);
   // Appends the ops reading group g from another replica, not on node `avoid`; false if none.
   using Alternative =
       std::function<bool(size_t g, std::string_view avoid, std::vector<TransferOp>* out)>;
@@ -342,11 +349,12 @@ Status OpFailure(const Status& st) {
 }  // namespace
 
 void StoreClient::Impl::Run(std::vector<TransferOp>& ops, const std::vector<size_t>& group_of_op,
-                            size_t groups, std::vector<Status>* group_status) {
+                            size_t groups, std::vector<Status>* group_status,
+                            uint32_t deadline_ms) {
   group_status->assign(groups, Status::OK());
   if (ops.empty()) return;
   SubmitOptions so;
-  so.deadline_ms = options.transfer_deadline_ms;
+  so.deadline_ms = deadline_ms != 0 ? deadline_ms : options.transfer_deadline_ms;
   Result<BatchId> id = engine->Submit(ops, so);
   if (!id.ok()) {
     for (size_t g = 0; g < groups; ++g) (*group_status)[g] = id.status();
@@ -568,6 +576,10 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& opt
   impl->options = options;
   impl->auth = std::make_unique<store::RpcAuth>(options.engine.cluster_token);
   impl->admin_key = store::CallKey(options.admin_token, store::kAdminKeyPurpose);
+  KVB_RETURN_IF_ERROR(store::ParseFaults(
+      options.faults, "StoreOptions::faults",
+      {{"put_stall_before_write_ms", &impl->put_stall_before_write_ms},
+       {"put_ignore_deadline", &impl->put_ignore_deadline}}));
   auto engine = TransferEngine::Create(options.engine);
   if (!engine.ok()) return engine.status().WithContext("store client");
   impl->engine = std::move(engine).value();
@@ -632,6 +644,9 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   rpc::PutStartReply started;
   std::vector<uint32_t> checksums(keys.size(), 0);
   std::vector<Piece> pieces;
+  // The master's write deadline counts from its answer: measured from before asking, it ends
+  // no later here than there.
+  const auto put_base = std::chrono::steady_clock::now();
   {
     auto ctx = im.Context(store::method::kPutStart);
     std::mutex mu;
@@ -657,12 +672,24 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
       return result;
     }
   }
-  // Writes: every replica of every admitted key, all in one batch.
+  // Writes: every replica of every admitted key, all in one batch, ended by the earliest of
+  // their deadlines from the master (its put_timeout_ms). After a deadline the master revokes
+  // the put and, a margin later, reuses its ranges for other objects: a write started or still
+  // sending then could land on them (docs/store.md "Late writes").
   std::set<std::pair<std::string, uint64_t>> nodes;
+  std::optional<std::chrono::steady_clock::time_point> write_deadline;
   for (const auto& item : started.items()) {
     for (const auto& r : item.replicas()) nodes.emplace(r.node().node_id(), r.node().incarnation());
+    if (item.status().code() == 0 && item.replicas_size() > 0) {
+      const auto d = put_base + std::chrono::milliseconds(item.deadline_ms());
+      if (!write_deadline || d < *write_deadline) write_deadline = d;
+    }
   }
   Status peers_ok = im.EnsurePeers(nodes);
+  if (const uint32_t stall = im.put_stall_before_write_ms.load(); stall > 0) {
+    KVB_LOG(WARN) << "fault injection: put stalls " << stall << " ms before its transfer";
+    std::this_thread::sleep_for(std::chrono::milliseconds(stall));
+  }
   std::vector<TransferOp> ops;
   std::vector<size_t> group_of_op;
   std::vector<std::pair<size_t, int>> groups;  // (key index, replica index)
@@ -688,7 +715,23 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
     }
   }
   std::vector<Status> group_status;
-  im.Run(ops, group_of_op, groups.size(), &group_status);
+  bool sent = true;  // false: nothing went out (no node to blame for the failure)
+  const int64_t left_ms =
+      write_deadline ? std::chrono::duration_cast<std::chrono::milliseconds>(
+                           *write_deadline - std::chrono::steady_clock::now())
+                           .count()
+                     : int64_t{im.options.transfer_deadline_ms};
+  if (im.put_ignore_deadline.load() != 0) {
+    im.Run(ops, group_of_op, groups.size(), &group_status);
+  } else if (left_ms <= 0) {
+    sent = false;
+    group_status.assign(groups.size(),
+                        Status::DeadlineExceeded("the put's deadline from the master passed "
+                                                 "before its transfer started; nothing written"));
+  } else {
+    im.Run(ops, group_of_op, groups.size(), &group_status,
+           static_cast<uint32_t>(std::min<int64_t>(left_ms, im.options.transfer_deadline_ms)));
+  }
   if (!peers_ok.ok()) KVB_LOG(WARN) << "put: " << peers_ok.ToString();
 
   rpc::PutEndRequest end;
@@ -730,7 +773,7 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   // do: placed last for a while, so the next puts put their replicas elsewhere first instead
   // of each waiting out the same progress timeout until its TTL expires. Nothing is dropped.
   std::set<std::string> reported;
-  for (size_t g = 0; g < groups.size(); ++g) {
+  for (size_t g = 0; sent && g < groups.size(); ++g) {
     if (group_status[g].ok() || !NodeLevel(group_status[g])) continue;
     const auto [i, r] = groups[g];
     const auto& item = started.items(static_cast<int>(i));

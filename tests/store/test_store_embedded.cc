@@ -241,6 +241,20 @@ TEST(EmbeddedStore, InvalidOptionsAreNamedErrors) {
   mo.listen = "127.0.0.1:0";
   mo.faults = " demote_done_lose_request=0 ,";
   EXPECT_TRUE(MasterServer::Start(mo).ok());
+  // The client's and the node's fault specs likewise.
+  StoreOptions bad_client;
+  bad_client.faults = "put_stall_before_write_ms=10,put_stall=1";
+  auto c = StoreClient::Create(bad_client);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("'put_stall'"), std::string::npos) << c.status().ToString();
+  NodeOptions bad_node;
+  bad_node.faults = "task_delay_ms=x";
+  auto n = StorageNode::Start(bad_node);
+  ASSERT_FALSE(n.ok());
+  EXPECT_EQ(n.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(n.status().message().find("task_delay_ms=x"), std::string::npos)
+      << n.status().ToString();
 }
 
 // Where the replicas of `key` live, through the master's own protocol (this takes a lease).

@@ -476,6 +476,66 @@ TEST(MasterFrees, SequenceNumbersStartAtFirstFreeSeq) {
   EXPECT_EQ(hb->free_seqs[0], 1000000u);
 }
 
+// A node this master declared dead that comes back (same incarnation) may still be read under
+// leases the master granted, and written by writers whose deadline has not passed: nothing new
+// is placed in its DRAM until then. Other nodes take the puts meanwhile.
+TEST(MasterLateWrites, NodeBackFromExpiryTakesNoDataUntilItsLeasesEnd) {
+  MasterConfig cfg;
+  cfg.lease_ms = 5000;
+  Cluster c(cfg);
+  c.AddNode("n0", {1 << 20});
+  c.AddNode("n1", {1 << 20});
+  ASSERT_TRUE(c.Put("k", 4096, 1, "n0").ok());
+  ASSERT_EQ(c.ReplicaNodes("k"), std::vector<std::string>{"n0"});  // a read: leased 5 s
+  const uint64_t lease_end = c.now + 5000 * kMs;
+  c.PassSeconds(3, {"n1"});  // n0 silent: dead
+  ASSERT_EQ(c.m().Heartbeat(c.nodes["n0"].id, 0, c.now).status().code(), StatusCode::kNotFound);
+  auto back = c.Register(c.nodes["n0"]);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->no_alloc_ms, (lease_end - c.now) / kMs);
+  for (int i = 0; i < 4; ++i) {
+    auto a = c.Start("p" + std::to_string(i), {4096}, 1, "n0");
+    ASSERT_TRUE(a.ok());
+    EXPECT_EQ(a->replicas[0].node.node_id, "n1") << "placed on a node whose leases still run";
+  }
+  // Two replicas cannot be placed at all meanwhile, and the error says why.
+  auto two = c.Start("two", {4096}, 2);
+  ASSERT_EQ(two.status().code(), StatusCode::kNoSpace);
+  EXPECT_NE(two.status().message().find("registered again"), std::string::npos);
+  c.now = lease_end;
+  c.HeartbeatAll();
+  auto later = c.Start("q", {4096}, 1, "n0");
+  ASSERT_TRUE(later.ok());
+  EXPECT_EQ(later->replicas[0].node.node_id, "n0");
+  ExpectConsistent(c);
+}
+
+// After a master restart, a node that says it was registered before may still be written by
+// the previous master's puts and tasks: it takes no new data until restart_hold_until_ns. A
+// node registering for the first time (a fresh process) takes data at once.
+TEST(MasterLateWrites, NodeRegisteredBeforeARestartWaitsForTheRestartHold) {
+  MasterConfig cfg;
+  cfg.restart_hold_until_ns = 1000 * kMs + 12000 * kMs;
+  Cluster c(cfg);
+  FakeNode& old = c.AddNode("n0", {1 << 20});
+  NodeRegistration again = old.Registration();
+  again.identity.incarnation = 5;
+  again.registered_before = true;
+  auto r = c.m().RegisterNode(again, {}, c.now);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->no_alloc_ms, 12000u);
+  auto a = c.Start("k", {4096});
+  EXPECT_EQ(a.status().code(), StatusCode::kNoSpace);
+  c.AddNode("fresh", {1 << 20});
+  a = c.Start("k", {4096});
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->replicas[0].node.node_id, "fresh");
+  c.now = cfg.restart_hold_until_ns;
+  EXPECT_TRUE(c.m().Heartbeat(again.identity, 0, c.now).ok());
+  auto b = c.Start("k2", {4096}, 2);
+  EXPECT_TRUE(b.ok()) << b.status().ToString();
+}
+
 TEST(MasterMembership, NodeSilentForTtlIsDeadAndMustReRegister) {
   Cluster c;
   c.AddNode("n0", {1 << 20});
@@ -769,7 +829,8 @@ TEST(MasterPutEnd, PartialReplicaFailureKeepsTheRest) {
     EXPECT_EQ(cm.records[0].checksum, 7u);
     EXPECT_EQ(cm.records[0].replica_num, 3u);
   }
-  EXPECT_EQ(c.Used(failed), 0u);  // freed at once
+  // Held, not freed: the client gave up on that write, but bytes it sent may still land.
+  EXPECT_EQ(c.Used(failed), 4096u);
   for (auto& cm : plan.commits) c.Deliver(cm, Commit::kOk);
   auto fin = c.m().FinishPutEnd(plan, c.now);
   ASSERT_TRUE(fin[0].ok()) << fin[0].ToString();
@@ -840,9 +901,16 @@ TEST(MasterPutEnd, MinReplicasDecides) {
   EXPECT_EQ(st.code(), StatusCode::kUnavailable);
   EXPECT_FALSE(c.m().Exists({"d"})[0]);
   ExpectConsistent(c);
+  // The failed writes' ranges are held to their writer's deadline plus the late-write margin;
+  // d's were written (COMMITTING) and are freed at once.
   uint64_t used = 0;
   for (const auto& n : c.m().Stats().nodes) used += n.used;
-  EXPECT_EQ(used, 2 * 4096u);  // only two_of_three's replicas
+  EXPECT_EQ(used, 2 * 4096u + 3 * 4096u);  // two_of_three's replicas, three failed writes
+  EXPECT_EQ(c.m().Stats().held_bytes, 3 * 4096u);
+  c.now = b->deadline_ns + c.cfg().late_write_margin_ms * kMs;
+  c.HeartbeatAll();
+  c.m().Tick(c.now);
+  EXPECT_EQ(c.m().Stats().held_bytes, 0u);
 }
 
 TEST(MasterPutEnd, EarlyErrors) {
@@ -929,6 +997,15 @@ TEST(MasterPutRevoke, RevokesPendingOnly) {
   EXPECT_TRUE(r[4].ok());
   EXPECT_FALSE(c.m().Exists({"p"})[0]);
   EXPECT_EQ(c.m().Stats().pending, 0u);
+  // A revoked put's range waits for its writer's deadline plus the late-write margin.
+  EXPECT_EQ(c.Used("n0"), 128u + 4096u);
+  c.now = a->deadline_ns + c.cfg().late_write_margin_ms * kMs - 1;
+  c.HeartbeatAll();
+  c.m().Tick(c.now);
+  EXPECT_EQ(c.Used("n0"), 128u + 4096u);
+  c.now += 1;
+  c.HeartbeatAll();
+  c.m().Tick(c.now);
   EXPECT_EQ(c.Used("n0"), 128u);  // "done" only
   ExpectConsistent(c);
 }
@@ -943,6 +1020,11 @@ TEST(MasterPutRevoke, TimeoutRevokesPendingPuts) {
   EXPECT_EQ(c.m().Tick(c.now).puts_revoked, 0u);
   c.now = a->deadline_ns;
   EXPECT_EQ(c.m().Tick(c.now).puts_revoked, 1u);
+  // A late client may still be writing: the range is reused only a margin after its deadline.
+  EXPECT_EQ(c.Used("n0"), 4096u);
+  c.now = a->deadline_ns + c.cfg().late_write_margin_ms * kMs;
+  c.HeartbeatAll();
+  c.m().Tick(c.now);
   EXPECT_EQ(c.Used("n0"), 0u);
   EXPECT_EQ(c.End("k", a.value(), {true}, 0).code(), StatusCode::kNotFound);
   EXPECT_EQ(c.m().Stats().revokes_total, 1u);
@@ -1215,7 +1297,9 @@ TEST(MasterRepair, FailedTaskIsRetriedLaterElsewhere) {
   auto plan = c.m().TaskDone(first.task_id, first.source.node, false, c.now);
   ASSERT_TRUE(plan.ok());
   EXPECT_TRUE(plan->commits.empty());
-  EXPECT_EQ(c.Used(first.dest.node.node_id), 0u);
+  // The source gave up, but bytes it sent may still land: held to the task's deadline plus
+  // the late-write margin.
+  EXPECT_EQ(c.Used(first.dest.node.node_id), 4096u);
   EXPECT_EQ(c.m().TaskDone(first.task_id, first.source.node, true, c.now).status().code(),
             StatusCode::kNotFound);
   ExpectConsistent(c);

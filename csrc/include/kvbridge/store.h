@@ -62,6 +62,15 @@ struct StoreOptions {
   // token refuses RemoveAll PERMISSION_DENIED. Keep it off hosts that need only puts and gets.
   // KVBRIDGE_ADMIN_TOKEN.
   std::string admin_token;
+  // Fault injection for tests; empty in production. A comma-separated list of name=value:
+  //   put_stall_before_write_ms  every put sleeps this long between the master's PutStart
+  //                              answer and its transfer (a client stalled, swapped out);
+  //   put_ignore_deadline        1: the transfer starts, and runs for transfer_deadline_ms,
+  //                              even past the put's deadline from the master (what a client
+  //                              that ignored it would do: shows the master's hold of the
+  //                              ranges is what keeps such late bytes off other objects).
+  // An unknown name or a bad value makes Create fail naming it. KVBRIDGE_CLIENT_FAULTS.
+  std::string faults;
   // Defaults, overridden by the KVBRIDGE_* variables named above and EngineOptions::FromEnv().
   static StoreOptions FromEnv();
 };
@@ -154,6 +163,12 @@ struct NodeOptions {
   // How far a call's proof of the cluster token (engine.cluster_token, docs/security.md) may
   // be from this node's wall clock. KVBRIDGE_RPC_AUTH_SKEW_MS.
   uint32_t rpc_auth_skew_ms = 60000;
+  // Fault injection for tests; empty in production. A comma-separated list of name=value:
+  //   task_delay_ms  every batch of re-replication tasks waits this long before it runs (a
+  //                  node that gets round to its tasks late: it must then run none whose
+  //                  deadline from the master has passed).
+  // An unknown name or a bad value makes Start fail naming it. KVBRIDGE_NODE_FAULTS.
+  std::string faults;
   EngineOptions engine;
   static NodeOptions FromEnv();
 };
