@@ -1863,6 +1863,11 @@ Status MasterState::DemoteDone(const NodeIdentity& node, std::string_view key, u
   return Status::OK();
 }
 
+size_t MasterState::liveness_records() const {
+  std::lock_guard<std::mutex> lock(impl_->live_mu);
+  return impl_->live.size();
+}
+
 void MasterState::Touch(const NodeIdentity& node, uint64_t now_ns) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.live_mu);
@@ -1885,6 +1890,12 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
       if (it != m.live.end() && it->second.first == n.id().incarnation) {
         n.last_seen_ns = std::max(n.last_seen_ns, it->second.second);
       }
+    }
+    // Records of ids that are not registered nodes (any caller can send a heartbeat naming
+    // anything) are dropped here: the map stays as large as the node table between ticks' worth
+    // of heartbeats.
+    for (auto it = m.live.begin(); it != m.live.end();) {
+      it = m.nodes.count(it->first) == 0 ? m.live.erase(it) : std::next(it);
     }
   }
   if (m.last_tick_ns != 0 && now_ns > m.last_tick_ns) {

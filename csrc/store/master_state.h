@@ -474,6 +474,8 @@ class MasterState {
   // the table lock still counts as liveness (Tick reads it). Never fails; unknown nodes and
   // other incarnations are ignored when Tick folds the records in.
   void Touch(const NodeIdentity& node, uint64_t now_ns);
+  // Heartbeat records held (for tests): Tick drops those of ids that are not registered nodes.
+  size_t liveness_records() const;
   // No new allocations on the node; everything on it is re-replicated elsewhere (with it as the
   // source); Heartbeat says drained when nothing is left or drain_timeout_ms has passed.
   // Idempotent. NOT_FOUND / STALE_PEER as Heartbeat.

@@ -606,6 +606,28 @@ TEST(MasterMembership, TouchKeepsANodeAliveWithoutTheTableLock) {
   EXPECT_EQ(c.m().Tick(c.now).nodes_expired, 1u);
 }
 
+// Heartbeats naming ids that are not registered (any caller can send them) leave no record
+// past the next tick: 100 000 made-up ids, then one tick, and the liveness map holds only the
+// registered node's record, which still keeps that node alive.
+TEST(MasterMembership, TouchesOfUnknownIdsArePrunedAtTheNextTick) {
+  Cluster c;
+  c.AddNode("n0", {1 << 20});
+  for (int i = 0; i < 100000; ++i) {
+    NodeIdentity made_up;
+    made_up.node_id = "made-up-" + std::to_string(i);
+    made_up.incarnation = 1;
+    c.m().Touch(made_up, c.now);
+  }
+  c.m().Touch(c.nodes["n0"].id, c.now);
+  EXPECT_EQ(c.m().liveness_records(), 100001u);
+  c.now += 2500 * kMs;
+  c.m().Touch(c.nodes["n0"].id, c.now);
+  EXPECT_EQ(c.m().Tick(c.now).nodes_expired, 0u);
+  EXPECT_EQ(c.m().liveness_records(), 1u);
+  c.now += 1000 * kMs;  // 3.5 s after registration, 1 s after the touch: still alive
+  EXPECT_EQ(c.m().Tick(c.now).nodes_expired, 0u);
+}
+
 // A node readers just reported bad (dying, not yet expired) gets no new data while another
 // node has room, even if it has the most free space; once the reports age out, it does again.
 TEST(MasterPlacement, SuspectNodeIsAvoidedUntilItsReportsAgeOut) {
