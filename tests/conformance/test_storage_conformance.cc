@@ -1,4 +1,4 @@
-// One behaviour suite for every storage plugin (STYLE.md item 10): each test runs once per
+// One behaviour suite for every storage plugin (docs/plugin-abi.md): each test runs once per
 // storage plugin, loaded through the real loader and driven through its kvb_storage_ops_t
 // table. POOL tests skip for plugins that do not declare KVB_SCAP_POOL, OBJECTS tests for those
 // that do not declare KVB_SCAP_OBJECTS. File-backed plugins (ssd) get a fresh directory per

@@ -1,4 +1,4 @@
-// One behaviour suite for every transport (STYLE.md item 10): each test runs once per
+// One behaviour suite for every transport (docs/plugin-abi.md): each test runs once per
 // transport plugin through the real loader and the transfer engine. A transport that is not
 // built or not available here is skipped with the loader's reason.
 #include <gtest/gtest.h>

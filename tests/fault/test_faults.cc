@@ -1,5 +1,6 @@
-// Multi-process fault tests of the transfer engine over the TCP transport: the failures of
-// ../shared/seeds/000 and 002 made to happen with real processes on loopback.
+// Multi-process fault tests of the transfer engine over the TCP transport: peers killed,
+// frozen, restarted on the same port or given a wrong token, made to happen with real
+// processes on loopback (docs/transfer-engine.md says what each must cost).
 #include <gtest/gtest.h>
 #include <signal.h>
 
