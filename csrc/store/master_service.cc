@@ -143,14 +143,7 @@ Status CheckDescriptor(const rpc::RegisterNodeRequest& req) {
 
 }  // namespace
 
-// The first line of every handler: a call without a valid proof of the cluster token is
-// answered UNAUTHENTICATED before anything is read or changed (store/rpc_auth.h).
-#define KVB_AUTH(ctx, method)                                                                \
-  do {                                                                                       \
-    if (grpc::Status _kvb_auth = auth->Check(*(ctx), (method), "master"); !_kvb_auth.ok()) { \
-      return _kvb_auth;                                                                      \
-    }                                                                                        \
-  } while (0)
+#define KVB_AUTH(ctx, method) KVB_RPC_AUTH(auth, ctx, method, "master")
 
 // MasterOptions::faults: counters of calls still to be failed, each taken once.
 struct Faults {

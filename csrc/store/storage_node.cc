@@ -102,14 +102,7 @@ class Unanswered {
 
 }  // namespace
 
-// The first line of every handler: a call without a valid proof of the cluster token is
-// answered UNAUTHENTICATED before anything is read or changed (store/rpc_auth.h).
-#define KVB_AUTH(ctx, method)                                                                      \
-  do {                                                                                             \
-    if (grpc::Status _kvb_auth = auth->Check(*(ctx), (method), "storage node"); !_kvb_auth.ok()) { \
-      return _kvb_auth;                                                                            \
-    }                                                                                              \
-  } while (0)
+#define KVB_AUTH(ctx, method) KVB_RPC_AUTH(auth, ctx, method, "storage node")
 
 struct StorageNode::Impl final : public rpc::Node::Service {
   NodeOptions options;
