@@ -42,6 +42,22 @@ def spawn_python(code: str, *args: str) -> subprocess.Popen:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def freeze(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP a process and return once it is stopped. kill() returns before the signal takes
+    effect, and a test that acts right after it can find the peer still answering."""
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        if state in ("T", "t"):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} not stopped {timeout} s after SIGSTOP (state {state})")
+
+
 def read_line(proc: subprocess.Popen, timeout: float = 20.0) -> bytes:
     """One stdout line of a child, or a failure showing its stderr."""
     import selectors

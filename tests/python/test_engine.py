@@ -14,7 +14,7 @@ import torch
 
 import kvbridge
 from kvbridge import errors
-from conftest import free_port, read_line, spawn_python
+from conftest import free_port, freeze, read_line, spawn_python
 
 PEER = r"""
 import sys, zlib, kvbridge
@@ -168,7 +168,7 @@ def test_frozen_peer_is_a_progress_timeout_not_a_hang(peer):
         local = bytearray(1 << 20)
         eng.register(local)
         eng.read(local, "py-peer", seg)
-        os.kill(proc.pid, signal.SIGSTOP)
+        freeze(proc.pid)
         try:
             t = time.monotonic()
             with pytest.raises(errors.ProgressTimeoutError):

@@ -14,7 +14,7 @@ import pytest
 import kvbridge
 from kvbridge import errors
 
-from conftest import read_line, spawn_python
+from conftest import freeze, read_line, spawn_python
 
 
 def test_stop_node_while_other_threads_use_it(cluster):
@@ -74,7 +74,7 @@ def test_deregister_cancels_a_transfer_from_the_memory():
         src = np.full(32 << 20, 7, dtype=np.uint8)
         local = eng.register(src)
         eng.transfer([kvbridge.Op(kvbridge.WRITE, src[:4096], pid, seg, 0)])  # lanes up
-        peer.send_signal(signal.SIGSTOP)  # the next write sticks once the socket buffers fill
+        freeze(peer.pid)  # the next write sticks once the socket buffers fill
         batch = eng.submit([kvbridge.Op(kvbridge.WRITE, src, pid, seg, 0)], deadline_ms=30000,
                            progress_timeout_ms=20000)
         time.sleep(0.3)

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import python_env, read_line
+from conftest import freeze, python_env, read_line
 
 ERR_INVALID_ARGUMENT = -1  # Mooncake's transfer engine error number
 
@@ -268,7 +268,7 @@ def test_frozen_peer_fails_the_batch_in_seconds_and_is_reached_again(impl):
             out["rc"] = client.batch_transfer_sync_write(session, srcs, dsts, [65536] * 8)
             out["s"] = time.monotonic() - t
 
-        peer.send_signal(signal.SIGSTOP)
+        freeze(peer.pid)
         frozen = True
         worker = threading.Thread(target=write, daemon=True)
         worker.start()

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import pytest
 
-from conftest import free_port, python_env, read_line
+from conftest import free_port, freeze, python_env, read_line
 
 # Mooncake Store's error numbers (mooncake-store/include/types.h).
 NO_AVAILABLE_HANDLE = -200
@@ -788,7 +788,7 @@ def test_reads_and_writes_around_a_frozen_replica_holder(impl, key, tmp_path):
             out["put"] = client.batch_put_from(new_keys, srcs, [4096] * 16, impl.replicate(2))
             out["put_s"] = time.monotonic() - t
 
-        holders[0].send_signal(signal.SIGSTOP)
+        freeze(holders[0].pid)
         worker = threading.Thread(target=work, daemon=True)
         worker.start()
         worker.join(10)
