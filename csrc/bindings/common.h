@@ -115,5 +115,6 @@ void BindCommon(py::module_& m);
 void BindEngine(py::module_& m);
 void BindStore(py::module_& m);
 void BindKernels(py::module_& m);
+void BindPd(py::module_& m);
 
 }  // namespace kvbridge::bindings

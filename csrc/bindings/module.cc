@@ -91,4 +91,5 @@ PYBIND11_MODULE(_C, m) {
   b::BindEngine(m);
   b::BindStore(m);
   b::BindKernels(m);
+  b::BindPd(m);
 }

@@ -156,7 +156,7 @@ struct TransferEngine::Impl {
   std::atomic<BatchId> next_batch_id{1};
   std::array<WaitSlot, kWaitSlots> wait_slots;
   // Stopped first in ~Impl (declared last): it calls LocalDescriptor().
-  std::unique_ptr<core::HandshakeServer> handshake;
+  std::unique_ptr<core::RequestServer> handshake;
 
   ~Impl();
   TransportSlot* FindTransport(std::string_view name) const;
@@ -428,8 +428,8 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptio
   std::unique_ptr<TransferEngine> engine(new TransferEngine(std::move(impl)));
   if (!options.handshake_listen.empty()) {
     TransferEngine* raw = engine.get();
-    auto hs = core::HandshakeServer::Start(options.handshake_listen,
-                                           [raw] { return raw->LocalDescriptor(); });
+    auto hs = core::StartHandshakeServer(options.handshake_listen,
+                                         [raw] { return raw->LocalDescriptor(); });
     if (!hs.ok()) return hs.status().WithContext("handshake service");
     engine->impl_->handshake = std::move(hs).value();
     KVB_LOG(INFO) << "handshake service on " << engine->impl_->handshake->address();

@@ -25,8 +25,6 @@ namespace {
 constexpr char kMagic[8] = {'K', 'V', 'B', 'D', 'E', 'S', 'C', '1'};
 constexpr uint32_t kMaxDescriptorBytes = 16u << 20;
 constexpr int kIoTimeoutMs = 1000;
-constexpr size_t kMaxExchanges = 256;  // open at once
-constexpr size_t kMaxPerSource = 32;   // open at once from one client address
 
 using Clock = std::chrono::steady_clock;
 
@@ -89,11 +87,12 @@ std::string ErrnoText() { return std::strerror(errno); }
 
 }  // namespace
 
-Result<std::unique_ptr<HandshakeServer>> HandshakeServer::Start(
-    const std::string& listen, std::function<std::string()> describe) {
+Result<std::unique_ptr<RequestServer>> RequestServer::Start(const std::string& listen,
+                                                            const std::string& what,
+                                                            Handler handler, Limits limits) {
   std::string host, port;
   if (!util::SplitHostPort(listen, &host, &port)) {
-    return Status::InvalidArgument("handshake_listen '" + listen + "' is not host:port");
+    return Status::InvalidArgument(what + " '" + listen + "' is not host:port");
   }
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -102,10 +101,11 @@ Result<std::unique_ptr<HandshakeServer>> HandshakeServer::Start(
   addrinfo* res = nullptr;
   const int gai = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &res);
   if (gai != 0) {
-    return Status::Unavailable("handshake_listen '" + listen + "': " + gai_strerror(gai));
+    return Status::Unavailable(what + " '" + listen + "': " + gai_strerror(gai));
   }
-  std::unique_ptr<HandshakeServer> s(new HandshakeServer());
-  s->describe_ = std::move(describe);
+  std::unique_ptr<RequestServer> s(new RequestServer());
+  s->handler_ = std::move(handler);
+  s->limits_ = limits;
   std::string why = "no address";
   for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
     int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
@@ -120,7 +120,7 @@ Result<std::unique_ptr<HandshakeServer>> HandshakeServer::Start(
     close(fd);
   }
   freeaddrinfo(res);
-  if (s->fd_ < 0) return Status::Unavailable("handshake port " + listen + ": " + why);
+  if (s->fd_ < 0) return Status::Unavailable(what + " " + listen + ": " + why);
   sockaddr_storage ss{};
   socklen_t len = sizeof(ss);
   getsockname(s->fd_, reinterpret_cast<sockaddr*>(&ss), &len);
@@ -130,12 +130,12 @@ Result<std::unique_ptr<HandshakeServer>> HandshakeServer::Start(
   const bool v6 = host.find(':') != std::string::npos;
   s->address_ = (v6 ? "[" + host + "]" : host) + ":" + std::to_string(bound);
   if (pipe2(s->wake_, O_CLOEXEC) != 0) return Status::Internal("pipe: " + ErrnoText());
-  HandshakeServer* raw = s.get();
+  RequestServer* raw = s.get();
   s->thread_ = std::thread([raw] { raw->Loop(); });
   return s;
 }
 
-HandshakeServer::~HandshakeServer() {
+RequestServer::~RequestServer() {
   if (wake_[1] >= 0) {
     const char c = 0;
     (void)!write(wake_[1], &c, 1);
@@ -149,14 +149,14 @@ HandshakeServer::~HandshakeServer() {
 
 namespace {
 
-// One exchange in progress: the 8-byte request coming in, then the answer going out.
+// One exchange in progress: the request coming in, then the answer going out.
 struct Exchange {
   int fd = -1;
   std::string source;  // the client's address, without the port
   Clock::time_point deadline;
-  char req[sizeof(kMagic)] = {};
-  size_t got = 0;
-  std::string out;  // the answer, once the request was read
+  std::string in;   // the request so far
+  std::string out;  // the answer, once the handler gave one
+  bool answered = false;
   size_t sent = 0;
 };
 
@@ -171,22 +171,23 @@ std::string SourceOf(const sockaddr_storage& ss) {
 }
 
 // Advances one exchange as far as the socket allows: 1 when the answer went out in full,
-// -1 when it failed (bad request, peer gone), 0 when it must wait for the socket.
-int Advance(Exchange& x, const std::function<std::string()>& describe) {
-  while (x.out.empty()) {
-    const ssize_t r = recv(x.fd, x.req + x.got, sizeof(x.req) - x.got, MSG_DONTWAIT);
+// -1 when it failed (refused or oversized request, peer gone), 0 when it must wait.
+int Advance(Exchange& x, const RequestServer::Handler& handler, size_t max_request) {
+  while (!x.answered) {
+    char buf[4096];
+    const size_t room = std::min(sizeof(buf), max_request - x.in.size());
+    const ssize_t r = recv(x.fd, buf, room, MSG_DONTWAIT);
     if (r == 0) return -1;
     if (r < 0) return errno == EINTR ? 0 : (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1;
-    x.got += static_cast<size_t>(r);
-    if (x.got < sizeof(x.req)) continue;
-    if (std::memcmp(x.req, kMagic, sizeof(kMagic)) != 0) return -1;
-    const std::string d = describe();
-    const auto n = static_cast<uint32_t>(d.size());
-    x.out.assign(kMagic, sizeof(kMagic));
-    const char len[4] = {static_cast<char>(n), static_cast<char>(n >> 8),
-                         static_cast<char>(n >> 16), static_cast<char>(n >> 24)};
-    x.out.append(len, 4);
-    x.out += d;
+    x.in.append(buf, static_cast<size_t>(r));
+    RequestServer::Answer a = handler(x.in);
+    if (a.kind == RequestServer::Answer::kClose) return -1;
+    if (a.kind == RequestServer::Answer::kReply) {
+      x.out = std::move(a.out);
+      x.answered = true;
+    } else if (x.in.size() >= max_request) {
+      return -1;
+    }
   }
   while (x.sent < x.out.size()) {
     const ssize_t r =
@@ -203,12 +204,11 @@ int Advance(Exchange& x, const std::function<std::string()>& describe) {
 
 }  // namespace
 
-// Every exchange is multiplexed on this one thread, each with its own kIoTimeoutMs bound, so
-// clients that connect and stay silent (or trickle bytes) delay nobody else. At most
-// kMaxExchanges are open, kMaxPerSource from one address: past either bound the oldest
-// exchange (of that address, or of all) is closed to make room, so a flood from one address
-// costs that address its own stalled connections, not everyone the service.
-void HandshakeServer::Loop() {
+// Every exchange is multiplexed on this one thread, each with its own time bound, so clients
+// that connect and stay silent (or trickle bytes) delay nobody else. Past the open bounds the
+// oldest exchange (of that address, or of all) is closed to make room, so a flood from one
+// address costs that address its own stalled connections, not everyone the service.
+void RequestServer::Loop() {
   std::vector<Exchange> xs;
   auto finish = [&](size_t i, bool ok) {
     close(xs[i].fd);
@@ -238,7 +238,7 @@ void HandshakeServer::Loop() {
       timeout = timeout < 0 ? left : std::min(timeout, left);
     }
     fds.assign({{fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}});
-    for (const Exchange& x : xs) fds.push_back({x.fd, x.out.empty() ? POLLIN : POLLOUT, 0});
+    for (const Exchange& x : xs) fds.push_back({x.fd, x.answered ? POLLOUT : POLLIN, 0});
     if (poll(fds.data(), fds.size(), timeout) < 0) {
       if (errno == EINTR) continue;
       break;
@@ -247,7 +247,7 @@ void HandshakeServer::Loop() {
     // Exchanges first (their indices match fds[2..] until one finishes), then new ones.
     for (size_t i = xs.size(); i-- > 0;) {
       if (fds[i + 2].revents == 0) continue;
-      const int r = Advance(xs[i], describe_);
+      const int r = Advance(xs[i], handler_, limits_.max_request_bytes);
       if (r != 0) finish(i, r > 0);
     }
     if ((fds[0].revents & POLLIN) == 0) continue;
@@ -266,17 +266,46 @@ void HandshakeServer::Loop() {
       Exchange x;
       x.fd = c;
       x.source = SourceOf(ss);
-      x.deadline = Clock::now() + std::chrono::milliseconds(kIoTimeoutMs);
+      x.deadline = Clock::now() + std::chrono::milliseconds(limits_.exchange_timeout_ms);
       size_t same = 0;
       for (const Exchange& y : xs) same += y.source == x.source ? 1 : 0;
-      if (same >= kMaxPerSource) evict_oldest(&x.source);
-      if (xs.size() >= kMaxExchanges) evict_oldest(nullptr);
+      if (same >= limits_.max_per_source) evict_oldest(&x.source);
+      if (xs.size() >= limits_.max_open) evict_oldest(nullptr);
       xs.push_back(std::move(x));
-      const int r = Advance(xs.back(), describe_);  // the request is often there already
+      // The request is often there already.
+      const int r = Advance(xs.back(), handler_, limits_.max_request_bytes);
       if (r != 0) finish(xs.size() - 1, r > 0);
     }
   }
   for (const Exchange& x : xs) close(x.fd);
+}
+
+Result<std::unique_ptr<RequestServer>> StartHandshakeServer(
+    const std::string& listen, std::function<std::string()> describe) {
+  auto answer = [describe = std::move(describe)](std::string_view in) {
+    RequestServer::Answer a;
+    if (in.size() < sizeof(kMagic)) {
+      if (std::memcmp(in.data(), kMagic, in.size()) != 0) a.kind = RequestServer::Answer::kClose;
+      return a;
+    }
+    if (in.size() > sizeof(kMagic) || std::memcmp(in.data(), kMagic, sizeof(kMagic)) != 0) {
+      a.kind = RequestServer::Answer::kClose;
+      return a;
+    }
+    const std::string d = describe();
+    const auto n = static_cast<uint32_t>(d.size());
+    a.kind = RequestServer::Answer::kReply;
+    a.out.assign(kMagic, sizeof(kMagic));
+    const char len[4] = {static_cast<char>(n), static_cast<char>(n >> 8),
+                         static_cast<char>(n >> 16), static_cast<char>(n >> 24)};
+    a.out.append(len, 4);
+    a.out += d;
+    return a;
+  };
+  RequestServer::Limits limits;
+  limits.max_request_bytes = sizeof(kMagic);
+  limits.exchange_timeout_ms = kIoTimeoutMs;
+  return RequestServer::Start(listen, "handshake_listen", std::move(answer), limits);
 }
 
 Result<std::string> FetchDescriptor(const std::string& host_port, uint32_t timeout_ms) {

@@ -21,7 +21,6 @@ Nothing here imports vLLM.
 from __future__ import annotations
 
 import base64
-import collections
 import json
 import logging
 import socket
@@ -41,7 +40,6 @@ from kvbridge.integrations._vllm_core import (Counters, KvLayout, PullResult, Ra
 log = logging.getLogger("vllm.kvbridge")
 
 _MAX_FRAME = 16 << 20
-_REPORTED_KEEP_S = 3600.0  # how long a freed request's id is remembered (late releases)
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,6 +77,7 @@ def side_channel_call(endpoint: str, msg: dict, timeout_ms: int) -> dict:
     ``timeout_ms`` (DeadlineExceededError, saying how far it got); a refused connection is
     PeerUnreachableError."""
     host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")  # "[::1]:port"
     t0 = time.monotonic()
     deadline = t0 + timeout_ms / 1000.0
     steps: list[str] = []
@@ -137,139 +136,55 @@ class PdServer:
 
     A held request's blocks stay allocated in vLLM until ``take_finished()`` returns its id:
     when a decode released it, or when its hold ran out. A release that arrives before the
-    worker learnt about the hold (the scheduler's metadata comes a step later) is remembered."""
+    worker learnt about the hold (the scheduler's metadata comes a step later) is remembered.
+
+    The side channel is answered by a native thread (``kvbridge._C.PdSideChannel``) that never
+    takes the GIL: the worker's Python threads can be busy for seconds (vLLM's loop spinning
+    on its message queue on a loaded host) without delaying a decode's hello or release. The
+    hello is built once, here: the KV tensors are registered before the server starts."""
 
     def __init__(self, engine: "kvbridge.TransferEngine", layout: KvLayout,
                  regions: Sequence[tuple[int, int, int]], host: str, port: int,
                  counters: Optional[Counters] = None):
-        self._engine = engine
+        from kvbridge import _C
+
         self._counters = counters or Counters()
         self._id = engine.id
-        self._layout_msg = {
+        hello = {
             "names": list(layout.names),
             "layers": _segments_of(layout, regions),
             "layout": layout.signature(),
+            "node_id": self._id.node_id,
+            "incarnation": f"{self._id.incarnation:#018x}",
+            "descriptor": base64.b64encode(engine.descriptor()).decode(),
         }
-        self._lock = threading.Lock()
-        self._held: dict[str, float] = {}  # request id -> monotonic deadline
-        self._early: dict[str, float] = {}  # released before the hold was known
-        self._finished: set[str] = set()
-        self._reported: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self._closed = threading.Event()
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(64)
-        self._sock.settimeout(0.5)
-        self.endpoint = f"{host}:{self._sock.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._serve, name="kvbridge-vllm-side-channel",
-                                        daemon=True)
-        self._thread.start()
+        listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        # UNAVAILABLE naming the address when it cannot listen (port taken, bad host).
+        self._native = _C.PdSideChannel(listen, json.dumps(hello), f"{self._id.incarnation:#018x}")
+        self.endpoint = self._native.endpoint
 
     # -- the worker's side ---------------------------------------------------------------------
     def hold(self, requests: dict[str, float]) -> None:
         """Requests whose blocks the scheduler keeps for a decode: id -> seconds to hold."""
-        now = time.monotonic()
-        with self._lock:
-            for rid, hold_s in requests.items():
-                if rid in self._early:
-                    del self._early[rid]
-                    self._finished.add(rid)
-                    self._counters.add(pd_requests_released=1)
-                else:
-                    self._held[rid] = now + float(hold_s)
+        self._native.hold([(rid, float(s)) for rid, s in requests.items()])
 
     def take_finished(self) -> set[str]:
         """Ids whose blocks may be freed now (released or expired); each is returned once."""
-        now = time.monotonic()
-        with self._lock:
-            for rid, deadline in list(self._held.items()):
-                if now >= deadline:
-                    del self._held[rid]
-                    self._finished.add(rid)
-                    self._counters.add(pd_requests_expired=1)
-            done, self._finished = self._finished, set()
-            for rid in done:
-                self._reported[rid] = now
-            while self._reported and next(iter(self._reported.values())) < now - _REPORTED_KEEP_S:
-                self._reported.popitem(last=False)
-            for rid, t in list(self._early.items()):
-                if t < now - _REPORTED_KEEP_S:
-                    del self._early[rid]
-            return done
+        done, released, expired = self._native.take_finished()
+        if released or expired:
+            self._counters.add(pd_requests_released=released, pd_requests_expired=expired)
+        return set(done)
 
     @property
     def num_held(self) -> int:
-        with self._lock:
-            return len(self._held)
+        return self._native.num_held
 
-    # -- the side channel ----------------------------------------------------------------------
-    def _serve(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                if self._closed.is_set():
-                    return
-                continue
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(2.0)
-            try:
-                msg = _recv_frame(conn)
-                reply = self._handle(msg)
-            except (OSError, errors.KvbError) as e:
-                log.debug("side channel: dropped a request: %s", e)
-                return
-            except Exception as e:  # a bug must not kill the listener
-                log.exception("side channel: failed to answer")
-                reply = {"error": f"internal: {e}", "code": "INTERNAL"}
-            try:
-                _send_frame(conn, reply)
-            except OSError:
-                pass
-
-    def _handle(self, msg: Any) -> dict:
-        if not isinstance(msg, dict):
-            return {"error": "expected an object", "code": "PROTOCOL"}
-        op = msg.get("op")
-        if op == "hello":
-            reply = dict(self._layout_msg)
-            reply.update(node_id=self._id.node_id, incarnation=f"{self._id.incarnation:#018x}",
-                         descriptor=base64.b64encode(self._engine.descriptor()).decode())
-            return reply
-        if op == "release":
-            rid = msg.get("request_id")
-            inc = msg.get("incarnation")
-            if not isinstance(rid, str):
-                return {"error": "release: request_id missing", "code": "INVALID_ARGUMENT"}
-            if inc != f"{self._id.incarnation:#018x}":
-                return {"held": False, "stale": True}
-            with self._lock:
-                if rid in self._held:
-                    del self._held[rid]
-                    self._finished.add(rid)
-                    self._counters.add(pd_requests_released=1)
-                    return {"held": True}
-                if rid in self._reported or rid in self._finished:
-                    return {"held": False}
-                # Not yet known: the scheduler holds the blocks until the worker reports the
-                # id, which it does only after learning the hold, so they are still intact.
-                self._early[rid] = time.monotonic()
-                return {"held": True}
-        return {"error": f"unknown op {op!r}", "code": "INVALID_ARGUMENT"}
+    def stats(self) -> dict:
+        """Side-channel exchanges answered and refused (malformed, timed out, closed early)."""
+        return self._native.stats()
 
     def close(self) -> None:
-        self._closed.set()
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-        self._thread.join(timeout=2)
+        self._native.close()
 
 
 # --------------------------------------------------------------------------------------------
