@@ -27,6 +27,7 @@
 #include "kvbridge/store.h"
 #include "store/rpc_auth.h"
 #include "tests/common/test_util.h"
+#include "tests/store/store_procs.h"
 
 namespace kvbridge {
 namespace {
@@ -181,47 +182,29 @@ class SecureCluster : public ::testing::Test {
   }
 
   void StartMaster() {
-    master_ = ChildProcess::Start({kBin, "master", "--listen", master_addr_, "--node-ttl-ms",
-                                   std::to_string(kTtlMs), "--lease-ms", "200"});
+    master_ = testing::StartMaster(master_addr_,
+                                   {"--node-ttl-ms", std::to_string(kTtlMs), "--lease-ms", "200"});
     ASSERT_TRUE(master_);
-    const std::string line = master_->ReadLine(20000);
-    ASSERT_NE(line.find("listening on"), std::string::npos) << "master said: " << line;
   }
 
   std::unique_ptr<ChildProcess> StartNode(int i) {
     const std::string id = "node" + std::to_string(i);
-    std::vector<std::string> argv = {kBin,           "node",      "--master",
-                                     master_addr_,   "--node-id", id,
-                                     "--dram-bytes", "268435456", "--drain-timeout-ms",
-                                     "10000",        "--listen",  "127.0.0.1:0"};
+    std::vector<std::string> args = {"--dram-bytes", "268435456", "--drain-timeout-ms", "10000",
+                                     "--listen", "127.0.0.1:0"};
     if (i == 0 && have_ssd_) {
-      argv.insert(argv.end(), {"--ssd-path", (ssd_dir_ / id).string(), "--ssd-bytes",
+      args.insert(args.end(), {"--ssd-path", (ssd_dir_ / id).string(), "--ssd-bytes",
                                std::to_string(256u << 20)});
       fs::create_directories(ssd_dir_ / id);
     }
-    auto node = ChildProcess::Start(argv);
-    if (!node) return nullptr;
-    const std::string line = node->ReadLine(20000);
-    EXPECT_NE(line.find("serving"), std::string::npos) << "node " << id << " said: " << line;
-    return node;
+    return testing::StartNode(master_addr_, id, args);
   }
 
   ClusterStatus View() { return Must(QueryClusterStatus(master_addr_, 3000, kToken)); }
 
-  int ActiveNodes() {
-    auto st = QueryClusterStatus(master_addr_, 3000, kToken);
-    if (!st.ok()) return -1;
-    int n = 0;
-    for (const auto& node : st->nodes) n += node.state == "ACTIVE";
-    return n;
-  }
+  int ActiveNodes() { return testing::ActiveNodes(master_addr_, kToken); }
 
   void WaitForActiveNodes(int n, int timeout_ms = 15000) {
-    auto until = Clock::now() + std::chrono::milliseconds(timeout_ms);
-    while (Clock::now() < until && ActiveNodes() != n) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    ASSERT_EQ(ActiveNodes(), n);
+    ASSERT_TRUE(testing::WaitForActiveNodes(master_addr_, n, timeout_ms, kToken));
   }
 
   static std::string Key(size_t i) { return "secure-" + std::to_string(i); }
