@@ -427,6 +427,53 @@ TEST_F(SecureCluster, TakeoverByNewIncarnationNeedsTheToken) {
   ExpectIntact("after the takeover attempts");
 }
 
+// The chunked registration (RegisterNodeStream, which nodes use) needs the token like every
+// call: node 1 registering again as a stream of a head and an inventory chunk, sent without a
+// proof, with a proof of another token or with a proof for the unary RegisterNode, is refused
+// UNAUTHENTICATED, and node 1 keeps its incarnation and its replicas.
+TEST_F(SecureCluster, ChunkedRegistrationNeedsTheToken) {
+  const rpc::NodeDescriptor node1 = Directory("node1");
+  const core::Descriptor d = Must(core::DecodeDescriptor(node1.engine_descriptor()));
+  ASSERT_FALSE(d.segments.empty());
+  rpc::RegisterNodeRequest head;
+  *head.mutable_node() = Identity("node1");
+  head.set_engine_descriptor(node1.engine_descriptor());
+  head.set_rpc_address(node1.rpc_address());
+  rpc::Segment* seg = head.add_segments();
+  seg->set_segment_id(d.segments[0].id);
+  seg->set_capacity(d.segments[0].length);
+  seg->set_tier(1);
+  rpc::RegisterNodeRequest chunk;
+  for (int i = 0; i < 3; ++i) {
+    rpc::InventoryRecord* r = chunk.add_inventory();
+    r->set_key("planted-" + std::to_string(i));
+    r->set_version(1);
+    r->add_sizes(4096);
+    r->set_segment_id(d.segments[0].id);
+    r->set_offset(static_cast<uint64_t>(i) * 4096);
+    r->set_replica_num(1);
+    r->set_replica_id(1);
+  }
+  for (const auto& [what, md] : std::vector<std::pair<const char*, Metadata>>{
+           {"no proof", {}},
+           {"another token",
+            {{store::kAuthHeader, ClusterProof(store::method::kRegisterNodeStream, "wrong")}}},
+           {"a proof for RegisterNode",
+            {{store::kAuthHeader, ClusterProof(store::method::kRegisterNode)}}}}) {
+    auto ctx = Ctx(md);
+    rpc::RegisterNodeReply reply;
+    auto writer = master_stub_->RegisterNodeStream(ctx.get(), &reply);
+    writer->Write(head);  // may fail once the master has refused: the status says why
+    writer->Write(chunk);
+    writer->WritesDone();
+    const grpc::Status st = writer->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED) << what << ": "
+                                                                   << st.error_message();
+    EXPECT_TRUE(reply.node_secret().empty()) << what;
+  }
+  ExpectIntact("after the unauthenticated chunked registrations");
+}
+
 // A token holder registering "evil" with node 1's engine descriptor (so that re-replication
 // would write evil's copies into node 1's pool) is refused, and so is one without the token.
 // Re-replication after node 0 is killed then copies only to real nodes: every object reads
