@@ -378,7 +378,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     return Register(ctx, head, inventory, reply);
   }
 
-  // RegisterNode and RegisterNodeStream after the proof check: `req` without its inventory.
+  // RegisterNode and RegisterNodeStream after the proof check: the registration `head` (its
+  // own inventory field is not read) with the node's whole `inventory`.
   grpc::Status Register(grpc::ServerContext* ctx, const rpc::RegisterNodeRequest& head,
                         const std::vector<store::InventoryRecord>& inventory,
                         rpc::RegisterNodeReply* reply) {
