@@ -212,7 +212,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     std::lock_guard<std::mutex> lock(stubs_mu);
     auto& stub = node_stubs[endpoint];
     if (!stub) {
-      stub = rpc::Node::NewStub(grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()));
+      stub = rpc::Node::NewStub(store::NewChannel(endpoint));
     }
     return stub.get();
   }
@@ -344,6 +344,46 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   grpc::Status RegisterNode(grpc::ServerContext* ctx, const rpc::RegisterNodeRequest* req,
                             rpc::RegisterNodeReply* reply) override {
     KVB_AUTH(ctx, store::method::kRegisterNode);
+    std::vector<store::InventoryRecord> inventory;
+    inventory.reserve(req->inventory_size());
+    for (const auto& r : req->inventory()) inventory.push_back(FromProto(r));
+    return Register(ctx, *req, inventory, reply);
+  }
+
+  // The registration of a node whose inventory comes in chunks: every message is read (and
+  // converted, so that at most one chunk is held as a message) before the node is registered
+  // once with all of it. Later messages may carry nothing but inventory.
+  grpc::Status RegisterNodeStream(grpc::ServerContext* ctx,
+                                  grpc::ServerReader<rpc::RegisterNodeRequest>* stream,
+                                  rpc::RegisterNodeReply* reply) override {
+    KVB_AUTH(ctx, store::method::kRegisterNodeStream);
+    rpc::RegisterNodeRequest head, chunk;
+    if (!stream->Read(&head)) {
+      return {grpc::StatusCode::INVALID_ARGUMENT, "RegisterNodeStream: no message"};
+    }
+    std::vector<store::InventoryRecord> inventory;
+    inventory.reserve(head.inventory_size());
+    for (const auto& r : head.inventory()) inventory.push_back(FromProto(r));
+    head.clear_inventory();
+    size_t chunks = 1;
+    while (stream->Read(&chunk)) {
+      ++chunks;
+      for (const auto& r : chunk.inventory()) inventory.push_back(FromProto(r));
+    }
+    if (ctx->IsCancelled()) {
+      return {grpc::StatusCode::CANCELLED, "RegisterNodeStream: the node gave up"};
+    }
+    KVB_LOG(DEBUG) << "node " << head.node().node_id() << " sent " << inventory.size()
+                   << " inventory records in " << chunks << " message(s)";
+    return Register(ctx, head, inventory, reply);
+  }
+
+  // RegisterNode and RegisterNodeStream after the proof check: the registration `head` (its
+  // own inventory field is not read) with the node's whole `inventory`.
+  grpc::Status Register(grpc::ServerContext* ctx, const rpc::RegisterNodeRequest& head,
+                        const std::vector<store::InventoryRecord>& inventory,
+                        rpc::RegisterNodeReply* reply) {
+    const rpc::RegisterNodeRequest* req = &head;
     if (Status st = CheckDescriptor(*req); !st.ok()) {
       KVB_LOG(WARN) << "refused the registration of " << req->node().node_id() << " from "
                     << ctx->peer() << ": " << st.ToString();
@@ -360,9 +400,6 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       reg.segments.push_back(store::SegmentInfo{
           s.segment_id(), s.capacity(), s.tier() == 2 ? store::Tier::kSsd : store::Tier::kDram});
     }
-    std::vector<store::InventoryRecord> inventory;
-    inventory.reserve(req->inventory_size());
-    for (const auto& r : req->inventory()) inventory.push_back(FromProto(r));
     // A new incarnation of a registered node id takes its place (a restart); token holders may
     // do that, but it is said loudly.
     uint64_t replaced = 0;
@@ -387,8 +424,10 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     if (r.ok()) {
       for (const auto& f : r->frees) ToProto(f, reply->add_frees());
       for (uint64_t seq : r->free_seqs) reply->add_free_seqs(seq);
+      reply->set_more(r->more);
       KVB_LOG(INFO) << "node " << store::ToString(reg.identity) << " registered ("
-                    << r->records_accepted << " inventory records accepted, " << r->frees.size()
+                    << r->records_accepted << " inventory records accepted, "
+                    << inventory.size() - std::min(inventory.size(), r->records_accepted)
                     << " dropped)";
       if (r->no_alloc_ms > 0) {
         KVB_LOG(WARN) << "node " << store::ToString(reg.identity)
@@ -400,8 +439,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       // Registered already: the first reply was lost, maybe with frees. They are still queued.
       for (const auto& f : queued->frees) ToProto(f, reply->add_frees());
       for (uint64_t seq : queued->free_seqs) reply->add_free_seqs(seq);
+      reply->set_more(queued->more);
     }
-    if (req->inventory_size() > 0 && faults.Take(&faults.register_lose_reply)) {
+    if (!inventory.empty() && faults.Take(&faults.register_lose_reply)) {
       return {grpc::StatusCode::UNAVAILABLE, "fault injection: RegisterNode reply lost"};
     }
     return grpc::Status::OK;
@@ -439,6 +479,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
           static_cast<uint32_t>(d.deadline_ns > now ? (d.deadline_ns - now) / 1000000 : 0));
     }
     reply->set_drained(r->drained);
+    reply->set_more(r->more);
     if (!r->frees.empty() && faults.Take(&faults.heartbeat_lose_reply)) {
       return {grpc::StatusCode::UNAVAILABLE, "fault injection: Heartbeat reply lost"};
     }
@@ -744,7 +785,7 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
 Result<ClusterStatus> QueryClusterStatus(const std::string& master_address, uint32_t timeout_ms,
                                          const std::string& cluster_token) {
   auto stub =
-      rpc::Master::NewStub(grpc::CreateChannel(master_address, grpc::InsecureChannelCredentials()));
+      rpc::Master::NewStub(store::NewChannel(master_address));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
   store::RpcAuth(cluster_token).Sign(&ctx, store::method::kStats);

@@ -87,6 +87,8 @@ Status MasterConfig::Validate() const {
   if (max_demotions_per_node == 0) return bad("max_demotions_per_node must be > 0");
   if (max_tasks_per_node == 0) return bad("max_tasks_per_node must be > 0");
   if (max_frees_per_reply == 0) return bad("max_frees_per_reply must be > 0");
+  if (max_tasks_per_reply == 0) return bad("max_tasks_per_reply must be > 0");
+  if (max_demotions_per_reply == 0) return bad("max_demotions_per_reply must be > 0");
   if (health_half_life_ms == 0) return bad("health_half_life_ms must be > 0");
   return Status::OK();
 }
@@ -386,14 +388,16 @@ struct MasterState::Impl {
   void QueueFree(Node* n, const InventoryRecord& rec) { n->frees.emplace_back(next_free_seq++, rec); }
 
   // Drops the frees the node applied, then copies up to max_frees_per_reply of the rest.
-  void TakeFrees(Node* n, uint64_t acked, std::vector<InventoryRecord>* out,
+  // True when some are left behind (the reply says `more`).
+  bool TakeFrees(Node* n, uint64_t acked, std::vector<InventoryRecord>* out,
                  std::vector<uint64_t>* seqs) const {
     while (!n->frees.empty() && n->frees.front().first <= acked) n->frees.pop_front();
     for (const auto& [seq, rec] : n->frees) {
-      if (out->size() >= cfg.max_frees_per_reply) break;
+      if (out->size() >= cfg.max_frees_per_reply) return true;
       out->push_back(rec);
       seqs->push_back(seq);
     }
+    return false;
   }
 
   void MarkRepair(Object* o, uint64_t not_before_ns) {
@@ -1378,12 +1382,12 @@ Result<RegisterReply> MasterState::RegisterNode(const NodeRegistration& registra
     reply.no_alloc_ms = (n.no_alloc_before_ns - now_ns + kNsPerMs - 1) / kNsPerMs;
   }
   m.LoadInventory(n, inventory, now_ns, reply);
-  // Delivered in this reply and, until acknowledged, in every heartbeat reply: a lost reply
-  // loses none of them.
-  for (const InventoryRecord& rec : reply.frees) {
-    reply.free_seqs.push_back(m.next_free_seq);
-    m.QueueFree(&n, rec);
-  }
+  // Queued, and delivered (the first max_frees_per_reply in this reply, the rest with `more`)
+  // until acknowledged: a lost reply loses none of them.
+  std::vector<InventoryRecord> rejected;
+  rejected.swap(reply.frees);
+  for (const InventoryRecord& rec : rejected) m.QueueFree(&n, rec);
+  reply.more = m.TakeFrees(&n, 0, &reply.frees, &reply.free_seqs);
   m.departed.erase(id.node_id);  // used up: what it holds now is in the table or freed
   if (n.state == NodeState::kDraining) {
     for (auto& [sid, s] : n.segments) {
@@ -1404,8 +1408,8 @@ Result<NodeCommands> MasterState::Heartbeat(const NodeIdentity& node, uint64_t f
   if (!n) return st;
   n->last_seen_ns = std::max(n->last_seen_ns, now_ns);
   NodeCommands cmds;
-  m.TakeFrees(n, frees_acked, &cmds.frees, &cmds.free_seqs);
-  while (!n->task_queue.empty()) {
+  cmds.more = m.TakeFrees(n, frees_acked, &cmds.frees, &cmds.free_seqs);
+  while (!n->task_queue.empty() && cmds.tasks.size() < m.cfg.max_tasks_per_reply) {
     const uint64_t tid = n->task_queue.front();
     n->task_queue.pop_front();
     auto it = m.tasks.find(tid);
@@ -1414,7 +1418,7 @@ Result<NodeCommands> MasterState::Heartbeat(const NodeIdentity& node, uint64_t f
     it->second.deadline_ns = now_ns + MsToNs(m.cfg.task_timeout_ms);
     cmds.tasks.push_back(m.TaskView(it->second));
   }
-  while (!n->demote_queue.empty()) {
+  while (!n->demote_queue.empty() && cmds.demotions.size() < m.cfg.max_demotions_per_reply) {
     auto [key, demote_id] = std::move(n->demote_queue.front());
     n->demote_queue.pop_front();
     Impl::Object* o = m.FindObject(key);
@@ -1433,6 +1437,8 @@ Result<NodeCommands> MasterState::Heartbeat(const NodeIdentity& node, uint64_t f
     d.deadline_ns = r.demote_deadline_ns;
     cmds.demotions.push_back(std::move(d));
   }
+  // (Stale entries left in a queue make `more` true once too many: the next reply skips them.)
+  cmds.more = cmds.more || !n->task_queue.empty() || !n->demote_queue.empty();
   cmds.drained = m.DrainDone(*n, now_ns);
   return cmds;
 }
@@ -1444,7 +1450,7 @@ Result<NodeCommands> MasterState::UnackedFrees(const NodeIdentity& node) {
   Impl::Node* n = m.FindNode(node, &st);
   if (!n) return st;
   NodeCommands cmds;
-  m.TakeFrees(n, 0, &cmds.frees, &cmds.free_seqs);
+  cmds.more = m.TakeFrees(n, 0, &cmds.frees, &cmds.free_seqs);
   return cmds;
 }
 

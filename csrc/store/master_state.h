@@ -177,6 +177,12 @@ struct MasterConfig {
   uint64_t first_free_seq = 1;
   // Most frees one heartbeat (or registration) reply carries; the rest follow in the next.
   size_t max_frees_per_reply = 4096;
+  // Most replication tasks and demotions/promotions one heartbeat reply carries (the
+  // per-node limits max_tasks_per_node and max_demotions_per_node normally bind first). A
+  // reply that leaves any of the three lists behind says so (NodeCommands::more), and the
+  // node asks again at once: no reply nears the message size limit (docs/store.md).
+  size_t max_tasks_per_reply = 1024;
+  size_t max_demotions_per_reply = 256;
 
   // --- SSD tier (nodes that register an SSD segment) ---
   // DRAM of such a node used above demote_high_watermark is demoted (moved to its SSD) in the
@@ -216,6 +222,7 @@ struct MasterConfig {
 struct RegisterReply {
   std::vector<InventoryRecord> frees;  // inventory records the node must drop
   std::vector<uint64_t> free_seqs;     // their sequence numbers, to acknowledge
+  bool more = false;                   // more frees are queued than `frees` carries
   size_t records_accepted = 0;
   uint64_t heartbeat_interval_ms = 0;  // node_ttl_ms / 3
   // Nothing new is placed in the node's DRAM for this long (0: placed at once): it registered
@@ -248,6 +255,9 @@ struct NodeCommands {
   std::vector<ReplicationTask> tasks;  // copy source -> dest, then TaskDone
   std::vector<Demotion> demotions;     // DRAM -> SSD moves, then DemoteDone
   bool drained = false;                // a DRAINING node may now deregister and exit
+  // More is queued than the lists carry (each capped by MasterConfig::max_*_per_reply): ask
+  // again at once.
+  bool more = false;
 };
 
 struct PutItem {

@@ -46,6 +46,7 @@ namespace kvbridge::store {
 // The gRPC path of every control-plane method: what the proofs are bound to, on both sides.
 namespace method {
 inline constexpr std::string_view kRegisterNode = "/kvbridge.rpc.Master/RegisterNode";
+inline constexpr std::string_view kRegisterNodeStream = "/kvbridge.rpc.Master/RegisterNodeStream";
 inline constexpr std::string_view kHeartbeat = "/kvbridge.rpc.Master/Heartbeat";
 inline constexpr std::string_view kTaskDone = "/kvbridge.rpc.Master/TaskDone";
 inline constexpr std::string_view kDemoteDone = "/kvbridge.rpc.Master/DemoteDone";

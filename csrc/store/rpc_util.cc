@@ -31,7 +31,7 @@ Result<std::string> DescribeNode(const std::string& rpc_address, const RpcAuth& 
   {
     std::lock_guard<std::mutex> lock(mu);
     auto& s = stubs[rpc_address];
-    if (!s) s = rpc::Node::NewStub(grpc::CreateChannel(rpc_address, grpc::InsecureChannelCredentials()));
+    if (!s) s = rpc::Node::NewStub(NewChannel(rpc_address));
     stub = s.get();
   }
   grpc::ClientContext ctx;
@@ -133,12 +133,21 @@ Status FromGrpc(const grpc::Status& s, std::string_view call, StatusOrigin peer)
   return st.WithOrigin(peer);
 }
 
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& address,
+                                          grpc::ChannelArguments args) {
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  args.SetMaxSendMessageSize(kMaxMessageBytes);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
 Result<std::unique_ptr<grpc::Server>> StartServer(const std::string& listen, grpc::Service* service,
                                                   std::string_view what, std::string* address) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(service);
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     return Status::Unavailable(std::string(what) + " cannot listen on " + listen +

@@ -36,6 +36,25 @@ inline void ToProto(const Status& s, rpc::Status* out) {
 Status FromGrpc(const grpc::Status& s, std::string_view call,
                 StatusOrigin peer = StatusOrigin::kMaster);
 
+// Message size limits of every control-plane server and channel. gRPC's own default accepts
+// at most 4 MiB per received message, which one list of ~40 k inventory records already
+// exceeds; the store keeps its messages far below this limit instead (inventories go in chunks
+// of kInventoryChunkRecords / kInventoryChunkBytes, the master caps each list of a heartbeat
+// reply, clients split batches into kMaxKeysPerCall keys), so the limit is a safety margin,
+// not a size anyone aims at. docs/store.md "Message sizes".
+inline constexpr int kMaxMessageBytes = 64 << 20;
+// Inventory records per RegisterNodeStream message, and the bytes at which a message is sent
+// early (long keys).
+inline constexpr size_t kInventoryChunkRecords = 8192;
+inline constexpr size_t kInventoryChunkBytes = 2 << 20;
+// Keys per client call to the master (PutStart, PutEnd, GetReplicas, Exists, Remove): larger
+// batches go as several calls.
+inline constexpr size_t kMaxKeysPerCall = 4096;
+
+// A channel to `address` with the limits above (and `args`, e.g. a channel name).
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& address,
+                                          grpc::ChannelArguments args = {});
+
 // Starts a gRPC server for `service` on `listen` ("host:port", port 0 picks one) and sets
 // *address to "host:<port actually bound>". UNAVAILABLE naming `what` and the address if it
 // cannot listen.

@@ -145,6 +145,9 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   bool drained = false;
   bool superseded = false;
   bool heartbeat_now = false;  // the task loop wants more work without waiting an interval
+  // The master has more queued for us (a reply said `more`) but what it sent is still being
+  // applied (SSD frees): free_thread asks for the rest once its batch is done.
+  bool more_after_frees = false;
   std::thread heartbeat_thread;
   std::thread task_thread;
 
@@ -238,6 +241,10 @@ struct StorageNode::Impl final : public rpc::Node::Service {
     return id;
   }
   Status Register(rpc::Master::Stub* stub);
+  // One RegisterNodeStream call: `head`, then `records` in chunks (store/rpc_util.h).
+  grpc::Status SendRegistration(rpc::Master::Stub* stub, const rpc::RegisterNodeRequest& head,
+                                const std::vector<rpc::InventoryRecord>& records,
+                                rpc::RegisterNodeReply* reply) const;
   void ApplyFrees(const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& frees,
                   const google::protobuf::RepeatedField<uint64_t>& seqs);
   void HeartbeatLoop();
@@ -293,6 +300,8 @@ struct StorageNode::Impl final : public rpc::Node::Service {
     *reply->mutable_node() = Identity();
     reply->set_engine_descriptor(engine->LocalDescriptor());
     reply->set_rpc_address(rpc_address);
+    std::lock_guard<std::mutex> lock(mu);
+    reply->set_inventory_records(inventory.size());
     return grpc::Status::OK;
   }
 };
@@ -330,7 +339,8 @@ grpc::Status StorageNode::Impl::Commit(grpc::ServerContext* ctx, const rpc::Comm
 }
 
 Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
-  rpc::RegisterNodeRequest req;
+  rpc::RegisterNodeRequest req;  // everything but the inventory, which goes in chunks
+  std::vector<rpc::InventoryRecord> records;
   *req.mutable_node() = Identity();
   req.set_engine_descriptor(engine->LocalDescriptor());
   req.set_rpc_address(rpc_address);
@@ -351,12 +361,19 @@ Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
     for (const auto& [k, r] : inventory) {
       // A free still on its way to the disk: the master dropped that record already.
       if (k.first == kSsdSegment && ssd_freeing.count({r.key(), r.replica_id()}) != 0) continue;
-      *req.add_inventory() = r;
+      records.push_back(r);
     }
   }
   rpc::RegisterNodeReply reply;
-  auto ctx = Context(store::method::kRegisterNode);
-  grpc::Status gs = stub->RegisterNode(ctx.get(), req, &reply);
+  grpc::Status gs = SendRegistration(stub, req, records, &reply);
+  if (gs.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+    // A master from before RegisterNodeStream: everything in one message (at most ~40 k
+    // records fit its 4 MiB limit).
+    reply.Clear();
+    for (auto& r : records) *req.add_inventory() = std::move(r);
+    auto ctx = Context(store::method::kRegisterNode);
+    gs = stub->RegisterNode(ctx.get(), req, &reply);
+  }
   if (!gs.ok()) return store::FromGrpc(gs, "RegisterNode");
   Status st = store::FromProto(reply.status());
   if (!st.ok()) return st.WithContext("RegisterNode");
@@ -373,7 +390,41 @@ Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
   // pressure turns into SSD writes within a fraction of a second.
   if (ssd != nullptr) heartbeat_interval_ms = std::min<uint32_t>(heartbeat_interval_ms, 200);
   ApplyFrees(reply.frees(), reply.free_seqs());
+  if (reply.more()) {
+    std::lock_guard<std::mutex> lock(mu);
+    heartbeat_now = true;  // the rest of the frees come in heartbeat replies
+  }
   return Status::OK();
+}
+
+grpc::Status StorageNode::Impl::SendRegistration(rpc::Master::Stub* stub,
+                                                 const rpc::RegisterNodeRequest& head,
+                                                 const std::vector<rpc::InventoryRecord>& records,
+                                                 rpc::RegisterNodeReply* reply) const {
+  auto ctx = Context(store::method::kRegisterNodeStream);
+  // The master registers the node only once every record has arrived: a large inventory gets
+  // 1 ms more per 100 records (10 s per million) on top of the usual deadline.
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(options.rpc_timeout_ms + records.size() / 100));
+  std::unique_ptr<grpc::ClientWriter<rpc::RegisterNodeRequest>> writer =
+      stub->RegisterNodeStream(ctx.get(), reply);
+  rpc::RegisterNodeRequest msg = head;
+  bool sent = false;
+  size_t bytes = 0;
+  for (const rpc::InventoryRecord& r : records) {
+    bytes += r.ByteSizeLong();
+    *msg.add_inventory() = r;
+    if (msg.inventory_size() >= static_cast<int>(store::kInventoryChunkRecords) ||
+        bytes >= store::kInventoryChunkBytes) {
+      if (!writer->Write(msg)) return writer->Finish();  // the stream broke: why
+      sent = true;
+      msg.Clear();
+      bytes = 0;
+    }
+  }
+  if ((!sent || msg.inventory_size() > 0) && !writer->Write(msg)) return writer->Finish();
+  writer->WritesDone();
+  return writer->Finish();
 }
 
 // Runs on the heartbeat thread: memory only. SSD frees go to free_thread.
@@ -429,6 +480,11 @@ void StorageNode::Impl::FreeLoop() {
     for (const SsdFree& f : batch) {
       ssd_freeing.erase({f.key, f.replica_id});
       frees_unapplied.erase(f.seq);
+    }
+    if (more_after_frees) {
+      more_after_frees = false;
+      heartbeat_now = true;
+      cv.notify_all();
     }
   }
 }
@@ -505,6 +561,16 @@ void StorageNode::Impl::HeartbeatLoop() {
         demotions.emplace_back(d, sent_at + std::chrono::milliseconds(d.timeout_ms()));
       }
       if (reply.drained()) drained = true;
+      if (reply.more()) {
+        // The master holds more for us than one reply carries: ask at once if this reply
+        // moved anything forward; frees still on their way to the SSD would only come again,
+        // so then free_thread asks once it has applied them.
+        if (FreesAcked() > frees_acked || reply.tasks_size() > 0 || reply.demotions_size() > 0) {
+          heartbeat_now = true;
+        } else {
+          more_after_frees = true;
+        }
+      }
       cv.notify_all();
     }
   }
@@ -1218,12 +1284,11 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   impl->auth->WarnIfDisabled("storage node " + impl->engine->self().node_id + "'s control service",
                              impl->rpc_address);
 
-  impl->master = rpc::Master::NewStub(
-      grpc::CreateChannel(options.master_address, grpc::InsecureChannelCredentials()));
+  impl->master = rpc::Master::NewStub(store::NewChannel(options.master_address));
   grpc::ChannelArguments heartbeat_args;
   heartbeat_args.SetString("kvbridge.channel", "heartbeat");  // a connection of its own
-  impl->heartbeat_master = rpc::Master::NewStub(grpc::CreateCustomChannel(
-      options.master_address, grpc::InsecureChannelCredentials(), heartbeat_args));
+  impl->heartbeat_master =
+      rpc::Master::NewStub(store::NewChannel(options.master_address, heartbeat_args));
   if (!options.ssd_path.empty()) {
     // A tier that cannot start (missing or read-only directory, plugin not found, ...) costs
     // the tier, not the node: it serves its DRAM pool and says why (ssd_status()).

@@ -85,6 +85,20 @@ uint32_t ChecksumOf(const std::vector<Piece>& pieces) {
   return crc;
 }
 
+// A batch of more than store::kMaxKeysPerCall keys as several batches, so that no request or
+// reply to the master nears the message size limit: `call(begin, count)` runs one slice, and
+// the results are joined in the caller's order.
+template <typename R, typename Call>
+std::vector<R> BySlices(size_t n, Call&& call) {
+  std::vector<R> out;
+  out.reserve(n);
+  for (size_t begin = 0; begin < n; begin += store::kMaxKeysPerCall) {
+    std::vector<R> part = call(begin, std::min(n - begin, store::kMaxKeysPerCall));
+    for (R& r : part) out.push_back(std::move(r));
+  }
+  return out;
+}
+
 }  // namespace
 
 struct StoreClient::Impl {
@@ -166,6 +180,11 @@ struct StoreClient::Impl {
   // the keys found, the item's status for the others.
   template <typename T, typename Fn>
   std::vector<Result<T>> FromSizeQuery(std::span<const std::string> keys, Fn&& fn) {
+    if (keys.size() > store::kMaxKeysPerCall) {
+      return BySlices<Result<T>>(keys.size(), [&](size_t begin, size_t count) {
+        return FromSizeQuery<T>(keys.subspan(begin, count), fn);
+      });
+    }
     std::vector<Result<T>> result(keys.size(), Status::Internal("not attempted"));
     if (keys.empty()) return result;
     rpc::GetReplicasReply got;
@@ -299,7 +318,7 @@ Status StoreClient::Impl::ReadFromSsd(const rpc::ReplicaLocation& loc, const std
     }
     auto& s = node_stubs[a->second];
     if (!s) {
-      s = rpc::Node::NewStub(grpc::CreateChannel(a->second, grpc::InsecureChannelCredentials()));
+      s = rpc::Node::NewStub(store::NewChannel(a->second));
     }
     stub = s.get();
   }
@@ -583,7 +602,7 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& opt
   auto engine = TransferEngine::Create(options.engine);
   if (!engine.ok()) return engine.status().WithContext("store client");
   impl->engine = std::move(engine).value();
-  impl->channel = grpc::CreateChannel(options.master_address, grpc::InsecureChannelCredentials());
+  impl->channel = store::NewChannel(options.master_address);
   impl->master = rpc::Master::NewStub(impl->channel);
   impl->staging.reset(new char[kStagingBytes]);  // not zero-filled: it is only ever copied into
   Result<SegmentId> seg = impl->engine->RegisterMemory(impl->staging.get(), kStagingBytes);
@@ -623,6 +642,11 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   if (buffers.size() != keys.size()) {
     result.assign(keys.size(), Status::InvalidArgument("BatchPutFrom: one buffer list per key"));
     return result;
+  }
+  if (keys.size() > store::kMaxKeysPerCall) {
+    return BySlices<Status>(keys.size(), [&](size_t begin, size_t count) {
+      return BatchPutFrom(keys.subspan(begin, count), buffers.subspan(begin, count));
+    });
   }
   // A key whose memory is not registered fails alone; the others go on without it.
   if (auto subset = PreCheck(im, keys, buffers, &result)) {
@@ -812,6 +836,11 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
     result.assign(keys.size(), Status::InvalidArgument("BatchGetInto: one buffer list per key"));
     return result;
   }
+  if (keys.size() > store::kMaxKeysPerCall) {
+    return BySlices<Result<uint64_t>>(keys.size(), [&](size_t begin, size_t count) {
+      return BatchGetInto(keys.subspan(begin, count), buffers.subspan(begin, count));
+    });
+  }
   if (auto subset = PreCheck(im, keys, buffers, &result)) {
     auto sub = BatchGetInto(subset->keys, subset->buffers);
     for (size_t j = 0; j < sub.size(); ++j) result[subset->index[j]] = std::move(sub[j]);
@@ -965,6 +994,17 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
 }
 
 Result<std::vector<bool>> StoreClient::BatchExists(std::span<const std::string> keys) {
+  if (keys.size() > store::kMaxKeysPerCall) {
+    std::vector<bool> all;
+    all.reserve(keys.size());
+    for (size_t begin = 0; begin < keys.size(); begin += store::kMaxKeysPerCall) {
+      Result<std::vector<bool>> part = BatchExists(
+          keys.subspan(begin, std::min(keys.size() - begin, store::kMaxKeysPerCall)));
+      if (!part.ok()) return part.status();
+      all.insert(all.end(), part->begin(), part->end());
+    }
+    return all;
+  }
   rpc::KeysRequest req;
   for (const auto& k : keys) req.add_keys(k);
   rpc::ExistsReply reply;
@@ -979,6 +1019,11 @@ Result<std::vector<bool>> StoreClient::BatchExists(std::span<const std::string> 
 }
 
 std::vector<Status> StoreClient::BatchRemove(std::span<const std::string> keys) {
+  if (keys.size() > store::kMaxKeysPerCall) {
+    return BySlices<Status>(keys.size(), [&](size_t begin, size_t count) {
+      return BatchRemove(keys.subspan(begin, count));
+    });
+  }
   rpc::KeysRequest req;
   for (const auto& k : keys) req.add_keys(k);
   rpc::KeyStatusReply reply;

@@ -18,6 +18,7 @@
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
 #include "tests/common/test_util.h"
+#include "tests/store/store_procs.h"
 
 namespace kvbridge {
 namespace {
@@ -31,8 +32,6 @@ constexpr uint64_t kPage = 64 * 1024;  // one buffer (K or V)
 constexpr size_t kSlots = 256;         // objects a client arena holds
 constexpr uint32_t kTtlMs = 1000;
 constexpr uint32_t kLeaseMs = 200;
-
-const std::string kBin = KVBRIDGE_BIN_DIR "/kvbridge";
 
 class StoreCluster : public ::testing::Test {
  protected:
@@ -68,43 +67,25 @@ class StoreCluster : public ::testing::Test {
   }
 
   void StartMaster() {
-    master_ =
-        ChildProcess::Start({kBin, "master", "--listen", master_addr_, "--node-ttl-ms",
-                             std::to_string(ttl_ms_), "--lease-ms", std::to_string(kLeaseMs)});
+    master_ = testing::StartMaster(master_addr_, {"--node-ttl-ms", std::to_string(ttl_ms_),
+                                                  "--lease-ms", std::to_string(kLeaseMs)});
     ASSERT_TRUE(master_);
-    const std::string line = master_->ReadLine(20000);
-    ASSERT_NE(line.find("listening on"), std::string::npos) << "master said: " << line;
   }
 
   // Node i always listens on the same data port, so a restart reuses it (seed 000).
   std::unique_ptr<ChildProcess> StartNode(int i) {
-    const std::string id = "node" + std::to_string(i);
-    auto node =
-        ChildProcess::Start({kBin, "node", "--master", master_addr_, "--node-id", id,
-                             "--dram-bytes", std::to_string(256u << 20), "--drain-timeout-ms",
-                             "10000", "--listen", "127.0.0.1:" + std::to_string(node_ports_[i])});
-    if (!node) return nullptr;
-    const std::string line = node->ReadLine(20000);
-    EXPECT_NE(line.find("serving"), std::string::npos) << "node " << id << " said: " << line;
-    return node;
+    return testing::StartNode(master_addr_, "node" + std::to_string(i),
+                              {"--dram-bytes", std::to_string(256u << 20), "--drain-timeout-ms",
+                               "10000", "--listen",
+                               "127.0.0.1:" + std::to_string(node_ports_[i])});
   }
 
   ClusterStatus View() { return Must(QueryClusterStatus(master_addr_)); }
 
-  int ActiveNodes() {
-    auto st = QueryClusterStatus(master_addr_);
-    if (!st.ok()) return -1;
-    int n = 0;
-    for (const auto& node : st->nodes) n += node.state == "ACTIVE";
-    return n;
-  }
+  int ActiveNodes() { return testing::ActiveNodes(master_addr_); }
 
   void WaitForActiveNodes(int n, int timeout_ms = 15000) {
-    auto until = Clock::now() + std::chrono::milliseconds(timeout_ms);
-    while (Clock::now() < until && ActiveNodes() != n) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    ASSERT_EQ(ActiveNodes(), n);
+    ASSERT_TRUE(testing::WaitForActiveNodes(master_addr_, n, timeout_ms));
   }
 
   // Replicas of live nodes over objects, once re-replication has caught up (or timeout).

@@ -20,6 +20,7 @@
 
 #include "kvbridge/store.h"
 #include "tests/common/test_util.h"
+#include "tests/store/store_procs.h"
 
 namespace kvbridge {
 namespace {
@@ -31,8 +32,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kPage = 64 * 1024;  // one buffer (K or V); an object is two
 constexpr size_t kSlots = 64;          // objects an arena holds (a batch uses distinct slots)
-
-const std::string kBin = KVBRIDGE_BIN_DIR "/kvbridge";
 
 class StoreFencing : public ::testing::Test {
  protected:
@@ -49,11 +48,9 @@ class StoreFencing : public ::testing::Test {
   // The master daemon, with these variables (KVBRIDGE_PUT_TIMEOUT_MS, ...) set for it.
   void StartMaster(uint32_t ttl_ms) {
     for (const auto& [var, value] : master_env_) setenv(var.c_str(), value.c_str(), 1);
-    master_ = ChildProcess::Start({kBin, "master", "--listen", master_addr_, "--node-ttl-ms",
-                                   std::to_string(ttl_ms), "--lease-ms", "200"});
+    master_ = testing::StartMaster(master_addr_,
+                                   {"--node-ttl-ms", std::to_string(ttl_ms), "--lease-ms", "200"});
     ASSERT_TRUE(master_);
-    const std::string line = master_->ReadLine(20000);
-    ASSERT_NE(line.find("listening on"), std::string::npos) << "master said: " << line;
   }
 
   // Node i gets dram[i] bytes and, when given, faults[i] as KVBRIDGE_NODE_FAULTS.
@@ -65,33 +62,16 @@ class StoreFencing : public ::testing::Test {
       } else {
         unsetenv("KVBRIDGE_NODE_FAULTS");
       }
-      auto node = ChildProcess::Start({kBin, "node", "--master", master_addr_, "--node-id", id,
-                                       "--dram-bytes", std::to_string(dram[i]),
-                                       "--drain-timeout-ms", "20000"});
+      auto node = testing::StartNode(
+          master_addr_, id, {"--dram-bytes", std::to_string(dram[i]), "--drain-timeout-ms", "20000"});
       ASSERT_TRUE(node);
-      const std::string line = node->ReadLine(20000);
-      ASSERT_NE(line.find("serving"), std::string::npos) << id << " said: " << line;
       nodes_.push_back(std::move(node));
     }
     unsetenv("KVBRIDGE_NODE_FAULTS");
     WaitForActiveNodes(static_cast<int>(dram.size()));
   }
 
-  int ActiveNodes() {
-    auto st = QueryClusterStatus(master_addr_);
-    if (!st.ok()) return -1;
-    int n = 0;
-    for (const auto& node : st->nodes) n += node.state == "ACTIVE";
-    return n;
-  }
-
-  void WaitForActiveNodes(int n) {
-    const auto until = Clock::now() + std::chrono::seconds(15);
-    while (Clock::now() < until && ActiveNodes() != n) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    ASSERT_EQ(ActiveNodes(), n);
-  }
+  void WaitForActiveNodes(int n) { ASSERT_TRUE(testing::WaitForActiveNodes(master_addr_, n)); }
 
   ClusterStatus View() { return Must(QueryClusterStatus(master_addr_)); }
 

@@ -18,6 +18,7 @@
 
 #include "kvbridge/store.h"
 #include "tests/common/test_util.h"
+#include "tests/store/store_procs.h"
 
 namespace kvbridge {
 namespace {
@@ -29,7 +30,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kObject = 64 * 1024;
 constexpr size_t kObjects = 48;
-const std::string kBin = KVBRIDGE_BIN_DIR "/kvbridge";
 
 double MsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -48,10 +48,8 @@ class StorePartition : public ::testing::Test {
     setenv("KVBRIDGE_LOG_LEVEL", "error", 1);
     const std::string here = "10.231.1.1", there = testing::NetNamespace::RemoteAddress(0);
     master_addr_ = here + ":" + std::to_string(testing::FreePort());
-    master_ = ChildProcess::Start(
-        {kBin, "master", "--listen", master_addr_, "--node-ttl-ms", "1000", "--lease-ms", "200"});
+    master_ = testing::StartMaster(master_addr_, {"--node-ttl-ms", "1000", "--lease-ms", "200"});
     ASSERT_TRUE(master_);
-    ASSERT_NE(master_->ReadLine(20000).find("listening on"), std::string::npos);
     cut_port_ = testing::FreePort();
     nodes_.push_back(StartNode("node0", there + ":" + std::to_string(cut_port_), there,
                                {"ip", "netns", "exec", ns_->name()}));
@@ -83,14 +81,10 @@ class StorePartition : public ::testing::Test {
   std::unique_ptr<ChildProcess> StartNode(const std::string& id, const std::string& listen,
                                           const std::string& host,
                                           const std::vector<std::string>& prefix) {
-    auto node = ChildProcess::Start(
-        {kBin, "node", "--master", master_addr_, "--node-id", id, "--dram-bytes",
-         std::to_string(64u << 20), "--listen", listen, "--rpc-listen", host + ":0"},
-        prefix);
-    if (!node) return nullptr;
-    const std::string line = node->ReadLine(20000);
-    EXPECT_NE(line.find("serving"), std::string::npos) << id << " said: " << line;
-    return node;
+    return testing::StartNode(master_addr_, id,
+                              {"--dram-bytes", std::to_string(64u << 20), "--listen", listen,
+                               "--rpc-listen", host + ":0"},
+                              prefix);
   }
 
   // Drops (or stops dropping) every packet to node 0's data port, inside its namespace.
@@ -111,15 +105,7 @@ class StorePartition : public ::testing::Test {
     return nullptr;
   }
   void WaitForActiveNodes(int want) {
-    const auto until = Clock::now() + std::chrono::seconds(15);
-    int n = 0;
-    while (Clock::now() < until) {
-      n = 0;
-      for (const auto& node : View().nodes) n += node.state == "ACTIVE";
-      if (n == want) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    FAIL() << n << " active nodes, want " << want;
+    ASSERT_TRUE(testing::WaitForActiveNodes(master_addr_, want));
   }
 
   static std::string Key(size_t i) { return "part-" + std::to_string(i); }

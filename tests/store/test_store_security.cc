@@ -27,6 +27,7 @@
 #include "kvbridge/store.h"
 #include "store/rpc_auth.h"
 #include "tests/common/test_util.h"
+#include "tests/store/store_procs.h"
 
 namespace kvbridge {
 namespace {
@@ -181,47 +182,29 @@ class SecureCluster : public ::testing::Test {
   }
 
   void StartMaster() {
-    master_ = ChildProcess::Start({kBin, "master", "--listen", master_addr_, "--node-ttl-ms",
-                                   std::to_string(kTtlMs), "--lease-ms", "200"});
+    master_ = testing::StartMaster(master_addr_,
+                                   {"--node-ttl-ms", std::to_string(kTtlMs), "--lease-ms", "200"});
     ASSERT_TRUE(master_);
-    const std::string line = master_->ReadLine(20000);
-    ASSERT_NE(line.find("listening on"), std::string::npos) << "master said: " << line;
   }
 
   std::unique_ptr<ChildProcess> StartNode(int i) {
     const std::string id = "node" + std::to_string(i);
-    std::vector<std::string> argv = {kBin,           "node",      "--master",
-                                     master_addr_,   "--node-id", id,
-                                     "--dram-bytes", "268435456", "--drain-timeout-ms",
-                                     "10000",        "--listen",  "127.0.0.1:0"};
+    std::vector<std::string> args = {"--dram-bytes", "268435456", "--drain-timeout-ms", "10000",
+                                     "--listen", "127.0.0.1:0"};
     if (i == 0 && have_ssd_) {
-      argv.insert(argv.end(), {"--ssd-path", (ssd_dir_ / id).string(), "--ssd-bytes",
+      args.insert(args.end(), {"--ssd-path", (ssd_dir_ / id).string(), "--ssd-bytes",
                                std::to_string(256u << 20)});
       fs::create_directories(ssd_dir_ / id);
     }
-    auto node = ChildProcess::Start(argv);
-    if (!node) return nullptr;
-    const std::string line = node->ReadLine(20000);
-    EXPECT_NE(line.find("serving"), std::string::npos) << "node " << id << " said: " << line;
-    return node;
+    return testing::StartNode(master_addr_, id, args);
   }
 
   ClusterStatus View() { return Must(QueryClusterStatus(master_addr_, 3000, kToken)); }
 
-  int ActiveNodes() {
-    auto st = QueryClusterStatus(master_addr_, 3000, kToken);
-    if (!st.ok()) return -1;
-    int n = 0;
-    for (const auto& node : st->nodes) n += node.state == "ACTIVE";
-    return n;
-  }
+  int ActiveNodes() { return testing::ActiveNodes(master_addr_, kToken); }
 
   void WaitForActiveNodes(int n, int timeout_ms = 15000) {
-    auto until = Clock::now() + std::chrono::milliseconds(timeout_ms);
-    while (Clock::now() < until && ActiveNodes() != n) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    ASSERT_EQ(ActiveNodes(), n);
+    ASSERT_TRUE(testing::WaitForActiveNodes(master_addr_, n, timeout_ms, kToken));
   }
 
   static std::string Key(size_t i) { return "secure-" + std::to_string(i); }
@@ -442,6 +425,53 @@ TEST_F(SecureCluster, TakeoverByNewIncarnationNeedsTheToken) {
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(kTtlMs));
   ExpectIntact("after the takeover attempts");
+}
+
+// The chunked registration (RegisterNodeStream, which nodes use) needs the token like every
+// call: node 1 registering again as a stream of a head and an inventory chunk, sent without a
+// proof, with a proof of another token or with a proof for the unary RegisterNode, is refused
+// UNAUTHENTICATED, and node 1 keeps its incarnation and its replicas.
+TEST_F(SecureCluster, ChunkedRegistrationNeedsTheToken) {
+  const rpc::NodeDescriptor node1 = Directory("node1");
+  const core::Descriptor d = Must(core::DecodeDescriptor(node1.engine_descriptor()));
+  ASSERT_FALSE(d.segments.empty());
+  rpc::RegisterNodeRequest head;
+  *head.mutable_node() = Identity("node1");
+  head.set_engine_descriptor(node1.engine_descriptor());
+  head.set_rpc_address(node1.rpc_address());
+  rpc::Segment* seg = head.add_segments();
+  seg->set_segment_id(d.segments[0].id);
+  seg->set_capacity(d.segments[0].length);
+  seg->set_tier(1);
+  rpc::RegisterNodeRequest chunk;
+  for (int i = 0; i < 3; ++i) {
+    rpc::InventoryRecord* r = chunk.add_inventory();
+    r->set_key("planted-" + std::to_string(i));
+    r->set_version(1);
+    r->add_sizes(4096);
+    r->set_segment_id(d.segments[0].id);
+    r->set_offset(static_cast<uint64_t>(i) * 4096);
+    r->set_replica_num(1);
+    r->set_replica_id(1);
+  }
+  for (const auto& [what, md] : std::vector<std::pair<const char*, Metadata>>{
+           {"no proof", {}},
+           {"another token",
+            {{store::kAuthHeader, ClusterProof(store::method::kRegisterNodeStream, "wrong")}}},
+           {"a proof for RegisterNode",
+            {{store::kAuthHeader, ClusterProof(store::method::kRegisterNode)}}}}) {
+    auto ctx = Ctx(md);
+    rpc::RegisterNodeReply reply;
+    auto writer = master_stub_->RegisterNodeStream(ctx.get(), &reply);
+    writer->Write(head);  // may fail once the master has refused: the status says why
+    writer->Write(chunk);
+    writer->WritesDone();
+    const grpc::Status st = writer->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED) << what << ": "
+                                                                   << st.error_message();
+    EXPECT_TRUE(reply.node_secret().empty()) << what;
+  }
+  ExpectIntact("after the unauthenticated chunked registrations");
 }
 
 // A token holder registering "evil" with node 1's engine descriptor (so that re-replication

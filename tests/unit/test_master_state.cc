@@ -415,6 +415,7 @@ TEST(MasterFrees, FreesComeAgainUntilAcknowledgedAndAreCappedPerReply) {
   ASSERT_EQ(lost->frees.size(), 2u);
   ASSERT_EQ(lost->free_seqs.size(), 2u);
   EXPECT_LT(lost->free_seqs[0], lost->free_seqs[1]);
+  EXPECT_TRUE(lost->more) << "three more frees are queued";
   auto again = c.m().Heartbeat(id, 0, c.now);
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->free_seqs, lost->free_seqs) << "lost frees must come again";
@@ -423,10 +424,12 @@ TEST(MasterFrees, FreesComeAgainUntilAcknowledgedAndAreCappedPerReply) {
   auto next = c.m().Heartbeat(id, again->free_seqs.back(), c.now);
   ASSERT_TRUE(next.ok());
   ASSERT_EQ(next->frees.size(), 2u);
+  EXPECT_TRUE(next->more);
   EXPECT_GT(next->free_seqs.front(), again->free_seqs.back());
   auto last = c.m().Heartbeat(id, next->free_seqs.back(), c.now);
   ASSERT_TRUE(last.ok());
   ASSERT_EQ(last->frees.size(), 1u);
+  EXPECT_FALSE(last->more) << "the last free is in this reply";
   auto none = c.m().Heartbeat(id, last->free_seqs.back(), c.now);
   ASSERT_TRUE(none.ok());
   EXPECT_TRUE(none->frees.empty());
@@ -459,6 +462,81 @@ TEST(MasterFrees, RegistrationFreesSurviveALostReply) {
   hb = c.m().Heartbeat(reg.identity, r->free_seqs[0], c.now);
   ASSERT_TRUE(hb.ok());
   EXPECT_TRUE(hb->frees.empty());
+}
+
+// A registration whose rejected records exceed max_frees_per_reply carries the first ones
+// and says `more`; heartbeats bring the rest, each capped and saying `more` until the last.
+TEST(MasterFrees, RegistrationWithManyFreesSaysMoreAndHeartbeatsBringTheRest) {
+  MasterConfig cfg;
+  cfg.max_frees_per_reply = 2;
+  Cluster c(cfg);
+  FakeNode& n = c.AddNode("n0", {1 << 20});
+  std::vector<InventoryRecord> bad;
+  for (uint64_t i = 0; i < 5; ++i) {  // each names a segment n0 does not have
+    bad.push_back({"x" + std::to_string(i), 3, {4096}, 1, 999, i * 4096, 1, 7 + i});
+  }
+  NodeRegistration reg = n.Registration();
+  reg.identity.incarnation = 2;
+  auto r = c.m().RegisterNode(reg, bad, c.now);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->frees.size(), 2u);
+  EXPECT_TRUE(r->more);
+  std::set<std::string> freed;
+  for (const auto& f : r->frees) freed.insert(f.key);
+  uint64_t acked = r->free_seqs.back();
+  int replies = 0;
+  for (bool more = true; more && replies < 10; ++replies) {
+    auto hb = c.m().Heartbeat(reg.identity, acked, c.now);
+    ASSERT_TRUE(hb.ok());
+    ASSERT_LE(hb->frees.size(), 2u);
+    ASSERT_FALSE(hb->frees.empty());
+    for (const auto& f : hb->frees) freed.insert(f.key);
+    acked = hb->free_seqs.back();
+    more = hb->more;
+  }
+  EXPECT_EQ(replies, 2);  // 2 + 2 + 1
+  EXPECT_EQ(freed.size(), 5u);
+  auto done = c.m().Heartbeat(reg.identity, acked, c.now);
+  ASSERT_TRUE(done.ok());
+  EXPECT_TRUE(done->frees.empty());
+  EXPECT_FALSE(done->more);
+}
+
+// Tasks are capped per heartbeat reply too (max_tasks_per_reply): a reply that leaves some
+// queued says `more`, and asking again at once brings the next, until none is left.
+TEST(MasterRepair, HeartbeatReplyCapsTasksAndSaysMore) {
+  MasterConfig cfg;
+  cfg.max_tasks_per_reply = 1;
+  Cluster c(cfg);
+  c.AddNode("n0", {1 << 20});
+  c.AddNode("n1", {1 << 20});
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(c.Put("k" + std::to_string(i), 4096, 2).ok());
+  c.AddNode("n2", {1 << 20});
+  // n1 goes silent: every object is left on n0 alone, which must copy all four to n2.
+  c.nodes.erase("n1");
+  for (int i = 0; i < 4; ++i) {
+    c.now += 1000 * kMs;
+    c.HeartbeatAll();
+  }
+  auto t = c.m().Tick(c.now);
+  ASSERT_EQ(t.nodes_expired, 1u);
+  ASSERT_EQ(t.tasks_created, 4u);
+  FakeNode& n0 = c.nodes["n0"];
+  std::set<std::string> keys;
+  int replies = 0;
+  for (bool more = true; more && replies < 10; ++replies) {
+    auto hb = c.m().Heartbeat(n0.id, n0.frees_acked, c.now);
+    ASSERT_TRUE(hb.ok());
+    ASSERT_EQ(hb->tasks.size(), 1u) << "reply " << replies;
+    keys.insert(hb->tasks[0].key);
+    more = hb->more;
+  }
+  EXPECT_EQ(replies, 4);
+  EXPECT_EQ(keys.size(), 4u);
+  auto none = c.m().Heartbeat(n0.id, n0.frees_acked, c.now);
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->tasks.empty());
+  EXPECT_FALSE(none->more);
 }
 
 // Sequence numbers start at first_free_seq (the master service starts it at the wall clock
