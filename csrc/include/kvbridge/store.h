@@ -173,6 +173,13 @@ struct NodeOptions {
   static NodeOptions FromEnv();
 };
 
+// Counters of one storage node since it started (StorageNode::stats()).
+struct StorageNodeStats {
+  uint64_t ssd_read_requests = 0;  // ReadSsd calls answered (one per client get and node)
+  uint64_t ssd_read_objects = 0;   // objects those calls asked for
+  uint64_t ssd_read_batches = 0;   // transfer batches they wrote the objects with
+};
+
 // A storage node: a transfer engine whose registered DRAM pool holds replicas, registered with
 // the master, heartbeating on its own thread and gRPC channel (never behind data-plane work),
 // executing the master's re-replication tasks.
@@ -192,6 +199,7 @@ class StorageNode {
   // OK when the SSD tier runs; NOT_FOUND when none is configured; else why it could not start
   // (the node then serves its DRAM pool only).
   Status ssd_status() const;
+  StorageNodeStats stats() const;
 
   struct Impl;
 
