@@ -242,8 +242,10 @@ struct StorageNode::Impl final : public rpc::Node::Service {
                   const google::protobuf::RepeatedField<uint64_t>& seqs);
   void HeartbeatLoop();
   void TaskLoop();
-  // Copies a batch of tasks' replicas with one engine batch; one status per task.
-  std::vector<Status> RunTasks(const std::vector<QueuedTask>& batch);
+  // Copies a batch of tasks' replicas with one engine batch; one status per task. SSD sources
+  // are staged within a budget (ssd_staging_bytes): the staging area, or one object larger
+  // than it; a task over it is not run and (*deferred)[i] set, for the next batch.
+  std::vector<Status> RunTasks(const std::vector<QueuedTask>& batch, std::vector<bool>* deferred);
   bool ReportTask(const rpc::TaskDoneRequest& done);
   // Tells the master this node's copy at (segment_id, offset) is bad or gone; best effort.
   void ReportBadCopy(const std::string& key, uint64_t version, uint64_t segment_id,
@@ -269,8 +271,13 @@ struct StorageNode::Impl final : public rpc::Node::Service {
     char* data = nullptr;
     uint64_t offset = 0;           // in the staging area (when temp_segment == 0)
     SegmentId temp_segment = 0;    // its own registration, else 0
+    uint64_t temp_bytes = 0;       // the size of that memory
     std::unique_ptr<char, void (*)(void*)> temp{nullptr, std::free};
   };
+  // Memory held beyond the staging area for objects larger than it (ReadToStaging), now and
+  // at most (StorageNode::stats()).
+  std::atomic<uint64_t> temp_staging_bytes{0};
+  std::atomic<uint64_t> temp_staging_bytes_peak{0};
   // Reads an SSD object into registered memory (caller frees it with FreeStaging); checks the
   // record's checksum.
   Result<std::unique_ptr<Staged>> ReadToStaging(const rpc::InventoryRecord& rec);
@@ -514,9 +521,15 @@ void StorageNode::Impl::HeartbeatLoop() {
   }
 }
 
-std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& batch) {
+std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& batch,
+                                                std::vector<bool>* deferred) {
   using Clock = std::chrono::steady_clock;
   std::vector<Status> result(batch.size());
+  deferred->assign(batch.size(), false);
+  // Before, every SSD source of a batch was staged before the transfer, and each object larger
+  // than the staging area got full-size memory of its own: a batch of such objects after a
+  // node loss held all of them at once.
+  bool staged_large = false;  // an object larger than the staging area is staged
   std::vector<std::unique_ptr<Staged>> staged;  // SSD sources, freed when the batch ends
   struct FreeStaged {
     Impl* im;
@@ -581,11 +594,23 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& b
         result[i] = Status::NotFound("task source is not on this node's SSD tier");
         continue;
       }
+      // Within the budget: an object larger than the staging area only alone, and the others
+      // while the area has room; the rest waits for the next batch.
+      const bool large = ObjectBytes(rec) > staging_bytes;
+      if (staged_large || (large && !staged.empty())) {
+        (*deferred)[i] = true;
+        continue;
+      }
       Result<std::unique_ptr<Staged>> got = ReadToStaging(rec);
       if (!got.ok()) {
+        if (got.status().Is(StatusCode::kBackpressure) && !staged.empty()) {
+          (*deferred)[i] = true;  // the area is full with this batch's sources
+          continue;
+        }
         result[i] = got.status();
         continue;
       }
+      staged_large = large;
       local = got.value()->data;
       staged.push_back(std::move(got).value());
     } else if (src.segment_id() != segment || src.offset() > pool_bytes ||
@@ -690,8 +715,14 @@ void StorageNode::Impl::TaskLoop() {
       KVB_LOG(WARN) << "fault injection: " << batch.size() << " task(s) wait " << delay << " ms";
       std::this_thread::sleep_for(std::chrono::milliseconds(delay));
     }
-    std::vector<Status> statuses = RunTasks(batch);
+    std::vector<bool> deferred;
+    std::vector<Status> statuses = RunTasks(batch, &deferred);
+    std::vector<QueuedTask> later;  // over the staging budget: first in the next batch
     for (size_t i = 0; i < batch.size(); ++i) {
+      if (deferred[i]) {
+        later.push_back(std::move(batch[i]));
+        continue;
+      }
       rpc::TaskDoneRequest done;
       *done.mutable_node() = Identity();
       done.set_task_id(batch[i].task.task_id());
@@ -700,6 +731,8 @@ void StorageNode::Impl::TaskLoop() {
     }
     unanswered.RetryDue([&](const rpc::TaskDoneRequest& d) { return ReportTask(d); });
     lock.lock();
+    tasks.insert(tasks.begin(), std::make_move_iterator(later.begin()),
+                 std::make_move_iterator(later.end()));
     heartbeat_now = true;  // ask for the next tasks now, not an interval from now
     cv.notify_all();
   }
@@ -790,7 +823,12 @@ Result<std::unique_ptr<StorageNode::Impl::Staged>> StorageNode::Impl::ReadToStag
     Result<SegmentId> seg = engine->RegisterMemory(out->temp.get(), n);
     if (!seg.ok()) return seg.status().WithContext("registering a large SSD read");
     out->temp_segment = seg.value();
+    out->temp_bytes = n;
     out->data = out->temp.get();
+    const uint64_t now = temp_staging_bytes.fetch_add(n) + n;
+    uint64_t peak = temp_staging_bytes_peak.load();
+    while (now > peak && !temp_staging_bytes_peak.compare_exchange_weak(peak, now)) {
+    }
   } else {
     std::optional<uint64_t> off;
     {
@@ -832,6 +870,8 @@ void StorageNode::Impl::FreeStaging(Staged& s) {
     (void)engine->DeregisterMemory(s.temp_segment);
     s.temp_segment = 0;
     s.temp.reset();
+    temp_staging_bytes.fetch_sub(s.temp_bytes);
+    s.temp_bytes = 0;
   } else if (s.data != nullptr) {
     std::lock_guard<std::mutex> lock(staging_mu);
     staging_alloc->Free(s.offset);
@@ -1240,6 +1280,7 @@ StorageNodeStats StorageNode::stats() const {
   s.ssd_read_requests = impl_->ssd_read_requests.load(std::memory_order_relaxed);
   s.ssd_read_objects = impl_->ssd_read_objects.load(std::memory_order_relaxed);
   s.ssd_read_batches = impl_->ssd_read_batches.load(std::memory_order_relaxed);
+  s.temp_staging_bytes_peak = impl_->temp_staging_bytes_peak.load();
   return s;
 }
 

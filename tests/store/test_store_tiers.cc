@@ -519,6 +519,56 @@ TEST_P(StoreTiers, FrozenSsdHolderCostsABatchGetAtMostItsDeadline) {
   unsetenv("KVBRIDGE_TRANSPORTS");
 }
 
+// Re-replication of many SSD objects larger than the staging area (64 KiB here, objects of
+// 128 KiB): a task batch stages one such object at a time and defers the others to the next
+// batch. Before, every SSD source of a batch got full-size memory of its own at once (dozens
+// of objects after a node loss). Every object still gets its two replicas back.
+TEST_P(StoreTiers, TaskBatchesStageLargeSsdObjectsOneAtATime) {
+  EmbeddedClusterOptions o = Options(3, 8u << 20, 64u << 20, 2);
+  o.ssd_staging_bytes = 64 * 1024;
+  auto cluster = Must(EmbeddedCluster::Start(o));
+  StoreClient& c = cluster->client();
+  Buffer src(16 * kObject), dst(16 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  {
+    std::string why;
+    ASSERT_EQ(PutPaced(c, src, 120, 8, 400, &why), 0) << why;
+  }
+  ClusterStatus s = Settle(cluster->master_address(), 10);
+  ASSERT_GT(s.ssd_replicas, 40u);
+  ASSERT_EQ(s.evictions_total, 0u);
+  ASSERT_EQ(s.objects, 120u);
+  cluster->nodes()[0].reset();  // its replicas are re-made from the survivors' DRAM and SSD
+  // (NodeStatus.replicas counts copies in flight too: wait for nothing left to repair.)
+  uint64_t replicas = 0, under = 1;
+  for (int i = 0; i < 150 && (replicas != 240 || under != 0); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    ClusterStatus now = Must(QueryClusterStatus(cluster->master_address()));
+    replicas = 0;
+    for (const NodeStatus& n : now.nodes) {
+      if (n.state == "ACTIVE") replicas += n.replicas;
+    }
+    under = now.under_replicated;
+  }
+  ASSERT_EQ(replicas, 240u) << "re-replication did not finish";
+  ASSERT_EQ(under, 0u);
+  uint64_t peak = 0;
+  for (size_t n = 1; n < 3; ++n) {
+    const StorageNodeStats st = cluster->nodes()[n]->stats();
+    EXPECT_LE(st.temp_staging_bytes_peak, o.ssd_staging_bytes + kObject)
+        << "node " << n << " held more than one large SSD object beyond its staging area";
+    std::printf("node %zu: at most %llu bytes staged beyond the staging area\n", n,
+                static_cast<unsigned long long>(st.temp_staging_bytes_peak));
+    peak = std::max(peak, st.temp_staging_bytes_peak);
+  }
+  EXPECT_GT(peak, 0u) << "no SSD source larger than the staging area was copied";
+  std::string why;
+  for (size_t first = 0; first < 120; first += 16) {
+    EXPECT_EQ(GetAndCheck(c, dst, first, std::min<size_t>(16, 120 - first), &why), 0) << why;
+  }
+}
+
 TEST_P(StoreTiers, SsdObjectsReadRepeatedlyArePromotedBackToDram) {
   auto cluster = Must(EmbeddedCluster::Start(Options(1, 4u << 20, 32u << 20, 1)));
   StoreClient& c = cluster->client();

@@ -178,6 +178,9 @@ struct StorageNodeStats {
   uint64_t ssd_read_requests = 0;  // ReadSsd calls answered (one per client get and node)
   uint64_t ssd_read_objects = 0;   // objects those calls asked for
   uint64_t ssd_read_batches = 0;   // transfer batches they wrote the objects with
+  // The most memory held at once beyond the staging area (ssd_staging_bytes), for SSD objects
+  // larger than it: a batch of re-replication tasks stages one such object at a time.
+  uint64_t temp_staging_bytes_peak = 0;
 };
 
 // A storage node: a transfer engine whose registered DRAM pool holds replicas, registered with
