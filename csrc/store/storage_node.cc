@@ -249,8 +249,10 @@ struct StorageNode::Impl final : public rpc::Node::Service {
                   const google::protobuf::RepeatedField<uint64_t>& seqs);
   void HeartbeatLoop();
   void TaskLoop();
-  // Copies a batch of tasks' replicas with one engine batch; one status per task.
-  std::vector<Status> RunTasks(const std::vector<QueuedTask>& batch);
+  // Copies a batch of tasks' replicas with one engine batch; one status per task. SSD sources
+  // are staged within a budget (ssd_staging_bytes): the staging area, or one object larger
+  // than it; a task over it is not run and (*deferred)[i] set, for the next batch.
+  std::vector<Status> RunTasks(const std::vector<QueuedTask>& batch, std::vector<bool>* deferred);
   bool ReportTask(const rpc::TaskDoneRequest& done);
   // Tells the master this node's copy at (segment_id, offset) is bad or gone; best effort.
   void ReportBadCopy(const std::string& key, uint64_t version, uint64_t segment_id,
@@ -276,8 +278,13 @@ struct StorageNode::Impl final : public rpc::Node::Service {
     char* data = nullptr;
     uint64_t offset = 0;           // in the staging area (when temp_segment == 0)
     SegmentId temp_segment = 0;    // its own registration, else 0
+    uint64_t temp_bytes = 0;       // the size of that memory
     std::unique_ptr<char, void (*)(void*)> temp{nullptr, std::free};
   };
+  // Memory held beyond the staging area for objects larger than it (ReadToStaging), now and
+  // at most (StorageNode::stats()).
+  std::atomic<uint64_t> temp_staging_bytes{0};
+  std::atomic<uint64_t> temp_staging_bytes_peak{0};
   // Reads an SSD object into registered memory (caller frees it with FreeStaging); checks the
   // record's checksum.
   Result<std::unique_ptr<Staged>> ReadToStaging(const rpc::InventoryRecord& rec);
@@ -285,6 +292,10 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   // master's directory (asked once per client incarnation a minute; refused if it cannot be
   // asked). INVALID_ARGUMENT or PERMISSION_DENIED naming why not.
   Status CheckReadClient(const rpc::NodeIdentity& client);
+  // StorageNode::stats().
+  std::atomic<uint64_t> ssd_read_requests{0};
+  std::atomic<uint64_t> ssd_read_objects{0};
+  std::atomic<uint64_t> ssd_read_batches{0};
   std::mutex clients_mu;
   std::map<std::pair<std::string, uint64_t>, std::chrono::steady_clock::time_point>
       checked_clients;  // client identity -> when the directory said it is no node
@@ -576,9 +587,15 @@ void StorageNode::Impl::HeartbeatLoop() {
   }
 }
 
-std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& batch) {
+std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& batch,
+                                                std::vector<bool>* deferred) {
   using Clock = std::chrono::steady_clock;
   std::vector<Status> result(batch.size());
+  deferred->assign(batch.size(), false);
+  // Before, every SSD source of a batch was staged before the transfer, and each object larger
+  // than the staging area got full-size memory of its own: a batch of such objects after a
+  // node loss held all of them at once.
+  bool staged_large = false;  // an object larger than the staging area is staged
   std::vector<std::unique_ptr<Staged>> staged;  // SSD sources, freed when the batch ends
   struct FreeStaged {
     Impl* im;
@@ -643,11 +660,23 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& b
         result[i] = Status::NotFound("task source is not on this node's SSD tier");
         continue;
       }
+      // Within the budget: an object larger than the staging area only alone, and the others
+      // while the area has room; the rest waits for the next batch.
+      const bool large = ObjectBytes(rec) > staging_bytes;
+      if (staged_large || (large && !staged.empty())) {
+        (*deferred)[i] = true;
+        continue;
+      }
       Result<std::unique_ptr<Staged>> got = ReadToStaging(rec);
       if (!got.ok()) {
+        if (got.status().Is(StatusCode::kBackpressure) && !staged.empty()) {
+          (*deferred)[i] = true;  // the area is full with this batch's sources
+          continue;
+        }
         result[i] = got.status();
         continue;
       }
+      staged_large = large;
       local = got.value()->data;
       staged.push_back(std::move(got).value());
     } else if (src.segment_id() != segment || src.offset() > pool_bytes ||
@@ -752,8 +781,14 @@ void StorageNode::Impl::TaskLoop() {
       KVB_LOG(WARN) << "fault injection: " << batch.size() << " task(s) wait " << delay << " ms";
       std::this_thread::sleep_for(std::chrono::milliseconds(delay));
     }
-    std::vector<Status> statuses = RunTasks(batch);
+    std::vector<bool> deferred;
+    std::vector<Status> statuses = RunTasks(batch, &deferred);
+    std::vector<QueuedTask> later;  // over the staging budget: first in the next batch
     for (size_t i = 0; i < batch.size(); ++i) {
+      if (deferred[i]) {
+        later.push_back(std::move(batch[i]));
+        continue;
+      }
       rpc::TaskDoneRequest done;
       *done.mutable_node() = Identity();
       done.set_task_id(batch[i].task.task_id());
@@ -762,6 +797,8 @@ void StorageNode::Impl::TaskLoop() {
     }
     unanswered.RetryDue([&](const rpc::TaskDoneRequest& d) { return ReportTask(d); });
     lock.lock();
+    tasks.insert(tasks.begin(), std::make_move_iterator(later.begin()),
+                 std::make_move_iterator(later.end()));
     heartbeat_now = true;  // ask for the next tasks now, not an interval from now
     cv.notify_all();
   }
@@ -852,7 +889,12 @@ Result<std::unique_ptr<StorageNode::Impl::Staged>> StorageNode::Impl::ReadToStag
     Result<SegmentId> seg = engine->RegisterMemory(out->temp.get(), n);
     if (!seg.ok()) return seg.status().WithContext("registering a large SSD read");
     out->temp_segment = seg.value();
+    out->temp_bytes = n;
     out->data = out->temp.get();
+    const uint64_t now = temp_staging_bytes.fetch_add(n) + n;
+    uint64_t peak = temp_staging_bytes_peak.load();
+    while (now > peak && !temp_staging_bytes_peak.compare_exchange_weak(peak, now)) {
+    }
   } else {
     std::optional<uint64_t> off;
     {
@@ -894,6 +936,8 @@ void StorageNode::Impl::FreeStaging(Staged& s) {
     (void)engine->DeregisterMemory(s.temp_segment);
     s.temp_segment = 0;
     s.temp.reset();
+    temp_staging_bytes.fetch_sub(s.temp_bytes);
+    s.temp_bytes = 0;
   } else if (s.data != nullptr) {
     std::lock_guard<std::mutex> lock(staging_mu);
     staging_alloc->Free(s.offset);
@@ -1074,6 +1118,7 @@ void StorageNode::Impl::DemoteLoop() {
 grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::ReadSsdRequest* req,
                                         rpc::ReadSsdReply* reply) {
   KVB_AUTH(ctx, store::method::kReadSsd);
+  ssd_read_requests.fetch_add(1, std::memory_order_relaxed);
   auto done = [&](const Status& st) {
     store::ToProto(st, reply->mutable_status());
     return grpc::Status::OK;
@@ -1098,53 +1143,126 @@ grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::Rea
     return done(client.status().WithContext("client descriptor"));
   }
   if (ssd == nullptr) return done(Status::NotFound("this node has no SSD tier"));
-  rpc::InventoryRecord rec;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto k = ssd_keys.find(req->key());
-    if (k != ssd_keys.end()) {
-      auto it = inventory.find({kSsdSegment, k->second});
-      if (it != inventory.end()) rec = it->second;
+  // The objects asked for: `items`, or the single object of the request's own fields.
+  const bool batch = req->items_size() > 0;
+  google::protobuf::RepeatedPtrField<rpc::ReadSsdItem> single;
+  if (!batch) {
+    rpc::ReadSsdItem* one = single.Add();
+    one->set_key(req->key());
+    one->set_version(req->version());
+    *one->mutable_dests() = req->dests();
+  }
+  const auto& items = batch ? req->items() : single;
+  const size_t n = static_cast<size_t>(items.size());
+  ssd_read_objects.fetch_add(n, std::memory_order_relaxed);
+  std::vector<Status> item_status(n);
+  std::vector<uint64_t> item_size(n, 0);
+  // Write only while the client still waits for the answer: never into buffers it has already
+  // given up on (the call's deadline, less a margin for the reply). The deadline is fixed
+  // here, so staging and earlier rounds count against it.
+  const auto write_deadline = ctx->deadline() - std::chrono::milliseconds(50);
+  size_t next = 0;
+  while (next < n) {
+    // One round: as many objects as the staging area holds (one larger than the whole area
+    // alone), read from SSD, then written to the client with one transfer batch.
+    std::vector<std::unique_ptr<Staged>> staged;
+    std::vector<TransferOp> ops;
+    std::vector<size_t> item_of_op;
+    for (; next < n; ++next) {
+      const rpc::ReadSsdItem& item = items[static_cast<int>(next)];
+      rpc::InventoryRecord rec;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        auto k = ssd_keys.find(item.key());
+        if (k != ssd_keys.end()) {
+          auto it = inventory.find({kSsdSegment, k->second});
+          if (it != inventory.end()) rec = it->second;
+        }
+      }
+      if (rec.key() != item.key() || rec.version() != item.version()) {
+        item_status[next] =
+            Status::NotFound("object (this version) is not on this node's SSD tier");
+        continue;
+      }
+      const uint64_t bytes = ObjectBytes(rec);
+      uint64_t room = 0;
+      for (const auto& p : item.dests()) room += p.length();
+      if (room < bytes) {
+        item_status[next] = Status::InvalidArgument("destination holds " + std::to_string(room) +
+                                                    " bytes; the object has " +
+                                                    std::to_string(bytes));
+        continue;
+      }
+      if (bytes > staging_bytes && !staged.empty()) break;  // it goes alone, next round
+      Result<std::unique_ptr<Staged>> got = ReadToStaging(rec);
+      if (!got.ok()) {
+        // Staging full with this round's objects: send them, then this one.
+        if (got.status().Is(StatusCode::kBackpressure) && !staged.empty()) break;
+        item_status[next] = got.status();
+        continue;
+      }
+      Staged& s = *got.value();
+      uint64_t pos = 0;
+      for (const auto& p : item.dests()) {
+        if (pos == bytes) break;
+        const uint64_t len = std::min(p.length(), bytes - pos);
+        ops.push_back(TransferOp{OpCode::kWrite, s.data + pos, len, client->node_id,
+                                 p.segment_id(), p.offset()});
+        item_of_op.push_back(next);
+        pos += len;
+      }
+      item_size[next] = bytes;
+      const bool large = s.temp_segment != 0;
+      staged.push_back(std::move(got).value());
+      if (large) {
+        ++next;
+        break;
+      }
+    }
+    struct FreeRound {
+      Impl* im;
+      std::vector<std::unique_ptr<Staged>>* v;
+      ~FreeRound() {
+        for (auto& s : *v) im->FreeStaging(*s);
+      }
+    } free_round{this, &staged};
+    if (ops.empty()) continue;
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        write_deadline - std::chrono::system_clock::now());
+    if (ctx->IsCancelled() || left.count() <= 0) {
+      // This round's objects and every one not yet read: nothing more is written.
+      const Status late = Status::DeadlineExceeded("the client's call expired during the SSD read");
+      for (size_t i : item_of_op) item_status[i] = late;
+      for (; next < n; ++next) item_status[next] = late;
+      break;
+    }
+    SubmitOptions so;
+    so.deadline_ms = static_cast<uint32_t>(std::min<int64_t>(
+        left.count(), req->timeout_ms() > 0 ? req->timeout_ms() : options.rpc_timeout_ms));
+    ssd_read_batches.fetch_add(1, std::memory_order_relaxed);
+    Result<BatchId> id = engine->Submit(ops, so);
+    BatchResult r;
+    if (id.ok()) {
+      r = engine->Wait(id.value());
+    } else {
+      r.status = id.status();
+    }
+    for (size_t k = 0; k < ops.size(); ++k) {
+      const Status& st = k < r.op_status.size() ? r.op_status[k] : r.status;
+      Status& is = item_status[item_of_op[k]];
+      // Not the replica's fault: the client must not report it (UNAVAILABLE is not reported).
+      if (!st.ok() && is.ok()) is = Status::Unavailable("writing to the client: " + st.ToString());
     }
   }
-  if (rec.key() != req->key() || rec.version() != req->version()) {
-    return done(Status::NotFound("object (this version) is not on this node's SSD tier"));
+  if (!batch) {
+    if (item_status[0].ok()) reply->set_size(item_size[0]);
+    return done(item_status[0]);
   }
-  const uint64_t bytes = ObjectBytes(rec);
-  uint64_t room = 0;
-  for (const auto& p : req->dests()) room += p.length();
-  if (room < bytes) {
-    return done(Status::InvalidArgument("destination holds " + std::to_string(room) +
-                                        " bytes; the object has " + std::to_string(bytes)));
+  for (size_t i = 0; i < n; ++i) {
+    rpc::ReadSsdItemReply* out = reply->add_items();
+    store::ToProto(item_status[i], out->mutable_status());
+    if (item_status[i].ok()) out->set_size(item_size[i]);
   }
-  Result<std::unique_ptr<Staged>> got = ReadToStaging(rec);
-  if (!got.ok()) return done(got.status());
-  Staged& staged = *got.value();
-  std::vector<TransferOp> ops;
-  uint64_t pos = 0;
-  for (const auto& p : req->dests()) {
-    if (pos == bytes) break;
-    const uint64_t n = std::min(p.length(), bytes - pos);
-    ops.push_back(TransferOp{OpCode::kWrite, staged.data + pos, n, client->node_id,
-                             p.segment_id(), p.offset()});
-    pos += n;
-  }
-  // Write only while the client still waits for the answer: never into buffers it has
-  // already given up on (the call's deadline, less a margin for the reply).
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-      ctx->deadline() - std::chrono::system_clock::now() - std::chrono::milliseconds(50));
-  if (ctx->IsCancelled() || left.count() <= 0) {
-    FreeStaging(staged);
-    return done(Status::DeadlineExceeded("the client's call expired during the SSD read"));
-  }
-  SubmitOptions so;
-  so.deadline_ms = static_cast<uint32_t>(std::min<int64_t>(
-      left.count(), req->timeout_ms() > 0 ? req->timeout_ms() : options.rpc_timeout_ms));
-  Status st = engine->Transfer(ops, so);
-  FreeStaging(staged);
-  // Not the replica's fault: the client must not report it (UNAVAILABLE is not reported).
-  if (!st.ok()) return done(Status::Unavailable("writing to the client: " + st.ToString()));
-  reply->set_size(bytes);
   return done(Status::OK());
 }
 
@@ -1222,6 +1340,15 @@ StorageNode::~StorageNode() {
 const PeerId& StorageNode::id() const { return impl_->engine->self(); }
 
 Status StorageNode::ssd_status() const { return impl_->ssd_status; }
+
+StorageNodeStats StorageNode::stats() const {
+  StorageNodeStats s;
+  s.ssd_read_requests = impl_->ssd_read_requests.load(std::memory_order_relaxed);
+  s.ssd_read_objects = impl_->ssd_read_objects.load(std::memory_order_relaxed);
+  s.ssd_read_batches = impl_->ssd_read_batches.load(std::memory_order_relaxed);
+  s.temp_staging_bytes_peak = impl_->temp_staging_bytes_peak.load();
+  return s;
+}
 
 size_t StorageNode::object_count() const {
   std::lock_guard<std::mutex> lock(impl_->mu);

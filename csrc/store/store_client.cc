@@ -199,8 +199,28 @@ struct StoreClient::Impl {
     }
     return result;
   }
-  Status ReadFromSsd(const rpc::ReplicaLocation& loc, const std::string& key, uint64_t version,
-                     const std::vector<Piece>& pieces);
+  // Stub of a node's Node service; null (and *why) when no control address is known.
+  rpc::Node::Stub* NodeStub(const std::string& node_id, Status* why);
+  // One SSD read: the replica to read and where the key's bytes go.
+  struct SsdTarget {
+    const rpc::ReplicaLocation* loc = nullptr;
+    const std::string* key = nullptr;
+    uint64_t version = 0;
+    const std::vector<Piece>* pieces = nullptr;
+  };
+  // Another SSD replica of group g's key, not on node `avoid`; false if none.
+  using SsdAlternative = std::function<bool(size_t g, std::string_view avoid, SsdTarget* out)>;
+  // A get's SSD reads (docs/store.md "Tiers"): one ReadSsd per node with every key read there,
+  // all nodes at once, every call bounded by `deadline`. A key whose node failed as a whole
+  // (unreachable, another incarnation, out of time), or whose call is still unanswered after
+  // the hedge delay, is read again from its next SSD replica on another node. Returns once
+  // every call it sent is answered or past its deadline, so no node writes into the buffers
+  // afterwards (a node writes only within its call's deadline). *late gets one group per node
+  // whose call failed while other replicas served all its keys.
+  void RunSsd(const std::vector<std::pair<size_t, SsdTarget>>& reads, size_t groups,
+              const SsdAlternative& alternative,
+              std::chrono::steady_clock::time_point deadline, std::vector<Status>* group_status,
+              std::vector<size_t>* late);
   // Makes sure the engine knows the current incarnation of every node named.
   Status EnsurePeers(const std::set<std::pair<std::string, uint64_t>>& nodes);
   // Whether the engine knows this incarnation of the node (EnsurePeers added it).
@@ -237,7 +257,7 @@ struct StoreClient::Impl {
   // because other replicas served all its keys.
   void RunHedged(const std::vector<TransferOp>& ops, const std::vector<size_t>& group_of_op,
                  size_t groups, const Alternative& alternative, std::vector<Status>* group_status,
-                 std::vector<size_t>* late);
+                 std::vector<size_t>* late, uint32_t deadline_ms);
 };
 
 Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint64_t>>& nodes) {
@@ -305,50 +325,19 @@ bool StoreClient::Impl::LocalSegment(const char* p, uint64_t len, SegmentId* seg
   return true;
 }
 
-// Asks the node holding an SSD replica to write it into our memory (docs/store.md "Tiers").
-Status StoreClient::Impl::ReadFromSsd(const rpc::ReplicaLocation& loc, const std::string& key,
-                                      uint64_t version, const std::vector<Piece>& pieces) {
-  rpc::Node::Stub* stub = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(peers_mu);
-    auto a = node_rpc.find(loc.node().node_id());
-    if (a == node_rpc.end() || a->second.empty()) {
-      return Status::PeerUnreachable("no control address known for node " + loc.node().node_id())
-          .WithOrigin(StatusOrigin::kStorageNode);
-    }
-    auto& s = node_stubs[a->second];
-    if (!s) {
-      s = rpc::Node::NewStub(store::NewChannel(a->second));
-    }
-    stub = s.get();
+rpc::Node::Stub* StoreClient::Impl::NodeStub(const std::string& node_id, Status* why) {
+  std::lock_guard<std::mutex> lock(peers_mu);
+  auto a = node_rpc.find(node_id);
+  if (a == node_rpc.end() || a->second.empty()) {
+    *why = Status::PeerUnreachable("no control address known for node " + node_id)
+               .WithOrigin(StatusOrigin::kStorageNode);
+    return nullptr;
   }
-  rpc::ReadSsdRequest req;
-  *req.mutable_node() = loc.node();
-  req.set_key(key);
-  req.set_version(version);
-  req.set_client_descriptor(engine->LocalDescriptor());
-  req.mutable_client()->set_node_id(engine->self().node_id);
-  req.mutable_client()->set_incarnation(engine->self().incarnation);
-  req.set_timeout_ms(options.transfer_deadline_ms);
-  for (const Piece& p : pieces) {
-    SegmentId seg = 0;
-    uint64_t off = 0;
-    if (!LocalSegment(p.local, p.len, &seg, &off)) {
-      return Status::NotRegistered("a buffer of the get is not registered");
-    }
-    auto* d = req.add_dests();
-    d->set_segment_id(seg);
-    d->set_offset(off);
-    d->set_length(p.len);
+  auto& s = node_stubs[a->second];
+  if (!s) {
+    s = rpc::Node::NewStub(store::NewChannel(a->second));
   }
-  rpc::ReadSsdReply reply;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(options.rpc_timeout_ms + options.transfer_deadline_ms));
-  auth->Sign(&ctx, store::method::kReadSsd);
-  grpc::Status gs = stub->ReadSsd(&ctx, req, &reply);
-  if (!gs.ok()) return store::FromGrpc(gs, "ReadSsd", StatusOrigin::kStorageNode);
-  return FromProto(reply.status());
+  return s.get();
 }
 
 namespace {
@@ -366,6 +355,223 @@ Status OpFailure(const Status& st) {
 }
 
 }  // namespace
+
+void StoreClient::Impl::RunSsd(const std::vector<std::pair<size_t, SsdTarget>>& reads,
+                               size_t groups, const SsdAlternative& alternative,
+                               std::chrono::steady_clock::time_point deadline,
+                               std::vector<Status>* group_status, std::vector<size_t>* late) {
+  using Clock = std::chrono::steady_clock;
+  group_status->assign(groups, Status::OK());
+  late->clear();
+  if (reads.empty()) return;
+  struct Call {
+    std::string node;
+    bool hedge = false;
+    std::vector<size_t> groups;  // per item
+    rpc::ReadSsdRequest req;
+    rpc::ReadSsdReply reply;
+    grpc::ClientContext ctx;
+    std::optional<Clock::time_point> hedge_at;  // a first read not yet hedged
+    grpc::Status gs;    // under mu once done
+    bool done = false;  // answered, failed or past its deadline (under mu)
+    bool handled = false;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::unique_ptr<Call>> calls;
+  std::vector<uint32_t> sources(groups, 0);  // reads of the group not yet handled
+  std::vector<bool> resolved(groups, false);
+  std::vector<std::optional<Status>> first_error(groups);
+  const std::string descriptor = engine->LocalDescriptor();
+
+  // A read that could not be sent, or that failed: the group is settled once no read of it is
+  // left, with the first read's error (else a hedge's).
+  auto failed = [&](size_t g, const Status& st, bool hedge) {
+    if (resolved[g]) return;
+    if (!first_error[g] || !hedge) first_error[g] = OpFailure(st);
+    if (sources[g] == 0) {
+      resolved[g] = true;
+      (*group_status)[g] = *first_error[g];
+    }
+  };
+  // Sends one call per node of `batch` (group, target); `hedge`: reads of keys already asked
+  // elsewhere.
+  auto send = [&](const std::vector<std::pair<size_t, SsdTarget>>& batch, bool hedge) {
+    std::vector<Call*> out;
+    for (const auto& [g, t] : batch) {
+      const std::string& node = t.loc->node().node_id();
+      Call* c = nullptr;
+      for (Call* o : out) {
+        if (o->node == node) c = o;
+      }
+      if (c == nullptr) {
+        calls.push_back(std::make_unique<Call>());
+        c = calls.back().get();
+        c->node = node;
+        c->hedge = hedge;
+        *c->req.mutable_node() = t.loc->node();
+        c->req.set_client_descriptor(descriptor);
+        c->req.mutable_client()->set_node_id(engine->self().node_id);
+        c->req.mutable_client()->set_incarnation(engine->self().incarnation);
+        out.push_back(c);
+      }
+      rpc::ReadSsdItem item;
+      item.set_key(*t.key);
+      item.set_version(t.version);
+      bool registered = true;
+      for (const Piece& p : *t.pieces) {
+        SegmentId seg = 0;
+        uint64_t off = 0;
+        registered = registered && LocalSegment(p.local, p.len, &seg, &off);
+        auto* d = item.add_dests();
+        d->set_segment_id(seg);
+        d->set_offset(off);
+        d->set_length(p.len);
+      }
+      if (!registered) {  // (PreCheck makes this unreachable)
+        failed(g, Status::NotRegistered("a buffer of the get is not registered"), hedge);
+        continue;
+      }
+      *c->req.add_items() = std::move(item);
+      c->groups.push_back(g);
+      ++sources[g];
+    }
+    const auto now = Clock::now();
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+    for (Call* c : out) {
+      Status why;
+      rpc::Node::Stub* stub = NodeStub(c->node, &why);
+      if (c->groups.empty()) {  // nothing to send
+        std::lock_guard<std::mutex> lock(mu);
+        c->done = true;
+        continue;
+      }
+      if (stub == nullptr || left.count() <= 0) {
+        if (stub != nullptr) {
+          why = Status::DeadlineExceeded("the get's deadline passed before this SSD read");
+        }
+        // Not sent: the reply's status says why.
+        store::ToProto(why, c->reply.mutable_status());
+        std::lock_guard<std::mutex> lock(mu);
+        c->done = true;
+        continue;
+      }
+      uint64_t bytes = 0;
+      for (const auto& item : c->req.items()) {
+        for (const auto& d : item.dests()) bytes += d.length();
+      }
+      if (!hedge && options.hedge_after_ms != 0) {
+        c->hedge_at = now + std::chrono::milliseconds(options.hedge_after_ms) +
+                      std::chrono::nanoseconds(bytes * 1000 / options.hedge_bandwidth_mbps);
+      }
+      // The node writes nothing past the call's deadline, which is the get's.
+      c->req.set_timeout_ms(static_cast<uint32_t>(std::min<int64_t>(left.count(), UINT32_MAX)));
+      c->ctx.set_deadline(std::chrono::system_clock::now() + left);
+      auth->Sign(&c->ctx, store::method::kReadSsd);
+      stub->async()->ReadSsd(&c->ctx, &c->req, &c->reply, [&mu, &cv, c](grpc::Status s) {
+        std::lock_guard<std::mutex> lock(mu);
+        c->gs = std::move(s);
+        c->done = true;
+        cv.notify_all();
+      });
+    }
+  };
+  auto on_final = [&](Call& c) {
+    Status call_st = c.gs.ok() ? FromProto(c.reply.status())
+                               : store::FromGrpc(c.gs, "ReadSsd", StatusOrigin::kStorageNode);
+    if (call_st.ok() && c.reply.items_size() != static_cast<int>(c.groups.size())) {
+      call_st = Status::Protocol("ReadSsd: the node answered " +
+                                 std::to_string(c.reply.items_size()) + " items of " +
+                                 std::to_string(c.groups.size()))
+                    .WithOrigin(StatusOrigin::kStorageNode);
+    }
+    std::vector<std::pair<size_t, SsdTarget>> again;
+    bool node_failed = false;
+    for (size_t k = 0; k < c.groups.size(); ++k) {
+      const size_t g = c.groups[k];
+      --sources[g];
+      const Status st = call_st.ok() ? FromProto(c.reply.items(static_cast<int>(k)).status())
+                                     : call_st;
+      node_failed = node_failed || NodeLevel(st);
+      if (resolved[g]) continue;
+      if (st.ok()) {
+        resolved[g] = true;
+        (*group_status)[g] = Status::OK();
+        continue;
+      }
+      // The node failed as a whole: the key's next replica, now, if none is being read.
+      SsdTarget alt;
+      if (NodeLevel(st) && sources[g] == 0 && alternative(g, c.node, &alt)) {
+        if (!first_error[g] || !c.hedge) first_error[g] = OpFailure(st);
+        again.emplace_back(g, alt);
+        continue;
+      }
+      failed(g, st, c.hedge);
+    }
+    if (!c.hedge && node_failed &&
+        std::all_of(c.groups.begin(), c.groups.end(),
+                    [&](size_t g) { return resolved[g] && (*group_status)[g].ok(); })) {
+      late->push_back(c.groups.front());
+    }
+    if (!again.empty()) send(again, /*hedge=*/true);
+  };
+
+  send(reads, /*hedge=*/false);
+  std::unique_lock<std::mutex> lock(mu);
+  for (;;) {
+    std::vector<Call*> finished;
+    bool in_flight = false;
+    std::optional<Clock::time_point> until;
+    for (auto& c : calls) {
+      if (c->done && !c->handled) {
+        c->handled = true;
+        finished.push_back(c.get());
+      } else if (!c->done) {
+        in_flight = true;
+        if (c->hedge_at && (!until || *c->hedge_at < *until)) until = c->hedge_at;
+      }
+    }
+    lock.unlock();
+    for (Call* c : finished) on_final(*c);
+    // Late first reads: their unresolved keys are read again from another replica.
+    const auto now = Clock::now();
+    std::vector<std::pair<size_t, SsdTarget>> hedges;
+    const size_t sent = calls.size();
+    for (size_t i = 0; i < sent; ++i) {
+      Call& c = *calls[i];
+      if (c.handled || !c.hedge_at || now < *c.hedge_at) continue;
+      c.hedge_at.reset();
+      size_t n = 0;
+      for (size_t g : c.groups) {
+        SsdTarget alt;
+        if (resolved[g] || !alternative(g, c.node, &alt)) continue;
+        hedges.emplace_back(g, alt);
+        ++n;
+      }
+      if (n > 0) {
+        KVB_LOG(DEBUG) << "get: the SSD read from " << c.node << " is late; " << n
+                       << " keys also read from other replicas";
+      }
+    }
+    if (!hedges.empty()) send(hedges, /*hedge=*/true);
+    lock.lock();
+    if (!finished.empty() || !hedges.empty()) continue;
+    if (!in_flight) break;
+    auto ready = [&] {
+      return std::any_of(calls.begin(), calls.end(),
+                         [](const auto& c) { return c->done && !c->handled; });
+    };
+    // Every call ends by its deadline (gRPC's), so this wait ends too.
+    if (until) {
+      cv.wait_until(lock, *until, ready);
+    } else {
+      cv.wait(lock, ready);
+    }
+  }
+  for (size_t g = 0; g < groups; ++g) {
+    if (!resolved[g] && first_error[g]) (*group_status)[g] = *first_error[g];
+  }
+}
 
 void StoreClient::Impl::Run(std::vector<TransferOp>& ops, const std::vector<size_t>& group_of_op,
                             size_t groups, std::vector<Status>* group_status,
@@ -389,7 +595,7 @@ void StoreClient::Impl::Run(std::vector<TransferOp>& ops, const std::vector<size
 void StoreClient::Impl::RunHedged(const std::vector<TransferOp>& ops,
                                   const std::vector<size_t>& group_of_op, size_t groups,
                                   const Alternative& alternative, std::vector<Status>* group_status,
-                                  std::vector<size_t>* late) {
+                                  std::vector<size_t>* late, uint32_t deadline_ms) {
   using Clock = std::chrono::steady_clock;
   group_status->assign(groups, Status::OK());
   late->clear();
@@ -424,7 +630,7 @@ void StoreClient::Impl::RunHedged(const std::vector<TransferOp>& ops,
   std::vector<bool> resolved(groups, false);
   std::vector<std::optional<Status>> first_error(groups);
   SubmitOptions so;
-  so.deadline_ms = options.transfer_deadline_ms;
+  so.deadline_ms = deadline_ms;
   auto on_final = [&](NodeBatch& nb, const BatchResult& r) {
     nb.id.reset();
     std::unordered_map<size_t, Status> err;  // per group of this batch: its first failed op
@@ -886,16 +1092,24 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
   }
   Status peers_ok = im.EnsurePeers(nodes);
   if (!peers_ok.ok()) KVB_LOG(WARN) << "get: " << peers_ok.ToString();
+  // The transfers of the whole get, every pass, DRAM and SSD, end within transfer_deadline_ms
+  // from here; a key still failing then keeps its last error.
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(im.options.transfer_deadline_ms);
   // Each pass reads every pending key from its next replica; failures move on at once.
   while (!pending.empty()) {
+    const int64_t left_ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left_ms <= 0) break;
     std::vector<TransferOp> ops;
     std::vector<size_t> group_of_op;
-    std::vector<size_t> from_ssd;  // groups whose replica is on an SSD tier
+    std::vector<std::pair<size_t, Impl::SsdTarget>> from_ssd;  // groups whose replica is on SSD
     for (size_t g = 0; g < pending.size(); ++g) {
       const size_t i = pending[g];
-      const auto& loc = got.items(static_cast<int>(i)).replicas(next_replica[i]);
+      const auto& item = got.items(static_cast<int>(i));
+      const auto& loc = item.replicas(next_replica[i]);
       if (loc.tier() == kTierSsd) {
-        from_ssd.push_back(g);
+        from_ssd.emplace_back(g, Impl::SsdTarget{&loc, &keys[i], item.version(), &pieces[i]});
         continue;
       }
       for (const auto& p : pieces[i]) {
@@ -906,9 +1120,35 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
     }
     std::vector<Status> group_status;
     std::vector<size_t> late;  // one group per node whose read other replicas served
-    std::vector<int> hedged_from(pending.size(), -1);  // the replica a hedge read, per group
+    std::vector<int> hedged_from(pending.size(), -1);  // the last replica a hedge read, per group
+    // SSD replicas are served by their nodes, which write them into our buffers: one call per
+    // node, all at once, while the DRAM reads run here. The SSD-first keys have only SSD
+    // replicas left (the master ranks DRAM first): the next one on another node.
+    std::vector<Status> ssd_status;
+    std::vector<size_t> ssd_late;
+    std::thread ssd_reads;
+    if (!from_ssd.empty()) {
+      auto ssd_alternative = [&](size_t g, std::string_view avoid, Impl::SsdTarget* out) {
+        const size_t i = pending[g];
+        const auto& item = got.items(static_cast<int>(i));
+        for (int r = std::max(next_replica[i], hedged_from[g]) + 1; r < item.replicas_size(); ++r) {
+          const auto& loc = item.replicas(r);
+          if (loc.tier() != kTierSsd || loc.node().node_id() == avoid || !im.Knows(loc.node())) {
+            continue;
+          }
+          *out = Impl::SsdTarget{&loc, &keys[i], item.version(), &pieces[i]};
+          hedged_from[g] = r;
+          return true;
+        }
+        return false;
+      };
+      ssd_reads = std::thread([&, ssd_alternative] {
+        im.RunSsd(from_ssd, pending.size(), ssd_alternative, deadline, &ssd_status, &ssd_late);
+      });
+    }
+    const auto dram_deadline_ms = static_cast<uint32_t>(std::min<int64_t>(left_ms, UINT32_MAX));
     if (im.options.hedge_after_ms == 0) {
-      im.Run(ops, group_of_op, pending.size(), &group_status);
+      im.Run(ops, group_of_op, pending.size(), &group_status, dram_deadline_ms);
     } else {
       // Another complete DRAM replica of group g's key, after the one this pass reads.
       auto alternative = [&](size_t g, std::string_view avoid, std::vector<TransferOp>* out) {
@@ -928,14 +1168,13 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
         }
         return false;
       };
-      im.RunHedged(ops, group_of_op, pending.size(), alternative, &group_status, &late);
+      im.RunHedged(ops, group_of_op, pending.size(), alternative, &group_status, &late,
+                   dram_deadline_ms);
     }
-    // SSD replicas are served by their node, which writes them into our buffers.
-    for (size_t g : from_ssd) {
-      const size_t i = pending[g];
-      const auto& item = got.items(static_cast<int>(i));
-      group_status[g] = im.ReadFromSsd(item.replicas(next_replica[i]), keys[i], item.version(),
-                                       pieces[i]);
+    if (ssd_reads.joinable()) {
+      ssd_reads.join();
+      for (const auto& [g, t] : from_ssd) group_status[g] = ssd_status[g];
+      late.insert(late.end(), ssd_late.begin(), ssd_late.end());
     }
     std::vector<size_t> retry;
     std::set<std::string> reported_nodes;

@@ -411,11 +411,16 @@ TEST(EmbeddedStore, SsdReadAnsweredWithoutTheBytesIsCaught) {
   const SegmentId seg = Must(engine->RegisterMemory(pool.data(), pool.size()));
   struct Liar : rpc::Node::Service {
     std::atomic<int> reads{0};
-    grpc::Status ReadSsd(grpc::ServerContext*, const rpc::ReadSsdRequest*,
+    grpc::Status ReadSsd(grpc::ServerContext*, const rpc::ReadSsdRequest* req,
                          rpc::ReadSsdReply* reply) override {
       ++reads;
       reply->mutable_status()->set_code(0);
       reply->set_size(kObject);
+      for (int i = 0; i < req->items_size(); ++i) {  // "served", every object asked for
+        rpc::ReadSsdItemReply* item = reply->add_items();
+        item->mutable_status()->set_code(0);
+        item->set_size(kObject);
+      }
       return grpc::Status::OK;
     }
   } liar;

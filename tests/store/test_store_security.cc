@@ -573,20 +573,29 @@ TEST_F(SecureCluster, ReadSsdCannotTargetOtherMemory) {
   Buffer mem(2 * kPage);
   const SegmentId mem_seg = Must(reader->RegisterMemory(mem.data(), mem.size()));
 
+  // A request of one object (its own fields), or of a batch (`items`, what a get sends): the
+  // checks are the request's, before any item is looked at.
+  bool as_items = false;
   auto read = [&](const rpc::NodeIdentity& client, const std::string& descriptor,
                   const rpc::Piece& dest, const Metadata& md, rpc::ReadSsdReply* reply) {
     rpc::ReadSsdRequest req;
     *req.mutable_node() = Identity("node0");
-    req.set_key(Key(on_ssd));
-    req.set_version(grep.items(on_ssd).version());
+    if (as_items) {
+      rpc::ReadSsdItem* item = req.add_items();
+      item->set_key(Key(on_ssd));
+      item->set_version(grep.items(on_ssd).version());
+      *item->add_dests() = dest;
+    } else {
+      req.set_key(Key(on_ssd));
+      req.set_version(grep.items(on_ssd).version());
+      *req.add_dests() = dest;
+    }
     req.set_client_descriptor(descriptor);
     *req.mutable_client() = client;
-    *req.add_dests() = dest;
     req.set_timeout_ms(3000);
     auto ctx = Ctx(md);
     return node0->ReadSsd(ctx.get(), req, reply);
   };
-  const Metadata signed_md = {{store::kAuthHeader, ClusterProof(store::method::kReadSsd)}};
   auto fresh = [] { return Metadata{{store::kAuthHeader, ClusterProof(store::method::kReadSsd)}}; };
   rpc::Piece into_node2;
   into_node2.set_segment_id(victim.segment_id());
@@ -602,34 +611,42 @@ TEST_F(SecureCluster, ReadSsdCannotTargetOtherMemory) {
   const std::string node2_desc = Directory("node2").engine_descriptor();
   const std::string node0_desc = Directory("node0").engine_descriptor();
 
-  rpc::ReadSsdReply reply;
-  // Without the token.
-  EXPECT_EQ(read(Identity("node2"), node2_desc, into_node2, {}, &reply).error_code(),
-            grpc::StatusCode::UNAUTHENTICATED);
-  // Node 2's descriptor under another client's name.
-  ASSERT_TRUE(read(reader_id, node2_desc, into_node2, fresh(), &reply).ok());
-  EXPECT_EQ(reply.status().code(), KVB_ERR_STALE_PEER) << reply.status().message();
-  // Node 2 as the client: a storage node.
-  ASSERT_TRUE(read(Identity("node2"), node2_desc, into_node2, fresh(), &reply).ok());
-  EXPECT_EQ(reply.status().code(), KVB_ERR_PERMISSION_DENIED) << reply.status().message();
-  // Node 0 itself as the client.
-  rpc::Piece into_node0 = into_node2;
-  into_node0.set_segment_id(Must(core::DecodeDescriptor(node0_desc)).segments[0].id);
-  ASSERT_TRUE(read(Identity("node0"), node0_desc, into_node0, fresh(), &reply).ok());
-  EXPECT_EQ(reply.status().code(), KVB_ERR_PERMISSION_DENIED) << reply.status().message();
+  for (bool batch : {false, true}) {
+    SCOPED_TRACE(batch ? "a batch (items)" : "one object");
+    as_items = batch;
+    std::memset(mem.data(), 0, mem.size());
+    rpc::ReadSsdReply reply;
+    // Without the token.
+    EXPECT_EQ(read(Identity("node2"), node2_desc, into_node2, {}, &reply).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    // Node 2's descriptor under another client's name.
+    ASSERT_TRUE(read(reader_id, node2_desc, into_node2, fresh(), &reply).ok());
+    EXPECT_EQ(reply.status().code(), KVB_ERR_STALE_PEER) << reply.status().message();
+    // Node 2 as the client: a storage node.
+    ASSERT_TRUE(read(Identity("node2"), node2_desc, into_node2, fresh(), &reply).ok());
+    EXPECT_EQ(reply.status().code(), KVB_ERR_PERMISSION_DENIED) << reply.status().message();
+    // Node 0 itself as the client.
+    rpc::Piece into_node0 = into_node2;
+    into_node0.set_segment_id(Must(core::DecodeDescriptor(node0_desc)).segments[0].id);
+    ASSERT_TRUE(read(Identity("node0"), node0_desc, into_node0, fresh(), &reply).ok());
+    EXPECT_EQ(reply.status().code(), KVB_ERR_PERMISSION_DENIED) << reply.status().message();
 
-  // The legitimate reader is served, with the object's exact bytes...
-  ASSERT_TRUE(read(reader_id, reader->LocalDescriptor(), into_reader, signed_md, &reply).ok());
-  ASSERT_EQ(reply.status().code(), KVB_OK) << reply.status().message();
-  EXPECT_TRUE(mem.Matches(7000 + on_ssd, 0, 2 * kPage, on_ssd * 2 * kPage));
-  // ...and its identity cannot then be re-pointed to node 2's endpoints and segments.
-  core::Descriptor moved = Must(core::DecodeDescriptor(reader->LocalDescriptor()));
-  const core::Descriptor n2 = Must(core::DecodeDescriptor(node2_desc));
-  moved.transports = n2.transports;
-  moved.segments = n2.segments;
-  ASSERT_TRUE(read(reader_id, core::EncodeDescriptor(moved), into_node2, fresh(), &reply).ok());
-  EXPECT_EQ(reply.status().code(), KVB_ERR_ALREADY_EXISTS) << reply.status().message();
-
+    // The legitimate reader is served, with the object's exact bytes...
+    ASSERT_TRUE(read(reader_id, reader->LocalDescriptor(), into_reader, fresh(), &reply).ok());
+    ASSERT_EQ(reply.status().code(), KVB_OK) << reply.status().message();
+    if (as_items) {
+      ASSERT_EQ(reply.items_size(), 1);
+      ASSERT_EQ(reply.items(0).status().code(), KVB_OK) << reply.items(0).status().message();
+    }
+    EXPECT_TRUE(mem.Matches(7000 + on_ssd, 0, 2 * kPage, on_ssd * 2 * kPage));
+    // ...and its identity cannot then be re-pointed to node 2's endpoints and segments.
+    core::Descriptor moved = Must(core::DecodeDescriptor(reader->LocalDescriptor()));
+    const core::Descriptor n2 = Must(core::DecodeDescriptor(node2_desc));
+    moved.transports = n2.transports;
+    moved.segments = n2.segments;
+    ASSERT_TRUE(read(reader_id, core::EncodeDescriptor(moved), into_node2, fresh(), &reply).ok());
+    EXPECT_EQ(reply.status().code(), KVB_ERR_ALREADY_EXISTS) << reply.status().message();
+  }
   ExpectIntact("after the ReadSsd attempts");
 }
 

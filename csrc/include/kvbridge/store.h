@@ -36,7 +36,9 @@ struct StoreOptions {
   uint32_t replica_num = 1;
   // Deadline of one control-plane call. KVBRIDGE_RPC_TIMEOUT_MS.
   uint32_t rpc_timeout_ms = 3000;
-  // Deadline of the data transfers of one batch. KVBRIDGE_STORE_TRANSFER_DEADLINE_MS.
+  // Deadline of the data transfers of one batch: a put's, and a get's over all its passes,
+  // DRAM and SSD (each ReadSsd call's deadline is what is left of it).
+  // KVBRIDGE_STORE_TRANSFER_DEADLINE_MS.
   uint32_t transfer_deadline_ms = 5000;
   // Ignored, kept so that configurations naming it still load: every get verifies every
   // object it returns against the object's CRC-32C (DRAM and SSD replicas, lease or not) and
@@ -49,8 +51,10 @@ struct StoreOptions {
   // has its keys read again from their next DRAM replica on another node, into the same
   // buffers: whichever copy completes first serves the key and the other is cancelled. A
   // frozen or stalled holder then costs a get about that delay instead of the transfer's
-  // progress timeout. 0 turns hedging off. KVBRIDGE_HEDGE_AFTER_MS,
-  // KVBRIDGE_HEDGE_BANDWIDTH_MBPS (>= 1).
+  // progress timeout. A node's ReadSsd call (SSD replicas) late by the same measure has its
+  // keys read from their next SSD replica on another node; the get then still waits for that
+  // call's answer or deadline, as the node writes into the buffers itself (docs/store.md
+  // "Tiers"). 0 turns hedging off. KVBRIDGE_HEDGE_AFTER_MS, KVBRIDGE_HEDGE_BANDWIDTH_MBPS (>= 1).
   uint32_t hedge_after_ms = 20;
   uint32_t hedge_bandwidth_mbps = 1000;
   // The client's transfer engine (its node id is the "local node" for replica ordering).
@@ -173,6 +177,16 @@ struct NodeOptions {
   static NodeOptions FromEnv();
 };
 
+// Counters of one storage node since it started (StorageNode::stats()).
+struct StorageNodeStats {
+  uint64_t ssd_read_requests = 0;  // ReadSsd calls answered (one per client get and node)
+  uint64_t ssd_read_objects = 0;   // objects those calls asked for
+  uint64_t ssd_read_batches = 0;   // transfer batches they wrote the objects with
+  // The most memory held at once beyond the staging area (ssd_staging_bytes), for SSD objects
+  // larger than it: a batch of re-replication tasks stages one such object at a time.
+  uint64_t temp_staging_bytes_peak = 0;
+};
+
 // A storage node: a transfer engine whose registered DRAM pool holds replicas, registered with
 // the master, heartbeating on its own thread and gRPC channel (never behind data-plane work),
 // executing the master's re-replication tasks.
@@ -192,6 +206,7 @@ class StorageNode {
   // OK when the SSD tier runs; NOT_FOUND when none is configured; else why it could not start
   // (the node then serves its DRAM pool only).
   Status ssd_status() const;
+  StorageNodeStats stats() const;
 
   struct Impl;
 
