@@ -155,6 +155,9 @@ void BindEngine(py::module_& m) {
       .def_readwrite("breaker_failures", &EngineOptions::breaker_failures)
       .def_readwrite("breaker_backoff_ms", &EngineOptions::breaker_backoff_ms)
       .def_readwrite("breaker_max_backoff_ms", &EngineOptions::breaker_max_backoff_ms)
+      .def_readwrite("max_ops_per_batch", &EngineOptions::max_ops_per_batch)
+      .def_readwrite("max_inflight_batches", &EngineOptions::max_inflight_batches)
+      .def_readwrite("max_unpolled_batches", &EngineOptions::max_unpolled_batches)
       .def_readwrite("plugin_config", &EngineOptions::plugin_config);
 
   py::class_<EngineHandle, std::shared_ptr<EngineHandle>>(m, "TransferEngine")

@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <shared_mutex>
 #include <unordered_map>
 
@@ -38,6 +39,7 @@ namespace {
 
 constexpr uint32_t kErrLen = 512;
 constexpr size_t kWaitSlots = 64;
+constexpr size_t kReapedIdsKept = 4096;  // ids of reaped batches remembered for Poll's answer
 
 // One instance of a transport plugin.
 struct TransportSlot {
@@ -113,6 +115,10 @@ struct Batch {
   std::vector<SubRequest> subs;
   std::vector<SegmentId> local_segments;  // the local regions its ops use (sorted, unique)
   bool collected = false;
+  // Found final by a sweep (SweepFinished) before anyone polled it: its transport requests
+  // are released and op_status waits for Poll/Wait, or for reaping (max_unpolled_batches).
+  bool finished = false;
+  bool reaped = false;  // reaped unpolled: collected, its result dropped
 };
 
 std::string DefaultNodeId() {
@@ -153,6 +159,11 @@ struct TransferEngine::Impl {
 
   std::mutex batches_mu;
   std::unordered_map<BatchId, std::shared_ptr<Batch>> batches;
+  // Under batches_mu. Ids in `batches` found final by a sweep and not yet polled (oldest
+  // first), and the last kReapedIdsKept ids reaped from among them, so that a late Poll of one
+  // says what happened (an older one gets the "unknown batch" answer, which mentions reaping).
+  std::set<BatchId> finished_ids;
+  std::set<BatchId> reaped_ids;
   std::atomic<BatchId> next_batch_id{1};
   std::array<WaitSlot, kWaitSlots> wait_slots;
   // Stopped first in ~Impl (declared last): it calls LocalDescriptor().
@@ -166,7 +177,17 @@ struct TransferEngine::Impl {
   // One non-blocking pass over the batch's unfinished subs. Returns true when all are final.
   bool PollPass(Batch& b);
   void CancelSubs(Batch& b, bool by_deadline);
+  // Releases the batch's transport requests (recording their outcome on each peer); idempotent.
+  void Release(Batch& b);
   BatchResult Collect(Batch& b);
+  // Batches in flight: submitted and not yet found final. Caller holds batches_mu.
+  size_t InflightLocked() const { return batches.size() - finished_ids.size(); }
+  // Submit's bound on batches in flight (max_inflight_batches): OK or BACKPRESSURE. At the
+  // bound it first sweeps for batches that finished meanwhile.
+  Status AdmitBatch();
+  // Polls every batch in flight once (without waiting on any lock a poller holds), moves the
+  // final ones to finished_ids, and reaps the oldest finished ones past max_unpolled_batches.
+  void SweepFinished();
   // block: wait until final or until_ns (0 = no limit); else return at once.
   std::optional<BatchResult> PollOrWait(BatchId id, bool block, uint64_t until_ns = 0);
 };
@@ -264,7 +285,7 @@ void TransferEngine::Impl::CancelSubs(Batch& b, bool by_deadline) {
   }
 }
 
-BatchResult TransferEngine::Impl::Collect(Batch& b) {
+void TransferEngine::Impl::Release(Batch& b) {
   const uint64_t now = util::MonoNs();
   for (auto& s : b.subs) {
     PeerRecord& peer = *s.peer;
@@ -285,6 +306,10 @@ BatchResult TransferEngine::Impl::Collect(Batch& b) {
     s.req = nullptr;
   }
   b.subs.clear();
+}
+
+BatchResult TransferEngine::Impl::Collect(Batch& b) {
+  Release(b);
   b.collected = true;
   BatchResult r;
   r.op_status = std::move(b.op_status);
@@ -297,13 +322,102 @@ BatchResult TransferEngine::Impl::Collect(Batch& b) {
   return r;
 }
 
+Status TransferEngine::Impl::AdmitBatch() {
+  const size_t max = options.max_inflight_batches;
+  {
+    std::lock_guard<std::mutex> lock(batches_mu);
+    if (InflightLocked() < max) return Status::OK();
+  }
+  SweepFinished();
+  std::lock_guard<std::mutex> lock(batches_mu);
+  const size_t inflight = InflightLocked();
+  if (inflight < max) return Status::OK();
+  return Status::Backpressure("Submit: " + std::to_string(inflight) +
+                              " batches are in flight (max_inflight_batches = " +
+                              std::to_string(max) + "); poll, wait for or cancel some first");
+}
+
+void TransferEngine::Impl::SweepFinished() {
+  std::vector<std::shared_ptr<Batch>> candidates;
+  {
+    std::lock_guard<std::mutex> lock(batches_mu);
+    candidates.reserve(InflightLocked());
+    for (const auto& [id, b] : batches) {
+      if (!finished_ids.count(id)) candidates.push_back(b);
+    }
+  }
+  std::vector<BatchId> done;
+  const uint64_t now = util::MonoNs();
+  for (const auto& b : candidates) {
+    // A batch another thread is polling, posting or cancelling is skipped, not waited for.
+    std::unique_lock<std::mutex> lock(b->mu, std::try_to_lock);
+    if (!lock.owns_lock() || b->collected || b->finished) continue;
+    bool final = PollPass(*b);
+    if (!final && b->deadline_ns != 0 && now >= b->deadline_ns) {
+      CancelSubs(*b, /*by_deadline=*/true);
+      final = PollPass(*b);
+    }
+    if (!final) continue;
+    Release(*b);
+    b->finished = true;
+    done.push_back(b->id);
+  }
+  std::vector<std::shared_ptr<Batch>> reaped;
+  {
+    std::lock_guard<std::mutex> lock(batches_mu);
+    for (BatchId id : done) {
+      if (batches.count(id)) finished_ids.insert(id);  // else polled meanwhile
+    }
+    while (finished_ids.size() > options.max_unpolled_batches) {
+      const BatchId oldest = *finished_ids.begin();
+      finished_ids.erase(finished_ids.begin());
+      auto it = batches.find(oldest);
+      reaped.push_back(std::move(it->second));
+      batches.erase(it);
+      reaped_ids.insert(oldest);
+      if (reaped_ids.size() > kReapedIdsKept) reaped_ids.erase(reaped_ids.begin());
+    }
+  }
+  if (reaped.empty()) return;
+  KVB_LOG(WARN) << "reaped " << reaped.size() << " finished batch(es) nobody polled (ids "
+                << reaped.front()->id << ".." << reaped.back()->id
+                << "): more than max_unpolled_batches (" << options.max_unpolled_batches
+                << ") waited; their results are dropped";
+  for (const auto& b : reaped) {
+    std::lock_guard<std::mutex> lock(b->mu);  // a Poll that found it before sees `reaped`
+    b->collected = true;
+    b->reaped = true;
+  }
+}
+
 std::optional<BatchResult> TransferEngine::Impl::PollOrWait(BatchId id, bool block,
                                                             uint64_t until_ns) {
-  std::shared_ptr<Batch> b = FindBatch(id);
+  std::shared_ptr<Batch> b;
+  bool was_reaped = false;
+  {
+    std::lock_guard<std::mutex> lock(batches_mu);
+    auto it = batches.find(id);
+    if (it != batches.end()) {
+      b = it->second;
+    } else {
+      was_reaped = reaped_ids.count(id) > 0;
+    }
+  }
+  auto reaped_result = [&] {
+    BatchResult r;
+    r.status = Status::NotFound("batch " + std::to_string(id) +
+                                " was reaped: it finished and was not polled while more than "
+                                "max_unpolled_batches (" +
+                                std::to_string(options.max_unpolled_batches) +
+                                ") finished batches waited; its result is lost");
+    return r;
+  };
   if (!b) {
+    if (was_reaped) return reaped_result();
     BatchResult r;
     r.status = Status::NotFound("unknown batch " + std::to_string(id) +
-                                " (never submitted, or its result was already returned)");
+                                " (never submitted, its result was already returned, or it was "
+                                "reaped unpolled past max_unpolled_batches)");
     return r;
   }
   WaitSlot& slot = *b->slot;
@@ -315,6 +429,7 @@ std::optional<BatchResult> TransferEngine::Impl::PollOrWait(BatchId id, bool blo
     }
     {
       std::lock_guard<std::mutex> lock(b->mu);
+      if (b->reaped) return reaped_result();
       if (b->collected) {
         BatchResult r;
         r.status =
@@ -330,6 +445,7 @@ std::optional<BatchResult> TransferEngine::Impl::PollOrWait(BatchId id, bool blo
         {
           std::lock_guard<std::mutex> lock2(batches_mu);
           batches.erase(id);
+          finished_ids.erase(id);
         }
         return Collect(*b);
       }
@@ -720,7 +836,13 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
                                        const SubmitOptions& options) {
   Impl& im = *impl_;
   if (ops.empty()) return Status::InvalidArgument("Submit: empty batch");
-  if (ops.size() > UINT32_MAX) return Status::InvalidArgument("Submit: too many ops");
+  if (ops.size() > im.options.max_ops_per_batch) {
+    return Status::InvalidArgument("Submit: " + std::to_string(ops.size()) +
+                                   " ops exceed max_ops_per_batch (" +
+                                   std::to_string(im.options.max_ops_per_batch) +
+                                   "); split the batch");
+  }
+  KVB_RETURN_IF_ERROR(im.AdmitBatch());
   std::vector<uint64_t> local_seg(ops.size());
   // Held until the batch is in `batches`: DeregisterMemory erases a region under the exclusive
   // lock, so every batch that saw the region is findable then, and cancelled.
@@ -765,6 +887,13 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
       batch->local_segments.end());
   {
     std::lock_guard<std::mutex> lock(im.batches_mu);
+    // Checked again: other Submits may have been admitted since AdmitBatch.
+    if (im.InflightLocked() >= im.options.max_inflight_batches) {
+      return Status::Backpressure("Submit: " + std::to_string(im.InflightLocked()) +
+                                  " batches are in flight (max_inflight_batches = " +
+                                  std::to_string(im.options.max_inflight_batches) +
+                                  "); poll, wait for or cancel some first");
+    }
     im.batches.emplace(batch->id, batch);
   }
   // Posted under the batch's own lock and no map's: a DeregisterMemory that found the batch

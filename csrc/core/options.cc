@@ -52,6 +52,9 @@ EngineOptions EngineOptions::FromEnv() {
   SetUint("KVBRIDGE_BREAKER_FAILURES", &o.breaker_failures);
   SetUint("KVBRIDGE_BREAKER_BACKOFF_MS", &o.breaker_backoff_ms);
   SetUint("KVBRIDGE_BREAKER_MAX_BACKOFF_MS", &o.breaker_max_backoff_ms);
+  SetUint("KVBRIDGE_MAX_OPS_PER_BATCH", &o.max_ops_per_batch);
+  SetUint("KVBRIDGE_MAX_INFLIGHT_BATCHES", &o.max_inflight_batches);
+  SetUint("KVBRIDGE_MAX_UNPOLLED_BATCHES", &o.max_unpolled_batches);
   return o;
 }
 

@@ -40,6 +40,8 @@ MasterOptions MasterOptions::FromEnv() {
   store::EnvUint("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
   store::EnvUint("KVBRIDGE_TASK_TIMEOUT_MS", &o.task_timeout_ms);
   store::EnvUint64("KVBRIDGE_DEPARTED_NODE_TTL_MS", &o.departed_node_ttl_ms);
+  store::EnvUint64("KVBRIDGE_MAX_DEPARTED_NODES", &o.max_departed_nodes);
+  store::EnvUint64("KVBRIDGE_MAX_DEPARTED_COPIES", &o.max_departed_copies);
   store::EnvUint("KVBRIDGE_PROMOTE_AFTER_READS", &o.promote_after_reads);
   if (const char* v = std::getenv("KVBRIDGE_MASTER_FAULTS")) o.faults = v;
   if (const char* v = std::getenv("KVBRIDGE_CLUSTER_TOKEN")) o.cluster_token = v;
@@ -745,6 +747,8 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
   cfg.drain_timeout_ms = options.drain_timeout_ms;
   cfg.task_timeout_ms = options.task_timeout_ms;
   cfg.departed_ttl_ms = options.departed_node_ttl_ms;
+  cfg.max_departed_nodes = static_cast<size_t>(options.max_departed_nodes);
+  cfg.max_departed_copies = options.max_departed_copies;
   // A late writer's bytes: a destination that stops reading its sockets for a TTL is declared
   // dead (and falls under the re-registration wait); 1 s more covers queued bytes and a couple
   // of TCP retransmissions (200 ms minimum timeout, doubling). docs/store.md "Late writes".

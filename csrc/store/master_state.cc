@@ -265,6 +265,10 @@ struct MasterState::Impl {
     static uint64_t KeyHash(std::string_view key) { return std::hash<std::string_view>{}(key); }
   };
   std::unordered_map<std::string, Departed> departed;
+  // Notes dropped before their time by the caps (CapDeparted), and the latest reuse_after_ns
+  // among them: a node coming back without its note waits at least that long.
+  uint64_t departed_dropped_total = 0;
+  uint64_t departed_dropped_reuse_after_ns = 0;
   uint64_t next_version;
   uint64_t next_replica_id = 1;
   uint64_t next_free_seq;
@@ -784,6 +788,7 @@ struct MasterState::Impl {
       }
     }
     gone.Seal();
+    CapDeparted();
     std::erase_if(held, [n](const Held& h) { return h.node == n; });
     if (expired) {
       NodeStats dead;
@@ -802,6 +807,36 @@ struct MasterState::Impl {
   bool DrainDone(const Node& n, uint64_t now_ns) const {
     return n.state == NodeState::kDraining &&
            (n.drained || (n.replicas == 0 && n.held == 0) || now_ns >= n.drain_deadline_ns);
+  }
+
+  // Past cfg.max_departed_nodes notes or cfg.max_departed_copies copies, drops the oldest notes
+  // (the newest too, if it alone holds more than the copy cap) down to 7/8 of both caps, so that
+  // a stream of nodes leaving pays the sort once per eighth of the cap, not on every one.
+  void CapDeparted() {
+    uint64_t copies = 0;
+    for (const auto& [id, d] : departed) copies += d.copies.size();
+    if (departed.size() <= cfg.max_departed_nodes && copies <= cfg.max_departed_copies) return;
+    const size_t keep_nodes = cfg.max_departed_nodes - cfg.max_departed_nodes / 8;
+    const uint64_t keep_copies = cfg.max_departed_copies - cfg.max_departed_copies / 8;
+    std::vector<std::pair<uint64_t, const std::string*>> by_age;  // (since_ns, node id)
+    by_age.reserve(departed.size());
+    for (const auto& [id, d] : departed) by_age.emplace_back(d.since_ns, &id);
+    std::sort(by_age.begin(), by_age.end(), [](const auto& a, const auto& b) {
+      return std::tie(a.first, *a.second) < std::tie(b.first, *b.second);
+    });
+    std::vector<std::string> victims;
+    size_t left = departed.size();
+    for (const auto& [since, id] : by_age) {
+      if (left <= keep_nodes && copies <= keep_copies) break;
+      const Departed& d = departed.at(*id);
+      copies -= d.copies.size();
+      departed_dropped_reuse_after_ns =
+          std::max(departed_dropped_reuse_after_ns, d.reuse_after_ns);
+      victims.push_back(*id);
+      --left;
+    }
+    for (const std::string& id : victims) departed.erase(id);
+    departed_dropped_total += victims.size();
   }
 
   // A new put or a remove of `key`: no copy of an older version a departed node holds may come
@@ -1376,7 +1411,9 @@ Result<RegisterReply> MasterState::RegisterNode(const NodeRegistration& registra
       dep != m.departed.end() && dep->second.incarnation == id.incarnation) {
     n.no_alloc_before_ns = dep->second.reuse_after_ns;
   } else if (registration.registered_before) {
-    n.no_alloc_before_ns = m.cfg.restart_hold_until_ns;
+    // Its note may have been dropped by the caps (CapDeparted): wait as long as any dropped one.
+    n.no_alloc_before_ns =
+        std::max(m.cfg.restart_hold_until_ns, m.departed_dropped_reuse_after_ns);
   }
   if (n.no_alloc_before_ns > now_ns) {
     reply.no_alloc_ms = (n.no_alloc_before_ns - now_ns + kNsPerMs - 1) / kNsPerMs;
@@ -2054,6 +2091,7 @@ MasterStats MasterState::Stats() const {
   for (const auto& [id, n] : m.nodes) st.demotions_in_flight += n.demotions;
   st.departed_nodes = m.departed.size();
   for (const auto& [id, d] : m.departed) st.departed_copies += d.copies.size();
+  st.departed_dropped_total = m.departed_dropped_total;
   return st;
 }
 

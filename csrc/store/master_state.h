@@ -162,6 +162,15 @@ struct MasterConfig {
   // back, while objects that left with it (their last copy) come back. After this, its records
   // are taken as a restarted master takes them (every key the table lacks comes back).
   uint64_t departed_ttl_ms = 24ull * 3600 * 1000;
+  // Caps of those notes (any caller can register a made-up node id and leave, and each one
+  // leaves a note): past either, the oldest notes are dropped first, down to 7/8 of both
+  // caps (the sort is paid once per eighth of the cap). A node whose note was
+  // dropped is taken as one back after departed_ttl_ms (every key the table lacks comes back),
+  // and a node coming back without its note waits before taking new data for as long as the
+  // longest wait of any dropped note (never less than its own would have been).
+  // docs/store.md "Failure, drain, restart".
+  size_t max_departed_nodes = 4096;
+  uint64_t max_departed_copies = 16ull << 20;  // 24 bytes each: 384 MiB
 
   // --- Replica ordering ---
   // Half-life of the per-node read and bad-replica counters used to order replicas.
@@ -364,6 +373,7 @@ struct MasterStats {
   size_t demotions_in_flight = 0;
   size_t departed_nodes = 0;   // node ids whose copies are remembered (departed_ttl_ms)
   size_t departed_copies = 0;  // copies remembered for them, 24 bytes each
+  uint64_t departed_dropped_total = 0;  // notes dropped early by max_departed_nodes/_copies
 };
 
 struct NodeDirectoryEntry {

@@ -49,6 +49,7 @@ struct Request {
   std::vector<OpState> ops;
   uint64_t outstanding_slices = 0;
   uint64_t charged_bytes = 0;  // counted in the peer's queued bytes until final
+  uint64_t charged_slices = 0;  // counted in the peer's queued slices until final
   void (*on_complete)(void*) = nullptr;
   void* user = nullptr;
   bool final = false;
@@ -86,6 +87,7 @@ struct Peer {
   std::vector<std::shared_ptr<Request>> live;  // may hold final ones until pruned
   size_t prune_live_at = 64;
   std::atomic<uint64_t> queued_bytes{0};
+  std::atomic<uint64_t> queued_slices{0};  // of requests posted and not yet final
   LogLimiter connect_log;
 };
 
@@ -341,6 +343,7 @@ bool LoadConfig(const kvb_host_services_t* host, Config* out, std::string* err) 
       read("tcp.lanes_per_peer", 1, 256, &c.lanes_per_peer) &&
       read("tcp.slice_bytes", 1, 1ull << 30, &c.slice_bytes) &&
       read("tcp.max_queued_bytes_per_peer", 1, 1ull << 62, &c.max_queued_bytes_per_peer) &&
+      read("tcp.max_queued_slices_per_peer", 1, 1ull << 40, &c.max_queued_slices_per_peer) &&
       read("tcp.window_slices", 1, 1024, &c.window_slices) &&
       read("tcp.connect_timeout_ms", 1, 600000, &c.connect_timeout_ms) &&
       read("tcp.progress_timeout_ms", 1, 3600000, &c.progress_timeout_ms) &&
@@ -1907,7 +1910,10 @@ void Transport::RemovePeer(Peer* peer) {
 
 void Transport::Finalize(Request& req, Completions* done) {
   req.final = true;
-  if (req.peer != nullptr) req.peer->queued_bytes.fetch_sub(req.charged_bytes);
+  if (req.peer != nullptr) {
+    req.peer->queued_bytes.fetch_sub(req.charged_bytes);
+    req.peer->queued_slices.fetch_sub(req.charged_slices);
+  }
   counters_.queued_bytes.fetch_sub(req.charged_bytes);
   req.peer = nullptr;
   if (req.on_complete != nullptr) done->push_back({req.on_complete, req.user});
@@ -2043,6 +2049,29 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
       *err = "post: the peer is being removed";
       return KVB_ERR_NOT_FOUND;
     }
+    // Slices are admitted like bytes, and counted before any is made: each costs the transport
+    // memory whatever its length, so many tiny ops are bounded here where their bytes never
+    // reach the byte bound.
+    uint64_t nslices = 0;
+    for (uint32_t i = 0; i < count; ++i) {
+      const kvb_xfer_op_t& op = op_at(i);
+      auto seg = peer->segment_lengths.find(op.remote_segment);
+      const bool prefails =
+          seg != peer->segment_lengths.end() &&
+          (op.remote_offset > seg->second || op.length > seg->second - op.remote_offset);
+      nslices += prefails ? 1 : (op.length - 1) / config_.slice_bytes + 1;
+    }
+    const uint64_t queued_slices = peer->queued_slices.load();
+    const uint64_t max_slices = config_.max_queued_slices_per_peer;
+    if (queued_slices > 0 &&
+        (queued_slices > max_slices || nslices > max_slices - queued_slices)) {
+      *err =
+          Fmt("post: peer '%s' has %llu slices queued; %llu more exceed "
+              "tcp.max_queued_slices_per_peer (%llu)",
+              peer->node_id.c_str(), U(queued_slices), U(nslices), U(max_slices));
+      return KVB_ERR_BACKPRESSURE;
+    }
+    slices.reserve(nslices);
     for (uint32_t i = 0; i < count; ++i) {
       const kvb_xfer_op_t& op = op_at(i);
       OpState& st = req->ops[i];
@@ -2083,9 +2112,11 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
               peer->node_id.c_str(), U(queued), U(bytes), U(max));
       return KVB_ERR_BACKPRESSURE;
     }
-    req->outstanding_slices = slices.size() + prefailed.size();
+    req->outstanding_slices = nslices;  // == slices.size() + prefailed.size()
     req->charged_bytes = bytes;
+    req->charged_slices = nslices;
     peer->queued_bytes.fetch_add(bytes);
+    peer->queued_slices.fetch_add(nslices);
     counters_.queued_bytes.fetch_add(bytes);
     for (auto& s : slices) peer->queue.push_back(std::move(s));
     peer->live.push_back(req);

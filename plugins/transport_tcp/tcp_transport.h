@@ -36,6 +36,7 @@ struct Config {
   uint32_t lanes_per_peer = 4;
   uint64_t slice_bytes = 1u << 20;
   uint64_t max_queued_bytes_per_peer = 256u << 20;
+  uint64_t max_queued_slices_per_peer = 65536;  // however small each one is
   uint32_t window_slices = 8;
   uint32_t connect_timeout_ms = 1000;   // connect + handshake, per endpoint tried
   uint32_t progress_timeout_ms = 2000;  // used when post opts give 0; also the server's

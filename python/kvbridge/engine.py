@@ -87,8 +87,8 @@ class TransferEngine:
 
     Engine options: node_id, transports ("tcp" or a list), listen ("host:port,..."),
     cluster_token, deadline_ms, progress_timeout_ms, breaker_failures, breaker_backoff_ms,
-    breaker_max_backoff_ms, plugin_path, plugin_config, and plugin settings such as
-    tcp_lanes_per_peer.
+    breaker_max_backoff_ms, max_ops_per_batch, max_inflight_batches, max_unpolled_batches,
+    plugin_path, plugin_config, and plugin settings such as tcp_lanes_per_peer.
     """
 
     def __init__(self, **kwargs: Any):

@@ -22,6 +22,7 @@ ENGINE_FIELDS = (
     "node_id", "transports", "plugin_path", "listen", "handshake_listen", "cluster_token",
     "deadline_ms",
     "progress_timeout_ms", "breaker_failures", "breaker_backoff_ms", "breaker_max_backoff_ms",
+    "max_ops_per_batch", "max_inflight_batches", "max_unpolled_batches",
 )
 STORE_FIELDS = ("master", "replica_num", "rpc_timeout_ms", "store_transfer_deadline_ms",
                 "verify_checksums", "hedge_after_ms", "hedge_bandwidth_mbps", "peer_discovery",

@@ -112,6 +112,45 @@ def test_bad_input_errors(peer):
         eng.descriptor()
 
 
+def test_batch_bounds_are_keywords_and_named_when_passed(peer):
+    """max_ops_per_batch, max_inflight_batches and tcp_max_queued_slices_per_peer reach the
+    engine and its tcp transport from Python; past them the errors name the limit."""
+    proc, desc, seg = peer
+    with engine(max_ops_per_batch=4, max_inflight_batches=2, max_unpolled_batches=2,
+                tcp_slice_bytes=1024, tcp_max_queued_slices_per_peer=64) as eng:
+        eng.add_peer(desc)
+        local = bytearray(1 << 16)
+        eng.register(local)
+        base = kvbridge._buffers.region(local, writable=True).address
+        tiny = [kvbridge.Op(kvbridge.WRITE, (base + i, 1), "py-peer", seg, i) for i in range(5)]
+        with pytest.raises(errors.InvalidArgumentError, match=r"5 ops exceed max_ops_per_batch \(4\)"):
+            eng.submit(tiny)
+        assert all(s.ok for s in eng.transfer(tiny[:4]))
+        freeze(proc.pid)  # nothing sent to the peer finishes now
+        pending = []
+        try:
+            pending.append(eng.submit(tiny[:4]))  # 4 slices queued
+            big = eng.submit([kvbridge.Op(kvbridge.WRITE, local, "py-peer", seg, 0)])  # 64 more
+            with pytest.raises(kvbridge.BatchError) as e:
+                eng.poll(big)
+            assert isinstance(e.value.error, errors.BackpressureError)
+            assert "tcp.max_queued_slices_per_peer (64)" in str(e.value.error)
+            pending.append(eng.submit(tiny[:4]))
+            with pytest.raises(errors.BackpressureError, match="max_inflight_batches = 2"):
+                eng.submit(tiny[:4])
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        for b in pending:
+            result = None
+            deadline = time.monotonic() + 10
+            while result is None and time.monotonic() < deadline:
+                try:
+                    result = eng.poll(b)
+                except kvbridge.BatchError as err:  # a progress timeout while frozen
+                    result = err
+            assert result is not None
+
+
 def test_raw_tuple_ops_round_trip_and_refuse_bad_input(peer):
     proc, desc, seg = peer
     with engine() as eng:

@@ -2,8 +2,11 @@
 // talk over real loopback sockets; raw sockets built with tcp_wire play misbehaving peers.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -516,6 +519,85 @@ TEST(TcpTransport, BackpressureRefusesWithoutQueueing) {
   Result sr = a.inst->Finish(second);
   EXPECT_EQ(sr.status, KVB_ERR_CANCELLED);
   EXPECT_EQ(sr.completions, 1);
+}
+
+// Resident memory of this process, from /proc/self/statm.
+uint64_t RssBytes() {
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  unsigned long long size = 0, resident = 0;
+  if (f != nullptr) {
+    if (std::fscanf(f, "%llu %llu", &size, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+}
+
+// A million one-byte ops never reach the byte bound (256 MiB), and each slice costs the
+// transport memory: tcp.max_queued_slices_per_peer (65536) bounds them like bytes.
+TEST(TcpTransport, TinySlicesAreBoundedPerPeerLikeBytes) {
+  SilentServer frozen(/*accept=*/false);  // the handshake never gets an answer
+  Client a("a", kMiB, {{"tcp.connect_timeout_ms", "30000"}});
+  ASSERT_TRUE(a.inst);
+  kvb_tpeer_t* stuck = a.inst->AddPeerRaw("frozen", 9, frozen.endpoint());
+  constexpr uint64_t kMaxSlices = 65536;
+  constexpr int kOpsPerPost = 4096, kPosts = 256;  // 1,048,576 ops in all
+  std::vector<kvb_xfer_op_t> ops;
+  for (int i = 0; i < kOpsPerPost; ++i) ops.push_back(a.Write(i, 1, 1, i));
+  const uint64_t rss_before = RssBytes();
+  std::vector<std::shared_ptr<Pending>> admitted;
+  int refused = 0;
+  std::string err;
+  const uint64_t t0 = NowNs();
+  for (int p = 0; p < kPosts; ++p) {
+    std::shared_ptr<Pending> pending;
+    std::string e;
+    const kvb_status_t st = a.inst->PostAsync(stuck, ops, 0, &pending, &e);
+    if (st == KVB_OK) {
+      admitted.push_back(pending);
+      continue;
+    }
+    ASSERT_EQ(st, KVB_ERR_BACKPRESSURE) << "post " << p << ": " << e;
+    ++refused;
+    err = e;
+  }
+  const double ms = MsSince(t0);
+  const uint64_t rss_growth = RssBytes() - std::min(RssBytes(), rss_before);
+  EXPECT_EQ(admitted.size() * kOpsPerPost, kMaxSlices) << "slices admitted past the bound";
+  EXPECT_EQ(refused, kPosts - static_cast<int>(kMaxSlices / kOpsPerPost));
+  EXPECT_NE(err.find("tcp.max_queued_slices_per_peer (65536)"), std::string::npos) << err;
+  EXPECT_EQ(a.inst->Stats().queued_bytes, kMaxSlices) << "one byte per admitted op";
+  // Admitted: 65536 slices and ops, a few MiB. Unbounded, the million would take ~200 MiB.
+  EXPECT_LT(rss_growth, 48 * kMiB) << "resident memory grew by " << rss_growth / kMiB << " MiB";
+  EXPECT_LT(ms, 5000) << "refused posts must be cheap";
+  std::printf("1M one-byte ops: %zu posts admitted, %d refused, RSS +%.1f MiB, %.0f ms\n",
+              admitted.size(), refused, rss_growth / double(kMiB), ms);
+  // A request that ends gives its slices back: the next post is admitted.
+  Ops()->cancel(a.inst->t(), admitted.front()->req);
+  EXPECT_EQ(a.inst->Finish(admitted.front()).status, KVB_ERR_CANCELLED);
+  admitted.erase(admitted.begin());
+  std::shared_ptr<Pending> again;
+  ASSERT_EQ(a.inst->PostAsync(stuck, ops, 0, &again, &err), KVB_OK) << err;
+  admitted.push_back(again);
+  a.inst->RemovePeer(stuck);  // fails every request CANCELLED and joins its lane
+  for (auto& p : admitted) EXPECT_EQ(a.inst->Finish(p).status, KVB_ERR_CANCELLED);
+  EXPECT_EQ(a.inst->Stats().queued_bytes, 0u);
+
+  // Like the byte bound, a single request larger than the bound goes into an empty queue only.
+  Client c("c", kMiB, {{"tcp.max_queued_slices_per_peer", "1000"},
+                       {"tcp.connect_timeout_ms", "30000"}});
+  ASSERT_TRUE(c.inst);
+  kvb_tpeer_t* stuck2 = c.inst->AddPeerRaw("frozen", 9, frozen.endpoint());
+  std::vector<kvb_xfer_op_t> many;
+  for (int i = 0; i < 1500; ++i) many.push_back(c.Write(i, 1, 1, i));
+  std::shared_ptr<Pending> big, small;
+  ASSERT_EQ(c.inst->PostAsync(stuck2, many, 0, &big, &err), KVB_OK) << err;
+  EXPECT_EQ(c.inst->PostAsync(stuck2, {c.Write(0, 1, 1, 0)}, 0, &small, &err),
+            KVB_ERR_BACKPRESSURE);
+  EXPECT_NE(err.find("has 1500 slices queued; 1 more exceed tcp.max_queued_slices_per_peer (1000)"),
+            std::string::npos)
+      << err;
+  c.inst->RemovePeer(stuck2);
+  EXPECT_EQ(c.inst->Finish(big).status, KVB_ERR_CANCELLED);
 }
 
 TEST(TcpTransport, DeadEndpointFailsFastAndTheNextEndpointIsTried) {

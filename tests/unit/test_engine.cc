@@ -29,6 +29,7 @@ class EngineMockTest : public ::testing::Test {
     oa.breaker_failures = 3;
     oa.breaker_backoff_ms = 100;
     oa.breaker_max_backoff_ms = 400;
+    Tweak(oa);
     a_ = Must(TransferEngine::Create(oa));
     b_ = Must(TransferEngine::Create(LoopbackOptions("mock", "eng-b")));
     Must(a_->RegisterMemory(mem_a_.data(), mem_a_.size()));
@@ -43,6 +44,8 @@ class EngineMockTest : public ::testing::Test {
     ASSERT_NE(post_count_, nullptr);
     dlclose(h);  // drops only the reference NOLOAD added
   }
+
+  virtual void Tweak(EngineOptions&) {}
 
   Status WriteToB(uint32_t deadline_ms = 0) {
     SubmitOptions so;
@@ -204,6 +207,114 @@ TEST(EnginePlugins, AutoSelectionSkipsBrokenPluginsAndKeepsGoing) {
   auto names = e->transports();
   EXPECT_NE(std::find(names.begin(), names.end(), "mock"), names.end());
   EXPECT_NE(std::find(names.begin(), names.end(), "tcp"), names.end());
+}
+
+// Small bounds, to push past them: engine-a keeps at most 4 batches in flight and 2 finished
+// ones nobody polled, and takes at most 8 ops per batch.
+class EngineBoundsTest : public EngineMockTest {
+ protected:
+  void Tweak(EngineOptions& o) override {
+    o.max_inflight_batches = 4;
+    o.max_unpolled_batches = 2;
+    o.max_ops_per_batch = 8;
+  }
+  Result<BatchId> SubmitWrite(uint32_t deadline_ms = 10000) {
+    SubmitOptions so;
+    so.deadline_ms = deadline_ms;
+    return a_->Submit(
+        std::vector{TransferOp{OpCode::kWrite, mem_a_.data(), 4096, "eng-b", seg_b_, 0}}, so);
+  }
+};
+
+TEST_F(EngineBoundsTest, SubmitPastMaxInflightBatchesIsBackpressureUntilOneEnds) {
+  set_fault_("eng-a", KVB_OK, 0, /*delay_ms=*/1500);  // each batch takes 1.5 s
+  std::vector<BatchId> ids;
+  for (int i = 0; i < 4; ++i) ids.push_back(Must(SubmitWrite()));
+  const uint64_t posts = post_count_("eng-a");
+  Result<BatchId> fifth = SubmitWrite();
+  ASSERT_FALSE(fifth.ok());
+  EXPECT_EQ(fifth.status().code(), StatusCode::kBackpressure) << fifth.status().ToString();
+  EXPECT_NE(fifth.status().message().find("4 batches are in flight (max_inflight_batches = 4)"),
+            std::string::npos)
+      << fifth.status().ToString();
+  EXPECT_EQ(post_count_("eng-a"), posts) << "a refused batch reached the transport";
+  // One cancelled (final, but not polled): the next Submit finds it final and is admitted.
+  a_->Cancel(ids[0]);
+  set_fault_("eng-a", KVB_OK, 0, 0);
+  BatchId next = Must(SubmitWrite());
+  EXPECT_TRUE(a_->Wait(next).status.ok());
+  EXPECT_EQ(a_->Wait(ids[0]).status.code(), StatusCode::kCancelled) << "its result was lost";
+  for (size_t i = 1; i < ids.size(); ++i) EXPECT_TRUE(a_->Wait(ids[i]).status.ok());
+}
+
+TEST_F(EngineBoundsTest, FinishedBatchesNobodyPollsAreReapedOldestFirst) {
+  std::vector<BatchId> ids;
+  for (int round = 0; round < 50; ++round) {
+    // At the in-flight bound Submit sweeps for finished batches; on a loaded machine the mock
+    // may not have finished any yet (BACKPRESSURE): then it is tried again a little later.
+    Result<BatchId> id = SubmitWrite();
+    for (int tries = 0; !id.ok() && tries < 1000; ++tries) {
+      ASSERT_EQ(id.status().code(), StatusCode::kBackpressure) << id.status().ToString();
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      id = SubmitWrite();
+    }
+    ids.push_back(Must(std::move(id)));
+  }
+  // 50 submitted and never polled: at most 4 in flight and 2 finished are kept; the rest,
+  // oldest first, were reaped, and polling one says so by its id.
+  std::optional<BatchResult> first = a_->Poll(ids[0]);
+  ASSERT_TRUE(first.has_value());
+  EXPECT_EQ(first->status.code(), StatusCode::kNotFound);
+  EXPECT_NE(first->status.message().find("batch " + std::to_string(ids[0]) + " was reaped"),
+            std::string::npos)
+      << first->status.ToString();
+  EXPECT_NE(first->status.message().find("max_unpolled_batches (2)"), std::string::npos);
+  size_t kept = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    BatchResult r = a_->Wait(ids[i]);
+    if (r.status.ok()) {
+      ++kept;
+      EXPECT_GE(i, ids.size() - 6) << "batch " << ids[i] << " kept while newer ones were reaped";
+    } else {
+      EXPECT_EQ(r.status.code(), StatusCode::kNotFound) << r.status.ToString();
+    }
+  }
+  EXPECT_LE(kept, 6u) << "more than max_inflight_batches + max_unpolled_batches kept";
+  EXPECT_GE(kept, 3u);
+  // An id never submitted is not said to be reaped.
+  std::optional<BatchResult> never = a_->Poll(ids.back() + 1000);
+  ASSERT_TRUE(never.has_value());
+  EXPECT_NE(never->status.message().find("unknown batch"), std::string::npos);
+}
+
+TEST_F(EngineBoundsTest, MoreOpsThanMaxOpsPerBatchIsANamedError) {
+  std::vector<TransferOp> ops(9, TransferOp{OpCode::kWrite, mem_a_.data(), 64, "eng-b", seg_b_, 0});
+  const uint64_t posts = post_count_("eng-a");
+  Result<BatchId> r = a_->Submit(ops);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("9 ops exceed max_ops_per_batch (8)"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_EQ(post_count_("eng-a"), posts);
+  ops.pop_back();
+  EXPECT_TRUE(a_->Transfer(ops).ok());
+}
+
+TEST(EngineOptionsBounds, DefaultsAndVariables) {
+  EngineOptions d;
+  EXPECT_EQ(d.max_ops_per_batch, 1u << 20);
+  EXPECT_EQ(d.max_inflight_batches, 65536u);
+  EXPECT_EQ(d.max_unpolled_batches, 65536u);
+  setenv("KVBRIDGE_MAX_OPS_PER_BATCH", "100", 1);
+  setenv("KVBRIDGE_MAX_INFLIGHT_BATCHES", "7", 1);
+  setenv("KVBRIDGE_MAX_UNPOLLED_BATCHES", "3", 1);
+  EngineOptions e = EngineOptions::FromEnv();
+  unsetenv("KVBRIDGE_MAX_OPS_PER_BATCH");
+  unsetenv("KVBRIDGE_MAX_INFLIGHT_BATCHES");
+  unsetenv("KVBRIDGE_MAX_UNPOLLED_BATCHES");
+  EXPECT_EQ(e.max_ops_per_batch, 100u);
+  EXPECT_EQ(e.max_inflight_batches, 7u);
+  EXPECT_EQ(e.max_unpolled_batches, 3u);
 }
 
 }  // namespace

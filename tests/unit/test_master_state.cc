@@ -341,6 +341,8 @@ TEST(MasterConfig, DefaultsAreDocumentedAndValid) {
   EXPECT_EQ(c.max_object_bytes, 1ull << 30);
   EXPECT_EQ(c.alignment, 64u);
   EXPECT_EQ(c.drain_timeout_ms, 30000u);
+  EXPECT_EQ(c.max_departed_nodes, 4096u);
+  EXPECT_EQ(c.max_departed_copies, 16ull << 20);
 }
 
 TEST(MasterConfig, RejectsInconsistentValues) {
@@ -1758,6 +1760,85 @@ TEST(MasterMembership, DepartedNoteOfManyCopiesAnswersForEachOne) {
   EXPECT_EQ(st.departed_nodes, 0u);
   EXPECT_EQ(st.departed_copies, 0u);
   ExpectConsistent(c);
+}
+
+// Any caller can register a made-up node id and leave, and each one leaves a departed note:
+// past max_departed_nodes the oldest notes are dropped. A node whose note was dropped is taken
+// as one back after departed_ttl_ms (here: the object removed while it was away comes back),
+// but still takes no new data until the leases it was under have ended.
+TEST(MasterMembership, DepartedNotesOfMadeUpIdsAreCappedOldestFirst) {
+  MasterConfig cfg;
+  cfg.lease_ms = 60000;
+  cfg.max_departed_nodes = 8;
+  Cluster c(cfg);
+  c.AddNode("n0", {1 << 20});
+  c.AddNode("n1", {1 << 20});
+  ASSERT_TRUE(c.Put("removed", 4096, 2).ok());
+  ASSERT_EQ(c.ReplicaNodes("removed").size(), 2u);  // a read: leased 60 s on n0 too
+  const uint64_t lease_end = c.now + cfg.lease_ms * kMs;
+  c.PassSeconds(4, {"n1"});  // n0 silent: dead; its note is the oldest
+  ASSERT_EQ(c.m().Heartbeat(c.nodes["n0"].id, 0, c.now).status().code(), StatusCode::kNotFound);
+  ASSERT_TRUE(c.m().Remove("removed", c.now).ok());
+  ASSERT_EQ(c.m().Stats().departed_nodes, 1u);
+  constexpr int kMadeUp = 1000;
+  for (int i = 0; i < kMadeUp; ++i) {
+    FakeNode fake;
+    fake.id = {"made-up-" + std::to_string(i), 1};
+    fake.segments.push_back({100, 1 << 20});
+    ASSERT_TRUE(c.Register(fake).ok());
+    ASSERT_TRUE(c.m().Deregister(fake.id, c.now).ok());
+    ASSERT_LE(c.m().Stats().departed_nodes, 8u) << "after " << i + 1 << " made-up ids left";
+    c.now += kMs;  // each note a little younger than the last
+  }
+  ASSERT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
+  MasterStats st = c.m().Stats();
+  EXPECT_GE(st.departed_nodes, 7u) << "dropped below 7/8 of the cap";
+  EXPECT_EQ(st.departed_dropped_total, kMadeUp + 1u - st.departed_nodes);
+
+  NodeRegistration back = c.nodes["n0"].Registration();
+  back.registered_before = true;
+  auto r = c.m().RegisterNode(back, c.nodes["n0"].Inventory(), c.now);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->no_alloc_ms, (lease_end - c.now) / kMs)
+      << "n0 came back without its note and took data while its old leases still ran";
+  EXPECT_TRUE(c.m().Exists({"removed"})[0])
+      << "n0's note (the oldest) was not the one dropped: its removed object stayed removed";
+  ExpectConsistent(c);
+}
+
+// max_departed_copies bounds the copies all notes hold together: the oldest notes go first,
+// and a note that alone holds more than the cap is not kept either.
+TEST(MasterMembership, DepartedCopiesAreCappedOldestFirst) {
+  MasterConfig cfg;
+  cfg.max_departed_copies = 100;
+  Cluster c(cfg);
+  c.AddNode("a", {1 << 20});
+  c.AddNode("b", {1 << 20});
+  c.AddNode("big", {1 << 20});
+  for (int i = 0; i < 60; ++i) {
+    ASSERT_TRUE(c.Put("a-" + std::to_string(i), 4096, 1, "a").ok());
+    ASSERT_TRUE(c.Put("b-" + std::to_string(i), 4096, 1, "b").ok());
+  }
+  for (int i = 0; i < 120; ++i) ASSERT_TRUE(c.Put("big-" + std::to_string(i), 4096, 1, "big").ok());
+  ASSERT_TRUE(c.m().Deregister(c.nodes["a"].id, c.now).ok());
+  EXPECT_EQ(c.m().Stats().departed_copies, 60u);
+  c.now += kMs;
+  ASSERT_TRUE(c.m().Deregister(c.nodes["b"].id, c.now).ok());
+  MasterStats st = c.m().Stats();
+  EXPECT_EQ(st.departed_nodes, 1u) << "120 copies kept over a cap of 100";
+  EXPECT_EQ(st.departed_copies, 60u);
+  EXPECT_EQ(st.departed_dropped_total, 1u);
+  // Which note stayed: b's (the newer). b's records of its own objects come back with it.
+  FakeNode& b = c.nodes["b"];
+  ASSERT_TRUE(c.m().Remove("b-0", c.now).code() == StatusCode::kNotFound);
+  ASSERT_TRUE(c.Register(b).ok());
+  EXPECT_FALSE(c.m().Exists({"b-0"})[0]) << "b's note was dropped instead of a's (the older)";
+  EXPECT_TRUE(c.m().Exists({"b-1"})[0]);
+  c.now += kMs;
+  ASSERT_TRUE(c.m().Deregister(c.nodes["big"].id, c.now).ok());
+  st = c.m().Stats();
+  EXPECT_EQ(st.departed_copies, 0u) << "a note of 120 copies kept over a cap of 100";
+  EXPECT_EQ(st.departed_dropped_total, 2u);
 }
 
 TEST(MasterRestart, FirstVersionComesFromTheConfig) {

@@ -158,12 +158,15 @@ class TransferEngine {
   static Result<std::string> FetchDescriptor(const std::string& host_port, uint32_t timeout_ms);
 
   // Queues a batch. Structural errors (null address, zero length, bad opcode, local memory
-  // not registered) refuse the whole batch with INVALID_ARGUMENT / NOT_REGISTERED and queue
-  // nothing. Per-peer conditions (unknown peer, stale peer, breaker open, backpressure,
-  // remote bounds) become that op's status in the BatchResult.
+  // not registered, more ops than EngineOptions::max_ops_per_batch) refuse the whole batch
+  // with INVALID_ARGUMENT / NOT_REGISTERED and queue nothing, and so does BACKPRESSURE when
+  // max_inflight_batches batches are still in flight. Per-peer conditions (unknown peer, stale
+  // peer, breaker open, backpressure, remote bounds) become that op's status in the
+  // BatchResult.
   Result<BatchId> Submit(std::span<const TransferOp> ops, const SubmitOptions& options = {});
   // Non-blocking. nullopt while in flight. Once final, returns the result and forgets the
-  // batch (a later Poll/Wait of the same id gives NOT_FOUND).
+  // batch (a later Poll/Wait of the same id gives NOT_FOUND). A final batch left unpolled
+  // while more than max_unpolled_batches others waited is reaped: NOT_FOUND "... was reaped".
   std::optional<BatchResult> Poll(BatchId id);
   // Blocks until the batch is final (at the latest at its deadline), returns and forgets it.
   BatchResult Wait(BatchId id);

@@ -59,6 +59,19 @@ struct EngineOptions {
   // KVBRIDGE_BREAKER_MAX_BACKOFF_MS.
   uint32_t breaker_max_backoff_ms = 5000;
 
+  // --- Bounds (what one process keeps for batches; docs/transfer-engine.md "Batches") ---
+  // Most ops one Submit takes; more is INVALID_ARGUMENT naming this limit.
+  // KVBRIDGE_MAX_OPS_PER_BATCH.
+  uint32_t max_ops_per_batch = 1u << 20;
+  // Batches submitted and not yet known to be final. Submit past it first looks for batches
+  // that finished meanwhile; if there are still this many in flight it is BACKPRESSURE (poll,
+  // wait or cancel some first). KVBRIDGE_MAX_INFLIGHT_BATCHES.
+  uint32_t max_inflight_batches = 65536;
+  // Batches found final that nobody has polled yet: past it the oldest is reaped (its result
+  // dropped, with a WARN), and a later Poll/Wait of its id is NOT_FOUND saying it was reaped.
+  // KVBRIDGE_MAX_UNPOLLED_BATCHES.
+  uint32_t max_unpolled_batches = 65536;
+
   // --- Plugin settings ---
   // "<plugin>.<key>" -> value; see docs/configuration.md for each plugin's keys.
   std::map<std::string, std::string> plugin_config;

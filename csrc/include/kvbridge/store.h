@@ -250,6 +250,11 @@ struct MasterOptions {
   // and objects that left with it come back. A node back later is taken as after a master
   // restart (every key the master lacks comes back). KVBRIDGE_DEPARTED_NODE_TTL_MS.
   uint64_t departed_node_ttl_ms = 24ull * 3600 * 1000;
+  // Caps of what is remembered for nodes that left (any caller can register a made-up id and
+  // leave): past either, the oldest notes are dropped first, and their node ids are taken as
+  // back after departed_node_ttl_ms. KVBRIDGE_MAX_DEPARTED_NODES, KVBRIDGE_MAX_DEPARTED_COPIES.
+  uint64_t max_departed_nodes = 4096;
+  uint64_t max_departed_copies = 16ull << 20;  // 24 bytes each: 384 MiB
   // Fault injection for tests; empty in production. A comma-separated list of name=count:
   //   demote_done_lose_request  the next `count` DemoteDone calls are answered UNAVAILABLE
   //                             without being applied (a request lost on the way);

@@ -10,8 +10,10 @@
  *  - Deadlines: every posted request reaches a final state by its deadline. A request whose
  *    peer stops moving bytes for progress_timeout fails with KVB_ERR_PROGRESS_TIMEOUT.
  *  - Isolation: per-peer lanes and queues; a dead or frozen peer never delays other peers.
- *  - Bounds: connections per peer and queued bytes per peer are bounded; posts beyond the
- *    queued-bytes bound fail at once with KVB_ERR_BACKPRESSURE and queue nothing.
+ *  - Bounds: connections per peer, and what is queued per peer, are bounded: bytes, and also
+ *    whatever per-op state the transport keeps (the tcp plugin counts slices), so that many
+ *    tiny ops cannot grow it where their bytes never reach the byte bound; posts beyond a
+ *    queued bound fail at once with KVB_ERR_BACKPRESSURE and queue nothing.
  *  - Bad input: every incoming request is checked against the registered regions before any
  *    memory is touched; malformed frames close that connection with a logged reason.
  *
