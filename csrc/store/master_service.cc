@@ -188,8 +188,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   std::unique_ptr<grpc::Server> server;
   std::string address;
 
-  std::mutex stubs_mu;
-  std::unordered_map<std::string, std::unique_ptr<rpc::Node::Stub>> node_stubs;
+  store::NodeStubCache node_stubs;
 
   std::mutex task_fail_mu;
   uint64_t task_failures = 0;
@@ -210,19 +209,15 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   }
 
-  rpc::Node::Stub* NodeStub(const std::string& endpoint) {
-    std::lock_guard<std::mutex> lock(stubs_mu);
-    auto& stub = node_stubs[endpoint];
-    if (!stub) {
-      stub = rpc::Node::NewStub(store::NewChannel(endpoint));
-    }
-    return stub.get();
+  std::shared_ptr<rpc::Node::Stub> NodeStub(const std::string& endpoint) {
+    return node_stubs.Get(endpoint);
   }
 
   // Sends every commit of a plan in parallel and records which nodes acknowledged.
   void SendCommits(std::vector<store::NodeCommit>* commits) {
     if (commits->empty()) return;
     struct Call {
+      std::shared_ptr<rpc::Node::Stub> stub;  // kept until the call is over
       grpc::ClientContext ctx;
       rpc::CommitRequest req;
       rpc::Status reply;
@@ -241,8 +236,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       for (const auto& r : c.records) ToProto(r, call->req.add_records());
       Call* raw = call.get();
       calls.push_back(std::move(call));
-      NodeStub(c.control_endpoint)
-          ->async()
+      raw->stub = NodeStub(c.control_endpoint);
+      raw->stub->async()
           ->Commit(&raw->ctx, &raw->req, &raw->reply, [&, raw, i](grpc::Status gs) {
             const bool ok = gs.ok() && raw->reply.code() == KVB_OK;
             if (!ok) {

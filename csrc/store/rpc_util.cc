@@ -25,15 +25,8 @@ Result<std::string> DescribeNode(const std::string& rpc_address, const RpcAuth& 
   if (rpc_address.empty()) {
     return Status::PeerUnreachable("node " + expect.node_id() + " published no control address");
   }
-  static std::mutex mu;
-  static std::map<std::string, std::unique_ptr<rpc::Node::Stub>> stubs;
-  rpc::Node::Stub* stub;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto& s = stubs[rpc_address];
-    if (!s) s = rpc::Node::NewStub(NewChannel(rpc_address));
-    stub = s.get();
-  }
+  static NodeStubCache stubs;
+  const std::shared_ptr<rpc::Node::Stub> stub = stubs.Get(rpc_address);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
   auth.Sign(&ctx, method::kDescribe);
@@ -138,6 +131,35 @@ std::shared_ptr<grpc::Channel> NewChannel(const std::string& address,
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
   return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+std::shared_ptr<rpc::Node::Stub> NodeStubCache::Get(const std::string& address) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_address_.find(address);
+  if (it != by_address_.end()) {
+    lru_.splice(lru_.begin(), lru_, it->second);
+    return it->second->second;
+  }
+  lru_.emplace_front(address, rpc::Node::NewStub(NewChannel(address)));
+  by_address_[address] = lru_.begin();
+  while (lru_.size() > capacity_) {
+    by_address_.erase(lru_.back().first);
+    lru_.pop_back();
+  }
+  return lru_.front().second;
+}
+
+void NodeStubCache::Erase(const std::string& address) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_address_.find(address);
+  if (it == by_address_.end()) return;
+  lru_.erase(it->second);
+  by_address_.erase(it);
+}
+
+size_t NodeStubCache::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return lru_.size();
 }
 
 Result<std::unique_ptr<grpc::Server>> StartServer(const std::string& listen, grpc::Service* service,

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <initializer_list>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -15,6 +16,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "kvbridge.grpc.pb.h"
 #include "kvbridge.pb.h"
 #include "kvbridge/status.h"
 
@@ -54,6 +56,27 @@ inline constexpr size_t kMaxKeysPerCall = 4096;
 // A channel to `address` with the limits above (and `args`, e.g. a channel name).
 std::shared_ptr<grpc::Channel> NewChannel(const std::string& address,
                                           grpc::ChannelArguments args = {});
+
+// Node-service stubs (one channel each) by address, at most `capacity`, the least recently
+// used dropped first: a process that meets many addresses over its life (nodes restarted on
+// new ports, addresses named by callers) keeps a bounded number of channels open. Callers hold
+// the shared_ptr for as long as a call (async included) uses the stub, so dropping one in use
+// only closes its channel once that call is over. Thread-safe.
+inline constexpr size_t kMaxCachedChannels = 1024;
+class NodeStubCache {
+ public:
+  explicit NodeStubCache(size_t capacity = kMaxCachedChannels) : capacity_(capacity) {}
+  std::shared_ptr<rpc::Node::Stub> Get(const std::string& address);
+  void Erase(const std::string& address);
+  size_t size() const;
+
+ private:
+  using Entry = std::pair<std::string, std::shared_ptr<rpc::Node::Stub>>;
+  const size_t capacity_;
+  mutable std::mutex mu_;
+  std::list<Entry> lru_;  // most recently used first
+  std::unordered_map<std::string, std::list<Entry>::iterator> by_address_;
+};
 
 // Starts a gRPC server for `service` on `listen` ("host:port", port 0 picks one) and sets
 // *address to "host:<port actually bound>". UNAVAILABLE naming `what` and the address if it

@@ -115,7 +115,7 @@ struct StoreClient::Impl {
   std::mutex peers_mu;
   std::unordered_map<std::string, uint64_t> peers;  // node id -> incarnation added to engine
   std::unordered_map<std::string, std::string> node_rpc;  // node id -> its Node service
-  std::unordered_map<std::string, std::unique_ptr<rpc::Node::Stub>> node_stubs;  // by address
+  store::NodeStubCache node_stubs;  // by address
   // Direct discovery: a node whose Describe failed is not asked again for a while; its keys
   // go to other replicas meanwhile.
   store::DescribeBackoff describe_backoff;
@@ -200,7 +200,7 @@ struct StoreClient::Impl {
     return result;
   }
   // Stub of a node's Node service; null (and *why) when no control address is known.
-  rpc::Node::Stub* NodeStub(const std::string& node_id, Status* why);
+  std::shared_ptr<rpc::Node::Stub> NodeStub(const std::string& node_id, Status* why);
   // One SSD read: the replica to read and where the key's bytes go.
   struct SsdTarget {
     const rpc::ReplicaLocation* loc = nullptr;
@@ -300,7 +300,9 @@ Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint
     }
     std::lock_guard<std::mutex> lock(peers_mu);
     peers[added->node_id] = added->incarnation;
-    node_rpc[added->node_id] = nd.rpc_address();
+    std::string& address = node_rpc[added->node_id];
+    if (!address.empty() && address != nd.rpc_address()) node_stubs.Erase(address);  // moved
+    address = nd.rpc_address();
   }
   return Status::OK();
 }
@@ -325,19 +327,20 @@ bool StoreClient::Impl::LocalSegment(const char* p, uint64_t len, SegmentId* seg
   return true;
 }
 
-rpc::Node::Stub* StoreClient::Impl::NodeStub(const std::string& node_id, Status* why) {
-  std::lock_guard<std::mutex> lock(peers_mu);
-  auto a = node_rpc.find(node_id);
-  if (a == node_rpc.end() || a->second.empty()) {
-    *why = Status::PeerUnreachable("no control address known for node " + node_id)
-               .WithOrigin(StatusOrigin::kStorageNode);
-    return nullptr;
+std::shared_ptr<rpc::Node::Stub> StoreClient::Impl::NodeStub(const std::string& node_id,
+                                                             Status* why) {
+  std::string address;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu);
+    auto a = node_rpc.find(node_id);
+    if (a == node_rpc.end() || a->second.empty()) {
+      *why = Status::PeerUnreachable("no control address known for node " + node_id)
+                 .WithOrigin(StatusOrigin::kStorageNode);
+      return nullptr;
+    }
+    address = a->second;
   }
-  auto& s = node_stubs[a->second];
-  if (!s) {
-    s = rpc::Node::NewStub(store::NewChannel(a->second));
-  }
-  return s.get();
+  return node_stubs.Get(address);
 }
 
 namespace {
@@ -366,6 +369,7 @@ void StoreClient::Impl::RunSsd(const std::vector<std::pair<size_t, SsdTarget>>& 
   if (reads.empty()) return;
   struct Call {
     std::string node;
+    std::shared_ptr<rpc::Node::Stub> stub;  // kept until the call is over
     bool hedge = false;
     std::vector<size_t> groups;  // per item
     rpc::ReadSsdRequest req;
@@ -440,7 +444,8 @@ void StoreClient::Impl::RunSsd(const std::vector<std::pair<size_t, SsdTarget>>& 
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
     for (Call* c : out) {
       Status why;
-      rpc::Node::Stub* stub = NodeStub(c->node, &why);
+      c->stub = NodeStub(c->node, &why);
+      rpc::Node::Stub* stub = c->stub.get();
       if (c->groups.empty()) {  // nothing to send
         std::lock_guard<std::mutex> lock(mu);
         c->done = true;

@@ -18,6 +18,7 @@
 
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
+#include "store/rpc_util.h"
 #include "tests/common/test_util.h"
 #include "tests/store/store_procs.h"
 
@@ -220,6 +221,34 @@ TEST_F(StoreScale, HundredThousandObjectsSurviveAMasterRestartAndAllFreesReachTh
   exists = Must(client_->BatchExists(all));
   EXPECT_EQ(std::count(exists.begin(), exists.end(), true), 0);
   std::printf("[ scale    ] done at %.1f s\n", secs());
+}
+
+// Channels to storage nodes are cached by address with a bound (docs/store.md "Message sizes"
+// and limits): a process that meets thousands of addresses keeps at most the capacity, the
+// least recently used dropped first, and a stub a caller still holds stays usable.
+TEST(NodeStubCache, KeepsAtMostItsCapacityLeastRecentlyUsedFirst) {
+  store::NodeStubCache cache(4);
+  auto held = cache.Get("127.0.0.1:1");
+  auto kept = cache.Get("127.0.0.1:2");
+  for (int port = 3; port < 5000; ++port) {
+    cache.Get("127.0.0.1:" + std::to_string(port));
+    if (port % 2 == 0) {
+      EXPECT_EQ(cache.Get("127.0.0.1:2").get(), kept.get());  // in use: kept
+    }
+    ASSERT_LE(cache.size(), 4u);
+  }
+  EXPECT_EQ(cache.size(), 4u);
+  EXPECT_EQ(cache.Get("127.0.0.1:2").get(), kept.get());
+  EXPECT_NE(cache.Get("127.0.0.1:1").get(), held.get());  // dropped, then made anew
+  // The dropped stub the caller held still makes calls (here: nobody listens on port 1).
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+  rpc::Empty req;
+  rpc::NodeDescriptor reply;
+  EXPECT_FALSE(held->Describe(&ctx, req, &reply).ok());
+  cache.Erase("127.0.0.1:2");
+  EXPECT_NE(cache.Get("127.0.0.1:2").get(), kept.get());
+  EXPECT_EQ(cache.size(), 4u);
 }
 
 }  // namespace

@@ -347,7 +347,9 @@ TEST(TcpTransport, PipelinedBurstIsServedInOrderWithTheRightBytes) {
       ASSERT_EQ(resp.status, w.status);
       ASSERT_EQ(resp.length, w.len);
       got.assign(w.len, 0);
-      if (w.len > 0) ASSERT_TRUE(c.RecvAll(got.data(), got.size()));
+      if (w.len > 0) {
+        ASSERT_TRUE(c.RecvAll(got.data(), got.size()));
+      }
       EXPECT_EQ(std::memcmp(got.data(), expect_mem.data() + w.off, w.len), 0) << "wrong bytes";
     }
     sender.join();
