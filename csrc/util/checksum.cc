@@ -65,18 +65,29 @@ __attribute__((target("sse4.2"))) uint32_t Crc32cSse42Serial(uint32_t crc, const
 // bytes is itself linear, a 32x32 bit matrix whose column i is the register 1<<i advanced.
 constexpr size_t kLane = 1024;
 
+// The matrix is applied a byte of the register at a time through four 256-entry tables (16
+// KiB, built once): four loads per 3 KiB block. Applying it bit by bit (32 conditional xors,
+// twice a block) cost more than the block's 384 CRC32 instructions: 8 MiB took 1.1-2.0 ms
+// that way and 0.46-0.49 ms this way on this project's 2-core test VM.
 struct ZeroShift {
-  uint32_t column[32];
+  uint32_t table[4][256];
   ZeroShift() {
     static const uint8_t zeros[kLane] = {};
+    uint32_t column[32];
     for (int i = 0; i < 32; ++i) column[i] = Crc32cSse42Serial(uint32_t{1} << i, zeros, kLane);
+    for (int k = 0; k < 4; ++k) {
+      for (uint32_t b = 0; b < 256; ++b) {
+        uint32_t r = 0;
+        for (int i = 0; i < 8; ++i) {
+          if (b & (1u << i)) r ^= column[8 * k + i];
+        }
+        table[k][b] = r;
+      }
+    }
   }
   uint32_t Apply(uint32_t v) const {
-    uint32_t r = 0;
-    for (int i = 0; v != 0; ++i, v >>= 1) {
-      if (v & 1) r ^= column[i];
-    }
-    return r;
+    return table[0][v & 0xff] ^ table[1][(v >> 8) & 0xff] ^ table[2][(v >> 16) & 0xff] ^
+           table[3][v >> 24];
   }
 };
 
