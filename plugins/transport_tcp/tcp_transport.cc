@@ -1218,8 +1218,6 @@ kvb_status_t Transport::Create(const kvb_host_services_t* host,
     *err = "create: eventfd: " + ErrnoText(errno);
     return KVB_ERR_IO;
   }
-  t->creator_cpus_known_ =
-      sched_getaffinity(0, sizeof(t->creator_cpus_), &t->creator_cpus_) == 0;
   Transport* raw = t.get();
   t->accept_thread_ = std::thread([raw] { raw->AcceptLoop(); });
   t->housekeeper_ = std::thread([raw] { raw->HousekeeperLoop(); });
@@ -2172,10 +2170,7 @@ void Transport::MaybeSpawnLanes(Peer& peer) {
   peer.lanes.push_back(std::move(lane));
   ++peer.connecting;
   try {
-    raw->thread = std::thread([this, raw] {
-      if (creator_cpus_known_) (void)sched_setaffinity(0, sizeof(creator_cpus_), &creator_cpus_);
-      raw->Run();
-    });
+    raw->thread = std::thread([raw] { raw->Run(); });
   } catch (const std::exception& e) {
     --peer.connecting;
     peer.lanes.pop_back();

@@ -15,8 +15,6 @@
 // that can block, nor across on_complete.
 #pragma once
 
-#include <sched.h>
-
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -231,12 +229,6 @@ class Transport {
   uint64_t hk_next_wake_ns_ = 0;
   std::vector<PrefailedOp> prefailed_;
   std::thread housekeeper_;
-
-  // The CPUs the creating thread could run on. Lanes start on whichever thread first sends to
-  // a peer, often one an application pinned to a single compute core (vLLM's CPU workers
-  // are); they run on these instead, as the accept and housekeeping threads do by birth.
-  cpu_set_t creator_cpus_{};
-  bool creator_cpus_known_ = false;
 };
 
 }  // namespace kvbridge::tcp

@@ -8,7 +8,6 @@ over kvbridge, so it is tested without an engine (tests/engines/test_vllm_connec
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -145,27 +144,6 @@ def _typed(name: str, value: Any, default: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 # Block runs
 # --------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def unpinned_threads():
-    """Threads started inside (and the transport lanes of engines created inside) may run on
-    every CPU this process may use, not only on the calling thread's.
-
-    vLLM's CPU workers pin their thread to one core (``VLLM_CPU_OMP_THREADS_BIND``); a thread
-    started from it inherits that one core and shares it with the model's compute threads, so
-    kvbridge's side channel and transport threads could wait seconds for it. The calling
-    thread's own affinity is restored on exit; a cpuset still bounds what the kernel grants."""
-    try:
-        mine = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except (AttributeError, OSError):  # not Linux, or refused: start threads as they are
-        yield
-        return
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, mine)
 
 
 def merge_runs(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -61,7 +61,6 @@ from kvbridge.integrations._vllm_core import (
     request_salt,
     stats_path,
     tokens_hash,
-    unpinned_threads,
 )
 from kvbridge.integrations._vllm_pd import PdPuller, PdServer
 from kvbridge.integrations._vllm_stage import Stager
@@ -555,8 +554,7 @@ def _store_client(s: Settings) -> kvbridge.StoreClient:
         kw["cluster_token"] = s.cluster_token
     if s.transports:
         kw["transports"] = s.transports
-    with unpinned_threads():  # its engine's threads: not on the worker's pinned core
-        return kvbridge.StoreClient(**kw)
+    return kvbridge.StoreClient(**kw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -628,13 +626,11 @@ class _WorkerSide:
         if self.s.transports:
             kw["transports"] = self.s.transports
         if self.producer or self.consumer:
-            with unpinned_threads():  # not on the one core vLLM pinned this worker to
-                self.engine = kvbridge.TransferEngine(**kw)
+            self.engine = kvbridge.TransferEngine(**kw)
             segs = [(a, n, self.engine.register((a, n))) for a, n in regions]
             if self.producer and self.stager is None:
                 port = self.s.side_channel_port + self.tp_rank if self.s.side_channel_port else 0
-                with unpinned_threads():
-                    self.server = PdServer(self.engine, layout, segs, host, port, self.counters)
+                self.server = PdServer(self.engine, layout, segs, host, port, self.counters)
             elif self.producer:
                 log.warning("KvbridgeConnector: KV staged through host pages: this instance "
                             "does not serve prefill blocks to decode instances (requests with "
