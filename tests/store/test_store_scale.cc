@@ -71,7 +71,7 @@ class StoreScale : public ::testing::Test {
     client_ = Must(StoreClient::Create(so));
     ASSERT_TRUE(client_->RegisterBuffer(src_.data(), src_.size()).ok());
     ASSERT_TRUE(client_->RegisterBuffer(dst_.data(), dst_.size()).ok());
-    node_stub_ = rpc::Node::NewStub(grpc::CreateChannel(node_rpc_, grpc::InsecureChannelCredentials()));
+    node_stub_ = rpc::Node::NewStub(store::NewChannel(node_rpc_));
   }
 
   void StartMaster() {
