@@ -11,6 +11,7 @@ PACKAGES=(
   python3 python3-venv
   iproute2 nftables procps
   clang-format
+  libucx-dev ucx-utils
 )
 
 missing=()

@@ -34,7 +34,9 @@ extern "C" {
 #endif
 
 #define KVB_ABI_MAJOR 1
-#define KVB_ABI_MINOR 1 /* 1.1: storage put_meta / for_each_meta, params.on_evict */
+/* 1.1: storage put_meta / for_each_meta, params.on_evict.
+ * 1.2: host services for identity and the cluster-token handshake (node_id ... auth_end). */
+#define KVB_ABI_MINOR 2
 
 /* Name of the one symbol every plugin exports. */
 #define KVB_PLUGIN_QUERY_SYMBOL "kvb_plugin_query"
@@ -85,6 +87,14 @@ typedef enum kvb_log_level {
   KVB_LOG_ERROR = 3
 } kvb_log_level_t;
 
+/* True when a struct of `type` handed over with struct_size `(p)->struct_size` has field f. */
+#define KVB_HAS_FIELD(p, type, f) \
+  ((p)->struct_size >= offsetof(type, f) + sizeof(((type*)0)->f))
+
+typedef struct kvb_auth kvb_auth_t; /* one handshake in progress, owned by the host */
+enum { KVB_AUTH_CLIENT = 1, KVB_AUTH_SERVER = 2 };
+#define KVB_AUTH_MAX_MESSAGE 1024
+
 /* Services the host hands to a plugin at create time, so a plugin never links the core.
  * The table and host_ctx stay valid until the plugin instance is destroyed. */
 typedef struct kvb_host_services {
@@ -98,6 +108,46 @@ typedef struct kvb_host_services {
   int32_t (*config_get)(void* host_ctx, const char* key, char* buf, uint32_t buf_len);
   /* Monotonic clock, nanoseconds. The one clock deadlines are expressed in. */
   uint64_t (*now_ns)(void* host_ctx);
+
+  /* ---- ABI 1.2: identity and peer authentication -------------------------------------------
+   * Present when struct_size covers them (KVB_HAS_FIELD). The host owns this process's identity
+   * (node id, incarnation) and the cluster token; a transport never sees the token. Every
+   * transport authenticates a new connection the same way: it carries the opaque messages these
+   * functions produce, in order, over its own wire, and uses the connection only once auth_step
+   * said KVB_OK. The exchange proves, in both directions and bound to fresh nonces and to the
+   * transport's name, that each side holds the token, and that the server is the incarnation the
+   * client asked for (KVB_ERR_STALE_PEER otherwise, before any byte of a request moves).
+   * Thread-safe; one kvb_auth_t is used by one thread at a time. */
+
+  /* This process's node id (borrowed, valid until the instance is destroyed) and incarnation. */
+  const char* (*node_id)(void* host_ctx);
+  uint64_t (*incarnation)(void* host_ctx);
+  /* Starts one handshake. `transport` is the plugin's name (it labels the proofs, so a proof made
+   * for one transport is not accepted by another). A client names the peer incarnation it means
+   * to reach; a server passes NULL and 0. */
+  kvb_status_t (*auth_begin)(void* host_ctx, const char* transport, int32_t role,
+                             const char* expected_node_id, uint64_t expected_incarnation,
+                             kvb_auth_t** out, char* err, uint32_t err_len);
+  /* How many bytes the next message to receive has in total, given its first `have` bytes (read
+   * that many, then ask again until the answer equals `have`). Never more than
+   * KVB_AUTH_MAX_MESSAGE; -1 when the bytes are malformed. */
+  int32_t (*auth_need)(void* host_ctx, kvb_auth_t* a, const uint8_t* buf, uint32_t have);
+  /* Feeds one whole received message (a client's first call passes in = NULL) and writes the next
+   * message to send into out (*out_len = 0: nothing to send). Returns
+   *   KVB_IN_PROGRESS: send out, then receive the next message and call again;
+   *   KVB_OK: send out if any; the peer is authenticated (auth_peer says who);
+   *   an error (STALE_PEER, UNAUTHENTICATED, PROTOCOL, INTERNAL): the handshake is over and the
+   *     connection must not be used; out may hold a refusal worth sending; err says who and why.
+   * out_cap must be at least KVB_AUTH_MAX_MESSAGE. */
+  kvb_status_t (*auth_step)(void* host_ctx, kvb_auth_t* a, const uint8_t* in, uint32_t in_len,
+                            uint8_t* out, uint32_t out_cap, uint32_t* out_len, char* err,
+                            uint32_t err_len);
+  /* After KVB_OK: the authenticated peer's node id (NUL-terminated, truncated to cap) and
+   * incarnation. */
+  kvb_status_t (*auth_peer)(void* host_ctx, kvb_auth_t* a, char* node_id, uint32_t cap,
+                            uint64_t* incarnation);
+  /* Frees the handshake state (any state, any time after auth_begin succeeded). */
+  void (*auth_end)(void* host_ctx, kvb_auth_t* a);
 } kvb_host_services_t;
 
 /* What kvb_plugin_query() returns. Static storage, owned by the plugin. */
