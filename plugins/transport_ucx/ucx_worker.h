@@ -1,0 +1,172 @@
+// kvbridge::ucx::Worker: the ucp_context, the ucp_worker and the one thread that drives them.
+//
+// The thread loops: run queued commands, ucp_worker_progress, serve hellos, issue queued slices
+// of every peer (endpoint creation, hello, rkey unpack, put/get, flush), check timers
+// (deadlines, progress timeouts, hello timeouts), spin for ucx.spin_us while UCX work is in
+// flight, then ucp_worker_arm and epoll on the worker's fd, the command eventfd and the pidfds
+// of same-host peers.
+//
+// Thread-safety: Run/RunSync may be called from any thread; everything else is called only on
+// the progress thread (from commands), and the members it touches are that thread's alone.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <queue>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "ucx_transport.h"
+
+namespace kvbridge::ucx {
+
+struct Record;
+
+// One endpoint to one peer incarnation. Progress-thread-only.
+struct Endpoint {
+  enum class State { kHello, kReady, kClosing };
+  ucp_ep_h ep = nullptr;
+  Peer* peer = nullptr;  // null once the endpoint is closing (the peer may be gone)
+  bool peer_mode = false;  // UCP_ERR_HANDLING_MODE_PEER (else NONE)
+  State state = State::kHello;
+  kvb_auth_t* auth = nullptr;
+  uint64_t session = 0;
+  uint64_t hello_deadline_ns = 0;
+  uint64_t segments_version = 0;
+  struct Key {
+    ucp_rkey_h rkey = nullptr;
+    uint64_t base = 0;
+  };
+  std::unordered_map<uint64_t, Key> rkeys;
+  std::unordered_set<Record*> records;  // UCX operations not yet completed
+  std::vector<SlicePtr> unflushed;      // puts issued since the last flush
+  uint64_t inflight_bytes = 0;
+  uint64_t last_progress_ns = 0;
+  uint64_t progress_timeout_ns = 0;  // smallest of the issued slices' requests
+  ucs_status_t error = UCS_OK;       // set by the PEER-mode error handler
+  void* close_req = nullptr;         // ucp_ep_close_nbx's request while closing
+  bool close_started = false;
+};
+
+class Worker {
+ public:
+  static kvb_status_t Create(Transport* t, std::unique_ptr<Worker>* out, std::string* err);
+  // Stops the thread, fails what is left CANCELLED, closes endpoints, frees UCX.
+  ~Worker();
+
+  const std::string& address() const { return address_; }
+
+  // Runs fn on the progress thread (Run: queued; RunSync: returns once it ran).
+  void Run(std::function<void()> fn);
+  void RunSync(std::function<void()> fn);
+
+  // ---- Called on the progress thread only (from commands). ----
+  kvb_status_t MapMemory(void* addr, uint64_t length, ucp_mem_h* memh, std::string* rkey,
+                         std::string* err);
+  // Unmaps once no outstanding UCX operation uses local memory inside [base, base + length);
+  // `done` runs then.
+  void UnmapWhenIdle(ucp_mem_h memh, uint8_t* base, uint64_t length, std::function<void()> done);
+  void AddPeer(Peer* peer);
+  // Fails the peer's requests CANCELLED, closes its endpoint and stops watching it. Returns
+  // those requests: the caller waits until UCX holds none of their memory (in_ucx == 0).
+  std::vector<std::shared_ptr<Request>> RemovePeer(Peer* peer);
+  void SegmentsChanged(Peer* peer);
+  struct Prefailed {
+    SlicePtr slice;
+    kvb_status_t code;
+    std::string msg;
+  };
+  // Queues a request's slices; the prefailed ones (refused before any I/O) end here.
+  void Enqueue(Peer* peer, std::vector<SlicePtr> slices, std::vector<Prefailed> prefailed);
+  // The request became final on an API thread (cancel): drop its queued slices and, when UCX
+  // still holds its memory on a PEER-mode endpoint, force-close that endpoint.
+  void Abort(const std::shared_ptr<Request>& req);
+
+ private:
+  explicit Worker(Transport* t) : t_(t) {}
+  kvb_status_t Init(std::string* err);
+  void Loop();
+  bool DrainCommands();
+  void Pump(Peer& peer);
+  bool StartEndpoint(Peer& peer);
+  void HelloStep(Endpoint& ep, const uint8_t* in, uint32_t in_len, kvb_status_t remote_status);
+  bool SendAm(ucp_ep_h ep, Endpoint* owner, uint32_t kind, uint64_t session, kvb_status_t status, const uint8_t* data,
+              uint32_t len, bool reply_flag);
+  bool Issue(Endpoint& ep, const SlicePtr& s);
+  void Flush(Endpoint& ep);
+  void OnDone(Record* rec, ucs_status_t status);
+  void Timers(uint64_t now);
+  // Fails every slice queued for the peer with code.
+  void FailQueue(Peer& peer, kvb_status_t code, const std::string& msg);
+  // Takes the endpoint away from its peer. Slices it still holds fail with `code` (or, when
+  // requeue is true, go back to the front of the peer's queue for a fresh endpoint).
+  void CloseEndpoint(Peer& peer, kvb_status_t code, const std::string& msg, bool requeue);
+  void ReapClosing();
+  void ServeHello(ucp_ep_h reply_ep, uint64_t session, const std::string& msg);
+  void CheckPeerExited(Peer& peer);
+  bool Busy() const;
+
+  static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
+                           size_t length, const ucp_am_recv_param_t* param);
+  static void OnSend(void* request, ucs_status_t status, void* user);
+  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+  Transport* t_;
+  const Config* cfg_ = nullptr;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::string address_;
+  int efd_ = -1;    // the worker's event fd
+  int cmdfd_ = -1;  // eventfd: commands queued
+  int epfd_ = -1;
+  std::thread thread_;
+
+  std::mutex cmd_mu_;
+  std::vector<std::function<void()>> cmds_;
+  bool stopping_ = false;
+
+  // Progress-thread-only.
+  bool stop_ = false;
+  Completions done_;
+  std::unordered_set<Peer*> peers_;
+  std::vector<std::unique_ptr<Endpoint>> closing_;
+  std::unordered_map<uint64_t, Endpoint*> sessions_;  // client hellos by session id
+  struct InboundHello {
+    kvb_auth_t* auth = nullptr;
+    uint64_t expires_ns = 0;
+  };
+  std::map<std::pair<uintptr_t, uint64_t>, InboundHello> inbound_;  // by (reply ep, session)
+  struct AmMessage {
+    uint32_t kind;
+    ucp_ep_h reply_ep;
+    uint64_t session;
+    kvb_status_t status;
+    std::string data;
+  };
+  std::vector<AmMessage> am_in_;
+  struct Unmap {
+    ucp_mem_h memh;
+    uint8_t* base;
+    uint64_t length;
+    std::function<void()> done;
+  };
+  std::vector<Unmap> unmaps_;
+  struct DeadlineEntry {
+    uint64_t at;
+    std::weak_ptr<Request> req;
+    Peer* peer;
+    bool operator>(const DeadlineEntry& o) const { return at > o.at; }
+  };
+  std::priority_queue<DeadlineEntry, std::vector<DeadlineEntry>, std::greater<>> deadlines_;
+  uint64_t next_session_ = 0;
+  uint32_t records_ = 0;  // all outstanding UCX operations
+};
+
+}  // namespace kvbridge::ucx
