@@ -8,6 +8,7 @@
 #include <random>
 #include <thread>
 
+#include "conformance_transports.inc"  // generated: KVB_CONFORMANCE_TRANSPORTS
 #include "kvbridge/engine.h"
 #include "tests/common/test_util.h"
 
@@ -20,14 +21,24 @@ using testing::Must;
 
 constexpr size_t kRemoteBytes = 80u << 20;  // room for the 64 MiB case plus offsets
 
+// A suite parameter is a transport name, or "ucx_net": ucx with ucx.same_host=off.
+EngineOptions ParamOptions(const std::string& param, const std::string& node_id) {
+  if (param == "ucx_net") {
+    EngineOptions o = LoopbackOptions("ucx", node_id);
+    o.plugin_config["ucx.same_host"] = "off";
+    return o;
+  }
+  return LoopbackOptions(param, node_id);
+}
+
 class TransportConformance : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     const std::string& transport = GetParam();
-    auto a = TransferEngine::Create(LoopbackOptions(transport, "conf-a"));
+    auto a = TransferEngine::Create(ParamOptions(transport, "conf-a"));
     if (!a.ok()) GTEST_SKIP() << "transport '" << transport << "': " << a.status().ToString();
     a_ = std::move(a).value();
-    b_ = Must(TransferEngine::Create(LoopbackOptions(transport, "conf-b")));
+    b_ = Must(TransferEngine::Create(ParamOptions(transport, "conf-b")));
     remote_ = std::make_unique<Buffer>(kRemoteBytes);
     local_ = std::make_unique<Buffer>(kRemoteBytes);
     remote_seg_ = Must(b_->RegisterMemory(remote_->data(), remote_->size()));
@@ -188,7 +199,7 @@ TEST_P(TransportConformance, CancelReturnsAndLeavesBufferAlone) {
 }
 
 TEST_P(TransportConformance, BatchAcrossTwoPeers) {
-  auto c = Must(TransferEngine::Create(LoopbackOptions(GetParam(), "conf-c")));
+  auto c = Must(TransferEngine::Create(ParamOptions(GetParam(), "conf-c")));
   Buffer c_mem(1 << 20);
   SegmentId c_seg = Must(c->RegisterMemory(c_mem.data(), c_mem.size()));
   Must(a_->AddPeer(c->LocalDescriptor()));
@@ -204,7 +215,7 @@ TEST_P(TransportConformance, BatchAcrossTwoPeers) {
 TEST_P(TransportConformance, ReplacedIncarnationIsStaleAndNeverWritten) {
   // b goes away and a new process takes its node id: same name, new incarnation.
   b_.reset();
-  auto b2 = Must(TransferEngine::Create(LoopbackOptions(GetParam(), "conf-b")));
+  auto b2 = Must(TransferEngine::Create(ParamOptions(GetParam(), "conf-b")));
   Buffer fresh(1 << 20);
   fresh.Fill(33);
   SegmentId seg2 = Must(b2->RegisterMemory(fresh.data(), fresh.size()));
@@ -251,8 +262,15 @@ TEST(TcpEndpoints, Ipv6AndHostNameEndpointsWork) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, TransportConformance, ::testing::Values("tcp", "mock"),
+INSTANTIATE_TEST_SUITE_P(Transports, TransportConformance,
+                         ::testing::Values(KVB_CONFORMANCE_TRANSPORTS),
                          [](const auto& info) { return info.param; });
+
+// Says which known transports this build left out of the list above, and why.
+TEST(TransportConformanceList, TransportsNotBuiltAreNamed) {
+  if (std::string(KVB_CONFORMANCE_NOT_BUILT).empty()) return;
+  GTEST_SKIP() << KVB_CONFORMANCE_NOT_BUILT;
+}
 
 }  // namespace
 }  // namespace kvbridge
