@@ -217,6 +217,12 @@ Transport::~Transport() {
     peers.assign(peers_.begin(), peers_.end());
   }
   for (Peer* p : peers) RemovePeer(p);
+  std::vector<uint64_t> segments;
+  {
+    std::lock_guard<std::mutex> lock(regions_mu_);
+    for (const auto& [id, region] : regions_) segments.push_back(id);
+  }
+  for (uint64_t id : segments) DeregisterMemory(id);  // ucp_cleanup requires every map undone
   worker_.reset();
 }
 
