@@ -261,7 +261,10 @@ kvb_status_t Transport::RegisterMemory(const kvb_region_t* region, uint8_t* rkey
   kvb_status_t st = KVB_OK;
   ucp_mem_h memh = nullptr;
   std::string bytes, err;
-  worker_->RunSync([&] { st = worker_->MapMemory(region->addr, region->length, &memh, &bytes, &err); });
+  worker_->RunSync([&] {
+    st = worker_->MapMemory(region->addr, region->length, &memh, &bytes, &err);
+    if (st == KVB_OK) worker_->Published(region->segment_id);
+  });
   if (st != KVB_OK) {
     Log(KVB_LOG_ERROR, err);
     return st;
@@ -269,7 +272,7 @@ kvb_status_t Transport::RegisterMemory(const kvb_region_t* region, uint8_t* rkey
   if (bytes.size() > rkey_cap || rkey == nullptr) {
     Log(KVB_LOG_ERROR, "ucx: the rkey needs " + U(bytes.size()) + " bytes, the host offers " +
                            U(rkey_cap));
-    worker_->RunSync([&] { worker_->UnmapWhenIdle(memh, nullptr, 0, [] {}); });
+    worker_->RunSync([&] { worker_->Revoke(region->segment_id, memh, nullptr, 0, [] {}); });
     return KVB_ERR_INVALID_ARGUMENT;
   }
   std::memcpy(rkey, bytes.data(), bytes.size());
@@ -290,8 +293,10 @@ kvb_status_t Transport::DeregisterMemory(uint64_t segment_id) {
     regions_.erase(it);  // new posts naming it fail NOT_REGISTERED from here on
   }
   std::promise<void> unmapped;
+  // Peers holding a grant for the segment acknowledge its revocation first: one-sided RMA
+  // (cma, tcp's software RMA) is not checked by the target, so this is what refuses them.
   worker_->Run([&] {
-    worker_->UnmapWhenIdle(r.memh, r.base, r.length, [&] { unmapped.set_value(); });
+    worker_->Revoke(segment_id, r.memh, r.base, r.length, [&] { unmapped.set_value(); });
   });
   unmapped.get_future().wait();
   return KVB_OK;

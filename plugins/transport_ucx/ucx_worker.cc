@@ -16,6 +16,12 @@ namespace {
 constexpr unsigned kAmId = 0x4b56;  // one AM id for both directions of the hello
 constexpr uint32_t kHelloToServer = 1;
 constexpr uint32_t kHelloToClient = 2;
+// Grants (payload: the u64 segment id): an initiator asks before its first RMA to a segment on
+// an endpoint; the target revokes before its deregister_memory returns.
+constexpr uint32_t kGrantRequest = 3;
+constexpr uint32_t kGrantReply = 4;  // status KVB_OK or KVB_ERR_NOT_REGISTERED
+constexpr uint32_t kRevoke = 5;
+constexpr uint32_t kRevokeAck = 6;
 constexpr uint64_t kTagEfd = 0, kTagCmd = 1;  // epoll tags; anything else is a Peer*
 
 // The AM header of every hello message; the auth message is the AM payload.
@@ -195,7 +201,7 @@ bool Worker::DrainCommands() {
   return !cmds.empty();
 }
 
-bool Worker::Busy() const { return records_ > 0 || !sessions_.empty(); }
+bool Worker::Busy() const { return records_ > 0 || hellos_ > 0; }
 
 void Worker::Loop() {
   while (!stop_) {
@@ -203,15 +209,8 @@ void Worker::Loop() {
     while (ucp_worker_progress(worker_) != 0) did = true;
     std::vector<AmMessage> msgs;
     msgs.swap(am_in_);
-    for (auto& m : msgs) {
-      did = true;
-      if (m.kind == kHelloToServer) {
-        ServeHello(m.reply_ep, m.session, m.data);
-      } else if (auto it = sessions_.find(m.session); it != sessions_.end()) {
-        HelloStep(*it->second, reinterpret_cast<const uint8_t*>(m.data.data()),
-                  static_cast<uint32_t>(m.data.size()), m.status);
-      }
-    }
+    for (auto& m : msgs) HandleAm(m);
+    did = did || !msgs.empty();
     for (Peer* p : peers_) Pump(*p);
     const uint64_t now = t_->Now();
     Timers(now);
@@ -236,7 +235,7 @@ void Worker::Loop() {
       if (!cmds_.empty()) continue;
     }
     int timeout_ms = 100;
-    if (Busy() || !unmaps_.empty() || !inbound_.empty()) timeout_ms = 5;
+    if (Busy() || !unmaps_.empty() || !inbound_.empty() || !revocations_.empty()) timeout_ms = 5;
     if (!deadlines_.empty()) {
       const uint64_t at = deadlines_.top().at;
       const uint64_t ms = at <= now ? 0 : (at - now + 999'999) / 1'000'000;
@@ -413,6 +412,7 @@ void Worker::CloseEndpoint(Peer& peer, kvb_status_t code, const std::string& msg
     ep->auth = nullptr;
   }
   sessions_.erase(ep->session);
+  if (ep->state == Endpoint::State::kHello) --hellos_;
   ep->peer = nullptr;
   ep->state = Endpoint::State::kClosing;
   t_->counters().connections_open.fetch_sub(1);
@@ -477,15 +477,19 @@ void Worker::Pump(Peer& peer) {
   }
   Endpoint& ep = *peer.ep;
   if (ep.state != Endpoint::State::kReady) return;
+  if (!ep.revoking.empty()) AckRevokes(ep);
   while (!peer.queue.empty() &&
          (ep.inflight_bytes == 0 || ep.inflight_bytes < cfg_->max_inflight_bytes_per_ep)) {
     SlicePtr s = std::move(peer.queue.front());
     peer.queue.pop_front();
     if (s->ended) continue;
-    if (!Issue(ep, s)) break;
-    if (!peer.ep) return;  // the endpoint failed while issuing
+    if (!Issue(ep, s)) {
+      peer.queue.push_front(std::move(s));  // waits for the target's grant
+      break;
+    }
   }
   if (!ep.unflushed.empty()) Flush(ep);
+  if (!ep.revoking.empty()) AckRevokes(ep);
 }
 
 bool Worker::StartEndpoint(Peer& peer) {
@@ -525,6 +529,7 @@ bool Worker::StartEndpoint(Peer& peer) {
     return false;
   }
   sessions_[raw->session] = raw;
+  ++hellos_;
   HelloStep(*raw, nullptr, 0, KVB_IN_PROGRESS);
   return true;
 }
@@ -563,7 +568,7 @@ void Worker::HelloStep(Endpoint& ep, const uint8_t* in, uint32_t in_len,
   if (st == KVB_OK) {
     h->auth_end(h->host_ctx, ep.auth);
     ep.auth = nullptr;
-    sessions_.erase(ep.session);
+    --hellos_;
     ep.state = Endpoint::State::kReady;
     ep.segments_version = ~0ull;
     return;
@@ -601,7 +606,26 @@ bool Worker::Issue(Endpoint& ep, const SlicePtr& s) {
   if (ep.segments_version != peer.segments_version) {
     for (auto& [seg, key] : ep.rkeys) ucp_rkey_destroy(key.rkey);
     ep.rkeys.clear();
+    std::erase_if(ep.grants, [](const auto& g) { return g.second == Endpoint::Grant::kRefused; });
     ep.segments_version = peer.segments_version;
+  }
+  // No RMA to a segment before the target granted it on this endpoint: a segment the target
+  // deregistered is refused here, and never written.
+  auto grant = ep.grants.find(s->segment);
+  if (grant == ep.grants.end()) {
+    ep.grants[s->segment] = Endpoint::Grant::kAsked;
+    const uint64_t seg = s->segment;
+    SendAm(ep.ep, &ep, kGrantRequest, ep.session, KVB_OK, reinterpret_cast<const uint8_t*>(&seg),
+           sizeof(seg), true);
+    return false;
+  }
+  if (grant->second == Endpoint::Grant::kAsked) return false;
+  if (grant->second == Endpoint::Grant::kRefused || ep.revoking.count(s->segment) != 0) {
+    t_->EndSlice(*s, KVB_ERR_NOT_REGISTERED,
+                 "ucx: segment " + std::to_string(s->segment) + " is not registered at peer '" +
+                     peer.node_id + "' (it refused or revoked the grant)",
+                 &done_);
+    return true;
   }
   auto it = ep.rkeys.find(s->segment);
   uint64_t seg_len = 0;
@@ -805,6 +829,103 @@ void Worker::ServeHello(ucp_ep_h reply_ep, uint64_t session, const std::string& 
   t_->counters().inbound_open.store(inbound_.size());
 }
 
+void Worker::HandleAm(const AmMessage& m) {
+  uint64_t seg = 0;
+  if (m.kind >= kGrantRequest) {
+    if (m.data.size() != sizeof(seg)) {
+      t_->counters().frames_rejected.fetch_add(1);
+      return;
+    }
+    std::memcpy(&seg, m.data.data(), sizeof(seg));
+  }
+  auto ep_it = sessions_.find(m.session);
+  Endpoint* ep = ep_it == sessions_.end() ? nullptr : ep_it->second;
+  switch (m.kind) {
+    case kHelloToServer:
+      ServeHello(m.reply_ep, m.session, m.data);
+      break;
+    case kHelloToClient:
+      if (ep != nullptr) {
+        HelloStep(*ep, reinterpret_cast<const uint8_t*>(m.data.data()),
+                  static_cast<uint32_t>(m.data.size()), m.status);
+      }
+      break;
+    case kGrantRequest: {
+      auto it = published_.find(seg);
+      if (it != published_.end() && m.reply_ep != nullptr) it->second.insert({m.reply_ep, m.session});
+      if (m.reply_ep != nullptr) {
+        SendAm(m.reply_ep, nullptr, kGrantReply, m.session,
+               it != published_.end() ? KVB_OK : KVB_ERR_NOT_REGISTERED,
+               reinterpret_cast<const uint8_t*>(&seg), sizeof(seg), false);
+      }
+      break;
+    }
+    case kGrantReply:
+      if (ep != nullptr && ep->state == Endpoint::State::kReady) {
+        ep->grants[seg] =
+            m.status == KVB_OK ? Endpoint::Grant::kGranted : Endpoint::Grant::kRefused;
+      }
+      break;
+    case kRevoke:
+      if (ep != nullptr && ep->state == Endpoint::State::kReady) {
+        ep->grants[seg] = Endpoint::Grant::kRefused;
+        ep->revoking.insert(seg);
+        AckRevokes(*ep);
+      } else if (m.reply_ep != nullptr) {
+        // No such endpoint (any more): nothing of ours can touch the segment.
+        SendAm(m.reply_ep, nullptr, kRevokeAck, m.session, KVB_OK,
+               reinterpret_cast<const uint8_t*>(&seg), sizeof(seg), false);
+      }
+      break;
+    case kRevokeAck:
+      for (auto& r : revocations_) {
+        if (r.segment == seg) r.waiting.erase(m.session);
+      }
+      break;
+    default:
+      t_->counters().frames_rejected.fetch_add(1);
+  }
+}
+
+void Worker::AckRevokes(Endpoint& ep) {
+  for (auto it = ep.revoking.begin(); it != ep.revoking.end();) {
+    const uint64_t seg = *it;
+    bool busy = false;
+    for (Record* r : ep.records) busy = busy || (r->slice && r->slice->segment == seg);
+    if (busy) {
+      ++it;
+      continue;
+    }
+    // Put completion over tcp is acknowledged by the target, and cma is synchronous: with no
+    // RMA on the segment in flight, none can land after this acknowledgement.
+    if (auto k = ep.rkeys.find(seg); k != ep.rkeys.end()) {
+      ucp_rkey_destroy(k->second.rkey);
+      ep.rkeys.erase(k);
+    }
+    SendAm(ep.ep, &ep, kRevokeAck, ep.session, KVB_OK, reinterpret_cast<const uint8_t*>(&seg),
+           sizeof(seg), false);
+    it = ep.revoking.erase(it);
+  }
+}
+
+void Worker::Published(uint64_t segment_id) { published_[segment_id]; }
+
+void Worker::Revoke(uint64_t segment_id, ucp_mem_h memh, uint8_t* base, uint64_t length,
+                    std::function<void()> done) {
+  Revocation r{segment_id, memh, base, length, {}, 0, std::move(done)};
+  r.deadline_ns = t_->Now() + uint64_t(cfg_->progress_timeout_ms) * 1'000'000ull;
+  if (auto it = published_.find(segment_id); it != published_.end()) {
+    for (const Grantee& g : it->second) {
+      if (SendAm(g.reply_ep, nullptr, kRevoke, g.session, KVB_OK,
+                 reinterpret_cast<const uint8_t*>(&segment_id), sizeof(segment_id), true)) {
+        r.waiting.insert(g.session);
+      }
+    }
+    published_.erase(it);
+  }
+  revocations_.push_back(std::move(r));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Timers.
 
@@ -856,6 +977,20 @@ void Worker::Timers(uint64_t now) {
     }
   }
   t_->counters().inbound_open.store(inbound_.size());
+  for (auto it = revocations_.begin(); it != revocations_.end();) {
+    if (!it->waiting.empty() && now < it->deadline_ns) {
+      ++it;
+      continue;
+    }
+    if (!it->waiting.empty()) {
+      t_->Log(KVB_LOG_WARN, "ucx: deregistering segment " + std::to_string(it->segment) + ": " +
+                                std::to_string(it->waiting.size()) +
+                                " peer(s) did not acknowledge the revocation within "
+                                "ucx.progress_timeout_ms");
+    }
+    UnmapWhenIdle(it->memh, it->base, it->length, std::move(it->done));
+    it = revocations_.erase(it);
+  }
   for (auto it = unmaps_.begin(); it != unmaps_.end();) {
     auto uses = [&](const Endpoint& ep) {
       for (Record* r : ep.records) {

@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <queue>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -45,6 +46,11 @@ struct Endpoint {
     uint64_t base = 0;
   };
   std::unordered_map<uint64_t, Key> rkeys;
+  // The target's answer per segment: it grants RMA while the segment is registered there, and
+  // revokes the grant before its deregister_memory returns.
+  enum class Grant { kAsked, kGranted, kRefused };
+  std::unordered_map<uint64_t, Grant> grants;
+  std::unordered_set<uint64_t> revoking;  // to acknowledge once no RMA on them is in flight
   std::unordered_set<Record*> records;  // UCX operations not yet completed
   std::vector<SlicePtr> unflushed;      // puts issued since the last flush
   uint64_t inflight_bytes = 0;
@@ -70,8 +76,13 @@ class Worker {
   // ---- Called on the progress thread only (from commands). ----
   kvb_status_t MapMemory(void* addr, uint64_t length, ucp_mem_h* memh, std::string* rkey,
                          std::string* err);
-  // Unmaps once no outstanding UCX operation uses local memory inside [base, base + length);
-  // `done` runs then.
+  // Serves grants for the segment until Revoke.
+  void Published(uint64_t segment_id);
+  // Stops granting the segment, revokes the grants peers hold and waits for their
+  // acknowledgements (at most the progress timeout), then unmaps once no outstanding UCX
+  // operation uses local memory inside [base, base + length); `done` runs then.
+  void Revoke(uint64_t segment_id, ucp_mem_h memh, uint8_t* base, uint64_t length,
+              std::function<void()> done);
   void UnmapWhenIdle(ucp_mem_h memh, uint8_t* base, uint64_t length, std::function<void()> done);
   void AddPeer(Peer* peer);
   // Fails the peer's requests CANCELLED, closes its endpoint and stops watching it. Returns
@@ -110,6 +121,9 @@ class Worker {
   void CloseEndpoint(Peer& peer, kvb_status_t code, const std::string& msg, bool requeue);
   void ReapClosing();
   void ServeHello(ucp_ep_h reply_ep, uint64_t session, const std::string& msg);
+  struct AmMessage;
+  void HandleAm(const AmMessage& m);
+  void AckRevokes(Endpoint& ep);
   void CheckPeerExited(Peer& peer);
   bool Busy() const;
 
@@ -137,12 +151,30 @@ class Worker {
   Completions done_;
   std::unordered_set<Peer*> peers_;
   std::vector<std::unique_ptr<Endpoint>> closing_;
-  std::unordered_map<uint64_t, Endpoint*> sessions_;  // client hellos by session id
+  std::unordered_map<uint64_t, Endpoint*> sessions_;  // our endpoints by session id
   struct InboundHello {
     kvb_auth_t* auth = nullptr;
     uint64_t expires_ns = 0;
   };
   std::map<std::pair<uintptr_t, uint64_t>, InboundHello> inbound_;  // by (reply ep, session)
+  struct Grantee {
+    ucp_ep_h reply_ep;
+    uint64_t session;
+    bool operator<(const Grantee& o) const {
+      return reply_ep != o.reply_ep ? reply_ep < o.reply_ep : session < o.session;
+    }
+  };
+  std::map<uint64_t, std::set<Grantee>> published_;  // registered segments and who holds grants
+  struct Revocation {
+    uint64_t segment;
+    ucp_mem_h memh;
+    uint8_t* base;
+    uint64_t length;
+    std::set<uint64_t> waiting;  // sessions not yet acknowledged
+    uint64_t deadline_ns;
+    std::function<void()> done;
+  };
+  std::vector<Revocation> revocations_;
   struct AmMessage {
     uint32_t kind;
     ucp_ep_h reply_ep;
@@ -166,6 +198,7 @@ class Worker {
   };
   std::priority_queue<DeadlineEntry, std::vector<DeadlineEntry>, std::greater<>> deadlines_;
   uint64_t next_session_ = 0;
+  uint32_t hellos_ = 0;  // endpoints in the hello state
   uint32_t records_ = 0;  // all outstanding UCX operations
 };
 
