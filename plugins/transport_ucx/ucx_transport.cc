@@ -348,6 +348,24 @@ bool ParsePeerInfo(const kvb_peer_info_t* info, PeerAddress* address,
 
 }  // namespace
 
+void Transport::WatchLiveness(const std::string& node_id, const PeerAddress& address,
+                              bool* same_host, int* pidfd, bool* exited) const {
+  *same_host = config_.same_host_auto && !host_key_.empty() && address.host_key == host_key_;
+  *pidfd = -1;
+  *exited = false;
+  if (!*same_host) return;
+  // NONE-mode endpoints have no UCX error handling: the peer's liveness is watched here.
+  *pidfd = PidfdOpen(address.pid);
+  if (*pidfd >= 0) return;
+  if (errno == ESRCH) {
+    *exited = true;
+  } else {
+    Log(KVB_LOG_WARN, "ucx: pidfd_open(" + U(address.pid) + "): " + strerror(errno) + "; peer '" +
+                          node_id + "' is reached in PEER mode");
+    *same_host = false;
+  }
+}
+
 kvb_status_t Transport::AddPeer(const kvb_peer_info_t* info, Peer** out, std::string* err) {
   if (out == nullptr) {
     *err = "ucx: add_peer: out is null";
@@ -357,21 +375,7 @@ kvb_status_t Transport::AddPeer(const kvb_peer_info_t* info, Peer** out, std::st
   if (!ParsePeerInfo(info, &peer->address, &peer->segments, err)) return KVB_ERR_INVALID_ARGUMENT;
   peer->node_id = info->node_id;
   peer->incarnation = info->incarnation;
-  peer->same_host = config_.same_host_auto && !host_key_.empty() &&
-                    peer->address.host_key == host_key_;
-  if (peer->same_host) {
-    // NONE-mode endpoints have no UCX error handling: the peer's liveness is watched here.
-    peer->pidfd = PidfdOpen(peer->address.pid);
-    if (peer->pidfd < 0) {
-      if (errno == ESRCH) {
-        peer->exited = true;
-      } else {
-        Log(KVB_LOG_WARN, "ucx: pidfd_open(" + U(peer->address.pid) + "): " + strerror(errno) +
-                              "; peer '" + peer->node_id + "' is reached in PEER mode");
-        peer->same_host = false;
-      }
-    }
-  }
+  WatchLiveness(peer->node_id, peer->address, &peer->same_host, &peer->pidfd, &peer->exited);
   Peer* raw = peer.get();
   worker_->RunSync([&] { worker_->AddPeer(raw); });
   std::lock_guard<std::mutex> lock(peers_mu_);
@@ -392,13 +396,19 @@ kvb_status_t Transport::UpdatePeer(Peer* peer, const kvb_peer_info_t* info, std:
     *err = "ucx: update_peer: another incarnation is another peer (use add_peer)";
     return KVB_ERR_INVALID_ARGUMENT;
   }
-  if (address.worker_address != peer->address.worker_address) {
-    *err = "ucx: update_peer: the peer's worker address changed within one incarnation";
-    return KVB_ERR_INVALID_ARGUMENT;
+  {
+    std::lock_guard<std::mutex> lock(peer->mu);
+    peer->segments = std::move(segments);
+    ++peer->segments_version;  // endpoints re-unpack rkeys before their next RMA
   }
-  std::lock_guard<std::mutex> lock(peer->mu);
-  peer->segments = std::move(segments);
-  ++peer->segments_version;  // endpoints re-unpack rkeys before their next RMA
+  if (address.worker_address != peer->address.worker_address ||
+      address.pid != peer->address.pid || address.host_key != peer->address.host_key) {
+    bool same_host = false, exited = false;
+    int pidfd = -1, old = -1;
+    WatchLiveness(peer->node_id, address, &same_host, &pidfd, &exited);
+    worker_->RunSync([&] { old = worker_->Readdress(peer, address, same_host, pidfd, exited); });
+    if (old >= 0) close(old);
+  }
   return KVB_OK;
 }
 

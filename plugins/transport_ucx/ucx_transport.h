@@ -196,6 +196,9 @@ class Transport {
 
  private:
   Transport(const kvb_host_services_t* host, const Config& config);
+  // Same host: opens a pidfd on the peer's process (NONE-mode endpoints rely on it).
+  void WatchLiveness(const std::string& node_id, const PeerAddress& address, bool* same_host,
+                     int* pidfd, bool* exited) const;
   void Finalize(Request& r, Completions* done);
 
   const kvb_host_services_t* host_;

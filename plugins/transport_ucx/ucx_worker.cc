@@ -42,6 +42,7 @@ struct Record {
   Worker* worker;
   Endpoint* ep;  // null for hello replies on a server's reply endpoint
   SlicePtr slice;
+  bool detached = false;  // no longer counted in the request's in_ucx (its peer has exited)
   std::vector<SlicePtr> flushed;
   HelloHeader header{};
   std::string data;
@@ -164,10 +165,12 @@ Worker::~Worker() {
   }
   for (auto& ep : closing_) {
     if (ep->close_req != nullptr) ucp_request_free(ep->close_req);
+    ep->close_req = nullptr;
   }
-  closing_.clear();
   for (auto& [key, h] : inbound_) t_->host()->auth_end(t_->host()->host_ctx, h.auth);
+  // ucp_worker_destroy completes what is still pending (OnDone runs): endpoints stay until then.
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  closing_.clear();
   if (context_ != nullptr) ucp_cleanup(context_);
   if (cmdfd_ >= 0) close(cmdfd_);
   if (epfd_ >= 0) close(epfd_);
@@ -313,7 +316,18 @@ void Worker::CheckPeerExited(Peer& peer) {
   const std::string msg = "ucx: peer '" + peer.node_id + "' (pid " +
                           std::to_string(peer.address.pid) + ", same host) has exited";
   t_->Log(KVB_LOG_INFO, msg);
-  if (peer.ep) CloseEndpoint(peer, KVB_ERR_PEER_UNREACHABLE, msg, false);
+  if (peer.ep) {
+    // UCX 1.13 may never complete NONE-mode RMA to a process that is gone. With the process
+    // gone, nothing can land in our memory any more (a get's bytes come from it) and a put only
+    // reads ours, so the requests stop waiting for these operations.
+    for (Record* r : peer.ep->records) {
+      if (!r->slice || r->detached) continue;
+      r->detached = true;
+      std::lock_guard<std::mutex> lock(r->slice->req->mu);
+      if (--r->slice->req->in_ucx == 0) r->slice->req->cv.notify_all();
+    }
+    CloseEndpoint(peer, KVB_ERR_PEER_UNREACHABLE, msg, false);
+  }
   FailQueue(peer, KVB_ERR_PEER_UNREACHABLE, msg);
 }
 
@@ -338,10 +352,21 @@ std::vector<std::shared_ptr<Request>> Worker::RemovePeer(Peer* peer) {
   return reqs;
 }
 
-void Worker::SegmentsChanged(Peer* peer) {
-  if (!peer->ep) return;
-  for (auto& [seg, key] : peer->ep->rkeys) ucp_rkey_destroy(key.rkey);
-  peer->ep->rkeys.clear();
+int Worker::Readdress(Peer* peer, PeerAddress address, bool same_host, int pidfd, bool exited) {
+  if (peer->ep) CloseEndpoint(*peer, KVB_ERR_PEER_UNREACHABLE, "peer moved", true);
+  if (peer->pidfd >= 0 && !peer->exited) epoll_ctl(epfd_, EPOLL_CTL_DEL, peer->pidfd, nullptr);
+  const int old = peer->pidfd;
+  peer->address = std::move(address);
+  peer->same_host = same_host;
+  peer->pidfd = pidfd;
+  peer->exited = exited;
+  if (pidfd >= 0 && !exited) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.ptr = peer;
+    epoll_ctl(epfd_, EPOLL_CTL_ADD, pidfd, &ev);
+  }
+  return old;
 }
 
 void Worker::Enqueue(Peer* peer, std::vector<SlicePtr> slices, std::vector<Prefailed> prefailed) {
@@ -730,7 +755,7 @@ void Worker::OnDone(Record* rec, ucs_status_t status) {
     case Record::Kind::kGet: {
       Slice& s = *rec->slice;
       if (ep != nullptr) ep->inflight_bytes -= s.length;
-      {
+      if (!rec->detached) {
         std::lock_guard<std::mutex> lock(s.req->mu);
         if (--s.req->in_ucx == 0) s.req->cv.notify_all();
       }
@@ -930,6 +955,14 @@ void Worker::Revoke(uint64_t segment_id, ucp_mem_h memh, uint8_t* base, uint64_t
 // Timers.
 
 void Worker::Timers(uint64_t now) {
+  if (now >= next_liveness_ns_) {
+    // NONE-mode endpoints have no UCX error handling: a peer that exited while RMA is in
+    // flight is noticed here even when the loop never sleeps in epoll.
+    next_liveness_ns_ = now + 1'000'000;
+    for (Peer* p : peers_) {
+      if (p->same_host && p->ep && !p->ep->records.empty()) CheckPeerExited(*p);
+    }
+  }
   while (!deadlines_.empty() && deadlines_.top().at <= now) {
     DeadlineEntry e = deadlines_.top();
     deadlines_.pop();
@@ -955,8 +988,13 @@ void Worker::Timers(uint64_t now) {
     }
     if (ep.state == Endpoint::State::kReady && !ep.records.empty() &&
         now - ep.last_progress_ns > ep.progress_timeout_ns) {
+      int kinds[4] = {0, 0, 0, 0};
+      for (Record* r : ep.records) ++kinds[static_cast<int>(r->kind)];
       const std::string msg = "ucx: peer '" + p->node_id + "' moved no bytes for " +
-                              std::to_string(ep.progress_timeout_ns / 1'000'000) + " ms";
+                              std::to_string(ep.progress_timeout_ns / 1'000'000) + " ms (" +
+                              std::to_string(kinds[0]) + " puts, " + std::to_string(kinds[1]) +
+                              " gets, " + std::to_string(kinds[2]) + " flushes, " +
+                              std::to_string(kinds[3]) + " hello messages outstanding)";
       std::vector<std::shared_ptr<Request>> stuck;
       for (Record* r : ep.records) {
         if (r->slice) stuck.push_back(r->slice->req);
@@ -994,7 +1032,7 @@ void Worker::Timers(uint64_t now) {
   for (auto it = unmaps_.begin(); it != unmaps_.end();) {
     auto uses = [&](const Endpoint& ep) {
       for (Record* r : ep.records) {
-        if (r->slice && r->slice->local < it->base + it->length &&
+        if (r->slice && !r->detached && r->slice->local < it->base + it->length &&
             r->slice->local + r->slice->length > it->base) {
           return true;
         }

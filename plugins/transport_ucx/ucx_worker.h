@@ -88,7 +88,10 @@ class Worker {
   // Fails the peer's requests CANCELLED, closes its endpoint and stops watching it. Returns
   // those requests: the caller waits until UCX holds none of their memory (in_ucx == 0).
   std::vector<std::shared_ptr<Request>> RemovePeer(Peer* peer);
-  void SegmentsChanged(Peer* peer);
+  // The same incarnation published another worker address (update_peer): the endpoint is
+  // closed (its slices go back to the queue) and the next post connects to the new address.
+  // Returns the pidfd that was replaced (the caller closes it).
+  int Readdress(Peer* peer, PeerAddress address, bool same_host, int pidfd, bool exited);
   struct Prefailed {
     SlicePtr slice;
     kvb_status_t code;
@@ -199,6 +202,7 @@ class Worker {
   std::priority_queue<DeadlineEntry, std::vector<DeadlineEntry>, std::greater<>> deadlines_;
   uint64_t next_session_ = 0;
   uint32_t hellos_ = 0;  // endpoints in the hello state
+  uint64_t next_liveness_ns_ = 0;
   uint32_t records_ = 0;  // all outstanding UCX operations
 };
 
