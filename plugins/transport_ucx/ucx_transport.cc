@@ -652,7 +652,17 @@ void Transport::Cancel(RequestHandle* h) {
 
 void Transport::Release(RequestHandle* h) {
   if (h == nullptr) return;
-  Cancel(h);  // a no-op for a final request with nothing in UCX
+  bool final;
+  {
+    std::lock_guard<std::mutex> lock(h->req->mu);
+    final = h->req->final;
+  }
+  // A final request is freed without waiting: on a NONE-mode endpoint UCX may still hold its
+  // RMA (a stalled same-host peer; FORCE close is not allowed there). The request's state lives
+  // on with those operations, and deregister_memory waits for them before unmapping, so the
+  // memory stays valid until the host deregisters it. A request released unfinished (a host
+  // bug) is cancelled first.
+  if (!final) Cancel(h);
   delete h;
 }
 

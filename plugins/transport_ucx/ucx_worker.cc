@@ -170,6 +170,7 @@ Worker::~Worker() {
   for (auto& [key, h] : inbound_) t_->host()->auth_end(t_->host()->host_ctx, h.auth);
   // ucp_worker_destroy completes what is still pending (OnDone runs): endpoints stay until then.
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  for (auto& ep : closing_) DestroyEndpoint(ep);
   closing_.clear();
   if (context_ != nullptr) ucp_cleanup(context_);
   if (cmdfd_ >= 0) close(cmdfd_);
@@ -317,18 +318,27 @@ void Worker::CheckPeerExited(Peer& peer) {
                           std::to_string(peer.address.pid) + ", same host) has exited";
   t_->Log(KVB_LOG_INFO, msg);
   if (peer.ep) {
-    // UCX 1.13 may never complete NONE-mode RMA to a process that is gone. With the process
-    // gone, nothing can land in our memory any more (a get's bytes come from it) and a put only
-    // reads ours, so the requests stop waiting for these operations.
-    for (Record* r : peer.ep->records) {
-      if (!r->slice || r->detached) continue;
-      r->detached = true;
-      std::lock_guard<std::mutex> lock(r->slice->req->mu);
-      if (--r->slice->req->in_ucx == 0) r->slice->req->cv.notify_all();
-    }
+    DetachRecords(*peer.ep);
     CloseEndpoint(peer, KVB_ERR_PEER_UNREACHABLE, msg, false);
   }
   FailQueue(peer, KVB_ERR_PEER_UNREACHABLE, msg);
+}
+
+void Worker::DetachRecords(Endpoint& ep) {
+  // UCX 1.13 may never complete NONE-mode RMA to a process that is gone. With the process
+  // gone, nothing can land in our memory any more (a get's bytes come from it) and a put only
+  // reads ours, so requests and deregistration stop waiting for these operations.
+  for (Record* r : ep.records) {
+    if (!r->slice || r->detached) continue;
+    r->detached = true;
+    std::lock_guard<std::mutex> lock(r->slice->req->mu);
+    if (--r->slice->req->in_ucx == 0) r->slice->req->cv.notify_all();
+  }
+}
+
+void Worker::DestroyEndpoint(std::unique_ptr<Endpoint>& ep) {
+  if (ep->pidfd >= 0) close(ep->pidfd);
+  ep.reset();
 }
 
 std::vector<std::shared_ptr<Request>> Worker::RemovePeer(Peer* peer) {
@@ -470,7 +480,12 @@ void Worker::ReapClosing() {
       ucp_request_free(ep.close_req);
       ep.close_req = nullptr;
     }
+    if (!ep.records.empty() && ep.pidfd >= 0) {
+      pollfd pfd{ep.pidfd, POLLIN, 0};
+      if (poll(&pfd, 1, 0) > 0) DetachRecords(ep);
+    }
     if (ep.close_started && ep.close_req == nullptr && ep.records.empty()) {
+      DestroyEndpoint(*it);
       it = closing_.erase(it);
     } else {
       ++it;
@@ -522,6 +537,7 @@ bool Worker::StartEndpoint(Peer& peer) {
   auto ep = std::make_unique<Endpoint>();
   ep->peer = &peer;
   ep->peer_mode = !peer.same_host;
+  if (!ep->peer_mode && peer.pidfd >= 0) ep->pidfd = dup(peer.pidfd);
   ucp_ep_params_t ep_params{};
   ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   ep_params.address = reinterpret_cast<const ucp_address_t*>(peer.address.worker_address.data());

@@ -57,6 +57,7 @@ struct Endpoint {
   uint64_t last_progress_ns = 0;
   uint64_t progress_timeout_ns = 0;  // smallest of the issued slices' requests
   ucs_status_t error = UCS_OK;       // set by the PEER-mode error handler
+  int pidfd = -1;                    // NONE mode: the peer process (a dup of the peer's)
   void* close_req = nullptr;         // ucp_ep_close_nbx's request while closing
   bool close_started = false;
 };
@@ -128,6 +129,9 @@ class Worker {
   void HandleAm(const AmMessage& m);
   void AckRevokes(Endpoint& ep);
   void CheckPeerExited(Peer& peer);
+  // The endpoint's peer process is gone: its RMA stops counting as touching request memory.
+  void DetachRecords(Endpoint& ep);
+  void DestroyEndpoint(std::unique_ptr<Endpoint>& ep);
   bool Busy() const;
 
   static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,

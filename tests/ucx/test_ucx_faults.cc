@@ -1,0 +1,331 @@
+// Multi-process fault tests of the ucx transport (docs/transports/ucx.md): peers killed, frozen,
+// restarted, refused, made to happen with real processes (tests/fault/peer_main.cc) and real
+// UCX. Each test runs in both endpoint modes: "same_host" (ucx.same_host=auto: NONE-mode
+// endpoints over shared memory and cma, liveness by pidfd) and "net" (ucx.same_host=off:
+// PEER-mode endpoints over tcp with UCX's error handling).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "core/descriptor.h"
+#include "kvbridge/engine.h"
+#include "tests/common/test_util.h"
+
+namespace kvbridge {
+namespace {
+
+using testing::Buffer;
+using testing::Must;
+using testing::PeerProcess;
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kPeerBytes = 64u << 20;
+constexpr uint32_t kProgressMs = 500;
+constexpr uint32_t kDeadlineMs = 5000;
+
+double MsSince(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+class UcxFaultTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  bool net() const { return GetParam() == "net"; }
+
+  void SetUp() override {
+    // The peers read the same setting from their environment (EngineOptions::FromEnv).
+    setenv("KVBRIDGE_UCX_SAME_HOST", net() ? "off" : "auto", 1);
+    EngineOptions o = EngineOptions::FromEnv();
+    o.node_id = "client";
+    o.transports = {"ucx"};
+    o.default_deadline_ms = kDeadlineMs;
+    o.progress_timeout_ms = kProgressMs;
+    o.plugin_config["ucx.progress_timeout_ms"] = std::to_string(kProgressMs);
+    o.plugin_config["ucx.connect_timeout_ms"] = "1000";
+    Configure(o);
+    auto e = TransferEngine::Create(o);
+    if (!e.ok()) GTEST_SKIP() << "ucx transport not usable here: " << e.status().ToString();
+    engine_ = std::move(e).value();
+    local_ = std::make_unique<Buffer>(kPeerBytes);
+    Must(engine_->RegisterMemory(local_->data(), local_->size()));
+  }
+  virtual void Configure(EngineOptions&) {}
+
+  std::unique_ptr<PeerProcess> StartPeer(const std::string& node, uint64_t seed,
+                                         std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"--node-id", node, "--transport", "ucx", "--size",
+                                     std::to_string(kPeerBytes), "--seed", std::to_string(seed)};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto p = PeerProcess::Start(args);
+    if (!p) ADD_FAILURE() << "could not start peer " << node;
+    return p;
+  }
+
+  // `peer` must outlive the op (TransferOp holds a view).
+  TransferOp Op(OpCode code, std::string_view peer, size_t off, size_t len) {
+    return TransferOp{code, local_->data() + off, len, peer, 1, off};  // the peer's one segment
+  }
+
+  Status TransferTimed(const std::vector<TransferOp>& ops, double* ms, uint32_t deadline_ms = 0,
+                       uint32_t progress_ms = 0) {
+    SubmitOptions so;
+    so.deadline_ms = deadline_ms;
+    so.progress_timeout_ms = progress_ms;
+    const auto t0 = Clock::now();
+    BatchResult r = engine_->Wait(Must(engine_->Submit(ops, so)));
+    *ms = MsSince(t0);
+    return r.status;
+  }
+
+  std::unique_ptr<TransferEngine> engine_;
+  std::unique_ptr<Buffer> local_;
+};
+
+// kill -9: PEER_UNREACHABLE within the progress timeout (same host: the pidfd; net: UCX's
+// error handler on the reset connection), never a hang, never a success.
+TEST_P(UcxFaultTest, KilledPeerIsUnreachableWithinTheProgressTimeout) {
+  auto peer = StartPeer("victim", 1);
+  ASSERT_TRUE(peer);
+  Must(engine_->AddPeer(peer->descriptor()));
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "victim", 0, 1 << 20)}).ok());
+  peer->Kill();
+  double ms = 0;
+  Status st = TransferTimed({Op(OpCode::kRead, "victim", 0, 4 << 20)}, &ms);
+  EXPECT_EQ(st.code(), StatusCode::kPeerUnreachable) << st.ToString();
+  EXPECT_LT(ms, kProgressMs + 300) << st.ToString();
+}
+
+// A transfer running while the peer is killed ends with a named code on time.
+TEST_P(UcxFaultTest, PeerKilledMidTransferFailsOnTime) {
+  auto peer = StartPeer("victim2", 1);
+  ASSERT_TRUE(peer);
+  Must(engine_->AddPeer(peer->descriptor()));
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "victim2", 0, 1 << 20)}).ok());
+  std::atomic<bool> stop{false};
+  std::vector<std::pair<StatusCode, double>> outcomes;
+  std::thread loader([&] {
+    while (!stop.load()) {
+      std::vector<TransferOp> ops;
+      for (int i = 0; i < 8; ++i) ops.push_back(Op(OpCode::kWrite, "victim2", i << 22, 4 << 20));
+      double ms = 0;
+      Status st = TransferTimed(ops, &ms);
+      outcomes.push_back({st.code(), ms});
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  peer->Kill();
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  stop = true;
+  loader.join();
+  int failed = 0;
+  for (auto [code, ms] : outcomes) {
+    if (code == StatusCode::kOk) continue;
+    ++failed;
+    EXPECT_TRUE(code == StatusCode::kPeerUnreachable || code == StatusCode::kProgressTimeout)
+        << StatusCodeName(code);
+    EXPECT_LT(ms, kProgressMs + 1000) << "a dead peer must fail in well under the deadline";
+  }
+  EXPECT_GT(failed, 0) << "the kill hit no batch (" << outcomes.size() << " batches)";
+}
+
+// SIGSTOP on a connected peer: UCX 1.13's RMA needs the target to progress in both modes (tcp's
+// software RMA; on the same host puts stay pending on the shared-memory lane), so the batch
+// fails PROGRESS_TIMEOUT long before its deadline. A healthy peer is served meanwhile at its
+// usual pace.
+TEST_P(UcxFaultTest, FrozenPeerEndsByTheDeadlineAndOthersAreUnaffected) {
+  auto healthy = StartPeer("healthy", 1);
+  auto frozen = StartPeer("frozen", 2);
+  ASSERT_TRUE(healthy && frozen);
+  Must(engine_->AddPeer(healthy->descriptor()));
+  Must(engine_->AddPeer(frozen->descriptor()));
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kWrite, "frozen", 0, 16 << 20)}).ok());
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kWrite, "healthy", 0, 1 << 20)}).ok());
+  frozen->Signal(SIGSTOP);  // returns once /proc shows the process stopped
+  std::atomic<bool> done{false};
+  Status frozen_st;
+  double frozen_ms = 0;
+  std::thread t([&] {
+    frozen_st = TransferTimed({Op(OpCode::kWrite, "frozen", 0, 32 << 20),
+                               Op(OpCode::kRead, "frozen", 32 << 20, 16 << 20)},
+                              &frozen_ms, 3000, kProgressMs);
+    done = true;
+  });
+  int healthy_ok = 0;
+  double worst_ms = 0;
+  for (int i = 0; i < 50; ++i) {
+    double ms = 0;
+    if (TransferTimed({Op(OpCode::kWrite, "healthy", 48 << 20, 65536)}, &ms).ok()) ++healthy_ok;
+    worst_ms = std::max(worst_ms, ms);
+  }
+  t.join();
+  frozen->Signal(SIGCONT);
+  EXPECT_EQ(healthy_ok, 50);
+  EXPECT_LT(worst_ms, 250) << "a healthy op waited behind the frozen peer";
+  EXPECT_LT(frozen_ms, 3000 + 300) << frozen_st.ToString();
+  EXPECT_EQ(frozen_st.code(), StatusCode::kProgressTimeout) << frozen_st.ToString();
+  EXPECT_LT(frozen_ms, 3 * kProgressMs) << "progress timeout, not the deadline";
+}
+
+// A frozen peer never answers the hello: PEER_UNREACHABLE after ucx.connect_timeout_ms, and
+// not one byte lands (the hello comes before any RMA).
+TEST_P(UcxFaultTest, FrozenPeerNeverHelloedIsUnreachableAndUntouched) {
+  auto peer = StartPeer("silent", 3);
+  ASSERT_TRUE(peer);
+  const std::string crc = peer->Command("CRC");
+  Must(engine_->AddPeer(peer->descriptor()));
+  peer->Signal(SIGSTOP);
+  local_->Fill(9, 0, 1 << 20);
+  double ms = 0;
+  Status st = TransferTimed({Op(OpCode::kWrite, "silent", 0, 1 << 20)}, &ms);
+  EXPECT_EQ(st.code(), StatusCode::kPeerUnreachable) << st.ToString();
+  EXPECT_GT(ms, 900);
+  EXPECT_LT(ms, 1000 + 400);
+  peer->Signal(SIGCONT);
+  EXPECT_EQ(peer->Command("CRC"), crc) << "bytes landed before the hello";
+}
+
+// The deadline ends a batch whose peer does nothing, long before the progress timeout.
+TEST_P(UcxFaultTest, DeadlineEndsTheBatchOnTime) {
+  auto peer = StartPeer("slow", 4);
+  ASSERT_TRUE(peer);
+  Must(engine_->AddPeer(peer->descriptor()));
+  peer->Signal(SIGSTOP);
+  double ms = 0;
+  Status st = TransferTimed({Op(OpCode::kRead, "slow", 0, 1 << 20)}, &ms, 300, 5000);
+  peer->Signal(SIGCONT);
+  EXPECT_EQ(st.code(), StatusCode::kDeadlineExceeded) << st.ToString();
+  EXPECT_GT(ms, 280);
+  EXPECT_LT(ms, 300 + 200);
+}
+
+// Cancel returns promptly and the buffer is the caller's again with RMA issued. Net: even to a
+// frozen peer (the PEER-mode endpoint is force-closed). Same host: to a live peer (a NONE-mode
+// endpoint may not be force-closed, so cancel waits for its issued slices; with the peer
+// frozen that wait lasts until it resumes or exits: docs/transports/ucx.md, known limits).
+TEST_P(UcxFaultTest, CancelReturnsPromptlyWithRmaIssued) {
+  auto peer = StartPeer("cancelled", 5);
+  ASSERT_TRUE(peer);
+  Must(engine_->AddPeer(peer->descriptor()));
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "cancelled", 0, 1 << 20)}).ok());
+  if (net()) peer->Signal(SIGSTOP);
+  SubmitOptions so;
+  so.deadline_ms = 20000;
+  so.progress_timeout_ms = 10000;
+  auto id = Must(engine_->Submit(std::vector{Op(OpCode::kRead, "cancelled", 0, 64 << 20)}, so));
+  std::this_thread::sleep_for(std::chrono::milliseconds(net() ? 100 : 5));  // slices issued
+  const auto t0 = Clock::now();
+  engine_->Cancel(id);
+  const double cancel_ms = MsSince(t0);
+  std::memset(local_->data(), 0xEE, 64 << 20);
+  BatchResult r = engine_->Wait(id);
+  if (net()) peer->Signal(SIGCONT);
+  EXPECT_LT(cancel_ms, 500) << "cancel blocked";
+  EXPECT_TRUE(r.status.ok() || r.status.code() == StatusCode::kCancelled) << r.status.ToString();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  for (size_t i = 0; i < (64u << 20); i += 4093) {
+    ASSERT_EQ(local_->data()[i], 0xEE) << "byte " << i << " written after Cancel returned";
+  }
+  // The peer is still usable afterwards (a fresh endpoint in net mode).
+  EXPECT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "cancelled", 0, 4096)}).ok());
+}
+
+// A peer restarted with a new incarnation, reached at the endpoints the client believes belong
+// to the old one: STALE_PEER, and not one byte lands in the new process.
+TEST_P(UcxFaultTest, RestartedPeerIsStaleAndNeverWritten) {
+  auto first = StartPeer("restarts", 6);
+  ASSERT_TRUE(first);
+  PeerId old_id = Must(engine_->AddPeer(first->descriptor()));
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kWrite, "restarts", 0, 1 << 20)}).ok());
+  first->Kill();
+  auto second = StartPeer("restarts", 7);
+  ASSERT_TRUE(second);
+  const std::string crc = second->Command("CRC");
+  // The second process's ucx endpoints and segments, under the first one's identity: what the
+  // client holds when an address it knows is answered by a restarted process.
+  core::Descriptor d = Must(core::DecodeDescriptor(second->descriptor()));
+  ASSERT_NE(d.incarnation, old_id.incarnation);
+  d.incarnation = old_id.incarnation;
+  AddPeerOptions apo;
+  apo.allow_endpoint_change = true;
+  Must(engine_->AddPeer(core::EncodeDescriptor(d), apo));
+  local_->Fill(60, 0, 1 << 20);
+  Status st = engine_->Transfer(std::vector{Op(OpCode::kWrite, "restarts", 0, 1 << 20)});
+  EXPECT_EQ(st.code(), StatusCode::kStalePeer) << st.ToString();
+  EXPECT_EQ(second->Command("CRC"), crc) << "bytes landed in the restarted process";
+  // With its real descriptor the write succeeds and lands.
+  Must(engine_->AddPeer(second->descriptor()));
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kWrite, "restarts", 0, 1 << 20)}).ok());
+  EXPECT_NE(second->Command("CRC"), crc);
+}
+
+// ucx.max_queued_bytes_per_peer: a post past it is BACKPRESSURE at once and queues nothing.
+class UcxBackpressureTest : public UcxFaultTest {
+  void Configure(EngineOptions& o) override {
+    o.plugin_config["ucx.max_queued_bytes_per_peer"] = std::to_string(1 << 20);
+    o.plugin_config["ucx.connect_timeout_ms"] = "3000";
+  }
+};
+
+TEST_P(UcxBackpressureTest, PostPastTheQueueBoundIsRefused) {
+  auto peer = StartPeer("bounded", 8);
+  ASSERT_TRUE(peer);
+  Must(engine_->AddPeer(peer->descriptor()));
+  peer->Signal(SIGSTOP);  // the hello stalls, so nothing drains
+  auto first = Must(engine_->Submit(std::vector{Op(OpCode::kWrite, "bounded", 0, 1 << 20)}));
+  const auto t0 = Clock::now();
+  BatchResult second =
+      engine_->Wait(Must(engine_->Submit(std::vector{Op(OpCode::kWrite, "bounded", 0, 4096)})));
+  EXPECT_EQ(second.status.code(), StatusCode::kBackpressure) << second.status.ToString();
+  EXPECT_LT(MsSince(t0), 100) << "backpressure must be immediate";
+  engine_->Cancel(first);
+  peer->Signal(SIGCONT);
+  engine_->Wait(first);
+  EXPECT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kWrite, "bounded", 0, 4096)}).ok());
+}
+
+// The engine checks bounds first; this proves the bytes next to the segment are untouched.
+TEST_P(UcxFaultTest, OutOfBoundsIsRefusedAndNothingLands) {
+  auto peer = StartPeer("bounds", 9);
+  ASSERT_TRUE(peer);
+  Must(engine_->AddPeer(peer->descriptor()));
+  const std::string crc = peer->Command("CRC");
+  auto id = Must(engine_->Submit(std::vector{
+      TransferOp{OpCode::kWrite, local_->data(), 8192, "bounds", 1, kPeerBytes - 4096}}));
+  BatchResult r = engine_->Wait(id);
+  EXPECT_EQ(r.status.code(), StatusCode::kOutOfBounds) << r.status.ToString();
+  EXPECT_EQ(peer->Command("CRC"), crc);
+}
+
+class UcxTokenTest : public UcxFaultTest {
+  void Configure(EngineOptions& o) override { o.cluster_token = "right-token"; }
+};
+
+// A peer holding another cluster token fails the hello: UNAUTHENTICATED, nothing written.
+TEST_P(UcxTokenTest, PeerWithWrongTokenIsRefused) {
+  auto peer = StartPeer("intruder", 10, {"--token", "wrong-token"});
+  ASSERT_TRUE(peer);
+  Must(engine_->AddPeer(peer->descriptor()));
+  const std::string crc = peer->Command("CRC");
+  local_->Fill(11, 0, 4096);
+  Status st = engine_->Transfer(std::vector{Op(OpCode::kWrite, "intruder", 0, 4096)});
+  EXPECT_EQ(st.code(), StatusCode::kUnauthenticated) << st.ToString();
+  EXPECT_EQ(peer->Command("CRC"), crc);
+  // The right token is accepted.
+  auto friendly = StartPeer("friend", 12, {"--token", "right-token"});
+  ASSERT_TRUE(friendly);
+  Must(engine_->AddPeer(friendly->descriptor()));
+  EXPECT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kWrite, "friend", 0, 4096)}).ok());
+}
+
+const auto kModes = ::testing::Values("same_host", "net");
+auto ModeName = [](const auto& info) { return info.param; };
+INSTANTIATE_TEST_SUITE_P(Modes, UcxFaultTest, kModes, ModeName);
+INSTANTIATE_TEST_SUITE_P(Modes, UcxBackpressureTest, kModes, ModeName);
+INSTANTIATE_TEST_SUITE_P(Modes, UcxTokenTest, kModes, ModeName);
+
+}  // namespace
+}  // namespace kvbridge
