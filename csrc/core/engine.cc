@@ -490,7 +490,11 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptio
   impl->registry.Scan(unique_dirs);
 
   std::map<std::string, std::string> config = options.plugin_config;
-  impl->host = std::make_unique<core::HostServices>(std::move(config));
+  // The host holds identity and token (ABI 1.2 services): transports authenticate peers through
+  // it and never see the token.
+  impl->host = std::make_unique<core::HostServices>(
+      std::move(config),
+      core::auth::Identity{impl->self.node_id, impl->self.incarnation, options.cluster_token});
 
   std::vector<std::pair<const core::PluginInfo*, bool>> chosen;  // (plugin, explicitly named)
   if (!options.transports.empty()) {
@@ -517,7 +521,8 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptio
         .node_id = impl->self.node_id.c_str(),
         .incarnation = impl->self.incarnation,
         .listen = options.listen.c_str(),
-        .cluster_token = options.cluster_token.c_str(),
+        // Deprecated: only plugins built for ABI 1.0/1.1 (no auth services) still get it.
+        .cluster_token = plugin->descriptor->abi_minor < 2 ? options.cluster_token.c_str() : nullptr,
     };
     char err[kErrLen] = {0};
     kvb_status_t st = slot->ops->create(impl->host->table(), &params, &slot->inst, err, kErrLen);
