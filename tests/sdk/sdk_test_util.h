@@ -14,6 +14,10 @@
 
 #include "kvbridge/plugin/abi.h"
 
+// Expects `needle` somewhere in `haystack`, printing the haystack when it is not.
+#define EXPECT_HAS(haystack, needle) \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
+
 namespace kvbridge::plugin::sdk::testing {
 
 struct LogLine {

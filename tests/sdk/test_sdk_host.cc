@@ -14,9 +14,6 @@ namespace {
 
 using testing::FakeHost;
 
-#define EXPECT_HAS(haystack, needle) \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
-
 TEST(SdkHost, LogsUnderThePluginsNameWithFormatting) {
   FakeHost fake;
   Host host(fake.table(), "myplug");

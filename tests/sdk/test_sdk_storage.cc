@@ -22,9 +22,6 @@ namespace {
 
 using testing::FakeHost;
 
-#define EXPECT_HAS(haystack, needle) \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
-
 struct Record {
   bool throw_usage = false;
   int puts = 0;

@@ -23,9 +23,6 @@ namespace {
 
 using testing::FakeHost;
 
-#define EXPECT_HAS(haystack, needle) \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
-
 // What the test transport saw, and which op should throw.
 struct Record {
   std::string throw_in;

@@ -464,12 +464,98 @@ kvb_status_t Probe(char* reason, uint32_t reason_len) noexcept {
   }
 }
 
+// The descriptor of class P: its name, version and the kind's caps and ops table.
+template <typename P>
+constexpr kvb_plugin_descriptor_t Descriptor(int32_t kind, uint64_t caps, const void* ops) {
+  return kvb_plugin_descriptor_t{
+      .struct_size = sizeof(kvb_plugin_descriptor_t),
+      .abi_major = KVB_ABI_MAJOR,
+      .abi_minor = KVB_ABI_MINOR,
+      .name = P::kName,
+      .version = P::kVersion,
+      .kind = kind,
+      .reserved = 0,
+      .caps = caps,
+      .probe = Probe<P>,
+      .ops = ops,
+  };
+}
+
+// An ops-table slot: the real trampoline `real` when `cond` holds, else the ABI's `stub`. (A
+// macro, since the real one may be named only where it compiles: inside the if constexpr.)
+#define KVB_SDK_SLOT(cond, real, stub) \
+  [] {                                 \
+    if constexpr (cond) {              \
+      return &real;                    \
+    } else {                           \
+      return &stub;                    \
+    }                                  \
+  }()
+
+// The exported kvb_plugin_query of KVB_TRANSPORT_PLUGIN / KVB_STORAGE_PLUGIN, answered by
+// sdk::<query><Class>.
+#define KVB_SDK_EXPORT_QUERY(query, Class)                                        \
+  extern "C" KVB_PLUGIN_EXPORT const kvb_plugin_descriptor_t* kvb_plugin_query(   \
+      uint16_t host_abi_major, uint16_t host_abi_minor) {                         \
+    return ::kvbridge::plugin::sdk::query<Class>(host_abi_major, host_abi_minor); \
+  }
+
 // What the handle the host holds points at: the plugin object and its Host.
 template <typename P>
 struct Instance {
   Host host;
   std::unique_ptr<P> impl;
 };
+
+// For ops without an err buffer: a failure's message goes to the log at debug level; returns
+// the code.
+inline kvb_status_t Logged(const Host& host, const char* op, const Status& st) {
+  if (!st.ok() && !st.message().empty()) {
+    host.Log(KVB_LOG_DEBUG, "%s: %s", op, st.message().c_str());
+  }
+  return st.code();
+}
+
+// "<plugin>: <op>: <what> is NULL", INVALID_ARGUMENT.
+inline Status NullArgument(const char* plugin, const char* op, const char* what) {
+  return Status(KVB_ERR_INVALID_ARGUMENT,
+                std::string(plugin) + ": " + op + ": " + what + " is NULL");
+}
+
+// The create op of either kind: make(host) runs the class's Create; on success the host's
+// handle (Handle*: kvb_transport_t or kvb_storage_t) points at a new Instance<P>.
+template <typename P, typename Handle, typename Make>
+kvb_status_t CreateInstance(const kvb_host_services_t* services, bool params_ok, Handle** out,
+                            char* err, uint32_t err_len, Make&& make) {
+  Host host(services, P::kName);
+  return Guard(host, "create", err, err_len, [&]() -> kvb_status_t {
+    if (!params_ok || out == nullptr) {
+      return NullArgument(P::kName, "create", "params or out").ToAbi(err, err_len);
+    }
+    Result<std::unique_ptr<P>> made = make(host);
+    if (!made.ok()) return made.status().ToAbi(err, err_len);
+    if (*made == nullptr) {
+      return Status(KVB_ERR_INTERNAL, std::string(P::kName) + ": Create returned no instance")
+          .ToAbi(err, err_len);
+    }
+    auto inst = std::make_unique<Instance<P>>(Instance<P>{host, std::move(*made)});
+    *out = reinterpret_cast<Handle*>(inst.release());
+    kvb_copy_message(err, err_len, "");
+    return KVB_OK;
+  });
+}
+
+// The destroy op of either kind: deletes the Instance<P> (and so the class instance).
+template <typename P, typename Handle>
+void DestroyInstance(Handle* h) {
+  if (h == nullptr) return;
+  auto* inst = reinterpret_cast<Instance<P>*>(h);
+  const Host host = inst->host;
+  Guard(host, "destroy", nullptr, 0, [&] {
+    delete inst;
+    return KVB_OK;
+  });
+}
 
 // Checks shared by both kinds, as compile errors that name what is missing.
 template <typename P>

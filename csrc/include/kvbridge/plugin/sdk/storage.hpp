@@ -197,51 +197,24 @@ struct StorageGlue {
   static Inst& I(kvb_storage_t* s) { return *reinterpret_cast<Inst*>(s); }
 
   static Status NullArgument(const char* op, const char* what) {
-    return Status(KVB_ERR_INVALID_ARGUMENT,
-                  std::string(P::kName) + ": " + op + ": " + what + " is NULL");
+    return detail::NullArgument(P::kName, op, what);
   }
 
-  // For ops without an err buffer: a failure's message goes to the log at debug level.
-  static kvb_status_t Logged(kvb_storage_t* s, const char* op, const Status& st) {
-    if (!st.ok() && !st.message().empty())
-      I(s).host.Log(KVB_LOG_DEBUG, "%s: %s", op, st.message().c_str());
-    return st.code();
-  }
-
+  // Runs an op without an err buffer: Guard, and a failure's message to the log.
   template <typename Fn>
   static kvb_status_t Run(kvb_storage_t* s, const char* op, Fn&& fn) {
-    return Guard(I(s).host, op, nullptr, 0, [&] { return Logged(s, op, fn()); });
+    return Guard(I(s).host, op, nullptr, 0, [&] { return Logged(I(s).host, op, fn()); });
   }
 
   static kvb_status_t Create(const kvb_host_services_t* services,
                              const kvb_storage_params_t* params, kvb_storage_t** out, char* err,
                              uint32_t err_len) {
-    Host host(services, P::kName);
-    return Guard(host, "create", err, err_len, [&]() -> kvb_status_t {
-      if (params == nullptr || out == nullptr)
-        return NullArgument("create", "params or out").ToAbi(err, err_len);
-      Result<std::unique_ptr<P>> made = P::Create(host, StorageParams::From(params));
-      if (!made.ok()) return made.status().ToAbi(err, err_len);
-      if (*made == nullptr) {
-        return Status(KVB_ERR_INTERNAL, std::string(P::kName) + ": Create returned no instance")
-            .ToAbi(err, err_len);
-      }
-      auto inst = std::make_unique<Inst>(Inst{host, std::move(*made)});
-      *out = reinterpret_cast<kvb_storage_t*>(inst.release());
-      kvb_copy_message(err, err_len, "");
-      return KVB_OK;
+    return CreateInstance<P>(services, params != nullptr, out, err, err_len, [&](Host host) {
+      return P::Create(host, StorageParams::From(params));
     });
   }
 
-  static void Destroy(kvb_storage_t* s) {
-    if (s == nullptr) return;
-    Inst* inst = &I(s);
-    const Host host = inst->host;
-    Guard(host, "destroy", nullptr, 0, [&] {
-      delete inst;
-      return KVB_OK;
-    });
-  }
+  static void Destroy(kvb_storage_t* s) { DestroyInstance<P>(s); }
 
   static kvb_status_t Usage(kvb_storage_t* s, kvb_storage_usage_t* out) {
     return Run(s, "usage", [&]() -> Status {
@@ -356,17 +329,6 @@ struct StorageGlue {
            (Persistent<P>() ? KVB_SCAP_PERSISTENT : 0);
   }
 
-  // The real trampoline when the class offers the shape, else the ABI's stub. (A macro, since
-  // the real one may be named only where it compiles: inside the if constexpr.)
-#define KVB_SDK_SLOT(cond, real, stub) \
-  [] {                                 \
-    if constexpr (cond) {              \
-      return &real;                    \
-    } else {                           \
-      return &stub;                    \
-    }                                  \
-  }()
-
   static constexpr bool kMeta = kObjects<P> && HasPutMeta<P>;
 
   static constexpr kvb_storage_ops_t kOps = {
@@ -384,20 +346,9 @@ struct StorageGlue {
       .put_meta = KVB_SDK_SLOT(kMeta, PutMeta, kvb_storage_put_meta_unsupported),
       .for_each_meta = KVB_SDK_SLOT(kMeta, ForEachMeta, kvb_storage_for_each_meta_unsupported),
   };
-#undef KVB_SDK_SLOT
 
-  static constexpr kvb_plugin_descriptor_t kDescriptor = {
-      .struct_size = sizeof(kvb_plugin_descriptor_t),
-      .abi_major = KVB_ABI_MAJOR,
-      .abi_minor = KVB_ABI_MINOR,
-      .name = P::kName,
-      .version = P::kVersion,
-      .kind = KVB_PLUGIN_STORAGE,
-      .reserved = 0,
-      .caps = Caps(),
-      .probe = detail::Probe<P>,
-      .ops = &kOps,
-  };
+  static constexpr kvb_plugin_descriptor_t kDescriptor =
+      Descriptor<P>(KVB_PLUGIN_STORAGE, Caps(), &kOps);
 };
 
 }  // namespace detail
@@ -414,8 +365,4 @@ const kvb_plugin_descriptor_t* StoragePluginQuery(uint16_t host_abi_major,
 }  // namespace kvbridge::plugin::sdk
 
 // Exports kvb_plugin_query for storage class `Class`. Use once per plugin, at file scope.
-#define KVB_STORAGE_PLUGIN(Class)                                                              \
-  extern "C" KVB_PLUGIN_EXPORT const kvb_plugin_descriptor_t* kvb_plugin_query(                \
-      uint16_t host_abi_major, uint16_t host_abi_minor) {                                      \
-    return ::kvbridge::plugin::sdk::StoragePluginQuery<Class>(host_abi_major, host_abi_minor); \
-  }
+#define KVB_STORAGE_PLUGIN(Class) KVB_SDK_EXPORT_QUERY(StoragePluginQuery, Class)

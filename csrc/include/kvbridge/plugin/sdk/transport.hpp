@@ -360,35 +360,11 @@ struct TransportGlue {
   static kvb_status_t Create(const kvb_host_services_t* services,
                              const kvb_transport_params_t* params, kvb_transport_t** out, char* err,
                              uint32_t err_len) {
-    Host host(services, P::kName);
-    return Guard(host, "create", err, err_len, [&]() -> kvb_status_t {
-      if (params == nullptr || out == nullptr) {
-        return Status(KVB_ERR_INVALID_ARGUMENT,
-                      std::string(P::kName) + ": create: params or out is NULL")
-            .ToAbi(err, err_len);
-      }
-      Result<std::unique_ptr<P>> made = P::Create(host, *params);
-      if (!made.ok()) return made.status().ToAbi(err, err_len);
-      if (*made == nullptr) {
-        return Status(KVB_ERR_INTERNAL, std::string(P::kName) + ": Create returned no instance")
-            .ToAbi(err, err_len);
-      }
-      auto inst = std::make_unique<Inst>(Inst{host, std::move(*made)});
-      *out = reinterpret_cast<kvb_transport_t*>(inst.release());
-      kvb_copy_message(err, err_len, "");
-      return KVB_OK;
-    });
+    return CreateInstance<P>(services, params != nullptr, out, err, err_len,
+                             [&](Host host) { return P::Create(host, *params); });
   }
 
-  static void Destroy(kvb_transport_t* t) {
-    if (t == nullptr) return;
-    Inst* inst = &I(t);
-    const Host host = inst->host;
-    Guard(host, "destroy", nullptr, 0, [&] {
-      delete inst;
-      return KVB_OK;
-    });
-  }
+  static void Destroy(kvb_transport_t* t) { DestroyInstance<P>(t); }
 
   static int32_t GetEndpoints(kvb_transport_t* t, char* buf, uint32_t buf_len) {
     int32_t n = -2;
@@ -408,13 +384,14 @@ struct TransportGlue {
     return Guard(I(t).host, "register_memory", nullptr, 0, [&]() -> kvb_status_t {
       if (region == nullptr) return KVB_ERR_INVALID_ARGUMENT;
       RkeyBuffer key(rkey, rkey_cap, rkey_len);
-      return Logged(t, "register_memory", I(t).impl->RegisterMemory(Region::From(region), key));
+      return Logged(I(t).host, "register_memory",
+                    I(t).impl->RegisterMemory(Region::From(region), key));
     });
   }
 
   static kvb_status_t DeregisterMemory(kvb_transport_t* t, uint64_t segment_id) {
     return Guard(I(t).host, "deregister_memory", nullptr, 0, [&] {
-      return Logged(t, "deregister_memory", I(t).impl->DeregisterMemory(segment_id));
+      return Logged(I(t).host, "deregister_memory", I(t).impl->DeregisterMemory(segment_id));
     });
   }
 
@@ -422,9 +399,7 @@ struct TransportGlue {
                               char* err, uint32_t err_len) {
     return Guard(I(t).host, "add_peer", err, err_len, [&]() -> kvb_status_t {
       if (info == nullptr || out == nullptr) {
-        return Status(KVB_ERR_INVALID_ARGUMENT,
-                      std::string(P::kName) + ": add_peer: info or out is NULL")
-            .ToAbi(err, err_len);
+        return NullArgument(P::kName, "add_peer", "info or out").ToAbi(err, err_len);
       }
       Result<PeerT*> peer = I(t).impl->AddPeer(PeerInfo::From(info));
       if (!peer.ok()) return peer.status().ToAbi(err, err_len);
@@ -438,9 +413,7 @@ struct TransportGlue {
                                  char* err, uint32_t err_len) {
     return Guard(I(t).host, "update_peer", err, err_len, [&]() -> kvb_status_t {
       if (info == nullptr) {
-        return Status(KVB_ERR_INVALID_ARGUMENT,
-                      std::string(P::kName) + ": update_peer: info is NULL")
-            .ToAbi(err, err_len);
+        return NullArgument(P::kName, "update_peer", "info").ToAbi(err, err_len);
       }
       return Status(I(t).impl->UpdatePeer(reinterpret_cast<PeerT*>(peer), PeerInfo::From(info)))
           .ToAbi(err, err_len);
@@ -459,9 +432,7 @@ struct TransportGlue {
                            kvb_treq_t** out, char* err, uint32_t err_len) {
     return Guard(I(t).host, "post", err, err_len, [&]() -> kvb_status_t {
       if (out == nullptr || (ops == nullptr && count != 0)) {
-        return Status(KVB_ERR_INVALID_ARGUMENT,
-                      std::string(P::kName) + ": post: ops or out is NULL")
-            .ToAbi(err, err_len);
+        return NullArgument(P::kName, "post", "ops or out").ToAbi(err, err_len);
       }
       Result<RequestT*> req = I(t).impl->Post(reinterpret_cast<PeerT*>(peer),
                                               Ops(ops, count, op_size), PostOptions::From(opts));
@@ -502,17 +473,9 @@ struct TransportGlue {
       kvb_transport_stats_t full{};
       full.struct_size = sizeof(full);
       const Status st = I(t).impl->Stats(full);
-      if (!st.ok()) return Logged(t, "get_stats", st);
+      if (!st.ok()) return Logged(I(t).host, "get_stats", st);
       return CopyVersioned(stats, full);
     });
-  }
-
-  // For ops without an err buffer: a failure's message goes to the log at debug level.
-  static kvb_status_t Logged(kvb_transport_t* t, const char* op, const Status& st) {
-    if (!st.ok() && !st.message().empty()) {
-      I(t).host.Log(KVB_LOG_DEBUG, "%s: %s", op, st.message().c_str());
-    }
-    return st.code();
   }
 
   static constexpr uint64_t Caps() {
@@ -533,28 +496,11 @@ struct TransportGlue {
       .poll = Poll,
       .cancel = Cancel,
       .release = Release,
-      .get_stats =
-          [] {
-            if constexpr (HasTransportStats<P>) {
-              return &GetStats;
-            } else {
-              return &kvb_transport_stats_unsupported;
-            }
-          }(),
+      .get_stats = KVB_SDK_SLOT(HasTransportStats<P>, GetStats, kvb_transport_stats_unsupported),
   };
 
-  static constexpr kvb_plugin_descriptor_t kDescriptor = {
-      .struct_size = sizeof(kvb_plugin_descriptor_t),
-      .abi_major = KVB_ABI_MAJOR,
-      .abi_minor = KVB_ABI_MINOR,
-      .name = P::kName,
-      .version = P::kVersion,
-      .kind = KVB_PLUGIN_TRANSPORT,
-      .reserved = 0,
-      .caps = Caps(),
-      .probe = detail::Probe<P>,
-      .ops = &kOps,
-  };
+  static constexpr kvb_plugin_descriptor_t kDescriptor =
+      Descriptor<P>(KVB_PLUGIN_TRANSPORT, Caps(), &kOps);
 };
 
 }  // namespace detail
@@ -572,8 +518,4 @@ const kvb_plugin_descriptor_t* TransportPluginQuery(uint16_t host_abi_major,
 }  // namespace kvbridge::plugin::sdk
 
 // Exports kvb_plugin_query for transport class `Class`. Use once per plugin, at file scope.
-#define KVB_TRANSPORT_PLUGIN(Class)                                                              \
-  extern "C" KVB_PLUGIN_EXPORT const kvb_plugin_descriptor_t* kvb_plugin_query(                  \
-      uint16_t host_abi_major, uint16_t host_abi_minor) {                                        \
-    return ::kvbridge::plugin::sdk::TransportPluginQuery<Class>(host_abi_major, host_abi_minor); \
-  }
+#define KVB_TRANSPORT_PLUGIN(Class) KVB_SDK_EXPORT_QUERY(TransportPluginQuery, Class)
