@@ -21,6 +21,9 @@ class TcpPlugin {
   static constexpr const char* kName = "tcp";
   static constexpr const char* kVersion = "0.1.0";
   static constexpr uint64_t kCaps = KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM;
+  // The handshake is the host's (ABI 1.2 identity and auth services): an older host is refused
+  // at load time, naming both versions.
+  static constexpr uint16_t kMinHostMinor = 2;
   using Peer = kvbridge::tcp::Peer;
   using Request = kvbridge::tcp::RequestHandle;
 
