@@ -1,5 +1,6 @@
 #include "core/storage_instance.h"
 
+#include <cstring>
 #include <utility>
 
 #include "core/host_services.h"
@@ -66,10 +67,14 @@ Result<std::unique_ptr<StorageInstance>> StorageInstance::Create(
                               .on_evict = s->on_evict_ ? &StorageInstance::OnEvict : nullptr,
                               .on_evict_user = s->on_evict_ ? s.get() : nullptr};
   if (config.params_struct_size != 0 && config.params_struct_size < sizeof(params)) {
+    // As an older host: what lies beyond struct_size is garbage the plugin must not read.
     params.struct_size = config.params_struct_size;
+    std::memset(reinterpret_cast<char*>(&params) + params.struct_size, 0xab,
+                sizeof(params) - params.struct_size);
   }
   char err[kErrLen] = {0};
   kvb_status_t st = ops->create(services, &params, &s->inst_, err, kErrLen);
+  err[kErrLen - 1] = '\0';  // a plugin that did not terminate its message
   if (st != KVB_OK) {
     s->inst_ = nullptr;
     return Status::FromAbi(st, err).WithContext("storage plugin '" + plugin.name + "'");

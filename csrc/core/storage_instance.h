@@ -42,7 +42,8 @@ struct StorageConfig {
   uint64_t require_caps = 0;
   bool require_meta = false;
   // For plugin tests: the struct_size the params are handed with, to act as an older host
-  // (e.g. ABI 1.0's, which ends at `path`). 0 or more than this host's size: this host's.
+  // (e.g. ABI 1.0's, which ends at `path`; the bytes past it are garbage then). 0 or more than
+  // this host's size: this host's.
   uint32_t params_struct_size = 0;
 };
 

@@ -12,8 +12,12 @@ namespace {
 constexpr uint32_t kErrLen = 512;
 constexpr uint32_t kEndpointsLen = 4096;
 
-// The plugin's status with the message it wrote into its error buffer (may be empty).
-Status FromPlugin(kvb_status_t st, const char* err) { return Status::FromAbi(st, err); }
+// The plugin's status with the message it wrote into its error buffer (may be empty; one it
+// did not NUL-terminate is cut at the buffer's end).
+Status FromPlugin(kvb_status_t st, char (&err)[kErrLen]) {
+  err[kErrLen - 1] = '\0';
+  return Status::FromAbi(st, err);
+}
 
 // kvb_peer_info_t over a PeerView: the strings it points to are copied so they are
 // NUL-terminated, and live as long as this object.
@@ -79,7 +83,7 @@ Result<std::unique_ptr<TransportInstance>> TransportInstance::Create(
   kvb_status_t st = ops->create(services, &params, &t->inst_, err, kErrLen);
   if (st != KVB_OK) {
     t->inst_ = nullptr;
-    return Status::FromAbi(st, err).WithContext("transport '" + plugin.name + "' (" + plugin.path +
+    return FromPlugin(st, err).WithContext("transport '" + plugin.name + "' (" + plugin.path +
                                                 ") failed to start");
   }
   char ep[kEndpointsLen];
