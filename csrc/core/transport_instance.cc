@@ -84,7 +84,7 @@ Result<std::unique_ptr<TransportInstance>> TransportInstance::Create(
   if (st != KVB_OK) {
     t->inst_ = nullptr;
     return FromPlugin(st, err).WithContext("transport '" + plugin.name + "' (" + plugin.path +
-                                                ") failed to start");
+                                           ") failed to start");
   }
   char ep[kEndpointsLen];
   int32_t n = ops->get_endpoints(t->inst_, ep, sizeof(ep));
@@ -123,8 +123,8 @@ Result<std::string> TransportInstance::RegisterMemory(uint64_t segment_id, void*
 
 Status TransportInstance::DeregisterMemory(uint64_t segment_id) {
   kvb_status_t st = ops_->deregister_memory(inst_, segment_id);
-  return Status::FromAbi(st, "transport '" + name_ + "' failed to deregister segment " +
-                                 std::to_string(segment_id));
+  return Status::FromAbi(
+      st, "transport '" + name_ + "' failed to deregister segment " + std::to_string(segment_id));
 }
 
 Result<std::unique_ptr<TransportInstance::Peer>> TransportInstance::AddPeer(const PeerView& peer) {

@@ -60,8 +60,8 @@ class TransportInstance {
     std::span<const PeerSegment> segments;
   };
   struct PostOptions {
-    uint64_t deadline_ns = 0;          // absolute, util::MonoNs; 0 = none
-    uint64_t progress_timeout_ns = 0;  // 0 = the transport's default
+    uint64_t deadline_ns = 0;                   // absolute, util::MonoNs; 0 = none
+    uint64_t progress_timeout_ns = 0;           // 0 = the transport's default
     void (*on_complete)(void* user) = nullptr;  // see kvb_post_opts_t
     void* user = nullptr;
   };
@@ -74,9 +74,9 @@ class TransportInstance {
 
   // Creates an instance of `plugin` (a loaded transport). Errors: the plugin's create() status
   // and message, in context "transport '<name>' (<path>) failed to start".
-  static Result<std::unique_ptr<TransportInstance>> Create(std::shared_ptr<const void> library_owner,
-                                                           const PluginInfo& plugin,
-                                                           const TransportConfig& config);
+  static Result<std::unique_ptr<TransportInstance>> Create(
+      std::shared_ptr<const void> library_owner, const PluginInfo& plugin,
+      const TransportConfig& config);
   ~TransportInstance();
   TransportInstance(const TransportInstance&) = delete;
   TransportInstance& operator=(const TransportInstance&) = delete;
