@@ -28,13 +28,14 @@
 #include <vector>
 
 #include "core/host_services.h"
-#include "core/plugin_loader.h"
+#include "core/plugin_host.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using kvbridge::core::HostServices;
-using kvbridge::core::PluginRegistry;
+using kvbridge::core::PluginHost;
+using kvbridge::core::StorageInstance;
 
 constexpr uint64_t kMiB = 1u << 20;
 
@@ -148,22 +149,6 @@ Rates Baseline(const Args& a, uint64_t size, uint64_t n, const std::vector<uint8
   return r;
 }
 
-class Plugin {
- public:
-  Plugin() {
-    registry_.Scan({KVBRIDGE_PLUGIN_BUILD_DIR});
-    std::string why;
-    const auto* info = registry_.Find(KVB_PLUGIN_STORAGE, "ssd", &why);
-    if (info == nullptr) Die("no ssd plugin: " + why);
-    ops_ = info->storage_ops();
-  }
-  const kvb_storage_ops_t* ops() const { return ops_; }
-
- private:
-  PluginRegistry registry_;
-  const kvb_storage_ops_t* ops_ = nullptr;
-};
-
 // Host services that pass log lines to stderr and keep the "ready" line.
 struct BenchHost {
   explicit BenchHost(std::map<std::string, std::string> config) : inner(std::move(config)) {
@@ -194,20 +179,20 @@ struct BenchHost {
 };
 
 // n puts of `size` bytes through the plugin, then n gets; returns the times.
-Rates ThroughPlugin(const Args& a, const Plugin& plugin, uint64_t size, uint64_t n,
+Rates ThroughPlugin(const Args& a, PluginHost& plugins, uint64_t size, uint64_t n,
                     const std::vector<uint8_t*>& src, const std::vector<uint8_t*>& dst,
                     std::string* io_line) {
   const std::string dir = a.dir + "/store";
   fs::remove_all(dir);
   BenchHost host({{"ssd.io", a.io}});
-  kvb_storage_params_t p{};
-  p.struct_size = sizeof(p);
-  p.node_id = "bench";
-  p.capacity_bytes = n * (size + 8192) + 1024 * kMiB;
-  p.path = dir.c_str();
-  kvb_storage_t* s = nullptr;
-  char err[512] = {0};
-  if (plugin.ops()->create(&host.table, &p, &s, err, sizeof(err)) != KVB_OK) Die(err);
+  kvbridge::core::StorageConfig config;
+  config.node_id = "bench";
+  config.capacity_bytes = n * (size + 8192) + 1024 * kMiB;
+  config.path = dir;
+  config.services = &host.table;
+  auto created = plugins.CreateStorage("ssd", config);
+  if (!created.ok()) Die(created.status().ToString());
+  std::unique_ptr<StorageInstance> s = std::move(created).value();
   {
     std::lock_guard<std::mutex> lk(host.mu);
     const size_t at = host.ready.find(" O_DIRECT, ");
@@ -220,23 +205,21 @@ Rates ThroughPlugin(const Args& a, const Plugin& plugin, uint64_t size, uint64_t
   r.write_s = Parallel(a.threads, n, [&](int t, uint64_t i) {
     const std::string k = key(i);
     kvb_iovec_t iov{src[t], size};
-    const kvb_status_t st = plugin.ops()->put(s, reinterpret_cast<const uint8_t*>(k.data()),
-                                              static_cast<uint32_t>(k.size()), &iov, 1);
-    if (st != KVB_OK) Die("put " + k + " failed: status " + std::to_string(st));
+    const kvbridge::Status st = s->Put(k, {&iov, 1});
+    if (!st.ok()) Die("put " + k + " failed: " + st.ToString());
   });
   r.read_s = Parallel(a.threads, n, [&](int t, uint64_t i) {
     const std::string k = key(i);
     kvb_iovec_t iov{dst[t], size};
     uint64_t length = 0;
-    const kvb_status_t st = plugin.ops()->get(s, reinterpret_cast<const uint8_t*>(k.data()),
-                                              static_cast<uint32_t>(k.size()), &iov, 1, &length);
-    if (st != KVB_OK || length != size) Die("get " + k + " failed: status " + std::to_string(st));
+    const kvbridge::Status st = s->Get(k, {&iov, 1}, &length);
+    if (!st.ok() || length != size) Die("get " + k + " failed: " + st.ToString());
     if (std::memcmp(dst[t], src[t], 64) != 0 ||
         std::memcmp(dst[t] + size - 64, src[t] + size - 64, 64) != 0) {
       Die("get " + k + " returned other bytes");
     }
   });
-  plugin.ops()->destroy(s);
+  s.reset();
   fs::remove_all(dir);
   return r;
 }
@@ -296,7 +279,7 @@ int main(int argc, char** argv) {
                a.dir.c_str(), fs_name.c_str(), a.threads,
                static_cast<unsigned long long>(a.mib_per_size), a.rounds, a.quick ? ", quick" : "");
 
-  Plugin plugin;
+  std::shared_ptr<PluginHost> plugins = PluginHost::Acquire({KVBRIDGE_PLUGIN_BUILD_DIR});
   std::string items, io_line;
   double value = 0, baseline = 0, w_sum = 0, bw_sum = 0, r_sum = 0, br_sum = 0;
   int headline_n = 0;
@@ -308,7 +291,7 @@ int main(int argc, char** argv) {
     for (int round = 0; round < a.rounds; ++round) {
       // Alternate the two sides so that drift of the device hits both alike.
       const Rates b = Baseline(a, size, n, src, dst);
-      const Rates p = ThroughPlugin(a, plugin, size, n, src, dst, &io_line);
+      const Rates p = ThroughPlugin(a, *plugins, size, n, src, dst, &io_line);
       bw.push_back(b.write_s);
       br.push_back(b.read_s);
       pw.push_back(p.write_s);

@@ -17,8 +17,9 @@
 #include "core/circuit_breaker.h"
 #include "core/descriptor.h"
 #include "core/handshake.h"
-#include "core/host_services.h"
+#include "core/plugin_host.h"
 #include "core/plugin_loader.h"
+#include "core/transport_instance.h"
 #include "util/clock.h"
 #include "util/logging.h"
 
@@ -28,6 +29,7 @@ using core::CircuitBreaker;
 using core::Descriptor;
 using core::PluginRegistry;
 using core::SegmentDesc;
+using core::TransportInstance;
 
 std::string PeerId::ToString() const {
   char buf[32];
@@ -37,18 +39,8 @@ std::string PeerId::ToString() const {
 
 namespace {
 
-constexpr uint32_t kErrLen = 512;
 constexpr size_t kWaitSlots = 64;
 constexpr size_t kReapedIdsKept = 4096;  // ids of reaped batches remembered for Poll's answer
-
-// One instance of a transport plugin.
-struct TransportSlot {
-  std::string name;
-  uint64_t caps = 0;
-  const kvb_transport_ops_t* ops = nullptr;
-  kvb_transport_t* inst = nullptr;
-  std::string endpoints;
-};
 
 struct LocalRegion {
   SegmentId id = 0;
@@ -65,19 +57,16 @@ using SegmentMap = std::unordered_map<uint64_t, SegmentDesc>;
 // lives until the last batch using it is collected.
 struct PeerRecord {
   PeerId id;
-  TransportSlot* transport = nullptr;
-  kvb_tpeer_t* tpeer = nullptr;
+  TransportInstance* transport = nullptr;
+  std::unique_ptr<TransportInstance::Peer> tpeer;  // remove_peer when the record dies
   std::string endpoints;  // where the transport reaches it (from its descriptor; under peers_mu)
   std::shared_ptr<const SegmentMap> segments;  // replaced wholesale on update (under peers_mu)
   CircuitBreaker breaker;
   std::atomic<bool> stale{false};
   std::atomic<uint64_t> fast_failed{0};
 
-  PeerRecord(PeerId pid, TransportSlot* t, const CircuitBreaker::Config& cfg)
+  PeerRecord(PeerId pid, TransportInstance* t, const CircuitBreaker::Config& cfg)
       : id(std::move(pid)), transport(t), breaker(cfg) {}
-  ~PeerRecord() {
-    if (tpeer != nullptr) transport->ops->remove_peer(transport->inst, tpeer);
-  }
 };
 
 // Completion notifications land here; the slot outlives every transport, so a late
@@ -99,7 +88,8 @@ void OnTransportComplete(void* user) {
 
 struct SubRequest {
   std::shared_ptr<PeerRecord> peer;
-  kvb_treq_t* req = nullptr;
+  // Released (cancelled first if not final) when reset or destroyed, before `peer` dies.
+  std::unique_ptr<TransportInstance::Request> req;
   std::vector<uint32_t> op_index;
   bool final = false;
   bool cancelled_by_deadline = false;
@@ -144,9 +134,8 @@ bool IsPeerFailure(kvb_status_t code) {
 struct TransferEngine::Impl {
   EngineOptions options;
   PeerId self;
-  PluginRegistry registry;
-  std::unique_ptr<core::HostServices> host;
-  std::vector<std::unique_ptr<TransportSlot>> transports;
+  std::shared_ptr<core::PluginHost> plugins;  // shared with the process's other users
+  std::vector<std::unique_ptr<TransportInstance>> transports;
   CircuitBreaker::Config breaker_config;
 
   std::mutex admin_mu;  // serializes Register/Deregister (calls into plugins, never data path)
@@ -170,7 +159,7 @@ struct TransferEngine::Impl {
   std::unique_ptr<core::RequestServer> handshake;
 
   ~Impl();
-  TransportSlot* FindTransport(std::string_view name) const;
+  TransportInstance* FindTransport(std::string_view name) const;
   // Local region containing [addr, addr+len), or nullptr. Caller holds regions_mu.
   const LocalRegion* FindLocal(uintptr_t addr, uint64_t len) const;
   std::shared_ptr<Batch> FindBatch(BatchId id);
@@ -201,25 +190,16 @@ TransferEngine::Impl::~Impl() {
   }
   for (auto& [id, b] : left) {
     std::lock_guard<std::mutex> lock(b->mu);
-    for (auto& s : b->subs) {
-      if (s.req == nullptr) continue;
-      s.peer->transport->ops->cancel(s.peer->transport->inst, s.req);
-      s.peer->transport->ops->release(s.peer->transport->inst, s.req);
-      s.req = nullptr;
-    }
-    b->subs.clear();
+    b->subs.clear();  // each request cancelled (unless final) and released
   }
   left.clear();
-  peers.clear();  // remove_peer on each transport
-  for (auto& t : transports) {
-    if (t->inst != nullptr) t->ops->destroy(t->inst);
-  }
-  transports.clear();
+  peers.clear();       // remove_peer on each transport
+  transports.clear();  // destroy each instance
 }
 
-TransportSlot* TransferEngine::Impl::FindTransport(std::string_view name) const {
+TransportInstance* TransferEngine::Impl::FindTransport(std::string_view name) const {
   for (const auto& t : transports) {
-    if (t->name == name) return t.get();
+    if (t->name() == name) return t.get();
   }
   return nullptr;
 }
@@ -243,29 +223,25 @@ std::shared_ptr<Batch> TransferEngine::Impl::FindBatch(BatchId id) {
 
 bool TransferEngine::Impl::PollPass(Batch& b) {
   bool all_final = true;
-  std::vector<kvb_status_t> codes;
-  char err[kErrLen];
   for (auto& s : b.subs) {
     if (s.final) continue;
-    codes.assign(s.op_index.size(), KVB_IN_PROGRESS);
-    err[0] = '\0';
-    kvb_status_t st =
-        s.peer->transport->ops->poll(s.peer->transport->inst, s.req, codes.data(),
-                                     static_cast<uint32_t>(codes.size()), err, kErrLen);
-    if (st == KVB_IN_PROGRESS) {
+    TransportInstance::PollResult polled = s.peer->transport->Poll(*s.req);
+    if (!polled.final) {
       all_final = false;
       continue;
     }
+    const auto st = static_cast<kvb_status_t>(polled.status.code());
+    const std::string& err = polled.status.message();
     s.final = true;
     s.status = st;
     const std::string peer_name = s.peer->id.ToString();
     for (size_t i = 0; i < s.op_index.size(); ++i) {
-      kvb_status_t c = codes[i];
+      kvb_status_t c = polled.op_codes[i];
       if (c == KVB_IN_PROGRESS) c = st == KVB_OK ? KVB_ERR_INTERNAL : st;  // defensive
       if (c == KVB_ERR_CANCELLED && s.cancelled_by_deadline) c = KVB_ERR_DEADLINE_EXCEEDED;
       std::string msg;
       if (c != KVB_OK) {
-        msg = (c == st && err[0] != '\0') ? std::string(err) : StatusCodeName(StatusCode(c));
+        msg = (c == st && !err.empty()) ? err : StatusCodeName(StatusCode(c));
         if (c == KVB_ERR_DEADLINE_EXCEEDED && s.cancelled_by_deadline) {
           msg = "batch deadline passed before the op finished";
         }
@@ -281,7 +257,7 @@ void TransferEngine::Impl::CancelSubs(Batch& b, bool by_deadline) {
   for (auto& s : b.subs) {
     if (s.final || s.req == nullptr) continue;
     s.cancelled_by_deadline = by_deadline;
-    s.peer->transport->ops->cancel(s.peer->transport->inst, s.req);
+    s.peer->transport->Cancel(*s.req);
   }
 }
 
@@ -302,8 +278,7 @@ void TransferEngine::Impl::Release(Batch& b) {
     } else if (st != KVB_ERR_CANCELLED) {
       peer.breaker.RecordSuccess();  // the peer answered, even if it refused an op
     }
-    peer.transport->ops->release(peer.transport->inst, s.req);
-    s.req = nullptr;
+    s.req.reset();
   }
   b.subs.clear();
 }
@@ -480,64 +455,45 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptio
   impl->breaker_config.probe_timeout_ms =
       std::max(options.default_deadline_ms, options.breaker_max_backoff_ms);
 
-  std::vector<std::string> dirs = PluginRegistry::DefaultSearchPath(options.plugin_path);
-  std::vector<std::string> unique_dirs;
-  for (auto& d : dirs) {
-    if (std::find(unique_dirs.begin(), unique_dirs.end(), d) == unique_dirs.end()) {
-      unique_dirs.push_back(d);
-    }
-  }
-  impl->registry.Scan(unique_dirs);
-
-  std::map<std::string, std::string> config = options.plugin_config;
-  impl->host = std::make_unique<core::HostServices>(std::move(config));
+  // Scanned once per process and search path: a storage node's plugins come from this host.
+  impl->plugins = core::PluginHost::Acquire(PluginRegistry::DefaultSearchPath(options.plugin_path));
+  const PluginRegistry& registry = impl->plugins->registry();
 
   std::vector<std::pair<const core::PluginInfo*, bool>> chosen;  // (plugin, explicitly named)
   if (!options.transports.empty()) {
     for (const auto& name : options.transports) {
       std::string why;
-      const core::PluginInfo* p = impl->registry.Find(KVB_PLUGIN_TRANSPORT, name, &why);
+      const core::PluginInfo* p = registry.Find(KVB_PLUGIN_TRANSPORT, name, &why);
       if (p == nullptr) {
         return Status::Unavailable("transport '" + name + "' was requested but " + why);
       }
       chosen.emplace_back(p, true);
     }
   } else {
-    for (const core::PluginInfo* p : impl->registry.Loaded(KVB_PLUGIN_TRANSPORT)) {
+    for (const core::PluginInfo* p : registry.Loaded(KVB_PLUGIN_TRANSPORT)) {
       chosen.emplace_back(p, false);
     }
   }
+  core::TransportConfig config;
+  config.node_id = impl->self.node_id;
+  config.incarnation = impl->self.incarnation;
+  config.listen = options.listen;
+  config.cluster_token = options.cluster_token;
+  config.plugin_config = options.plugin_config;
   for (const auto& [plugin, explicit_name] : chosen) {
-    auto slot = std::make_unique<TransportSlot>();
-    slot->name = plugin->name;
-    slot->caps = plugin->caps;
-    slot->ops = plugin->transport_ops();
-    kvb_transport_params_t params{
-        .struct_size = sizeof(kvb_transport_params_t),
-        .node_id = impl->self.node_id.c_str(),
-        .incarnation = impl->self.incarnation,
-        .listen = options.listen.c_str(),
-        .cluster_token = options.cluster_token.c_str(),
-    };
-    char err[kErrLen] = {0};
-    kvb_status_t st = slot->ops->create(impl->host->table(), &params, &slot->inst, err, kErrLen);
-    if (st != KVB_OK) {
-      Status s = Status::FromAbi(st, err).WithContext("transport '" + slot->name + "' (" +
-                                                      plugin->path + ") failed to start");
-      if (explicit_name) return s;
-      KVB_LOG(WARN) << s.ToString() << "; continuing without it";
+    Result<std::unique_ptr<TransportInstance>> t = impl->plugins->CreateTransport(*plugin, config);
+    if (!t.ok()) {
+      if (explicit_name) return t.status();
+      KVB_LOG(WARN) << t.status().ToString() << "; continuing without it";
       continue;
     }
-    char ep[4096];
-    int32_t n = slot->ops->get_endpoints(slot->inst, ep, sizeof(ep));
-    slot->endpoints = n >= 0 ? std::string(ep, static_cast<size_t>(n)) : std::string();
-    KVB_LOG(INFO) << "transport " << slot->name << " listening on " << slot->endpoints << " as "
-                  << impl->self.ToString();
-    impl->transports.push_back(std::move(slot));
+    KVB_LOG(INFO) << "transport " << t.value()->name() << " listening on "
+                  << t.value()->endpoints() << " as " << impl->self.ToString();
+    impl->transports.push_back(std::move(t).value());
   }
   if (impl->transports.empty()) {
     std::string searched;
-    for (const auto& d : unique_dirs) searched += (searched.empty() ? "" : ":") + d;
+    for (const auto& d : impl->plugins->dirs()) searched += (searched.empty() ? "" : ":") + d;
     return Status::Unavailable("no usable transport plugin (searched " + searched +
                                "; set KVBRIDGE_PLUGIN_PATH or EngineOptions::plugin_path)");
   }
@@ -579,13 +535,13 @@ const PeerId& TransferEngine::self() const { return impl_->self; }
 
 std::vector<std::string> TransferEngine::transports() const {
   std::vector<std::string> names;
-  for (const auto& t : impl_->transports) names.push_back(t->name);
+  for (const auto& t : impl_->transports) names.push_back(t->name());
   return names;
 }
 
 std::string TransferEngine::endpoints(std::string_view transport) const {
-  TransportSlot* t = impl_->FindTransport(transport);
-  return t ? t->endpoints : std::string();
+  TransportInstance* t = impl_->FindTransport(transport);
+  return t ? t->endpoints() : std::string();
 }
 
 Result<SegmentId> TransferEngine::RegisterMemory(void* addr, uint64_t length, MemoryKind kind,
@@ -619,23 +575,16 @@ Result<SegmentId> TransferEngine::RegisterMemory(void* addr, uint64_t length, Me
   region.kind = kind;
   region.device_id = device_id;
   const uint64_t want_cap = kind == MemoryKind::kCuda ? KVB_TCAP_CUDA_MEM : KVB_TCAP_HOST_MEM;
-  std::vector<TransportSlot*> done;
+  std::vector<TransportInstance*> done;
   for (auto& t : impl_->transports) {
-    if ((t->caps & want_cap) == 0) continue;
-    kvb_region_t r{.struct_size = sizeof(kvb_region_t),
-                   .mem_kind = static_cast<uint32_t>(kind),
-                   .segment_id = region.id,
-                   .addr = addr,
-                   .length = length,
-                   .device_id = device_id};
-    uint8_t rkey[core::kMaxDescriptorRkey];
-    uint32_t rkey_len = 0;
-    kvb_status_t st = t->ops->register_memory(t->inst, &r, rkey, sizeof(rkey), &rkey_len);
-    if (st != KVB_OK) {
-      for (TransportSlot* d : done) (void)d->ops->deregister_memory(d->inst, region.id);
-      return Status::FromAbi(st, "transport '" + t->name + "' refused to register the region");
+    if ((t->caps() & want_cap) == 0) continue;
+    Result<std::string> rkey = t->RegisterMemory(
+        region.id, addr, length, static_cast<kvb_mem_kind_t>(kind), device_id);
+    if (!rkey.ok()) {
+      for (TransportInstance* d : done) (void)d->DeregisterMemory(region.id);
+      return rkey.status();
     }
-    region.rkeys[t->name] = std::string(reinterpret_cast<char*>(rkey), rkey_len);
+    region.rkeys[t->name()] = std::move(rkey).value();
     done.push_back(t.get());
   }
   if (done.empty()) {
@@ -684,10 +633,8 @@ Status TransferEngine::DeregisterMemory(SegmentId id) {
   }
   Status result;
   for (auto& t : impl_->transports) {
-    kvb_status_t st = t->ops->deregister_memory(t->inst, id);
-    if (st != KVB_OK && st != KVB_ERR_NOT_FOUND && result.ok()) {
-      result = Status::FromAbi(st, "transport '" + t->name + "' failed to deregister");
-    }
+    Status st = t->DeregisterMemory(id);
+    if (!st.ok() && !st.IsNotFound() && result.ok()) result = st;
   }
   return result;
 }
@@ -696,7 +643,7 @@ std::string TransferEngine::LocalDescriptor() const {
   Descriptor d;
   d.node_id = impl_->self.node_id;
   d.incarnation = impl_->self.incarnation;
-  for (const auto& t : impl_->transports) d.transports.push_back({t->name, t->endpoints});
+  for (const auto& t : impl_->transports) d.transports.push_back({t->name(), t->endpoints()});
   std::shared_lock<std::shared_mutex> lock(impl_->regions_mu);
   for (const auto& [addr, r] : impl_->regions) {
     SegmentDesc s;
@@ -719,11 +666,11 @@ Result<PeerId> TransferEngine::AddPeer(std::string_view blob, const AddPeerOptio
     return Status::StalePeer("the descriptor is " + PeerId{d.node_id, d.incarnation}.ToString() +
                              ", not the expected " + options.expect->ToString());
   }
-  TransportSlot* chosen = nullptr;
+  TransportInstance* chosen = nullptr;
   const core::TransportDesc* remote = nullptr;
   for (const auto& t : impl_->transports) {
     for (const auto& rt : d.transports) {
-      if (rt.name == t->name) {
+      if (rt.name == t->name()) {
         chosen = t.get();
         remote = &rt;
         break;
@@ -734,37 +681,29 @@ Result<PeerId> TransferEngine::AddPeer(std::string_view blob, const AddPeerOptio
   if (chosen == nullptr) {
     std::string theirs, ours;
     for (const auto& rt : d.transports) theirs += (theirs.empty() ? "" : ",") + rt.name;
-    for (const auto& t : impl_->transports) ours += (ours.empty() ? "" : ",") + t->name;
+    for (const auto& t : impl_->transports) ours += (ours.empty() ? "" : ",") + t->name();
     return Status::Unsupported("peer " + d.node_id + " offers transports [" + theirs +
                                "], this engine has [" + ours + "]");
   }
   auto segments = std::make_shared<SegmentMap>();
-  std::vector<kvb_peer_segment_t> psegs;
-  psegs.reserve(d.segments.size());
   for (const auto& s : d.segments) {
     segments->emplace(s.id, s);
   }
+  // Points into *segments, which stays put while it is moved into the record below.
+  std::vector<TransportInstance::PeerSegment> psegs;
+  psegs.reserve(segments->size());
   for (const auto& [sid, s] : *segments) {
-    auto it = s.rkeys.find(chosen->name);
-    kvb_peer_segment_t ps{.struct_size = sizeof(kvb_peer_segment_t),
-                          .mem_kind = s.mem_kind,
-                          .segment_id = s.id,
-                          .length = s.length,
-                          .rkey = nullptr,
-                          .rkey_len = 0};
-    if (it != s.rkeys.end()) {
-      ps.rkey = reinterpret_cast<const uint8_t*>(it->second.data());
-      ps.rkey_len = static_cast<uint32_t>(it->second.size());
-    }
-    psegs.push_back(ps);
+    auto it = s.rkeys.find(chosen->name());
+    psegs.push_back({.id = s.id,
+                     .mem_kind = s.mem_kind,
+                     .length = s.length,
+                     .rkey = it != s.rkeys.end() ? std::string_view(it->second)
+                                                 : std::string_view()});
   }
-  kvb_peer_info_t info{.struct_size = sizeof(kvb_peer_info_t),
-                       .node_id = d.node_id.c_str(),
-                       .incarnation = d.incarnation,
-                       .endpoints = remote->endpoints.c_str(),
-                       .segments = psegs.data(),
-                       .num_segments = static_cast<uint32_t>(psegs.size()),
-                       .segment_size = sizeof(kvb_peer_segment_t)};
+  const TransportInstance::PeerView info{.node_id = d.node_id,
+                                         .incarnation = d.incarnation,
+                                         .endpoints = remote->endpoints,
+                                         .segments = psegs};
   PeerId pid{d.node_id, d.incarnation};
 
   std::shared_ptr<PeerRecord> existing;
@@ -780,16 +719,15 @@ Result<PeerId> TransferEngine::AddPeer(std::string_view blob, const AddPeerOptio
   if (existing && existing->id.incarnation == d.incarnation && !options.allow_endpoint_change &&
       (existing->transport != chosen || known_endpoints != remote->endpoints)) {
     return Status::AlreadyExists("peer " + pid.ToString() + " is known at " +
-                                 existing->transport->name + " " + known_endpoints +
-                                 "; a descriptor naming " + chosen->name + " " + remote->endpoints +
+                                 existing->transport->name() + " " + known_endpoints +
+                                 "; a descriptor naming " + chosen->name() + " " +
+                                 remote->endpoints +
                                  " for the same incarnation is refused (a peer does not move "
                                  "without restarting)");
   }
   if (existing && existing->id.incarnation == d.incarnation && existing->transport == chosen) {
-    char err[kErrLen] = {0};
-    kvb_status_t st = chosen->ops->update_peer(chosen->inst, existing->tpeer, &info, err, kErrLen);
-    if (st != KVB_OK)
-      return Status::FromAbi(st, err).WithContext("updating peer " + pid.ToString());
+    Status st = chosen->UpdatePeer(*existing->tpeer, info);
+    if (!st.ok()) return st.WithContext("updating peer " + pid.ToString());
     std::unique_lock<std::shared_mutex> lock(impl_->peers_mu);
     existing->segments = std::move(segments);
     existing->endpoints = remote->endpoints;
@@ -798,12 +736,9 @@ Result<PeerId> TransferEngine::AddPeer(std::string_view blob, const AddPeerOptio
   auto record = std::make_shared<PeerRecord>(pid, chosen, impl_->breaker_config);
   record->segments = std::move(segments);
   record->endpoints = remote->endpoints;
-  char err[kErrLen] = {0};
-  kvb_status_t st = chosen->ops->add_peer(chosen->inst, &info, &record->tpeer, err, kErrLen);
-  if (st != KVB_OK) {
-    record->tpeer = nullptr;
-    return Status::FromAbi(st, err).WithContext("adding peer " + pid.ToString());
-  }
+  Result<std::unique_ptr<TransportInstance::Peer>> tpeer = chosen->AddPeer(info);
+  if (!tpeer.ok()) return tpeer.status().WithContext("adding peer " + pid.ToString());
+  record->tpeer = std::move(tpeer).value();
   std::shared_ptr<PeerRecord> replaced;
   {
     std::unique_lock<std::shared_mutex> lock(impl_->peers_mu);
@@ -977,24 +912,23 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
       for (uint32_t i : posted) batch->op_status[i] = st;
       continue;
     }
-    kvb_post_opts_t popts{.struct_size = sizeof(kvb_post_opts_t),
-                          .deadline_ns = batch->deadline_ns,
-                          .progress_timeout_ns = util::MsToNs(progress_ms),
-                          .on_complete = OnTransportComplete,
-                          .user = batch->slot};
-    SubRequest sub;
-    sub.peer = peer;
-    sub.op_index = std::move(posted);
-    char err[kErrLen] = {0};
-    kvb_status_t st = peer->transport->ops->post(
-        peer->transport->inst, peer->tpeer, xops.data(), sizeof(kvb_xfer_op_t),
-        static_cast<uint32_t>(xops.size()), &popts, &sub.req, err, kErrLen);
-    if (st != KVB_OK) {
-      Status s = Status::FromAbi(st, "peer " + peer->id.ToString() + ": " + err);
-      for (uint32_t i : sub.op_index) batch->op_status[i] = s;
+    const TransportInstance::PostOptions popts{.deadline_ns = batch->deadline_ns,
+                                               .progress_timeout_ns = util::MsToNs(progress_ms),
+                                               .on_complete = OnTransportComplete,
+                                               .user = batch->slot};
+    Result<std::unique_ptr<TransportInstance::Request>> req =
+        peer->transport->Post(*peer->tpeer, xops, popts);
+    if (!req.ok()) {
+      const auto st = static_cast<kvb_status_t>(req.status().code());
+      Status s = Status::FromAbi(st, "peer " + peer->id.ToString() + ": " + req.status().message());
+      for (uint32_t i : posted) batch->op_status[i] = s;
       if (IsPeerFailure(st)) peer->breaker.RecordFailure(util::MonoNs());
       continue;
     }
+    SubRequest sub;
+    sub.peer = peer;
+    sub.op_index = std::move(posted);
+    sub.req = std::move(req).value();
     batch->subs.push_back(std::move(sub));
   }
   return batch->id;
@@ -1035,7 +969,7 @@ std::optional<PeerHealth> TransferEngine::GetPeerHealth(std::string_view node_id
   }
   PeerHealth h;
   h.id = peer->id;
-  h.transport = peer->transport->name;
+  h.transport = peer->transport->name();
   h.breaker = peer->breaker.state(util::MonoNs());
   h.consecutive_failures = peer->breaker.consecutive_failures();
   h.fast_failed_ops = peer->fast_failed.load();
@@ -1044,27 +978,9 @@ std::optional<PeerHealth> TransferEngine::GetPeerHealth(std::string_view node_id
 }
 
 Result<TransportStats> TransferEngine::GetTransportStats(std::string_view transport) const {
-  TransportSlot* t = impl_->FindTransport(transport);
+  TransportInstance* t = impl_->FindTransport(transport);
   if (t == nullptr) return Status::NotFound("no transport '" + std::string(transport) + "'");
-  if ((t->caps & KVB_TCAP_STATS) == 0) {
-    return Status::Unsupported("transport '" + t->name + "' does not report stats");
-  }
-  kvb_transport_stats_t s{};
-  s.struct_size = sizeof(s);
-  kvb_status_t st = t->ops->get_stats(t->inst, &s);
-  if (st != KVB_OK) return Status::FromAbi(st, "get_stats failed");
-  TransportStats out;
-  out.name = t->name;
-  out.connections_open = s.connections_open;
-  out.connections_opened = s.connections_opened;
-  out.connections_closed_idle = s.connections_closed_idle;
-  out.connections_evicted = s.connections_evicted;
-  out.inbound_open = s.inbound_open;
-  out.bytes_written = s.bytes_written;
-  out.bytes_read = s.bytes_read;
-  out.frames_rejected = s.frames_rejected;
-  out.queued_bytes = s.queued_bytes;
-  return out;
+  return t->Stats();
 }
 
 }  // namespace kvbridge

@@ -12,8 +12,8 @@
 #include <set>
 #include <thread>
 
-#include "core/host_services.h"
-#include "core/plugin_loader.h"
+#include "core/plugin_host.h"
+#include "core/storage_instance.h"
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
 #include "store/rpc_auth.h"
@@ -108,10 +108,7 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   NodeOptions options;
   std::atomic<uint32_t> task_delay_ms{0};  // NodeOptions::faults
   std::unique_ptr<TransferEngine> engine;
-  core::PluginRegistry plugins;
-  std::unique_ptr<core::HostServices> host;
-  const kvb_storage_ops_t* storage_ops = nullptr;
-  kvb_storage_t* storage = nullptr;
+  std::unique_ptr<core::StorageInstance> storage;  // the DRAM pool's plugin
   char* pool = nullptr;
   uint64_t pool_bytes = 0;
   SegmentId segment = 0;
@@ -151,11 +148,8 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   std::thread heartbeat_thread;
   std::thread task_thread;
 
-  // --- SSD tier (ssd_ops null: none) ---
-  core::PluginRegistry ssd_plugins;
-  std::unique_ptr<core::HostServices> ssd_host;
-  const kvb_storage_ops_t* ssd_ops = nullptr;
-  kvb_storage_t* ssd = nullptr;
+  // --- SSD tier (ssd null: none) ---
+  std::unique_ptr<core::StorageInstance> ssd;
   std::unique_ptr<char, void (*)(void*)> staging{nullptr, std::free};
   uint64_t staging_bytes = 0;
   SegmentId staging_segment = 0;
@@ -260,8 +254,9 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   void Stop();
 
   // SSD tier.
-  Status StartSsd();
-  static void OnEvict(void* user, const uint8_t* key, uint32_t key_len);
+  // The SSD tier's plugin comes from `plugins`, the engine's host (no second scan).
+  Status StartSsd(core::PluginHost& plugins);
+  void OnEvict(std::string_view key);
   void DemoteLoop();
   // Reports a finished move and acts on the answer (drops the copy when it is not wanted).
   // False when no answer came (the call failed on the way): the master may or may not have
@@ -322,8 +317,8 @@ StorageNode::Impl::~Impl() {
   if (segment != 0 && engine) (void)engine->DeregisterMemory(segment);
   if (staging_segment != 0 && engine) (void)engine->DeregisterMemory(staging_segment);
   engine.reset();
-  if (storage != nullptr) storage_ops->destroy(storage);
-  if (ssd != nullptr) ssd_ops->destroy(ssd);
+  storage.reset();
+  ssd.reset();
 }
 
 grpc::Status StorageNode::Impl::Commit(grpc::ServerContext* ctx, const rpc::CommitRequest* req,
@@ -518,10 +513,9 @@ void StorageNode::Impl::DropSsdObjectLocked(const std::string& key, uint64_t rep
     inventory.erase(it);
     ssd_keys.erase(k);
   }
-  kvb_status_t st = ssd_ops->remove(ssd, reinterpret_cast<const uint8_t*>(key.data()),
-                                    static_cast<uint32_t>(key.size()));
-  if (st != KVB_OK && st != KVB_ERR_NOT_FOUND) {
-    KVB_LOG(WARN) << "SSD tier: removing an object failed: " << Status::FromAbi(st, "").ToString();
+  Status st = ssd->Remove(key);
+  if (!st.ok() && !st.IsNotFound()) {
+    KVB_LOG(WARN) << "SSD tier: removing an object failed: " << st.ToString();
   }
 }
 
@@ -806,30 +800,19 @@ void StorageNode::Impl::TaskLoop() {
 
 // ---------------------------------------------------------------- SSD tier
 
-Status StorageNode::Impl::StartSsd() {
-  ssd_plugins.Scan(core::PluginRegistry::DefaultSearchPath(options.engine.plugin_path));
-  std::string why;
-  const core::PluginInfo* plugin = ssd_plugins.Find(KVB_PLUGIN_STORAGE, options.ssd_plugin, &why);
-  if (plugin == nullptr || (plugin->caps & KVB_SCAP_OBJECTS) == 0 ||
-      !core::StorageHasMetaOps(*plugin->storage_ops())) {
-    return Status::Unavailable("storage plugin '" + options.ssd_plugin + "': " +
-                               (plugin ? "does not store keyed objects with metadata (ABI 1.1)"
-                                       : why));
-  }
-  ssd_ops = plugin->storage_ops();
-  ssd_host = std::make_unique<core::HostServices>(options.engine.plugin_config);
-  kvb_storage_params_t params{.struct_size = sizeof(kvb_storage_params_t),
-                              .node_id = engine->self().node_id.c_str(),
-                              .capacity_bytes = options.ssd_bytes,
-                              .path = options.ssd_path.c_str(),
-                              .on_evict = &Impl::OnEvict,
-                              .on_evict_user = this};
-  char err[512] = {0};
-  kvb_status_t st = ssd_ops->create(ssd_host->table(), &params, &ssd, err, sizeof(err));
-  if (st != KVB_OK) {
-    ssd = nullptr;
-    return Status::FromAbi(st, err);
-  }
+Status StorageNode::Impl::StartSsd(core::PluginHost& plugins) {
+  core::StorageConfig config;
+  config.node_id = engine->self().node_id;
+  config.capacity_bytes = options.ssd_bytes;
+  config.path = options.ssd_path;
+  config.on_evict = [this](std::string_view key) { OnEvict(key); };
+  config.plugin_config = options.engine.plugin_config;
+  config.require_caps = KVB_SCAP_OBJECTS;
+  config.require_meta = true;
+  Result<std::unique_ptr<core::StorageInstance>> created =
+      plugins.CreateStorage(options.ssd_plugin, config);
+  if (!created.ok()) return created.status();
+  ssd = std::move(created).value();
   // Staging: registered, aligned host memory that SSD reads land in before they are sent.
   staging_bytes = std::max<uint64_t>(options.ssd_staging_bytes, kStagingAlign);
   staging_bytes = (staging_bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
@@ -844,24 +827,24 @@ Status StorageNode::Impl::StartSsd() {
     Impl* im;
     size_t bad = 0;
   } ctx{this};
-  auto visit = [](void* user, const uint8_t* key, uint32_t key_len, uint64_t length,
-                  const uint8_t* meta, uint32_t meta_len) {
-    auto* c = static_cast<Ctx*>(user);
+  auto visit = [&ctx](std::string_view key, uint64_t length, std::string_view meta) {
     rpc::InventoryRecord r;
-    if (!r.ParseFromArray(meta, static_cast<int>(meta_len)) || ObjectBytes(r) != length) {
-      ++c->bad;
+    if (!r.ParseFromArray(meta.data(), static_cast<int>(meta.size())) ||
+        ObjectBytes(r) != length) {
+      ++ctx.bad;
       return;
     }
-    r.set_key(std::string(reinterpret_cast<const char*>(key), key_len));
+    r.set_key(std::string(key));
     r.set_segment_id(kSsdSegment);
-    c->im->inventory[{kSsdSegment, r.offset()}] = r;
-    c->im->ssd_keys[r.key()] = r.offset();
+    ctx.im->inventory[{kSsdSegment, r.offset()}] = r;
+    ctx.im->ssd_keys[r.key()] = r.offset();
   };
+  Status listed;
   {
     std::lock_guard<std::mutex> lock(mu);
-    st = ssd_ops->for_each_meta(ssd, visit, &ctx);
+    listed = ssd->ForEachMeta(visit);
   }
-  if (st != KVB_OK) return Status::FromAbi(st, "listing the SSD tier's objects");
+  if (!listed.ok()) return listed.WithContext("listing the SSD tier's objects");
   if (ctx.bad > 0) {
     KVB_LOG(WARN) << "SSD tier: " << ctx.bad << " objects without a usable record were ignored";
   }
@@ -870,11 +853,10 @@ Status StorageNode::Impl::StartSsd() {
   return Status::OK();
 }
 
-void StorageNode::Impl::OnEvict(void* user, const uint8_t* key, uint32_t key_len) {
-  auto* im = static_cast<Impl*>(user);
-  std::lock_guard<std::mutex> lock(im->mu);
-  im->evicted.emplace_back(reinterpret_cast<const char*>(key), key_len);
-  im->cv.notify_all();
+void StorageNode::Impl::OnEvict(std::string_view key) {
+  std::lock_guard<std::mutex> lock(mu);
+  evicted.emplace_back(key);
+  cv.notify_all();
 }
 
 Result<std::unique_ptr<StorageNode::Impl::Staged>> StorageNode::Impl::ReadToStaging(
@@ -910,17 +892,16 @@ Result<std::unique_ptr<StorageNode::Impl::Staged>> StorageNode::Impl::ReadToStag
   }
   kvb_iovec_t iov{out->data, bytes};
   uint64_t length = 0;
-  kvb_status_t st = ssd_ops->get(ssd, reinterpret_cast<const uint8_t*>(rec.key().data()),
-                                 static_cast<uint32_t>(rec.key().size()), &iov, 1, &length);
+  Status st = ssd->Get(rec.key(), {&iov, 1}, &length);
   Status bad;
-  if (st != KVB_OK) {
-    bad = Status::FromAbi(st, "SSD read").WithContext("SSD tier");
+  if (!st.ok()) {
+    bad = st.WithContext("SSD tier: SSD read");
   } else if (length != bytes || util::Crc32c(out->data, bytes) != rec.checksum()) {
     bad = Status::IoError("SSD copy does not match the object's checksum");
   }
   if (!bad.ok()) {
     FreeStaging(*out);
-    if (st != KVB_ERR_BACKPRESSURE) {
+    if (!st.Is(StatusCode::kBackpressure)) {
       DropSsdObject(rec.key(), rec.replica_id());
       std::lock_guard<std::mutex> lock(mu);
       lost_ssd.push_back(rec);
@@ -966,12 +947,8 @@ Status StorageNode::Impl::Demote(const rpc::Demotion& d) {
   DropSsdObjectLocked(src.key(), 0);  // an older copy of the key (one replica per node and key)
   const std::string meta = MetaOf(d.dest());
   kvb_iovec_t iov{pool + src.offset(), bytes};
-  kvb_status_t st =
-      ssd_ops->put_meta(ssd, reinterpret_cast<const uint8_t*>(src.key().data()),
-                        static_cast<uint32_t>(src.key().size()), &iov, 1,
-                        reinterpret_cast<const uint8_t*>(meta.data()),
-                        static_cast<uint32_t>(meta.size()));
-  if (st != KVB_OK) return Status::FromAbi(st, "SSD write").WithContext("SSD tier");
+  Status st = ssd->PutMeta(src.key(), {&iov, 1}, meta);
+  if (!st.ok()) return st.WithContext("SSD tier: SSD write");
   std::lock_guard<std::mutex> lock(mu);
   inventory[{kSsdSegment, d.dest().offset()}] = d.dest();
   ssd_keys[src.key()] = d.dest().offset();
@@ -997,9 +974,8 @@ Status StorageNode::Impl::Promote(const rpc::Demotion& d) {
   }
   kvb_iovec_t iov{pool + dst.offset(), bytes};
   uint64_t length = 0;
-  kvb_status_t st = ssd_ops->get(ssd, reinterpret_cast<const uint8_t*>(src.key().data()),
-                                 static_cast<uint32_t>(src.key().size()), &iov, 1, &length);
-  if (st != KVB_OK) return Status::FromAbi(st, "SSD read").WithContext("SSD tier");
+  Status st = ssd->Get(src.key(), {&iov, 1}, &length);
+  if (!st.ok()) return st.WithContext("SSD tier: SSD read");
   if (length != bytes || util::Crc32c(pool + dst.offset(), bytes) != src.checksum()) {
     return Status::IoError("SSD copy does not match the object's checksum; not promoted");
   }
@@ -1367,38 +1343,27 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   if (!engine.ok()) return engine.status().WithContext("storage node");
   impl->engine = std::move(engine).value();
 
-  impl->plugins.Scan(core::PluginRegistry::DefaultSearchPath(options.engine.plugin_path));
-  std::string why;
-  const core::PluginInfo* plugin =
-      impl->plugins.Find(KVB_PLUGIN_STORAGE, options.storage_plugin, &why);
-  if (plugin == nullptr || (plugin->caps & KVB_SCAP_POOL) == 0) {
-    return Status::Unavailable("storage plugin '" + options.storage_plugin + "': " +
-                               (plugin ? std::string("does not offer a memory pool") : why));
-  }
-  impl->storage_ops = plugin->storage_ops();
+  // The engine's plugin host (same search path, held alive by the engine): no second scan.
+  std::shared_ptr<core::PluginHost> plugins =
+      core::PluginHost::Acquire(core::PluginRegistry::DefaultSearchPath(options.engine.plugin_path));
+  core::StorageConfig config;
+  config.node_id = impl->engine->self().node_id;
+  config.capacity_bytes = options.dram_bytes;
+  config.require_caps = KVB_SCAP_POOL;
   // Storage nodes touch their whole pool up front unless told otherwise: page faults in the
   // first pass over a fresh pool halve its transfer rate for seconds.
-  std::map<std::string, std::string> plugin_config = options.engine.plugin_config;
-  if (!plugin_config.count("dram.prefault") && !std::getenv("KVBRIDGE_DRAM_PREFAULT")) {
-    plugin_config["dram.prefault"] = "1";
+  config.plugin_config = options.engine.plugin_config;
+  if (!config.plugin_config.count("dram.prefault") && !std::getenv("KVBRIDGE_DRAM_PREFAULT")) {
+    config.plugin_config["dram.prefault"] = "1";
   }
-  impl->host = std::make_unique<core::HostServices>(std::move(plugin_config));
-  kvb_storage_params_t params{.struct_size = sizeof(kvb_storage_params_t),
-                              .node_id = impl->engine->self().node_id.c_str(),
-                              .capacity_bytes = options.dram_bytes,
-                              .path = nullptr,
-                              .on_evict = nullptr,
-                              .on_evict_user = nullptr};
-  char err[512] = {0};
-  kvb_status_t st =
-      impl->storage_ops->create(impl->host->table(), &params, &impl->storage, err, sizeof(err));
-  if (st != KVB_OK) {
-    impl->storage = nullptr;
-    return Status::FromAbi(st, err).WithContext("storage plugin '" + options.storage_plugin + "'");
-  }
-  void* addr = nullptr;
-  st = impl->storage_ops->get_segment(impl->storage, &addr, &impl->pool_bytes);
-  if (st != KVB_OK) return Status::FromAbi(st, "storage plugin has no segment");
+  Result<std::unique_ptr<core::StorageInstance>> storage =
+      plugins->CreateStorage(options.storage_plugin, config);
+  if (!storage.ok()) return storage.status();
+  impl->storage = std::move(storage).value();
+  Result<core::StorageInstance::Segment> pool_segment = impl->storage->GetSegment();
+  if (!pool_segment.ok()) return pool_segment.status().WithContext("storage plugin has no segment");
+  void* addr = pool_segment.value().addr;
+  impl->pool_bytes = pool_segment.value().length;
   impl->pool = static_cast<char*>(addr);
   Result<SegmentId> seg = impl->engine->RegisterMemory(addr, impl->pool_bytes);
   if (!seg.ok()) return seg.status().WithContext("registering the DRAM pool");
@@ -1419,12 +1384,11 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   if (!options.ssd_path.empty()) {
     // A tier that cannot start (missing or read-only directory, plugin not found, ...) costs
     // the tier, not the node: it serves its DRAM pool and says why (ssd_status()).
-    Status ssd = impl->StartSsd();
+    Status ssd = impl->StartSsd(*plugins);
     if (!ssd.ok()) {
       impl->ssd_status = ssd.WithContext("SSD tier at " + options.ssd_path);
       KVB_LOG(ERROR) << impl->ssd_status.ToString() << "; serving DRAM only";
-      if (impl->ssd != nullptr) impl->ssd_ops->destroy(impl->ssd);
-      impl->ssd = nullptr;
+      impl->ssd.reset();
       if (impl->staging_segment != 0) (void)impl->engine->DeregisterMemory(impl->staging_segment);
       impl->staging_segment = 0;
       impl->staging.reset();

@@ -144,7 +144,7 @@ class Transport {
   TokenBucket& idle_bucket() { return idle_bucket_; }
   const std::string& node_id() const { return node_id_; }
   uint64_t incarnation() const { return incarnation_; }
-  const std::string& token() const { return token_; }
+  const kvb_host_services_t* host() const { return host_; }
   bool stopping() const { return stopping_.load(); }
   // Ends one slice; adds the request's on_complete to *done when that made it final.
   void EndSlice(Slice& s, kvb_status_t code, const std::string& msg, Completions* done);
@@ -199,7 +199,6 @@ class Transport {
   const Config config_;
   std::string node_id_;
   uint64_t incarnation_ = 0;
-  std::string token_;
   std::atomic<bool> stopping_{false};
   Counters counters_;
   TokenBucket idle_bucket_;

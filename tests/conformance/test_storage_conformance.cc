@@ -1,6 +1,7 @@
 // One behaviour suite for every storage plugin (docs/plugin-abi.md): each test runs once per
-// storage plugin, loaded through the real loader and driven through its kvb_storage_ops_t
-// table. POOL tests skip for plugins that do not declare KVB_SCAP_POOL, OBJECTS tests for those
+// storage plugin, loaded through the real loader and driven through core::StorageInstance, the
+// one wrapper of a kvb_storage_ops_t table (the codes it maps back here are the plugin's). POOL
+// tests skip for plugins that do not declare KVB_SCAP_POOL, OBJECTS tests for those
 // that do not declare KVB_SCAP_OBJECTS. File-backed plugins (ssd) get a fresh directory per
 // instance in params.path. The DramPlugin tests at the end pin what only the dram plugin promises
 // (2 MiB rounding, its configuration keys, its log lines, prefault); the ssd plugin's own tests
@@ -27,7 +28,7 @@
 #include <vector>
 
 #include "core/host_services.h"
-#include "core/plugin_loader.h"
+#include "core/plugin_host.h"
 
 namespace kvbridge::core {
 namespace {
@@ -36,14 +37,13 @@ constexpr uint64_t kCapacity = 8u << 20;  // a multiple of 2 MiB, so dram does n
 constexpr uint64_t kPage = 4096;          // allocation sizes below are multiples of this, so
                                           // any alignment up to 4096 rounds nothing
 
-const PluginRegistry& Registry() {
-  static const PluginRegistry* registry = [] {
-    auto* r = new PluginRegistry;
-    r->Scan({KVBRIDGE_PLUGIN_BUILD_DIR, KVBRIDGE_TEST_PLUGIN_BUILD_DIR});
-    return r;
-  }();
-  return *registry;
+PluginHost& Plugins() {
+  static const std::shared_ptr<PluginHost> host =
+      PluginHost::Acquire({KVBRIDGE_PLUGIN_BUILD_DIR, KVBRIDGE_TEST_PLUGIN_BUILD_DIR});
+  return *host;
 }
+
+kvb_status_t Code(const Status& st) { return static_cast<kvb_status_t>(st.code()); }
 
 // A host-services table whose config comes from core::HostServices and whose log lines are
 // also kept, so tests can read what a plugin said.
@@ -95,21 +95,16 @@ class TestHost {
   std::vector<std::string> lines_;
 };
 
-// One plugin instance, destroyed with the object.
-class Instance {
- public:
-  Instance(const kvb_storage_ops_t* ops, kvb_storage_t* s) : ops_(ops), s_(s) {}
-  ~Instance() {
-    if (s_ != nullptr) ops_->destroy(s_);
-  }
-  Instance(const Instance&) = delete;
-  Instance& operator=(const Instance&) = delete;
-  kvb_storage_t* get() const { return s_; }
+using Instance = StorageInstance;  // one plugin instance, destroyed with the object
 
- private:
-  const kvb_storage_ops_t* ops_;
-  kvb_storage_t* s_;
-};
+// The plugin's codes for the POOL and OBJECTS calls, through the wrapper.
+kvb_status_t Alloc(Instance& inst, uint64_t length, uint64_t* offset) {
+  Result<uint64_t> r = inst.Alloc(length);
+  if (r.ok()) *offset = r.value();
+  return Code(r.status());
+}
+kvb_status_t Free(Instance& inst, uint64_t offset) { return Code(inst.Free(offset)); }
+kvb_status_t Remove(Instance& inst, const std::string& key) { return Code(inst.Remove(key)); }
 
 struct PluginCase {
   std::string plugin;  // the descriptor name
@@ -123,7 +118,7 @@ void PrintTo(const PluginCase& c, std::ostream* os) { *os << c.label; }
 std::string CaseLabel(const ::testing::TestParamInfo<PluginCase>& info) { return info.param.label; }
 
 const PluginInfo* FindStorage(const std::string& name, std::string* why) {
-  return Registry().Find(KVB_PLUGIN_STORAGE, name, why);
+  return Plugins().registry().Find(KVB_PLUGIN_STORAGE, name, why);
 }
 
 // Deterministic bytes for (seed, index).
@@ -137,8 +132,6 @@ class StorageConformance : public ::testing::TestWithParam<PluginCase> {
     std::string why;
     info_ = FindStorage(GetParam().plugin, &why);
     ASSERT_NE(info_, nullptr) << "storage plugin '" << GetParam().plugin << "': " << why;
-    ops_ = info_->storage_ops();
-    ASSERT_NE(ops_, nullptr);
     host_ = std::make_unique<TestHost>(GetParam().config);
     if (GetParam().file_backed) {
       std::string tmpl = (std::filesystem::temp_directory_path() / "kvb_storage_XXXXXX").string();
@@ -156,47 +149,42 @@ class StorageConformance : public ::testing::TestWithParam<PluginCase> {
 
   bool Has(uint64_t cap) const { return (info_->caps & cap) != 0; }
 
-  // params.path for the next instance: a directory of its own for file-backed plugins.
-  const char* NextPath() {
-    if (root_.empty()) return nullptr;
-    paths_.push_back(root_ + "/instance-" + std::to_string(paths_.size()));
-    return paths_.back().c_str();
+  // The params of the next instance; file-backed plugins get a directory of their own in path.
+  StorageConfig Config(uint64_t capacity) {
+    StorageConfig c;
+    c.node_id = "conformance";
+    c.capacity_bytes = capacity;
+    if (!root_.empty()) c.path = root_ + "/instance-" + std::to_string(next_path_++);
+    c.services = host_->table();
+    return c;
   }
 
   std::unique_ptr<Instance> Make(uint64_t capacity) {
-    kvb_storage_params_t params{.struct_size = sizeof(kvb_storage_params_t),
-                                .node_id = "conformance",
-                                .capacity_bytes = capacity,
-                                .path = NextPath(),
-                                .on_evict = nullptr,
-                                .on_evict_user = nullptr};
-    kvb_storage_t* s = nullptr;
-    char err[256] = {0};
-    const kvb_status_t st = ops_->create(host_->table(), &params, &s, err, sizeof(err));
-    EXPECT_EQ(st, KVB_OK) << err;
-    if (st != KVB_OK) return nullptr;
-    return std::make_unique<Instance>(ops_, s);
+    auto s = Plugins().CreateStorage(*info_, Config(capacity));
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    return s.ok() ? std::move(s).value() : nullptr;
   }
 
-  kvb_storage_usage_t Usage(const Instance& inst) {
-    kvb_storage_usage_t u{};
-    u.struct_size = sizeof(u);
-    EXPECT_EQ(ops_->usage(inst.get(), &u), KVB_OK);
-    return u;
+  StorageUsage Usage(const Instance& inst) {
+    Result<StorageUsage> u = inst.Usage();
+    EXPECT_TRUE(u.ok()) << u.status().ToString();
+    return u.ok() ? u.value() : StorageUsage{};
   }
 
   uint8_t* Segment(const Instance& inst, uint64_t* length) {
-    void* addr = nullptr;
-    EXPECT_EQ(ops_->get_segment(inst.get(), &addr, length), KVB_OK);
-    return static_cast<uint8_t*>(addr);
+    Result<Instance::Segment> seg = inst.GetSegment();
+    EXPECT_TRUE(seg.ok()) << seg.status().ToString();
+    if (!seg.ok()) return nullptr;
+    *length = seg.value().length;
+    return static_cast<uint8_t*>(seg.value().addr);
   }
 
   // Allocates `length`-byte ranges until NO_SPACE; any other failure fails the test.
-  std::vector<uint64_t> FillWith(const Instance& inst, uint64_t length) {
+  std::vector<uint64_t> FillWith(Instance& inst, uint64_t length) {
     std::vector<uint64_t> offsets;
     for (;;) {
       uint64_t off = 0;
-      const kvb_status_t st = ops_->alloc(inst.get(), length, &off);
+      const kvb_status_t st = Alloc(inst, length, &off);
       if (st == KVB_ERR_NO_SPACE) break;
       EXPECT_EQ(st, KVB_OK);
       if (st != KVB_OK) break;
@@ -209,26 +197,23 @@ class StorageConformance : public ::testing::TestWithParam<PluginCase> {
     return offsets;
   }
 
-  kvb_status_t Put(const Instance& inst, const std::string& key, const std::vector<uint8_t>& v) {
+  kvb_status_t Put(Instance& inst, const std::string& key, const std::vector<uint8_t>& v) {
     kvb_iovec_t iov{const_cast<uint8_t*>(v.data()), v.size()};
-    return ops_->put(inst.get(), reinterpret_cast<const uint8_t*>(key.data()),
-                     static_cast<uint32_t>(key.size()), &iov, 1);
+    return Code(inst.Put(key, {&iov, 1}));
   }
 
-  kvb_status_t Get(const Instance& inst, const std::string& key, std::vector<uint8_t>* out) {
+  kvb_status_t Get(Instance& inst, const std::string& key, std::vector<uint8_t>* out) {
     uint64_t length = 0;
     kvb_iovec_t iov{out->data(), out->size()};
-    const kvb_status_t st = ops_->get(inst.get(), reinterpret_cast<const uint8_t*>(key.data()),
-                                      static_cast<uint32_t>(key.size()), &iov, 1, &length);
+    const kvb_status_t st = Code(inst.Get(key, {&iov, 1}, &length));
     if (st == KVB_OK) out->resize(length);
     return st;
   }
 
   const PluginInfo* info_ = nullptr;
-  const kvb_storage_ops_t* ops_ = nullptr;
-  std::unique_ptr<TestHost> host_;
-  std::string root_;               // file-backed plugins: this test's directory
-  std::deque<std::string> paths_;  // keeps each params.path alive
+  std::unique_ptr<TestHost> host_;  // outlives the instances a test creates
+  std::string root_;                // file-backed plugins: this test's directory
+  int next_path_ = 0;
 };
 
 #define REQUIRE_CAP(cap)                                                                   \
@@ -239,20 +224,12 @@ class StorageConformance : public ::testing::TestWithParam<PluginCase> {
 // --- every plugin ------------------------------------------------------------------------
 
 TEST_P(StorageConformance, CreateWithZeroCapacityFailsWithAMessage) {
-  kvb_storage_params_t params{.struct_size = sizeof(kvb_storage_params_t),
-                              .node_id = "conformance",
-                              .capacity_bytes = 0,
-                              .path = NextPath(),
-                              .on_evict = nullptr,
-                              .on_evict_user = nullptr};
-  kvb_storage_t* s = nullptr;
-  char err[256];
-  std::memset(err, 'x', sizeof(err));
-  EXPECT_EQ(ops_->create(host_->table(), &params, &s, err, sizeof(err)), KVB_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(s, nullptr);
-  ASSERT_NE(std::memchr(err, '\0', sizeof(err)), nullptr) << "message not NUL-terminated";
-  EXPECT_GT(std::strlen(err), 0u) << "no message";
-  EXPECT_NE(std::string(err).find("capacity"), std::string::npos) << err;
+  auto s = Plugins().CreateStorage(*info_, Config(0));
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(Code(s.status()), KVB_ERR_INVALID_ARGUMENT) << s.status().ToString();
+  const std::string prefix = "storage plugin '" + info_->name + "': ";
+  EXPECT_GT(s.status().message().size(), prefix.size()) << "no message";
+  EXPECT_NE(s.status().message().find("capacity"), std::string::npos) << s.status().ToString();
 }
 
 TEST_P(StorageConformance, FreshInstanceIsEmpty) {
@@ -269,41 +246,29 @@ TEST_P(StorageConformance, UndeclaredShapesAnswerUnsupported) {
   auto inst = Make(kCapacity);
   ASSERT_NE(inst, nullptr);
   if (!Has(KVB_SCAP_POOL)) {
-    void* addr = nullptr;
-    uint64_t len = 0, off = 0;
-    EXPECT_EQ(ops_->get_segment(inst->get(), &addr, &len), KVB_ERR_UNSUPPORTED);
-    EXPECT_EQ(ops_->alloc(inst->get(), 64, &off), KVB_ERR_UNSUPPORTED);
-    EXPECT_EQ(ops_->free(inst->get(), 0), KVB_ERR_UNSUPPORTED);
+    uint64_t off = 0;
+    EXPECT_EQ(Code(inst->GetSegment().status()), KVB_ERR_UNSUPPORTED);
+    EXPECT_EQ(Alloc(*inst, 64, &off), KVB_ERR_UNSUPPORTED);
+    EXPECT_EQ(Free(*inst, 0), KVB_ERR_UNSUPPORTED);
   }
   if (!Has(KVB_SCAP_OBJECTS)) {
-    const uint8_t key[] = {'k'};
     uint8_t byte = 0;
     kvb_iovec_t iov{&byte, 1};
-    uint64_t len = 0;
-    EXPECT_EQ(ops_->put(inst->get(), key, 1, &iov, 1), KVB_ERR_UNSUPPORTED);
-    EXPECT_EQ(ops_->get(inst->get(), key, 1, &iov, 1, &len), KVB_ERR_UNSUPPORTED);
-    EXPECT_EQ(ops_->remove(inst->get(), key, 1), KVB_ERR_UNSUPPORTED);
-    EXPECT_EQ(ops_->for_each(
-                  inst->get(), [](void*, const uint8_t*, uint32_t, uint64_t) {}, nullptr),
-              KVB_ERR_UNSUPPORTED);
+    EXPECT_EQ(Code(inst->Put("k", {&iov, 1})), KVB_ERR_UNSUPPORTED);
+    EXPECT_EQ(Code(inst->Get("k", {&iov, 1})), KVB_ERR_UNSUPPORTED);
+    EXPECT_EQ(Remove(*inst, "k"), KVB_ERR_UNSUPPORTED);
+    EXPECT_EQ(Code(inst->ForEach([](std::string_view, uint64_t) {})), KVB_ERR_UNSUPPORTED);
   }
 }
 
 TEST_P(StorageConformance, CreateTakesAbi1_0Params) {
   // A 1.0 host's params end after `path`; the plugin must not read on_evict beyond them. The
-  // struct here is followed by garbage where a 1.1 host would have put the callback.
-  struct {
-    kvb_storage_params_t params;
-  } padded;
-  std::memset(&padded, 0xab, sizeof(padded));
-  padded.params.struct_size = offsetof(kvb_storage_params_t, path) + sizeof(padded.params.path);
-  padded.params.node_id = "conformance";
-  padded.params.capacity_bytes = kCapacity;
-  padded.params.path = NextPath();
-  kvb_storage_t* s = nullptr;
-  char err[256] = {0};
-  ASSERT_EQ(ops_->create(host_->table(), &padded.params, &s, err, sizeof(err)), KVB_OK) << err;
-  Instance inst(ops_, s);
+  // wrapper fills what follows with garbage where a 1.1 host would have put the callback.
+  StorageConfig config = Config(kCapacity);
+  config.params_struct_size = offsetof(kvb_storage_params_t, path) + sizeof(const char*);
+  auto s = Plugins().CreateStorage(*info_, config);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  Instance& inst = *s.value();
   EXPECT_EQ(Usage(inst).used_bytes, 0u);
   if (Has(KVB_SCAP_OBJECTS)) {
     EXPECT_EQ(Put(inst, "k", std::vector<uint8_t>(100, 1)), KVB_OK);
@@ -324,9 +289,8 @@ TEST_P(StorageConformance, SegmentIsWritableAcrossItsWholeLength) {
   for (uint64_t i = 0; i < length; ++i) {
     ASSERT_EQ(seg[i], Pattern(1, i)) << "byte " << i << " did not keep what was written";
   }
-  void* again = nullptr;
   uint64_t length_again = 0;
-  ASSERT_EQ(ops_->get_segment(inst->get(), &again, &length_again), KVB_OK);
+  uint8_t* again = Segment(*inst, &length_again);
   EXPECT_EQ(again, seg) << "the segment must not move";
   EXPECT_EQ(length_again, length);
 }
@@ -347,7 +311,7 @@ TEST_P(StorageConformance, AllocationsNeverOverlapAndLieInsideTheSegment) {
   for (;;) {
     const uint64_t len = 1 + rng() % (rng() % 8 == 0 ? 256 * 1024 : 5000);
     uint64_t off = 0;
-    const kvb_status_t st = ops_->alloc(inst->get(), len, &off);
+    const kvb_status_t st = Alloc(*inst, len, &off);
     if (st == KVB_ERR_NO_SPACE) break;
     ASSERT_EQ(st, KVB_OK);
     ASSERT_LE(off, seg_len);
@@ -376,7 +340,7 @@ TEST_P(StorageConformance, NoSpaceWhenFullAndNothingChanges) {
   ASSERT_NE(inst, nullptr);
   const uint64_t capacity = Usage(*inst).capacity_bytes;
   uint64_t off = 12345;
-  EXPECT_EQ(ops_->alloc(inst->get(), capacity + 1, &off), KVB_ERR_NO_SPACE);
+  EXPECT_EQ(Alloc(*inst, capacity + 1, &off), KVB_ERR_NO_SPACE);
   EXPECT_EQ(off, 12345u) << "a failed alloc wrote its offset";
   EXPECT_EQ(Usage(*inst).used_bytes, 0u);
 
@@ -386,7 +350,7 @@ TEST_P(StorageConformance, NoSpaceWhenFullAndNothingChanges) {
   const auto full = Usage(*inst);
   EXPECT_EQ(full.used_bytes, capacity);
   for (uint64_t len : {uint64_t{1}, kChunk, capacity}) {
-    EXPECT_EQ(ops_->alloc(inst->get(), len, &off), KVB_ERR_NO_SPACE) << "length " << len;
+    EXPECT_EQ(Alloc(*inst, len, &off), KVB_ERR_NO_SPACE) << "length " << len;
   }
   const auto after = Usage(*inst);
   EXPECT_EQ(after.used_bytes, full.used_bytes);
@@ -401,19 +365,19 @@ TEST_P(StorageConformance, FreeThenReallocWorks) {
   const auto offsets = FillWith(*inst, kChunk);
   ASSERT_GT(offsets.size(), 4u);
   const uint64_t victim = offsets[offsets.size() / 2];
-  ASSERT_EQ(ops_->free(inst->get(), victim), KVB_OK);
+  ASSERT_EQ(Free(*inst, victim), KVB_OK);
   EXPECT_EQ(Usage(*inst).used_bytes, Usage(*inst).capacity_bytes - kChunk);
   uint64_t off = 0;
-  ASSERT_EQ(ops_->alloc(inst->get(), kChunk, &off), KVB_OK);
+  ASSERT_EQ(Alloc(*inst, kChunk, &off), KVB_OK);
   EXPECT_EQ(off, victim) << "the freed range is the only free space";
 
   // Freeing everything gives the whole capacity back as one range.
-  for (uint64_t o : offsets) ASSERT_EQ(ops_->free(inst->get(), o), KVB_OK);
+  for (uint64_t o : offsets) ASSERT_EQ(Free(*inst, o), KVB_OK);
   EXPECT_EQ(Usage(*inst).used_bytes, 0u);
   const uint64_t capacity = Usage(*inst).capacity_bytes;
-  ASSERT_EQ(ops_->alloc(inst->get(), capacity, &off), KVB_OK);
+  ASSERT_EQ(Alloc(*inst, capacity, &off), KVB_OK);
   EXPECT_EQ(off, 0u);
-  EXPECT_EQ(ops_->free(inst->get(), off), KVB_OK);
+  EXPECT_EQ(Free(*inst, off), KVB_OK);
 }
 
 TEST_P(StorageConformance, FreeOfANeverAllocatedOffsetIsAnErrorAndChangesNothing) {
@@ -421,19 +385,19 @@ TEST_P(StorageConformance, FreeOfANeverAllocatedOffsetIsAnErrorAndChangesNothing
   auto inst = Make(kCapacity);
   ASSERT_NE(inst, nullptr);
   uint64_t a = 0, b = 0;
-  ASSERT_EQ(ops_->alloc(inst->get(), 4 * kPage, &a), KVB_OK);
-  ASSERT_EQ(ops_->alloc(inst->get(), 4 * kPage, &b), KVB_OK);
-  ASSERT_EQ(ops_->free(inst->get(), b), KVB_OK);
+  ASSERT_EQ(Alloc(*inst, 4 * kPage, &a), KVB_OK);
+  ASSERT_EQ(Alloc(*inst, 4 * kPage, &b), KVB_OK);
+  ASSERT_EQ(Free(*inst, b), KVB_OK);
   const auto before = Usage(*inst);
   const uint64_t capacity = before.capacity_bytes;
   for (uint64_t bad : {a + 64, a + kPage, b, capacity - 64, capacity, ~uint64_t{0}}) {
-    EXPECT_EQ(ops_->free(inst->get(), bad), KVB_ERR_NOT_FOUND) << "free(" << bad << ")";
+    EXPECT_EQ(Free(*inst, bad), KVB_ERR_NOT_FOUND) << "free(" << bad << ")";
   }
   const auto after = Usage(*inst);
   EXPECT_EQ(after.used_bytes, before.used_bytes);
   EXPECT_EQ(after.object_count, before.object_count);
-  EXPECT_EQ(ops_->free(inst->get(), a), KVB_OK) << "the live allocation is untouched";
-  EXPECT_EQ(ops_->free(inst->get(), a), KVB_ERR_NOT_FOUND) << "double free";
+  EXPECT_EQ(Free(*inst, a), KVB_OK) << "the live allocation is untouched";
+  EXPECT_EQ(Free(*inst, a), KVB_ERR_NOT_FOUND) << "double free";
   EXPECT_EQ(Usage(*inst).used_bytes, 0u);
 }
 
@@ -449,7 +413,7 @@ TEST_P(StorageConformance, UsageIsExact) {
   uint64_t sum = 0;
   for (uint64_t pages : {1, 3, 16, 2, 7, 1, 32}) {
     uint64_t off = 0;
-    ASSERT_EQ(ops_->alloc(inst->get(), pages * kPage, &off), KVB_OK);
+    ASSERT_EQ(Alloc(*inst, pages * kPage, &off), KVB_OK);
     live.emplace_back(off, pages * kPage);
     sum += pages * kPage;
     const auto u = Usage(*inst);
@@ -460,12 +424,12 @@ TEST_P(StorageConformance, UsageIsExact) {
     EXPECT_EQ(u.capacity_bytes, capacity) << "capacity must not move";
   }
   for (size_t i = 0; i < live.size(); i += 2) {
-    ASSERT_EQ(ops_->free(inst->get(), live[i].first), KVB_OK);
+    ASSERT_EQ(Free(*inst, live[i].first), KVB_OK);
     sum -= live[i].second;
     EXPECT_EQ(Usage(*inst).used_bytes, sum);
   }
   for (size_t i = 1; i < live.size(); i += 2)
-    ASSERT_EQ(ops_->free(inst->get(), live[i].first), KVB_OK);
+    ASSERT_EQ(Free(*inst, live[i].first), KVB_OK);
   const auto u = Usage(*inst);
   EXPECT_EQ(u.used_bytes, 0u);
   EXPECT_EQ(u.object_count, 0u);
@@ -496,7 +460,7 @@ TEST_P(StorageConformance, ConcurrentAllocAndFreeKeepUsageConsistent) {
       if (mine.size() < kMaxLivePerThread && (mine.empty() || rng() % 3 != 0)) {
         const uint64_t len = kPage * (1 + rng() % 16);
         uint64_t off = 0;
-        const kvb_status_t st = ops_->alloc(inst->get(), len, &off);
+        const kvb_status_t st = Alloc(*inst, len, &off);
         if (st == KVB_ERR_NO_SPACE) {
           ++no_space;
         } else if (st != KVB_OK || off > seg_len || len > seg_len - off) {
@@ -515,15 +479,15 @@ TEST_P(StorageConformance, ConcurrentAllocAndFreeKeepUsageConsistent) {
                         [&](uint8_t b) { return b != l.tag; })) {
           ++overlaps;
         }
-        if (ops_->free(inst->get(), l.offset) != KVB_OK) ++errors;
+        if (Free(*inst, l.offset) != KVB_OK) ++errors;
         mine[i] = mine.back();
         mine.pop_back();
       }
       if (iter % 64 == 0) {
-        kvb_storage_usage_t u{};
-        u.struct_size = sizeof(u);
-        if (ops_->usage(inst->get(), &u) != KVB_OK || u.used_bytes > capacity ||
-            u.used_bytes % kPage != 0 || u.capacity_bytes != capacity) {
+        Result<StorageUsage> r = inst->Usage();
+        const StorageUsage u = r.ok() ? r.value() : StorageUsage{};
+        if (!r.ok() || u.used_bytes > capacity || u.used_bytes % kPage != 0 ||
+            u.capacity_bytes != capacity) {
           ++errors;
         }
       }
@@ -550,7 +514,7 @@ TEST_P(StorageConformance, ConcurrentAllocAndFreeKeepUsageConsistent) {
     EXPECT_EQ(u.object_count, count);
   }
   for (const auto& mine : live) {
-    for (const Live& l : mine) EXPECT_EQ(ops_->free(inst->get(), l.offset), KVB_OK);
+    for (const Live& l : mine) EXPECT_EQ(Free(*inst, l.offset), KVB_OK);
   }
   u = Usage(*inst);
   EXPECT_EQ(u.used_bytes, 0u);
@@ -569,9 +533,7 @@ TEST_P(StorageConformance, PutGetRoundTripWithSeveralIovecs) {
   for (size_t i = 0; i < c.size(); ++i) c[i] = Pattern(3, i);
   const kvb_iovec_t in[] = {{a.data(), a.size()}, {b.data(), b.size()}, {c.data(), c.size()}};
   const std::string key = "page/0001";
-  ASSERT_EQ(ops_->put(inst->get(), reinterpret_cast<const uint8_t*>(key.data()),
-                      static_cast<uint32_t>(key.size()), in, 3),
-            KVB_OK);
+  ASSERT_EQ(Code(inst->Put(key, in)), KVB_OK);
 
   std::vector<uint8_t> expect;
   expect.insert(expect.end(), a.begin(), a.end());
@@ -582,9 +544,7 @@ TEST_P(StorageConformance, PutGetRoundTripWithSeveralIovecs) {
   std::vector<uint8_t> x(7, 0xee), y(3000, 0xee), z(3000, 0xee);
   const kvb_iovec_t out[] = {{x.data(), x.size()}, {y.data(), y.size()}, {z.data(), z.size()}};
   uint64_t length = 0;
-  ASSERT_EQ(ops_->get(inst->get(), reinterpret_cast<const uint8_t*>(key.data()),
-                      static_cast<uint32_t>(key.size()), out, 3, &length),
-            KVB_OK);
+  ASSERT_EQ(Code(inst->Get(key, out, &length)), KVB_OK);
   ASSERT_EQ(length, expect.size());
   std::vector<uint8_t> got;
   got.insert(got.end(), x.begin(), x.end());
@@ -609,8 +569,8 @@ TEST_P(StorageConformance, GetIntoTooSmallIovecsIsInvalidArgumentAndCopiesNothin
   std::vector<uint8_t> p(500, 0xee), q(499, 0xee);
   const kvb_iovec_t out[] = {{p.data(), p.size()}, {q.data(), q.size()}};
   uint64_t length = 0;
-  EXPECT_EQ(ops_->get(inst->get(), reinterpret_cast<const uint8_t*>("k"), 1, out, 2, &length),
-            KVB_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(Code(inst->Get("k", out, &length)), KVB_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(length, v.size()) << "the size comes back with a too-small buffer";
   auto untouched = [](const std::vector<uint8_t>& buf) {
     return std::all_of(buf.begin(), buf.end(), [](uint8_t b) { return b == 0xee; });
   };
@@ -643,15 +603,15 @@ TEST_P(StorageConformance, RemoveDeletesTheObject) {
   const auto empty = Usage(*inst);
   ASSERT_EQ(Put(*inst, "gone", std::vector<uint8_t>(4096, 7)), KVB_OK);
   ASSERT_EQ(Put(*inst, "kept", std::vector<uint8_t>(100, 8)), KVB_OK);
-  EXPECT_EQ(ops_->remove(inst->get(), reinterpret_cast<const uint8_t*>("gone"), 4), KVB_OK);
+  EXPECT_EQ(Remove(*inst, "gone"), KVB_OK);
   std::vector<uint8_t> got(8192);
   EXPECT_EQ(Get(*inst, "gone", &got), KVB_ERR_NOT_FOUND);
-  EXPECT_EQ(ops_->remove(inst->get(), reinterpret_cast<const uint8_t*>("gone"), 4),
+  EXPECT_EQ(Remove(*inst, "gone"),
             KVB_ERR_NOT_FOUND);
   EXPECT_EQ(Usage(*inst).object_count, empty.object_count + 1);
   ASSERT_EQ(Get(*inst, "kept", &got), KVB_OK);
   EXPECT_EQ(got, std::vector<uint8_t>(100, 8));
-  EXPECT_EQ(ops_->remove(inst->get(), reinterpret_cast<const uint8_t*>("kept"), 4), KVB_OK);
+  EXPECT_EQ(Remove(*inst, "kept"), KVB_OK);
   const auto u = Usage(*inst);
   EXPECT_EQ(u.used_bytes, empty.used_bytes);
   EXPECT_EQ(u.object_count, empty.object_count);
@@ -672,18 +632,10 @@ TEST_P(StorageConformance, ForEachListsEverything) {
   }
   std::map<std::string, uint64_t> seen;
   int calls = 0;
-  struct Ctx {
-    std::map<std::string, uint64_t>* seen;
-    int* calls;
-  } ctx{&seen, &calls};
-  ASSERT_EQ(ops_->for_each(
-                inst->get(),
-                [](void* user, const uint8_t* key, uint32_t key_len, uint64_t length) {
-                  auto* c = static_cast<Ctx*>(user);
-                  ++*c->calls;
-                  (*c->seen)[std::string(reinterpret_cast<const char*>(key), key_len)] = length;
-                },
-                &ctx),
+  ASSERT_EQ(Code(inst->ForEach([&](std::string_view key, uint64_t length) {
+              ++calls;
+              seen[std::string(key)] = length;
+            })),
             KVB_OK);
   EXPECT_EQ(calls, 50) << "each object exactly once";
   EXPECT_EQ(seen, expect);
@@ -715,21 +667,21 @@ TEST_P(StorageConformance, PutBeyondCapacityIsNoSpaceAndLeavesNoObject) {
   EXPECT_EQ(after.object_count, static_cast<uint64_t>(stored));
   std::vector<uint8_t> got(chunk.size());
   EXPECT_EQ(Get(*inst, "one-too-many", &got), KVB_ERR_NOT_FOUND) << "a failed put is visible";
-  ASSERT_EQ(ops_->remove(inst->get(), reinterpret_cast<const uint8_t*>("fill-0"), 6), KVB_OK);
+  ASSERT_EQ(Remove(*inst, "fill-0"), KVB_OK);
   EXPECT_EQ(Put(*inst, "one-too-many", chunk), KVB_OK) << "space comes back after remove";
 }
 
 TEST_P(StorageConformance, PutMetaKeepsTheMetadataWithTheObject) {
   REQUIRE_CAP(KVB_SCAP_OBJECTS);
-  if (!StorageHasMetaOps(*ops_)) GTEST_SKIP() << "an ABI 1.0 ops table: no put_meta";
   auto inst = Make(kCapacity);
   ASSERT_NE(inst, nullptr);
+  if (!inst->has_meta()) GTEST_SKIP() << "an ABI 1.0 ops table: no put_meta";
   auto put_meta = [&](const std::string& key, const std::vector<uint8_t>& v,
                       const std::vector<uint8_t>& meta) {
     kvb_iovec_t iov{const_cast<uint8_t*>(v.data()), v.size()};
-    return ops_->put_meta(inst->get(), reinterpret_cast<const uint8_t*>(key.data()),
-                          static_cast<uint32_t>(key.size()), &iov, 1, meta.data(),
-                          static_cast<uint32_t>(meta.size()));
+    return Code(inst->PutMeta(
+        key, {&iov, 1},
+        std::string_view(reinterpret_cast<const char*>(meta.data()), meta.size())));
   };
   std::vector<uint8_t> full(KVB_STORAGE_META_MAX), one = {0x42};
   for (size_t i = 0; i < full.size(); ++i) full[i] = Pattern(5, i);
@@ -750,14 +702,10 @@ TEST_P(StorageConformance, PutMetaKeepsTheMetadataWithTheObject) {
   Seen seen;
   auto list = [&] {
     seen.clear();
-    return ops_->for_each_meta(
-        inst->get(),
-        [](void* user, const uint8_t* key, uint32_t key_len, uint64_t length, const uint8_t* meta,
-           uint32_t meta_len) {
-          (*static_cast<Seen*>(user))[std::string(reinterpret_cast<const char*>(key), key_len)] = {
-              length, std::vector<uint8_t>(meta, meta + meta_len)};
-        },
-        &seen);
+    return Code(
+        inst->ForEachMeta([&](std::string_view key, uint64_t length, std::string_view meta) {
+          seen[std::string(key)] = {length, std::vector<uint8_t>(meta.begin(), meta.end())};
+        }));
   };
   ASSERT_EQ(list(), KVB_OK);
   ASSERT_EQ(seen.size(), 4u);
@@ -769,7 +717,7 @@ TEST_P(StorageConformance, PutMetaKeepsTheMetadataWithTheObject) {
   std::vector<uint8_t> got(4096);
   ASSERT_EQ(Get(*inst, "full", &got), KVB_OK);
   EXPECT_EQ(got, data) << "metadata must not leak into the object's bytes";
-  ASSERT_EQ(ops_->remove(inst->get(), reinterpret_cast<const uint8_t*>("full"), 4), KVB_OK);
+  ASSERT_EQ(Remove(*inst, "full"), KVB_OK);
   ASSERT_EQ(list(), KVB_OK);
   EXPECT_EQ(seen.count("full"), 0u);
   EXPECT_EQ(seen.size(), 3u);
@@ -797,29 +745,26 @@ class DramPlugin : public ::testing::Test {
     std::string why;
     const PluginInfo* info = FindStorage("dram", &why);
     ASSERT_NE(info, nullptr) << why;
-    ops_ = info->storage_ops();
+    info_ = info;
     EXPECT_EQ(info->caps & KVB_SCAP_KNOWN_MASK, KVB_SCAP_POOL);
   }
 
   // Creates with `config`; returns the status, the instance (on OK) and the message.
   kvb_status_t Create(const std::map<std::string, std::string>& config, uint64_t capacity,
                       std::unique_ptr<Instance>* inst, std::string* err = nullptr) {
+    inst->reset();  // before the host it logs through
     host_ = std::make_unique<TestHost>(config);
-    kvb_storage_params_t params{.struct_size = sizeof(kvb_storage_params_t),
-                                .node_id = "dram-test",
-                                .capacity_bytes = capacity,
-                                .path = nullptr,
-                                .on_evict = nullptr,
-                                .on_evict_user = nullptr};
-    kvb_storage_t* s = nullptr;
-    char buf[512] = {0};
-    const kvb_status_t st = ops_->create(host_->table(), &params, &s, buf, sizeof(buf));
-    if (err != nullptr) *err = buf;
-    if (st == KVB_OK) inst->reset(new Instance(ops_, s));
-    return st;
+    StorageConfig c;
+    c.node_id = "dram-test";
+    c.capacity_bytes = capacity;
+    c.services = host_->table();
+    auto s = Plugins().CreateStorage(*info_, c);
+    if (err != nullptr) *err = s.status().message();
+    if (s.ok()) *inst = std::move(s).value();
+    return Code(s.status());
   }
 
-  const kvb_storage_ops_t* ops_ = nullptr;
+  const PluginInfo* info_ = nullptr;
   std::unique_ptr<TestHost> host_;  // outlives the instances a test creates after it
 };
 
@@ -832,13 +777,13 @@ uint64_t FreeHugePages() {
 TEST_F(DramPlugin, CapacityIsRoundedUpTo2MiBAndTheSegmentIs2MiBAligned) {
   std::unique_ptr<Instance> inst;
   ASSERT_EQ(Create({}, (3u << 20) + 1, &inst), KVB_OK);
-  kvb_storage_usage_t u{};
-  u.struct_size = sizeof(u);
-  ASSERT_EQ(ops_->usage(inst->get(), &u), KVB_OK);
-  EXPECT_EQ(u.capacity_bytes, 4u << 20);
-  void* addr = nullptr;
-  uint64_t len = 0;
-  ASSERT_EQ(ops_->get_segment(inst->get(), &addr, &len), KVB_OK);
+  Result<StorageUsage> u = inst->Usage();
+  ASSERT_TRUE(u.ok()) << u.status().ToString();
+  EXPECT_EQ(u.value().capacity_bytes, 4u << 20);
+  Result<Instance::Segment> seg = inst->GetSegment();
+  ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+  void* addr = seg.value().addr;
+  const uint64_t len = seg.value().length;
   EXPECT_EQ(len, 4u << 20);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(addr) % (2u << 20), 0u);
 }
@@ -872,19 +817,18 @@ TEST_F(DramPlugin, AlignmentConfigRoundsEveryAllocation) {
   std::unique_ptr<Instance> inst;
   ASSERT_EQ(Create({{"dram.alignment", "4096"}}, 2u << 20, &inst), KVB_OK);
   uint64_t a = 0, b = 0;
-  ASSERT_EQ(ops_->alloc(inst->get(), 1, &a), KVB_OK);
-  ASSERT_EQ(ops_->alloc(inst->get(), 4097, &b), KVB_OK);
+  ASSERT_EQ(Alloc(*inst, 1, &a), KVB_OK);
+  ASSERT_EQ(Alloc(*inst, 4097, &b), KVB_OK);
   EXPECT_EQ(a % 4096, 0u);
   EXPECT_EQ(b % 4096, 0u);
-  kvb_storage_usage_t u{};
-  u.struct_size = sizeof(u);
-  ASSERT_EQ(ops_->usage(inst->get(), &u), KVB_OK);
-  EXPECT_EQ(u.used_bytes, 3u * 4096);
-  EXPECT_EQ(u.object_count, 2u);
+  Result<StorageUsage> u = inst->Usage();
+  ASSERT_TRUE(u.ok()) << u.status().ToString();
+  EXPECT_EQ(u.value().used_bytes, 3u * 4096);
+  EXPECT_EQ(u.value().object_count, 2u);
 
   ASSERT_EQ(Create({}, 2u << 20, &inst), KVB_OK);  // default: 64
-  ASSERT_EQ(ops_->alloc(inst->get(), 1, &a), KVB_OK);
-  ASSERT_EQ(ops_->alloc(inst->get(), 1, &b), KVB_OK);
+  ASSERT_EQ(Alloc(*inst, 1, &a), KVB_OK);
+  ASSERT_EQ(Alloc(*inst, 1, &b), KVB_OK);
   EXPECT_EQ(b - a, 64u);
 }
 
@@ -924,9 +868,10 @@ TEST_F(DramPlugin, PrefaultMakesEveryPageResident) {
   std::unique_ptr<Instance> inst;
   ASSERT_EQ(Create({{"dram.prefault", "1"}}, kBytes, &inst), KVB_OK);
   EXPECT_TRUE(host_->Logged("prefaulted")) << ::testing::PrintToString(host_->lines());
-  void* addr = nullptr;
-  uint64_t len = 0;
-  ASSERT_EQ(ops_->get_segment(inst->get(), &addr, &len), KVB_OK);
+  Result<Instance::Segment> seg = inst->GetSegment();
+  ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+  void* addr = seg.value().addr;
+  const uint64_t len = seg.value().length;
   const long page = sysconf(_SC_PAGESIZE);
   std::vector<unsigned char> resident(len / static_cast<uint64_t>(page));
   ASSERT_EQ(mincore(addr, len, resident.data()), 0) << std::strerror(errno);

@@ -37,7 +37,7 @@
 #include <vector>
 
 #include "core/host_services.h"
-#include "core/plugin_loader.h"
+#include "core/plugin_host.h"
 
 namespace kvbridge::core {
 namespace {
@@ -47,15 +47,13 @@ namespace fs = std::filesystem;
 constexpr uint64_t kMiB = 1u << 20;
 constexpr uint64_t kKiB = 1u << 10;
 
-const kvb_storage_ops_t* Ops() {
-  static const PluginRegistry* registry = [] {
-    auto* r = new PluginRegistry;
-    r->Scan({KVBRIDGE_PLUGIN_BUILD_DIR});
-    return r;
-  }();
-  const PluginInfo* info = registry->Find(KVB_PLUGIN_STORAGE, "ssd");
-  return info != nullptr ? info->storage_ops() : nullptr;
+// The build tree's plugins, scanned once for the whole binary.
+PluginHost& Plugins() {
+  static const std::shared_ptr<PluginHost> host = PluginHost::Acquire({KVBRIDGE_PLUGIN_BUILD_DIR});
+  return *host;
 }
+
+kvb_status_t Code(const Status& st) { return static_cast<kvb_status_t>(st.code()); }
 
 // Host services whose config is a map and whose log lines are kept for the test to read.
 class Host {
@@ -109,10 +107,9 @@ class Host {
 struct Evictions {
   std::mutex mu;
   std::vector<std::string> keys;
-  static void Fn(void* user, const uint8_t* key, uint32_t key_len) {
-    auto* self = static_cast<Evictions*>(user);
-    std::lock_guard<std::mutex> lk(self->mu);
-    self->keys.emplace_back(reinterpret_cast<const char*>(key), key_len);
+  void Add(std::string_view key) {
+    std::lock_guard<std::mutex> lk(mu);
+    keys.emplace_back(key);
   }
   std::vector<std::string> Take() {
     std::lock_guard<std::mutex> lk(mu);
@@ -149,46 +146,39 @@ class Store {
     bool abi_1_0_params = false;     // params as a 1.0 host passes them
   };
 
+  // dir "" passes no path (NULL) to the plugin.
   static std::unique_ptr<Store> Open(const std::string& dir, Options o, kvb_status_t* st,
                                      std::string* err) {
     auto host = std::make_unique<Host>(o.config);
-    kvb_storage_params_t p{};
-    p.struct_size =
-        o.abi_1_0_params ? offsetof(kvb_storage_params_t, path) + sizeof(p.path) : sizeof(p);
-    p.node_id = "ssd-test";
-    p.capacity_bytes = o.capacity;
-    p.path = dir.c_str();
-    if (o.evictions != nullptr) {
-      p.on_evict = &Evictions::Fn;
-      p.on_evict_user = o.evictions;
+    StorageConfig config;
+    config.node_id = "ssd-test";
+    config.capacity_bytes = o.capacity;
+    config.path = dir;
+    config.services = host->table();
+    if (o.abi_1_0_params) {
+      config.params_struct_size = offsetof(kvb_storage_params_t, path) + sizeof(const char*);
     }
-    kvb_storage_t* s = nullptr;
-    char buf[512] = {0};
-    *st = Ops()->create(host->table(), &p, &s, buf, sizeof(buf));
-    *err = buf;
-    if (*st != KVB_OK) {
+    if (Evictions* ev = o.evictions; ev != nullptr) {
+      config.on_evict = [ev](std::string_view key) { ev->Add(key); };
+    }
+    Result<std::unique_ptr<StorageInstance>> s = Plugins().CreateStorage("ssd", config);
+    *st = Code(s.status());
+    *err = s.status().message();
+    if (!s.ok()) {
       last_failed_host_ = std::move(host);
       return nullptr;
     }
-    return std::unique_ptr<Store>(new Store(std::move(host), s));
+    return std::unique_ptr<Store>(new Store(std::move(host), std::move(s).value()));
   }
 
-  ~Store() {
-    if (s_ != nullptr) Ops()->destroy(s_);
-  }
   // Destroys the instance but keeps the host, so the closing log line can be read.
-  void Close() {
-    Ops()->destroy(s_);
-    s_ = nullptr;
-  }
+  void Close() { s_.reset(); }
   Host& host() { return *host_; }
 
   kvb_status_t Put(const std::string& key, const std::vector<uint8_t>& v,
                    const std::string& meta = "") {
     kvb_iovec_t iov{const_cast<uint8_t*>(v.data()), v.size()};
-    return Ops()->put_meta(s_, K(key), static_cast<uint32_t>(key.size()), &iov, 1,
-                           reinterpret_cast<const uint8_t*>(meta.data()),
-                           static_cast<uint32_t>(meta.size()));
+    return Code(s_->PutMeta(key, {&iov, 1}, meta));
   }
   // Puts Content(key, length).
   kvb_status_t PutContent(const std::string& key, uint64_t length, const std::string& meta = "") {
@@ -197,14 +187,14 @@ class Store {
   kvb_status_t Get(const std::string& key, std::vector<uint8_t>* out) {
     uint64_t length = 0;
     kvb_iovec_t none{nullptr, 0};
-    kvb_status_t st = Ops()->get(s_, K(key), static_cast<uint32_t>(key.size()), &none, 1, &length);
+    kvb_status_t st = Code(s_->Get(key, {&none, 1}, &length));
     if (st != KVB_ERR_INVALID_ARGUMENT || length == 0) {
       out->clear();
       return st;
     }
     out->assign(length, 0);
     kvb_iovec_t iov{out->data(), out->size()};
-    return Ops()->get(s_, K(key), static_cast<uint32_t>(key.size()), &iov, 1, &length);
+    return Code(s_->Get(key, {&iov, 1}, &length));
   }
   // OK when the object is there and holds Content(key, its length).
   kvb_status_t Check(const std::string& key) {
@@ -213,40 +203,30 @@ class Store {
     if (st != KVB_OK) return st;
     return got == Content(key, got.size()) ? KVB_OK : KVB_ERR_INTERNAL;
   }
-  kvb_status_t Remove(const std::string& key) {
-    return Ops()->remove(s_, K(key), static_cast<uint32_t>(key.size()));
-  }
+  kvb_status_t Remove(const std::string& key) { return Code(s_->Remove(key)); }
   std::map<std::string, Listed> List() {
     std::map<std::string, Listed> out;
-    EXPECT_EQ(Ops()->for_each_meta(
-                  s_,
-                  [](void* user, const uint8_t* key, uint32_t key_len, uint64_t length,
-                     const uint8_t* meta, uint32_t meta_len) {
-                    auto* m = static_cast<std::map<std::string, Listed>*>(user);
-                    const std::string k(reinterpret_cast<const char*>(key), key_len);
-                    EXPECT_EQ(m->count(k), 0u) << "listed twice";
-                    (*m)[k] = {length, std::string(reinterpret_cast<const char*>(meta), meta_len)};
-                  },
-                  &out),
-              KVB_OK);
+    EXPECT_TRUE(s_->ForEachMeta([&out](std::string_view key, uint64_t length,
+                                       std::string_view meta) {
+                    const std::string k(key);
+                    EXPECT_EQ(out.count(k), 0u) << "listed twice";
+                    out[k] = {length, std::string(meta)};
+                  }).ok());
     return out;
   }
-  kvb_storage_usage_t Usage() {
-    kvb_storage_usage_t u{};
-    u.struct_size = sizeof(u);
-    EXPECT_EQ(Ops()->usage(s_, &u), KVB_OK);
-    return u;
+  StorageUsage Usage() {
+    Result<StorageUsage> u = s_->Usage();
+    EXPECT_TRUE(u.ok()) << u.status().ToString();
+    return u.ok() ? u.value() : StorageUsage{};
   }
 
   static std::unique_ptr<Host> last_failed_host_;
 
  private:
-  Store(std::unique_ptr<Host> host, kvb_storage_t* s) : host_(std::move(host)), s_(s) {}
-  static const uint8_t* K(const std::string& key) {
-    return reinterpret_cast<const uint8_t*>(key.data());
-  }
-  std::unique_ptr<Host> host_;
-  kvb_storage_t* s_;
+  Store(std::unique_ptr<Host> host, std::unique_ptr<StorageInstance> s)
+      : host_(std::move(host)), s_(std::move(s)) {}
+  std::unique_ptr<Host> host_;  // outlives s_ (the plugin logs through it until destroyed)
+  std::unique_ptr<StorageInstance> s_;
 };
 std::unique_ptr<Host> Store::last_failed_host_;
 
@@ -324,8 +304,9 @@ class ScopedMount {
 class SsdTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_NE(Ops(), nullptr) << "libkvb_storage_ssd.so did not load from "
-                              << KVBRIDGE_PLUGIN_BUILD_DIR;
+    std::string why;
+    ASSERT_NE(Plugins().registry().Find(KVB_PLUGIN_STORAGE, "ssd", &why), nullptr)
+        << "libkvb_storage_ssd.so did not load from " << KVBRIDGE_PLUGIN_BUILD_DIR << ": " << why;
     std::string tmpl = (fs::temp_directory_path() / "kvb_ssd_XXXXXX").string();
     ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
     root_ = tmpl;
@@ -752,12 +733,9 @@ TEST_F(SsdTest, DirectoryProblemsAreClearErrors) {
   EXPECT_EQ(st, KVB_ERR_INVALID_ARGUMENT);
   EXPECT_NE(err.find("not a directory"), std::string::npos) << err;
   // No path at all.
-  Host host({});
-  kvb_storage_params_t p{sizeof(p), "n", kMiB, nullptr, nullptr, nullptr};
-  kvb_storage_t* raw = nullptr;
-  char buf[256] = {0};
-  EXPECT_EQ(Ops()->create(host.table(), &p, &raw, buf, sizeof(buf)), KVB_ERR_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(buf).find("params.path"), std::string::npos) << buf;
+  EXPECT_EQ(Store::Open("", {}, &st, &err), nullptr);
+  EXPECT_EQ(st, KVB_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(err.find("params.path"), std::string::npos) << err;
 }
 
 TEST_F(SsdTest, MalformedConfigIsInvalidArgumentNamingTheKey) {

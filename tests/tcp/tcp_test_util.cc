@@ -76,35 +76,21 @@ uint64_t NowNs() {
 
 double MsSince(uint64_t start_ns) { return static_cast<double>(NowNs() - start_ns) / 1e6; }
 
-TestHost::TestHost(std::string name, std::map<std::string, std::string> config)
-    : name_(std::move(name)), config_(std::move(config)) {
-  table_ = kvb_host_services_t{.struct_size = sizeof(kvb_host_services_t),
-                               .host_ctx = this,
-                               .log = Log,
-                               .config_get = ConfigGet,
-                               .now_ns = Now};
+TestHost::TestHost(std::string name, std::map<std::string, std::string> config,
+                   core::auth::Identity identity)
+    : name_(std::move(name)) {
+  core_ = std::make_unique<core::HostServices>(
+      std::move(config), std::move(identity),
+      [this](int32_t level, const char* plugin, const char* msg) { Log(level, plugin, msg); });
 }
 
-void TestHost::Log(void* ctx, int32_t level, const char* plugin, const char* msg) {
-  auto* self = static_cast<TestHost*>(ctx);
-  std::string line =
-      std::string("[") + plugin + " " + LevelName(level) + " " + self->name_ + "] " + msg;
+void TestHost::Log(int32_t level, const char* plugin, const char* msg) {
+  std::string line = std::string("[") + plugin + " " + LevelName(level) + " " + name_ + "] " + msg;
   if (level >= KVB_LOG_INFO) fprintf(stderr, "%s\n", line.c_str());
-  std::lock_guard<std::mutex> lock(self->mu_);
-  self->logs_.push_back(std::move(line));
-  self->log_times_.push_back(NowNs());
+  std::lock_guard<std::mutex> lock(mu_);
+  logs_.push_back(std::move(line));
+  log_times_.push_back(NowNs());
 }
-
-int32_t TestHost::ConfigGet(void* ctx, const char* key, char* buf, uint32_t buf_len) {
-  auto* self = static_cast<TestHost*>(ctx);
-  auto it = self->config_.find(key);
-  if (it == self->config_.end()) return -1;
-  if (it->second.size() + 1 > buf_len) return -2;
-  memcpy(buf, it->second.c_str(), it->second.size() + 1);
-  return static_cast<int32_t>(it->second.size());
-}
-
-uint64_t TestHost::Now(void*) { return NowNs(); }
 
 bool TestHost::LogContains(const std::string& needle) const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -154,12 +140,13 @@ kvb_status_t Instance::TryCreate(const Options& opts, std::unique_ptr<Instance>*
                                  std::string* err) {
   std::unique_ptr<Instance> inst(new Instance());
   inst->opts_ = opts;
-  inst->host_ = std::make_unique<TestHost>(opts.node_id, opts.config);
+  inst->host_ = std::make_unique<TestHost>(
+      opts.node_id, opts.config, core::auth::Identity{opts.node_id, opts.incarnation, opts.token});
   kvb_transport_params_t params{.struct_size = sizeof(kvb_transport_params_t),
                                 .node_id = opts.node_id.c_str(),
                                 .incarnation = opts.incarnation,
                                 .listen = opts.listen.c_str(),
-                                .cluster_token = opts.token.c_str()};
+                                .cluster_token = nullptr};
   char buf[512] = {0};
   const kvb_status_t st =
       Ops()->create(inst->host_->services(), &params, &inst->t_, buf, sizeof(buf));
@@ -394,39 +381,39 @@ bool RawClient::WaitClosed(int timeout_ms) {
 int32_t RawClient::Handshake(const std::string& my_node, uint64_t my_incarnation,
                              const std::string& expect_node, uint64_t expect_incarnation,
                              const std::string& token) {
-  wire::Hello h;
-  h.flags = token.empty() ? 0 : wire::kHelloFlagAuth;
+  auth::Hello h;
+  h.flags = token.empty() ? 0 : auth::kHelloFlagAuth;
   h.client_node_id = my_node;
   h.client_incarnation = my_incarnation;
   h.expected_node_id = expect_node;
   h.expected_incarnation = expect_incarnation;
-  wire::RandomNonce(&h.client_nonce);
-  const std::string bytes = wire::EncodeHello(h);
+  auth::RandomNonce(&h.client_nonce);
+  const std::string bytes = auth::EncodeHello(h);
   if (!SendAll(bytes.data(), bytes.size())) return -1;
-  uint8_t buf[wire::kHelloReplyFixedBytes + wire::kMaxNodeIdBytes];
-  if (!RecvAll(buf, wire::kHelloReplyFixedBytes)) return -1;
-  wire::HelloReply rep;
-  wire::ParseResult pr = wire::DecodeHelloReply(buf, wire::kHelloReplyFixedBytes, &rep);
-  if (pr.result == wire::Parse::kNeedMore) {
-    if (!RecvAll(buf + wire::kHelloReplyFixedBytes, pr.bytes - wire::kHelloReplyFixedBytes)) {
+  uint8_t buf[auth::kHelloReplyFixedBytes + auth::kMaxNodeIdBytes];
+  if (!RecvAll(buf, auth::kHelloReplyFixedBytes)) return -1;
+  auth::HelloReply rep;
+  auth::ParseResult pr = auth::DecodeHelloReply(buf, auth::kHelloReplyFixedBytes, &rep);
+  if (pr.result == auth::Parse::kNeedMore) {
+    if (!RecvAll(buf + auth::kHelloReplyFixedBytes, pr.bytes - auth::kHelloReplyFixedBytes)) {
       return -1;
     }
-    pr = wire::DecodeHelloReply(buf, pr.bytes, &rep);
+    pr = auth::DecodeHelloReply(buf, pr.bytes, &rep);
   }
-  if (pr.result != wire::Parse::kOk) return -1;
+  if (pr.result != auth::Parse::kOk) return -1;
   if (rep.status != KVB_OK || token.empty()) return rep.status;
-  const wire::Transcript tr{h.client_node_id,       h.client_incarnation, rep.server_node_id,
+  const auth::Transcript tr{h.client_node_id,       h.client_incarnation, rep.server_node_id,
                             rep.server_incarnation, h.expected_node_id,   h.expected_incarnation,
                             h.client_nonce,         rep.server_nonce,     rep.status};
-  if (!wire::VerifyProof(token, wire::Role::kServer, tr, rep.server_proof)) return -2;
-  wire::ClientProof cp;
-  wire::ComputeProof(token, wire::Role::kClient, tr, &cp.proof);
-  uint8_t pb[wire::kClientProofBytes];
-  wire::EncodeClientProof(cp, pb);
-  uint8_t db[wire::kAuthDoneBytes];
+  if (!auth::VerifyProof(token, auth::ProofLabel("tcp"), auth::Role::kServer, tr, rep.server_proof)) return -2;
+  auth::ClientProof cp;
+  auth::ComputeProof(token, auth::ProofLabel("tcp"), auth::Role::kClient, tr, &cp.proof);
+  uint8_t pb[auth::kClientProofBytes];
+  auth::EncodeClientProof(cp, pb);
+  uint8_t db[auth::kAuthDoneBytes];
   if (!SendAll(pb, sizeof(pb)) || !RecvAll(db, sizeof(db))) return -1;
-  wire::AuthDone done;
-  if (!wire::DecodeAuthDone(db, sizeof(db), &done)) return -1;
+  auth::AuthDone done;
+  if (!auth::DecodeAuthDone(db, sizeof(db), &done)) return -1;
   return done.status;
 }
 
@@ -463,9 +450,9 @@ SilentServer::SilentServer(bool accept, bool answer_handshake, std::string node_
       if (fd < 0) continue;
       conns_.push_back(fd);
       if (!answer_handshake) continue;
-      uint8_t buf[wire::kHelloFixedBytes + 2 * wire::kMaxNodeIdBytes];
-      size_t have = 0, need = wire::kHelloFixedBytes;
-      wire::Hello hello;
+      uint8_t buf[auth::kHelloFixedBytes + 2 * auth::kMaxNodeIdBytes];
+      size_t have = 0, need = auth::kHelloFixedBytes;
+      auth::Hello hello;
       bool ok = false;
       while (true) {
         while (have < need) {
@@ -474,19 +461,19 @@ SilentServer::SilentServer(bool accept, bool answer_handshake, std::string node_
           have += static_cast<size_t>(r);
         }
         if (have < need) break;
-        const wire::ParseResult pr = wire::DecodeHello(buf, have, &hello);
-        if (pr.result == wire::Parse::kOk) {
+        const auth::ParseResult pr = auth::DecodeHello(buf, have, &hello);
+        if (pr.result == auth::Parse::kOk) {
           ok = true;
           break;
         }
-        if (pr.result != wire::Parse::kNeedMore) break;
+        if (pr.result != auth::Parse::kNeedMore) break;
         need = pr.bytes;
       }
       if (!ok) continue;
-      wire::HelloReply rep;
+      auth::HelloReply rep;
       rep.server_node_id = node_id;
       rep.server_incarnation = incarnation;
-      const std::string bytes = wire::EncodeHelloReply(rep);
+      const std::string bytes = auth::EncodeHelloReply(rep);
       (void)!send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
       // From here on: read nothing, answer nothing.
     }

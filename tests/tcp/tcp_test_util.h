@@ -14,9 +14,12 @@
 #include <vector>
 
 #include "kvbridge/plugin/transport.h"
+#include "core/host_services.h"
+#include "core/peer_auth.h"
 #include "tcp_wire.h"
 
 namespace kvbridge::tcp::test {
+namespace auth = core::auth;
 
 // The plugin's ops table (dlopen'ed once; aborts the test binary if it cannot be loaded).
 const kvb_transport_ops_t* Ops();
@@ -28,21 +31,21 @@ double MsSince(uint64_t start_ns);
 // Host services for one instance: config from a map, logs to stderr and captured.
 class TestHost {
  public:
-  TestHost(std::string name, std::map<std::string, std::string> config);
-  const kvb_host_services_t* services() const { return &table_; }
+  // A real core::HostServices (identity, token and the peer handshake live in the host) whose
+  // plugin log lines are captured here.
+  TestHost(std::string name, std::map<std::string, std::string> config,
+           core::auth::Identity identity);
+  const kvb_host_services_t* services() const { return core_->table(); }
   bool LogContains(const std::string& needle) const;
   std::vector<std::string> Logs() const;
   // When (NowNs) each line containing `needle` was logged.
   std::vector<uint64_t> LogTimes(const std::string& needle) const;
 
  private:
-  static void Log(void* ctx, int32_t level, const char* plugin, const char* msg);
-  static int32_t ConfigGet(void* ctx, const char* key, char* buf, uint32_t buf_len);
-  static uint64_t Now(void* ctx);
+  void Log(int32_t level, const char* plugin, const char* msg);
 
   std::string name_;
-  std::map<std::string, std::string> config_;
-  kvb_host_services_t table_{};
+  std::unique_ptr<core::HostServices> core_;
   mutable std::mutex mu_;
   std::vector<std::string> logs_;
   std::vector<uint64_t> log_times_;

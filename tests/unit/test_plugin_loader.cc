@@ -558,20 +558,23 @@ TEST_F(ValidateDescriptorTest, StorageOpsOfAbi1_1MustFillTheMetaSlots) {
   EXPECT_TRUE(Check().ok()) << Check().ToString();
 }
 
-// --- The out-of-tree example (examples/transport_plugin) ---------------------------------------
+// --- The out-of-tree examples (examples/transport_plugin, examples/transport_plugin_c) ----------
 
-// Run by the CTest test "example_transport_plugin", which builds the example out of tree and
-// names the result in KVBRIDGE_EXAMPLE_PLUGIN.
+// Run by the CTest tests "example_transport_plugin" (C++ on the SDK) and
+// "example_transport_plugin_c" (plain C), which build one example out of tree and name the
+// result in KVBRIDGE_EXAMPLE_PLUGIN and its plugin name in KVBRIDGE_EXAMPLE_PLUGIN_NAME.
 TEST(ExamplePlugin, LoadsThroughRegistryAndMovesBytes) {
   const char* path = getenv("KVBRIDGE_EXAMPLE_PLUGIN");
-  if (path == nullptr) {
-    GTEST_SKIP() << "KVBRIDGE_EXAMPLE_PLUGIN is unset; `ctest -R example_transport_plugin` "
-                    "builds the example out of tree and runs this test";
+  const char* name = getenv("KVBRIDGE_EXAMPLE_PLUGIN_NAME");
+  if (path == nullptr || name == nullptr) {
+    GTEST_SKIP() << "KVBRIDGE_EXAMPLE_PLUGIN(_NAME) is unset; `ctest -R example_transport_plugin` "
+                    "builds the examples out of tree and runs this test";
   }
   PluginRegistry reg;
   const PluginInfo& info = reg.LoadFile(path);
   ASSERT_EQ(info.state, PluginState::kLoaded) << info.reason;
-  EXPECT_EQ(info.name, "example_loopback");
+  EXPECT_EQ(info.name, name);
+  EXPECT_EQ(info.caps, KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM);
   const kvb_transport_ops_t* ops = info.transport_ops();
   ASSERT_NE(ops, nullptr);
 
@@ -605,7 +608,28 @@ TEST(ExamplePlugin, LoadsThroughRegistryAndMovesBytes) {
   op.remote_offset = 4000;  // 4000 + 100 > 4096
   ASSERT_EQ(ops->post(t, peer, &op, sizeof(op), 1, nullptr, &req, err, sizeof(err)), KVB_OK);
   EXPECT_EQ(ops->poll(t, req, &op_st, 1, err, sizeof(err)), KVB_ERR_OUT_OF_BOUNDS);
+  EXPECT_EQ(op_st, KVB_ERR_OUT_OF_BOUNDS);
   ops->release(t, req);
+  // A malformed op refuses the whole post, with the plugin's reason in err.
+  op.length = 0;
+  req = nullptr;
+  EXPECT_EQ(ops->post(t, peer, &op, sizeof(op), 1, nullptr, &req, err, sizeof(err)),
+            KVB_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(req, nullptr);
+  EXPECT_NE(std::string(err).find(name), std::string::npos) << err;
+  // Another incarnation of this process: STALE_PEER, not one byte moved.
+  kvb_peer_info_t old_self = self;
+  old_self.incarnation = 76;
+  kvb_tpeer_t* stale = nullptr;
+  ASSERT_EQ(ops->add_peer(t, &old_self, &stale, err, sizeof(err)), KVB_OK) << err;
+  op = kvb_xfer_op_t{KVB_OP_WRITE, 0, 1, src.data(), 100, 2, 500};
+  ASSERT_EQ(ops->post(t, stale, &op, sizeof(op), 1, nullptr, &req, err, sizeof(err)), KVB_OK);
+  EXPECT_EQ(ops->poll(t, req, &op_st, 1, err, sizeof(err)), KVB_ERR_STALE_PEER);
+  ops->release(t, req);
+  EXPECT_EQ(dst[500], 0);
+  EXPECT_EQ(ops->deregister_memory(t, 2), KVB_OK);
+  EXPECT_EQ(ops->deregister_memory(t, 2), KVB_ERR_NOT_FOUND);
+  ops->remove_peer(t, stale);
   ops->remove_peer(t, peer);
   ops->destroy(t);
 }

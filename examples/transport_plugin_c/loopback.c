@@ -1,5 +1,6 @@
 /*
- * example_loopback: a complete kvbridge transport plugin in one C file.
+ * example_loopback_c: a complete kvbridge transport plugin in one C file, on the C ABI alone
+ * (examples/transport_plugin/ is the same plugin in C++ on the plugin SDK).
  *
  * It reaches exactly one peer, its own process (same node id and incarnation), and completes
  * every request inside post() with a bounds-checked memmove. Real transports queue the work
@@ -85,7 +86,7 @@ static kvb_status_t DeregisterMemory(kvb_transport_t* t, uint64_t segment_id) {
 static kvb_status_t AddPeer(kvb_transport_t* t, const kvb_peer_info_t* info, kvb_tpeer_t** out,
                             char* err, uint32_t err_len) {
   if (info->endpoints == NULL || strcmp(info->endpoints, t->endpoint) != 0) {
-    kvb_copy_message(err, err_len, "example_loopback reaches only its own process");
+    kvb_copy_message(err, err_len, "example_loopback_c reaches only its own process");
     return KVB_ERR_UNSUPPORTED;
   }
   *out = malloc(sizeof(**out));
@@ -125,7 +126,7 @@ static kvb_status_t Post(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_xfer_o
   for (uint32_t i = 0; i < count; ++i) { /* a malformed op refuses the request: nothing runs */
     const kvb_xfer_op_t* op = (const kvb_xfer_op_t*)((const uint8_t*)ops + (size_t)i * op_size);
     if ((op->opcode != KVB_OP_READ && op->opcode != KVB_OP_WRITE) || op->length == 0) {
-      kvb_copy_message(err, err_len, "example_loopback: bad opcode or zero length");
+      kvb_copy_message(err, err_len, "example_loopback_c: bad opcode or zero length");
       return KVB_ERR_INVALID_ARGUMENT;
     }
   }
@@ -155,7 +156,7 @@ static kvb_status_t Poll(kvb_transport_t* t, kvb_treq_t* req, kvb_status_t* op_s
   for (uint32_t i = 0; op_status != NULL && i < op_status_len && i < req->count; ++i) {
     op_status[i] = req->op_status[i];
   }
-  if (req->status != KVB_OK) kvb_copy_message(err, err_len, "example_loopback: op failed");
+  if (req->status != KVB_OK) kvb_copy_message(err, err_len, "example_loopback_c: op failed");
   (void)t;
   return req->status;
 }
@@ -190,7 +191,7 @@ static const kvb_plugin_descriptor_t kDescriptor = {
     .struct_size = sizeof(kvb_plugin_descriptor_t),
     .abi_major = KVB_ABI_MAJOR,
     .abi_minor = KVB_ABI_MINOR,
-    .name = "example_loopback",
+    .name = "example_loopback_c",
     .version = "1.0",
     .kind = KVB_PLUGIN_TRANSPORT,
     .caps = KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM,
