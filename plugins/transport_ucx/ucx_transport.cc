@@ -234,49 +234,46 @@ void Transport::RunCompletions(const Completions& done) {
   for (const auto& c : done) c.fn(c.user);
 }
 
-int32_t Transport::GetEndpoints(char* buf, uint32_t buf_len) const {
-  const std::string text = FormatEndpoints(worker_->address(), host_key_, getpid());
-  if (buf == nullptr || text.size() + 1 > buf_len) return -2;
-  std::memcpy(buf, text.c_str(), text.size() + 1);
-  return static_cast<int32_t>(text.size());
+std::string Transport::EndpointsText() const {
+  return FormatEndpoints(worker_->address(), host_key_, getpid());
 }
 
 // ---------------------------------------------------------------------------------------------
 // Memory.
 
-kvb_status_t Transport::RegisterMemory(const kvb_region_t* region, uint8_t* rkey,
-                                       uint32_t rkey_cap, uint32_t* rkey_len) {
-  if (region == nullptr || region->addr == nullptr || region->length == 0 || rkey_len == nullptr) {
+kvb_status_t Transport::RegisterMemory(const kvb_region_t* region, uint32_t rkey_cap,
+                                       std::string* rkey, std::string* err) {
+  if (region == nullptr || region->addr == nullptr || region->length == 0) {
+    *err = "ucx: register_memory: null address or zero length";
     return KVB_ERR_INVALID_ARGUMENT;
   }
   if (region->mem_kind != KVB_MEM_HOST) {
-    Log(KVB_LOG_WARN, "ucx: only host memory can be registered (mem_kind " +
-                          U(region->mem_kind) + ")");
+    *err = "ucx: only host memory can be registered (mem_kind " + U(region->mem_kind) + ")";
     return KVB_ERR_UNSUPPORTED;
   }
   {
     std::lock_guard<std::mutex> lock(regions_mu_);
-    if (regions_.count(region->segment_id) != 0) return KVB_ERR_ALREADY_EXISTS;
+    if (regions_.count(region->segment_id) != 0) {
+      *err = "ucx: segment " + U(region->segment_id) + " is already registered";
+      return KVB_ERR_ALREADY_EXISTS;
+    }
   }
   kvb_status_t st = KVB_OK;
   ucp_mem_h memh = nullptr;
-  std::string bytes, err;
   worker_->RunSync([&] {
-    st = worker_->MapMemory(region->addr, region->length, &memh, &bytes, &err);
-    if (st == KVB_OK) worker_->Published(region->segment_id);
+    st = worker_->MapMemory(region->addr, region->length, &memh, rkey, err);
+    if (st == KVB_OK && rkey->size() <= rkey_cap) worker_->Published(region->segment_id);
   });
-  if (st != KVB_OK) {
-    Log(KVB_LOG_ERROR, err);
-    return st;
-  }
-  if (bytes.size() > rkey_cap || rkey == nullptr) {
-    Log(KVB_LOG_ERROR, "ucx: the rkey needs " + U(bytes.size()) + " bytes, the host offers " +
-                           U(rkey_cap));
-    worker_->RunSync([&] { worker_->Revoke(region->segment_id, memh, nullptr, 0, [] {}); });
+  if (st != KVB_OK) return st;
+  if (rkey->size() > rkey_cap) {
+    *err = "ucx: the rkey needs " + U(rkey->size()) + " bytes, the host offers " + U(rkey_cap);
+    std::promise<void> unmapped;
+    worker_->Run([&] {
+      worker_->UnmapWhenIdle(memh, nullptr, 0, [&] { unmapped.set_value(); });
+    });
+    unmapped.get_future().wait();
     return KVB_ERR_INVALID_ARGUMENT;
   }
-  std::memcpy(rkey, bytes.data(), bytes.size());
-  *rkey_len = static_cast<uint32_t>(bytes.size());
   std::lock_guard<std::mutex> lock(regions_mu_);
   regions_[region->segment_id] =
       Region{static_cast<uint8_t*>(region->addr), region->length, memh};

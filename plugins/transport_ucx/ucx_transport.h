@@ -166,9 +166,11 @@ class Transport {
                              std::unique_ptr<Transport>* out, std::string* err);
   ~Transport();
 
-  int32_t GetEndpoints(char* buf, uint32_t buf_len) const;
-  kvb_status_t RegisterMemory(const kvb_region_t* region, uint8_t* rkey, uint32_t rkey_cap,
-                              uint32_t* rkey_len);
+  // What get_endpoints returns: "ucx1;a=<base64 worker address>;h=<host key>;p=<pid>".
+  std::string EndpointsText() const;
+  // Maps the region; *rkey gets [u64 LE base][packed rkey] (at most rkey_cap bytes).
+  kvb_status_t RegisterMemory(const kvb_region_t* region, uint32_t rkey_cap, std::string* rkey,
+                              std::string* err);
   kvb_status_t DeregisterMemory(uint64_t segment_id);
   kvb_status_t AddPeer(const kvb_peer_info_t* info, Peer** out, std::string* err);
   kvb_status_t UpdatePeer(Peer* peer, const kvb_peer_info_t* info, std::string* err);
