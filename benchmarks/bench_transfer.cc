@@ -40,7 +40,23 @@ struct Args {
   double seconds = 2.0;  // per configuration
   std::vector<size_t> blocks = {4096, 16384, 65536, 262144, 1u << 20, 4u << 20};
   size_t region = 256u << 20;
+  std::string transport = "tcp";                  // the plugin both processes use
+  std::vector<std::string> config;                // "key=value" plugin settings, both processes
+  bool no_raw = false;                            // skip the raw-socket baseline
+  bool no_latency = false;                        // throughput rows only
 };
+
+// Engine options both roles share: the transport and the --config plugin settings.
+EngineOptions BaseOptions(const Args& a, const char* node_id) {
+  EngineOptions o = EngineOptions::FromEnv();
+  o.node_id = node_id;
+  o.transports = {a.transport};
+  for (const std::string& kv : a.config) {
+    const size_t eq = kv.find('=');
+    o.plugin_config[kv.substr(0, eq)] = eq == std::string::npos ? "" : kv.substr(eq + 1);
+  }
+  return o;
+}
 
 bool SendAll(int fd, const void* p, size_t n) {
   auto* c = static_cast<const char*>(p);
@@ -89,9 +105,7 @@ void ServeRaw(int fd, char* region, size_t region_len) {
 }
 
 int RunTarget(const Args& a) {
-  EngineOptions o = EngineOptions::FromEnv();
-  o.node_id = "bench-target";
-  o.transports = {"tcp"};
+  EngineOptions o = BaseOptions(a, "bench-target");
   auto engine = TransferEngine::Create(o);
   if (!engine.ok()) {
     std::cout << "ERR " << engine.status().ToString() << std::endl;
@@ -190,8 +204,16 @@ int RunInitiator(const Args& a, const char* self_exe) {
     dup2(from_child[1], 1);
     close(to_child[1]);
     close(from_child[0]);
-    std::string region = std::to_string(a.region);
-    execl(self_exe, self_exe, "--role", "target", "--region", region.c_str(), nullptr);
+    std::vector<std::string> args = {self_exe,      "--role",    "target", "--region",
+                                     std::to_string(a.region), "--transport", a.transport};
+    for (const std::string& kv : a.config) {
+      args.push_back("--config");
+      args.push_back(kv);
+    }
+    std::vector<char*> argv;
+    for (auto& s : args) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    execv(self_exe, argv.data());
     _exit(127);
   }
   close(to_child[0]);
@@ -216,10 +238,8 @@ int RunInitiator(const Args& a, const char* self_exe) {
       return 1;
     }
   }
-  EngineOptions o = EngineOptions::FromEnv();
-  o.node_id = "bench-initiator";
-  o.transports = {"tcp"};
-  o.plugin_config["tcp.lanes_per_peer"] = std::to_string(a.lanes);
+  EngineOptions o = BaseOptions(a, "bench-initiator");
+  if (a.transport == "tcp") o.plugin_config["tcp.lanes_per_peer"] = std::to_string(a.lanes);
   auto engine_r = TransferEngine::Create(o);
   if (!engine_r.ok()) {
     std::cerr << engine_r.status().ToString() << "\n";
@@ -234,7 +254,7 @@ int RunInitiator(const Args& a, const char* self_exe) {
     return 1;
   }
   std::vector<int> raw_fds;
-  for (int t = 0; t < a.threads; ++t) raw_fds.push_back(Connect(raw_port));
+  for (int t = 0; t < a.threads && !a.no_raw; ++t) raw_fds.push_back(Connect(raw_port));
 
   struct Row {
     std::string mode;  // "throughput": threads x batch; "latency": one op at a time
@@ -250,6 +270,7 @@ int RunInitiator(const Args& a, const char* self_exe) {
   };
   const Mode modes[] = {{"throughput", a.threads, a.batch}, {"latency", 1, 1}};
   for (const Mode& mode : modes) {
+    if (a.no_latency && std::string(mode.name) == "latency") continue;
     for (size_t block : a.blocks) {
       const size_t batch_bytes = block * mode.batch;
       const size_t area = a.region / mode.threads;
@@ -267,7 +288,8 @@ int RunInitiator(const Args& a, const char* self_exe) {
           }
           return engine.Transfer(ops).ok();
         });
-        Measure r = RunLoops(mode.threads, a.seconds, batch_bytes, [&](int t) {
+        Measure r;
+        if (!a.no_raw) r = RunLoops(mode.threads, a.seconds, batch_bytes, [&](int t) {
           RawRequest rq{code == OpCode::kWrite ? 1u : 2u, 0, batch_bytes};
           char* p = local.data() + t * area;
           if (!SendAll(raw_fds[t], &rq, sizeof(rq))) return false;
@@ -362,9 +384,19 @@ int main(int argc, char** argv) {
         a.blocks.push_back(std::stoull(s.substr(p, c - p)));
         p = c == std::string::npos ? s.size() : c + 1;
       }
+    } else if (k == "--transport") {
+      a.transport = next();
+    } else if (k == "--config") {
+      a.config.push_back(next());
+    } else if (k == "--no-raw") {
+      a.no_raw = true;
+    } else if (k == "--no-latency") {
+      a.no_latency = true;
     } else if (k == "--help" || k == "-h") {
       std::cout << "usage: kvb_bench_transfer [--quick] [--threads N] [--batch N] [--lanes N]\n"
-                   "         [--seconds S] [--blocks b1,b2,...] [--region BYTES]\n";
+                   "         [--seconds S] [--blocks b1,b2,...] [--region BYTES]\n"
+                   "         [--transport tcp|ucx] [--config key=value]... [--no-raw]\n"
+                   "         [--no-latency]\n";
       return 0;
     } else {
       std::cerr << "unknown flag " << k << " (try --help)\n";

@@ -66,6 +66,7 @@ bool LoadConfig(const kvb_host_services_t* host, Config* out, std::string* err) 
       read("ucx.connect_timeout_ms", 1, 600000, &c.connect_timeout_ms) &&
       read("ucx.progress_timeout_ms", 1, 3600000, &c.progress_timeout_ms) &&
       read("ucx.spin_us", 0, 1000000, &c.spin_us) &&
+      read("ucx.idle_poll_ms", 1, 1000, &c.idle_poll_ms) &&
       read("ucx.max_handshakes", 1, 1000000, &c.max_handshakes);
   if (!ok) return false;
   std::string v;

@@ -51,6 +51,7 @@ struct Config {
   uint32_t connect_timeout_ms = 1000;   // the hello, from endpoint creation to OK
   uint32_t progress_timeout_ms = 2000;  // used when post opts give 0
   uint32_t spin_us = 50;                // busy progress before sleeping while work is in flight
+  uint32_t idle_poll_ms = 1;            // longest sleep of the progress thread
   uint32_t max_handshakes = 256;        // inbound hellos in progress at once
   bool same_host_auto = true;           // ucx.same_host=auto|off
   std::string tls;                      // ucx.tls: UCX_TLS for this instance ("" = UCX's own)

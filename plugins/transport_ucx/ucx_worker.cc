@@ -238,8 +238,13 @@ void Worker::Loop() {
       std::lock_guard<std::mutex> lock(cmd_mu_);
       if (!cmds_.empty()) continue;
     }
-    int timeout_ms = 100;
-    if (Busy() || !unmaps_.empty() || !inbound_.empty() || !revocations_.empty()) timeout_ms = 5;
+    // Never sleep long: UCX 1.13 does not always signal the worker's fd for what a peer's
+    // flush waits on (measured: 64 KiB writes took ~32 ms per batch with a 100 ms sleep, ~1 ms
+    // with 1 ms), so an idle target still progresses every ucx.idle_poll_ms.
+    int timeout_ms = static_cast<int>(cfg_->idle_poll_ms);
+    if (Busy() || !unmaps_.empty() || !inbound_.empty() || !revocations_.empty()) {
+      timeout_ms = std::min(timeout_ms, 5);
+    }
     if (!deadlines_.empty()) {
       const uint64_t at = deadlines_.top().at;
       const uint64_t ms = at <= now ? 0 : (at - now + 999'999) / 1'000'000;
