@@ -1,6 +1,6 @@
 // kvbridge::ucx::Transport: the ucx transport plugin's backend (docs/transports/ucx.md).
 //
-// One ucp_context (RMA | AM | WAKEUP) and one ucp_worker (UCS_THREAD_MODE_SINGLE) per
+// One ucp_context (RMA | AM) and one ucp_worker (UCS_THREAD_MODE_SINGLE) per
 // instance, both owned by one progress thread (ucx_worker.cc). No other thread calls UCX: the
 // ABI ops validate and admit on the caller's thread, then hand the progress thread a command
 // (a mutex-guarded queue plus an eventfd) and, where the contract requires it (register,
@@ -50,7 +50,7 @@ struct Config {
   uint64_t max_queued_slices_per_peer = 65536;
   uint32_t connect_timeout_ms = 1000;   // the hello, from endpoint creation to OK
   uint32_t progress_timeout_ms = 2000;  // used when post opts give 0
-  uint32_t spin_us = 50;                // busy progress before sleeping while work is in flight
+  uint32_t spin_us = 200;               // busy progress after the last activity before sleeping
   uint32_t idle_poll_ms = 1;            // longest sleep of the progress thread
   uint32_t max_handshakes = 256;        // inbound hellos in progress at once
   bool same_host_auto = true;           // ucx.same_host=auto|off

@@ -3,8 +3,8 @@
 // The thread loops: run queued commands, ucp_worker_progress, serve hellos, issue queued slices
 // of every peer (endpoint creation, hello, rkey unpack, put/get, flush), check timers
 // (deadlines, progress timeouts, hello timeouts), spin for ucx.spin_us while UCX work is in
-// flight, then ucp_worker_arm and epoll on the worker's fd, the command eventfd and the pidfds
-// of same-host peers.
+// flight, then epoll on the command eventfd and the pidfds of same-host peers for at most
+// ucx.idle_poll_ms (the context has no UCP_FEATURE_WAKEUP: in UCX 1.13 it would drop cma).
 //
 // Thread-safety: Run/RunSync may be called from any thread; everything else is called only on
 // the progress thread (from commands), and the members it touches are that thread's alone.
@@ -144,7 +144,6 @@ class Worker {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::string address_;
-  int efd_ = -1;    // the worker's event fd
   int cmdfd_ = -1;  // eventfd: commands queued
   int epfd_ = -1;
   std::thread thread_;
@@ -207,6 +206,7 @@ class Worker {
   uint64_t next_session_ = 0;
   uint32_t hellos_ = 0;  // endpoints in the hello state
   uint64_t next_liveness_ns_ = 0;
+  uint64_t last_activity_ns_ = 0;  // when progress, a command or a completion last did something
   uint32_t records_ = 0;  // all outstanding UCX operations
 };
 

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""benchmarks/run ucx: kvbridge over UCX vs. ucx_perftest and vs. kvbridge's tcp plugin.
+
+One run measures, for each UCX_TLS set ("sm": sysv,posix,cma,self with same-host NONE-mode
+endpoints; "tcp": tcp with PEER-mode endpoints, ucx.same_host=off) and each block size:
+  - ucx_perftest (ucp_put_bw for writes, ucp_get for reads) as a server/client pair on
+    127.0.0.1 with that UCX_TLS;
+  - kvb_bench_transfer --transport ucx with ucx.tls set to the same list (1 thread, batches of
+    16 ops), writes and reads;
+  - kvb_bench_transfer --transport tcp at the same sizes and shape;
+  - memcpy of the same block in this process (the ceiling for a same-host copy).
+Progress goes to stderr; the last stdout line is one JSON object. Goals are reported, never
+asserted: the exit status is non-zero only when a measurement could not be taken.
+"""
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+TLS_SETS = {
+    "sm": {"tls": "sysv,posix,cma,self", "same_host": "auto"},
+    "tcp": {"tls": "tcp,self", "same_host": "off"},
+}
+MIB = 1 << 20
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def perftest(test, size, iters, tls):
+    """GB/s (1e9 bytes/s) from ucx_perftest's "Final:" row (its bandwidth column is MiB/s)."""
+    env = dict(os.environ, UCX_TLS=tls)
+    port = free_port()
+    server = subprocess.Popen(["ucx_perftest", "-p", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.3)
+        out = subprocess.run(
+            ["ucx_perftest", "127.0.0.1", "-p", str(port), "-t", test, "-s", str(size), "-n",
+             str(iters), "-w", str(max(10, iters // 10))],
+            env=env, capture_output=True, text=True, timeout=120).stdout
+    finally:
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    for line in out.splitlines():
+        if line.startswith("Final:"):
+            cols = line.split()
+            return float(cols[5]) * MIB / 1e9  # "average" bandwidth, MiB/s
+    raise RuntimeError(f"ucx_perftest {test} {size} printed no Final row:\n{out}")
+
+
+def kvb_bench(build, transport, blocks, seconds, config):
+    cmd = [os.path.join(build, "benchmarks", "kvb_bench_transfer"), "--transport", transport,
+           "--threads", "1", "--batch", "16", "--seconds", str(seconds), "--no-raw",
+           "--no-latency", "--region", str(max(64 * MIB, 16 * max(blocks) * 2)),
+           "--blocks", ",".join(str(b) for b in blocks)]
+    for kv in config:
+        cmd += ["--config", kv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = {}
+    for row in res["results"]:
+        out[(row["op"], row["block_bytes"])] = (row["gbps"], row["failures"])
+    return out
+
+
+def memcpy_gbps(size, seconds=0.3):
+    src = bytearray(os.urandom(size))
+    dst = bytearray(size)
+    mv_src, mv_dst = memoryview(src), memoryview(dst)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        mv_dst[:] = mv_src
+        n += 1
+    return n * size / (time.perf_counter() - t0) / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="64 KiB and 1 MiB, 1 s each")
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--blocks", default="65536,262144,1048576,4194304")
+    ap.add_argument("--sets", default="sm,tcp")
+    ap.add_argument("--build", default=os.environ.get("BUILD_DIR", "build"))
+    a = ap.parse_args()
+    blocks = [int(b) for b in a.blocks.split(",")]
+    seconds = a.seconds
+    if a.quick:
+        blocks, seconds = [65536, MIB], 1.0
+    sets = [s for s in a.sets.split(",") if s]
+
+    log("ucx bench: kvbridge tcp plugin ...")
+    tcp = kvb_bench(a.build, "tcp", blocks, seconds, [])
+    results, failures = {}, 0
+    for set_name in sets:
+        tls = TLS_SETS[set_name]
+        log(f"ucx bench: kvbridge ucx, set {set_name} (ucx.tls={tls['tls']}) ...")
+        kvb = kvb_bench(a.build, "ucx", blocks, seconds,
+                        [f"ucx.tls={tls['tls']}", f"ucx.same_host={tls['same_host']}"])
+        results[set_name] = {}
+        for op, test in (("write", "ucp_put_bw"), ("read", "ucp_get")):
+            results[set_name][op] = {}
+            for block in blocks:
+                iters = max(200, min(20000, int(2e9 * seconds / 4 / block)))
+                log(f"ucx bench: ucx_perftest {test} {block} B, UCX_TLS={tls['tls']} ...")
+                pt = perftest(test, block, iters, tls["tls"])
+                k_gbps, k_fail = kvb[(op, block)]
+                t_gbps, _ = tcp[(op, block)]
+                failures += k_fail
+                row = {
+                    "ucx_perftest_gbps": round(pt, 3),
+                    "kvb_ucx_gbps": round(k_gbps, 3),
+                    "kvb_tcp_gbps": round(t_gbps, 3),
+                    "memcpy_gbps": round(memcpy_gbps(block), 3),
+                    "ratio_vs_perftest": round(k_gbps / pt, 3) if pt else None,
+                    "ratio_vs_tcp": round(k_gbps / t_gbps, 3) if t_gbps else None,
+                    "kvb_ucx_failures": k_fail,
+                }
+                row["ratio_vs_memcpy"] = (round(k_gbps / row["memcpy_gbps"], 3)
+                                          if row["memcpy_gbps"] else None)
+                results[set_name][op][str(block)] = row
+                log(f"  {set_name} {op} {block}: {row}")
+    big = [b for b in blocks if b >= MIB]
+    goals = {
+        "vs_perftest_ge_0_9": all(r["ratio_vs_perftest"] is not None and r["ratio_vs_perftest"] >= 0.9
+                                  for s in results.values() for o in s.values() for r in o.values()),
+        "sm_vs_tcp_ge_3_at_1MiB": bool(big) and "sm" in results and all(
+            (results["sm"][op][str(b)]["ratio_vs_tcp"] or 0) >= 3 for op in ("write", "read")
+            for b in big),
+    }
+    print(json.dumps({"benchmark": "ucx", "quick": a.quick, "seconds": seconds,
+                      "shape": "1 thread, batches of 16 ops (kvbridge); perftest default",
+                      "results": results, "goals": goals}))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
