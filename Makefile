@@ -106,9 +106,18 @@ bench: setup
 	BUILD_DIR=$(abspath $(BUILD_DIR)) benchmarks/run transfer
 	BUILD_DIR=$(abspath $(BUILD_DIR)) benchmarks/run store
 
+FORMAT_FILES = find $(FORMAT_DIRS) -type f \( -name '*.h' -o -name '*.c' -o -name '*.cc' \
+	  -o -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' \) -print0 2>/dev/null
 format:
-	find $(FORMAT_DIRS) -type f \( -name '*.h' -o -name '*.c' -o -name '*.cc' -o -name '*.cpp' \
-	  -o -name '*.cu' -o -name '*.cuh' \) -print0 2>/dev/null | xargs -0 -r clang-format -i
+	$(FORMAT_FILES) | xargs -0 -r clang-format -i
+
+# Formatting (clang-format 14, .clang-format), Python lint (ruff, ruff.toml) and the plugin
+# seam (scripts/check_seams.sh) over the whole tree. The first step of `make test`.
+.PHONY: lint
+lint: setup
+	$(FORMAT_FILES) | xargs -0 -r clang-format --dry-run --Werror
+	$(abspath $(VENV))/bin/ruff check .
+	scripts/check_seams.sh
 
 clean:
 	rm -rf $(BUILD_DIR)

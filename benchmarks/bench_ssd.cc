@@ -151,29 +151,17 @@ Rates Baseline(const Args& a, uint64_t size, uint64_t n, const std::vector<uint8
 
 // Host services that pass log lines to stderr and keep the "ready" line.
 struct BenchHost {
-  explicit BenchHost(std::map<std::string, std::string> config) : inner(std::move(config)) {
-    table = *inner.table();
-    table.host_ctx = this;
-    table.log = [](void* ctx, int32_t level, const char* plugin, const char* msg) {
-      auto* self = static_cast<BenchHost*>(ctx);
-      if (level >= KVB_LOG_WARN) std::fprintf(stderr, "  %s: %s\n", plugin, msg);
-      const std::string m = msg;
-      if (m.find(" ready in ") != std::string::npos) {
-        std::lock_guard<std::mutex> lk(self->mu);
-        self->ready = m;
-      }
-    };
-    table.config_get = [](void* ctx, const char* key, char* buf, uint32_t len) {
-      const kvb_host_services_t* t = static_cast<BenchHost*>(ctx)->inner.table();
-      return t->config_get(t->host_ctx, key, buf, len);
-    };
-    table.now_ns = [](void* ctx) {
-      const kvb_host_services_t* t = static_cast<BenchHost*>(ctx)->inner.table();
-      return t->now_ns(t->host_ctx);
-    };
-  }
+  explicit BenchHost(std::map<std::string, std::string> config)
+      : inner(std::move(config), std::nullopt,
+              [this](int32_t level, const char* plugin, const char* msg) {
+                if (level >= KVB_LOG_WARN) std::fprintf(stderr, "  %s: %s\n", plugin, msg);
+                const std::string m = msg;
+                if (m.find(" ready in ") != std::string::npos) {
+                  std::lock_guard<std::mutex> lk(mu);
+                  ready = m;
+                }
+              }) {}
   HostServices inner;
-  kvb_host_services_t table;
   std::mutex mu;
   std::string ready;
 };
@@ -189,7 +177,7 @@ Rates ThroughPlugin(const Args& a, PluginHost& plugins, uint64_t size, uint64_t 
   config.node_id = "bench";
   config.capacity_bytes = n * (size + 8192) + 1024 * kMiB;
   config.path = dir;
-  config.services = &host.table;
+  config.services = host.inner.table();
   auto created = plugins.CreateStorage("ssd", config);
   if (!created.ok()) Die(created.status().ToString());
   std::unique_ptr<StorageInstance> s = std::move(created).value();

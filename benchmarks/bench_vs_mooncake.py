@@ -110,9 +110,9 @@ def start_master(impl: str):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             break
-        except OSError:
+        except OSError as e:
             if time.monotonic() > deadline:
-                raise RuntimeError("mooncake_master did not start")
+                raise RuntimeError("mooncake_master did not start") from e
             time.sleep(0.05)
     return f"127.0.0.1:{port}", p
 
@@ -265,7 +265,7 @@ def bench_raw(sizes: list[int], batch: int, seconds: float) -> list[dict]:
         for size in sizes:
             n = size * batch
             for op in ("write", "read"):
-                def once():
+                def once(op=op, n=n):
                     sock.sendall(struct.pack("<BQ", ord("W" if op == "write" else "R"), n))
                     if op == "write":
                         sock.sendall(view[:n])
@@ -354,7 +354,8 @@ def bench_transfer(impl: str, sizes: list[int], batch: int, seconds: float) -> l
             rems = [remote + i * size for i in range(batch)]
             lens = [size] * batch
             for op in ("write", "read"):
-                fn = eng.batch_transfer_sync_write if op == "write" else eng.batch_transfer_sync_read
+                fn = (eng.batch_transfer_sync_write if op == "write"
+                      else eng.batch_transfer_sync_read)
                 assert fn(session, locs, rems, lens) == 0  # warm-up (connections, handshake)
                 lat, failed = [], 0
                 t0 = time.perf_counter()

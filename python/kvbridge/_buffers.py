@@ -59,7 +59,8 @@ def region(obj: BufferLike, *, writable: bool, what: str = "buffer") -> Region:
     try:
         address, length, _readonly = _C.buffer_address(obj, writable)
     except BufferError as e:
-        raise InvalidArgumentError(f"{what}: {type(obj).__name__} cannot be used as memory: {e}")
+        raise InvalidArgumentError(
+            f"{what}: {type(obj).__name__} cannot be used as memory: {e}") from e
     except TypeError:
         raise InvalidArgumentError(
             f"{what}: expected a torch.Tensor, an object with the buffer protocol or an "

@@ -91,7 +91,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     node_id, inc = node.id
     ssd = node.ssd_status
     ssd_text = ("SSD tier at " + args.ssd_path if ssd.ok else
-                "no SSD tier" + ("" if ssd.name == "NOT_FOUND" else f" ({ssd.name}: {ssd.message})"))
+                "no SSD tier"
+                + ("" if ssd.name == "NOT_FOUND" else f" ({ssd.name}: {ssd.message})"))
     _emit(args, f"kvbridge node {node_id} ({inc:#018x}) serving, {ssd_text}; SIGTERM drains, a "
           "second signal stops at once", event="ready", role="node", node_id=node_id,
           incarnation=inc, ssd=ssd.ok, ssd_error="" if ssd.ok else ssd.message)

@@ -170,7 +170,8 @@ class TransferEngine:
         out = []
         for i, op in enumerate(ops):
             if not isinstance(op, Op):
-                raise InvalidArgumentError(f"ops[{i}]: expected kvbridge.Op, got {type(op).__name__}")
+                raise InvalidArgumentError(
+                    f"ops[{i}]: expected kvbridge.Op, got {type(op).__name__}")
             r = _buffers.region(op.local, writable=op.opcode == READ, what=f"ops[{i}].local")
             length = r.length if op.length is None else op.length
             if length > r.length:

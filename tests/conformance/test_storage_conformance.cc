@@ -7,6 +7,8 @@
 // (2 MiB rounding, its configuration keys, its log lines, prefault); the ssd plugin's own tests
 // are in tests/ssd/.
 #include <gtest/gtest.h>
+
+#include <cstdio>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -49,16 +51,12 @@ kvb_status_t Code(const Status& st) { return static_cast<kvb_status_t>(st.code()
 // also kept, so tests can read what a plugin said.
 class TestHost {
  public:
-  explicit TestHost(std::map<std::string, std::string> config) : inner_(std::move(config)) {
-    table_ = kvb_host_services_t{
-        .struct_size = sizeof(kvb_host_services_t),
-        .host_ctx = this,
-        .log = &TestHost::LogFn,
-        .config_get = &TestHost::ConfigGetFn,
-        .now_ns = &TestHost::NowFn,
-    };
-  }
-  const kvb_host_services_t* table() const { return &table_; }
+  explicit TestHost(std::map<std::string, std::string> config)
+      : inner_(std::move(config), std::nullopt,
+               [this](int32_t level, const char* plugin, const char* msg) {
+                 Record(level, plugin, msg);
+               }) {}
+  const kvb_host_services_t* table() const { return inner_.table(); }
   std::vector<std::string> lines() const {
     std::lock_guard<std::mutex> lk(mu_);
     return lines_;
@@ -71,26 +69,15 @@ class TestHost {
   }
 
  private:
-  static void LogFn(void* ctx, int32_t level, const char* plugin, const char* msg) {
-    auto* self = static_cast<TestHost*>(ctx);
+  void Record(int32_t level, const char* plugin, const char* msg) {
     {
-      std::lock_guard<std::mutex> lk(self->mu_);
-      self->lines_.push_back(std::string(plugin ? plugin : "?") + ": " + (msg ? msg : ""));
+      std::lock_guard<std::mutex> lk(mu_);
+      lines_.push_back(std::string(plugin) + ": " + msg);
     }
-    const kvb_host_services_t* t = self->inner_.table();
-    t->log(t->host_ctx, level, plugin, msg);  // and to the one logger, for KVBRIDGE_LOG_LEVEL
-  }
-  static int32_t ConfigGetFn(void* ctx, const char* key, char* buf, uint32_t len) {
-    const kvb_host_services_t* t = static_cast<TestHost*>(ctx)->inner_.table();
-    return t->config_get(t->host_ctx, key, buf, len);
-  }
-  static uint64_t NowFn(void* ctx) {
-    const kvb_host_services_t* t = static_cast<TestHost*>(ctx)->inner_.table();
-    return t->now_ns(t->host_ctx);
+    if (level >= KVB_LOG_WARN) std::fprintf(stderr, "[%s] %s\n", plugin, msg);
   }
 
-  HostServices inner_;
-  kvb_host_services_t table_;
+  HostServices inner_;  // a storage plugin's host: no identity, the auth services unavailable
   mutable std::mutex mu_;
   std::vector<std::string> lines_;
 };

@@ -34,6 +34,7 @@ def log_dir(request) -> Path:
     """Per-test directory for role logs under the build tree (kept after the run to read)."""
     import harness
 
-    d = harness.WORK_DIR / "logs" / request.node.name.replace("/", "_").replace("[", "-").rstrip("]")
+    name = request.node.name.replace("/", "_").replace("[", "-").rstrip("]")
+    d = harness.WORK_DIR / "logs" / name
     d.mkdir(parents=True, exist_ok=True)
     return d

@@ -29,7 +29,8 @@ HERE = Path(__file__).resolve().parent
 WORK_DIR = Path(os.environ.get("KVBRIDGE_ENGINES_WORK") or BUILD_DIR / "engines").resolve()
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven red birds sing about cold "
-         "winter nights and warm summer days near old stone bridges under bright blue skies").split()
+         "winter nights and warm summer days near old stone bridges under bright blue skies"
+         ).split()
 
 
 def free_port() -> int:
@@ -46,7 +47,8 @@ def engine_env(extra: Optional[dict] = None, pythonpath: Iterable[os.PathLike] =
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
                 "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
     env.update(extra or {})
@@ -104,7 +106,8 @@ class Role:
         self.err_path = log_dir / f"{name}.err"
         self._out = open(self.out_path, "wb")
         self._err = open(self.err_path, "wb")
-        self.proc = subprocess.Popen([str(a) for a in argv], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen([str(a) for a in argv], env=env, cwd=cwd,
+                                     stdin=subprocess.DEVNULL,
                                      stdout=self._out, stderr=self._err, start_new_session=True)
 
     @property
@@ -197,7 +200,8 @@ class KvbridgeDaemons:
         self.nodes = [self.add_node(f"node{i}", dram_bytes) for i in range(nodes)]
 
     def _start(self, name: str, args: list) -> Role:
-        role = Role(name, [sys.executable, "-m", "kvbridge", *args, "--json"], self.env, self.log_dir)
+        role = Role(name, [sys.executable, "-m", "kvbridge", *args, "--json"], self.env,
+                    self.log_dir)
         self.roles.append(role)
         return role
 

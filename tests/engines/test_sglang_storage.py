@@ -145,7 +145,7 @@ CASES = [(layout, False, 2) for layout in LAYOUTS] + [(layout, True, 2) for layo
 
 
 @pytest.mark.parametrize("layout,mla,layers", CASES,
-                         ids=[f"{l}-{'mla' if m else 'mha'}-L{n}" for l, m, n in CASES])
+                         ids=[f"{lay}-{'mla' if m else 'mha'}-L{n}" for lay, m, n in CASES])
 def test_v1_round_trip_into_other_host_slots(master, backends, cluster, layout, mla, layers):
     host = make_host(layout, mla=mla, layers=layers)
     b = make_backend(master, host, mla=mla)
@@ -269,7 +269,7 @@ def test_mla_pages_are_written_by_rank_0_and_read_by_every_rank(master, backends
 
 
 # -- the generic interface -----------------------------------------------------------------
-@pytest.mark.parametrize("layout,mla", [(l, False) for l in LAYOUTS] + [("layer_first", True)])
+@pytest.mark.parametrize("layout,mla", [(lay, False) for lay in LAYOUTS] + [("layer_first", True)])
 def test_generic_interface_round_trip(master, backends, layout, mla):
     """What the controller does without interface_v1: batch_set of get_data_page(...) tensors,
     batch_get into get_dummy_flat_data_page() tensors, then set_from_flat_data_page."""

@@ -32,7 +32,8 @@ def cluster():
 def python_env() -> dict:
     """Environment for child Python processes: same kvbridge as this process."""
     env = dict(os.environ)
-    pkg_parent = str(Path(os.path.abspath(kvbridge.__file__)).parent.parent)  # not resolve(): the build tree stages symlinks
+    # Not resolve(): the build tree stages symlinks.
+    pkg_parent = str(Path(os.path.abspath(kvbridge.__file__)).parent.parent)
     env["PYTHONPATH"] = pkg_parent + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

@@ -83,7 +83,7 @@ def test_master_nodes_status_bench_and_drain(daemons):
     node_a = daemons[1]
     node_a.send_signal(signal.SIGTERM)
     assert node_a.wait(timeout=30) == 0
-    lines = [json.loads(l) for l in node_a.stdout.read().decode().splitlines() if l.strip()]
+    lines = [json.loads(ln) for ln in node_a.stdout.read().decode().splitlines() if ln.strip()]
     assert lines[-1]["event"] == "stopped" and lines[-1]["result"] == "drained"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

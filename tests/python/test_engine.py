@@ -123,7 +123,8 @@ def test_batch_bounds_are_keywords_and_named_when_passed(peer):
         eng.register(local)
         base = kvbridge._buffers.region(local, writable=True).address
         tiny = [kvbridge.Op(kvbridge.WRITE, (base + i, 1), "py-peer", seg, i) for i in range(5)]
-        with pytest.raises(errors.InvalidArgumentError, match=r"5 ops exceed max_ops_per_batch \(4\)"):
+        with pytest.raises(errors.InvalidArgumentError,
+                           match=r"5 ops exceed max_ops_per_batch \(4\)"):
             eng.submit(tiny)
         assert all(s.ok for s in eng.transfer(tiny[:4]))
         freeze(proc.pid)  # nothing sent to the peer finishes now

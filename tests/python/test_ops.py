@@ -93,12 +93,12 @@ def sglang_oracle(k, v, host, dslots, hslots, layout, page_size, layer, to_host)
     ds, hs = dslots[keep], hslots[keep]
     layers = range(len(k)) if layer is None else [layer]
     for kv, part in enumerate([k] if mla else [k, v]):
-        for l in layers:
-            h, idx = host_index(host, layout, page_size, mla, kv, l, hs)
+        for layer_i in layers:
+            h, idx = host_index(host, layout, page_size, mla, kv, layer_i, hs)
             if to_host:
-                h[idx] = part[l][ds]
+                h[idx] = part[layer_i][ds]
             else:
-                part[l][ds] = h[idx]
+                part[layer_i][ds] = h[idx]
     return k, v, host
 
 
@@ -293,11 +293,11 @@ def vllm_oracle(layers, pages, block_ids, page_ids, kv_dim, block_dim, layer_dim
         else:
             flat[0][pos[b]] = out[p]
     else:
-        for l, f in enumerate(flat):
+        for li, f in enumerate(flat):
             if to_pages:
-                out[p, l] = f[pos[b, 0]]
+                out[p, li] = f[pos[b, 0]]
             else:
-                f[pos[b, 0]] = out[p, l]
+                f[pos[b, 0]] = out[p, li]
     return [f.view(tuple(layers[0].shape)) for f in flat], pages
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import sys
 import time
 
 import pytest

@@ -46,7 +46,7 @@ def test_pip_names_the_missing_package_in_one_line(tmp_path, tool, package):
                        env=env, capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode != 0
-    line = next(l for l in out.splitlines() if "kvbridge: cannot build" in l)
+    line = next(ln for ln in out.splitlines() if "kvbridge: cannot build" in ln)
     assert f"`{tool}`" in line and package in line and "scripts/setup.sh" in line, line
     assert "CMake Error" not in out  # stopped before CMake
     assert not (tmp_path / "build" / "CMakeCache.txt").exists()

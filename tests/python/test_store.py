@@ -156,7 +156,8 @@ def test_pointer_list_batches_and_their_bad_inputs(cluster):
     failed = store.batch_put_from_ptrs(["twice", "twice"], [a, a + 64], [64, 64])
     assert {st.name for st in failed.values()} == {"INVALID_ARGUMENT"} and len(failed) == 2
     assert "appears 2 times" in failed[0].message
-    with pytest.raises(errors.InvalidArgumentError, match=r"addresses\[1\]: expected int, got bool"):
+    with pytest.raises(errors.InvalidArgumentError,
+                       match=r"addresses\[1\]: expected int, got bool"):
         store.batch_get_into_ptrs(keys[:2], [b, True], [64, 64])
     with pytest.raises(errors.InvalidArgumentError, match=r"lengths\[0\]: expected int, got str"):
         store.batch_put_from_ptrs(["s"], [a], ["64"])
@@ -268,7 +269,7 @@ def test_closed_objects_raise_unavailable():
     with pytest.raises(errors.UnavailableError, match="closed"):
         store.put("k", b"v")
     with pytest.raises(errors.UnavailableError):
-        c.master_address
+        _ = c.master_address
 
 
 def test_blocking_calls_release_the_gil(cluster):

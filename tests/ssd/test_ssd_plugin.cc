@@ -58,14 +58,12 @@ kvb_status_t Code(const Status& st) { return static_cast<kvb_status_t>(st.code()
 // Host services whose config is a map and whose log lines are kept for the test to read.
 class Host {
  public:
-  explicit Host(std::map<std::string, std::string> config) : inner_(std::move(config)) {
-    table_ = kvb_host_services_t{.struct_size = sizeof(kvb_host_services_t),
-                                 .host_ctx = this,
-                                 .log = &Host::LogFn,
-                                 .config_get = &Host::ConfigGetFn,
-                                 .now_ns = &Host::NowFn};
-  }
-  const kvb_host_services_t* table() const { return &table_; }
+  explicit Host(std::map<std::string, std::string> config)
+      : inner_(std::move(config), std::nullopt, [this](int32_t, const char*, const char* msg) {
+          std::lock_guard<std::mutex> lk(mu_);
+          lines_.push_back(msg);
+        }) {}
+  const kvb_host_services_t* table() const { return inner_.table(); }
   std::vector<std::string> lines() const {
     std::lock_guard<std::mutex> lk(mu_);
     return lines_;
@@ -83,22 +81,7 @@ class Host {
   }
 
  private:
-  static void LogFn(void* ctx, int32_t level, const char* plugin, const char* msg) {
-    auto* self = static_cast<Host*>(ctx);
-    std::lock_guard<std::mutex> lk(self->mu_);
-    self->lines_.push_back(msg != nullptr ? msg : "");
-  }
-  static int32_t ConfigGetFn(void* ctx, const char* key, char* buf, uint32_t len) {
-    const kvb_host_services_t* t = static_cast<Host*>(ctx)->inner_.table();
-    return t->config_get(t->host_ctx, key, buf, len);
-  }
-  static uint64_t NowFn(void* ctx) {
-    const kvb_host_services_t* t = static_cast<Host*>(ctx)->inner_.table();
-    return t->now_ns(t->host_ctx);
-  }
-
   HostServices inner_;
-  kvb_host_services_t table_;
   mutable std::mutex mu_;
   std::vector<std::string> lines_;
 };

@@ -9,7 +9,7 @@ supported and what differs: kvbridge's docs/mooncake.md ("Drop-in package").
 
 try:
     import kvbridge as _kvbridge  # noqa: F401
-    from kvbridge.compat import mooncake as _compat
+    from kvbridge.compat import mooncake as _compat  # noqa: F401 (checks it imports)
 except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError(
         "this 'mooncake' package is kvbridge's drop-in (distribution kvbridge-mooncake-dropin) "

@@ -279,7 +279,8 @@ class TransferEngine:
                           TransferOpcode.READ)
 
     def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int,
-                      length: int, opcode: int, notify: Any = None, transport_hint: str = "") -> int:
+                      length: int, opcode: int, notify: Any = None,
+                      transport_hint: str = "") -> int:
         return self._sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode)
 
     def batch_transfer_sync_write(self, target_hostname: str, buffers: Sequence[int],
