@@ -40,10 +40,10 @@ struct Args {
   double seconds = 2.0;  // per configuration
   std::vector<size_t> blocks = {4096, 16384, 65536, 262144, 1u << 20, 4u << 20};
   size_t region = 256u << 20;
-  std::string transport = "tcp";                  // the plugin both processes use
-  std::vector<std::string> config;                // "key=value" plugin settings, both processes
-  bool no_raw = false;                            // skip the raw-socket baseline
-  bool no_latency = false;                        // throughput rows only
+  std::string transport = "tcp";    // the plugin both processes use
+  std::vector<std::string> config;  // "key=value" plugin settings, both processes
+  bool no_raw = false;              // skip the raw-socket baseline
+  bool no_latency = false;          // throughput rows only
 };
 
 // Engine options both roles share: the transport and the --config plugin settings.
@@ -204,8 +204,9 @@ int RunInitiator(const Args& a, const char* self_exe) {
     dup2(from_child[1], 1);
     close(to_child[1]);
     close(from_child[0]);
-    std::vector<std::string> args = {self_exe,      "--role",    "target", "--region",
-                                     std::to_string(a.region), "--transport", a.transport};
+    std::vector<std::string> args = {
+        self_exe,      "--role",   "target", "--region", std::to_string(a.region),
+        "--transport", a.transport};
     for (const std::string& kv : a.config) {
       args.push_back("--config");
       args.push_back(kv);
@@ -289,16 +290,17 @@ int RunInitiator(const Args& a, const char* self_exe) {
           return engine.Transfer(ops).ok();
         });
         Measure r;
-        if (!a.no_raw) r = RunLoops(mode.threads, a.seconds, batch_bytes, [&](int t) {
-          RawRequest rq{code == OpCode::kWrite ? 1u : 2u, 0, batch_bytes};
-          char* p = local.data() + t * area;
-          if (!SendAll(raw_fds[t], &rq, sizeof(rq))) return false;
-          if (code == OpCode::kWrite) {
-            uint8_t ack;
-            return SendAll(raw_fds[t], p, batch_bytes) && RecvAll(raw_fds[t], &ack, 1);
-          }
-          return RecvAll(raw_fds[t], p, batch_bytes);
-        });
+        if (!a.no_raw)
+          r = RunLoops(mode.threads, a.seconds, batch_bytes, [&](int t) {
+            RawRequest rq{code == OpCode::kWrite ? 1u : 2u, 0, batch_bytes};
+            char* p = local.data() + t * area;
+            if (!SendAll(raw_fds[t], &rq, sizeof(rq))) return false;
+            if (code == OpCode::kWrite) {
+              uint8_t ack;
+              return SendAll(raw_fds[t], p, batch_bytes) && RecvAll(raw_fds[t], &ack, 1);
+            }
+            return RecvAll(raw_fds[t], p, batch_bytes);
+          });
         std::cerr << " " << e.gbps << " GB/s, p50 " << e.p50_us << " us, p99 " << e.p99_us
                   << " us (raw " << r.gbps << " GB/s, p50 " << r.p50_us << " us)\n";
         rows.push_back({mode.name, name, block, mode.threads, mode.batch, e, r});

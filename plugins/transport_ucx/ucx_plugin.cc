@@ -31,9 +31,9 @@ class UcxPlugin {
     unsigned major = 0, minor = 0, release = 0;
     ucp_get_version(&major, &minor, &release);
     if (major > 1 || (major == 1 && minor >= 13)) return sdk::Status();
-    return sdk::Status(KVB_ERR_UNAVAILABLE, "UCX " + std::to_string(major) + "." +
-                                                std::to_string(minor) +
-                                                " is loaded; the ucx transport needs 1.13 or newer");
+    return sdk::Status(KVB_ERR_UNAVAILABLE,
+                       "UCX " + std::to_string(major) + "." + std::to_string(minor) +
+                           " is loaded; the ucx transport needs 1.13 or newer");
   }
 
   static sdk::Result<std::unique_ptr<UcxPlugin>> Create(sdk::Host host,

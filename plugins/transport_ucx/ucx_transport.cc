@@ -51,8 +51,8 @@ bool LoadConfig(const kvb_host_services_t* host, Config* out, std::string* err) 
     if (!set) return true;
     uint64_t value = 0;
     if (!plugin::ParseUnsigned(v, &value) || value < min || value > max) {
-      *err = std::string(key) + ": '" + v + "' is not an integer in [" + U(min) + ", " + U(max) +
-             "]";
+      *err =
+          std::string(key) + ": '" + v + "' is not an integer in [" + U(min) + ", " + U(max) + "]";
       return false;
     }
     *field = static_cast<std::remove_reference_t<decltype(*field)>>(value);
@@ -89,7 +89,8 @@ std::string SameHostKey() {
   std::string boot;
   std::ifstream f("/proc/sys/kernel/random/boot_id");
   std::getline(f, boot);
-  struct stat ipc{}, pidns{};
+  struct stat ipc {
+  }, pidns{};
   if (boot.empty() || stat("/proc/self/ns/ipc", &ipc) != 0 ||
       stat("/proc/self/ns/pid", &pidns) != 0) {
     return "";  // unknown: never treated as the same host
@@ -195,7 +196,8 @@ kvb_status_t Transport::Create(const kvb_host_services_t* host,
   if (const std::string missing = MissingAuthServices(host); !missing.empty()) {
     // Identity before any RMA: without the host's handshake the plugin cannot prove who it
     // reaches, so it refuses to run at all.
-    *err = "ucx: cannot run: " + missing + "; the ucx transport needs the ABI 1.2 host services "
+    *err = "ucx: cannot run: " + missing +
+           "; the ucx transport needs the ABI 1.2 host services "
            "node_id, incarnation, auth_begin, auth_need, auth_step, auth_peer and auth_end";
     return KVB_ERR_UNAVAILABLE;
   }
@@ -269,15 +271,12 @@ kvb_status_t Transport::RegisterMemory(const kvb_region_t* region, uint32_t rkey
   if (rkey->size() > rkey_cap) {
     *err = "ucx: the rkey needs " + U(rkey->size()) + " bytes, the host offers " + U(rkey_cap);
     std::promise<void> unmapped;
-    worker_->Run([&] {
-      worker_->UnmapWhenIdle(memh, nullptr, 0, [&] { unmapped.set_value(); });
-    });
+    worker_->Run([&] { worker_->UnmapWhenIdle(memh, nullptr, 0, [&] { unmapped.set_value(); }); });
     unmapped.get_future().wait();
     return KVB_ERR_INVALID_ARGUMENT;
   }
   std::lock_guard<std::mutex> lock(regions_mu_);
-  regions_[region->segment_id] =
-      Region{static_cast<uint8_t*>(region->addr), region->length, memh};
+  regions_[region->segment_id] = Region{static_cast<uint8_t*>(region->addr), region->length, memh};
   return KVB_OK;
 }
 
@@ -325,7 +324,8 @@ bool ParsePeerInfo(const kvb_peer_info_t* info, PeerAddress* address,
     return false;
   }
   const uint32_t stride = info->segment_size;
-  if (info->num_segments > 0 && stride < offsetof(kvb_peer_segment_t, rkey_len) + sizeof(uint32_t)) {
+  if (info->num_segments > 0 &&
+      stride < offsetof(kvb_peer_segment_t, rkey_len) + sizeof(uint32_t)) {
     *err = "ucx: peer segment struct_size too small to carry rkeys";
     return false;
   }
@@ -399,8 +399,8 @@ kvb_status_t Transport::UpdatePeer(Peer* peer, const kvb_peer_info_t* info, std:
     peer->segments = std::move(segments);
     ++peer->segments_version;  // endpoints re-unpack rkeys before their next RMA
   }
-  if (address.worker_address != peer->address.worker_address ||
-      address.pid != peer->address.pid || address.host_key != peer->address.host_key) {
+  if (address.worker_address != peer->address.worker_address || address.pid != peer->address.pid ||
+      address.host_key != peer->address.host_key) {
     bool same_host = false, exited = false;
     int pidfd = -1, old = -1;
     WatchLiveness(peer->node_id, address, &same_host, &pidfd, &exited);
@@ -474,9 +474,8 @@ void Transport::FailRequest(Request& r, kvb_status_t code, const std::string& ms
   Finalize(r, done);
 }
 
-kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_size,
-                             uint32_t count, const kvb_post_opts_t* opts, RequestHandle** out,
-                             std::string* err) {
+kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_size, uint32_t count,
+                             const kvb_post_opts_t* opts, RequestHandle** out, std::string* err) {
   if (peer == nullptr || out == nullptr || ops == nullptr || count == 0) {
     *err = "ucx: post: peer, ops and out are required and count must be > 0";
     return KVB_ERR_INVALID_ARGUMENT;
@@ -552,13 +551,13 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
         const bool known = seg != peer->segments.end();
         st.total_slices = 1;
         ++nslices;
-        prefailed.push_back(
-            {make_slice(i), known ? KVB_ERR_OUT_OF_BOUNDS : KVB_ERR_NOT_REGISTERED,
-             known ? "ucx: op " + U(i) + ": [" + U(op.remote_offset) + ", +" + U(op.length) +
-                         ") is outside segment " + U(op.remote_segment) + " of peer '" +
-                         peer->node_id + "' (" + U(seg->second.length) + " bytes)"
-                   : "ucx: op " + U(i) + ": segment " + U(op.remote_segment) +
-                         " is not registered at peer '" + peer->node_id + "'"});
+        prefailed.push_back({make_slice(i), known ? KVB_ERR_OUT_OF_BOUNDS : KVB_ERR_NOT_REGISTERED,
+                             known ? "ucx: op " + U(i) + ": [" + U(op.remote_offset) + ", +" +
+                                         U(op.length) + ") is outside segment " +
+                                         U(op.remote_segment) + " of peer '" + peer->node_id +
+                                         "' (" + U(seg->second.length) + " bytes)"
+                                   : "ucx: op " + U(i) + ": segment " + U(op.remote_segment) +
+                                         " is not registered at peer '" + peer->node_id + "'"});
         continue;
       }
       bytes += op.length;
@@ -573,16 +572,18 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
       }
     }
     const uint64_t qs = peer->queued_slices.load(), qb = peer->queued_bytes.load();
-    if (qs > 0 && nslices > config_.max_queued_slices_per_peer - std::min(qs, config_.max_queued_slices_per_peer)) {
+    if (qs > 0 && nslices > config_.max_queued_slices_per_peer -
+                                std::min(qs, config_.max_queued_slices_per_peer)) {
       *err = "ucx: post: peer '" + peer->node_id + "' has " + U(qs) + " slices queued; " +
              U(nslices) + " more exceed ucx.max_queued_slices_per_peer (" +
              U(config_.max_queued_slices_per_peer) + ")";
       return KVB_ERR_BACKPRESSURE;
     }
-    if (qb > 0 && bytes > config_.max_queued_bytes_per_peer - std::min(qb, config_.max_queued_bytes_per_peer)) {
-      *err = "ucx: post: peer '" + peer->node_id + "' has " + U(qb) + " bytes queued; " +
-             U(bytes) + " more exceed ucx.max_queued_bytes_per_peer (" +
-             U(config_.max_queued_bytes_per_peer) + ")";
+    if (qb > 0 && bytes > config_.max_queued_bytes_per_peer -
+                              std::min(qb, config_.max_queued_bytes_per_peer)) {
+      *err = "ucx: post: peer '" + peer->node_id + "' has " + U(qb) + " bytes queued; " + U(bytes) +
+             " more exceed ucx.max_queued_bytes_per_peer (" + U(config_.max_queued_bytes_per_peer) +
+             ")";
       return KVB_ERR_BACKPRESSURE;
     }
     req->outstanding_slices = static_cast<uint32_t>(nslices);

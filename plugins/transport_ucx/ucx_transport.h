@@ -137,7 +137,7 @@ struct Peer {
   // Progress-thread-only.
   std::deque<SlicePtr> queue;
   std::unique_ptr<Endpoint> ep;
-  int pidfd = -1;      // same-host peers: readable once the peer process has exited
+  int pidfd = -1;       // same-host peers: readable once the peer process has exited
   bool exited = false;  // the pidfd said so: every op fails PEER_UNREACHABLE
 };
 

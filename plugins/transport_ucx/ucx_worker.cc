@@ -104,8 +104,8 @@ kvb_status_t Worker::Init(std::string* err) {
   address_.assign(reinterpret_cast<const char*>(addr), addr_len);
   ucp_worker_release_address(worker_, addr);
   ucp_am_handler_param_t am{};
-  am.field_mask =
-      UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG;
   am.id = kAmId;
   am.cb = OnAm;
   am.arg = this;
@@ -153,8 +153,7 @@ Worker::~Worker() {
     ucp_worker_progress(worker_);
     bool pending = false;
     for (auto& ep : closing_) {
-      if (ep->close_req != nullptr &&
-          ucp_request_check_status(ep->close_req) == UCS_INPROGRESS) {
+      if (ep->close_req != nullptr && ucp_request_check_status(ep->close_req) == UCS_INPROGRESS) {
         pending = true;
       }
     }
@@ -503,8 +502,8 @@ void Worker::ReapClosing() {
 
 void Worker::Pump(Peer& peer) {
   if (peer.ep && peer.ep->error != UCS_OK) {
-    const std::string msg = "ucx: connection to peer '" + peer.node_id +
-                            "' failed: " + UcsText(peer.ep->error);
+    const std::string msg =
+        "ucx: connection to peer '" + peer.node_id + "' failed: " + UcsText(peer.ep->error);
     CloseEndpoint(peer, KVB_ERR_PEER_UNREACHABLE, msg, false);
     FailQueue(peer, KVB_ERR_PEER_UNREACHABLE, msg);
     return;
@@ -631,8 +630,8 @@ bool Worker::SendAm(ucp_ep_h ep, Endpoint* owner, uint32_t kind, uint64_t sessio
   rec->header = HelloHeader{session, status, kind};
   rec->data.assign(reinterpret_cast<const char*>(data), len);
   ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                   UCP_OP_ATTR_FIELD_FLAGS;
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   p.cb.send = OnSend;
   p.user_data = rec;
   p.flags = reply_flag ? UCP_AM_SEND_FLAG_REPLY : 0;
@@ -766,11 +765,11 @@ void Worker::OnDone(Record* rec, ucs_status_t status) {
     ep->records.erase(rec);
     ep->last_progress_ns = t_->Now();
   }
-  const std::string why =
-      status == UCS_OK ? std::string()
-                       : "ucx: transfer to peer '" +
-                             (ep && ep->peer ? ep->peer->node_id : std::string("?")) +
-                             "' failed: " + UcsText(status);
+  const std::string why = status == UCS_OK
+                              ? std::string()
+                              : "ucx: transfer to peer '" +
+                                    (ep && ep->peer ? ep->peer->node_id : std::string("?")) +
+                                    "' failed: " + UcsText(status);
   switch (rec->kind) {
     case Record::Kind::kPut:
     case Record::Kind::kGet: {
@@ -838,8 +837,8 @@ void Worker::ServeHello(ucp_ep_h reply_ep, uint64_t session, const std::string& 
     }
     InboundHello in;
     char err[256] = "";
-    const kvb_status_t st = h->auth_begin(h->host_ctx, "ucx", KVB_AUTH_SERVER, nullptr, 0,
-                                          &in.auth, err, sizeof(err));
+    const kvb_status_t st =
+        h->auth_begin(h->host_ctx, "ucx", KVB_AUTH_SERVER, nullptr, 0, &in.auth, err, sizeof(err));
     if (st != KVB_OK) {
       t_->Log(KVB_LOG_WARN, std::string("ucx: cannot serve a hello: ") + err);
       SendAm(reply_ep, nullptr, kHelloToClient, session, st, nullptr, 0, false);
@@ -898,7 +897,8 @@ void Worker::HandleAm(const AmMessage& m) {
       break;
     case kGrantRequest: {
       auto it = published_.find(seg);
-      if (it != published_.end() && m.reply_ep != nullptr) it->second.insert({m.reply_ep, m.session});
+      if (it != published_.end() && m.reply_ep != nullptr)
+        it->second.insert({m.reply_ep, m.session});
       if (m.reply_ep != nullptr) {
         SendAm(m.reply_ep, nullptr, kGrantReply, m.session,
                it != published_.end() ? KVB_OK : KVB_ERR_NOT_REGISTERED,

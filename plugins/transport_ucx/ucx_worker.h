@@ -34,7 +34,7 @@ struct Record;
 struct Endpoint {
   enum class State { kHello, kReady, kClosing };
   ucp_ep_h ep = nullptr;
-  Peer* peer = nullptr;  // null once the endpoint is closing (the peer may be gone)
+  Peer* peer = nullptr;    // null once the endpoint is closing (the peer may be gone)
   bool peer_mode = false;  // UCP_ERR_HANDLING_MODE_PEER (else NONE)
   State state = State::kHello;
   kvb_auth_t* auth = nullptr;
@@ -51,8 +51,8 @@ struct Endpoint {
   enum class Grant { kAsked, kGranted, kRefused };
   std::unordered_map<uint64_t, Grant> grants;
   std::unordered_set<uint64_t> revoking;  // to acknowledge once no RMA on them is in flight
-  std::unordered_set<Record*> records;  // UCX operations not yet completed
-  std::vector<SlicePtr> unflushed;      // puts issued since the last flush
+  std::unordered_set<Record*> records;    // UCX operations not yet completed
+  std::vector<SlicePtr> unflushed;        // puts issued since the last flush
   uint64_t inflight_bytes = 0;
   uint64_t last_progress_ns = 0;
   uint64_t progress_timeout_ns = 0;  // smallest of the issued slices' requests
@@ -112,8 +112,8 @@ class Worker {
   void Pump(Peer& peer);
   bool StartEndpoint(Peer& peer);
   void HelloStep(Endpoint& ep, const uint8_t* in, uint32_t in_len, kvb_status_t remote_status);
-  bool SendAm(ucp_ep_h ep, Endpoint* owner, uint32_t kind, uint64_t session, kvb_status_t status, const uint8_t* data,
-              uint32_t len, bool reply_flag);
+  bool SendAm(ucp_ep_h ep, Endpoint* owner, uint32_t kind, uint64_t session, kvb_status_t status,
+              const uint8_t* data, uint32_t len, bool reply_flag);
   bool Issue(Endpoint& ep, const SlicePtr& s);
   void Flush(Endpoint& ep);
   void OnDone(Record* rec, ucs_status_t status);
@@ -207,7 +207,7 @@ class Worker {
   uint32_t hellos_ = 0;  // endpoints in the hello state
   uint64_t next_liveness_ns_ = 0;
   uint64_t last_activity_ns_ = 0;  // when progress, a command or a completion last did something
-  uint32_t records_ = 0;  // all outstanding UCX operations
+  uint32_t records_ = 0;           // all outstanding UCX operations
 };
 
 }  // namespace kvbridge::ucx

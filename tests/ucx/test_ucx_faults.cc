@@ -57,8 +57,10 @@ class UcxFaultTest : public ::testing::TestWithParam<std::string> {
 
   std::unique_ptr<PeerProcess> StartPeer(const std::string& node, uint64_t seed,
                                          std::vector<std::string> extra = {}) {
-    std::vector<std::string> args = {"--node-id", node, "--transport", "ucx", "--size",
-                                     std::to_string(kPeerBytes), "--seed", std::to_string(seed)};
+    std::vector<std::string> args = {"--node-id",   node,
+                                     "--transport", "ucx",
+                                     "--size",      std::to_string(kPeerBytes),
+                                     "--seed",      std::to_string(seed)};
     args.insert(args.end(), extra.begin(), extra.end());
     auto p = PeerProcess::Start(args);
     if (!p) ADD_FAILURE() << "could not start peer " << node;
