@@ -331,3 +331,24 @@ INSTANTIATE_TEST_SUITE_P(Modes, UcxTokenTest, kModes, ModeName);
 
 }  // namespace
 }  // namespace kvbridge
+
+namespace kvbridge {
+namespace {
+
+// A malformed ucx.* setting stops the engine from starting, with the key and value named.
+TEST(UcxConfig, MalformedSettingsAreNamed) {
+  const std::pair<const char*, const char*> bad[] = {{"ucx.same_host", "sometimes"},
+                                                     {"ucx.slice_bytes", "0"},
+                                                     {"ucx.connect_timeout_ms", "soon"}};
+  for (const auto& [key, value] : bad) {
+    EngineOptions o = testing::LoopbackOptions("ucx", "cfg");
+    o.plugin_config[key] = value;
+    auto e = TransferEngine::Create(o);
+    ASSERT_FALSE(e.ok()) << key << "=" << value << " was accepted";
+    EXPECT_NE(e.status().ToString().find(key), std::string::npos) << e.status().ToString();
+    EXPECT_NE(e.status().ToString().find(value), std::string::npos) << e.status().ToString();
+  }
+}
+
+}  // namespace
+}  // namespace kvbridge
