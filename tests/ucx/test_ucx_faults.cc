@@ -337,9 +337,8 @@ namespace {
 
 // A malformed ucx.* setting stops the engine from starting, with the key and value named.
 TEST(UcxConfig, MalformedSettingsAreNamed) {
-  const std::pair<const char*, const char*> bad[] = {{"ucx.same_host", "sometimes"},
-                                                     {"ucx.slice_bytes", "0"},
-                                                     {"ucx.connect_timeout_ms", "soon"}};
+  const std::pair<const char*, const char*> bad[] = {
+      {"ucx.same_host", "sometimes"}, {"ucx.slice_bytes", "0"}, {"ucx.connect_timeout_ms", "soon"}};
   for (const auto& [key, value] : bad) {
     EngineOptions o = testing::LoopbackOptions("ucx", "cfg");
     o.plugin_config[key] = value;
