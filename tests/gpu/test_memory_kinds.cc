@@ -96,6 +96,7 @@ TEST_F(MemoryKinds, UnknownPointerIsUnknownMemoryEitherWayTheDriverAnswers) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kUnknownMemory) << r.status().ToString();
   EXPECT_HAS(r.status().message(), "CUDA_ERROR_INVALID_VALUE");
+  EXPECT_HAS(r.status().message(), "not memory the CUDA driver knows");
   // The real cuPointerGetAttributes answers SUCCESS with memory type 0 for unknown pointers.
   Fake().unknown_as_success(1);
   r = Check(host.data(), host.size(), MemoryKind::kCuda, 0);
@@ -103,6 +104,7 @@ TEST_F(MemoryKinds, UnknownPointerIsUnknownMemoryEitherWayTheDriverAnswers) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kUnknownMemory) << r.status().ToString();
   EXPECT_HAS(r.status().message(), "unknown to CUDA");
+  EXPECT_HAS(r.status().message(), "not memory the CUDA driver knows");
 }
 
 TEST_F(MemoryKinds, PinnedHostPointerRegisteredAsCudaIsUnknownMemory) {
