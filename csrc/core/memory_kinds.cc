@@ -60,10 +60,11 @@ PointerInfo QueryOnce(const cuda::Driver& d, uint64_t addr) {
 }
 
 // Some drivers answer INVALID_CONTEXT when no context is current on the calling thread: ask
-// again with a primary context current.
+// again with a primary context current, unless device_hint < -1 (retaining a primary context
+// may create one, which costs device memory: a host registration must not do that).
 PointerInfo Query(const cuda::Driver& d, uint64_t addr, int device_hint) {
   PointerInfo p = QueryOnce(d, addr);
-  if (p.result != cuda::kErrorInvalidContext) return p;
+  if (p.result != cuda::kErrorInvalidContext || device_hint < -1) return p;
   cuda::ScopedDeviceContext ctx(d, device_hint < 0 ? 0 : device_hint);
   return ctx.status().ok() ? QueryOnce(d, addr) : p;
 }
@@ -126,7 +127,7 @@ Status CheckMapped(uint64_t addr, uint64_t len) {
 
 Result<int> CheckHost(uint64_t addr, uint64_t len, int device_id) {
   if (const cuda::Driver* d = cuda::DriverIfPresent()) {
-    const PointerInfo p = Query(*d, addr, -1);
+    const PointerInfo p = Query(*d, addr, /*device_hint=*/-2);  // never makes a context
     if (p.known() && p.memory_type == cuda::kMemoryTypeDevice && !p.managed) {
       return Status::InvalidArgument("RegisterMemory(kHost) " + Span(addr, len) +
                                      ": CUDA device memory; register with MemoryKind::kCuda (" +

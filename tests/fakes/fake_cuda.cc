@@ -7,7 +7,8 @@
 //    _alloc_managed); cuPointerGetAttributes answers for them (type, device, range, managed)
 //    and for pinned memory from cuMemHostAlloc (type HOST), and CUDA_ERROR_INVALID_VALUE for
 //    any other pointer (or, after kvbtest_fake_cuda_unknown_as_success(1), SUCCESS with type 0,
-//    as the real cuPointerGetAttributes does);
+//    as the real cuPointerGetAttributes does; after kvbtest_fake_cuda_pointer_needs_context(1),
+//    CUDA_ERROR_INVALID_CONTEXT while no context is current);
 //  - two devices; primary contexts must be current (push/pop per thread) for the calls that
 //    need one in the real driver (stream, event, copy, host alloc), else INVALID_CONTEXT;
 //  - each stream has a worker thread running its copies (memcpy) and event records in order,
@@ -71,6 +72,7 @@ std::atomic<uint32_t> g_latency_us{0};
 std::atomic<bool> g_stall{false};
 std::atomic<CUresult> g_fail_next_copy{kSuccess};
 std::atomic<bool> g_unknown_as_success{false};
+std::atomic<bool> g_pointer_needs_context{false};
 std::atomic<uint64_t> g_copies{0};
 std::atomic<int> g_init_calls{0};
 std::atomic<int> g_live_streams{0};
@@ -187,6 +189,11 @@ __attribute__((visibility("default"))) void kvbtest_fake_cuda_fail_next_copy(int
 __attribute__((visibility("default"))) void kvbtest_fake_cuda_unknown_as_success(int on) {
   g_unknown_as_success = on != 0;
 }
+// cuPointerGetAttributes answers CUDA_ERROR_INVALID_CONTEXT without a current context (as some
+// drivers do).
+__attribute__((visibility("default"))) void kvbtest_fake_cuda_pointer_needs_context(int on) {
+  g_pointer_needs_context = on != 0;
+}
 __attribute__((visibility("default"))) uint64_t kvbtest_fake_cuda_copies() { return g_copies.load(); }
 __attribute__((visibility("default"))) int kvbtest_fake_cuda_init_calls() { return g_init_calls.load(); }
 // Streams, events and primary-context references not yet given back (leak checks).
@@ -232,6 +239,7 @@ __attribute__((visibility("default"))) CUresult cuGetErrorName(CUresult r, const
 __attribute__((visibility("default"))) CUresult cuPointerGetAttributes(unsigned n, int* attrs,
                                                                       void** data, CUdeviceptr ptr) {
   if (attrs == nullptr || data == nullptr) return kInvalidValue;
+  if (g_pointer_needs_context.load() && !HasContext()) return kInvalidContext;
   std::lock_guard<std::mutex> lock(g_mu);
   uintptr_t start = 0;
   const Alloc* a = Find(static_cast<uintptr_t>(ptr), &start);

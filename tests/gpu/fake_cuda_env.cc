@@ -45,6 +45,7 @@ const FakeCuda& Fake() {
     Sym(lib, "kvbtest_fake_cuda_set_stall", &f.set_stall);
     Sym(lib, "kvbtest_fake_cuda_fail_next_copy", &f.fail_next_copy);
     Sym(lib, "kvbtest_fake_cuda_unknown_as_success", &f.unknown_as_success);
+    Sym(lib, "kvbtest_fake_cuda_pointer_needs_context", &f.pointer_needs_context);
     Sym(lib, "kvbtest_fake_cuda_copies", &f.copies);
     Sym(lib, "kvbtest_fake_cuda_live_objects", &f.live_objects);
     return f;

@@ -22,6 +22,7 @@ struct FakeCuda {
   void (*set_stall)(int on);
   void (*fail_next_copy)(int cuda_error);
   void (*unknown_as_success)(int on);
+  void (*pointer_needs_context)(int on);
   uint64_t (*copies)();
   int (*live_objects)();
 };

@@ -63,6 +63,18 @@ TEST_F(MemoryKinds, DeviceSpanInsideItsAllocationIsAcceptedWithItsDevice) {
   EXPECT_EQ(Must(Check(m.p, m.len, MemoryKind::kCuda, -1)), 1);      // -1: the pointer's device
 }
 
+TEST_F(MemoryKinds, DeviceCheckRetriesWithAContextButHostCheckNeverMakesOne) {
+  DeviceMem m(1, 65536);
+  const int live = Fake().live_objects();
+  Fake().pointer_needs_context(1);
+  Result<int> cuda = Check(m.p, m.len, MemoryKind::kCuda, 1);  // retried with device 1 current
+  Result<int> host = Check(m.p, m.len, MemoryKind::kHost, -1);  // no context: not detected
+  Fake().pointer_needs_context(0);
+  EXPECT_EQ(cuda.ok() ? cuda.value() : -100, 1) << cuda.status().ToString();
+  EXPECT_TRUE(host.ok()) << host.status().ToString();
+  EXPECT_EQ(Fake().live_objects(), live);  // the context taken for the retry was given back
+}
+
 TEST_F(MemoryKinds, DeviceSpanPastItsAllocationIsUnknownMemory) {
   DeviceMem m(0, 1 << 20);
   Result<int> r = Check(m.p + 4096, m.len, MemoryKind::kCuda, 0);  // 4 KiB past the end
