@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/host_services.h"
+#include "kvbridge/plugin/sdk/common.hpp"
 #include "tests/gpu/fake_cuda_env.h"
 #include "util/clock.h"
 
@@ -149,6 +150,41 @@ TEST_F(DeviceServices, PinnedAllocAndFree) {
   EXPECT_EQ(t_->pinned_alloc(t_->host_ctx, 0, &p), KVB_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(p, nullptr);
   Fake().free(dev);
+}
+
+// The SDK's thin wrappers (sdk::Host::CreateDevStream / PinnedAlloc, sdk::DevStream) over the
+// same table, and UNSUPPORTED naming the service on a host table that ends before them (1.1/1.2
+// hosts without device services).
+TEST_F(DeviceServices, SdkWrappersCopyAndRefuseOnAnOlderHost) {
+  namespace sdk = kvbridge::plugin::sdk;
+  sdk::Host host(t_, "sdktest");
+  auto stream = host.CreateDevStream(0);
+  ASSERT_TRUE(stream.ok()) << stream.status().message();
+  auto pinned = host.PinnedAlloc(4096);
+  ASSERT_TRUE(pinned.ok()) << pinned.status().message();
+  std::memset(*pinned, 'p', 4096);
+  char* dev = static_cast<char*>(Fake().alloc(0, 4096));
+  auto ticket = stream->CopyAsync(dev, *pinned, 4096);
+  ASSERT_TRUE(ticket.ok()) << ticket.status().message();
+  EXPECT_TRUE(stream->Wait(*ticket, host.NowNs() + 5000 * kMs).ok());
+  EXPECT_EQ(dev[4095], 'p');
+  Fake().fail_next_copy(700);
+  ticket = stream->CopyAsync(*pinned, dev, 4096);
+  ASSERT_TRUE(ticket.ok());
+  sdk::Status failed = stream->Wait(*ticket, host.NowNs() + 5000 * kMs);
+  EXPECT_EQ(failed.code(), KVB_ERR_IO);
+  EXPECT_HAS(failed.message(), "CUDA_ERROR_ILLEGAL_ADDRESS");
+  host.PinnedFree(*pinned);
+  Fake().free(dev);
+
+  kvb_host_services_t older = *t_;
+  older.struct_size = offsetof(kvb_host_services_t, dev_stream_create);  // ends after auth_end
+  sdk::Host old_host(&older, "sdktest");
+  auto refused = old_host.CreateDevStream(0);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), KVB_ERR_UNSUPPORTED);
+  EXPECT_HAS(refused.status().message(), "dev_stream_create");
+  EXPECT_EQ(old_host.PinnedAlloc(4096).status().code(), KVB_ERR_UNSUPPORTED);
 }
 
 // Runs as a child of MemoryKinds.NoDriverIsUnavailableNamingTheLibrary (test_memory_kinds.cc),
