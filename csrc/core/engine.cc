@@ -17,6 +17,7 @@
 #include "core/circuit_breaker.h"
 #include "core/descriptor.h"
 #include "core/handshake.h"
+#include "core/memory_kinds.h"
 #include "core/plugin_host.h"
 #include "core/plugin_loader.h"
 #include "core/transport_instance.h"
@@ -47,6 +48,10 @@ struct LocalRegion {
   uintptr_t addr = 0;
   uint64_t length = 0;
   MemoryKind kind = MemoryKind::kHost;
+  // kCuda: the device the memory lives on (checked at registration, core/memory_kinds.h).
+  // TODO(descriptor v3): publish it in the segment. Descriptor v2 has no field for it and its
+  // decoder refuses trailing bytes and other versions (core/descriptor.cc), so adding it means
+  // a v3 that v2 peers cannot read; peers learn only mem_kind until then.
   int device_id = -1;
   std::map<std::string, std::string> rkeys;  // transport name -> remote key
 };
@@ -570,11 +575,19 @@ Result<SegmentId> TransferEngine::RegisterMemory(void* addr, uint64_t length, Me
     }
     region.id = impl_->next_segment_id++;
   }
+  const uint64_t want_cap = kind == MemoryKind::kCuda ? KVB_TCAP_CUDA_MEM : KVB_TCAP_HOST_MEM;
+  // The memory must be what `kind` says (core/memory_kinds.h): checked once some transport
+  // would take it, so a kind no transport handles stays the UNSUPPORTED below.
+  if (std::any_of(impl_->transports.begin(), impl_->transports.end(),
+                  [&](const auto& t) { return (t->caps() & want_cap) != 0; })) {
+    Result<int> device = core::CheckMemoryKind(addr, length, kind, device_id);
+    if (!device.ok()) return device.status();
+    device_id = device.value();  // kCuda: the pointer's device when -1 was given
+  }
   region.addr = start;
   region.length = length;
   region.kind = kind;
   region.device_id = device_id;
-  const uint64_t want_cap = kind == MemoryKind::kCuda ? KVB_TCAP_CUDA_MEM : KVB_TCAP_HOST_MEM;
   std::vector<TransportInstance*> done;
   for (auto& t : impl_->transports) {
     if ((t->caps() & want_cap) == 0) continue;

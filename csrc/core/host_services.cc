@@ -1,9 +1,16 @@
 #include "core/host_services.h"
 
+#include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
 
+#include "core/cuda_driver.h"
 #include "util/clock.h"
 #include "util/logging.h"
 
@@ -124,6 +131,197 @@ kvb_status_t HostAuthPeer(void*, kvb_auth_t* a, char* node_id, uint32_t cap,
 
 void HostAuthEnd(void*, kvb_auth_t* a) { delete SessionOf(a); }
 
+// ---- ABI 1.2: device memory, on core/cuda_driver ------------------------------------------
+
+}  // namespace
+}  // namespace kvbridge::core
+
+// One device copy queue: a CUstream on the device's primary context (retained while the stream
+// lives) and one CUevent per ticket not yet answered. The mutex guards the ticket map.
+struct kvb_dev_stream {
+  const kvbridge::core::cuda::Driver* d = nullptr;
+  int device = 0;
+  kvbridge::core::cuda::CUdevice dev = 0;
+  kvbridge::core::cuda::CUstream stream = nullptr;
+  std::mutex mu;
+  uint64_t next_ticket = 1;
+  std::unordered_map<uint64_t, kvbridge::core::cuda::CUevent> tickets;
+};
+
+namespace kvbridge::core {
+namespace {
+
+// The driver, or KVB_ERR_UNAVAILABLE with err naming the library and the service.
+const cuda::Driver* DriverFor(const char* service, char* err, uint32_t err_len) {
+  Result<const cuda::Driver*> d = cuda::GetDriver();
+  if (d.ok()) return d.value();
+  kvb_copy_message(err, err_len, (std::string(service) + ": " + d.status().message()).c_str());
+  return nullptr;
+}
+
+kvb_status_t Fail(const Status& st, char* err, uint32_t err_len) {
+  kvb_copy_message(err, err_len, st.message().c_str());
+  return static_cast<kvb_status_t>(st.code());
+}
+
+kvb_status_t HostDevStreamCreate(void*, int32_t device_id, kvb_dev_stream_t** out, char* err,
+                                 uint32_t err_len) {
+  const cuda::Driver* d = DriverFor("dev_stream_create", err, err_len);
+  if (d == nullptr) return KVB_ERR_UNAVAILABLE;
+  if (out == nullptr || device_id < 0) {
+    kvb_copy_message(err, err_len, "dev_stream_create: needs a device id >= 0 and an out pointer");
+    return KVB_ERR_INVALID_ARGUMENT;
+  }
+  cuda::ScopedDeviceContext ctx(*d, device_id);
+  if (!ctx.status().ok()) return Fail(ctx.status().WithContext("dev_stream_create"), err, err_len);
+  auto s = std::make_unique<kvb_dev_stream_t>();
+  s->d = d;
+  s->device = device_id;
+  Status st = d->Check(d->cuDeviceGet(&s->dev, device_id), "dev_stream_create: cuDeviceGet");
+  cuda::CUcontext primary = nullptr;
+  if (st.ok()) {
+    st = d->Check(d->cuDevicePrimaryCtxRetain(&primary, s->dev),
+                  "dev_stream_create: cuDevicePrimaryCtxRetain");
+  }
+  if (!st.ok()) return Fail(st, err, err_len);
+  st = d->Check(d->cuStreamCreate(&s->stream, cuda::kStreamNonBlocking),
+                "dev_stream_create: cuStreamCreate");
+  if (!st.ok()) {
+    (void)d->cuDevicePrimaryCtxRelease(s->dev);
+    return Fail(st, err, err_len);
+  }
+  *out = s.release();
+  return KVB_OK;
+}
+
+void HostDevStreamDestroy(void*, kvb_dev_stream_t* s) {
+  if (s == nullptr) return;
+  const cuda::Driver& d = *s->d;
+  {
+    cuda::ScopedDeviceContext ctx(d, s->device);
+    std::lock_guard<std::mutex> lock(s->mu);
+    for (auto& [ticket, ev] : s->tickets) {
+      (void)d.cuEventSynchronize(ev);
+      (void)d.cuEventDestroy(ev);
+    }
+    s->tickets.clear();
+    (void)d.cuStreamDestroy(s->stream);
+  }
+  (void)d.cuDevicePrimaryCtxRelease(s->dev);
+  delete s;
+}
+
+kvb_status_t HostDevCopyAsync(void*, kvb_dev_stream_t* s, void* dst, const void* src,
+                              uint64_t len, uint64_t* ticket, char* err, uint32_t err_len) {
+  const cuda::Driver* d = DriverFor("dev_copy_async", err, err_len);
+  if (d == nullptr) return KVB_ERR_UNAVAILABLE;
+  if (s == nullptr || dst == nullptr || src == nullptr || len == 0 || ticket == nullptr) {
+    kvb_copy_message(err, err_len,
+                     "dev_copy_async: needs a stream, non-NULL dst and src, len > 0 and a ticket "
+                     "pointer");
+    return KVB_ERR_INVALID_ARGUMENT;
+  }
+  cuda::ScopedDeviceContext ctx(*d, s->device);
+  if (!ctx.status().ok()) return Fail(ctx.status().WithContext("dev_copy_async"), err, err_len);
+  cuda::CUevent ev = nullptr;
+  Status st = d->Check(d->cuEventCreate(&ev, cuda::kEventDisableTiming),
+                       "dev_copy_async: cuEventCreate");
+  if (st.ok()) {
+    st = d->Check(d->cuMemcpyAsync(reinterpret_cast<cuda::CUdeviceptr>(dst),
+                                   reinterpret_cast<cuda::CUdeviceptr>(src), len, s->stream),
+                  "dev_copy_async: cuMemcpyAsync of " + std::to_string(len) + " bytes");
+  }
+  if (st.ok()) st = d->Check(d->cuEventRecord(ev, s->stream), "dev_copy_async: cuEventRecord");
+  if (!st.ok()) {
+    if (ev != nullptr) (void)d->cuEventDestroy(ev);
+    return Fail(st, err, err_len);
+  }
+  std::lock_guard<std::mutex> lock(s->mu);
+  *ticket = s->next_ticket++;
+  s->tickets.emplace(*ticket, ev);
+  return KVB_OK;
+}
+
+// One look at a ticket's event: IN_PROGRESS, or the final answer (the ticket is then retired).
+kvb_status_t QueryTicket(kvb_dev_stream_t* s, uint64_t ticket, const char* service, char* err,
+                         uint32_t err_len) {
+  const cuda::Driver& d = *s->d;
+  std::lock_guard<std::mutex> lock(s->mu);
+  auto it = s->tickets.find(ticket);
+  if (it == s->tickets.end()) {
+    kvb_copy_message(err, err_len, (std::string(service) + ": ticket " + std::to_string(ticket) +
+                                    " is not pending on this stream")
+                                       .c_str());
+    return KVB_ERR_NOT_FOUND;
+  }
+  const cuda::CUresult r = d.cuEventQuery(it->second);
+  if (r == cuda::kErrorNotReady) return KVB_IN_PROGRESS;
+  (void)d.cuEventDestroy(it->second);
+  s->tickets.erase(it);
+  if (r == cuda::kSuccess) return KVB_OK;
+  return Fail(d.Check(r, std::string(service) + ": copy (ticket " + std::to_string(ticket) +
+                             ") on device " + std::to_string(s->device) + " failed"),
+              err, err_len);
+}
+
+kvb_status_t HostDevCopyDone(void*, kvb_dev_stream_t* s, uint64_t ticket, char* err,
+                             uint32_t err_len) {
+  if (DriverFor("dev_copy_done", err, err_len) == nullptr) return KVB_ERR_UNAVAILABLE;
+  if (s == nullptr) {
+    kvb_copy_message(err, err_len, "dev_copy_done: no stream");
+    return KVB_ERR_INVALID_ARGUMENT;
+  }
+  return QueryTicket(s, ticket, "dev_copy_done", err, err_len);
+}
+
+kvb_status_t HostDevCopyWait(void*, kvb_dev_stream_t* s, uint64_t ticket, uint64_t deadline_ns,
+                             char* err, uint32_t err_len) {
+  if (DriverFor("dev_copy_wait", err, err_len) == nullptr) return KVB_ERR_UNAVAILABLE;
+  if (s == nullptr) {
+    kvb_copy_message(err, err_len, "dev_copy_wait: no stream");
+    return KVB_ERR_INVALID_ARGUMENT;
+  }
+  // Polls the event (cuEventSynchronize has no deadline), backing off from 10 us to 1 ms.
+  std::chrono::microseconds nap(10);
+  for (;;) {
+    const kvb_status_t st = QueryTicket(s, ticket, "dev_copy_wait", err, err_len);
+    if (st != KVB_IN_PROGRESS) return st;
+    const uint64_t now = util::MonoNs();
+    if (now >= deadline_ns) {
+      kvb_copy_message(err, err_len,
+                       ("dev_copy_wait: copy (ticket " + std::to_string(ticket) + ") on device " +
+                        std::to_string(s->device) + " not done by its deadline; it may still run")
+                           .c_str());
+      return KVB_ERR_DEADLINE_EXCEEDED;
+    }
+    const auto left = std::chrono::nanoseconds(deadline_ns - now);
+    std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(nap, left));
+    nap = std::min(nap * 2, std::chrono::microseconds(1000));
+  }
+}
+
+kvb_status_t HostPinnedAlloc(void*, uint64_t len, void** out) {
+  if (out == nullptr) return KVB_ERR_INVALID_ARGUMENT;
+  *out = nullptr;
+  Result<const cuda::Driver*> d = cuda::GetDriver();
+  if (!d.ok()) return KVB_ERR_UNAVAILABLE;
+  if (len == 0) return KVB_ERR_INVALID_ARGUMENT;
+  cuda::ScopedDeviceContext ctx(*d.value(), 0);
+  if (!ctx.status().ok()) return KVB_ERR_IO;
+  const cuda::CUresult r = d.value()->cuMemHostAlloc(out, len, cuda::kMemHostAllocPortable);
+  if (r == cuda::kSuccess) return KVB_OK;
+  *out = nullptr;
+  return KVB_ERR_NO_SPACE;
+}
+
+void HostPinnedFree(void*, void* p) {
+  if (p == nullptr) return;
+  Result<const cuda::Driver*> d = cuda::GetDriver();
+  if (!d.ok()) return;
+  cuda::ScopedDeviceContext ctx(*d.value(), 0);
+  (void)d.value()->cuMemFreeHost(p);
+}
+
 }  // namespace
 
 HostServices::HostServices(std::map<std::string, std::string> config,
@@ -142,6 +340,13 @@ HostServices::HostServices(std::map<std::string, std::string> config,
       .auth_step = HostAuthStep,
       .auth_peer = HostAuthPeer,
       .auth_end = HostAuthEnd,
+      .dev_stream_create = HostDevStreamCreate,
+      .dev_stream_destroy = HostDevStreamDestroy,
+      .dev_copy_async = HostDevCopyAsync,
+      .dev_copy_done = HostDevCopyDone,
+      .dev_copy_wait = HostDevCopyWait,
+      .pinned_alloc = HostPinnedAlloc,
+      .pinned_free = HostPinnedFree,
   };
 }
 

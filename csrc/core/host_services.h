@@ -3,7 +3,9 @@
 // engine's plugin_config first and then the mirrored KVBRIDGE_<PLUGIN>_<KEY> environment
 // variable; now_ns is util::MonoNs. ABI 1.2: node_id/incarnation and the peer handshake
 // (auth_*) come from the Identity given at construction (core/peer_auth.h); a table made
-// without an identity (storage plugins) answers the auth services UNAVAILABLE.
+// without an identity (storage plugins) answers the auth services UNAVAILABLE. The device
+// services (dev_*, pinned_*) run on the CUDA driver loaded at first use (core/cuda_driver.h):
+// one CUstream per kvb_dev_stream_t, one CUevent per copy ticket; UNAVAILABLE without a driver.
 // Thread-safe after construction (nothing is mutated afterwards).
 #pragma once
 

@@ -48,6 +48,8 @@ std::string StatusCodeName(StatusCode code) {
       return "INTERNAL";
     case StatusCode::kPermissionDenied:
       return "PERMISSION_DENIED";
+    case StatusCode::kUnknownMemory:
+      return "UNKNOWN_MEMORY";
   }
   return "UNKNOWN(" + std::to_string(static_cast<int32_t>(code)) + ")";
 }

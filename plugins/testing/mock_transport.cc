@@ -114,6 +114,7 @@ const char* const kCodeNames[KVB_STATUS_CODE_COUNT] = {
     "IO_ERROR",
     "INTERNAL",
     "PERMISSION_DENIED",
+    "UNKNOWN_MEMORY",
 };
 
 const char* CodeName(kvb_status_t code) {

@@ -37,6 +37,7 @@ __all__ = [
     "IoError",
     "InternalError",
     "PermissionDeniedError",
+    "UnknownMemoryError",
     "from_status",
 ]
 
@@ -66,6 +67,7 @@ class StatusCode(enum.IntEnum):
     IO = 18  # an alias, kept for code that used it; the name is IO_ERROR, as in C++
     INTERNAL = 19
     PERMISSION_DENIED = 20
+    UNKNOWN_MEMORY = 21
 
 
 class KvbError(Exception):
@@ -133,6 +135,14 @@ class PermissionDeniedError(KvbError, PermissionError):
     status_code = StatusCode.PERMISSION_DENIED
 
 
+class UnknownMemoryError(KvbError, ValueError):
+    """Memory to register is not what its kind says: not mapped host memory, or not device memory
+    of a CUDA allocation (managed memory, an unknown pointer, a span past the allocation). The
+    message names the pointer attributes found (docs/transfer-engine.md, "GPU memory")."""
+
+    status_code = StatusCode.UNKNOWN_MEMORY
+
+
 class IoError(KvbError, OSError):
     """A storage I/O failure."""
 
@@ -169,7 +179,7 @@ _BY_CODE: dict[int, type[KvbError]] = {
                 OutOfBoundsError, StalePeerError, PeerUnreachableError, DeadlineExceededError,
                 ProgressTimeoutError, BackpressureError, CancelledError, ProtocolError,
                 UnauthenticatedError, UnsupportedError, UnavailableError, NoSpaceError, IoError,
-                InternalError, PermissionDeniedError)
+                InternalError, PermissionDeniedError, UnknownMemoryError)
 }
 
 

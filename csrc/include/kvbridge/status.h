@@ -42,6 +42,7 @@ enum class StatusCode : int32_t {
   kIoError = KVB_ERR_IO,
   kInternal = KVB_ERR_INTERNAL,
   kPermissionDenied = KVB_ERR_PERMISSION_DENIED,
+  kUnknownMemory = KVB_ERR_UNKNOWN_MEMORY,
 };
 
 // "STALE_PEER", "DEADLINE_EXCEEDED", ...; "UNKNOWN(<n>)" for codes this build does not know.
@@ -94,6 +95,7 @@ class [[nodiscard]] Status {
   static Status PermissionDenied(std::string_view m) {
     return {StatusCode::kPermissionDenied, m};
   }
+  static Status UnknownMemory(std::string_view m) { return {StatusCode::kUnknownMemory, m}; }
   // From a plugin's int32 code; unknown codes become kInternal with the number in the message.
   static Status FromAbi(kvb_status_t code, std::string_view msg);
 

@@ -35,7 +35,8 @@ extern "C" {
 
 #define KVB_ABI_MAJOR 1
 /* 1.1: storage put_meta / for_each_meta, params.on_evict.
- * 1.2: host services for identity and the cluster-token handshake (node_id ... auth_end). */
+ * 1.2: host services for identity and the cluster-token handshake (node_id ... auth_end),
+ *      device-memory services (dev_stream_create ... pinned_free), KVB_ERR_UNKNOWN_MEMORY. */
 #define KVB_ABI_MINOR 2
 
 /* Name of the one symbol every plugin exports. */
@@ -71,9 +72,10 @@ enum {
   KVB_ERR_NO_SPACE = 17,
   KVB_ERR_IO = 18,
   KVB_ERR_INTERNAL = 19,
-  KVB_ERR_PERMISSION_DENIED = 20 /* authenticated, but not allowed this call (admin token) */
+  KVB_ERR_PERMISSION_DENIED = 20, /* authenticated, but not allowed this call (admin token) */
+  KVB_ERR_UNKNOWN_MEMORY = 21     /* neither mapped host memory nor device memory of the kind named */
 };
-#define KVB_STATUS_CODE_COUNT 21
+#define KVB_STATUS_CODE_COUNT 22
 
 typedef enum kvb_plugin_kind {
   KVB_PLUGIN_TRANSPORT = 1,
@@ -92,6 +94,7 @@ typedef enum kvb_log_level {
   ((p)->struct_size >= offsetof(type, f) + sizeof(((type*)0)->f))
 
 typedef struct kvb_auth kvb_auth_t; /* one handshake in progress, owned by the host */
+typedef struct kvb_dev_stream kvb_dev_stream_t; /* one device copy queue, owned by the host */
 enum { KVB_AUTH_CLIENT = 1, KVB_AUTH_SERVER = 2 };
 #define KVB_AUTH_MAX_MESSAGE 1024
 
@@ -148,6 +151,39 @@ typedef struct kvb_host_services {
                             uint64_t* incarnation);
   /* Frees the handshake state (any state, any time after auth_begin succeeded). */
   void (*auth_end)(void* host_ctx, kvb_auth_t* a);
+
+  /* ---- ABI 1.2: device memory -----------------------------------------------------------------
+   * Present when struct_size covers them (KVB_HAS_FIELD). The host owns the CUDA driver (loaded
+   * at run time; a plugin never links libcuda): a transport that moves bytes of CUDA regions
+   * through host memory queues its copies here. Without a driver every call below answers
+   * KVB_ERR_UNAVAILABLE with err naming libcuda (pinned_alloc: *out = NULL). Thread-safe; one
+   * kvb_dev_stream_t is used by one thread at a time (copies on it run in the order queued).
+   * Errors are named: a failed driver call is KVB_ERR_IO with the CUDA error's name in err. */
+
+  /* Creates a copy queue on device `device_id` (its primary context). */
+  kvb_status_t (*dev_stream_create)(void* host_ctx, int32_t device_id, kvb_dev_stream_t** out,
+                                    char* err, uint32_t err_len);
+  /* Waits for the stream's queued copies, then frees it and its tickets. */
+  void (*dev_stream_destroy)(void* host_ctx, kvb_dev_stream_t* s);
+  /* Queues a copy of len bytes from src to dst; the direction (host to device, device to host,
+   * device to device) follows from the addresses (unified addressing). *ticket names the copy
+   * until dev_copy_done/dev_copy_wait returned anything but KVB_IN_PROGRESS; neither buffer may
+   * be touched until then. KVB_ERR_INVALID_ARGUMENT for a NULL pointer or len 0. */
+  kvb_status_t (*dev_copy_async)(void* host_ctx, kvb_dev_stream_t* s, void* dst, const void* src,
+                                 uint64_t len, uint64_t* ticket, char* err, uint32_t err_len);
+  /* Never blocks: KVB_IN_PROGRESS while the copy runs, KVB_OK once its bytes are in dst, or the
+   * error that ended it (KVB_ERR_IO naming the CUDA error); KVB_ERR_NOT_FOUND for a ticket this
+   * stream does not hold (never issued, or already answered). */
+  kvb_status_t (*dev_copy_done)(void* host_ctx, kvb_dev_stream_t* s, uint64_t ticket, char* err,
+                                uint32_t err_len);
+  /* Like dev_copy_done, but waits until the copy ends or now_ns() passes deadline_ns:
+   * KVB_ERR_DEADLINE_EXCEEDED then (the ticket stays valid; the copy may still run, so its
+   * buffers stay untouchable until a later call answers). */
+  kvb_status_t (*dev_copy_wait)(void* host_ctx, kvb_dev_stream_t* s, uint64_t ticket,
+                                uint64_t deadline_ns, char* err, uint32_t err_len);
+  /* Page-locked host memory (fast, asynchronous copies); freed with pinned_free only. */
+  kvb_status_t (*pinned_alloc)(void* host_ctx, uint64_t len, void** out);
+  void (*pinned_free)(void* host_ctx, void* p);
 } kvb_host_services_t;
 
 /* What kvb_plugin_query() returns. Static storage, owned by the plugin. */

@@ -1,16 +1,16 @@
 // kvbridge plugin SDK, the part every plugin kind shares: sdk::Status and sdk::Result<T> (a
 // kvb_status_t code with a message), sdk::Host (the kvb_host_services_t table of one instance:
 // logging under the plugin's name, typed configuration, the clock, identity and the handshake
-// services of ABI 1.2 through sdk::AuthSession), and the exception barrier every trampoline runs
-// in. transport.hpp and storage.hpp build the ops tables on it.
+// services of ABI 1.2 through sdk::AuthSession, the device copy services through
+// sdk::DevStream), and the exception barrier every trampoline runs in. transport.hpp and storage.hpp build the ops tables on it.
 //
 // Header-only C++20; it includes nothing of kvbridge but the C ABI headers, so a plugin built
 // with it still sees only csrc/include/kvbridge/plugin/*.h. The C ABI stays the contract: the
 // SDK only writes the glue (docs/plugin-abi.md, "The C++ SDK").
 //
 // Thread-safety: Status and Result are values. A Host is a cheap copy of two pointers; its
-// methods may be called from any thread (the host services are thread-safe). One AuthSession is
-// used by one thread at a time, like the kvb_auth_t it owns.
+// methods may be called from any thread (the host services are thread-safe). One AuthSession or
+// DevStream is used by one thread at a time, like the kvb_auth_t / kvb_dev_stream_t it owns.
 #pragma once
 
 #include <cerrno>
@@ -181,6 +181,60 @@ class AuthSession {
   kvb_auth_t* auth_;
 };
 
+// One device copy queue of the host (ABI 1.2 dev_* services), destroyed with this object (which
+// first waits for its queued copies). Made by Host::CreateDevStream. Move-only; one thread at a
+// time, like the kvb_dev_stream_t it owns.
+class DevStream {
+ public:
+  DevStream(DevStream&& o) noexcept
+      : host_(o.host_), s_(std::exchange(o.s_, nullptr)) {}
+  DevStream& operator=(DevStream&& o) noexcept {
+    if (this != &o) {
+      Destroy();
+      host_ = o.host_;
+      s_ = std::exchange(o.s_, nullptr);
+    }
+    return *this;
+  }
+  DevStream(const DevStream&) = delete;
+  DevStream& operator=(const DevStream&) = delete;
+  ~DevStream() { Destroy(); }
+
+  // Queues a copy (direction from the addresses); the ticket to ask Done/Wait about. Neither
+  // buffer may be touched until one of them answered anything but IN_PROGRESS.
+  Result<uint64_t> CopyAsync(void* dst, const void* src, uint64_t len) {
+    uint64_t ticket = 0;
+    char err[512] = "";
+    const kvb_status_t st =
+        host_->dev_copy_async(host_->host_ctx, s_, dst, src, len, &ticket, err, sizeof(err));
+    if (st != KVB_OK) return Status(st, err);
+    return ticket;
+  }
+  // IN_PROGRESS, OK, or the error that ended the copy (IO naming the CUDA error).
+  Status Done(uint64_t ticket) {
+    char err[512] = "";
+    const kvb_status_t st = host_->dev_copy_done(host_->host_ctx, s_, ticket, err, sizeof(err));
+    return Status(st, st == KVB_OK || st == KVB_IN_PROGRESS ? std::string() : std::string(err));
+  }
+  // Like Done, waiting until deadline_ns (Host::NowNs clock): DEADLINE_EXCEEDED past it.
+  Status Wait(uint64_t ticket, uint64_t deadline_ns) {
+    char err[512] = "";
+    const kvb_status_t st =
+        host_->dev_copy_wait(host_->host_ctx, s_, ticket, deadline_ns, err, sizeof(err));
+    return Status(st, st == KVB_OK ? std::string() : std::string(err));
+  }
+
+ private:
+  friend class Host;
+  DevStream(const kvb_host_services_t* host, kvb_dev_stream_t* s) : host_(host), s_(s) {}
+  void Destroy() {
+    if (s_ != nullptr) host_->dev_stream_destroy(host_->host_ctx, std::exchange(s_, nullptr));
+  }
+
+  const kvb_host_services_t* host_;
+  kvb_dev_stream_t* s_;
+};
+
 // The host-services table handed to one instance at create, with the plugin's name. Every
 // service is checked against struct_size (KVB_HAS_FIELD) and NULL before use, so the same
 // plugin runs on a host of an older minor: logging is dropped, configuration reads as unset,
@@ -324,6 +378,50 @@ class Host {
     if (st != KVB_OK) return Status(st, err);
     if (a == nullptr) return Status(KVB_ERR_INTERNAL, Prefix() + "auth_begin returned no state");
     return AuthSession(table_, a);
+  }
+
+  // ---- ABI 1.2: device memory ---------------------------------------------------------------
+
+  // A copy queue on CUDA device `device_id`. UNSUPPORTED on a host older than 1.2 (or one that
+  // leaves a dev_* service NULL); UNAVAILABLE, naming libcuda, on a host without a CUDA driver.
+  Result<DevStream> CreateDevStream(int32_t device_id) const {
+    const bool all =
+        Has(&kvb_host_services_t::dev_stream_create,
+            offsetof(kvb_host_services_t, dev_stream_create)) &&
+        Has(&kvb_host_services_t::dev_stream_destroy,
+            offsetof(kvb_host_services_t, dev_stream_destroy)) &&
+        Has(&kvb_host_services_t::dev_copy_async, offsetof(kvb_host_services_t, dev_copy_async)) &&
+        Has(&kvb_host_services_t::dev_copy_done, offsetof(kvb_host_services_t, dev_copy_done)) &&
+        Has(&kvb_host_services_t::dev_copy_wait, offsetof(kvb_host_services_t, dev_copy_wait));
+    if (!all) return Missing("dev_stream_create ... dev_copy_wait");
+    kvb_dev_stream_t* s = nullptr;
+    char err[512] = "";
+    const kvb_status_t st =
+        table_->dev_stream_create(table_->host_ctx, device_id, &s, err, sizeof(err));
+    if (st != KVB_OK) return Status(st, Prefix() + err);
+    if (s == nullptr) return Status(KVB_ERR_INTERNAL, Prefix() + "dev_stream_create returned none");
+    return DevStream(table_, s);
+  }
+
+  // Page-locked host memory, freed with PinnedFree. UNSUPPORTED before 1.2, UNAVAILABLE without
+  // a CUDA driver, NO_SPACE when the driver refuses.
+  Result<void*> PinnedAlloc(uint64_t len) const {
+    if (!Has(&kvb_host_services_t::pinned_alloc, offsetof(kvb_host_services_t, pinned_alloc)) ||
+        !Has(&kvb_host_services_t::pinned_free, offsetof(kvb_host_services_t, pinned_free))) {
+      return Missing("pinned_alloc");
+    }
+    void* p = nullptr;
+    const kvb_status_t st = table_->pinned_alloc(table_->host_ctx, len, &p);
+    if (st != KVB_OK) {
+      return Status(st, Prefix() + "pinned_alloc of " + std::to_string(len) + " bytes failed");
+    }
+    return p;
+  }
+  void PinnedFree(void* p) const {
+    if (p != nullptr &&
+        Has(&kvb_host_services_t::pinned_free, offsetof(kvb_host_services_t, pinned_free))) {
+      table_->pinned_free(table_->host_ctx, p);
+    }
   }
 
  private:

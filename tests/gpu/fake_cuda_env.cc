@@ -1,0 +1,89 @@
+#include "tests/gpu/fake_cuda_env.h"
+
+#include <dlfcn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+
+namespace kvbridge::testing {
+namespace {
+
+constexpr const char* kChildMarker = "KVBTEST_GPU_SELF_CHILD";
+
+// Before main, so before anything can load the driver.
+const bool g_env_set = [] {
+  if (std::getenv(kChildMarker) == nullptr) setenv("KVBRIDGE_CUDA_DRIVER", KVBTEST_FAKE_CUDA_PATH, 1);
+  return true;
+}();
+
+template <typename Fn>
+void Sym(void* lib, const char* name, Fn* out) {
+  *out = reinterpret_cast<Fn>(dlsym(lib, name));
+  if (*out == nullptr) {
+    std::fprintf(stderr, "fake CUDA driver %s lacks %s\n", KVBTEST_FAKE_CUDA_PATH, name);
+    std::abort();
+  }
+}
+
+}  // namespace
+
+const FakeCuda& Fake() {
+  static const FakeCuda fake = [] {
+    void* lib = dlopen(KVBTEST_FAKE_CUDA_PATH, RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      std::fprintf(stderr, "cannot open the fake CUDA driver: %s\n", dlerror());
+      std::abort();
+    }
+    FakeCuda f{};
+    Sym(lib, "kvbtest_fake_cuda_alloc", &f.alloc);
+    Sym(lib, "kvbtest_fake_cuda_alloc_managed", &f.alloc_managed);
+    Sym(lib, "kvbtest_fake_cuda_free", &f.free);
+    Sym(lib, "kvbtest_fake_cuda_set_latency_us", &f.set_latency_us);
+    Sym(lib, "kvbtest_fake_cuda_set_stall", &f.set_stall);
+    Sym(lib, "kvbtest_fake_cuda_fail_next_copy", &f.fail_next_copy);
+    Sym(lib, "kvbtest_fake_cuda_unknown_as_success", &f.unknown_as_success);
+    Sym(lib, "kvbtest_fake_cuda_pointer_needs_context", &f.pointer_needs_context);
+    Sym(lib, "kvbtest_fake_cuda_copies", &f.copies);
+    Sym(lib, "kvbtest_fake_cuda_live_objects", &f.live_objects);
+    return f;
+  }();
+  return fake;
+}
+
+bool IsSelfChild() { return std::getenv(kChildMarker) != nullptr; }
+
+int RunSelf(const std::string& test,
+            const std::vector<std::pair<std::string, const char*>>& set, std::string* out) {
+  int fds[2];
+  if (pipe(fds) != 0) return -1;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 1);
+    dup2(fds[1], 2);
+    close(fds[0]);
+    setenv(kChildMarker, "1", 1);
+    for (const auto& [name, value] : set) {
+      if (value == nullptr) {
+        unsetenv(name.c_str());
+      } else {
+        setenv(name.c_str(), value, 1);
+      }
+    }
+    const std::string filter = "--gtest_filter=" + test;
+    execl("/proc/self/exe", "kvb_gpu_fake_tests", filter.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(fds[1]);
+  std::array<char, 4096> buf;
+  ssize_t n;
+  while ((n = read(fds[0], buf.data(), buf.size())) > 0) out->append(buf.data(), n);
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+}  // namespace kvbridge::testing

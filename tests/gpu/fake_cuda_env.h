@@ -1,0 +1,41 @@
+// The fake CUDA driver as the tests see it: this binary points KVBRIDGE_CUDA_DRIVER at
+// libkvbtest_fake_cuda.so before main (unless it runs as a child of itself, which keeps the
+// environment its parent gave it), and Fake() opens the same library to reach its test-only
+// controls (tests/fakes/fake_cuda.cc). RunSelf runs one test of this binary in a fresh process,
+// for what the once-per-process driver load cannot show in this one (no driver at all).
+// Not synchronized: tests use it from their own thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kvbridge::testing {
+
+struct FakeCuda {
+  void* (*alloc)(int device, size_t len);
+  void* (*alloc_managed)(int device, size_t len);
+  void (*free)(void* p);
+  void (*set_latency_us)(uint32_t us);
+  void (*set_stall)(int on);
+  void (*fail_next_copy)(int cuda_error);
+  void (*unknown_as_success)(int on);
+  void (*pointer_needs_context)(int on);
+  uint64_t (*copies)();
+  int (*live_objects)();
+};
+
+// The controls of the fake driver (dlopened once; aborts the test binary if it is missing).
+const FakeCuda& Fake();
+
+// True in a child started by RunSelf.
+bool IsSelfChild();
+
+// Runs this binary with --gtest_filter=`test` and the environment changed by `set` (value
+// nullptr: unset); returns its exit status (0: the test passed) and appends its output to *out.
+int RunSelf(const std::string& test,
+            const std::vector<std::pair<std::string, const char*>>& set, std::string* out);
+
+}  // namespace kvbridge::testing
