@@ -1,0 +1,238 @@
+// The master's re-replication (MasterState::Impl, store/master_state_impl.h): objects below
+// their replica target, or with replicas on a draining node, get copy tasks (RepairOne) from a
+// source node to a new one; TaskDone/FinishTask commit or fail them; ReportBadReplica and
+// ReportUnreachableNode take readers' reports on replicas and nodes.
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "store/master_state_impl.h"
+
+namespace kvbridge::store {
+
+void MasterState::Impl::FailTask(std::map<uint64_t, Task>::iterator it, uint64_t now_ns) {
+  Object* o = FindObject(it->second.key);
+  const int idx = ReplicaWithTask(*o, it->first);
+  const uint64_t hold = HoldUntil(*o, o->replicas[idx]);
+  const std::string dest = it->second.dest->id().node_id;
+  EraseTask(it);
+  ReleaseReplica(o, idx, now_ns, hold);
+  if (std::find(o->failed_dests.begin(), o->failed_dests.end(), dest) == o->failed_dests.end()) {
+    o->failed_dests.push_back(dest);
+  }
+  MarkRepair(o, now_ns + MsToNs(cfg.repair_backoff_ms));
+}
+
+// A COMPLETE replica to copy from: a DRAINING node's first (that is what drain means), then
+// the node with the fewest tasks; null if every source is at max_tasks_per_node.
+const MasterState::Impl::Replica* MasterState::Impl::ChooseSource(const Object& o) const {
+  const Replica* best = nullptr;
+  for (const Replica& r : o.replicas) {
+    if (r.state != ReplicaState::kComplete) continue;
+    if (r.node->source_tasks >= cfg.max_tasks_per_node) continue;
+    // A replica being demoted may leave its range before a task's copy ends.
+    if (r.demote_segment != nullptr) continue;
+    if (!best) {
+      best = &r;
+      continue;
+    }
+    const bool rd = r.node->state == NodeState::kDraining;
+    const bool bd = best->node->state == NodeState::kDraining;
+    if (rd != bd) {
+      if (rd) best = &r;
+      continue;
+    }
+    if (r.node->source_tasks < best->node->source_tasks) best = &r;
+  }
+  return best;
+}
+
+void MasterState::Impl::RepairOne(Object* o, uint64_t now_ns, TickSummary& summary) {
+  size_t active = 0, inflight = 0, draining = 0;
+  for (const Replica& r : o->replicas) {
+    if (r.state != ReplicaState::kComplete) {
+      ++inflight;
+    } else if (r.node->state == NodeState::kDraining) {
+      ++draining;
+    } else {
+      ++active;
+    }
+  }
+  bool blocked = false;
+  while (active + inflight < o->target) {
+    const Replica* src = ChooseSource(*o);
+    if (!src) break;  // sources busy: next tick
+    std::vector<Choice> dest = ChooseNodes(now_ns, o->bytes, 1, o, &o->failed_dests, {}, true);
+    if (dest.empty() && !o->failed_dests.empty()) {
+      o->failed_dests.clear();  // no other choice: retry the ones that failed
+      dest = ChooseNodes(now_ns, o->bytes, 1, o, nullptr, {}, true);
+    }
+    std::optional<uint64_t> off;
+    if (!dest.empty()) off = dest[0].segment->alloc.Allocate(o->bytes);
+    if (!off) {
+      blocked = true;
+      break;
+    }
+    Task t;
+    t.id = next_task_id++;
+    t.key = o->key;
+    t.version = o->version;
+    t.source = src->node;
+    t.source_segment = src->segment->info.segment_id;
+    t.source_offset = src->offset;
+    t.dest = dest[0].node;
+    t.source->source_tasks++;
+    t.source->task_queue.push_back(t.id);
+    // AddReplica may reallocate o->replicas: src is not used past this point.
+    AddReplica(o, dest[0].node, dest[0].segment, *off, ReplicaState::kCopying).task_id = t.id;
+    tasks.emplace(t.id, std::move(t));
+    ++inflight;
+    ++summary.tasks_created;
+  }
+  if (inflight == 0 && draining > 0 && active > 0 && (active >= o->target || blocked)) {
+    for (size_t i = o->replicas.size(); i-- > 0;) {
+      if (o->replicas[i].node->state == NodeState::kDraining) DropReplica(o, i, now_ns);
+    }
+    draining = 0;
+  }
+  if (inflight == 0 && draining == 0 && active >= o->target) {
+    repair_keys.erase(o->key);
+  } else if (inflight == 0) {
+    o->repair_not_before_ns = now_ns + MsToNs(cfg.repair_backoff_ms);
+  }
+}
+
+ReplicationTask MasterState::Impl::TaskView(const Task& t) const {
+  const Object& o = *objects.at(t.key);
+  const Replica& dest = o.replicas[ReplicaWithTask(o, t.id)];
+  ReplicationTask v;
+  v.task_id = t.id;
+  v.key = t.key;
+  v.version = t.version;
+  v.checksum = o.checksum;
+  v.source = {t.source->id(), t.source_segment, t.source_offset, o.bytes,
+              t.source->segments.at(t.source_segment).info.tier};
+  v.dest = Location(o, dest);
+  v.dest_descriptor = t.dest->reg.engine_descriptor;
+  v.dest_control_endpoint = t.dest->reg.control_endpoint;
+  v.deadline_ns = t.deadline_ns;
+  return v;
+}
+
+// ------------------------------------------------------------------ MasterState
+
+Status MasterState::ReportBadReplica(std::string_view key, uint64_t version,
+                                     const NodeIdentity& node, uint64_t now_ns,
+                                     uint64_t segment_id, uint64_t offset) {
+  Impl& m = *impl_;
+  KVB_RETURN_IF_ERROR(m.CheckKey(key));
+  std::lock_guard<std::mutex> lock(m.mu);
+  Impl::Object* o = m.FindObject(key);
+  if (!o || o->version != version || o->state != ObjectState::kComplete) {
+    return Status::NotFound("no complete object of this key and version");
+  }
+  Impl::Node* n = m.FindNodeExact(node);
+  const int idx = n ? Impl::ReplicaOn(*o, n) : -1;
+  if (idx < 0 || o->replicas[idx].state != ReplicaState::kComplete) {
+    return Status::NotFound("no complete replica on " + ToString(node));
+  }
+  if (segment_id != 0 && (o->replicas[idx].segment->info.segment_id != segment_id ||
+                          o->replicas[idx].offset != offset)) {
+    return Status::NotFound("the replica on " + ToString(node) + " has moved since");
+  }
+  n->bad_reports += 1;
+  ++m.bad_replicas_total;
+  if (std::find(o->failed_dests.begin(), o->failed_dests.end(), node.node_id) ==
+      o->failed_dests.end()) {
+    o->failed_dests.push_back(node.node_id);  // not the first choice for its new copy
+  }
+  // Copies reading from the bad replica are cancelled (their destinations freed later).
+  std::vector<uint64_t> cancel;
+  for (const auto& r : o->replicas) {
+    if (r.task_id != 0 && m.tasks.at(r.task_id).source == n) cancel.push_back(r.task_id);
+  }
+  for (uint64_t tid : cancel) m.DropReplica(o, Impl::ReplicaWithTask(*o, tid), now_ns);
+  m.DropReplica(o, Impl::ReplicaOn(*o, n), now_ns);
+  if (Impl::CompleteReplicas(*o) == 0) {
+    m.EraseObject(o, now_ns);
+  } else {
+    m.MarkRepair(o, now_ns);
+  }
+  return Status::OK();
+}
+
+Status MasterState::ReportUnreachableNode(const NodeIdentity& node, uint64_t /*now_ns*/) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  Impl::Node* n = m.FindNodeExact(node);
+  if (!n) return Status::NotFound("no node " + ToString(node));
+  n->bad_reports += 1;
+  ++m.unreachable_reports_total;
+  return Status::OK();
+}
+
+Result<TaskCommitPlan> MasterState::TaskDone(uint64_t task_id, const NodeIdentity& source, bool ok,
+                                             uint64_t now_ns) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  auto it = m.tasks.find(task_id);
+  if (it == m.tasks.end()) return Status::NotFound("task " + Num(task_id) + " is not running");
+  Impl::Task& t = it->second;
+  if (!(t.source->id() == source)) {
+    return Status::StalePeer("task " + Num(task_id) + " belongs to " + ToString(t.source->id()));
+  }
+  if (t.state == Impl::TaskState::kCommitting) {
+    return Status::Unavailable("task " + Num(task_id) + " was reported already");
+  }
+  TaskCommitPlan plan;
+  plan.task_id = task_id;
+  if (!ok) {
+    m.FailTask(it, now_ns);
+    return plan;
+  }
+  Impl::Object* o = m.FindObject(t.key);
+  Impl::Replica& r = o->replicas[Impl::ReplicaWithTask(*o, task_id)];
+  r.state = ReplicaState::kCommitting;
+  r.record_on_node = true;
+  t.state = Impl::TaskState::kCommitting;
+  t.deadline_ns = now_ns + MsToNs(m.cfg.task_timeout_ms);
+  NodeCommit c;
+  c.node = t.dest->id();
+  c.control_endpoint = t.dest->reg.control_endpoint;
+  c.records.push_back(m.Record(*o, r));
+  plan.commits.push_back(std::move(c));
+  return plan;
+}
+
+Status MasterState::FinishTask(const TaskCommitPlan& plan, uint64_t now_ns) {
+  if (plan.commits.empty()) return Status::OK();
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  const NodeCommit& c = plan.commits.front();
+  auto it = m.tasks.find(plan.task_id);
+  if (it == m.tasks.end() || it->second.state != Impl::TaskState::kCommitting) {
+    if (c.ok) {
+      for (const InventoryRecord& r : c.records) m.QueueFreeIfRegistered(c.node, r);
+    }
+    return Status::NotFound("task " + Num(plan.task_id) + " was cancelled while committing");
+  }
+  if (!c.ok) {
+    m.FailTask(it, now_ns);
+    return Status::Unavailable("commit to " + ToString(c.node) + " failed; retried later");
+  }
+  Impl::Object* o = m.FindObject(it->second.key);
+  Impl::Replica& r = o->replicas[Impl::ReplicaWithTask(*o, plan.task_id)];
+  r.state = ReplicaState::kComplete;
+  r.task_id = 0;
+  m.EraseTask(it);
+  o->failed_dests.clear();
+  if (m.NeedsRepair(*o)) m.MarkRepair(o, now_ns);
+  return Status::OK();
+}
+
+}  // namespace kvbridge::store

@@ -1,0 +1,456 @@
+// MasterState::Impl, the master's private state (store/master_state.h declares only its name),
+// shared by the files that implement MasterState. The types, the data and the small helpers
+// every part uses are defined here; the other members are declared here, grouped by the file
+// that defines them (with their comments there):
+//   master_state.cc      Create, Tick, Stats, Snapshot, CheckInvariants; replica bookkeeping
+//   master_placement.cc  placement of new replicas and eviction
+//   master_nodes.cc      the node table: registration, heartbeats, drain, departure, directory
+//   master_tiers.cc      the SSD tier: demotions, promotions, DemoteDone
+//   master_repair.cc     re-replication tasks, TaskDone/FinishTask, bad-replica reports
+//   master_puts.cc       puts (PutStart/PutEnd/PutRevoke), GetReplicas, Exists, Remove
+// Private to those files: nothing else includes it, and MasterState stays pure (no I/O).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <set>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "store/master_state.h"
+#include "util/range_allocator.h"
+
+namespace kvbridge::store {
+
+// Shared by the master's files only (this header is private to them).
+constexpr uint64_t kNsPerMs = 1000000ull;
+
+inline uint64_t MsToNs(uint64_t ms) { return ms * kNsPerMs; }
+inline std::string Num(uint64_t v) { return std::to_string(v); }
+
+// Task ids start at a random point so that a node reporting a task of a previous master
+// incarnation gets NOT_FOUND, not another task that happens to have its id.
+inline uint64_t RandomTaskIdBase() {
+  std::random_device rd;
+  return (((uint64_t{rd()} << 32) | rd()) >> 2) + 1;
+}
+
+struct MasterState::Impl {
+  struct Object;
+
+  struct Segment {
+    Segment(const SegmentInfo& i, uint64_t alignment) : info(i), alloc(i.capacity, alignment) {}
+    SegmentInfo info;
+    util::RangeAllocator alloc;
+    std::vector<Object*> residents;  // objects with a replica here (at most one each)
+  };
+
+  struct Node {
+    NodeRegistration reg;
+    NodeState state = NodeState::kActive;
+    uint64_t last_seen_ns = 0;
+    uint64_t drain_deadline_ns = 0;
+    bool drained = false;
+    std::map<uint64_t, Segment> segments;
+    // Frees not yet acknowledged, by sequence number (increasing): resent in every heartbeat
+    // reply until the node says it applied them (HeartbeatRequest.frees_acked).
+    std::deque<std::pair<uint64_t, InventoryRecord>> frees;
+    std::deque<uint64_t> task_queue;  // tasks to hand out (stale ids are skipped)
+    size_t replicas = 0;              // replicas of any state on this node
+    size_t held = 0;                  // held ranges on this node
+    size_t source_tasks = 0;          // tasks with this node as source
+    size_t demotions = 0;             // replicas here with a demotion pending
+    uint64_t demote_not_before_ns = 0;  // after a failed demotion (disk full, ...)
+    // No new DRAM allocation before this: the node registered again, and writers or readers of
+    // its previous registration may still be at its memory (RegisterNode).
+    uint64_t no_alloc_before_ns = 0;
+    std::deque<std::pair<std::string, uint64_t>> demote_queue;  // (key, demote_id) to hand out
+    double reads = 0;                 // decaying count of reads handed out (load)
+    double bad_reports = 0;           // decaying count of bad-replica reports (health)
+    const NodeIdentity& id() const { return reg.identity; }
+  };
+
+  struct Replica {
+    Node* node = nullptr;
+    Segment* segment = nullptr;
+    uint64_t offset = 0;
+    uint64_t replica_id = 0;
+    ReplicaState state = ReplicaState::kWriting;
+    uint64_t task_id = 0;         // nonzero: destination of this task
+    size_t resident_index = 0;    // position in segment->residents
+    bool record_on_node = false;  // a commit was sent: dropping it must tell the node
+    // A pending move of this (DRAM) replica to the node's SSD segment: the SSD range is
+    // allocated there (not a resident until DemoteDone), demote_id is its replica id.
+    Segment* demote_segment = nullptr;
+    uint64_t demote_offset = 0;
+    uint64_t demote_id = 0;
+    bool demote_issued = false;
+    uint64_t demote_deadline_ns = 0;
+  };
+
+  struct Object {
+    std::string key;
+    uint64_t version = 0;
+    std::vector<uint64_t> sizes;
+    uint64_t bytes = 0;
+    uint32_t checksum = 0;
+    ObjectState state = ObjectState::kPending;
+    uint32_t target = 1;
+    bool pinned = false;
+    std::vector<Replica> replicas;
+    std::vector<ReplicaLocation> put_layout;  // as PutStart returned them, until complete
+    uint64_t put_deadline_ns = 0;
+    uint64_t lease_expiry_ns = 0;
+    uint64_t last_access_ns = 0;
+    uint32_t ssd_reads = 0;  // reads served from an SSD replica since the last promotion
+    uint64_t repair_not_before_ns = 0;
+    std::vector<std::string> failed_dests;  // node ids whose copy failed lately
+  };
+
+  enum class TaskState { kQueued, kIssued, kCommitting };
+
+  struct Task {
+    uint64_t id = 0;
+    std::string key;
+    uint64_t version = 0;
+    Node* source = nullptr;
+    uint64_t source_segment = 0;
+    uint64_t source_offset = 0;
+    Node* dest = nullptr;
+    TaskState state = TaskState::kQueued;
+    uint64_t deadline_ns = 0;
+  };
+
+  // Space of a dropped replica that someone may still read (a lease) or write (a put or task
+  // whose writer has not reported): freed at release_at_ns.
+  struct Held {
+    Node* node = nullptr;
+    Segment* segment = nullptr;
+    uint64_t offset = 0;
+    uint64_t length = 0;
+    uint64_t release_at_ns = 0;
+    std::optional<InventoryRecord> record;  // sent to the node as a free on release
+  };
+
+  explicit Impl(const MasterConfig& c)
+      : cfg(c),
+        rng(c.random_seed != 0 ? c.random_seed : std::random_device{}()),
+        next_version(std::max<uint64_t>(1, c.first_version)),
+        next_free_seq(std::max<uint64_t>(1, c.first_free_seq)) {}
+
+  MasterConfig cfg;
+  std::mt19937_64 rng;
+  mutable std::mutex mu;
+  std::map<std::string, Node> nodes;  // by node id: one incarnation each
+  std::unordered_map<std::string, std::unique_ptr<Object>> objects;
+  std::set<std::string> pending_keys;  // PENDING or COMMITTING objects
+  std::set<std::string> repair_keys;   // objects to look at in the repair pass
+  std::map<uint64_t, Task> tasks;
+  std::vector<Held> held;
+  std::deque<NodeStats> dead_nodes;
+  // What a node that left held, by node id (see MasterConfig::departed_ttl_ms): for each
+  // (key, version) it had a record of, whether the object left with it (true: its last copy,
+  // so the node may bring it back) or not (false: it stayed elsewhere, or was being freed).
+  // An entry turns false when the key is removed or put again; the whole node's entry is used
+  // and dropped when that node id registers again.
+  //
+  // Kept for up to a day, so it is compact: a sorted array of (64-bit key hash, version, flag),
+  // 24 bytes per copy, where a map of key strings cost about 200 (64-character keys). Versions are
+  // unique across keys, so a lookup by (hash, version) finds only its own copy. A remove or a new
+  // put clears every copy whose key hash matches; were two keys ever to share a hash, the other
+  // key's copy would be freed when its node returns, not revived: a cache miss, never stale data.
+  struct DepartedCopy {
+    uint64_t key_hash = 0;
+    uint64_t version = 0;
+    bool comes_back = false;
+    auto Order() const { return std::tie(key_hash, version); }
+  };
+  struct Departed {
+    uint64_t since_ns = 0;
+    // The incarnation that left, and when its memory was free of every writer and reader the
+    // master knew of (leases, writer deadlines plus late_write_margin_ms, held ranges): if the
+    // same incarnation comes back, nothing new is placed in its DRAM before then.
+    uint64_t incarnation = 0;
+    uint64_t reuse_after_ns = 0;
+    std::vector<DepartedCopy> copies;  // sorted by (key_hash, version), one entry each
+
+    // Entries go in with Note() in any order, the last word on a copy winning; Seal() sorts.
+    void Note(uint64_t key_hash, uint64_t version, bool comes_back) {
+      copies.push_back({key_hash, version, comes_back});
+    }
+    void Seal() {
+      std::stable_sort(copies.begin(), copies.end(),
+                       [](const auto& a, const auto& b) { return a.Order() < b.Order(); });
+      size_t kept = 0;  // of each run of equal (hash, version), the last note
+      for (const DepartedCopy& c : copies) {
+        if (kept > 0 && copies[kept - 1].Order() == c.Order()) {
+          copies[kept - 1] = c;
+        } else {
+          copies[kept++] = c;
+        }
+      }
+      copies.resize(kept);
+      copies.shrink_to_fit();
+    }
+    const DepartedCopy* Find(std::string_view key, uint64_t version) const {
+      const DepartedCopy probe{KeyHash(key), version};
+      auto it =
+          std::lower_bound(copies.begin(), copies.end(), probe,
+                           [](const auto& a, const auto& b) { return a.Order() < b.Order(); });
+      return it != copies.end() && it->Order() == probe.Order() ? &*it : nullptr;
+    }
+    void Forget(uint64_t h) {
+      auto it = std::lower_bound(copies.begin(), copies.end(), h,
+                                 [](const DepartedCopy& a, uint64_t v) { return a.key_hash < v; });
+      for (; it != copies.end() && it->key_hash == h; ++it) it->comes_back = false;
+    }
+    static uint64_t KeyHash(std::string_view key) { return std::hash<std::string_view>{}(key); }
+  };
+  std::unordered_map<std::string, Departed> departed;
+  // Notes dropped before their time by the caps (CapDeparted), and the latest reuse_after_ns
+  // among them: a node coming back without its note waits at least that long.
+  uint64_t departed_dropped_total = 0;
+  uint64_t departed_dropped_reuse_after_ns = 0;
+  uint64_t next_version;
+  uint64_t next_replica_id = 1;
+  uint64_t next_free_seq;
+  uint64_t next_task_id = RandomTaskIdBase();
+  uint64_t directory_version = 1;
+  uint64_t last_decay_ns = 0;
+  uint64_t last_tick_ns = 0;
+  uint64_t evictions_total = 0;
+  uint64_t revokes_total = 0;
+  uint64_t nodes_expired_total = 0;
+  uint64_t bad_replicas_total = 0;
+  uint64_t unreachable_reports_total = 0;
+  uint64_t demotions_total = 0;
+  uint64_t promotions_total = 0;
+  // Heartbeat arrivals recorded without `mu` (Touch), so liveness never waits behind data-plane
+  // work holding `mu`; Tick folds them in. node id -> (incarnation, last seen). Lock order:
+  // mu, then live_mu.
+  std::mutex live_mu;
+  std::unordered_map<std::string, std::pair<uint64_t, uint64_t>> live;
+
+  // ---------------------------------------------------------------- small helpers
+
+  uint64_t RoundUp(uint64_t n) const { return (n + cfg.alignment - 1) & ~(cfg.alignment - 1); }
+
+  Status CheckKey(std::string_view key) const {
+    if (key.empty()) return Status::InvalidArgument("key is empty");
+    if (key.size() > cfg.max_key_bytes) {
+      return Status::InvalidArgument("key is " + Num(key.size()) + " bytes; max_key_bytes is " +
+                                     Num(cfg.max_key_bytes));
+    }
+    return Status::OK();
+  }
+
+  Status CheckSizes(const std::vector<uint64_t>& sizes, uint64_t* total) const {
+    if (sizes.empty()) return Status::InvalidArgument("no buffers");
+    if (sizes.size() > cfg.max_buffers) {
+      return Status::InvalidArgument(Num(sizes.size()) + " buffers; max_buffers is " +
+                                     Num(cfg.max_buffers));
+    }
+    uint64_t sum = 0;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      if (sizes[i] == 0) return Status::InvalidArgument("buffer " + Num(i) + " has size 0");
+      if (sizes[i] > cfg.max_object_bytes || sum > cfg.max_object_bytes - sizes[i]) {
+        return Status::InvalidArgument("value is over max_object_bytes (" +
+                                       Num(cfg.max_object_bytes) + ")");
+      }
+      sum += sizes[i];
+    }
+    *total = sum;
+    return Status::OK();
+  }
+
+  // The registered node with exactly this identity, or null with NOT_FOUND / STALE_PEER.
+  Node* FindNode(const NodeIdentity& id, Status* st) {
+    auto it = nodes.find(id.node_id);
+    if (it == nodes.end()) {
+      *st = Status::NotFound("node " + id.node_id + " is not registered");
+      return nullptr;
+    }
+    if (it->second.id().incarnation != id.incarnation) {
+      *st = Status::StalePeer("node " + id.node_id + " is registered as " +
+                              ToString(it->second.id()) + ", not " + ToString(id));
+      return nullptr;
+    }
+    return &it->second;
+  }
+
+  Node* FindNodeExact(const NodeIdentity& id) {
+    auto it = nodes.find(id.node_id);
+    if (it == nodes.end() || it->second.id().incarnation != id.incarnation) return nullptr;
+    return &it->second;
+  }
+
+  Object* FindObject(std::string_view key) {
+    auto it = objects.find(std::string(key));
+    return it == objects.end() ? nullptr : it->second.get();
+  }
+
+  static int ReplicaOn(const Object& o, const Node* n) {
+    for (size_t i = 0; i < o.replicas.size(); ++i) {
+      if (o.replicas[i].node == n) return static_cast<int>(i);
+    }
+    return -1;
+  }
+
+  static int ReplicaWithTask(const Object& o, uint64_t task_id) {
+    for (size_t i = 0; i < o.replicas.size(); ++i) {
+      if (o.replicas[i].task_id == task_id) return static_cast<int>(i);
+    }
+    return -1;
+  }
+
+  static size_t CompleteReplicas(const Object& o) {
+    size_t n = 0;
+    for (const Replica& r : o.replicas) n += r.state == ReplicaState::kComplete;
+    return n;
+  }
+
+  ReplicaLocation Location(const Object& o, const Replica& r) const {
+    return {r.node->id(), r.segment->info.segment_id, r.offset, o.bytes, r.segment->info.tier};
+  }
+
+  InventoryRecord Record(const Object& o, const Replica& r) const {
+    return {o.key,    o.version, o.sizes,     o.checksum, r.segment->info.segment_id,
+            r.offset, o.target,  r.replica_id};
+  }
+
+  // For a record a commit may have left on a node, unless it is (again) a live replica's: a
+  // node that re-registered with it after the master dropped it.
+  void QueueFreeIfRegistered(const NodeIdentity& id, const InventoryRecord& rec) {
+    Node* n = FindNodeExact(id);
+    if (!n) return;
+    if (const Object* o = FindObject(rec.key); o && o->version == rec.version) {
+      for (const Replica& r : o->replicas) {
+        if (r.replica_id == rec.replica_id) return;
+      }
+    }
+    QueueFree(n, rec);
+  }
+
+  void QueueFree(Node* n, const InventoryRecord& rec) { n->frees.emplace_back(next_free_seq++, rec); }
+
+  // Drops the frees the node applied, then copies up to max_frees_per_reply of the rest.
+  // True when some are left behind (the reply says `more`).
+  bool TakeFrees(Node* n, uint64_t acked, std::vector<InventoryRecord>* out,
+                 std::vector<uint64_t>* seqs) const {
+    while (!n->frees.empty() && n->frees.front().first <= acked) n->frees.pop_front();
+    for (const auto& [seq, rec] : n->frees) {
+      if (out->size() >= cfg.max_frees_per_reply) return true;
+      out->push_back(rec);
+      seqs->push_back(seq);
+    }
+    return false;
+  }
+
+  void MarkRepair(Object* o, uint64_t not_before_ns) {
+    repair_keys.insert(o->key);
+    o->repair_not_before_ns = not_before_ns;
+  }
+
+  // Fewer COMPLETE replicas on ACTIVE nodes than the target, or any on a DRAINING node.
+  bool NeedsRepair(const Object& o) const {
+    size_t active = 0;
+    for (const Replica& r : o.replicas) {
+      if (r.node->state == NodeState::kDraining) return true;
+      active += r.state == ReplicaState::kComplete;
+    }
+    return active < o.target;
+  }
+
+  // ------------------------------------------------------ replica bookkeeping (master_state.cc)
+
+  Replica& AddReplica(Object* o, Node* n, Segment* s, uint64_t offset, ReplicaState state,
+                      uint64_t replica_id = 0);
+  void CancelDemotion(Replica& r, uint64_t length = 0);
+  static Segment* SsdSegment(Node& n);
+  void Unreside(Object* o, Replica& r);
+  void DetachReplica(Object* o, size_t idx);
+  uint64_t HoldUntil(const Object& o, const Replica& r) const;
+  void FreeRange(Node* n, Segment* s, uint64_t offset, const std::optional<InventoryRecord>& rec);
+  void ReleaseReplica(Object* o, size_t idx, uint64_t now_ns, uint64_t hold_until_ns);
+  void EraseTask(std::map<uint64_t, Task>::iterator it);
+  void DropReplica(Object* o, size_t idx, uint64_t now_ns);
+  void EraseObject(Object* o, uint64_t now_ns);
+
+  // ----------------------------------------------- placement and eviction (master_placement.cc)
+
+  uint64_t HighLimit(const Segment& s) const;
+  uint64_t LowLimit(const Segment& s) const;
+  Segment* FitSegment(Node& n, uint64_t bytes, bool repair);
+  struct Choice {
+    Node* node;
+    Segment* segment;
+  };
+  static bool Placeable(const Node& n, uint64_t now_ns);
+  std::vector<Choice> ChooseNodes(uint64_t now_ns, uint64_t bytes, size_t count,
+                                  const Object* holder, const std::vector<std::string>* avoid,
+                                  std::string_view preferred, bool repair = false);
+  bool Evictable(const Object& o, uint64_t now_ns) const;
+  Object* PickVictim(Segment& s, uint64_t now_ns);
+  template <typename Done>
+  size_t EvictUntil(Segment& s, Done done, size_t budget, uint64_t now_ns) {
+    size_t n = 0;
+    while (n < budget && !done()) {
+      Object* victim = PickVictim(s, now_ns);
+      if (!victim) break;
+      EraseObject(victim, now_ns);
+      ++n;
+      ++evictions_total;
+    }
+    return n;
+  }
+  void MakeRoom(uint64_t bytes, size_t count, std::string_view preferred, uint64_t now_ns);
+
+  // ----------------------------------------------------------- node lifecycle (master_nodes.cc)
+
+  uint64_t ReuseHorizon(const Node* n) const;
+  void DropNode(Node* n, uint64_t now_ns, bool expired);
+  bool DrainDone(const Node& n, uint64_t now_ns) const;
+  void CapDeparted();
+  void ForgetDepartedCopies(std::string_view key);
+  void LoadInventory(Node& n, const std::vector<InventoryRecord>& inventory, uint64_t now_ns,
+                     RegisterReply& reply);
+
+  // ----------------------------------------------------------------- SSD tier (master_tiers.cc)
+
+  bool Demotable(const Object& o, const Replica& r) const;
+  void ScheduleDemotions(uint64_t now_ns, TickSummary& sum);
+  void MaybePromote(Object* o, Replica& r, uint64_t now_ns);
+  void ExpireDemotions(uint64_t now_ns, TickSummary& sum);
+
+  // ---------------------------------------------------------- re-replication (master_repair.cc)
+
+  void FailTask(std::map<uint64_t, Task>::iterator it, uint64_t now_ns);
+  const Replica* ChooseSource(const Object& o) const;
+  void RepairOne(Object* o, uint64_t now_ns, TickSummary& summary);
+  ReplicationTask TaskView(const Task& t) const;
+
+  // ---------------------------------------------------------------- operations (master_puts.cc)
+
+  Result<PutAllocation> AllocateObject(const PutItem& item, uint64_t bytes,
+                                       const PutOptions& options, uint64_t now_ns);
+  Status BeginPutEndOne(const PutEndItem& item, uint64_t now_ns, PutEndPlan& plan,
+                        std::map<std::string, size_t>& commit_index);
+  struct CommitEntry {
+    const NodeCommit* commit;
+    const InventoryRecord* record;
+  };
+  Status FinishPutEndOne(const KeyVersion& kv, const std::vector<CommitEntry>& entries,
+                         uint64_t now_ns);
+};
+
+}  // namespace kvbridge::store
