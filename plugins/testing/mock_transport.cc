@@ -70,6 +70,8 @@ struct Request {
   void (*on_complete)(void*) = nullptr;
   void* user = nullptr;
   uint64_t peer_serial = 0;
+  kvb_status_t partial_code = KVB_OK;  // a partial fault: ops from first_failing_op fail with it
+  uint32_t first_failing_op = 0;
   std::string peer_node;
   uint64_t peer_incarnation = 0;
 };
@@ -92,6 +94,9 @@ struct Fault {
   kvb_status_t code = KVB_OK;
   int32_t count = 0;  // -1 = forever
   uint32_t delay_ms = 0;
+  // > 0: a partial fault (kvb_mock_set_partial_fault): ops before this index are delivered,
+  // the rest of the request fails with `code`.
+  uint32_t first_failing_op = 0;
 };
 
 uint64_t MonoNs() {
@@ -231,6 +236,14 @@ void Deliver(kvb_transport* t, Request* r) {
     } else {
       for (size_t i = 0; i < r->ops.size(); ++i) {
         const kvb_xfer_op_t& op = r->ops[i];
+        if (r->partial_code != KVB_OK && i >= r->first_failing_op) {
+          codes[i] = r->partial_code;
+          if (error.empty()) {
+            error = std::string(KVB_MOCK_NAME ": injected fault ") + CodeName(r->partial_code) +
+                    " from op " + std::to_string(r->first_failing_op);
+          }
+          continue;
+        }
         auto it = peer->regions.find(op.remote_segment);
         if (it == peer->regions.end()) {
           codes[i] = KVB_ERR_NOT_REGISTERED;
@@ -559,12 +572,18 @@ kvb_status_t MockPost(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_xfer_op_t
       std::lock_guard<std::mutex> lk(t->mu);
       if (t->fault.count > 0) --t->fault.count;
     }
-    if (injected == KVB_ERR_BACKPRESSURE || injected == KVB_ERR_INVALID_ARGUMENT) {
+    if ((injected == KVB_ERR_BACKPRESSURE || injected == KVB_ERR_INVALID_ARGUMENT) &&
+        fault.first_failing_op == 0) {
       kvb_copy_message(err, err_len,
                        (std::string(KVB_MOCK_NAME ": injected fault ") + CodeName(injected)).c_str());
       return injected;
     }
 
+    if (injected != KVB_OK && fault.first_failing_op > 0) {
+      req->partial_code = injected;
+      req->first_failing_op = fault.first_failing_op;
+      injected = KVB_OK;  // delivered, with the ops from first_failing_op failed
+    }
     const uint64_t now = t->Now();
     req->op_status.assign(count, KVB_IN_PROGRESS);
     req->peer_serial = peer_copy.serial;
@@ -705,6 +724,20 @@ KVB_PLUGIN_EXPORT int32_t kvb_mock_set_fault(const char* node_id, int32_t code, 
   if (it == g_instances.end()) return KVB_ERR_NOT_FOUND;
   std::lock_guard<std::mutex> lk2(it->second->mu);
   it->second->fault = Fault{code, code == KVB_OK ? 0 : count, delay_ms};
+  return KVB_OK;
+}
+
+// Like kvb_mock_set_fault (no delay), but each faulted request delivers its ops before index
+// `first_failing_op` and fails the rest with `code` (at delivery; BACKPRESSURE and
+// INVALID_ARGUMENT included): a request that partly succeeded.
+KVB_PLUGIN_EXPORT int32_t kvb_mock_set_partial_fault(const char* node_id, int32_t code,
+                                                     int32_t count, uint32_t first_failing_op) {
+  if (node_id == nullptr) return KVB_ERR_INVALID_ARGUMENT;
+  std::lock_guard<std::mutex> lk(g_mu);
+  auto it = g_instances.find(node_id);
+  if (it == g_instances.end()) return KVB_ERR_NOT_FOUND;
+  std::lock_guard<std::mutex> lk2(it->second->mu);
+  it->second->fault = Fault{code, code == KVB_OK ? 0 : count, 0, first_failing_op};
   return KVB_OK;
 }
 

@@ -132,10 +132,12 @@ TEST(PathChoice, ServesKindsHostOnlyToday) {
 
 using SetFaultFn = int32_t (*)(const char*, int32_t, int32_t, uint32_t);
 using PostCountFn = uint64_t (*)(const char*);
+using SetPartialFaultFn = int32_t (*)(const char*, int32_t, int32_t, uint32_t);
 
 struct MockHooks {
   SetFaultFn set_fault = nullptr;
   PostCountFn post_count = nullptr;
+  SetPartialFaultFn set_partial_fault = nullptr;
 };
 
 MockHooks HooksOf(const std::string& path) {
@@ -144,6 +146,8 @@ MockHooks HooksOf(const std::string& path) {
   if (lib == nullptr) return h;
   h.set_fault = reinterpret_cast<SetFaultFn>(dlsym(lib, "kvb_mock_set_fault"));
   h.post_count = reinterpret_cast<PostCountFn>(dlsym(lib, "kvb_mock_post_count"));
+  h.set_partial_fault =
+      reinterpret_cast<SetPartialFaultFn>(dlsym(lib, "kvb_mock_set_partial_fault"));
   dlclose(lib);  // drops only the reference NOLOAD added
   return h;
 }
@@ -268,6 +272,30 @@ TEST_F(MultipathTest, FailoverOnPathFaultLosesNoOp) {
   EXPECT_EQ(h.paths[1].breaker, BreakerState::kClosed);
   EXPECT_GT(h.paths[1].ops_ok, 100u);
   EXPECT_EQ(h.fast_failed_ops, 0u);
+}
+
+// A request that partly succeeded on the preferred path: only its failed ops move, so the
+// second path carries exactly their bytes.
+TEST_F(MultipathTest, OnlyFailedOpsFailOver) {
+  ASSERT_NE(mock_.set_partial_fault, nullptr);
+  ASSERT_EQ(mock_.set_partial_fault("mp-a", KVB_ERR_PEER_UNREACHABLE, 1, /*first_failing_op=*/2),
+            KVB_OK);
+  mem_a_.Fill(31, 0, 4 * 4096);
+  const uint64_t b_written = Must(a_->GetTransportStats("mock_b")).bytes_written;
+  BatchResult r = Run({Op(OpCode::kWrite, 0), Op(OpCode::kWrite, 4096),
+                       Op(OpCode::kWrite, 8192), Op(OpCode::kWrite, 12288)});
+  ASSERT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_TRUE(mem_b_.Matches(31, 0, 4 * 4096, 0));
+  EXPECT_EQ(Must(a_->GetTransportStats("mock_b")).bytes_written - b_written, 2u * 4096)
+      << "ops that succeeded on the first path were sent again";
+  ASSERT_EQ(r.op_path_history.size(), 4u);
+  EXPECT_EQ(r.op_path_history[0], "");
+  EXPECT_EQ(r.op_path_history[1], "");
+  EXPECT_NE(r.op_path_history[2].find("then mock_b: OK"), std::string::npos);
+  EXPECT_NE(r.op_path_history[3].find("then mock_b: OK"), std::string::npos);
+  EXPECT_EQ(PathOf(0).ops_ok, 2u);
+  EXPECT_EQ(PathOf(0).failed_over_from, 2u);
+  EXPECT_EQ(PathOf(1).ops_ok, 2u);
 }
 
 TEST_F(MultipathTest, FrozenPathFailsOverAfterProgressTimeout) {
