@@ -8,6 +8,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/descriptor.h"
@@ -384,10 +385,14 @@ TEST_F(MultipathTest, AKnownIncarnationMovesOnNoPath) {
   Must(a_->AddPeer(b_->LocalDescriptor()));  // the same routes: an update
 }
 
-class MultipathNoWriteFailoverTest : public MultipathTest {
+// The fixture with one of engine A's boolean options turned off.
+template <bool EngineOptions::*kOff>
+class MultipathWithout : public MultipathTest {
  protected:
-  void Tweak(EngineOptions& o) override { o.path_failover_writes = false; }
+  void Tweak(EngineOptions& o) override { o.*kOff = false; }
 };
+using MultipathNoWriteFailoverTest = MultipathWithout<&EngineOptions::path_failover_writes>;
+using MultipathNoFailoverTest = MultipathWithout<&EngineOptions::path_failover>;
 
 TEST_F(MultipathNoWriteFailoverTest, WritesDoNotFailOverWhenDisabled) {
   ASSERT_EQ(mock_.set_fault("mp-a", KVB_ERR_PEER_UNREACHABLE, 1, 0), KVB_OK);
@@ -407,11 +412,6 @@ TEST_F(MultipathNoWriteFailoverTest, WritesDoNotFailOverWhenDisabled) {
   EXPECT_TRUE(mixed.op_status[0].IsPeerUnreachable()) << mixed.op_status[0].ToString();
   EXPECT_TRUE(mixed.op_status[1].ok()) << mixed.op_status[1].ToString();
 }
-
-class MultipathNoFailoverTest : public MultipathTest {
- protected:
-  void Tweak(EngineOptions& o) override { o.path_failover = false; }
-};
 
 TEST_F(MultipathNoFailoverTest, PathFailoverOffKeepsTheFirstError) {
   ASSERT_EQ(mock_.set_fault("mp-a", KVB_ERR_PEER_UNREACHABLE, 1, 0), KVB_OK);
@@ -478,13 +478,13 @@ TEST(MultipathOptions, DefaultsAndVariables) {
   EXPECT_TRUE(d.path_failover);
   EXPECT_TRUE(d.path_failover_writes);
   EXPECT_EQ(d.failover_min_budget_ms, 5u);
-  setenv("KVBRIDGE_PATH_FAILOVER", "0", 1);
-  setenv("KVBRIDGE_PATH_FAILOVER_WRITES", "false", 1);
-  setenv("KVBRIDGE_FAILOVER_MIN_BUDGET_MS", "17", 1);
+  const std::vector<std::pair<const char*, const char*>> vars = {
+      {"KVBRIDGE_PATH_FAILOVER", "0"},
+      {"KVBRIDGE_PATH_FAILOVER_WRITES", "false"},
+      {"KVBRIDGE_FAILOVER_MIN_BUDGET_MS", "17"}};
+  for (const auto& [name, value] : vars) setenv(name, value, 1);
   EngineOptions e = EngineOptions::FromEnv();
-  unsetenv("KVBRIDGE_PATH_FAILOVER");
-  unsetenv("KVBRIDGE_PATH_FAILOVER_WRITES");
-  unsetenv("KVBRIDGE_FAILOVER_MIN_BUDGET_MS");
+  for (const auto& [name, value] : vars) unsetenv(name);
   EXPECT_FALSE(e.path_failover);
   EXPECT_FALSE(e.path_failover_writes);
   EXPECT_EQ(e.failover_min_budget_ms, 17u);
