@@ -181,8 +181,9 @@ class TransferEngine {
   // not registered, more ops than EngineOptions::max_ops_per_batch) refuse the whole batch
   // with INVALID_ARGUMENT / NOT_REGISTERED and queue nothing, and so does BACKPRESSURE when
   // max_inflight_batches batches are still in flight. Per-peer conditions (unknown peer, stale
-  // peer, breaker open, backpressure, remote bounds) become that op's status in the
-  // BatchResult.
+  // peer, every path's breaker open, no path serving the op, backpressure, remote bounds)
+  // become that op's status in the BatchResult. Ops that fail on one path to a peer fail over
+  // to its next path within the deadline (EngineOptions::path_failover).
   Result<BatchId> Submit(std::span<const TransferOp> ops, const SubmitOptions& options = {});
   // Non-blocking. nullopt while in flight. Once final, returns the result and forgets the
   // batch (a later Poll/Wait of the same id gives NOT_FOUND). A final batch left unpolled
