@@ -74,7 +74,7 @@ struct Path {
 // new incarnation, or a permitted move, makes a new record).
 struct PeerRecord {
   PeerId id;
-  std::vector<std::unique_ptr<Path>> paths;  // in local preference order
+  std::vector<std::unique_ptr<Path>> paths;    // in local preference order
   std::shared_ptr<const SegmentMap> segments;  // replaced wholesale on update (under peers_mu)
   std::atomic<bool> stale{false};
   std::atomic<uint64_t> fast_failed{0};  // ops refused because no path's breaker admitted
@@ -291,14 +291,13 @@ void TransferEngine::Impl::NoteAttempt(Batch& b, uint32_t op, std::string attemp
   h += (h.empty() ? "" : "; then ") + attempt;
 }
 
-void TransferEngine::Impl::FinishOp(Batch& b, uint32_t op, const PeerRecord& peer,
-                                    const Path* path, kvb_status_t code, const std::string& msg) {
+void TransferEngine::Impl::FinishOp(Batch& b, uint32_t op, const PeerRecord& peer, const Path* path,
+                                    kvb_status_t code, const std::string& msg) {
   const bool moved = !b.history.empty() && !b.history[op].empty();
   if (moved && path != nullptr) NoteAttempt(b, op, Attempt(*path, code, msg));
-  b.op_status[op] =
-      code == KVB_OK ? Status::OK()
-                     : Status::FromAbi(code, "peer " + peer.id.ToString() + ": " +
-                                                 (moved ? b.history[op] : msg));
+  b.op_status[op] = code == KVB_OK ? Status::OK()
+                                   : Status::FromAbi(code, "peer " + peer.id.ToString() + ": " +
+                                                               (moved ? b.history[op] : msg));
 }
 
 bool TransferEngine::Impl::PollPass(Batch& b) {
@@ -354,8 +353,8 @@ bool TransferEngine::Impl::PollPass(Batch& b) {
     s.path->breaker.RecordFailure(util::MonoNs());
     s.path->failed_over_from.fetch_add(again.size());
     KVB_LOG(DEBUG) << "batch " << b.id << ": " << again.size() << " op(s) to peer "
-                   << s.peer->id.ToString() << " failed on " << s.path->transport->name()
-                   << " (" << polled.status.ToString() << "); failing over";
+                   << s.peer->id.ToString() << " failed on " << s.path->transport->name() << " ("
+                   << polled.status.ToString() << "); failing over";
     const std::shared_ptr<PeerRecord> peer = s.peer;
     const std::vector<uint32_t> next = std::move(s.next_paths);
     s.xops.clear();
@@ -369,8 +368,8 @@ bool TransferEngine::Impl::PollPass(Batch& b) {
 
 bool TransferEngine::Impl::Dispatch(Batch& b, const std::shared_ptr<PeerRecord>& peer,
                                     std::span<const uint32_t> candidates,
-                                    std::vector<uint32_t> op_index,
-                                    std::vector<kvb_xfer_op_t> xops, const Status& failure) {
+                                    std::vector<uint32_t> op_index, std::vector<kvb_xfer_op_t> xops,
+                                    const Status& failure) {
   const TransportInstance::PostOptions popts{.deadline_ns = b.deadline_ns,
                                              .progress_timeout_ns = b.progress_timeout_ns,
                                              .on_complete = OnTransportComplete,
@@ -889,11 +888,11 @@ Result<PeerId> TransferEngine::AddPeer(std::string_view blob, const AddPeerOptio
     psegs.clear();
     for (const auto& [sid, s] : *segments) {
       auto it = s.rkeys.find(sh.transport->name());
-      psegs.push_back({.id = s.id,
-                       .mem_kind = s.mem_kind,
-                       .length = s.length,
-                       .rkey = it != s.rkeys.end() ? std::string_view(it->second)
-                                                   : std::string_view()});
+      psegs.push_back(
+          {.id = s.id,
+           .mem_kind = s.mem_kind,
+           .length = s.length,
+           .rkey = it != s.rkeys.end() ? std::string_view(it->second) : std::string_view()});
     }
     return TransportInstance::PeerView{.node_id = d.node_id,
                                        .incarnation = d.incarnation,
@@ -1127,8 +1126,8 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
       const TransferOp& op = ops[i];
       auto sit = segs->find(op.remote_segment);
       if (sit == segs->end()) {
-        batch->op_status[i] = Status::NotRegistered(
-            "peer " + peer_name_full + " has no segment " + std::to_string(op.remote_segment));
+        batch->op_status[i] = Status::NotRegistered("peer " + peer_name_full + " has no segment " +
+                                                    std::to_string(op.remote_segment));
         continue;
       }
       const SegmentDesc& seg = sit->second;
@@ -1143,8 +1142,8 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
       for (size_t k = 0; k < peer->paths.size(); ++k) {
         const Path& p = *peer->paths[k];
         views[k].remote_registered = seg.rkeys.count(p.transport->name()) != 0;
-        views[k].local_registered = p.transport_index < 64 &&
-                                    (local_paths[i] >> p.transport_index & 1) != 0;
+        views[k].local_registered =
+            p.transport_index < 64 && (local_paths[i] >> p.transport_index & 1) != 0;
         views[k].kinds_served = core::ServesKinds(p.transport->caps(), local_kind[i], seg.mem_kind);
       }
       core::PathChoice choice = core::ChoosePaths(views, peer_name_full);

@@ -11,8 +11,8 @@ bool ServesKinds(uint64_t caps, uint32_t local_kind, uint32_t remote_kind) {
   return false;  // device memory: no path serves it yet (see path_choice.h)
 }
 
-std::string CircuitOpenMessage(std::span<const PathView> paths,
-                               std::span<const uint32_t> refusing, std::string_view peer) {
+std::string CircuitOpenMessage(std::span<const PathView> paths, std::span<const uint32_t> refusing,
+                               std::string_view peer) {
   auto one = [&](const PathView& p, const char* sep) {
     return "after " + std::to_string(p.consecutive_failures) + " consecutive failures" + sep +
            "next probe in " + std::to_string(p.retry_in_ms) + " ms";

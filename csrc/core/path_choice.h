@@ -18,10 +18,10 @@ namespace kvbridge::core {
 // What path choice sees of one path, for one op.
 struct PathView {
   std::string_view transport;
-  bool remote_registered = false;  // the remote segment lists a key entry for this transport
-  bool local_registered = false;   // the op's local region is registered with this transport
-  bool kinds_served = false;       // ServesKinds(...) for the op's local and remote memory
-  bool breaker_refuses = false;    // the path's breaker is open (its backoff not over)
+  bool remote_registered = false;     // the remote segment lists a key entry for this transport
+  bool local_registered = false;      // the op's local region is registered with this transport
+  bool kinds_served = false;          // ServesKinds(...) for the op's local and remote memory
+  bool breaker_refuses = false;       // the path's breaker is open (its backoff not over)
   uint32_t consecutive_failures = 0;  // for the message when it refuses
   uint64_t retry_in_ms = 0;           // likewise: time to the breaker's next probe
 };
@@ -50,7 +50,7 @@ PathChoice ChoosePaths(std::span<const PathView> paths, std::string_view peer);
 // message of a single-transport engine), or "circuit open for peer P on every path: mock after
 // N consecutive failures, next probe in M ms; mock_b after ..." for several. `refusing` lists
 // the paths to name (indices into `paths`).
-std::string CircuitOpenMessage(std::span<const PathView> paths,
-                               std::span<const uint32_t> refusing, std::string_view peer);
+std::string CircuitOpenMessage(std::span<const PathView> paths, std::span<const uint32_t> refusing,
+                               std::string_view peer);
 
 }  // namespace kvbridge::core

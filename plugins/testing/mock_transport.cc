@@ -284,9 +284,11 @@ void Execute(kvb_transport* t, const Event& ev) {
   if (ev.outcome == Outcome::kDeadline || (r->deadline_ns != 0 && t->Now() >= r->deadline_ns)) {
     Finish(t, r, KVB_ERR_DEADLINE_EXCEEDED, KVB_MOCK_NAME ": deadline passed before delivery");
   } else if (ev.outcome == Outcome::kProgressTimeout) {
-    Finish(t, r, KVB_ERR_PROGRESS_TIMEOUT, KVB_MOCK_NAME ": no progress within the progress timeout");
+    Finish(t, r, KVB_ERR_PROGRESS_TIMEOUT,
+           KVB_MOCK_NAME ": no progress within the progress timeout");
   } else if (ev.outcome == Outcome::kFail) {
-    Finish(t, r, ev.fail_code, std::string(KVB_MOCK_NAME ": injected fault ") + CodeName(ev.fail_code));
+    Finish(t, r, ev.fail_code,
+           std::string(KVB_MOCK_NAME ": injected fault ") + CodeName(ev.fail_code));
   } else {
     Deliver(t, r);
   }
@@ -351,7 +353,8 @@ kvb_status_t MockCreate(const kvb_host_services_t* host, const kvb_transport_par
     if (!code.empty()) {
       fault.code = ParseCode(code);
       if (fault.code < 0) {
-        kvb_copy_message(err, err_len, (KVB_MOCK_NAME ": bad mock.fail_code '" + code + "'").c_str());
+        kvb_copy_message(err, err_len,
+                         (KVB_MOCK_NAME ": bad mock.fail_code '" + code + "'").c_str());
         return KVB_ERR_INVALID_ARGUMENT;
       }
       std::string count = ConfigString(host, KVB_MOCK_NAME ".fail_count");
@@ -486,7 +489,8 @@ kvb_status_t MockUpdatePeer(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_pee
     return KVB_ERR_INVALID_ARGUMENT;
   }
   if (info->incarnation != peer->incarnation) {
-    kvb_copy_message(err, err_len, KVB_MOCK_NAME ": update_peer: another incarnation (use add_peer)");
+    kvb_copy_message(err, err_len,
+                     KVB_MOCK_NAME ": update_peer: another incarnation (use add_peer)");
     return KVB_ERR_INVALID_ARGUMENT;
   }
   try {
@@ -574,8 +578,9 @@ kvb_status_t MockPost(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_xfer_op_t
     }
     if ((injected == KVB_ERR_BACKPRESSURE || injected == KVB_ERR_INVALID_ARGUMENT) &&
         fault.first_failing_op == 0) {
-      kvb_copy_message(err, err_len,
-                       (std::string(KVB_MOCK_NAME ": injected fault ") + CodeName(injected)).c_str());
+      kvb_copy_message(
+          err, err_len,
+          (std::string(KVB_MOCK_NAME ": injected fault ") + CodeName(injected)).c_str());
       return injected;
     }
 

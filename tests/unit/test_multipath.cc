@@ -30,8 +30,8 @@ using Clock = std::chrono::steady_clock;
 // --- Path choice, a pure function ------------------------------------------------------------
 
 PathView Eligible(std::string_view name) {
-  return {.transport = name, .remote_registered = true, .local_registered = true,
-          .kinds_served = true};
+  return {
+      .transport = name, .remote_registered = true, .local_registered = true, .kinds_served = true};
 }
 PathView Refusing(std::string_view name, uint32_t failures, uint64_t retry_ms) {
   PathView v = Eligible(name);
@@ -83,42 +83,69 @@ PathView NoKinds(std::string_view n) {
 INSTANTIATE_TEST_SUITE_P(
     PathChoice, PathChoiceTable,
     ::testing::Values(
-        ChoiceCase{"PreferenceOrderKept", {Eligible("a"), Eligible("b")}, {0, 1}, 2,
-                   StatusCode::kOk, {}},
+        ChoiceCase{
+            "PreferenceOrderKept", {Eligible("a"), Eligible("b")}, {0, 1}, 2, StatusCode::kOk, {}},
         ChoiceCase{"SinglePath", {Eligible("a")}, {0}, 1, StatusCode::kOk, {}},
         ChoiceCase{"RefusingBreakerGoesLast",
                    {Refusing("a", 3, 100), Eligible("b"), Eligible("c")},
-                   {1, 2, 0}, 2, StatusCode::kOk, {}},
+                   {1, 2, 0},
+                   2,
+                   StatusCode::kOk,
+                   {}},
         ChoiceCase{"TwoRefusingKeepTheirOrderAtTheEnd",
                    {Refusing("a", 3, 100), Eligible("b"), Refusing("c", 5, 7)},
-                   {1, 0, 2}, 1, StatusCode::kOk, {}},
-        ChoiceCase{"MissingRemoteKeyIsIneligible", {NoRemoteKey("a"), Eligible("b")}, {1}, 1,
-                   StatusCode::kOk, {}},
-        ChoiceCase{"LocalRegionNotRegisteredIsIneligible", {Eligible("a"), NotLocal("b")}, {0},
-                   1, StatusCode::kOk, {}},
-        ChoiceCase{"KindsNotServedIsIneligible", {NoKinds("a"), Eligible("b")}, {1}, 1,
-                   StatusCode::kOk, {}},
+                   {1, 0, 2},
+                   1,
+                   StatusCode::kOk,
+                   {}},
+        ChoiceCase{"MissingRemoteKeyIsIneligible",
+                   {NoRemoteKey("a"), Eligible("b")},
+                   {1},
+                   1,
+                   StatusCode::kOk,
+                   {}},
+        ChoiceCase{"LocalRegionNotRegisteredIsIneligible",
+                   {Eligible("a"), NotLocal("b")},
+                   {0},
+                   1,
+                   StatusCode::kOk,
+                   {}},
+        ChoiceCase{"KindsNotServedIsIneligible",
+                   {NoKinds("a"), Eligible("b")},
+                   {1},
+                   1,
+                   StatusCode::kOk,
+                   {}},
         ChoiceCase{"OneRefusingPathKeepsTheSingleTransportMessage",
-                   {Refusing("a", 3, 150)}, {0}, 0, StatusCode::kPeerUnreachable,
+                   {Refusing("a", 3, 150)},
+                   {0},
+                   0,
+                   StatusCode::kPeerUnreachable,
                    {"circuit open for peer peer@1 after 3 consecutive failures; next probe in "
                     "150 ms"}},
         ChoiceCase{"EveryPathRefusingNamesEach",
-                   {Refusing("a", 3, 150), Refusing("b", 4, 90)}, {0, 1}, 0,
+                   {Refusing("a", 3, 150), Refusing("b", 4, 90)},
+                   {0, 1},
+                   0,
                    StatusCode::kPeerUnreachable,
                    {"circuit open for peer peer@1 on every path",
                     "a after 3 consecutive failures, next probe in 150 ms",
                     "b after 4 consecutive failures, next probe in 90 ms"}},
         ChoiceCase{"IneligibleAndRefusingNamesOnlyTheRefusing",
-                   {NoRemoteKey("a"), Refusing("b", 3, 10)}, {1}, 0,
-                   StatusCode::kPeerUnreachable, {"peer@1 after 3 consecutive failures"}},
+                   {NoRemoteKey("a"), Refusing("b", 3, 10)},
+                   {1},
+                   0,
+                   StatusCode::kPeerUnreachable,
+                   {"peer@1 after 3 consecutive failures"}},
         ChoiceCase{"NoneEligibleIsUnsupportedNamingWhy",
-                   {NoRemoteKey("a"), NotLocal("b"), NoKinds("c")}, {}, 0,
+                   {NoRemoteKey("a"), NotLocal("b"), NoKinds("c")},
+                   {},
+                   0,
                    StatusCode::kUnsupported,
                    {"no path to peer peer@1", "a: the remote segment has no key for it",
                     "b: the local region is not registered with it",
                     "c: it does not serve these memory kinds"}},
-        ChoiceCase{"NoPathAtAll", {}, {}, 0, StatusCode::kUnsupported,
-                   {"the peer has no path"}}),
+        ChoiceCase{"NoPathAtAll", {}, {}, 0, StatusCode::kUnsupported, {"the peer has no path"}}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(PathChoice, ServesKindsHostOnlyToday) {
@@ -188,8 +215,7 @@ class MultipathTest : public ::testing::Test {
   TransferOp Op(OpCode code, size_t off = 0, uint64_t len = 4096) {
     return TransferOp{code, mem_a_.data() + off, len, "mp-b", seg_b_, off};
   }
-  BatchResult Run(std::vector<TransferOp> ops, uint32_t deadline_ms = 0,
-                  uint32_t progress_ms = 0) {
+  BatchResult Run(std::vector<TransferOp> ops, uint32_t deadline_ms = 0, uint32_t progress_ms = 0) {
     SubmitOptions so;
     so.deadline_ms = deadline_ms;
     so.progress_timeout_ms = progress_ms;
@@ -283,8 +309,8 @@ TEST_F(MultipathTest, OnlyFailedOpsFailOver) {
             KVB_OK);
   mem_a_.Fill(31, 0, 4 * 4096);
   const uint64_t b_written = Must(a_->GetTransportStats("mock_b")).bytes_written;
-  BatchResult r = Run({Op(OpCode::kWrite, 0), Op(OpCode::kWrite, 4096),
-                       Op(OpCode::kWrite, 8192), Op(OpCode::kWrite, 12288)});
+  BatchResult r = Run({Op(OpCode::kWrite, 0), Op(OpCode::kWrite, 4096), Op(OpCode::kWrite, 8192),
+                       Op(OpCode::kWrite, 12288)});
   ASSERT_TRUE(r.status.ok()) << r.status.ToString();
   EXPECT_TRUE(mem_b_.Matches(31, 0, 4 * 4096, 0));
   EXPECT_EQ(Must(a_->GetTransportStats("mock_b")).bytes_written - b_written, 2u * 4096)

@@ -111,7 +111,7 @@ struct PathHealth {
 
 struct PeerHealth {
   PeerId id;
-  std::string transport;          // the preferred path's transport (paths[0])
+  std::string transport;                         // the preferred path's transport (paths[0])
   BreakerState breaker = BreakerState::kClosed;  // paths[0]'s breaker
   uint32_t consecutive_failures = 0;             // paths[0]'s
   uint64_t fast_failed_ops = 0;   // ops refused without touching the network (every breaker open)
