@@ -346,6 +346,35 @@ TEST_F(MultipathTest, FrozenPathFailsOverAfterProgressTimeout) {
   EXPECT_EQ(PathOf(1).ops_ok, 2u);
 }
 
+// There is no background driver: a batch nobody polls fails over when it is next polled, as
+// long as enough of its deadline is left.
+TEST_F(MultipathTest, UnpolledBatchFailsOverWhenPolled) {
+  ASSERT_EQ(mock_.set_fault("mp-a", KVB_OK, 0, /*delay_ms=*/3000), KVB_OK);
+  SubmitOptions so;
+  so.deadline_ms = 2000;
+  so.progress_timeout_ms = 100;
+  const BatchId id = Must(a_->Submit(std::vector{Op(OpCode::kRead)}, so));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the first path timed out
+  BatchResult r = a_->Wait(id);
+  EXPECT_TRUE(r.status.ok()) << r.status.ToString();
+  EXPECT_EQ(PathOf(1).ops_ok, 1u);
+}
+
+// A cancelled batch never fails over, even when its failed request is found after the cancel.
+TEST_F(MultipathTest, CancelledBatchNeverFailsOver) {
+  ASSERT_EQ(mock_.set_fault("mp-a", KVB_OK, 0, /*delay_ms=*/3000), KVB_OK);
+  const uint64_t b_posts = mock_b_.post_count("mp-a");
+  SubmitOptions so;
+  so.deadline_ms = 2000;
+  so.progress_timeout_ms = 100;
+  const BatchId id = Must(a_->Submit(std::vector{Op(OpCode::kRead)}, so));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // final on mock, not yet polled
+  a_->Cancel(id);
+  BatchResult r = a_->Wait(id);
+  EXPECT_EQ(r.status.code(), StatusCode::kProgressTimeout) << r.status.ToString();
+  EXPECT_EQ(mock_b_.post_count("mp-a"), b_posts) << "a cancelled batch failed over";
+}
+
 TEST_F(MultipathTest, NoFailoverPastDeadline) {
   // (1) Too little of the deadline left when the preferred path times out: no failover.
   ASSERT_EQ(mock_.set_fault("mp-a", KVB_OK, 0, /*delay_ms=*/3000), KVB_OK);
