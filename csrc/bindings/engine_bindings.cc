@@ -158,6 +158,9 @@ void BindEngine(py::module_& m) {
       .def_readwrite("max_ops_per_batch", &EngineOptions::max_ops_per_batch)
       .def_readwrite("max_inflight_batches", &EngineOptions::max_inflight_batches)
       .def_readwrite("max_unpolled_batches", &EngineOptions::max_unpolled_batches)
+      .def_readwrite("path_failover", &EngineOptions::path_failover)
+      .def_readwrite("path_failover_writes", &EngineOptions::path_failover_writes)
+      .def_readwrite("failover_min_budget_ms", &EngineOptions::failover_min_budget_ms)
       .def_readwrite("plugin_config", &EngineOptions::plugin_config);
 
   py::class_<EngineHandle, std::shared_ptr<EngineHandle>>(m, "TransferEngine")
@@ -279,6 +282,19 @@ void BindEngine(py::module_& m) {
              d["consecutive_failures"] = ph->consecutive_failures;
              d["fast_failed_ops"] = ph->fast_failed_ops;
              d["stale"] = ph->stale;
+             py::list paths;
+             for (const PathHealth& p : ph->paths) {
+               py::dict pd;
+               pd["transport"] = p.transport;
+               pd["breaker"] = BreakerName(p.breaker);
+               pd["consecutive_failures"] = p.consecutive_failures;
+               pd["ops_ok"] = p.ops_ok;
+               pd["ops_failed"] = p.ops_failed;
+               pd["fast_failed"] = p.fast_failed;
+               pd["failed_over_from"] = p.failed_over_from;
+               paths.append(pd);
+             }
+             d["paths"] = paths;
              return d;
            })
       .def("transport_stats", [](EngineHandle& h, const std::string& name) {

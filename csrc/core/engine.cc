@@ -18,6 +18,7 @@
 #include "core/descriptor.h"
 #include "core/handshake.h"
 #include "core/memory_kinds.h"
+#include "core/path_choice.h"
 #include "core/plugin_host.h"
 #include "core/plugin_loader.h"
 #include "core/transport_instance.h"
@@ -58,20 +59,32 @@ struct LocalRegion {
 
 using SegmentMap = std::unordered_map<uint64_t, SegmentDesc>;
 
-// One known peer incarnation. Batches hold it by shared_ptr, so the transport's peer handle
-// lives until the last batch using it is collected.
+// One way to reach a peer incarnation: a transport both sides speak, with its own transport
+// peer handle, circuit breaker and counters (docs/transfer-engine.md "Several transports per
+// peer").
+struct Path {
+  TransportInstance* transport = nullptr;
+  uint32_t transport_index = 0;  // in Impl::transports (the local preference order)
+  std::unique_ptr<TransportInstance::Peer> tpeer;  // remove_peer when the path dies
+  std::string endpoints;  // where the transport reaches it (from its descriptor; under peers_mu)
+  CircuitBreaker breaker;
+  std::atomic<uint64_t> ops_ok{0}, ops_failed{0}, fast_failed{0}, failed_over_from{0};
+
+  Path(TransportInstance* t, uint32_t index, const CircuitBreaker::Config& cfg)
+      : transport(t), transport_index(index), breaker(cfg) {}
+};
+
+// One known peer incarnation. Batches hold it by shared_ptr, so the transport peer handles
+// live until the last batch using it is collected. `paths` is fixed for the record's life (a
+// new incarnation, or a permitted move, makes a new record).
 struct PeerRecord {
   PeerId id;
-  TransportInstance* transport = nullptr;
-  std::unique_ptr<TransportInstance::Peer> tpeer;  // remove_peer when the record dies
-  std::string endpoints;  // where the transport reaches it (from its descriptor; under peers_mu)
+  std::vector<std::unique_ptr<Path>> paths;    // in local preference order
   std::shared_ptr<const SegmentMap> segments;  // replaced wholesale on update (under peers_mu)
-  CircuitBreaker breaker;
   std::atomic<bool> stale{false};
-  std::atomic<uint64_t> fast_failed{0};
+  std::atomic<uint64_t> fast_failed{0};  // ops refused because no path's breaker admitted
 
-  PeerRecord(PeerId pid, TransportInstance* t, const CircuitBreaker::Config& cfg)
-      : id(std::move(pid)), transport(t), breaker(cfg) {}
+  explicit PeerRecord(PeerId pid) : id(std::move(pid)) {}
 };
 
 // Completion notifications land here; the slot outlives every transport, so a late
@@ -91,24 +104,35 @@ void OnTransportComplete(void* user) {
   slot->cv.notify_all();
 }
 
+// The ops of one batch posted to one peer over one path.
 struct SubRequest {
   std::shared_ptr<PeerRecord> peer;
+  Path* path = nullptr;  // one of peer->paths
   // Released (cancelled first if not final) when reset or destroyed, before `peer` dies.
   std::unique_ptr<TransportInstance::Request> req;
   std::vector<uint32_t> op_index;
+  // Paths (indices into peer->paths) its failed ops may fail over to, in order; with some,
+  // `xops` keeps the posted ops for re-posting.
+  std::vector<uint32_t> next_paths;
+  std::vector<kvb_xfer_op_t> xops;
   bool final = false;
   bool cancelled_by_deadline = false;
+  bool outcome_recorded = false;  // its failure was recorded on the path when it failed over
   kvb_status_t status = KVB_IN_PROGRESS;
 };
 
 struct Batch {
   BatchId id = 0;
   uint64_t deadline_ns = 0;
+  uint64_t progress_timeout_ns = 0;
   WaitSlot* slot = nullptr;
   std::mutex mu;  // serializes poll passes, cancel and collection of this batch
   std::vector<Status> op_status;
   std::vector<SubRequest> subs;
   std::vector<SegmentId> local_segments;  // the local regions its ops use (sorted, unique)
+  // Per op, the paths it tried ("mock: PEER_UNREACHABLE (...)"); empty until an op fails over.
+  std::vector<std::string> history;
+  bool cancelled = false;  // Cancel or DeregisterMemory: nothing fails over any more
   bool collected = false;
   // Found final by a sweep (SweepFinished) before anyone polled it: its transport requests
   // are released and op_status waits for Poll/Wait, or for reaping (max_unpolled_batches).
@@ -129,9 +153,25 @@ uint64_t DrawIncarnation() {
   return v;
 }
 
+// Outcomes that count against a path's breaker (and, when ops fail over, every path failure).
 bool IsPeerFailure(kvb_status_t code) {
   return code == KVB_ERR_PEER_UNREACHABLE || code == KVB_ERR_PROGRESS_TIMEOUT ||
          code == KVB_ERR_DEADLINE_EXCEEDED;
+}
+
+// Outcomes after which an op may be re-posted on the peer's next path. Not STALE_PEER (the
+// peer restarted: every path reaches the new process), DEADLINE_EXCEEDED, CANCELLED, or a
+// refusal by a live peer (NOT_REGISTERED, OUT_OF_BOUNDS, ...).
+bool IsPathFailure(kvb_status_t code) {
+  return code == KVB_ERR_PEER_UNREACHABLE || code == KVB_ERR_PROGRESS_TIMEOUT ||
+         code == KVB_ERR_BACKPRESSURE || code == KVB_ERR_PROTOCOL;
+}
+
+// "mock: PEER_UNREACHABLE (mock: injected fault PEER_UNREACHABLE)" or "mock_b: OK".
+std::string Attempt(const Path& path, kvb_status_t code, std::string_view msg) {
+  std::string s = path.transport->name() + ": " + StatusCodeName(StatusCode(code));
+  if (code != KVB_OK && !msg.empty()) s += " (" + std::string(msg) + ")";
+  return s;
 }
 
 }  // namespace
@@ -168,8 +208,25 @@ struct TransferEngine::Impl {
   // Local region containing [addr, addr+len), or nullptr. Caller holds regions_mu.
   const LocalRegion* FindLocal(uintptr_t addr, uint64_t len) const;
   std::shared_ptr<Batch> FindBatch(BatchId id);
-  // One non-blocking pass over the batch's unfinished subs. Returns true when all are final.
+  // One non-blocking pass over the batch's unfinished subs; ops that failed on a path are
+  // re-posted on the next one (failover). Returns true when all are final.
   bool PollPass(Batch& b);
+  // Posts ops (op_index and xops, in the same order) to `peer` over the first of `candidates`
+  // (indices into peer->paths) whose breaker admits; a post refused with a path failure moves
+  // on to the next. Appends a SubRequest and returns true, or gives every op its final status
+  // and returns false. `failure`: why the ops are re-posted (failover), or OK on first post.
+  bool Dispatch(Batch& b, const std::shared_ptr<PeerRecord>& peer,
+                std::span<const uint32_t> candidates, std::vector<uint32_t> op_index,
+                std::vector<kvb_xfer_op_t> xops, const Status& failure);
+  // Whether failed ops of `b` may be re-posted now: path_failover on, the batch not cancelled,
+  // and at least failover_min_budget_ms left before its deadline.
+  bool MayFailOver(const Batch& b, uint64_t now) const;
+  // Appends one attempt ("mock: PEER_UNREACHABLE (...)") to op `op`'s path history.
+  static void NoteAttempt(Batch& b, uint32_t op, std::string attempt);
+  // Sets op `op`'s final status: `code` with `msg` from `path` (null when no path took it),
+  // its message prefixed with the peer and, if the op failed over, its whole path history.
+  static void FinishOp(Batch& b, uint32_t op, const PeerRecord& peer, const Path* path,
+                       kvb_status_t code, const std::string& msg);
   void CancelSubs(Batch& b, bool by_deadline);
   // Releases the batch's transport requests (recording their outcome on each peer); idempotent.
   void Release(Batch& b);
@@ -226,11 +283,35 @@ std::shared_ptr<Batch> TransferEngine::Impl::FindBatch(BatchId id) {
   return it == batches.end() ? nullptr : it->second;
 }
 
+bool TransferEngine::Impl::MayFailOver(const Batch& b, uint64_t now) const {
+  if (!options.path_failover || b.cancelled) return false;
+  return b.deadline_ns == 0 ||
+         (b.deadline_ns > now &&
+          b.deadline_ns - now >= util::MsToNs(options.failover_min_budget_ms));
+}
+
+void TransferEngine::Impl::NoteAttempt(Batch& b, uint32_t op, std::string attempt) {
+  if (b.history.empty()) b.history.resize(b.op_status.size());
+  std::string& h = b.history[op];
+  h += (h.empty() ? "" : "; then ") + attempt;
+}
+
+void TransferEngine::Impl::FinishOp(Batch& b, uint32_t op, const PeerRecord& peer, const Path* path,
+                                    kvb_status_t code, const std::string& msg) {
+  const bool moved = !b.history.empty() && !b.history[op].empty();
+  if (moved && path != nullptr) NoteAttempt(b, op, Attempt(*path, code, msg));
+  b.op_status[op] = code == KVB_OK ? Status::OK()
+                                   : Status::FromAbi(code, "peer " + peer.id.ToString() + ": " +
+                                                               (moved ? b.history[op] : msg));
+}
+
 bool TransferEngine::Impl::PollPass(Batch& b) {
   bool all_final = true;
-  for (auto& s : b.subs) {
+  // By index: a failover appends to b.subs.
+  for (size_t k = 0; k < b.subs.size(); ++k) {
+    SubRequest& s = b.subs[k];
     if (s.final) continue;
-    TransportInstance::PollResult polled = s.peer->transport->Poll(*s.req);
+    TransportInstance::PollResult polled = s.path->transport->Poll(*s.req);
     if (!polled.final) {
       all_final = false;
       continue;
@@ -239,7 +320,11 @@ bool TransferEngine::Impl::PollPass(Batch& b) {
     const std::string& err = polled.status.message();
     s.final = true;
     s.status = st;
-    const std::string peer_name = s.peer->id.ToString();
+    const bool failover =
+        !s.next_paths.empty() && IsPathFailure(st) && MayFailOver(b, util::MonoNs());
+    std::vector<uint32_t> again;  // ops to re-post, and their xops
+    std::vector<kvb_xfer_op_t> again_xops;
+    uint64_t ok = 0;
     for (size_t i = 0; i < s.op_index.size(); ++i) {
       kvb_status_t c = polled.op_codes[i];
       if (c == KVB_IN_PROGRESS) c = st == KVB_OK ? KVB_ERR_INTERNAL : st;  // defensive
@@ -250,19 +335,120 @@ bool TransferEngine::Impl::PollPass(Batch& b) {
         if (c == KVB_ERR_DEADLINE_EXCEEDED && s.cancelled_by_deadline) {
           msg = "batch deadline passed before the op finished";
         }
-        msg = "peer " + peer_name + ": " + msg;
+      } else {
+        ++ok;
       }
-      b.op_status[s.op_index[i]] = Status::FromAbi(c, msg);
+      // An op the transport cancelled because its request failed on the path goes along.
+      const bool path_failed = IsPathFailure(c) || c == KVB_ERR_CANCELLED;
+      if (failover && path_failed &&
+          (s.xops[i].opcode == KVB_OP_READ || options.path_failover_writes)) {
+        NoteAttempt(b, s.op_index[i], Attempt(*s.path, c, msg));
+        again.push_back(s.op_index[i]);
+        again_xops.push_back(s.xops[i]);
+        continue;
+      }
+      FinishOp(b, s.op_index[i], *s.peer, s.path, c, msg);
+    }
+    s.path->ops_ok.fetch_add(ok);
+    s.path->ops_failed.fetch_add(s.op_index.size() - ok);
+    if (again.empty()) continue;
+    // The failed path's breaker records the failure now (not in Release), the serving path's
+    // its success when that sub is released.
+    s.outcome_recorded = true;
+    s.path->breaker.RecordFailure(util::MonoNs());
+    s.path->failed_over_from.fetch_add(again.size());
+    KVB_LOG(DEBUG) << "batch " << b.id << ": " << again.size() << " op(s) to peer "
+                   << s.peer->id.ToString() << " failed on " << s.path->transport->name() << " ("
+                   << polled.status.ToString() << "); failing over";
+    const std::shared_ptr<PeerRecord> peer = s.peer;
+    const std::vector<uint32_t> next = std::move(s.next_paths);
+    s.xops.clear();
+    // `s` dangles from here: Dispatch appends to b.subs.
+    if (Dispatch(b, peer, next, std::move(again), std::move(again_xops), polled.status)) {
+      all_final = false;
     }
   }
   return all_final;
 }
 
+bool TransferEngine::Impl::Dispatch(Batch& b, const std::shared_ptr<PeerRecord>& peer,
+                                    std::span<const uint32_t> candidates,
+                                    std::vector<uint32_t> op_index, std::vector<kvb_xfer_op_t> xops,
+                                    const Status& failure) {
+  const TransportInstance::PostOptions popts{.deadline_ns = b.deadline_ns,
+                                             .progress_timeout_ns = b.progress_timeout_ns,
+                                             .on_complete = OnTransportComplete,
+                                             .user = b.slot};
+  std::vector<uint32_t> refused;  // candidates whose breaker refused
+  kvb_status_t last = static_cast<kvb_status_t>(failure.code());  // KVB_OK on first post
+  for (size_t k = 0; k < candidates.size(); ++k) {
+    Path& path = *peer->paths[candidates[k]];
+    const uint64_t now = util::MonoNs();
+    if (!path.breaker.Allow(now)) {
+      path.fast_failed.fetch_add(op_index.size());
+      refused.push_back(candidates[k]);
+      continue;
+    }
+    Result<std::unique_ptr<TransportInstance::Request>> req =
+        path.transport->Post(*path.tpeer, xops, popts);
+    if (req.ok()) {
+      SubRequest sub;
+      sub.peer = peer;
+      sub.path = &path;
+      sub.req = std::move(req).value();
+      sub.op_index = std::move(op_index);
+      if (options.path_failover) {
+        sub.next_paths.assign(candidates.begin() + k + 1, candidates.end());
+        sub.next_paths.insert(sub.next_paths.end(), refused.begin(), refused.end());
+        if (!sub.next_paths.empty()) sub.xops = std::move(xops);
+      }
+      b.subs.push_back(std::move(sub));
+      return true;
+    }
+    // Refused at post: nothing was queued, so re-posting elsewhere (WRITEs too) is safe.
+    const auto code = static_cast<kvb_status_t>(req.status().code());
+    const std::string& msg = req.status().message();
+    const bool fail_over =
+        IsPathFailure(code) && k + 1 < candidates.size() && MayFailOver(b, util::MonoNs());
+    if (IsPeerFailure(code) || fail_over) path.breaker.RecordFailure(util::MonoNs());
+    path.ops_failed.fetch_add(op_index.size());
+    if (!fail_over) {
+      for (uint32_t i : op_index) FinishOp(b, i, *peer, &path, code, msg);
+      return false;
+    }
+    path.failed_over_from.fetch_add(op_index.size());
+    for (uint32_t i : op_index) NoteAttempt(b, i, Attempt(path, code, msg));
+    last = code;
+  }
+  // Every remaining candidate's breaker refused.
+  std::vector<core::PathView> views(peer->paths.size());
+  const uint64_t now = util::MonoNs();
+  for (uint32_t i : refused) {
+    const Path& p = *peer->paths[i];
+    views[i] = {.transport = p.transport->name(),
+                .consecutive_failures = p.breaker.consecutive_failures(),
+                .retry_in_ms = p.breaker.retry_in_ns(now) / 1000000};
+  }
+  const std::string open = core::CircuitOpenMessage(views, refused, peer->id.ToString());
+  if (last == KVB_OK) {  // nothing was tried: fail fast
+    peer->fast_failed.fetch_add(op_index.size());
+    const Status st = Status::PeerUnreachable(open);
+    for (uint32_t i : op_index) b.op_status[i] = st;
+    return false;
+  }
+  for (uint32_t i : op_index) {
+    NoteAttempt(b, i, open);
+    FinishOp(b, i, *peer, nullptr, last, "");
+  }
+  return false;
+}
+
 void TransferEngine::Impl::CancelSubs(Batch& b, bool by_deadline) {
+  if (!by_deadline) b.cancelled = true;
   for (auto& s : b.subs) {
     if (s.final || s.req == nullptr) continue;
     s.cancelled_by_deadline = by_deadline;
-    s.peer->transport->Cancel(*s.req);
+    s.path->transport->Cancel(*s.req);
   }
 }
 
@@ -273,15 +459,18 @@ void TransferEngine::Impl::Release(Batch& b) {
     kvb_status_t st = s.status;
     if (s.cancelled_by_deadline && st == KVB_ERR_CANCELLED) st = KVB_ERR_DEADLINE_EXCEEDED;
     if (st == KVB_ERR_STALE_PEER) {
+      // Any path: the incarnation is gone, and every path reaches the same process.
       if (!peer.stale.exchange(true)) {
         KVB_LOG(WARN) << "peer " << peer.id.ToString()
                       << " is stale (another incarnation answers at its address); its ops fail "
                          "fast until AddPeer() gets the new descriptor";
       }
+    } else if (s.outcome_recorded) {
+      // Failed over: recorded on its path then.
     } else if (IsPeerFailure(st)) {
-      peer.breaker.RecordFailure(now);
+      s.path->breaker.RecordFailure(now);
     } else if (st != KVB_ERR_CANCELLED) {
-      peer.breaker.RecordSuccess();  // the peer answered, even if it refused an op
+      s.path->breaker.RecordSuccess();  // the peer answered, even if it refused an op
     }
     s.req.reset();
   }
@@ -293,6 +482,7 @@ BatchResult TransferEngine::Impl::Collect(Batch& b) {
   b.collected = true;
   BatchResult r;
   r.op_status = std::move(b.op_status);
+  r.op_path_history = std::move(b.history);
   for (const auto& st : r.op_status) {
     if (!st.ok()) {
       r.status = st;
@@ -679,19 +869,20 @@ Result<PeerId> TransferEngine::AddPeer(std::string_view blob, const AddPeerOptio
     return Status::StalePeer("the descriptor is " + PeerId{d.node_id, d.incarnation}.ToString() +
                              ", not the expected " + options.expect->ToString());
   }
-  TransportInstance* chosen = nullptr;
-  const core::TransportDesc* remote = nullptr;
-  for (const auto& t : impl_->transports) {
-    for (const auto& rt : d.transports) {
-      if (rt.name == t->name()) {
-        chosen = t.get();
-        remote = &rt;
-        break;
-      }
-    }
-    if (chosen) break;
+  // One path per transport both sides speak, in local preference order.
+  struct Shared {
+    TransportInstance* transport;
+    uint32_t index;
+    const core::TransportDesc* remote;
+  };
+  std::vector<Shared> shared;
+  for (uint32_t j = 0; j < impl_->transports.size(); ++j) {
+    TransportInstance* t = impl_->transports[j].get();
+    auto rt = std::find_if(d.transports.begin(), d.transports.end(),
+                           [&](const core::TransportDesc& r) { return r.name == t->name(); });
+    if (rt != d.transports.end()) shared.push_back({t, j, &*rt});
   }
-  if (chosen == nullptr) {
+  if (shared.empty()) {
     std::string theirs, ours;
     for (const auto& rt : d.transports) theirs += (theirs.empty() ? "" : ",") + rt.name;
     for (const auto& t : impl_->transports) ours += (ours.empty() ? "" : ",") + t->name();
@@ -702,56 +893,84 @@ Result<PeerId> TransferEngine::AddPeer(std::string_view blob, const AddPeerOptio
   for (const auto& s : d.segments) {
     segments->emplace(s.id, s);
   }
-  // Points into *segments, which stays put while it is moved into the record below.
+  // What one transport is told of the peer: its endpoints, and each segment with that
+  // transport's key. `psegs` points into *segments, which stays put while it is moved into
+  // the record below.
   std::vector<TransportInstance::PeerSegment> psegs;
-  psegs.reserve(segments->size());
-  for (const auto& [sid, s] : *segments) {
-    auto it = s.rkeys.find(chosen->name());
-    psegs.push_back({.id = s.id,
-                     .mem_kind = s.mem_kind,
-                     .length = s.length,
-                     .rkey = it != s.rkeys.end() ? std::string_view(it->second)
-                                                 : std::string_view()});
-  }
-  const TransportInstance::PeerView info{.node_id = d.node_id,
-                                         .incarnation = d.incarnation,
-                                         .endpoints = remote->endpoints,
-                                         .segments = psegs};
+  auto view_for = [&](const Shared& sh) {
+    psegs.clear();
+    for (const auto& [sid, s] : *segments) {
+      auto it = s.rkeys.find(sh.transport->name());
+      psegs.push_back(
+          {.id = s.id,
+           .mem_kind = s.mem_kind,
+           .length = s.length,
+           .rkey = it != s.rkeys.end() ? std::string_view(it->second) : std::string_view()});
+    }
+    return TransportInstance::PeerView{.node_id = d.node_id,
+                                       .incarnation = d.incarnation,
+                                       .endpoints = sh.remote->endpoints,
+                                       .segments = psegs};
+  };
   PeerId pid{d.node_id, d.incarnation};
+  std::string route;  // "mock mock:eng-b, mock_b mock_b:eng-b"
+  for (const Shared& sh : shared) {
+    route += (route.empty() ? "" : ", ") + sh.transport->name() + " " + sh.remote->endpoints;
+  }
 
   std::shared_ptr<PeerRecord> existing;
-  std::string known_endpoints;
+  std::string known_route;
+  bool same_transports = false;
   {
     std::shared_lock<std::shared_mutex> lock(impl_->peers_mu);
     auto it = impl_->peers.find(d.node_id);
     if (it != impl_->peers.end()) {
       existing = it->second;
-      known_endpoints = existing->endpoints;
+      same_transports = existing->paths.size() == shared.size();
+      for (size_t k = 0; k < existing->paths.size(); ++k) {
+        const Path& p = *existing->paths[k];
+        known_route += (known_route.empty() ? "" : ", ") + p.transport->name() + " " + p.endpoints;
+        same_transports = same_transports && p.transport == shared[k].transport;
+      }
     }
   }
-  if (existing && existing->id.incarnation == d.incarnation && !options.allow_endpoint_change &&
-      (existing->transport != chosen || known_endpoints != remote->endpoints)) {
-    return Status::AlreadyExists("peer " + pid.ToString() + " is known at " +
-                                 existing->transport->name() + " " + known_endpoints +
-                                 "; a descriptor naming " + chosen->name() + " " +
-                                 remote->endpoints +
+  // The "no move without restart" rule, over every path.
+  const bool same_incarnation = existing && existing->id.incarnation == d.incarnation;
+  if (same_incarnation && !options.allow_endpoint_change && known_route != route) {
+    return Status::AlreadyExists("peer " + pid.ToString() + " is known at " + known_route +
+                                 "; a descriptor naming " + route +
                                  " for the same incarnation is refused (a peer does not move "
                                  "without restarting)");
   }
-  if (existing && existing->id.incarnation == d.incarnation && existing->transport == chosen) {
-    Status st = chosen->UpdatePeer(*existing->tpeer, info);
-    if (!st.ok()) return st.WithContext("updating peer " + pid.ToString());
+  if (same_incarnation && same_transports) {
+    for (size_t k = 0; k < shared.size(); ++k) {
+      Status st = shared[k].transport->UpdatePeer(*existing->paths[k]->tpeer, view_for(shared[k]));
+      if (!st.ok()) {
+        return st.WithContext("updating peer " + pid.ToString() + " on " +
+                              shared[k].transport->name());
+      }
+    }
     std::unique_lock<std::shared_mutex> lock(impl_->peers_mu);
     existing->segments = std::move(segments);
-    existing->endpoints = remote->endpoints;
+    for (size_t k = 0; k < shared.size(); ++k) {
+      existing->paths[k]->endpoints = shared[k].remote->endpoints;
+    }
     return pid;
   }
-  auto record = std::make_shared<PeerRecord>(pid, chosen, impl_->breaker_config);
+  // A new incarnation (or a permitted move to other transports): every path is new.
+  auto record = std::make_shared<PeerRecord>(pid);
+  for (const Shared& sh : shared) {
+    auto path = std::make_unique<Path>(sh.transport, sh.index, impl_->breaker_config);
+    path->endpoints = sh.remote->endpoints;
+    Result<std::unique_ptr<TransportInstance::Peer>> tpeer = sh.transport->AddPeer(view_for(sh));
+    if (!tpeer.ok()) {
+      return tpeer.status().WithContext("adding peer " + pid.ToString() + " on " +
+                                        sh.transport->name());
+    }
+    path->tpeer = std::move(tpeer).value();
+    record->paths.push_back(std::move(path));
+  }
   record->segments = std::move(segments);
-  record->endpoints = remote->endpoints;
-  Result<std::unique_ptr<TransportInstance::Peer>> tpeer = chosen->AddPeer(info);
-  if (!tpeer.ok()) return tpeer.status().WithContext("adding peer " + pid.ToString());
-  record->tpeer = std::move(tpeer).value();
   std::shared_ptr<PeerRecord> replaced;
   {
     std::unique_lock<std::shared_mutex> lock(impl_->peers_mu);
@@ -792,6 +1011,10 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
   }
   KVB_RETURN_IF_ERROR(im.AdmitBatch());
   std::vector<uint64_t> local_seg(ops.size());
+  // Per op: which transports its local region is registered with (bit = index in transports)
+  // and its memory kind, for path choice once the lock is dropped.
+  std::vector<uint64_t> local_paths(ops.size());
+  std::vector<uint32_t> local_kind(ops.size());
   // Held until the batch is in `batches`: DeregisterMemory erases a region under the exclusive
   // lock, so every batch that saw the region is findable then, and cancelled.
   std::shared_lock<std::shared_mutex> regions_lock(im.regions_mu);
@@ -815,6 +1038,14 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
         return Status::NotRegistered(where() + buf);
       }
       local_seg[i] = r->id;
+      local_kind[i] = static_cast<uint32_t>(r->kind);
+      if (i > 0 && local_seg[i - 1] == r->id) {
+        local_paths[i] = local_paths[i - 1];
+        continue;
+      }
+      for (size_t j = 0; j < im.transports.size() && j < 64; ++j) {
+        if (r->rkeys.count(im.transports[j]->name())) local_paths[i] |= uint64_t{1} << j;
+      }
     }
   }
 
@@ -827,6 +1058,7 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
   batch->deadline_ns = now + util::MsToNs(deadline_ms);
   const uint32_t progress_ms =
       options.progress_timeout_ms ? options.progress_timeout_ms : im.options.progress_timeout_ms;
+  batch->progress_timeout_ns = util::MsToNs(progress_ms);
   batch->op_status.assign(ops.size(), Status::InProgress());
   batch->local_segments.assign(local_seg.begin(), local_seg.end());
   std::sort(batch->local_segments.begin(), batch->local_segments.end());
@@ -886,18 +1118,33 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
                                  "AddPeer() its new descriptor"));
       continue;
     }
-    std::vector<kvb_xfer_op_t> xops;
-    std::vector<uint32_t> posted;
-    xops.reserve(indices.size());
+    // The paths as path choice sees them, breakers read once for the whole group.
+    const std::string peer_name_full = peer->id.ToString();
+    std::vector<core::PathView> views(peer->paths.size());
+    for (size_t k = 0; k < peer->paths.size(); ++k) {
+      const Path& p = *peer->paths[k];
+      views[k].transport = p.transport->name();
+      views[k].breaker_refuses = p.breaker.state(now) == BreakerState::kOpen;
+      views[k].consecutive_failures = p.breaker.consecutive_failures();
+      views[k].retry_in_ms = p.breaker.retry_in_ns(now) / 1000000;
+    }
+    // Ops grouped by the paths to try (one sub-request per group), in submission order.
+    struct Group {
+      std::vector<uint32_t> order;
+      std::vector<uint32_t> op_index;
+      std::vector<kvb_xfer_op_t> xops;
+    };
+    std::vector<Group> by_path;
     for (uint32_t i : indices) {
       const TransferOp& op = ops[i];
       auto sit = segs->find(op.remote_segment);
       if (sit == segs->end()) {
-        batch->op_status[i] = Status::NotRegistered(
-            "peer " + peer->id.ToString() + " has no segment " + std::to_string(op.remote_segment));
+        batch->op_status[i] = Status::NotRegistered("peer " + peer_name_full + " has no segment " +
+                                                    std::to_string(op.remote_segment));
         continue;
       }
-      const uint64_t seg_len = sit->second.length;
+      const SegmentDesc& seg = sit->second;
+      const uint64_t seg_len = seg.length;
       if (op.remote_offset > seg_len || op.length > seg_len - op.remote_offset) {
         batch->op_status[i] = Status::OutOfBounds(
             "op " + std::to_string(i) + ": [" + std::to_string(op.remote_offset) + ", +" +
@@ -905,44 +1152,41 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
             std::to_string(op.remote_segment) + " of " + std::to_string(seg_len) + " bytes");
         continue;
       }
-      xops.push_back(kvb_xfer_op_t{.opcode = static_cast<uint32_t>(op.opcode),
-                                   .reserved = 0,
-                                   .local_segment = local_seg[i],
-                                   .local_addr = op.local_addr,
-                                   .length = op.length,
-                                   .remote_segment = op.remote_segment,
-                                   .remote_offset = op.remote_offset});
-      posted.push_back(i);
+      for (size_t k = 0; k < peer->paths.size(); ++k) {
+        const Path& p = *peer->paths[k];
+        views[k].remote_registered = seg.rkeys.count(p.transport->name()) != 0;
+        views[k].local_registered =
+            p.transport_index < 64 && (local_paths[i] >> p.transport_index & 1) != 0;
+        views[k].kinds_served = core::ServesKinds(p.transport->caps(), local_kind[i], seg.mem_kind);
+      }
+      core::PathChoice choice = core::ChoosePaths(views, peer_name_full);
+      // Paths passed over because their breaker refuses count the op as fast-failed there.
+      for (size_t k = choice.admitting; k < choice.order.size(); ++k) {
+        peer->paths[choice.order[k]]->fast_failed.fetch_add(1);
+      }
+      if (!choice.status.ok()) {
+        if (choice.status.IsPeerUnreachable()) peer->fast_failed.fetch_add(1);
+        batch->op_status[i] = std::move(choice.status);
+        continue;
+      }
+      auto g = std::find_if(by_path.begin(), by_path.end(),
+                            [&](const Group& x) { return x.order == choice.order; });
+      if (g == by_path.end()) {
+        by_path.push_back(Group{std::move(choice.order), {}, {}});
+        g = std::prev(by_path.end());
+      }
+      g->op_index.push_back(i);
+      g->xops.push_back(kvb_xfer_op_t{.opcode = static_cast<uint32_t>(op.opcode),
+                                      .reserved = 0,
+                                      .local_segment = local_seg[i],
+                                      .local_addr = op.local_addr,
+                                      .length = op.length,
+                                      .remote_segment = op.remote_segment,
+                                      .remote_offset = op.remote_offset});
     }
-    if (xops.empty()) continue;
-    if (!peer->breaker.Allow(now)) {
-      peer->fast_failed.fetch_add(posted.size());
-      const uint64_t retry_ms = peer->breaker.retry_in_ns(now) / 1000000;
-      Status st = Status::PeerUnreachable(
-          "circuit open for peer " + peer->id.ToString() + " after " +
-          std::to_string(peer->breaker.consecutive_failures()) +
-          " consecutive failures; next probe in " + std::to_string(retry_ms) + " ms");
-      for (uint32_t i : posted) batch->op_status[i] = st;
-      continue;
+    for (Group& g : by_path) {
+      im.Dispatch(*batch, peer, g.order, std::move(g.op_index), std::move(g.xops), Status::OK());
     }
-    const TransportInstance::PostOptions popts{.deadline_ns = batch->deadline_ns,
-                                               .progress_timeout_ns = util::MsToNs(progress_ms),
-                                               .on_complete = OnTransportComplete,
-                                               .user = batch->slot};
-    Result<std::unique_ptr<TransportInstance::Request>> req =
-        peer->transport->Post(*peer->tpeer, xops, popts);
-    if (!req.ok()) {
-      const auto st = static_cast<kvb_status_t>(req.status().code());
-      Status s = Status::FromAbi(st, "peer " + peer->id.ToString() + ": " + req.status().message());
-      for (uint32_t i : posted) batch->op_status[i] = s;
-      if (IsPeerFailure(st)) peer->breaker.RecordFailure(util::MonoNs());
-      continue;
-    }
-    SubRequest sub;
-    sub.peer = peer;
-    sub.op_index = std::move(posted);
-    sub.req = std::move(req).value();
-    batch->subs.push_back(std::move(sub));
   }
   return batch->id;
 }
@@ -981,10 +1225,22 @@ std::optional<PeerHealth> TransferEngine::GetPeerHealth(std::string_view node_id
     peer = it->second;
   }
   PeerHealth h;
+  const uint64_t now = util::MonoNs();
   h.id = peer->id;
-  h.transport = peer->transport->name();
-  h.breaker = peer->breaker.state(util::MonoNs());
-  h.consecutive_failures = peer->breaker.consecutive_failures();
+  for (const auto& p : peer->paths) {
+    h.paths.push_back(PathHealth{.transport = p->transport->name(),
+                                 .breaker = p->breaker.state(now),
+                                 .consecutive_failures = p->breaker.consecutive_failures(),
+                                 .ops_ok = p->ops_ok.load(),
+                                 .ops_failed = p->ops_failed.load(),
+                                 .fast_failed = p->fast_failed.load(),
+                                 .failed_over_from = p->failed_over_from.load()});
+  }
+  if (!h.paths.empty()) {
+    h.transport = h.paths[0].transport;
+    h.breaker = h.paths[0].breaker;
+    h.consecutive_failures = h.paths[0].consecutive_failures;
+  }
   h.fast_failed_ops = peer->fast_failed.load();
   h.stale = peer->stale.load();
   return h;

@@ -27,6 +27,19 @@ void SetUint(const char* var, uint32_t* out) {
   *out = value;
 }
 
+void SetBool(const char* var, bool* out) {
+  const char* v = std::getenv(var);
+  if (v == nullptr) return;
+  std::string_view s(v);
+  if (s == "1" || s == "true" || s == "on") {
+    *out = true;
+  } else if (s == "0" || s == "false" || s == "off") {
+    *out = false;
+  } else {
+    KVB_LOG(WARN) << "ignoring " << var << "='" << s << "': not 0/1, true/false or on/off";
+  }
+}
+
 }  // namespace
 
 EngineOptions EngineOptions::FromEnv() {
@@ -52,6 +65,9 @@ EngineOptions EngineOptions::FromEnv() {
   SetUint("KVBRIDGE_BREAKER_FAILURES", &o.breaker_failures);
   SetUint("KVBRIDGE_BREAKER_BACKOFF_MS", &o.breaker_backoff_ms);
   SetUint("KVBRIDGE_BREAKER_MAX_BACKOFF_MS", &o.breaker_max_backoff_ms);
+  SetBool("KVBRIDGE_PATH_FAILOVER", &o.path_failover);
+  SetBool("KVBRIDGE_PATH_FAILOVER_WRITES", &o.path_failover_writes);
+  SetUint("KVBRIDGE_FAILOVER_MIN_BUDGET_MS", &o.failover_min_budget_ms);
   SetUint("KVBRIDGE_MAX_OPS_PER_BATCH", &o.max_ops_per_batch);
   SetUint("KVBRIDGE_MAX_INFLIGHT_BATCHES", &o.max_inflight_batches);
   SetUint("KVBRIDGE_MAX_UNPOLLED_BATCHES", &o.max_unpolled_batches);

@@ -1,4 +1,5 @@
-// libkvb_transport_mock.so — transport "mock": an in-process loopback transport for the
+// libkvb_transport_mock.so — transport "mock" (and libkvb_transport_mock_b.so, "mock_b", the same
+// source built again; see KVB_MOCK_NAME below): an in-process loopback transport for the
 // conformance suite and engine tests, with fault injection.
 //
 // Every live instance is entered in a process-global table under its node id; a peer's endpoint
@@ -36,9 +37,16 @@
 
 #include "kvbridge/plugin/transport.h"
 
+// The transport's name, endpoint prefix ("<name>:<node_id>") and config-key prefix. Built a
+// second time as "mock_b" (plugins/testing/CMakeLists.txt): another .so, so another process-global
+// instance table and fault registry, and a second transport an engine can load next to "mock".
+#ifndef KVB_MOCK_NAME
+#define KVB_MOCK_NAME "mock"
+#endif
+
 namespace {
 
-constexpr const char* kEndpointPrefix = "mock:";
+constexpr const char* kEndpointPrefix = KVB_MOCK_NAME ":";
 
 // What other instances see of one instance: its identity and its registered memory.
 struct Node {
@@ -62,6 +70,8 @@ struct Request {
   void (*on_complete)(void*) = nullptr;
   void* user = nullptr;
   uint64_t peer_serial = 0;
+  kvb_status_t partial_code = KVB_OK;  // a partial fault: ops from first_failing_op fail with it
+  uint32_t first_failing_op = 0;
   std::string peer_node;
   uint64_t peer_incarnation = 0;
 };
@@ -84,6 +94,9 @@ struct Fault {
   kvb_status_t code = KVB_OK;
   int32_t count = 0;  // -1 = forever
   uint32_t delay_ms = 0;
+  // > 0: a partial fault (kvb_mock_set_partial_fault): ops before this index are delivered,
+  // the rest of the request fails with `code`.
+  uint32_t first_failing_op = 0;
 };
 
 uint64_t MonoNs() {
@@ -210,20 +223,28 @@ void Deliver(kvb_transport* t, Request* r) {
   uint64_t written = 0, read = 0;
   if (peer == nullptr) {
     codes.assign(codes.size(), KVB_ERR_PEER_UNREACHABLE);
-    error = "mock: no live instance with node id '" + r->peer_node + "'";
+    error = KVB_MOCK_NAME ": no live instance with node id '" + r->peer_node + "'";
   } else {
     std::shared_lock<std::shared_mutex> lk(peer->mu);
     if (!peer->alive) {
       codes.assign(codes.size(), KVB_ERR_PEER_UNREACHABLE);
-      error = "mock: peer '" + r->peer_node + "' is shutting down";
+      error = KVB_MOCK_NAME ": peer '" + r->peer_node + "' is shutting down";
     } else if (peer->incarnation != r->peer_incarnation) {
       codes.assign(codes.size(), KVB_ERR_STALE_PEER);
-      error = "mock: peer '" + r->peer_node + "' is incarnation " +
+      error = KVB_MOCK_NAME ": peer '" + r->peer_node + "' is incarnation " +
               std::to_string(peer->incarnation) + ", request was for " +
               std::to_string(r->peer_incarnation);
     } else {
       for (size_t i = 0; i < r->ops.size(); ++i) {
         const kvb_xfer_op_t& op = r->ops[i];
+        if (r->partial_code != KVB_OK && i >= r->first_failing_op) {
+          codes[i] = r->partial_code;
+          if (error.empty()) {
+            error = std::string(KVB_MOCK_NAME ": injected fault ") + CodeName(r->partial_code) +
+                    " from op " + std::to_string(r->first_failing_op);
+          }
+          continue;
+        }
         auto it = peer->regions.find(op.remote_segment);
         if (it == peer->regions.end()) {
           codes[i] = KVB_ERR_NOT_REGISTERED;
@@ -234,7 +255,7 @@ void Deliver(kvb_transport* t, Request* r) {
         if (codes[i] != KVB_OK) {
           peer->frames_rejected.fetch_add(1);
           if (error.empty()) {
-            error = "mock: op " + std::to_string(i) + ": remote segment " +
+            error = KVB_MOCK_NAME ": op " + std::to_string(i) + ": remote segment " +
                     std::to_string(op.remote_segment) + " [" + std::to_string(op.remote_offset) +
                     ", +" + std::to_string(op.length) + ") " +
                     (codes[i] == KVB_ERR_NOT_REGISTERED ? "is not registered" : "is out of bounds");
@@ -262,11 +283,13 @@ void Execute(kvb_transport* t, const Event& ev) {
   std::lock_guard<std::mutex> lk(r->mu);
   if (r->final) return;  // cancelled meanwhile
   if (ev.outcome == Outcome::kDeadline || (r->deadline_ns != 0 && t->Now() >= r->deadline_ns)) {
-    Finish(t, r, KVB_ERR_DEADLINE_EXCEEDED, "mock: deadline passed before delivery");
+    Finish(t, r, KVB_ERR_DEADLINE_EXCEEDED, KVB_MOCK_NAME ": deadline passed before delivery");
   } else if (ev.outcome == Outcome::kProgressTimeout) {
-    Finish(t, r, KVB_ERR_PROGRESS_TIMEOUT, "mock: no progress within the progress timeout");
+    Finish(t, r, KVB_ERR_PROGRESS_TIMEOUT,
+           KVB_MOCK_NAME ": no progress within the progress timeout");
   } else if (ev.outcome == Outcome::kFail) {
-    Finish(t, r, ev.fail_code, std::string("mock: injected fault ") + CodeName(ev.fail_code));
+    Finish(t, r, ev.fail_code,
+           std::string(KVB_MOCK_NAME ": injected fault ") + CodeName(ev.fail_code));
   } else {
     Deliver(t, r);
   }
@@ -296,7 +319,7 @@ void WorkerLoop(kvb_transport* t) {
 void CancelRequest(kvb_transport* t, Request* r) {
   std::lock_guard<std::mutex> lk(r->mu);
   if (r->final) return;
-  Finish(t, r, KVB_ERR_CANCELLED, "mock: cancelled");
+  Finish(t, r, KVB_ERR_CANCELLED, KVB_MOCK_NAME ": cancelled");
 }
 
 // Cancels every live request (of one peer, or all when peer_serial is 0).
@@ -322,22 +345,23 @@ kvb_status_t MockCreate(const kvb_host_services_t* host, const kvb_transport_par
                         kvb_transport_t** out, char* err, uint32_t err_len) {
   if (params == nullptr || out == nullptr || params->node_id == nullptr ||
       params->node_id[0] == '\0') {
-    kvb_copy_message(err, err_len, "mock: params with a non-empty node_id are required");
+    kvb_copy_message(err, err_len, KVB_MOCK_NAME ": params with a non-empty node_id are required");
     return KVB_ERR_INVALID_ARGUMENT;
   }
   try {
     Fault fault;
-    std::string code = ConfigString(host, "mock.fail_code");
+    std::string code = ConfigString(host, KVB_MOCK_NAME ".fail_code");
     if (!code.empty()) {
       fault.code = ParseCode(code);
       if (fault.code < 0) {
-        kvb_copy_message(err, err_len, ("mock: bad mock.fail_code '" + code + "'").c_str());
+        kvb_copy_message(err, err_len,
+                         (KVB_MOCK_NAME ": bad mock.fail_code '" + code + "'").c_str());
         return KVB_ERR_INVALID_ARGUMENT;
       }
-      std::string count = ConfigString(host, "mock.fail_count");
+      std::string count = ConfigString(host, KVB_MOCK_NAME ".fail_count");
       fault.count = count.empty() ? -1 : std::atoi(count.c_str());
     }
-    std::string delay = ConfigString(host, "mock.delay_ms");
+    std::string delay = ConfigString(host, KVB_MOCK_NAME ".delay_ms");
     if (!delay.empty())
       fault.delay_ms = static_cast<uint32_t>(std::strtoul(delay.c_str(), nullptr, 10));
 
@@ -351,7 +375,7 @@ kvb_status_t MockCreate(const kvb_host_services_t* host, const kvb_transport_par
       std::lock_guard<std::mutex> lk(g_mu);
       if (g_instances.count(params->node_id) != 0) {
         kvb_copy_message(err, err_len,
-                         ("mock: node id '" + std::string(params->node_id) +
+                         (KVB_MOCK_NAME ": node id '" + std::string(params->node_id) +
                           "' already has a live mock instance in this process")
                              .c_str());
         return KVB_ERR_ALREADY_EXISTS;
@@ -363,7 +387,7 @@ kvb_status_t MockCreate(const kvb_host_services_t* host, const kvb_transport_par
     *out = t.release();
     return KVB_OK;
   } catch (...) {
-    kvb_copy_message(err, err_len, "mock: out of memory");
+    kvb_copy_message(err, err_len, KVB_MOCK_NAME ": out of memory");
     return KVB_ERR_INTERNAL;
   }
 }
@@ -436,14 +460,14 @@ std::string TargetOf(const kvb_peer_info_t* info) {
 kvb_status_t MockAddPeer(kvb_transport_t* t, const kvb_peer_info_t* info, kvb_tpeer_t** out,
                          char* err, uint32_t err_len) {
   if (info == nullptr || out == nullptr || info->node_id == nullptr || info->node_id[0] == '\0') {
-    kvb_copy_message(err, err_len, "mock: peer info with a node id is required");
+    kvb_copy_message(err, err_len, KVB_MOCK_NAME ": peer info with a node id is required");
     return KVB_ERR_INVALID_ARGUMENT;
   }
   try {
     std::string target = TargetOf(info);
     if (target.empty()) {
       kvb_copy_message(err, err_len,
-                       ("mock: endpoint '" + std::string(info->endpoints) +
+                       (KVB_MOCK_NAME ": endpoint '" + std::string(info->endpoints) +
                         "' is not of the form mock:<node_id>")
                            .c_str());
       return KVB_ERR_INVALID_ARGUMENT;
@@ -454,7 +478,7 @@ kvb_status_t MockAddPeer(kvb_transport_t* t, const kvb_peer_info_t* info, kvb_tp
     *out = peer;
     return KVB_OK;
   } catch (...) {
-    kvb_copy_message(err, err_len, "mock: out of memory");
+    kvb_copy_message(err, err_len, KVB_MOCK_NAME ": out of memory");
     return KVB_ERR_INTERNAL;
   }
 }
@@ -462,11 +486,12 @@ kvb_status_t MockAddPeer(kvb_transport_t* t, const kvb_peer_info_t* info, kvb_tp
 kvb_status_t MockUpdatePeer(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_peer_info_t* info,
                             char* err, uint32_t err_len) {
   if (peer == nullptr || info == nullptr || info->node_id == nullptr) {
-    kvb_copy_message(err, err_len, "mock: update_peer: null peer or info");
+    kvb_copy_message(err, err_len, KVB_MOCK_NAME ": update_peer: null peer or info");
     return KVB_ERR_INVALID_ARGUMENT;
   }
   if (info->incarnation != peer->incarnation) {
-    kvb_copy_message(err, err_len, "mock: update_peer: another incarnation (use add_peer)");
+    kvb_copy_message(err, err_len,
+                     KVB_MOCK_NAME ": update_peer: another incarnation (use add_peer)");
     return KVB_ERR_INVALID_ARGUMENT;
   }
   try {
@@ -499,14 +524,14 @@ kvb_status_t MockPost(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_xfer_op_t
     std::lock_guard<std::mutex> lk(t->mu);
     ++t->posts;
     if (peer == nullptr || t->peers.count(peer) == 0) {
-      kvb_copy_message(err, err_len, "mock: unknown peer handle");
+      kvb_copy_message(err, err_len, KVB_MOCK_NAME ": unknown peer handle");
       return KVB_ERR_INVALID_ARGUMENT;
     }
     peer_copy = *peer;
     fault = t->fault;
   }
   if (ops == nullptr || count == 0 || op_size < sizeof(kvb_xfer_op_t) || out == nullptr) {
-    kvb_copy_message(err, err_len, "mock: post needs at least one op and an out pointer");
+    kvb_copy_message(err, err_len, KVB_MOCK_NAME ": post needs at least one op and an out pointer");
     return KVB_ERR_INVALID_ARGUMENT;
   }
   try {
@@ -521,7 +546,7 @@ kvb_status_t MockPost(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_xfer_op_t
         if ((op.opcode != KVB_OP_READ && op.opcode != KVB_OP_WRITE) || op.length == 0 ||
             op.local_addr == nullptr) {
           kvb_copy_message(err, err_len,
-                           ("mock: op " + std::to_string(i) +
+                           (KVB_MOCK_NAME ": op " + std::to_string(i) +
                             " needs a READ/WRITE opcode, a local address and a length")
                                .c_str());
           return KVB_ERR_INVALID_ARGUMENT;
@@ -536,7 +561,7 @@ kvb_status_t MockPost(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_xfer_op_t
         }
         if (!inside) {
           kvb_copy_message(err, err_len,
-                           ("mock: op " + std::to_string(i) +
+                           (KVB_MOCK_NAME ": op " + std::to_string(i) +
                             ": local memory is not inside registered segment " +
                             std::to_string(op.local_segment))
                                .c_str());
@@ -552,12 +577,19 @@ kvb_status_t MockPost(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_xfer_op_t
       std::lock_guard<std::mutex> lk(t->mu);
       if (t->fault.count > 0) --t->fault.count;
     }
-    if (injected == KVB_ERR_BACKPRESSURE || injected == KVB_ERR_INVALID_ARGUMENT) {
-      kvb_copy_message(err, err_len,
-                       (std::string("mock: injected fault ") + CodeName(injected)).c_str());
+    if ((injected == KVB_ERR_BACKPRESSURE || injected == KVB_ERR_INVALID_ARGUMENT) &&
+        fault.first_failing_op == 0) {
+      kvb_copy_message(
+          err, err_len,
+          (std::string(KVB_MOCK_NAME ": injected fault ") + CodeName(injected)).c_str());
       return injected;
     }
 
+    if (injected != KVB_OK && fault.first_failing_op > 0) {
+      req->partial_code = injected;
+      req->first_failing_op = fault.first_failing_op;
+      injected = KVB_OK;  // delivered, with the ops from first_failing_op failed
+    }
     const uint64_t now = t->Now();
     req->op_status.assign(count, KVB_IN_PROGRESS);
     req->peer_serial = peer_copy.serial;
@@ -598,7 +630,7 @@ kvb_status_t MockPost(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_xfer_op_t
     *out = handle.release();
     return KVB_OK;
   } catch (...) {
-    kvb_copy_message(err, err_len, "mock: out of memory");
+    kvb_copy_message(err, err_len, KVB_MOCK_NAME ": out of memory");
     return KVB_ERR_INTERNAL;
   }
 }
@@ -669,7 +701,7 @@ const kvb_plugin_descriptor_t kDescriptor = {
     .struct_size = sizeof(kvb_plugin_descriptor_t),
     .abi_major = KVB_ABI_MAJOR,
     .abi_minor = KVB_ABI_MINOR,
-    .name = "mock",
+    .name = KVB_MOCK_NAME,
     .version = "0.1.0",
     .kind = KVB_PLUGIN_TRANSPORT,
     .reserved = 0,
@@ -698,6 +730,20 @@ KVB_PLUGIN_EXPORT int32_t kvb_mock_set_fault(const char* node_id, int32_t code, 
   if (it == g_instances.end()) return KVB_ERR_NOT_FOUND;
   std::lock_guard<std::mutex> lk2(it->second->mu);
   it->second->fault = Fault{code, code == KVB_OK ? 0 : count, delay_ms};
+  return KVB_OK;
+}
+
+// Like kvb_mock_set_fault (no delay), but each faulted request delivers its ops before index
+// `first_failing_op` and fails the rest with `code` (at delivery; BACKPRESSURE and
+// INVALID_ARGUMENT included): a request that partly succeeded.
+KVB_PLUGIN_EXPORT int32_t kvb_mock_set_partial_fault(const char* node_id, int32_t code,
+                                                     int32_t count, uint32_t first_failing_op) {
+  if (node_id == nullptr) return KVB_ERR_INVALID_ARGUMENT;
+  std::lock_guard<std::mutex> lk(g_mu);
+  auto it = g_instances.find(node_id);
+  if (it == g_instances.end()) return KVB_ERR_NOT_FOUND;
+  std::lock_guard<std::mutex> lk2(it->second->mu);
+  it->second->fault = Fault{code, code == KVB_OK ? 0 : count, 0, first_failing_op};
   return KVB_OK;
 }
 

@@ -13,8 +13,11 @@
 //    keep failing fast until AddPeer() is called with the new descriptor.
 //  - Every batch ends, done or failed with a named code, by its deadline. A peer that stops
 //    moving bytes fails with PROGRESS_TIMEOUT well before the deadline.
-//  - Per-peer circuit breaker: after `breaker_failures` consecutive failed batches to a peer,
-//    its ops fail at once with PEER_UNREACHABLE (no socket attempts) until a probe succeeds.
+//  - A peer has one path per transport both sides speak, each with its own circuit breaker:
+//    after `breaker_failures` consecutive failed batches on a path, ops avoid it; when every
+//    path's breaker is open they fail at once with PEER_UNREACHABLE (no socket attempts) until
+//    a probe succeeds. Ops that fail on one path fail over to the next within their deadline
+//    (EngineOptions::path_failover).
 //  - One peer's failure never delays ops to other peers; no engine lock is held across I/O or
 //    across a call into a plugin.
 //
@@ -86,17 +89,34 @@ struct RemoteSegment {
 struct BatchResult {
   Status status;                 // OK, or the first failed op's status
   std::vector<Status> op_status; // one per op, in submission order
+  // Empty unless some op of the batch failed over to another path; then one per op: "" for an
+  // op that stayed on its first path, else its path history, e.g. "mock: PEER_UNREACHABLE
+  // (mock: injected fault PEER_UNREACHABLE); then mock_b: OK". A failed op's status message
+  // carries the same history.
+  std::vector<std::string> op_path_history;
 };
 
 enum class BreakerState { kClosed, kOpen, kHalfOpen };
 
-struct PeerHealth {
-  PeerId id;
-  std::string transport;          // the transport used to reach it
+// One path to a peer: a transport both sides speak, with its own breaker and counters.
+struct PathHealth {
+  std::string transport;
   BreakerState breaker = BreakerState::kClosed;
   uint32_t consecutive_failures = 0;
-  uint64_t fast_failed_ops = 0;   // ops refused without touching the network (breaker open)
+  uint64_t ops_ok = 0;            // ops that ended OK on this path
+  uint64_t ops_failed = 0;        // ops that ended with an error on it (failed over or not)
+  uint64_t fast_failed = 0;       // ops that skipped it because its breaker refused
+  uint64_t failed_over_from = 0;  // ops re-posted on another path after failing on this one
+};
+
+struct PeerHealth {
+  PeerId id;
+  std::string transport;                         // the preferred path's transport (paths[0])
+  BreakerState breaker = BreakerState::kClosed;  // paths[0]'s breaker
+  uint32_t consecutive_failures = 0;             // paths[0]'s
+  uint64_t fast_failed_ops = 0;   // ops refused without touching the network (every breaker open)
   bool stale = false;             // a handshake found another incarnation at its address
+  std::vector<PathHealth> paths;  // one per transport both sides speak, in preference order
 };
 
 struct TransportStats {
@@ -161,8 +181,9 @@ class TransferEngine {
   // not registered, more ops than EngineOptions::max_ops_per_batch) refuse the whole batch
   // with INVALID_ARGUMENT / NOT_REGISTERED and queue nothing, and so does BACKPRESSURE when
   // max_inflight_batches batches are still in flight. Per-peer conditions (unknown peer, stale
-  // peer, breaker open, backpressure, remote bounds) become that op's status in the
-  // BatchResult.
+  // peer, every path's breaker open, no path serving the op, backpressure, remote bounds)
+  // become that op's status in the BatchResult. Ops that fail on one path to a peer fail over
+  // to its next path within the deadline (EngineOptions::path_failover).
   Result<BatchId> Submit(std::span<const TransferOp> ops, const SubmitOptions& options = {});
   // Non-blocking. nullopt while in flight. Once final, returns the result and forgets the
   // batch (a later Poll/Wait of the same id gives NOT_FOUND). A final batch left unpolled

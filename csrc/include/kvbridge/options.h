@@ -49,7 +49,7 @@ struct EngineOptions {
   // before its deadline (a frozen peer). KVBRIDGE_PROGRESS_TIMEOUT_MS.
   uint32_t progress_timeout_ms = 2000;
 
-  // --- Per-peer circuit breaker ---
+  // --- Circuit breaker, one per path to a peer ---
   // Consecutive failed batches (unreachable, progress timeout, deadline) that open the breaker;
   // 0 disables it. KVBRIDGE_BREAKER_FAILURES.
   uint32_t breaker_failures = 3;
@@ -58,6 +58,20 @@ struct EngineOptions {
   uint32_t breaker_backoff_ms = 200;
   // KVBRIDGE_BREAKER_MAX_BACKOFF_MS.
   uint32_t breaker_max_backoff_ms = 5000;
+
+  // --- Several transports per peer (docs/transfer-engine.md "Several transports per peer") ---
+  // When ops fail on one path to a peer with PEER_UNREACHABLE, PROGRESS_TIMEOUT, BACKPRESSURE
+  // or PROTOCOL, re-post them (only the failed ones) on the peer's next path whose breaker
+  // admits, within the batch's deadline. KVBRIDGE_PATH_FAILOVER (0 or 1).
+  bool path_failover = true;
+  // Fail WRITEs over too. A WRITE that timed out on one path may still land late through it
+  // after the same bytes landed through the next (identical bytes: the local buffer is the
+  // caller's until the batch ends); off, failed WRITEs end with their first path's error.
+  // KVBRIDGE_PATH_FAILOVER_WRITES (0 or 1).
+  bool path_failover_writes = true;
+  // Least time that must be left before a batch's deadline for a failover to be tried; with
+  // less, the ops end with their path's error. KVBRIDGE_FAILOVER_MIN_BUDGET_MS.
+  uint32_t failover_min_budget_ms = 5;
 
   // --- Bounds (what one process keeps for batches; docs/transfer-engine.md "Batches") ---
   // Most ops one Submit takes; more is INVALID_ARGUMENT naming this limit.
