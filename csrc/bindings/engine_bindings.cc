@@ -100,7 +100,7 @@ BatchResult TransferOps(EngineHandle& h, const std::vector<TransferOp>& ops,
   return NoGil([&] {
     return h.With([&](TransferEngine& e) {
       Result<BatchId> id = e.Submit(ops, so);
-      if (!id.ok()) return BatchResult{id.status(), {}};
+      if (!id.ok()) return BatchResult{id.status(), {}, {}};
       return e.Wait(*id);
     });
   });

@@ -88,6 +88,24 @@ class FakeHost {
           return KVB_OK;
         },
         .auth_end = [](void* ctx, kvb_auth_t*) { ++Self(ctx)->auth_ends; },
+        // No device here: a host without a CUDA driver answers UNAVAILABLE.
+        .dev_stream_create = [](void*, int32_t, kvb_dev_stream_t**, char* err,
+                                uint32_t err_len) -> kvb_status_t {
+          kvb_copy_message(err, err_len, "no CUDA driver (fake host)");
+          return KVB_ERR_UNAVAILABLE;
+        },
+        .dev_stream_destroy = [](void*, kvb_dev_stream_t*) {},
+        .dev_copy_async = [](void*, kvb_dev_stream_t*, void*, const void*, uint64_t, uint64_t*,
+                             char*, uint32_t) -> kvb_status_t { return KVB_ERR_UNAVAILABLE; },
+        .dev_copy_done = [](void*, kvb_dev_stream_t*, uint64_t, char*,
+                            uint32_t) -> kvb_status_t { return KVB_ERR_UNAVAILABLE; },
+        .dev_copy_wait = [](void*, kvb_dev_stream_t*, uint64_t, uint64_t, char*,
+                            uint32_t) -> kvb_status_t { return KVB_ERR_UNAVAILABLE; },
+        .pinned_alloc = [](void*, uint64_t, void** out) -> kvb_status_t {
+          *out = nullptr;
+          return KVB_ERR_UNAVAILABLE;
+        },
+        .pinned_free = [](void*, void*) {},
     };
   }
   FakeHost(const FakeHost&) = delete;

@@ -209,7 +209,7 @@ class Cluster {
   std::unique_ptr<MasterState> master_;
 };
 
-// The invariants of the brief, checked from the outside on a snapshot.
+// The master's invariants (docs/store.md), checked from the outside on a snapshot.
 inline ::testing::AssertionResult SnapshotHolds(const MasterSnapshot& s) {
   auto round = [&](uint64_t n) { return (n + s.alignment - 1) / s.alignment * s.alignment; };
   std::map<std::pair<std::string, uint64_t>, std::vector<std::pair<uint64_t, uint64_t>>> ranges;
