@@ -23,7 +23,10 @@ ENGINE_FIELDS = (
     "deadline_ms",
     "progress_timeout_ms", "breaker_failures", "breaker_backoff_ms", "breaker_max_backoff_ms",
     "max_ops_per_batch", "max_inflight_batches", "max_unpolled_batches",
+    "path_failover", "path_failover_writes", "failover_min_budget_ms",
 )
+# Options that are booleans; every other bool is refused (True is not a number of ms).
+BOOL_FIELDS = ("verify_checksums", "path_failover", "path_failover_writes")
 STORE_FIELDS = ("master", "replica_num", "rpc_timeout_ms", "store_transfer_deadline_ms",
                 "verify_checksums", "hedge_after_ms", "hedge_bandwidth_mbps", "peer_discovery",
                 "admin_token")
@@ -42,7 +45,7 @@ MASTER_ONLY_FIELDS = ("cluster_token",)
 def _set(obj: Any, name: str, value: Any) -> None:
     if name == "transports" and isinstance(value, str):
         value = [t.strip() for t in value.split(",") if t.strip()]
-    if isinstance(value, bool) and name != "verify_checksums":
+    if isinstance(value, bool) and name not in BOOL_FIELDS:
         raise InvalidArgumentError(f"option {name}={value!r}: expected a number or string")
     try:
         setattr(obj, name, value)

@@ -250,3 +250,15 @@ def test_cuda_memory_is_a_named_unsupported_or_skips():
     with engine() as eng:
         with pytest.raises(errors.UnsupportedError):
             eng.register(torch.zeros(1024, device="cuda"))
+
+
+def test_multipath_options_reach_the_engine_options_and_bools_are_typed():
+    from kvbridge import options
+    opts = options.engine_options({"path_failover": False, "path_failover_writes": False,
+                                   "failover_min_budget_ms": 7})
+    assert opts.path_failover is False
+    assert opts.path_failover_writes is False
+    assert opts.failover_min_budget_ms == 7
+    with pytest.raises(errors.InvalidArgumentError, match="failover_min_budget_ms=True"):
+        options.engine_options({"failover_min_budget_ms": True})
+    kvbridge.TransferEngine(path_failover=False).close()
