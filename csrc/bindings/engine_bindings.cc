@@ -122,9 +122,12 @@ auto PtrOpsCall(Run run) {
 
 const char* BreakerName(BreakerState s) {
   switch (s) {
-    case BreakerState::kClosed: return "closed";
-    case BreakerState::kOpen: return "open";
-    case BreakerState::kHalfOpen: return "half_open";
+    case BreakerState::kClosed:
+      return "closed";
+    case BreakerState::kOpen:
+      return "open";
+    case BreakerState::kHalfOpen:
+      return "half_open";
   }
   return "unknown";
 }
@@ -197,12 +200,13 @@ void BindEngine(py::module_& m) {
            })
       .def("deregister_memory",
            [](EngineHandle& h, SegmentId id) {
-             NoGil([&] { h.With([&](TransferEngine& e) { ThrowIfError(e.DeregisterMemory(id)); }); });
+             NoGil(
+                 [&] { h.With([&](TransferEngine& e) { ThrowIfError(e.DeregisterMemory(id)); }); });
            })
       .def("local_descriptor",
            [](EngineHandle& h) {
-             std::string d =
-                 NoGil([&] { return h.With([](TransferEngine& e) { return e.LocalDescriptor(); }); });
+             std::string d = NoGil(
+                 [&] { return h.With([](TransferEngine& e) { return e.LocalDescriptor(); }); });
              return py::bytes(d);
            })
       .def("add_peer",
@@ -230,10 +234,11 @@ void BindEngine(py::module_& m) {
              for (const auto& s : segs) out.emplace_back(s.id, s.base, s.length);
              return out;
            })
-      .def("remove_peer",
-           [](EngineHandle& h, const std::string& node_id) {
-             NoGil([&] { h.With([&](TransferEngine& e) { ThrowIfError(e.RemovePeer(node_id)); }); });
-           })
+      .def(
+          "remove_peer",
+          [](EngineHandle& h, const std::string& node_id) {
+            NoGil([&] { h.With([&](TransferEngine& e) { ThrowIfError(e.RemovePeer(node_id)); }); });
+          })
       .def("submit",
            [](EngineHandle& h, const std::vector<PyOp>& in, uint32_t deadline_ms,
               uint32_t progress_timeout_ms) {
@@ -271,8 +276,9 @@ void BindEngine(py::module_& m) {
            }))
       .def("peer_health",
            [](EngineHandle& h, const std::string& node_id) -> py::object {
-             auto ph = NoGil(
-                 [&] { return h.With([&](TransferEngine& e) { return e.GetPeerHealth(node_id); }); });
+             auto ph = NoGil([&] {
+               return h.With([&](TransferEngine& e) { return e.GetPeerHealth(node_id); });
+             });
              if (!ph) return py::none();
              py::dict d;
              d["node_id"] = ph->id.node_id;

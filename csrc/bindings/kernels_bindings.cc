@@ -27,11 +27,15 @@ struct Side {
 [[noreturn]] void ThrowKernel(int rc, const char* err) {
   std::string msg = std::string(kvb_kernel_status_name(rc)) + ": " + err;
   switch (rc) {
-    case KVB_KERNEL_ERR_INVALID_ARGUMENT: throw StatusError(Status::InvalidArgument(err));
-    case KVB_KERNEL_ERR_INDEX_OUT_OF_RANGE: throw StatusError(Status::OutOfBounds(err));
+    case KVB_KERNEL_ERR_INVALID_ARGUMENT:
+      throw StatusError(Status::InvalidArgument(err));
+    case KVB_KERNEL_ERR_INDEX_OUT_OF_RANGE:
+      throw StatusError(Status::OutOfBounds(err));
     case KVB_KERNEL_ERR_NOT_BUILT_WITH_CUDA:
-    case KVB_KERNEL_ERR_NO_CUDA_DEVICE: throw StatusError(Status::Unavailable(msg));
-    default: throw StatusError(Status::Internal(msg));
+    case KVB_KERNEL_ERR_NO_CUDA_DEVICE:
+      throw StatusError(Status::Unavailable(msg));
+    default:
+      throw StatusError(Status::Internal(msg));
   }
 }
 
@@ -112,10 +116,9 @@ void BindKernels(py::module_& m) {
 
   m.def(
       "vllm_block_side",
-      [](const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
-         int64_t elem_bytes, int block_dim, int kv_dim, int layer_dim, uintptr_t base,
-         const std::vector<uintptr_t>& layer_ptrs, uintptr_t layer_ptrs_device,
-         int64_t n_layers) {
+      [](const std::vector<int64_t>& shape, const std::vector<int64_t>& strides, int64_t elem_bytes,
+         int block_dim, int kv_dim, int layer_dim, uintptr_t base,
+         const std::vector<uintptr_t>& layer_ptrs, uintptr_t layer_ptrs_device, int64_t n_layers) {
         if (shape.size() != strides.size() || shape.empty() || shape.size() > KVB_MAX_DIMS) {
           throw StatusError(Status::InvalidArgument(
               "shape and strides must have the same length, 1.." + std::to_string(KVB_MAX_DIMS)));
@@ -161,8 +164,8 @@ void BindKernels(py::module_& m) {
 
   m.def(
       "page_copy",
-      [](Side src, Side dst, uintptr_t src_pages, uintptr_t dst_pages, int64_t n_pages,
-         bool cuda, uintptr_t stream, int num_threads) {
+      [](Side src, Side dst, uintptr_t src_pages, uintptr_t dst_pages, int64_t n_pages, bool cuda,
+         uintptr_t stream, int num_threads) {
         src.side.layer_ptrs = src.layer_ptrs.empty() ? nullptr : src.layer_ptrs.data();
         dst.side.layer_ptrs = dst.layer_ptrs.empty() ? nullptr : dst.layer_ptrs.data();
         kvb_page_copy_desc desc{};
@@ -187,9 +190,8 @@ void BindKernels(py::module_& m) {
       "sglang_slots_to_pages",
       [](uintptr_t slots, int64_t n_slots, int64_t page_size, uintptr_t pages) {
         char err[256] = "";
-        Check(kvb_sglang_slots_to_pages(reinterpret_cast<const int64_t*>(slots), n_slots,
-                                        page_size, reinterpret_cast<int64_t*>(pages), err,
-                                        sizeof err),
+        Check(kvb_sglang_slots_to_pages(reinterpret_cast<const int64_t*>(slots), n_slots, page_size,
+                                        reinterpret_cast<int64_t*>(pages), err, sizeof err),
               err);
       },
       py::arg("slots"), py::arg("n_slots"), py::arg("page_size"), py::arg("pages"));

@@ -38,7 +38,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr uint32_t kMaxRequestBytes = 64 << 10;  // a release is well under 1 KiB
+constexpr uint32_t kMaxRequestBytes = 64 << 10;        // a release is well under 1 KiB
 constexpr auto kReportedKeep = std::chrono::hours(1);  // freed ids remembered (late releases)
 constexpr size_t kMaxEarly = 65536;  // releases of ids not (yet) held, remembered at once
 
@@ -119,7 +119,8 @@ class FlatJson {
     return true;
   }
   void Space() {
-    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r')) {
+    while (i_ < s_.size() &&
+           (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r')) {
       ++i_;
     }
   }
@@ -133,10 +134,14 @@ class FlatJson {
     for (int k = 0; k < 4; ++k) {
       const char c = s_[i_++];
       *v <<= 4;
-      if (c >= '0' && c <= '9') *v |= c - '0';
-      else if (c >= 'a' && c <= 'f') *v |= c - 'a' + 10;
-      else if (c >= 'A' && c <= 'F') *v |= c - 'A' + 10;
-      else return false;
+      if (c >= '0' && c <= '9')
+        *v |= c - '0';
+      else if (c >= 'a' && c <= 'f')
+        *v |= c - 'a' + 10;
+      else if (c >= 'A' && c <= 'F')
+        *v |= c - 'A' + 10;
+      else
+        return false;
     }
     return true;
   }
@@ -153,12 +158,26 @@ class FlatJson {
       if (i_ >= s_.size()) return false;
       const char e = s_[i_++];
       switch (e) {
-        case '"': case '\\': case '/': *out += e; break;
-        case 'b': *out += '\b'; break;
-        case 'f': *out += '\f'; break;
-        case 'n': *out += '\n'; break;
-        case 'r': *out += '\r'; break;
-        case 't': *out += '\t'; break;
+        case '"':
+        case '\\':
+        case '/':
+          *out += e;
+          break;
+        case 'b':
+          *out += '\b';
+          break;
+        case 'f':
+          *out += '\f';
+          break;
+        case 'n':
+          *out += '\n';
+          break;
+        case 'r':
+          *out += '\r';
+          break;
+        case 't':
+          *out += '\t';
+          break;
         case 'u': {
           uint32_t cp = 0;
           if (!Hex4(&cp)) return false;
@@ -172,7 +191,8 @@ class FlatJson {
           AppendUtf8(cp, out);
           break;
         }
-        default: return false;
+        default:
+          return false;
       }
     }
     return false;
@@ -185,7 +205,8 @@ class FlatJson {
       }
     }
     const size_t start = i_;
-    while (i_ < s_.size() && std::string_view("+-.eE0123456789").find(s_[i_]) != std::string_view::npos) {
+    while (i_ < s_.size() &&
+           std::string_view("+-.eE0123456789").find(s_[i_]) != std::string_view::npos) {
       ++i_;
     }
     return i_ > start;
@@ -197,8 +218,8 @@ class FlatJson {
 
 std::string Frame(const std::string& json) {
   const auto n = static_cast<uint32_t>(json.size());
-  std::string out{static_cast<char>(n >> 24), static_cast<char>(n >> 16),
-                  static_cast<char>(n >> 8), static_cast<char>(n)};
+  std::string out{static_cast<char>(n >> 24), static_cast<char>(n >> 16), static_cast<char>(n >> 8),
+                  static_cast<char>(n)};
   return out + json;
 }
 
@@ -291,13 +312,14 @@ class Holds {
       reported_.erase(reported_order_.front().second);
       reported_order_.pop_front();
     }
-    while (!early_order_.empty() && (early_order_.front().first < now - kReportedKeep ||
-                                     early_order_.size() > kMaxEarly)) {
+    while (!early_order_.empty() &&
+           (early_order_.front().first < now - kReportedKeep || early_order_.size() > kMaxEarly)) {
       auto it = early_.find(early_order_.front().second);
       if (it != early_.end() && it->second == early_order_.front().first) early_.erase(it);
       early_order_.pop_front();
     }
-    auto out = std::make_tuple(std::move(done), released_ - released_seen_, expired_ - expired_seen_);
+    auto out =
+        std::make_tuple(std::move(done), released_ - released_seen_, expired_ - expired_seen_);
     released_seen_ = released_;
     expired_seen_ = expired_;
     return out;
@@ -352,12 +374,12 @@ class PdSideChannel {
     core::RequestServer::Limits limits;
     limits.max_request_bytes = kMaxRequestBytes;
     limits.exchange_timeout_ms = 2000;
-    limits.max_open = 1024;      // decodes on one host share one address: room for all of them
+    limits.max_open = 1024;  // decodes on one host share one address: room for all of them
     limits.max_per_source = 512;
     auto holds = holds_;
     server_ = Unwrap(core::RequestServer::Start(
-        listen, "side channel",
-        [holds](std::string_view in) { return holds->Answer(in); }, limits));
+        listen, "side channel", [holds](std::string_view in) { return holds->Answer(in); },
+        limits));
   }
   Holds& holds() { return *holds_; }
   const std::string& endpoint() const { return server_->address(); }
@@ -382,17 +404,15 @@ void BindPd(py::module_& m) {
                        const std::string& incarnation) {
              return NoGil([&] {
                return std::make_shared<PdHandle>(
-                   std::make_unique<PdSideChannel>(listen, hello, incarnation),
-                   "side channel");
+                   std::make_unique<PdSideChannel>(listen, hello, incarnation), "side channel");
              });
            }),
            py::arg("listen"), py::arg("hello"), py::arg("incarnation"))
-      .def_property_readonly("endpoint",
-                             [](PdHandle& h) {
-                               return NoGil([&] {
-                                 return h.With([](PdSideChannel& s) { return s.endpoint(); });
-                               });
-                             })
+      .def_property_readonly(
+          "endpoint",
+          [](PdHandle& h) {
+            return NoGil([&] { return h.With([](PdSideChannel& s) { return s.endpoint(); }); });
+          })
       .def("hold",
            [](PdHandle& h, const std::vector<std::pair<std::string, double>>& requests) {
              NoGil([&] { h.With([&](PdSideChannel& s) { s.holds().Hold(requests); }); });
@@ -402,18 +422,17 @@ void BindPd(py::module_& m) {
              return NoGil(
                  [&] { return h.With([](PdSideChannel& s) { return s.holds().TakeFinished(); }); });
            })
-      .def_property_readonly("num_held",
-                             [](PdHandle& h) {
-                               return NoGil([&] {
-                                 return h.With([](PdSideChannel& s) { return s.holds().NumHeld(); });
-                               });
-                             })
+      .def_property_readonly(
+          "num_held",
+          [](PdHandle& h) {
+            return NoGil(
+                [&] { return h.With([](PdSideChannel& s) { return s.holds().NumHeld(); }); });
+          })
       .def("stats",
            [](PdHandle& h) {
              auto [served, rejected] = NoGil([&] {
-               return h.With([](PdSideChannel& s) {
-                 return std::make_pair(s.served(), s.rejected());
-               });
+               return h.With(
+                   [](PdSideChannel& s) { return std::make_pair(s.served(), s.rejected()); });
              });
              py::dict d;
              d["served"] = served;

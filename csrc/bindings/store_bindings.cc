@@ -27,7 +27,8 @@ StorageNode& NodeAt(EmbeddedCluster& c, size_t i) {
                                               " out of range (cluster has " +
                                               std::to_string(nodes.size()) + " nodes)"));
   }
-  if (!nodes[i]) throw StatusError(Status::Unavailable("node " + std::to_string(i) + " is stopped"));
+  if (!nodes[i])
+    throw StatusError(Status::Unavailable("node " + std::to_string(i) + " is stopped"));
   return *nodes[i];
 }
 
@@ -339,8 +340,9 @@ void BindClient(py::module_& m) {
               const std::vector<PyBuffers>& buffers) {
              CheckSameLength(keys.size(), buffers.size());
              auto bufs = ToBuffers(buffers);
-             auto st = NoGil(
-                 [&] { return c.With([&](StoreClient& s) { return s.BatchPutFrom(keys, bufs); }); });
+             auto st = NoGil([&] {
+               return c.With([&](StoreClient& s) { return s.BatchPutFrom(keys, bufs); });
+             });
              return ToPy(st);
            })
       .def("batch_get_into",
@@ -348,8 +350,9 @@ void BindClient(py::module_& m) {
               const std::vector<PyBuffers>& buffers) {
              CheckSameLength(keys.size(), buffers.size());
              auto bufs = ToBuffers(buffers);
-             return ToPy(NoGil(
-                 [&] { return c.With([&](StoreClient& s) { return s.BatchGetInto(keys, bufs); }); }));
+             return ToPy(NoGil([&] {
+               return c.With([&](StoreClient& s) { return s.BatchGetInto(keys, bufs); });
+             }));
            })
       .def("batch_put_from_ptrs",
            PtrBatchCall(
@@ -451,7 +454,8 @@ void BindServers(py::module_& m) {
            })
       .def("ssd_status",
            [](NodeHandle& h) {
-             Status st = NoGil([&] { return h.With([](StorageNode& n) { return n.ssd_status(); }); });
+             Status st =
+                 NoGil([&] { return h.With([](StorageNode& n) { return n.ssd_status(); }); });
              return bindings::ToPy(st);
            })
       .def("object_count", [](NodeHandle& h) {
@@ -467,7 +471,8 @@ void BindServers(py::module_& m) {
       .def("close", [](ClusterHandle& h) { NoGil([&] { h.Close(); }); })
       .def("master_address",
            [](ClusterHandle& h) {
-             return NoGil([&] { return h.With([](EmbeddedCluster& c) { return c.master_address(); }); });
+             return NoGil(
+                 [&] { return h.With([](EmbeddedCluster& c) { return c.master_address(); }); });
            })
       .def("client",
            [](const std::shared_ptr<ClusterHandle>& h) {
@@ -476,7 +481,8 @@ void BindServers(py::module_& m) {
            })
       .def("node_count",
            [](ClusterHandle& h) {
-             return NoGil([&] { return h.With([](EmbeddedCluster& c) { return c.nodes().size(); }); });
+             return NoGil(
+                 [&] { return h.With([](EmbeddedCluster& c) { return c.nodes().size(); }); });
            })
       .def("node_id",
            [](ClusterHandle& h, size_t i) {

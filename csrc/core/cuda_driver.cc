@@ -62,7 +62,8 @@ Loaded* Load() {
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* why = dlerror();
-    out->error = Status::Unavailable("no CUDA driver (" + path + "): " + (why ? why : "dlopen failed"));
+    out->error =
+        Status::Unavailable("no CUDA driver (" + path + "): " + (why ? why : "dlopen failed"));
     return out;
   }
   auto d = std::make_unique<Driver>();
@@ -79,7 +80,8 @@ Loaded* Load() {
   s.Get(&d->cuGetErrorName, "cuGetErrorName", "cuGetErrorName");
   const CUresult init = d->cuInit(0);
   if (init != kSuccess) {
-    out->error = Status::Unavailable("CUDA driver " + path + ": cuInit failed: " + d->ErrorName(init));
+    out->error =
+        Status::Unavailable("CUDA driver " + path + ": cuInit failed: " + d->ErrorName(init));
     return out;
   }
   (void)d->cuDriverGetVersion(&d->version);

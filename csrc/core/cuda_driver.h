@@ -25,7 +25,7 @@ using CUstream = struct CUstream_st*;
 using CUevent = struct CUevent_st*;
 
 inline constexpr CUresult kSuccess = 0;
-inline constexpr CUresult kErrorInvalidValue = 1;     // CUDA_ERROR_INVALID_VALUE
+inline constexpr CUresult kErrorInvalidValue = 1;      // CUDA_ERROR_INVALID_VALUE
 inline constexpr CUresult kErrorInvalidContext = 201;  // CUDA_ERROR_INVALID_CONTEXT
 inline constexpr CUresult kErrorNotReady = 600;        // CUDA_ERROR_NOT_READY
 

@@ -121,8 +121,7 @@ Result<Descriptor> DecodeDescriptor(std::string_view blob) {
   for (auto& s : d.segments) {
     uint32_t nkeys = 0;
     if (!r.U64(&s.id) || (version >= 2 && !r.U64(&s.base)) || !r.U64(&s.length) ||
-        !r.U32(&s.mem_kind) || !r.U32(&nkeys) ||
-        nkeys > kMaxDescriptorTransports) {
+        !r.U32(&s.mem_kind) || !r.U32(&nkeys) || nkeys > kMaxDescriptorTransports) {
       return Malformed("truncated segment entry");
     }
     for (uint32_t i = 0; i < nkeys; ++i) {

@@ -682,8 +682,8 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptio
       KVB_LOG(WARN) << t.status().ToString() << "; continuing without it";
       continue;
     }
-    KVB_LOG(INFO) << "transport " << t.value()->name() << " listening on "
-                  << t.value()->endpoints() << " as " << impl->self.ToString();
+    KVB_LOG(INFO) << "transport " << t.value()->name() << " listening on " << t.value()->endpoints()
+                  << " as " << impl->self.ToString();
     impl->transports.push_back(std::move(t).value());
   }
   if (impl->transports.empty()) {
@@ -781,8 +781,8 @@ Result<SegmentId> TransferEngine::RegisterMemory(void* addr, uint64_t length, Me
   std::vector<TransportInstance*> done;
   for (auto& t : impl_->transports) {
     if ((t->caps() & want_cap) == 0) continue;
-    Result<std::string> rkey = t->RegisterMemory(
-        region.id, addr, length, static_cast<kvb_mem_kind_t>(kind), device_id);
+    Result<std::string> rkey =
+        t->RegisterMemory(region.id, addr, length, static_cast<kvb_mem_kind_t>(kind), device_id);
     if (!rkey.ok()) {
       for (TransportInstance* d : done) (void)d->DeregisterMemory(region.id);
       return rkey.status();
@@ -1004,10 +1004,9 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
   Impl& im = *impl_;
   if (ops.empty()) return Status::InvalidArgument("Submit: empty batch");
   if (ops.size() > im.options.max_ops_per_batch) {
-    return Status::InvalidArgument("Submit: " + std::to_string(ops.size()) +
-                                   " ops exceed max_ops_per_batch (" +
-                                   std::to_string(im.options.max_ops_per_batch) +
-                                   "); split the batch");
+    return Status::InvalidArgument(
+        "Submit: " + std::to_string(ops.size()) + " ops exceed max_ops_per_batch (" +
+        std::to_string(im.options.max_ops_per_batch) + "); split the batch");
   }
   KVB_RETURN_IF_ERROR(im.AdmitBatch());
   std::vector<uint64_t> local_seg(ops.size());

@@ -254,8 +254,8 @@ void RequestServer::Loop() {
     for (int accepted = 0; accepted < 64; ++accepted) {
       sockaddr_storage ss{};
       socklen_t len = sizeof(ss);
-      const int c = accept4(fd_, reinterpret_cast<sockaddr*>(&ss), &len,
-                            SOCK_CLOEXEC | SOCK_NONBLOCK);
+      const int c =
+          accept4(fd_, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (c < 0) {
         // Out of descriptors (EMFILE/ENFILE) leaves the connection queued: don't spin on it.
         if (errno == EMFILE || errno == ENFILE) {
@@ -280,8 +280,8 @@ void RequestServer::Loop() {
   for (const Exchange& x : xs) close(x.fd);
 }
 
-Result<std::unique_ptr<RequestServer>> StartHandshakeServer(
-    const std::string& listen, std::function<std::string()> describe) {
+Result<std::unique_ptr<RequestServer>> StartHandshakeServer(const std::string& listen,
+                                                            std::function<std::string()> describe) {
   auto answer = [describe = std::move(describe)](std::string_view in) {
     RequestServer::Answer a;
     if (in.size() < sizeof(kMagic)) {

@@ -63,8 +63,9 @@ kvb_status_t HostAuthBegin(void* ctx, const char* transport, int32_t role,
                            kvb_auth_t** out, char* err, uint32_t err_len) {
   const auth::Identity* id = IdentityOf(ctx);
   if (id == nullptr) {
-    kvb_copy_message(err, err_len, "auth_begin: this host has no identity (only a transfer engine's "
-                                   "plugins authenticate peers)");
+    kvb_copy_message(err, err_len,
+                     "auth_begin: this host has no identity (only a transfer engine's "
+                     "plugins authenticate peers)");
     return KVB_ERR_UNAVAILABLE;
   }
   if (out == nullptr || transport == nullptr || transport[0] == '\0' ||
@@ -77,7 +78,8 @@ kvb_status_t HostAuthBegin(void* ctx, const char* transport, int32_t role,
   const bool client = role == KVB_AUTH_CLIENT;
   if (client && (expected_node_id == nullptr || expected_node_id[0] == '\0' ||
                  std::strlen(expected_node_id) > auth::kMaxNodeIdBytes)) {
-    kvb_copy_message(err, err_len, "auth_begin: a client must name the peer's node id (1..255 bytes)");
+    kvb_copy_message(err, err_len,
+                     "auth_begin: a client must name the peer's node id (1..255 bytes)");
     return KVB_ERR_INVALID_ARGUMENT;
   }
   try {
@@ -211,8 +213,8 @@ void HostDevStreamDestroy(void*, kvb_dev_stream_t* s) {
   delete s;
 }
 
-kvb_status_t HostDevCopyAsync(void*, kvb_dev_stream_t* s, void* dst, const void* src,
-                              uint64_t len, uint64_t* ticket, char* err, uint32_t err_len) {
+kvb_status_t HostDevCopyAsync(void*, kvb_dev_stream_t* s, void* dst, const void* src, uint64_t len,
+                              uint64_t* ticket, char* err, uint32_t err_len) {
   const cuda::Driver* d = DriverFor("dev_copy_async", err, err_len);
   if (d == nullptr) return KVB_ERR_UNAVAILABLE;
   if (s == nullptr || dst == nullptr || src == nullptr || len == 0 || ticket == nullptr) {
@@ -224,8 +226,8 @@ kvb_status_t HostDevCopyAsync(void*, kvb_dev_stream_t* s, void* dst, const void*
   cuda::ScopedDeviceContext ctx(*d, s->device);
   if (!ctx.status().ok()) return Fail(ctx.status().WithContext("dev_copy_async"), err, err_len);
   cuda::CUevent ev = nullptr;
-  Status st = d->Check(d->cuEventCreate(&ev, cuda::kEventDisableTiming),
-                       "dev_copy_async: cuEventCreate");
+  Status st =
+      d->Check(d->cuEventCreate(&ev, cuda::kEventDisableTiming), "dev_copy_async: cuEventCreate");
   if (st.ok()) {
     st = d->Check(d->cuMemcpyAsync(reinterpret_cast<cuda::CUdeviceptr>(dst),
                                    reinterpret_cast<cuda::CUdeviceptr>(src), len, s->stream),
@@ -249,9 +251,10 @@ kvb_status_t QueryTicket(kvb_dev_stream_t* s, uint64_t ticket, const char* servi
   std::lock_guard<std::mutex> lock(s->mu);
   auto it = s->tickets.find(ticket);
   if (it == s->tickets.end()) {
-    kvb_copy_message(err, err_len, (std::string(service) + ": ticket " + std::to_string(ticket) +
-                                    " is not pending on this stream")
-                                       .c_str());
+    kvb_copy_message(err, err_len,
+                     (std::string(service) + ": ticket " + std::to_string(ticket) +
+                      " is not pending on this stream")
+                         .c_str());
     return KVB_ERR_NOT_FOUND;
   }
   const cuda::CUresult r = d.cuEventQuery(it->second);

@@ -37,7 +37,7 @@ struct PointerInfo {
   bool known() const { return result == cuda::kSuccess && memory_type != 0; }
   std::string Describe(const cuda::Driver& d) const {
     if (result != cuda::kSuccess) return "cuPointerGetAttributes: " + d.ErrorName(result);
-    const char* type = memory_type == cuda::kMemoryTypeHost     ? "HOST"
+    const char* type = memory_type == cuda::kMemoryTypeHost      ? "HOST"
                        : memory_type == cuda::kMemoryTypeDevice  ? "DEVICE"
                        : memory_type == cuda::kMemoryTypeUnified ? "UNIFIED"
                        : memory_type == 0                        ? "none (unknown to CUDA)"
@@ -83,8 +83,8 @@ Result<int> CheckCuda(uint64_t addr, uint64_t len, int device_id) {
                                  "); register device memory from cuMemAlloc/cudaMalloc");
   }
   if (p.managed) {
-    return Status::UnknownMemory(what + ": CUDA managed memory is not supported (" +
-                                 p.Describe(d) + "); register device memory from cuMemAlloc");
+    return Status::UnknownMemory(what + ": CUDA managed memory is not supported (" + p.Describe(d) +
+                                 "); register device memory from cuMemAlloc");
   }
   if (p.memory_type != cuda::kMemoryTypeDevice) {
     return Status::UnknownMemory(what + ": not CUDA device memory (" + p.Describe(d) +

@@ -196,8 +196,8 @@ bool RandomNonce(Nonce* out) { return RAND_bytes(out->data(), kNonceBytes) == 1;
 
 // ---- Session ------------------------------------------------------------------------------
 
-Session::Session(Identity self, std::string_view transport, Role role,
-                 std::string expected_node_id, uint64_t expected_incarnation)
+Session::Session(Identity self, std::string_view transport, Role role, std::string expected_node_id,
+                 uint64_t expected_incarnation)
     : self_(std::move(self)),
       label_(ProofLabel(transport)),
       role_(role),
@@ -210,9 +210,10 @@ Transcript Session::MakeTranscript(int32_t server_status) const {
   // The client's view: the identity it asked for (its own Hello), not what the server claims,
   // so a Hello rewritten on the way fails the server's proof. The server's view: the Hello as
   // received, so the client's proof holds only if that is what it sent.
-  return Transcript{hello_.client_node_id,      hello_.client_incarnation, reply_.server_node_id,
-                    reply_.server_incarnation,  hello_.expected_node_id,   hello_.expected_incarnation,
-                    hello_.client_nonce,        reply_.server_nonce,       server_status};
+  return Transcript{
+      hello_.client_node_id,     hello_.client_incarnation, reply_.server_node_id,
+      reply_.server_incarnation, hello_.expected_node_id,   hello_.expected_incarnation,
+      hello_.client_nonce,       reply_.server_nonce,       server_status};
 }
 
 int32_t Session::Need(const uint8_t* buf, size_t have) const {
@@ -408,9 +409,10 @@ kvb_status_t Session::ServerProof(const uint8_t* in, size_t len, std::string* ou
     return KVB_ERR_PROTOCOL;
   }
   if (cp.status != KVB_OK) {
-    *err = Fmt("refused %s: it could not verify this node's cluster token proof (token mismatch, "
-               "UNAUTHENTICATED)",
-               who.c_str());
+    *err =
+        Fmt("refused %s: it could not verify this node's cluster token proof (token mismatch, "
+            "UNAUTHENTICATED)",
+            who.c_str());
     return KVB_ERR_UNAUTHENTICATED;
   }
   const bool ok = VerifyProof(self_.cluster_token, label_, Role::kClient,

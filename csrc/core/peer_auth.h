@@ -171,8 +171,8 @@ class Session {
   std::string label_;
   Role role_;
   State state_;
-  Hello hello_;        // sent (client) or received (server)
-  HelloReply reply_;   // received (client) or sent (server)
+  Hello hello_;       // sent (client) or received (server)
+  HelloReply reply_;  // received (client) or sent (server)
   std::string peer_node_id_;
   uint64_t peer_incarnation_ = 0;
 };

@@ -149,8 +149,7 @@ void MasterState::Impl::CapDeparted() {
     if (left <= keep_nodes && copies <= keep_copies) break;
     const Departed& d = departed.at(*id);
     copies -= d.copies.size();
-    departed_dropped_reuse_after_ns =
-        std::max(departed_dropped_reuse_after_ns, d.reuse_after_ns);
+    departed_dropped_reuse_after_ns = std::max(departed_dropped_reuse_after_ns, d.reuse_after_ns);
     victims.push_back(*id);
     --left;
   }
@@ -318,8 +317,7 @@ Result<RegisterReply> MasterState::RegisterNode(const NodeRegistration& registra
     n.no_alloc_before_ns = dep->second.reuse_after_ns;
   } else if (registration.registered_before) {
     // Its note may have been dropped by the caps (CapDeparted): wait as long as any dropped one.
-    n.no_alloc_before_ns =
-        std::max(m.cfg.restart_hold_until_ns, m.departed_dropped_reuse_after_ns);
+    n.no_alloc_before_ns = std::max(m.cfg.restart_hold_until_ns, m.departed_dropped_reuse_after_ns);
   }
   if (n.no_alloc_before_ns > now_ns) {
     reply.no_alloc_ms = (n.no_alloc_before_ns - now_ns + kNsPerMs - 1) / kNsPerMs;

@@ -132,9 +132,7 @@ void MasterState::Impl::MakeRoom(uint64_t bytes, size_t count, std::string_view 
     if (need == 0 || budget == 0) break;
     budget -= EvictUntil(
         *s,
-        [&] {
-          return s->alloc.largest_free() >= rb && s->alloc.used_bytes() + rb <= LowLimit(*s);
-        },
+        [&] { return s->alloc.largest_free() >= rb && s->alloc.used_bytes() + rb <= LowLimit(*s); },
         budget, now_ns);
     if (s->alloc.largest_free() >= rb && s->alloc.used_bytes() + rb <= HighLimit(*s)) --need;
   }

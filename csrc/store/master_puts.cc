@@ -69,8 +69,7 @@ Result<PutAllocation> MasterState::Impl::AllocateObject(const PutItem& item, uin
   a.version = o->version;
   a.deadline_ns = o->put_deadline_ns;
   for (size_t i = 0; i < picks.size(); ++i) {
-    Replica& r =
-        AddReplica(o, picks[i].node, picks[i].segment, offsets[i], ReplicaState::kWriting);
+    Replica& r = AddReplica(o, picks[i].node, picks[i].segment, offsets[i], ReplicaState::kWriting);
     a.replicas.push_back(Location(*o, r));
   }
   o->put_layout = a.replicas;
@@ -328,9 +327,8 @@ std::vector<Result<ReplicaSet>> MasterState::GetReplicas(const std::vector<std::
       const Impl::Node& n = *r->node;
       // DRAM before SSD (an SSD replica is read through its node), then the client's own
       // node, healthy and lightly loaded nodes first.
-      return std::make_tuple(r->segment->info.tier != Tier::kDram,
-                             n.id().node_id != client_node_id, n.state != NodeState::kActive,
-                             n.bad_reports, n.reads, n.id().node_id);
+      return std::make_tuple(r->segment->info.tier != Tier::kDram, n.id().node_id != client_node_id,
+                             n.state != NodeState::kActive, n.bad_reports, n.reads, n.id().node_id);
     };
     std::sort(reps.begin(), reps.end(),
               [&](const Impl::Replica* a, const Impl::Replica* b) { return rank(a) < rank(b); });

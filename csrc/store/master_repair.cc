@@ -127,8 +127,8 @@ ReplicationTask MasterState::Impl::TaskView(const Task& t) const {
 // ------------------------------------------------------------------ MasterState
 
 Status MasterState::ReportBadReplica(std::string_view key, uint64_t version,
-                                     const NodeIdentity& node, uint64_t now_ns,
-                                     uint64_t segment_id, uint64_t offset) {
+                                     const NodeIdentity& node, uint64_t now_ns, uint64_t segment_id,
+                                     uint64_t offset) {
   Impl& m = *impl_;
   KVB_RETURN_IF_ERROR(m.CheckKey(key));
   std::lock_guard<std::mutex> lock(m.mu);

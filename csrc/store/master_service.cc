@@ -237,18 +237,17 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       Call* raw = call.get();
       calls.push_back(std::move(call));
       raw->stub = NodeStub(c.control_endpoint);
-      raw->stub->async()
-          ->Commit(&raw->ctx, &raw->req, &raw->reply, [&, raw, i](grpc::Status gs) {
-            const bool ok = gs.ok() && raw->reply.code() == KVB_OK;
-            if (!ok) {
-              KVB_LOG(WARN) << "inventory commit to " << store::ToString((*commits)[i].node)
-                            << " failed: "
-                            << (gs.ok() ? FromProto(raw->reply).ToString() : gs.error_message());
-            }
-            std::lock_guard<std::mutex> lock(mu);
-            (*commits)[i].ok = ok;
-            if (--outstanding == 0) cv.notify_all();
-          });
+      raw->stub->async()->Commit(&raw->ctx, &raw->req, &raw->reply, [&, raw, i](grpc::Status gs) {
+        const bool ok = gs.ok() && raw->reply.code() == KVB_OK;
+        if (!ok) {
+          KVB_LOG(WARN) << "inventory commit to " << store::ToString((*commits)[i].node)
+                        << " failed: "
+                        << (gs.ok() ? FromProto(raw->reply).ToString() : gs.error_message());
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        (*commits)[i].ok = ok;
+        if (--outstanding == 0) cv.notify_all();
+      });
     }
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return outstanding == 0; });
@@ -581,8 +580,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       ToProto(Status::OK(), item->mutable_status());
       item->set_version(r->version);
       for (const auto& loc : r->replicas) ToProto(loc, item->add_replicas());
-      item->set_deadline_ms(static_cast<uint32_t>(
-          r->deadline_ns > now ? (r->deadline_ns - now) / 1000000 : 0));
+      item->set_deadline_ms(
+          static_cast<uint32_t>(r->deadline_ns > now ? (r->deadline_ns - now) / 1000000 : 0));
     }
     return grpc::Status::OK;
   }
@@ -669,10 +668,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     if (req->node_unreachable()) {
       return Done(state->ReportUnreachableNode(FromProto(req->node()), util::MonoNs()), reply);
     }
-    return Done(
-        state->ReportBadReplica(req->key(), req->version(), FromProto(req->node()), util::MonoNs(),
-                                req->segment_id(), req->offset()),
-        reply);
+    return Done(state->ReportBadReplica(req->key(), req->version(), FromProto(req->node()),
+                                        util::MonoNs(), req->segment_id(), req->offset()),
+                reply);
   }
 
   grpc::Status GetNodeDescriptors(grpc::ServerContext* ctx, const rpc::NodeDescriptorsRequest* req,
@@ -783,8 +781,7 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
 
 Result<ClusterStatus> QueryClusterStatus(const std::string& master_address, uint32_t timeout_ms,
                                          const std::string& cluster_token) {
-  auto stub =
-      rpc::Master::NewStub(store::NewChannel(master_address));
+  auto stub = rpc::Master::NewStub(store::NewChannel(master_address));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
   store::RpcAuth(cluster_token).Sign(&ctx, store::method::kStats);

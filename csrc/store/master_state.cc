@@ -70,8 +70,9 @@ Status MasterConfig::Validate() const {
   if (eviction_sample_size == 0) return bad("eviction_sample_size must be > 0");
   if (!(demote_low_watermark > 0 && demote_low_watermark <= demote_high_watermark &&
         demote_high_watermark <= 1)) {
-    return bad("demote watermarks must satisfy 0 < demote_low_watermark <= "
-               "demote_high_watermark <= 1");
+    return bad(
+        "demote watermarks must satisfy 0 < demote_low_watermark <= "
+        "demote_high_watermark <= 1");
   }
   if (max_demotions_per_node == 0) return bad("max_demotions_per_node must be > 0");
   if (max_tasks_per_node == 0) return bad("max_tasks_per_node must be > 0");
@@ -425,9 +426,9 @@ MasterSnapshot MasterState::Snapshot() const {
     for (const Impl::Replica& r : o->replicas) {
       so.replicas.push_back({m.Location(*o, r), r.state, r.task_id, r.replica_id, std::nullopt});
       if (r.demote_segment) {
-        so.replicas.back().demote_to = ReplicaLocation{
-            r.node->id(), r.demote_segment->info.segment_id, r.demote_offset, o->bytes,
-            r.demote_segment->info.tier};
+        so.replicas.back().demote_to =
+            ReplicaLocation{r.node->id(), r.demote_segment->info.segment_id, r.demote_offset,
+                            o->bytes, r.demote_segment->info.tier};
       }
     }
     snap.objects.push_back(std::move(so));

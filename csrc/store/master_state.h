@@ -246,9 +246,9 @@ struct ReplicationTask {
   uint32_t checksum = 0;
   ReplicaLocation source;  // on the node this task is handed to
   ReplicaLocation dest;
-  std::string dest_descriptor;  // the destination node's engine descriptor
+  std::string dest_descriptor;        // the destination node's engine descriptor
   std::string dest_control_endpoint;  // its Node service, to ask it directly instead
-  uint64_t deadline_ns = 0;     // report TaskDone before this
+  uint64_t deadline_ns = 0;           // report TaskDone before this
 };
 
 // Move the DRAM replica `source` to the SSD replica `dest` on the same node, then DemoteDone.
@@ -365,14 +365,14 @@ struct MasterStats {
   uint64_t evictions_total = 0;
   uint64_t revokes_total = 0;
   uint64_t nodes_expired_total = 0;
-  uint64_t bad_replicas_total = 0;  // replicas dropped on a reader's report
+  uint64_t bad_replicas_total = 0;         // replicas dropped on a reader's report
   uint64_t unreachable_reports_total = 0;  // readers that could not reach a node
-  uint64_t demotions_total = 0;     // replicas moved from DRAM to SSD
-  uint64_t promotions_total = 0;    // replicas moved from SSD back to DRAM
-  size_t ssd_replicas = 0;          // COMPLETE replicas on SSD segments
+  uint64_t demotions_total = 0;            // replicas moved from DRAM to SSD
+  uint64_t promotions_total = 0;           // replicas moved from SSD back to DRAM
+  size_t ssd_replicas = 0;                 // COMPLETE replicas on SSD segments
   size_t demotions_in_flight = 0;
-  size_t departed_nodes = 0;   // node ids whose copies are remembered (departed_ttl_ms)
-  size_t departed_copies = 0;  // copies remembered for them, 24 bytes each
+  size_t departed_nodes = 0;            // node ids whose copies are remembered (departed_ttl_ms)
+  size_t departed_copies = 0;           // copies remembered for them, 24 bytes each
   uint64_t departed_dropped_total = 0;  // notes dropped early by max_departed_nodes/_copies
 };
 

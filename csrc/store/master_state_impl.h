@@ -65,18 +65,18 @@ struct MasterState::Impl {
     // Frees not yet acknowledged, by sequence number (increasing): resent in every heartbeat
     // reply until the node says it applied them (HeartbeatRequest.frees_acked).
     std::deque<std::pair<uint64_t, InventoryRecord>> frees;
-    std::deque<uint64_t> task_queue;  // tasks to hand out (stale ids are skipped)
-    size_t replicas = 0;              // replicas of any state on this node
-    size_t held = 0;                  // held ranges on this node
-    size_t source_tasks = 0;          // tasks with this node as source
-    size_t demotions = 0;             // replicas here with a demotion pending
+    std::deque<uint64_t> task_queue;    // tasks to hand out (stale ids are skipped)
+    size_t replicas = 0;                // replicas of any state on this node
+    size_t held = 0;                    // held ranges on this node
+    size_t source_tasks = 0;            // tasks with this node as source
+    size_t demotions = 0;               // replicas here with a demotion pending
     uint64_t demote_not_before_ns = 0;  // after a failed demotion (disk full, ...)
     // No new DRAM allocation before this: the node registered again, and writers or readers of
     // its previous registration may still be at its memory (RegisterNode).
     uint64_t no_alloc_before_ns = 0;
     std::deque<std::pair<std::string, uint64_t>> demote_queue;  // (key, demote_id) to hand out
-    double reads = 0;                 // decaying count of reads handed out (load)
-    double bad_reports = 0;           // decaying count of bad-replica reports (health)
+    double reads = 0;        // decaying count of reads handed out (load)
+    double bad_reports = 0;  // decaying count of bad-replica reports (health)
     const NodeIdentity& id() const { return reg.identity; }
   };
 
@@ -341,7 +341,9 @@ struct MasterState::Impl {
     QueueFree(n, rec);
   }
 
-  void QueueFree(Node* n, const InventoryRecord& rec) { n->frees.emplace_back(next_free_seq++, rec); }
+  void QueueFree(Node* n, const InventoryRecord& rec) {
+    n->frees.emplace_back(next_free_seq++, rec);
+  }
 
   // Drops the frees the node applied, then copies up to max_frees_per_reply of the rest.
   // True when some are left behind (the reply says `more`).

@@ -27,7 +27,7 @@ bool MasterState::Impl::Demotable(const Object& o, const Replica& r) const {
 // on its way out), at most max_demotions_per_node pending per node.
 void MasterState::Impl::ScheduleDemotions(uint64_t now_ns, TickSummary& sum) {
   for (auto& [id, n] : nodes) {
-    if (n.state != NodeState::kActive) continue;  // a draining node moves data off instead
+    if (n.state != NodeState::kActive) continue;    // a draining node moves data off instead
     if (now_ns < n.demote_not_before_ns) continue;  // its SSD failed lately
     Segment* ssd = SsdSegment(n);
     if (!ssd) continue;
@@ -49,9 +49,7 @@ void MasterState::Impl::ScheduleDemotions(uint64_t now_ns, TickSummary& sum) {
       if (ssd->alloc.free_bytes() < want) {
         sum.objects_evicted += EvictUntil(
             *ssd,
-            [&] {
-              return ssd->alloc.free_bytes() >= want || ssd->alloc.used_bytes() <= ssd_low;
-            },
+            [&] { return ssd->alloc.free_bytes() >= want || ssd->alloc.used_bytes() <= ssd_low; },
             cfg.max_evictions_per_put, now_ns);
       }
       std::vector<Object*> cands;
@@ -181,7 +179,8 @@ Status MasterState::DemoteDone(const NodeIdentity& node, std::string_view key, u
     ++m.promotions_total;
   }
   if (o->lease_expiry_ns > now_ns) {
-    m.held.push_back({n, old_segment, old_offset, o->bytes, o->lease_expiry_ns, std::move(old_record)});
+    m.held.push_back(
+        {n, old_segment, old_offset, o->bytes, o->lease_expiry_ns, std::move(old_record)});
     n->held++;
   } else {
     m.FreeRange(n, old_segment, old_offset, old_record);

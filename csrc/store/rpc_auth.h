@@ -34,11 +34,11 @@
 // The first line of every handler of a service holding `auth` (a pointer to RpcAuth): a call
 // without a valid proof of the cluster token is answered UNAUTHENTICATED, naming `who`, before
 // anything is read or changed.
-#define KVB_RPC_AUTH(auth, ctx, method, who)                                               \
-  do {                                                                                     \
+#define KVB_RPC_AUTH(auth, ctx, method, who)                                                \
+  do {                                                                                      \
     if (grpc::Status _kvb_auth = (auth)->Check(*(ctx), (method), (who)); !_kvb_auth.ok()) { \
-      return _kvb_auth;                                                                    \
-    }                                                                                      \
+      return _kvb_auth;                                                                     \
+    }                                                                                       \
   } while (0)
 
 namespace kvbridge::store {

@@ -126,8 +126,7 @@ Status FromGrpc(const grpc::Status& s, std::string_view call, StatusOrigin peer)
   return st.WithOrigin(peer);
 }
 
-std::shared_ptr<grpc::Channel> NewChannel(const std::string& address,
-                                          grpc::ChannelArguments args) {
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& address, grpc::ChannelArguments args) {
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
   return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);

@@ -155,7 +155,7 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   SegmentId staging_segment = 0;
   std::mutex staging_mu;
   std::unique_ptr<util::RangeAllocator> staging_alloc;
-  std::map<std::string, uint64_t> ssd_keys;      // key -> offset of its SSD record (under mu)
+  std::map<std::string, uint64_t> ssd_keys;  // key -> offset of its SSD record (under mu)
   // Changes of one SSD object (drop + plugin remove; drop + put + record) are serialized by its
   // key (KeyLock), since the plugin names objects by key alone; other keys go on meanwhile, so
   // a demotion writing one object holds up no free of another. Lock order: a key, then mu.
@@ -204,7 +204,7 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   }
   // Moves to run, with the time by which each must be reported (under mu).
   std::deque<std::pair<rpc::Demotion, std::chrono::steady_clock::time_point>> demotions;
-  std::deque<std::string> evicted;               // keys the SSD plugin dropped (under mu)
+  std::deque<std::string> evicted;  // keys the SSD plugin dropped (under mu)
   // SSD copies this node dropped after a read found them unreadable or damaged (under mu):
   // reported to the master by the demote loop, so it stops listing them at once rather than
   // at the next client read.
@@ -264,16 +264,16 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   bool ReportMove(const rpc::Demotion& d, const rpc::DemoteDoneRequest& done, bool made);
   Status Demote(const rpc::Demotion& d);
   Status Promote(const rpc::Demotion& d);
-  void DropSsdObject(const std::string& key, uint64_t replica_id);  // record + plugin object
+  void DropSsdObject(const std::string& key, uint64_t replica_id);        // record + plugin object
   void DropSsdObjectLocked(const std::string& key, uint64_t replica_id);  // its KeyLock held
-  void FreeLoop();  // applies ssd_frees
+  void FreeLoop();                                                        // applies ssd_frees
   // Registered memory an SSD object was read into: a range of the staging area, or, for an
   // object larger than the whole area, memory of its own registered for the occasion.
   struct Staged {
     char* data = nullptr;
-    uint64_t offset = 0;           // in the staging area (when temp_segment == 0)
-    SegmentId temp_segment = 0;    // its own registration, else 0
-    uint64_t temp_bytes = 0;       // the size of that memory
+    uint64_t offset = 0;         // in the staging area (when temp_segment == 0)
+    SegmentId temp_segment = 0;  // its own registration, else 0
+    uint64_t temp_bytes = 0;     // the size of that memory
     std::unique_ptr<char, void (*)(void*)> temp{nullptr, std::free};
   };
   // Memory held beyond the staging area for objects larger than it (ReadToStaging), now and
@@ -589,7 +589,7 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& b
   // Before, every SSD source of a batch was staged before the transfer, and each object larger
   // than the staging area got full-size memory of its own: a batch of such objects after a
   // node loss held all of them at once.
-  bool staged_large = false;  // an object larger than the staging area is staged
+  bool staged_large = false;                    // an object larger than the staging area is staged
   std::vector<std::unique_ptr<Staged>> staged;  // SSD sources, freed when the batch ends
   struct FreeStaged {
     Impl* im;
@@ -720,8 +720,8 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& b
   return result;
 }
 
-void StorageNode::Impl::ReportBadCopy(const std::string& key, uint64_t version,
-                                      uint64_t segment_id, uint64_t offset) {
+void StorageNode::Impl::ReportBadCopy(const std::string& key, uint64_t version, uint64_t segment_id,
+                                      uint64_t offset) {
   rpc::BadReplicaRequest report;
   report.set_key(key);
   report.set_version(version);
@@ -829,8 +829,7 @@ Status StorageNode::Impl::StartSsd(core::PluginHost& plugins) {
   } ctx{this};
   auto visit = [&ctx](std::string_view key, uint64_t length, std::string_view meta) {
     rpc::InventoryRecord r;
-    if (!r.ParseFromArray(meta.data(), static_cast<int>(meta.size())) ||
-        ObjectBytes(r) != length) {
+    if (!r.ParseFromArray(meta.data(), static_cast<int>(meta.size())) || ObjectBytes(r) != length) {
       ++ctx.bad;
       return;
     }
@@ -969,7 +968,8 @@ Status StorageNode::Impl::Promote(const rpc::Demotion& d) {
       return Status::NotFound("the replica to promote is not on this node's SSD tier");
     }
   }
-  if (dst.segment_id() != segment || dst.offset() > pool_bytes || bytes > pool_bytes - dst.offset()) {
+  if (dst.segment_id() != segment || dst.offset() > pool_bytes ||
+      bytes > pool_bytes - dst.offset()) {
     return Status::OutOfBounds("promotion target is not inside this node's pool");
   }
   kvb_iovec_t iov{pool + dst.offset(), bytes};
@@ -1164,9 +1164,9 @@ grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::Rea
       uint64_t room = 0;
       for (const auto& p : item.dests()) room += p.length();
       if (room < bytes) {
-        item_status[next] = Status::InvalidArgument("destination holds " + std::to_string(room) +
-                                                    " bytes; the object has " +
-                                                    std::to_string(bytes));
+        item_status[next] =
+            Status::InvalidArgument("destination holds " + std::to_string(room) +
+                                    " bytes; the object has " + std::to_string(bytes));
         continue;
       }
       if (bytes > staging_bytes && !staged.empty()) break;  // it goes alone, next round
@@ -1182,8 +1182,8 @@ grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::Rea
       for (const auto& p : item.dests()) {
         if (pos == bytes) break;
         const uint64_t len = std::min(p.length(), bytes - pos);
-        ops.push_back(TransferOp{OpCode::kWrite, s.data + pos, len, client->node_id,
-                                 p.segment_id(), p.offset()});
+        ops.push_back(TransferOp{OpCode::kWrite, s.data + pos, len, client->node_id, p.segment_id(),
+                                 p.offset()});
         item_of_op.push_back(next);
         pos += len;
       }
@@ -1344,8 +1344,8 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   impl->engine = std::move(engine).value();
 
   // The engine's plugin host (same search path, held alive by the engine): no second scan.
-  std::shared_ptr<core::PluginHost> plugins =
-      core::PluginHost::Acquire(core::PluginRegistry::DefaultSearchPath(options.engine.plugin_path));
+  std::shared_ptr<core::PluginHost> plugins = core::PluginHost::Acquire(
+      core::PluginRegistry::DefaultSearchPath(options.engine.plugin_path));
   core::StorageConfig config;
   config.node_id = impl->engine->self().node_id;
   config.capacity_bytes = options.dram_bytes;

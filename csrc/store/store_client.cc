@@ -113,9 +113,9 @@ struct StoreClient::Impl {
   store::CallKey admin_key;              // StoreOptions::admin_token (RemoveAll)
 
   std::mutex peers_mu;
-  std::unordered_map<std::string, uint64_t> peers;  // node id -> incarnation added to engine
+  std::unordered_map<std::string, uint64_t> peers;        // node id -> incarnation added to engine
   std::unordered_map<std::string, std::string> node_rpc;  // node id -> its Node service
-  store::NodeStubCache node_stubs;  // by address
+  store::NodeStubCache node_stubs;                        // by address
   // Direct discovery: a node whose Describe failed is not asked again for a while; its keys
   // go to other replicas meanwhile.
   store::DescribeBackoff describe_backoff;
@@ -155,8 +155,8 @@ struct StoreClient::Impl {
         if (start + bufs[b].length <= it->first + it->second.length) continue;
       }
       return Status::NotRegistered("key " + std::to_string(key_index) + ", buffer " +
-                                   std::to_string(b) + ": [" + HexAddress(bufs[b].addr) +
-                                   ", +" + std::to_string(bufs[b].length) +
+                                   std::to_string(b) + ": [" + HexAddress(bufs[b].addr) + ", +" +
+                                   std::to_string(bufs[b].length) +
                                    ") is not inside a buffer registered with RegisterBuffer");
     }
     return Status::OK();
@@ -218,9 +218,8 @@ struct StoreClient::Impl {
   // afterwards (a node writes only within its call's deadline). *late gets one group per node
   // whose call failed while other replicas served all its keys.
   void RunSsd(const std::vector<std::pair<size_t, SsdTarget>>& reads, size_t groups,
-              const SsdAlternative& alternative,
-              std::chrono::steady_clock::time_point deadline, std::vector<Status>* group_status,
-              std::vector<size_t>* late);
+              const SsdAlternative& alternative, std::chrono::steady_clock::time_point deadline,
+              std::vector<Status>* group_status, std::vector<size_t>* late);
   // Makes sure the engine knows the current incarnation of every node named.
   Status EnsurePeers(const std::set<std::pair<std::string, uint64_t>>& nodes);
   // Whether the engine knows this incarnation of the node (EnsurePeers added it).
@@ -308,8 +307,7 @@ Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint
 }
 
 // The engine segment and offset of local memory (a registered buffer or the staging area).
-bool StoreClient::Impl::LocalSegment(const char* p, uint64_t len, SegmentId* seg,
-                                     uint64_t* off) {
+bool StoreClient::Impl::LocalSegment(const char* p, uint64_t len, SegmentId* seg, uint64_t* off) {
   const auto start = reinterpret_cast<uintptr_t>(p);
   const auto staging_start = reinterpret_cast<uintptr_t>(staging.get());
   if (start >= staging_start && start + len <= staging_start + kStagingBytes) {
@@ -376,8 +374,8 @@ void StoreClient::Impl::RunSsd(const std::vector<std::pair<size_t, SsdTarget>>& 
     rpc::ReadSsdReply reply;
     grpc::ClientContext ctx;
     std::optional<Clock::time_point> hedge_at;  // a first read not yet hedged
-    grpc::Status gs;    // under mu once done
-    bool done = false;  // answered, failed or past its deadline (under mu)
+    grpc::Status gs;                            // under mu once done
+    bool done = false;                          // answered, failed or past its deadline (under mu)
     bool handled = false;
   };
   std::mutex mu;
@@ -485,18 +483,18 @@ void StoreClient::Impl::RunSsd(const std::vector<std::pair<size_t, SsdTarget>>& 
     Status call_st = c.gs.ok() ? FromProto(c.reply.status())
                                : store::FromGrpc(c.gs, "ReadSsd", StatusOrigin::kStorageNode);
     if (call_st.ok() && c.reply.items_size() != static_cast<int>(c.groups.size())) {
-      call_st = Status::Protocol("ReadSsd: the node answered " +
-                                 std::to_string(c.reply.items_size()) + " items of " +
-                                 std::to_string(c.groups.size()))
-                    .WithOrigin(StatusOrigin::kStorageNode);
+      call_st =
+          Status::Protocol("ReadSsd: the node answered " + std::to_string(c.reply.items_size()) +
+                           " items of " + std::to_string(c.groups.size()))
+              .WithOrigin(StatusOrigin::kStorageNode);
     }
     std::vector<std::pair<size_t, SsdTarget>> again;
     bool node_failed = false;
     for (size_t k = 0; k < c.groups.size(); ++k) {
       const size_t g = c.groups[k];
       --sources[g];
-      const Status st = call_st.ok() ? FromProto(c.reply.items(static_cast<int>(k)).status())
-                                     : call_st;
+      const Status st =
+          call_st.ok() ? FromProto(c.reply.items(static_cast<int>(k)).status()) : call_st;
       node_failed = node_failed || NodeLevel(st);
       if (resolved[g]) continue;
       if (st.ok()) {
@@ -513,9 +511,9 @@ void StoreClient::Impl::RunSsd(const std::vector<std::pair<size_t, SsdTarget>>& 
       }
       failed(g, st, c.hedge);
     }
-    if (!c.hedge && node_failed &&
-        std::all_of(c.groups.begin(), c.groups.end(),
-                    [&](size_t g) { return resolved[g] && (*group_status)[g].ok(); })) {
+    if (!c.hedge && node_failed && std::all_of(c.groups.begin(), c.groups.end(), [&](size_t g) {
+          return resolved[g] && (*group_status)[g].ok();
+        })) {
       late->push_back(c.groups.front());
     }
     if (!again.empty()) send(again, /*hedge=*/true);
@@ -806,10 +804,10 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& opt
   impl->options = options;
   impl->auth = std::make_unique<store::RpcAuth>(options.engine.cluster_token);
   impl->admin_key = store::CallKey(options.admin_token, store::kAdminKeyPurpose);
-  KVB_RETURN_IF_ERROR(store::ParseFaults(
-      options.faults, "StoreOptions::faults",
-      {{"put_stall_before_write_ms", &impl->put_stall_before_write_ms},
-       {"put_ignore_deadline", &impl->put_ignore_deadline}}));
+  KVB_RETURN_IF_ERROR(
+      store::ParseFaults(options.faults, "StoreOptions::faults",
+                         {{"put_stall_before_write_ms", &impl->put_stall_before_write_ms},
+                          {"put_ignore_deadline", &impl->put_ignore_deadline}}));
   auto engine = TransferEngine::Create(options.engine);
   if (!engine.ok()) return engine.status().WithContext("store client");
   impl->engine = std::move(engine).value();
@@ -951,11 +949,10 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   }
   std::vector<Status> group_status;
   bool sent = true;  // false: nothing went out (no node to blame for the failure)
-  const int64_t left_ms =
-      write_deadline ? std::chrono::duration_cast<std::chrono::milliseconds>(
-                           *write_deadline - std::chrono::steady_clock::now())
-                           .count()
-                     : int64_t{im.options.transfer_deadline_ms};
+  const int64_t left_ms = write_deadline ? std::chrono::duration_cast<std::chrono::milliseconds>(
+                                               *write_deadline - std::chrono::steady_clock::now())
+                                               .count()
+                                         : int64_t{im.options.transfer_deadline_ms};
   if (im.put_ignore_deadline.load() != 0) {
     im.Run(ops, group_of_op, groups.size(), &group_status);
   } else if (left_ms <= 0) {
@@ -1223,8 +1220,7 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
       const bool not_the_replica = st.Is(StatusCode::kBackpressure) ||
                                    st.Is(StatusCode::kNotRegistered) ||
                                    st.Is(StatusCode::kUnavailable) || !im.Knows(bad.node());
-      if (!not_the_replica &&
-          (!node_level || reported_nodes.insert(bad.node().node_id()).second)) {
+      if (!not_the_replica && (!node_level || reported_nodes.insert(bad.node().node_id()).second)) {
         report(i, bad, node_level);
       }
       result[i] = st.WithContext("replica on " + bad.node().node_id());
@@ -1242,8 +1238,8 @@ Result<std::vector<bool>> StoreClient::BatchExists(std::span<const std::string> 
     std::vector<bool> all;
     all.reserve(keys.size());
     for (size_t begin = 0; begin < keys.size(); begin += store::kMaxKeysPerCall) {
-      Result<std::vector<bool>> part = BatchExists(
-          keys.subspan(begin, std::min(keys.size() - begin, store::kMaxKeysPerCall)));
+      Result<std::vector<bool>> part =
+          BatchExists(keys.subspan(begin, std::min(keys.size() - begin, store::kMaxKeysPerCall)));
       if (!part.ok()) return part.status();
       all.insert(all.end(), part->begin(), part->end());
     }

@@ -292,11 +292,10 @@ int main(int argc, char** argv) {
   if (cmd == "master") {
     ok = ParseFlags(argc, argv, 2, {"listen", "node-ttl-ms", "lease-ms", "config"}, {}, &f, &why);
   } else if (cmd == "node") {
-    ok = ParseFlags(
-        argc, argv, 2,
-        {"master", "dram-bytes", "node-id", "listen", "rpc-listen", "drain-timeout-ms", "ssd-path",
-         "ssd-bytes", "config"},
-        {}, &f, &why);
+    ok = ParseFlags(argc, argv, 2,
+                    {"master", "dram-bytes", "node-id", "listen", "rpc-listen", "drain-timeout-ms",
+                     "ssd-path", "ssd-bytes", "config"},
+                    {}, &f, &why);
   } else if (cmd == "status") {
     ok = ParseFlags(argc, argv, 2, {"master", "config"}, {"json"}, &f, &why);
   } else {

@@ -44,8 +44,8 @@ struct LogVoidify {
 };
 }  // namespace kvbridge::util
 
-#define KVB_LOG(level)                                           \
-  !::kvbridge::util::LogEnabled(KVB_LOG_LEVEL_##level)           \
-      ? (void)0                                                  \
-      : ::kvbridge::util::LogVoidify() &                         \
+#define KVB_LOG(level)                                 \
+  !::kvbridge::util::LogEnabled(KVB_LOG_LEVEL_##level) \
+      ? (void)0                                        \
+      : ::kvbridge::util::LogVoidify() &               \
             ::kvbridge::util::LogMessage(KVB_LOG_LEVEL_##level, "kvbridge").stream()

@@ -1,7 +1,5 @@
 #include "dram_pool.h"
 
-#include "host_config.h"
-
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -12,6 +10,8 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+
+#include "host_config.h"
 
 #ifndef MAP_HUGE_SHIFT
 #define MAP_HUGE_SHIFT 26

@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <cstring>
 
-
 namespace kvbridge::ssd {
 namespace {
 

@@ -1,7 +1,5 @@
 #include "ssd_store.h"
 
-#include "host_config.h"
-
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/falloc.h>
@@ -24,6 +22,8 @@
 #include <map>
 #include <set>
 #include <utility>
+
+#include "host_config.h"
 
 namespace kvbridge::ssd {
 

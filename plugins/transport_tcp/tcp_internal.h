@@ -49,7 +49,7 @@ struct Request {
   Peer* peer = nullptr;  // valid while !final: RemovePeer finalizes before freeing the peer
   std::vector<OpState> ops;
   uint64_t outstanding_slices = 0;
-  uint64_t charged_bytes = 0;  // counted in the peer's queued bytes until final
+  uint64_t charged_bytes = 0;   // counted in the peer's queued bytes until final
   uint64_t charged_slices = 0;  // counted in the peer's queued slices until final
   void (*on_complete)(void*) = nullptr;
   void* user = nullptr;
@@ -92,7 +92,6 @@ struct Peer {
   LogLimiter connect_log;
 };
 
-
 // ---------------------------------------------------------------------------------------------
 // Socket helpers (tcp_io.cc).
 
@@ -133,9 +132,9 @@ Io SendAll(const Transport& t, int fd, const void* data, size_t len, const Limit
 
 struct HandshakeResult {
   kvb_status_t code = KVB_OK;
-  std::string why;      // the host's reason when code is an error
-  Io io = Io::kOk;      // not kOk: the socket failed (code is PEER_UNREACHABLE)
-  int err = 0;          // errno behind io
+  std::string why;  // the host's reason when code is an error
+  Io io = Io::kOk;  // not kOk: the socket failed (code is PEER_UNREACHABLE)
+  int err = 0;      // errno behind io
 };
 
 // Runs the host's peer handshake (ABI 1.2 auth services) on a connected socket: the host makes
@@ -239,6 +238,5 @@ class Lane {
   uint64_t idle_since_ns_ = 0;
   std::unique_ptr<uint8_t[]> scratch_;
 };
-
 
 }  // namespace kvbridge::tcp

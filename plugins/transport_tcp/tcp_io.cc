@@ -40,7 +40,6 @@ std::string ErrnoText(int e) {
   return strerror_r(e, buf, sizeof(buf));
 }
 
-
 std::string Trim(std::string_view s) {
   size_t b = 0, e = s.size();
   while (b < e && (s[b] == ' ' || s[b] == '\t')) ++b;
@@ -60,7 +59,6 @@ std::vector<std::string> SplitList(const std::string& s) {
   }
   return out;
 }
-
 
 std::string AddrText(const sockaddr_storage& ss) {
   char host[INET6_ADDRSTRLEN] = "?";
@@ -102,7 +100,6 @@ void SetSocketOptions(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
 }
 
-
 const char* IoText(Io io) {
   switch (io) {
     case Io::kOk:
@@ -118,7 +115,6 @@ const char* IoText(Io io) {
   }
   return "?";
 }
-
 
 // Milliseconds poll may wait, or -1 when the limits have passed.
 int WaitBudgetMs(const Transport& t, const Limits& lim, uint64_t last_progress_ns) {
@@ -221,7 +217,6 @@ Io SendAll(const Transport& t, int fd, const void* data, size_t len, const Limit
   return SendAllV(t, fd, &iov, 1, lim, err);
 }
 
-
 // Runs the host's peer handshake (ABI 1.2 auth services) on a connected socket: the host makes
 // and judges the messages, this only carries them. A client steps first with no input.
 HandshakeResult RunHandshake(const Transport& t, int fd, int32_t role,
@@ -230,10 +225,9 @@ HandshakeResult RunHandshake(const Transport& t, int fd, int32_t role,
   const kvb_host_services_t* h = t.host();
   char why[512] = {0};
   kvb_auth_t* a = nullptr;
-  kvb_status_t st =
-      h->auth_begin(h->host_ctx, "tcp", role,
-                    role == KVB_AUTH_CLIENT ? expect_node.c_str() : nullptr, expect_incarnation,
-                    &a, why, sizeof(why));
+  kvb_status_t st = h->auth_begin(h->host_ctx, "tcp", role,
+                                  role == KVB_AUTH_CLIENT ? expect_node.c_str() : nullptr,
+                                  expect_incarnation, &a, why, sizeof(why));
   if (st != KVB_OK) return {st, why};
   struct End {
     const kvb_host_services_t* h;
@@ -256,8 +250,8 @@ HandshakeResult RunHandshake(const Transport& t, int fd, int32_t role,
       if (need < 0) return {KVB_ERR_PROTOCOL, "malformed handshake message"};
     }
     uint32_t out_len = 0;
-    st = h->auth_step(h->host_ctx, a, receive ? in : nullptr, have, out, sizeof(out), &out_len,
-                      why, sizeof(why));
+    st = h->auth_step(h->host_ctx, a, receive ? in : nullptr, have, out, sizeof(out), &out_len, why,
+                      sizeof(why));
     receive = true;
     if (out_len > 0) {
       int err = 0;

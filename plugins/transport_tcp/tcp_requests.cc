@@ -184,8 +184,7 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
     }
     const uint64_t queued_slices = peer->queued_slices.load();
     const uint64_t max_slices = config_.max_queued_slices_per_peer;
-    if (queued_slices > 0 &&
-        (queued_slices > max_slices || nslices > max_slices - queued_slices)) {
+    if (queued_slices > 0 && (queued_slices > max_slices || nslices > max_slices - queued_slices)) {
       *err =
           Fmt("post: peer '%s' has %llu slices queued; %llu more exceed "
               "tcp.max_queued_slices_per_peer (%llu)",

@@ -180,8 +180,8 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
   // timeout plus n at tcp.min_inbound_bytes_per_sec. A peer trickling a byte now and then
   // cannot hold a region (and a DeregisterMemory waiting on it) for ever.
   auto payload_lim = [&](uint64_t n) {
-    const uint64_t ns = static_cast<uint64_t>(static_cast<double>(n) * 1e9 /
-                                              static_cast<double>(config_.min_inbound_bytes_per_sec));
+    const uint64_t ns = static_cast<uint64_t>(
+        static_cast<double>(n) * 1e9 / static_cast<double>(config_.min_inbound_bytes_per_sec));
     return Limits{Now() + progress_ns + ns, progress_ns, -1};
   };
   std::unique_ptr<uint8_t[]> scratch;

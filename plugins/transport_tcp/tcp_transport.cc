@@ -201,7 +201,6 @@ int32_t Transport::GetEndpoints(char* buf, uint32_t buf_len) const {
   return static_cast<int32_t>(endpoints_.size());
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Memory registration.
 
@@ -235,7 +234,8 @@ kvb_status_t Transport::DeregisterMemory(uint64_t segment_id) {
   // threads leave at once (recv/send fail); the descriptors stay valid until then, as a
   // connection is closed only after its thread ended.
   if (r->in_use > 0) {
-    Log(KVB_LOG_WARN, "deregistering segment %llu: cutting %zu inbound connection(s) still using it",
+    Log(KVB_LOG_WARN,
+        "deregistering segment %llu: cutting %zu inbound connection(s) still using it",
         U(segment_id), r->users.size());
     for (int fd : r->users) shutdown(fd, SHUT_RDWR);
   }

@@ -43,9 +43,9 @@ struct Config {
   uint32_t idle_timeout_ms = 30000;
   uint32_t idle_close_per_sec = 4;
   uint32_t max_inbound = 1024;
-  uint32_t max_inbound_per_source = 64;  // open inbound connections from one IP address
+  uint32_t max_inbound_per_source = 64;            // open inbound connections from one IP address
   uint64_t min_inbound_bytes_per_sec = 64u << 20;  // an inbound payload's absolute bound
-  uint32_t inbound_idle_timeout_ms = 300000;  // an authenticated connection with no request
+  uint32_t inbound_idle_timeout_ms = 300000;       // an authenticated connection with no request
   uint64_t max_frame_bytes = 16u << 20;
 };
 
@@ -158,7 +158,7 @@ class Transport {
   struct Region {
     uint8_t* base = nullptr;
     uint64_t length = 0;
-    uint32_t in_use = 0;  // server threads inside the region (under regions_mu_)
+    uint32_t in_use = 0;     // server threads inside the region (under regions_mu_)
     std::vector<int> users;  // their connections, one entry per use (under regions_mu_)
   };
   struct Inbound {

@@ -29,7 +29,8 @@ __version__ = "0.1.0"
 Status = _C.Status
 
 __all__ = [
-    "__version__", "TransferEngine", "Op", "READ", "WRITE", "PeerId", "BatchError", "fetch_descriptor",
+    "__version__", "TransferEngine", "Op", "READ", "WRITE", "PeerId", "BatchError",
+    "fetch_descriptor",
     "StoreClient", "Node", "Master", "Cluster", "GetResult", "Replica", "ReplicasResult",
     "cluster_status", "Status",
     "StatusCode", "KvbError", "raise_if_error", "errors", "ops",

@@ -43,7 +43,8 @@ __all__ = [
 
 
 class StatusCode(enum.IntEnum):
-    """kvbridge's status codes (values fixed by the plugin ABI, csrc/include/kvbridge/plugin/abi.h)."""
+    """kvbridge's status codes (values fixed by the plugin ABI,
+    csrc/include/kvbridge/plugin/abi.h)."""
 
     OK = 0
     IN_PROGRESS = 1
@@ -162,7 +163,8 @@ StalePeerError = _subclass(
 BackpressureError = _subclass(
     "BackpressureError", StatusCode.BACKPRESSURE, "A queue bound was reached; retry later.")
 CancelledError = _subclass("CancelledError", StatusCode.CANCELLED, "The operation was cancelled.")
-ProtocolError = _subclass("ProtocolError", StatusCode.PROTOCOL, "Malformed frame or protocol violation.")
+ProtocolError = _subclass("ProtocolError", StatusCode.PROTOCOL,
+                          "Malformed frame or protocol violation.")
 UnauthenticatedError = _subclass(
     "UnauthenticatedError", StatusCode.UNAUTHENTICATED, "Cluster token missing or wrong.")
 UnsupportedError = _subclass(
@@ -171,7 +173,8 @@ UnavailableError = _subclass(
     "UnavailableError", StatusCode.UNAVAILABLE,
     "Cannot run here (missing library, no device, object closed).")
 NoSpaceError = _subclass("NoSpaceError", StatusCode.NO_SPACE, "No space left in the store or tier.")
-InternalError = _subclass("InternalError", StatusCode.INTERNAL, "A kvbridge bug or runtime failure.")
+InternalError = _subclass("InternalError", StatusCode.INTERNAL,
+                          "A kvbridge bug or runtime failure.")
 
 _BY_CODE: dict[int, type[KvbError]] = {
     cls.status_code: cls

@@ -7,8 +7,6 @@
 // (2 MiB rounding, its configuration keys, its log lines, prefault); the ssd plugin's own tests
 // are in tests/ssd/.
 #include <gtest/gtest.h>
-
-#include <cstdio>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -16,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <filesystem>
@@ -415,8 +414,7 @@ TEST_P(StorageConformance, UsageIsExact) {
     sum -= live[i].second;
     EXPECT_EQ(Usage(*inst).used_bytes, sum);
   }
-  for (size_t i = 1; i < live.size(); i += 2)
-    ASSERT_EQ(Free(*inst, live[i].first), KVB_OK);
+  for (size_t i = 1; i < live.size(); i += 2) ASSERT_EQ(Free(*inst, live[i].first), KVB_OK);
   const auto u = Usage(*inst);
   EXPECT_EQ(u.used_bytes, 0u);
   EXPECT_EQ(u.object_count, 0u);
@@ -593,8 +591,7 @@ TEST_P(StorageConformance, RemoveDeletesTheObject) {
   EXPECT_EQ(Remove(*inst, "gone"), KVB_OK);
   std::vector<uint8_t> got(8192);
   EXPECT_EQ(Get(*inst, "gone", &got), KVB_ERR_NOT_FOUND);
-  EXPECT_EQ(Remove(*inst, "gone"),
-            KVB_ERR_NOT_FOUND);
+  EXPECT_EQ(Remove(*inst, "gone"), KVB_ERR_NOT_FOUND);
   EXPECT_EQ(Usage(*inst).object_count, empty.object_count + 1);
   ASSERT_EQ(Get(*inst, "kept", &got), KVB_OK);
   EXPECT_EQ(got, std::vector<uint8_t>(100, 8));
@@ -667,8 +664,7 @@ TEST_P(StorageConformance, PutMetaKeepsTheMetadataWithTheObject) {
                       const std::vector<uint8_t>& meta) {
     kvb_iovec_t iov{const_cast<uint8_t*>(v.data()), v.size()};
     return Code(inst->PutMeta(
-        key, {&iov, 1},
-        std::string_view(reinterpret_cast<const char*>(meta.data()), meta.size())));
+        key, {&iov, 1}, std::string_view(reinterpret_cast<const char*>(meta.data()), meta.size())));
   };
   std::vector<uint8_t> full(KVB_STORAGE_META_MAX), one = {0x42};
   for (size_t i = 0; i < full.size(); ++i) full[i] = Pattern(5, i);

@@ -44,8 +44,8 @@ constexpr int kDevices = 2;
 
 struct Alloc {
   size_t size = 0;
-  int device = -1;     // -1: pinned host memory
-  unsigned type = 2;   // CU_MEMORYTYPE_DEVICE, or 1 (HOST) for pinned
+  int device = -1;    // -1: pinned host memory
+  unsigned type = 2;  // CU_MEMORYTYPE_DEVICE, or 1 (HOST) for pinned
   unsigned managed = 0;
 };
 
@@ -111,7 +111,8 @@ struct Stream {
         ops.pop_front();
       }
       if (op.copy) {
-        if (uint32_t us = g_latency_us.load()) std::this_thread::sleep_for(std::chrono::microseconds(us));
+        if (uint32_t us = g_latency_us.load())
+          std::this_thread::sleep_for(std::chrono::microseconds(us));
         while (g_stall.load()) std::this_thread::sleep_for(std::chrono::microseconds(200));
         const CUresult fail = g_fail_next_copy.exchange(kSuccess);
         if (fail != kSuccess) {
@@ -172,7 +173,8 @@ __attribute__((visibility("default"))) void* kvbtest_fake_cuda_alloc(int device,
   if (device < 0 || device >= kDevices || len == 0) return nullptr;
   return Track(len, Alloc{0, device, 2, 0});
 }
-__attribute__((visibility("default"))) void* kvbtest_fake_cuda_alloc_managed(int device, size_t len) {
+__attribute__((visibility("default"))) void* kvbtest_fake_cuda_alloc_managed(int device,
+                                                                             size_t len) {
   if (device < 0 || device >= kDevices || len == 0) return nullptr;
   return Track(len, Alloc{0, device, 2, 1});
 }
@@ -182,7 +184,9 @@ __attribute__((visibility("default"))) void kvbtest_fake_cuda_free(void* p) {
 __attribute__((visibility("default"))) void kvbtest_fake_cuda_set_latency_us(uint32_t us) {
   g_latency_us = us;
 }
-__attribute__((visibility("default"))) void kvbtest_fake_cuda_set_stall(int on) { g_stall = on != 0; }
+__attribute__((visibility("default"))) void kvbtest_fake_cuda_set_stall(int on) {
+  g_stall = on != 0;
+}
 __attribute__((visibility("default"))) void kvbtest_fake_cuda_fail_next_copy(int cuda_error) {
   g_fail_next_copy = cuda_error;
 }
@@ -194,8 +198,12 @@ __attribute__((visibility("default"))) void kvbtest_fake_cuda_unknown_as_success
 __attribute__((visibility("default"))) void kvbtest_fake_cuda_pointer_needs_context(int on) {
   g_pointer_needs_context = on != 0;
 }
-__attribute__((visibility("default"))) uint64_t kvbtest_fake_cuda_copies() { return g_copies.load(); }
-__attribute__((visibility("default"))) int kvbtest_fake_cuda_init_calls() { return g_init_calls.load(); }
+__attribute__((visibility("default"))) uint64_t kvbtest_fake_cuda_copies() {
+  return g_copies.load();
+}
+__attribute__((visibility("default"))) int kvbtest_fake_cuda_init_calls() {
+  return g_init_calls.load();
+}
 // Streams, events and primary-context references not yet given back (leak checks).
 __attribute__((visibility("default"))) int kvbtest_fake_cuda_live_objects() {
   return g_live_streams.load() + g_live_events.load() + g_primary_retained.load();
@@ -225,19 +233,38 @@ __attribute__((visibility("default"))) CUresult cuDeviceGet(int* dev, int ordina
 __attribute__((visibility("default"))) CUresult cuGetErrorName(CUresult r, const char** name) {
   if (name == nullptr) return kInvalidValue;
   switch (r) {
-    case 0: *name = "CUDA_SUCCESS"; return kSuccess;
-    case 1: *name = "CUDA_ERROR_INVALID_VALUE"; return kSuccess;
-    case 2: *name = "CUDA_ERROR_OUT_OF_MEMORY"; return kSuccess;
-    case 101: *name = "CUDA_ERROR_INVALID_DEVICE"; return kSuccess;
-    case 201: *name = "CUDA_ERROR_INVALID_CONTEXT"; return kSuccess;
-    case 600: *name = "CUDA_ERROR_NOT_READY"; return kSuccess;
-    case 700: *name = "CUDA_ERROR_ILLEGAL_ADDRESS"; return kSuccess;
-    case 999: *name = "CUDA_ERROR_UNKNOWN"; return kSuccess;
-    default: *name = nullptr; return kInvalidValue;
+    case 0:
+      *name = "CUDA_SUCCESS";
+      return kSuccess;
+    case 1:
+      *name = "CUDA_ERROR_INVALID_VALUE";
+      return kSuccess;
+    case 2:
+      *name = "CUDA_ERROR_OUT_OF_MEMORY";
+      return kSuccess;
+    case 101:
+      *name = "CUDA_ERROR_INVALID_DEVICE";
+      return kSuccess;
+    case 201:
+      *name = "CUDA_ERROR_INVALID_CONTEXT";
+      return kSuccess;
+    case 600:
+      *name = "CUDA_ERROR_NOT_READY";
+      return kSuccess;
+    case 700:
+      *name = "CUDA_ERROR_ILLEGAL_ADDRESS";
+      return kSuccess;
+    case 999:
+      *name = "CUDA_ERROR_UNKNOWN";
+      return kSuccess;
+    default:
+      *name = nullptr;
+      return kInvalidValue;
   }
 }
 __attribute__((visibility("default"))) CUresult cuPointerGetAttributes(unsigned n, int* attrs,
-                                                                      void** data, CUdeviceptr ptr) {
+                                                                       void** data,
+                                                                       CUdeviceptr ptr) {
   if (attrs == nullptr || data == nullptr) return kInvalidValue;
   if (g_pointer_needs_context.load() && !HasContext()) return kInvalidContext;
   std::lock_guard<std::mutex> lock(g_mu);
@@ -246,12 +273,23 @@ __attribute__((visibility("default"))) CUresult cuPointerGetAttributes(unsigned 
   if (a == nullptr && !g_unknown_as_success.load()) return kInvalidValue;
   for (unsigned i = 0; i < n; ++i) {
     switch (attrs[i]) {
-      case 2: *static_cast<unsigned*>(data[i]) = a ? a->type : 0; break;
-      case 8: *static_cast<unsigned*>(data[i]) = a ? a->managed : 0; break;
-      case 9: *static_cast<int*>(data[i]) = a ? (a->device < 0 ? 0 : a->device) : -2; break;
-      case 11: *static_cast<CUdeviceptr*>(data[i]) = a ? start : 0; break;
-      case 12: *static_cast<size_t*>(data[i]) = a ? a->size : 0; break;
-      default: return kInvalidValue;
+      case 2:
+        *static_cast<unsigned*>(data[i]) = a ? a->type : 0;
+        break;
+      case 8:
+        *static_cast<unsigned*>(data[i]) = a ? a->managed : 0;
+        break;
+      case 9:
+        *static_cast<int*>(data[i]) = a ? (a->device < 0 ? 0 : a->device) : -2;
+        break;
+      case 11:
+        *static_cast<CUdeviceptr*>(data[i]) = a ? start : 0;
+        break;
+      case 12:
+        *static_cast<size_t*>(data[i]) = a ? a->size : 0;
+        break;
+      default:
+        return kInvalidValue;
     }
   }
   return kSuccess;
@@ -294,11 +332,11 @@ __attribute__((visibility("default"))) CUresult cuStreamDestroy_v2(void* s) {
   return kSuccess;
 }
 __attribute__((visibility("default"))) CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src,
-                                                             size_t len, void* s) {
+                                                              size_t len, void* s) {
   if (!HasContext()) return kInvalidContext;
   if (s == nullptr || dst == 0 || src == 0) return kInvalidValue;
-  static_cast<Stream*>(s)->Push(Op{true, reinterpret_cast<void*>(dst),
-                                   reinterpret_cast<const void*>(src), len, nullptr});
+  static_cast<Stream*>(s)->Push(
+      Op{true, reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), len, nullptr});
   return kSuccess;
 }
 __attribute__((visibility("default"))) CUresult cuEventCreate(void** e, unsigned) {

@@ -195,10 +195,10 @@ TEST_F(FaultTest, DeregisterCancelsOutboundTransfersFromTheRegion) {
   EXPECT_EQ(r->status.code(), StatusCode::kCancelled) << r->status.ToString();
   // The memory is the caller's again: new contents must never reach the peer.
   src.Fill(9);
-  EXPECT_TRUE(engine_->Submit(std::vector{TransferOp{OpCode::kWrite, src.data(), 4096, "dereg", 1,
-                                                     0}})
-                  .status()
-                  .Is(StatusCode::kNotRegistered));
+  EXPECT_TRUE(
+      engine_->Submit(std::vector{TransferOp{OpCode::kWrite, src.data(), 4096, "dereg", 1, 0}})
+          .status()
+          .Is(StatusCode::kNotRegistered));
   peer->Signal(SIGCONT);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "dereg", 0, kPeerBytes)}).ok());

@@ -15,7 +15,8 @@ constexpr const char* kChildMarker = "KVBTEST_GPU_SELF_CHILD";
 
 // Before main, so before anything can load the driver.
 const bool g_env_set = [] {
-  if (std::getenv(kChildMarker) == nullptr) setenv("KVBRIDGE_CUDA_DRIVER", KVBTEST_FAKE_CUDA_PATH, 1);
+  if (std::getenv(kChildMarker) == nullptr)
+    setenv("KVBRIDGE_CUDA_DRIVER", KVBTEST_FAKE_CUDA_PATH, 1);
   return true;
 }();
 
@@ -55,8 +56,8 @@ const FakeCuda& Fake() {
 
 bool IsSelfChild() { return std::getenv(kChildMarker) != nullptr; }
 
-int RunSelf(const std::string& test,
-            const std::vector<std::pair<std::string, const char*>>& set, std::string* out) {
+int RunSelf(const std::string& test, const std::vector<std::pair<std::string, const char*>>& set,
+            std::string* out) {
   int fds[2];
   if (pipe(fds) != 0) return -1;
   const pid_t pid = fork();

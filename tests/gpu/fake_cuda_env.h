@@ -35,7 +35,7 @@ bool IsSelfChild();
 
 // Runs this binary with --gtest_filter=`test` and the environment changed by `set` (value
 // nullptr: unset); returns its exit status (0: the test passed) and appends its output to *out.
-int RunSelf(const std::string& test,
-            const std::vector<std::pair<std::string, const char*>>& set, std::string* out);
+int RunSelf(const std::string& test, const std::vector<std::pair<std::string, const char*>>& set,
+            std::string* out);
 
 }  // namespace kvbridge::testing

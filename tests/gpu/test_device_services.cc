@@ -140,9 +140,9 @@ TEST_F(DeviceServices, PinnedAllocAndFree) {
   uint64_t ticket = 0;
   ASSERT_EQ(t_->dev_copy_async(t_->host_ctx, s1, dev, p, 1 << 16, &ticket, err_, sizeof(err_)),
             KVB_OK);
-  EXPECT_EQ(t_->dev_copy_wait(t_->host_ctx, s1, ticket, util::MonoNs() + 5000 * kMs, err_,
-                              sizeof(err_)),
-            KVB_OK)
+  EXPECT_EQ(
+      t_->dev_copy_wait(t_->host_ctx, s1, ticket, util::MonoNs() + 5000 * kMs, err_, sizeof(err_)),
+      KVB_OK)
       << err_;
   EXPECT_EQ(static_cast<unsigned char>(dev[100]), 0xab);
   t_->dev_stream_destroy(t_->host_ctx, s1);

@@ -31,7 +31,8 @@ using testing::Must;
 // A fake device allocation, freed at scope end.
 struct DeviceMem {
   DeviceMem(int device, size_t len, bool managed = false)
-      : p(static_cast<char*>(managed ? Fake().alloc_managed(device, len) : Fake().alloc(device, len))),
+      : p(static_cast<char*>(managed ? Fake().alloc_managed(device, len)
+                                     : Fake().alloc(device, len))),
         len(len) {}
   ~DeviceMem() { Fake().free(p); }
   char* p;
@@ -60,14 +61,14 @@ TEST_F(MemoryKinds, DeviceSpanInsideItsAllocationIsAcceptedWithItsDevice) {
   DeviceMem m(1, 1 << 20);
   EXPECT_EQ(Must(Check(m.p, m.len, MemoryKind::kCuda, 1)), 1);
   EXPECT_EQ(Must(Check(m.p + 4096, 8192, MemoryKind::kCuda, 1)), 1);  // an inner span
-  EXPECT_EQ(Must(Check(m.p, m.len, MemoryKind::kCuda, -1)), 1);      // -1: the pointer's device
+  EXPECT_EQ(Must(Check(m.p, m.len, MemoryKind::kCuda, -1)), 1);       // -1: the pointer's device
 }
 
 TEST_F(MemoryKinds, DeviceCheckRetriesWithAContextButHostCheckNeverMakesOne) {
   DeviceMem m(1, 65536);
   const int live = Fake().live_objects();
   Fake().pointer_needs_context(1);
-  Result<int> cuda = Check(m.p, m.len, MemoryKind::kCuda, 1);  // retried with device 1 current
+  Result<int> cuda = Check(m.p, m.len, MemoryKind::kCuda, 1);   // retried with device 1 current
   Result<int> host = Check(m.p, m.len, MemoryKind::kHost, -1);  // no context: not detected
   Fake().pointer_needs_context(0);
   EXPECT_EQ(cuda.ok() ? cuda.value() : -100, 1) << cuda.status().ToString();
@@ -191,9 +192,9 @@ TEST_F(MemoryKinds, NoDriverIsUnavailableNamingTheLibrary) {
   // A driver path that does not exist.
   std::string out;
   const char* missing = "/nonexistent/libcuda-missing.so.1";
-  EXPECT_EQ(testing::RunSelf("*NoDriverChild.*",
-                             {{"KVBRIDGE_CUDA_DRIVER", missing}, {"KVBTEST_EXPECT_LIBRARY", missing}},
-                             &out),
+  EXPECT_EQ(testing::RunSelf(
+                "*NoDriverChild.*",
+                {{"KVBRIDGE_CUDA_DRIVER", missing}, {"KVBTEST_EXPECT_LIBRARY", missing}}, &out),
             0)
       << out;
   EXPECT_HAS(out, "[       OK ] MemoryKindsNoDriverChild.CudaIsUnavailableHostStillWorks");
@@ -204,11 +205,11 @@ TEST_F(MemoryKinds, NoDriverIsUnavailableNamingTheLibrary) {
     GTEST_SKIP() << "this machine has libcuda.so.1; the default-library half needs it absent";
   }
   out.clear();
-  EXPECT_EQ(testing::RunSelf("*NoDriverChild.*",
-                             {{"KVBRIDGE_CUDA_DRIVER", nullptr},
-                              {"KVBTEST_EXPECT_LIBRARY", "libcuda.so.1"}},
-                             &out),
-            0)
+  EXPECT_EQ(
+      testing::RunSelf(
+          "*NoDriverChild.*",
+          {{"KVBRIDGE_CUDA_DRIVER", nullptr}, {"KVBTEST_EXPECT_LIBRARY", "libcuda.so.1"}}, &out),
+      0)
       << out;
   EXPECT_HAS(out, "[       OK ] MemoryKindsNoDriverChild.CudaIsUnavailableHostStillWorks");
   EXPECT_HAS(out, "[       OK ] DeviceServicesNoDriverChild.AllAnswerUnavailable");

@@ -97,8 +97,9 @@ class FakeHost {
         .dev_stream_destroy = [](void*, kvb_dev_stream_t*) {},
         .dev_copy_async = [](void*, kvb_dev_stream_t*, void*, const void*, uint64_t, uint64_t*,
                              char*, uint32_t) -> kvb_status_t { return KVB_ERR_UNAVAILABLE; },
-        .dev_copy_done = [](void*, kvb_dev_stream_t*, uint64_t, char*,
-                            uint32_t) -> kvb_status_t { return KVB_ERR_UNAVAILABLE; },
+        .dev_copy_done = [](void*, kvb_dev_stream_t*, uint64_t, char*, uint32_t) -> kvb_status_t {
+          return KVB_ERR_UNAVAILABLE;
+        },
         .dev_copy_wait = [](void*, kvb_dev_stream_t*, uint64_t, uint64_t, char*,
                             uint32_t) -> kvb_status_t { return KVB_ERR_UNAVAILABLE; },
         .pinned_alloc = [](void*, uint64_t, void** out) -> kvb_status_t {

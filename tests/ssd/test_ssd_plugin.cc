@@ -189,12 +189,12 @@ class Store {
   kvb_status_t Remove(const std::string& key) { return Code(s_->Remove(key)); }
   std::map<std::string, Listed> List() {
     std::map<std::string, Listed> out;
-    EXPECT_TRUE(s_->ForEachMeta([&out](std::string_view key, uint64_t length,
-                                       std::string_view meta) {
-                    const std::string k(key);
-                    EXPECT_EQ(out.count(k), 0u) << "listed twice";
-                    out[k] = {length, std::string(meta)};
-                  }).ok());
+    EXPECT_TRUE(
+        s_->ForEachMeta([&out](std::string_view key, uint64_t length, std::string_view meta) {
+            const std::string k(key);
+            EXPECT_EQ(out.count(k), 0u) << "listed twice";
+            out[k] = {length, std::string(meta)};
+          }).ok());
     return out;
   }
   StorageUsage Usage() {

@@ -45,8 +45,7 @@ std::unique_ptr<ChildProcess> StartMaster(const std::string& listen,
 std::unique_ptr<ChildProcess> StartNode(const std::string& master, const std::string& node_id,
                                         const std::vector<std::string>& extra,
                                         const std::vector<std::string>& prefix) {
-  std::vector<std::string> argv = {KvbridgeBin(), "node", "--master", master, "--node-id",
-                                   node_id};
+  std::vector<std::string> argv = {KvbridgeBin(), "node", "--master", master, "--node-id", node_id};
   argv.insert(argv.end(), extra.begin(), extra.end());
   return StartDaemon(argv, prefix, "serving", "node " + node_id);
 }
@@ -68,8 +67,8 @@ bool WaitForActiveNodes(const std::string& master, int n, int timeout_ms,
     seen = ActiveNodes(master, token);
   }
   if (seen != n) {
-    ADD_FAILURE() << "waited " << timeout_ms << " ms for " << n << " ACTIVE node(s) at "
-                  << master << "; the master lists " << seen;
+    ADD_FAILURE() << "waited " << timeout_ms << " ms for " << n << " ACTIVE node(s) at " << master
+                  << "; the master lists " << seen;
   }
   return seen == n;
 }

@@ -76,8 +76,7 @@ class StoreCluster : public ::testing::Test {
   std::unique_ptr<ChildProcess> StartNode(int i) {
     return testing::StartNode(master_addr_, "node" + std::to_string(i),
                               {"--dram-bytes", std::to_string(256u << 20), "--drain-timeout-ms",
-                               "10000", "--listen",
-                               "127.0.0.1:" + std::to_string(node_ports_[i])});
+                               "10000", "--listen", "127.0.0.1:" + std::to_string(node_ports_[i])});
   }
 
   ClusterStatus View() { return Must(QueryClusterStatus(master_addr_)); }

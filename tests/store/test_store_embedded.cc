@@ -259,8 +259,7 @@ TEST(EmbeddedStore, InvalidOptionsAreNamedErrors) {
 
 // Where the replicas of `key` live, through the master's own protocol (this takes a lease).
 rpc::GetItem ReplicasOf(const std::string& master, const std::string& key) {
-  auto stub =
-      rpc::Master::NewStub(grpc::CreateChannel(master, grpc::InsecureChannelCredentials()));
+  auto stub = rpc::Master::NewStub(grpc::CreateChannel(master, grpc::InsecureChannelCredentials()));
   rpc::GetReplicasRequest greq;
   greq.add_keys(key);
   rpc::GetReplicasReply grep;
@@ -272,8 +271,7 @@ rpc::GetItem ReplicasOf(const std::string& master, const std::string& key) {
 // Scribbles over a replica with a one-sided WRITE from an outside engine (what a late writer,
 // or memory gone bad, looks like to the store).
 void Scribble(const std::string& master, const rpc::ReplicaLocation& victim) {
-  auto stub =
-      rpc::Master::NewStub(grpc::CreateChannel(master, grpc::InsecureChannelCredentials()));
+  auto stub = rpc::Master::NewStub(grpc::CreateChannel(master, grpc::InsecureChannelCredentials()));
   rpc::NodeDescriptorsRequest dreq;
   dreq.add_node_ids(victim.node().node_id());
   rpc::NodeDescriptorsReply drep;
@@ -473,8 +471,9 @@ TEST(EmbeddedStore, SsdReadAnsweredWithoutTheBytesIsCaught) {
   so.verify_checksums = false;  // ignored
   auto reader = Must(StoreClient::Create(so));
   ASSERT_TRUE(reader->RegisterBuffer(dst.data(), dst.size()).ok());
-  auto got = reader->BatchGetInto(std::vector<std::string>{"on-ssd"},
-                                  std::vector<std::vector<BufferRef>>{{BufferRef{dst.data(), kObject}}});
+  auto got =
+      reader->BatchGetInto(std::vector<std::string>{"on-ssd"},
+                           std::vector<std::vector<BufferRef>>{{BufferRef{dst.data(), kObject}}});
   EXPECT_GE(liar.reads.load(), 1) << "the read never went to the liar";
   ASSERT_FALSE(got[0].ok()) << "a ReadSsd that wrote nothing was returned as the object";
   EXPECT_TRUE(got[0].status().Is(StatusCode::kIoError)) << got[0].status().ToString();

@@ -63,7 +63,8 @@ class StoreFencing : public ::testing::Test {
         unsetenv("KVBRIDGE_NODE_FAULTS");
       }
       auto node = testing::StartNode(
-          master_addr_, id, {"--dram-bytes", std::to_string(dram[i]), "--drain-timeout-ms", "20000"});
+          master_addr_, id,
+          {"--dram-bytes", std::to_string(dram[i]), "--drain-timeout-ms", "20000"});
       ASSERT_TRUE(node);
       nodes_.push_back(std::move(node));
     }
@@ -142,7 +143,8 @@ class StoreFencing : public ::testing::Test {
       for (size_t k = at; k < end; ++k) {
         const size_t off = (seeds[k] % kSlots) * 2 * kPage;
         if (!got[k - at].ok()) {
-          if (r.missing++ == 0) r.first_miss = keys[k - at] + ": " + got[k - at].status().ToString();
+          if (r.missing++ == 0)
+            r.first_miss = keys[k - at] + ": " + got[k - at].status().ToString();
         } else if (!c.dst.Matches(seeds[k], off, 2 * kPage, off)) {
           ++r.wrong;
         }
@@ -173,9 +175,9 @@ TEST_P(StalledPut, CannotLandOnObjectsPutAfterItsRevoke) {
   StartMaster(/*ttl_ms=*/1000);  // late-write margin: 1 s TTL + 1 s
   StartNodes({8u << 20, 8u << 20, 8u << 20});
   auto main_client = NewClient("main");
-  auto stalled = NewClient(
-      "stalled", "put_stall_before_write_ms=1500" +
-                     std::string(ignore_deadline ? ",put_ignore_deadline=1" : ""));
+  auto stalled =
+      NewClient("stalled", "put_stall_before_write_ms=1500" +
+                               std::string(ignore_deadline ? ",put_ignore_deadline=1" : ""));
   std::vector<Status> late;
   std::thread writer([&] { late = Put(*stalled, Seeds(1000, 16)); });
   std::this_thread::sleep_for(std::chrono::milliseconds(800));  // revoked at 500 ms
@@ -336,7 +338,8 @@ TEST_F(StoreFencing, PutInFlightAcrossAMasterRestartLandsOnNoNewObject) {
   ASSERT_TRUE(stored);
   EXPECT_GT(refused, 0) << "new data was placed before the predecessor's puts could have ended";
   EXPECT_GE(Clock::now() - restarted, std::chrono::milliseconds(4500));
-  for (const Status& st : late) EXPECT_FALSE(st.ok()) << "the new master acknowledged a put it never started";
+  for (const Status& st : late)
+    EXPECT_FALSE(st.ok()) << "the new master acknowledged a put it never started";
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   const Readback r = ReadAll(*main_client, objects);
   EXPECT_EQ(r.wrong, 0) << "wrong bytes returned";

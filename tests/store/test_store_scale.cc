@@ -75,8 +75,8 @@ class StoreScale : public ::testing::Test {
   }
 
   void StartMaster() {
-    master_ = testing::StartMaster(master_addr_, {"--node-ttl-ms", std::to_string(kTtlMs),
-                                                  "--lease-ms", "200"});
+    master_ = testing::StartMaster(master_addr_,
+                                   {"--node-ttl-ms", std::to_string(kTtlMs), "--lease-ms", "200"});
   }
 
   ClusterStatus View() { return Must(QueryClusterStatus(master_addr_)); }
@@ -160,9 +160,7 @@ class StoreScale : public ::testing::Test {
 // brings none back.
 TEST_F(StoreScale, HundredThousandObjectsSurviveAMasterRestartAndAllFreesReachTheNode) {
   const auto t0 = Clock::now();
-  auto secs = [&] {
-    return std::chrono::duration<double>(Clock::now() - t0).count();
-  };
+  auto secs = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   for (size_t at = 0; at < kObjects; at += kBatch) {
     ASSERT_EQ(PutBatch(at, std::min(kBatch, kObjects - at)), 0u) << "batch at " << at;
   }

@@ -189,8 +189,8 @@ class SecureCluster : public ::testing::Test {
 
   std::unique_ptr<ChildProcess> StartNode(int i) {
     const std::string id = "node" + std::to_string(i);
-    std::vector<std::string> args = {"--dram-bytes", "268435456", "--drain-timeout-ms", "10000",
-                                     "--listen", "127.0.0.1:0"};
+    std::vector<std::string> args = {"--dram-bytes", "268435456", "--drain-timeout-ms",
+                                     "10000",        "--listen",  "127.0.0.1:0"};
     if (i == 0 && have_ssd_) {
       args.insert(args.end(), {"--ssd-path", (ssd_dir_ / id).string(), "--ssd-bytes",
                                std::to_string(256u << 20)});
@@ -467,8 +467,8 @@ TEST_F(SecureCluster, ChunkedRegistrationNeedsTheToken) {
     writer->Write(chunk);
     writer->WritesDone();
     const grpc::Status st = writer->Finish();
-    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED) << what << ": "
-                                                                   << st.error_message();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED)
+        << what << ": " << st.error_message();
     EXPECT_TRUE(reply.node_secret().empty()) << what;
   }
   ExpectIntact("after the unauthenticated chunked registrations");

@@ -46,10 +46,12 @@ void PrintTo(const TierCase& c, std::ostream* os) { *os << c.plugin; }
 class StoreTiers : public ::testing::TestWithParam<TierCase> {
  protected:
   void SetUp() override {
-    const fs::path so = fs::path(GetParam().plugin_dir) / ("libkvb_storage_" + GetParam().plugin + ".so");
+    const fs::path so =
+        fs::path(GetParam().plugin_dir) / ("libkvb_storage_" + GetParam().plugin + ".so");
     if (!fs::exists(so)) GTEST_SKIP() << so << " is not built";
-    dir_ = fs::temp_directory_path() / ("kvb-tiers-" + std::to_string(getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() /
+           ("kvb-tiers-" + std::to_string(getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -93,8 +95,7 @@ std::vector<Status> Put(StoreClient& c, Buffer& arena, size_t first, size_t n) {
 // Puts objects [0, n) in batches of `batch`, pausing `pause_ms` after each (demotion runs in
 // the background; at these paces a writer never outruns it). Returns the failed puts, the
 // first one's error in *why.
-int PutPaced(StoreClient& c, Buffer& src, size_t n, size_t batch, int pause_ms,
-             std::string* why) {
+int PutPaced(StoreClient& c, Buffer& src, size_t n, size_t batch, int pause_ms, std::string* why) {
   int failed = 0;
   for (size_t first = 0; first < n; first += batch) {
     for (const Status& st : Put(c, src, first, batch)) {
@@ -353,8 +354,7 @@ TEST_P(StoreTiers, SlowSsdSyncsNeverCostTheNodeItsHeartbeat) {
     ASSERT_EQ(Must(QueryClusterStatus(cluster->master_address())).nodes_expired_total, 0u)
         << "the node was declared dead while its disk was slow";
   }
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("%llu SSD frees, 1.5 s syncs: records dropped in %.1f s, node ACTIVE\n",
               static_cast<unsigned long long>(on_ssd), secs);
   EXPECT_EQ(left, 0u) << "frees not applied";
@@ -448,8 +448,8 @@ TEST_P(StoreTiers, FrozenSsdHolderCostsABatchGetAtMostItsDeadline) {
     fs::create_directories(d);
     nodes.push_back(testing::ChildProcess::Start(
         {KVBRIDGE_BIN_DIR "/kvbridge", "node", "--master", master, "--node-id",
-         "frozen-ssd" + std::to_string(i), "--dram-bytes", std::to_string(6u << 20),
-         "--ssd-path", d.string(), "--ssd-bytes", std::to_string(64u << 20)}));
+         "frozen-ssd" + std::to_string(i), "--dram-bytes", std::to_string(6u << 20), "--ssd-path",
+         d.string(), "--ssd-bytes", std::to_string(64u << 20)}));
     ASSERT_NE(nodes.back()->ReadLine(20000).find("SSD tier at"), std::string::npos);
   }
   StoreOptions so;
@@ -591,7 +591,7 @@ TEST_P(StoreTiers, SsdObjectsReadRepeatedlyArePromotedBackToDram) {
   }
   EXPECT_EQ(after.promotions_total, 4u);
   EXPECT_LE(after.ssd_replicas, before.ssd_replicas - 4);  // (a removed one may have been there)
-  EXPECT_EQ(GetAndCheck(c, dst, 0, 16, &why), 0) << why;  // promoted and not, all intact
+  EXPECT_EQ(GetAndCheck(c, dst, 0, 16, &why), 0) << why;   // promoted and not, all intact
 }
 
 TEST_P(StoreTiers, CorruptedBucketLosesOnlyItsObjectsAcrossARestart) {

@@ -405,7 +405,8 @@ int32_t RawClient::Handshake(const std::string& my_node, uint64_t my_incarnation
   const auth::Transcript tr{h.client_node_id,       h.client_incarnation, rep.server_node_id,
                             rep.server_incarnation, h.expected_node_id,   h.expected_incarnation,
                             h.client_nonce,         rep.server_nonce,     rep.status};
-  if (!auth::VerifyProof(token, auth::ProofLabel("tcp"), auth::Role::kServer, tr, rep.server_proof)) return -2;
+  if (!auth::VerifyProof(token, auth::ProofLabel("tcp"), auth::Role::kServer, tr, rep.server_proof))
+    return -2;
   auth::ClientProof cp;
   auth::ComputeProof(token, auth::ProofLabel("tcp"), auth::Role::kClient, tr, &cp.proof);
   uint8_t pb[auth::kClientProofBytes];

@@ -13,9 +13,9 @@
 #include <thread>
 #include <vector>
 
-#include "kvbridge/plugin/transport.h"
 #include "core/host_services.h"
 #include "core/peer_auth.h"
+#include "kvbridge/plugin/transport.h"
 #include "tcp_wire.h"
 
 namespace kvbridge::tcp::test {

@@ -1,7 +1,6 @@
 // The tcp plugin through its ABI: two instances in one process stand in for two processes and
 // talk over real loopback sockets; raw sockets built with tcp_wire play misbehaving peers.
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -585,8 +584,8 @@ TEST(TcpTransport, TinySlicesAreBoundedPerPeerLikeBytes) {
   EXPECT_EQ(a.inst->Stats().queued_bytes, 0u);
 
   // Like the byte bound, a single request larger than the bound goes into an empty queue only.
-  Client c("c", kMiB, {{"tcp.max_queued_slices_per_peer", "1000"},
-                       {"tcp.connect_timeout_ms", "30000"}});
+  Client c("c", kMiB,
+           {{"tcp.max_queued_slices_per_peer", "1000"}, {"tcp.connect_timeout_ms", "30000"}});
   ASSERT_TRUE(c.inst);
   kvb_tpeer_t* stuck2 = c.inst->AddPeerRaw("frozen", 9, frozen.endpoint());
   std::vector<kvb_xfer_op_t> many;

@@ -28,7 +28,8 @@ TEST(Status, CodesMapOneToOneOntoAbi) {
   for (int32_t c = 0; c < KVB_STATUS_CODE_COUNT; ++c) {
     Status s = Status::FromAbi(c, "m");
     EXPECT_EQ(static_cast<int32_t>(s.code()), c);
-    EXPECT_EQ(StatusCodeName(s.code()).find("UNKNOWN("), std::string::npos) << c;  // the fallback name
+    EXPECT_EQ(StatusCodeName(s.code()).find("UNKNOWN("), std::string::npos)
+        << c;  // the fallback name
   }
   Status unknown = Status::FromAbi(999, "boom");
   EXPECT_EQ(unknown.code(), StatusCode::kInternal);
@@ -139,8 +140,8 @@ TEST(Checksum, HardwareAndTableAgreeOnEveryLengthAndAlignment) {
   for (auto& c : data) c = static_cast<char>(rng());
   for (size_t off = 0; off < 9; ++off) {
     // Past 3 KiB the hardware path runs three interleaved lanes and combines them.
-    for (size_t len : {0, 1, 7, 8, 9, 63, 64, 65, 1000, 3071, 3072, 3073, 4096, 6144, 15377,
-                       65536, 1 << 20}) {
+    for (size_t len :
+         {0, 1, 7, 8, 9, 63, 64, 65, 1000, 3071, 3072, 3073, 4096, 6144, 15377, 65536, 1 << 20}) {
       EXPECT_EQ(util::Crc32c(data.data() + off, len, 123),
                 util::Crc32cPortableForTest(data.data() + off, len, 123))
           << "off " << off << " len " << len;

@@ -101,8 +101,8 @@ TEST(Handshake, GarbageAndSilentClientsDoNotStopTheService) {
   const uint16_t free_port = testing::FreePort();
   auto closed = TransferEngine::FetchDescriptor("127.0.0.1:" + std::to_string(free_port), 1000);
   EXPECT_TRUE(closed.status().IsPeerUnreachable()) << closed.status().ToString();
-  EXPECT_TRUE(TransferEngine::FetchDescriptor("no-port", 1000).status().Is(
-      StatusCode::kInvalidArgument));
+  EXPECT_TRUE(
+      TransferEngine::FetchDescriptor("no-port", 1000).status().Is(StatusCode::kInvalidArgument));
 }
 
 // A peer that trickles bytes cannot stretch an exchange past its bound, on either side.
@@ -204,7 +204,7 @@ TEST(Handshake, SilentConnectionsAndAFloodFromOneAddressDelayNoOne) {
   setsockopt(silent[0], SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   EXPECT_EQ(recv(silent[0], &c, 1, 0), 0) << "the oldest silent connection is still open";
   EXPECT_LT(Clock::now() - first, std::chrono::milliseconds(900)) << "too slow to tell eviction "
-                                                                       "from the 1 s bound";
+                                                                     "from the 1 s bound";
   for (int fd : silent) close(fd);
 }
 
@@ -219,9 +219,9 @@ TEST(Handshake, RestartOnTheSameHandshakePortIsANewIncarnation) {
   Must(a1->RegisterMemory(target1.data(), target1.size()));
   Must(b->AddPeer(Must(TransferEngine::FetchDescriptor(listen, 2000))));
   const uint64_t seg1 = Must(b->PeerSegments("hs-a"))[0].id;
-  ASSERT_TRUE(b->Transfer(std::vector{TransferOp{OpCode::kWrite, local.data(), 4096, "hs-a", seg1,
-                                                 0}})
-                  .ok());
+  ASSERT_TRUE(
+      b->Transfer(std::vector{TransferOp{OpCode::kWrite, local.data(), 4096, "hs-a", seg1, 0}})
+          .ok());
   const uint64_t old_inc = a1->self().incarnation;
   a1.reset();
   Buffer target2(1 << 16);
@@ -229,8 +229,8 @@ TEST(Handshake, RestartOnTheSameHandshakePortIsANewIncarnation) {
   auto a2 = WithHandshake("hs-a", listen);  // same node id, same handshake port
   Must(a2->RegisterMemory(target2.data(), target2.size()));
   // The old incarnation's segment is never written in the new process.
-  Status st = b->Transfer(std::vector{TransferOp{OpCode::kWrite, local.data(), 4096, "hs-a", seg1,
-                                                 0}});
+  Status st =
+      b->Transfer(std::vector{TransferOp{OpCode::kWrite, local.data(), 4096, "hs-a", seg1, 0}});
   EXPECT_FALSE(st.ok());
   EXPECT_TRUE(target2.Matches(99, 0, target2.size(), 0));
   PeerId fresh = Must(b->AddPeer(Must(TransferEngine::FetchDescriptor(listen, 2000))));

@@ -3,8 +3,6 @@
 // proofs, golden bytes recorded from the tcp plugin's protocol version 2 before the handshake
 // moved into the host (so old and new tcp peers interoperate), and the client/server state
 // machines through the C services table, including every refusal.
-#include "core/peer_auth.h"
-
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -13,6 +11,7 @@
 #include <vector>
 
 #include "core/host_services.h"
+#include "core/peer_auth.h"
 
 namespace kvbridge::core::auth {
 namespace {
@@ -167,7 +166,8 @@ TEST(PeerAuthWire, ProofsBindEveryTranscriptField) {
   ASSERT_TRUE(ComputeProof("token", kLabel, Role::kServer, t, &p));
   EXPECT_TRUE(VerifyProof("token", kLabel, Role::kServer, t, p));
   EXPECT_FALSE(VerifyProof("token2", kLabel, Role::kServer, t, p));
-  EXPECT_FALSE(VerifyProof("token", kLabel, Role::kClient, t, p)) << "a proof must not be reflectable";
+  EXPECT_FALSE(VerifyProof("token", kLabel, Role::kClient, t, p))
+      << "a proof must not be reflectable";
   auto changed = [&](auto mutate) {
     Transcript u = t;
     mutate(u);
@@ -199,7 +199,6 @@ TEST(PeerAuthWire, ProofsBindEveryTranscriptField) {
   EXPECT_NE(a, b);
 }
 
-
 std::string Hex(const void* p, size_t len) {
   static const char* d = "0123456789abcdef";
   std::string s;
@@ -223,9 +222,9 @@ TEST(PeerAuthWire, GoldenBytesOfTcpProtocolVersion2) {
   r.server_node_id = "server-node";
   r.server_incarnation = h.expected_incarnation;
   for (size_t i = 0; i < kNonceBytes; ++i) r.server_nonce[i] = static_cast<uint8_t>(200 - i);
-  const Transcript t{h.client_node_id,       h.client_incarnation, r.server_node_id,
-                     r.server_incarnation,   h.expected_node_id,   h.expected_incarnation,
-                     h.client_nonce,         r.server_nonce,       KVB_OK};
+  const Transcript t{h.client_node_id,     h.client_incarnation, r.server_node_id,
+                     r.server_incarnation, h.expected_node_id,   h.expected_incarnation,
+                     h.client_nonce,       r.server_nonce,       KVB_OK};
   EXPECT_EQ(kLabel, "kvbridge-tcp-auth-v2");
   ASSERT_TRUE(ComputeProof("secret-token", kLabel, Role::kServer, t, &r.server_proof));
   EXPECT_EQ(Hex(r.server_proof.data(), kProofBytes),
@@ -366,8 +365,7 @@ TEST(PeerAuth, EveryRefusalIsNamedOnBothSides) {
        KVB_ERR_UNAUTHENTICATED, KVB_ERR_UNAUTHENTICATED, "requires a cluster token",
        "has no cluster token"},
       {"server without token", Id("a", 1, "one"), Id("b", 2), "tcp", "tcp", 2,
-       KVB_ERR_UNAUTHENTICATED, KVB_ERR_UNAUTHENTICATED, "UNAUTHENTICATED",
-       "this node has none"},
+       KVB_ERR_UNAUTHENTICATED, KVB_ERR_UNAUTHENTICATED, "UNAUTHENTICATED", "this node has none"},
       {"proof made for another transport", Id("a", 1, "one"), Id("b", 2, "one"), "tcp", "ucx", 2,
        KVB_ERR_UNAUTHENTICATED, KVB_ERR_UNAUTHENTICATED, "proof is wrong", "could not verify"},
   };

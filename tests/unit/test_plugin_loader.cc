@@ -163,8 +163,9 @@ TEST(PluginLoader, MockStorageKeepsMetadataWithObjects) {
                 [](void* user, const uint8_t* key, uint32_t key_len, uint64_t length,
                    const uint8_t* m, uint32_t m_len) {
                   EXPECT_EQ(length, 3u);
-                  (*static_cast<std::map<std::string, std::vector<uint8_t>>*>(user))[std::string(
-                      reinterpret_cast<const char*>(key), key_len)] = {m, m + m_len};
+                  (*static_cast<std::map<std::string, std::vector<uint8_t>>*>(
+                      user))[std::string(reinterpret_cast<const char*>(key), key_len)] = {
+                      m, m + m_len};
                 },
                 &seen),
             KVB_OK);
@@ -591,7 +592,8 @@ TEST(ExamplePlugin, LoadsThroughRegistryAndMovesBytes) {
   ASSERT_EQ(ops->register_memory(t, &r2, nullptr, 0, &rkey_len), KVB_OK);
   char ep[128];
   ASSERT_GT(ops->get_endpoints(t, ep, sizeof(ep)), 0);
-  kvb_peer_info_t self{sizeof(kvb_peer_info_t), "ex", 77, ep, nullptr, 0, sizeof(kvb_peer_segment_t)};
+  kvb_peer_info_t self{sizeof(kvb_peer_info_t),   "ex", 77, ep, nullptr, 0,
+                       sizeof(kvb_peer_segment_t)};
   kvb_tpeer_t* peer = nullptr;
   ASSERT_EQ(ops->add_peer(t, &self, &peer, err, sizeof(err)), KVB_OK) << err;
   kvb_xfer_op_t op{KVB_OP_WRITE, 0, 1, src.data(), 100, 2, 10};

@@ -54,9 +54,9 @@ struct PeerId {
 
 struct TransferOp {
   OpCode opcode = OpCode::kRead;
-  void* local_addr = nullptr;   // REQUIRES: inside a region registered with this engine
-  uint64_t length = 0;          // REQUIRES: > 0
-  std::string_view peer;        // peer node id; only read during Submit()
+  void* local_addr = nullptr;  // REQUIRES: inside a region registered with this engine
+  uint64_t length = 0;         // REQUIRES: > 0
+  std::string_view peer;       // peer node id; only read during Submit()
   SegmentId remote_segment = 0;
   uint64_t remote_offset = 0;
 };
@@ -87,8 +87,8 @@ struct RemoteSegment {
 };
 
 struct BatchResult {
-  Status status;                 // OK, or the first failed op's status
-  std::vector<Status> op_status; // one per op, in submission order
+  Status status;                  // OK, or the first failed op's status
+  std::vector<Status> op_status;  // one per op, in submission order
   // Empty unless some op of the batch failed over to another path; then one per op: "" for an
   // op that stayed on its first path, else its path history, e.g. "mock: PEER_UNREACHABLE
   // (mock: injected fault PEER_UNREACHABLE); then mock_b: OK". A failed op's status message

@@ -79,9 +79,7 @@ class [[nodiscard]] Status {
   static Status OutOfBounds(std::string_view m) { return {StatusCode::kOutOfBounds, m}; }
   static Status StalePeer(std::string_view m) { return {StatusCode::kStalePeer, m}; }
   static Status PeerUnreachable(std::string_view m) { return {StatusCode::kPeerUnreachable, m}; }
-  static Status DeadlineExceeded(std::string_view m) {
-    return {StatusCode::kDeadlineExceeded, m};
-  }
+  static Status DeadlineExceeded(std::string_view m) { return {StatusCode::kDeadlineExceeded, m}; }
   static Status ProgressTimeout(std::string_view m) { return {StatusCode::kProgressTimeout, m}; }
   static Status Backpressure(std::string_view m) { return {StatusCode::kBackpressure, m}; }
   static Status Cancelled(std::string_view m) { return {StatusCode::kCancelled, m}; }
@@ -92,9 +90,7 @@ class [[nodiscard]] Status {
   static Status NoSpace(std::string_view m) { return {StatusCode::kNoSpace, m}; }
   static Status IoError(std::string_view m) { return {StatusCode::kIoError, m}; }
   static Status Internal(std::string_view m) { return {StatusCode::kInternal, m}; }
-  static Status PermissionDenied(std::string_view m) {
-    return {StatusCode::kPermissionDenied, m};
-  }
+  static Status PermissionDenied(std::string_view m) { return {StatusCode::kPermissionDenied, m}; }
   static Status UnknownMemory(std::string_view m) { return {StatusCode::kUnknownMemory, m}; }
   // From a plugin's int32 code; unknown codes become kInternal with the number in the message.
   static Status FromAbi(kvb_status_t code, std::string_view msg);
@@ -128,8 +124,8 @@ class [[nodiscard]] Status {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}                   // NOLINT: implicit by design
-  Result(Status status) : status_(std::move(status)) {            // NOLINT: implicit by design
+  Result(T value) : value_(std::move(value)) {}         // NOLINT: implicit by design
+  Result(Status status) : status_(std::move(status)) {  // NOLINT: implicit by design
     if (status_.ok()) status_ = Status::Internal("Result built from an OK status without value");
   }
   bool ok() const { return value_.has_value(); }
@@ -148,8 +144,8 @@ class [[nodiscard]] Result {
 
 }  // namespace kvbridge
 
-#define KVB_RETURN_IF_ERROR(expr)            \
-  do {                                       \
-    ::kvbridge::Status _kvb_st = (expr);     \
-    if (!_kvb_st.ok()) return _kvb_st;       \
+#define KVB_RETURN_IF_ERROR(expr)        \
+  do {                                   \
+    ::kvbridge::Status _kvb_st = (expr); \
+    if (!_kvb_st.ok()) return _kvb_st;   \
   } while (0)

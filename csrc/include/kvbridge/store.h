@@ -299,7 +299,7 @@ class MasterServer {
 
 struct NodeStatus {
   PeerId id;
-  std::string state;  // ACTIVE, DRAINING, DEAD
+  std::string state;            // ACTIVE, DRAINING, DEAD
   uint64_t capacity_bytes = 0;  // DRAM pool
   uint64_t used_bytes = 0;
   uint64_t replicas = 0;
@@ -313,7 +313,7 @@ struct ClusterStatus {
   uint64_t pending_puts = 0;
   uint64_t stored_bytes = 0;
   uint64_t evictions_total = 0;
-  uint64_t bad_replicas_total = 0;  // replicas dropped because a reader found them bad
+  uint64_t bad_replicas_total = 0;         // replicas dropped because a reader found them bad
   uint64_t unreachable_reports_total = 0;  // reads that could not reach a node (replicas kept)
   uint64_t nodes_expired_total = 0;
   uint64_t under_replicated = 0;  // objects waiting for re-replication

@@ -310,7 +310,7 @@ TEST(MasterTier, CancelledPromotionHoldsItsDramRangeUntilItsDeadline) {
   ASSERT_EQ(ps.size(), 1u);
   ASSERT_EQ(ps[0].dest.segment_id, 100u);
   const uint64_t held_before = c.m().Stats().held_bytes;
-  ASSERT_TRUE(c.m().Remove("k1", c.now).ok());  // cancels the promotion
+  ASSERT_TRUE(c.m().Remove("k1", c.now).ok());                  // cancels the promotion
   EXPECT_GE(c.m().Stats().held_bytes, held_before + 4 * kKiB);  // its DRAM range is held
   ExpectConsistent(c);
   EXPECT_EQ(RunDemotion(c, n, ps[0]).code(), StatusCode::kNotFound);  // a late report
@@ -326,13 +326,17 @@ TEST(MasterTier, BadReplicaReportForACopyThatMovedDropsNothing) {
   ASSERT_TRUE(RunDemotion(c, n, ds[0]).ok());  // now on SSD
   const Demotion& d = ds[0];
   // A reader that still had the DRAM location reports it: the SSD replica stays.
-  EXPECT_EQ(c.m().ReportBadReplica(d.source.key, d.source.version, n.id, c.now,
-                                   d.source.segment_id, d.source.offset).code(),
+  EXPECT_EQ(c.m()
+                .ReportBadReplica(d.source.key, d.source.version, n.id, c.now, d.source.segment_id,
+                                  d.source.offset)
+                .code(),
             StatusCode::kNotFound);
   EXPECT_TRUE(c.m().Exists({d.source.key})[0]);
   // A report naming the current copy drops it (the last one: the object goes).
-  EXPECT_TRUE(c.m().ReportBadReplica(d.source.key, d.source.version, n.id, c.now,
-                                     d.dest.segment_id, d.dest.offset).ok());
+  EXPECT_TRUE(c.m()
+                  .ReportBadReplica(d.source.key, d.source.version, n.id, c.now, d.dest.segment_id,
+                                    d.dest.offset)
+                  .ok());
   EXPECT_FALSE(c.m().Exists({d.source.key})[0]);
   ExpectConsistent(c);
 }
@@ -437,7 +441,8 @@ TEST(MasterTier, DrainingNodeCopiesSsdReplicasOffAndNodesWithoutSsdStillEvict) {
     ASSERT_TRUE(c.Put("k" + std::to_string(i), 4 * kKiB, 1, "t0").ok());
   }
   c.m().Tick(c.now);
-  for (const Demotion& d : HeartbeatDemotions(c, tiered)) ASSERT_TRUE(RunDemotion(c, tiered, d).ok());
+  for (const Demotion& d : HeartbeatDemotions(c, tiered))
+    ASSERT_TRUE(RunDemotion(c, tiered, d).ok());
   ASSERT_GT(c.m().Stats().ssd_replicas, 0u);
   ASSERT_TRUE(c.m().StartDrain(tiered.id, c.now).ok());
   for (int round = 0; round < 10 && !tiered.drained; ++round) {

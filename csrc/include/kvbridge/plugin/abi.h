@@ -54,8 +54,8 @@ typedef int32_t kvb_status_t;
 enum {
   KVB_OK = 0,
   KVB_IN_PROGRESS = 1,
-  KVB_ERR_INVALID_ARGUMENT = 2,  /* caller passed something malformed */
-  KVB_ERR_NOT_FOUND = 3,         /* unknown key, peer, segment or batch */
+  KVB_ERR_INVALID_ARGUMENT = 2, /* caller passed something malformed */
+  KVB_ERR_NOT_FOUND = 3,        /* unknown key, peer, segment or batch */
   KVB_ERR_ALREADY_EXISTS = 4,
   KVB_ERR_NOT_REGISTERED = 5,    /* memory (local or remote) is not inside a registered region */
   KVB_ERR_OUT_OF_BOUNDS = 6,     /* offset/length outside the remote registered region */
@@ -65,22 +65,19 @@ enum {
   KVB_ERR_PROGRESS_TIMEOUT = 10, /* the peer stopped moving bytes for longer than allowed */
   KVB_ERR_BACKPRESSURE = 11,     /* a queue bound was reached; retry later */
   KVB_ERR_CANCELLED = 12,
-  KVB_ERR_PROTOCOL = 13,         /* malformed frame or protocol violation */
-  KVB_ERR_UNAUTHENTICATED = 14,  /* cluster token missing or wrong */
-  KVB_ERR_UNSUPPORTED = 15,      /* the plugin does not implement this op / capability */
-  KVB_ERR_UNAVAILABLE = 16,      /* the plugin cannot run here (missing library, no device) */
+  KVB_ERR_PROTOCOL = 13,        /* malformed frame or protocol violation */
+  KVB_ERR_UNAUTHENTICATED = 14, /* cluster token missing or wrong */
+  KVB_ERR_UNSUPPORTED = 15,     /* the plugin does not implement this op / capability */
+  KVB_ERR_UNAVAILABLE = 16,     /* the plugin cannot run here (missing library, no device) */
   KVB_ERR_NO_SPACE = 17,
   KVB_ERR_IO = 18,
   KVB_ERR_INTERNAL = 19,
   KVB_ERR_PERMISSION_DENIED = 20, /* authenticated, but not allowed this call (admin token) */
-  KVB_ERR_UNKNOWN_MEMORY = 21     /* neither mapped host memory nor device memory of the kind named */
+  KVB_ERR_UNKNOWN_MEMORY = 21 /* neither mapped host memory nor device memory of the kind named */
 };
 #define KVB_STATUS_CODE_COUNT 22
 
-typedef enum kvb_plugin_kind {
-  KVB_PLUGIN_TRANSPORT = 1,
-  KVB_PLUGIN_STORAGE = 2
-} kvb_plugin_kind_t;
+typedef enum kvb_plugin_kind { KVB_PLUGIN_TRANSPORT = 1, KVB_PLUGIN_STORAGE = 2 } kvb_plugin_kind_t;
 
 typedef enum kvb_log_level {
   KVB_LOG_DEBUG = 0,
@@ -90,10 +87,9 @@ typedef enum kvb_log_level {
 } kvb_log_level_t;
 
 /* True when a struct of `type` handed over with struct_size `(p)->struct_size` has field f. */
-#define KVB_HAS_FIELD(p, type, f) \
-  ((p)->struct_size >= offsetof(type, f) + sizeof(((type*)0)->f))
+#define KVB_HAS_FIELD(p, type, f) ((p)->struct_size >= offsetof(type, f) + sizeof(((type*)0)->f))
 
-typedef struct kvb_auth kvb_auth_t; /* one handshake in progress, owned by the host */
+typedef struct kvb_auth kvb_auth_t;             /* one handshake in progress, owned by the host */
 typedef struct kvb_dev_stream kvb_dev_stream_t; /* one device copy queue, owned by the host */
 enum { KVB_AUTH_CLIENT = 1, KVB_AUTH_SERVER = 2 };
 #define KVB_AUTH_MAX_MESSAGE 1024
@@ -195,7 +191,7 @@ typedef struct kvb_plugin_descriptor {
   const char* version; /* the plugin's own version, free text */
   int32_t kind;        /* kvb_plugin_kind_t */
   uint32_t reserved;
-  uint64_t caps;       /* KVB_TCAP_* for transports, KVB_SCAP_* for storage */
+  uint64_t caps; /* KVB_TCAP_* for transports, KVB_SCAP_* for storage */
   /* Cheap check that the plugin can run on this machine (library present, device present).
    * Returns KVB_OK, or KVB_ERR_UNAVAILABLE with a human reason written into `reason`. */
   kvb_status_t (*probe)(char* reason, uint32_t reason_len);
@@ -205,7 +201,7 @@ typedef struct kvb_plugin_descriptor {
 
 /* The one exported symbol. Returns NULL if the plugin cannot serve the host's ABI major. */
 typedef const kvb_plugin_descriptor_t* (*kvb_plugin_query_fn)(uint16_t host_abi_major,
-                                                               uint16_t host_abi_minor);
+                                                              uint16_t host_abi_minor);
 
 /* Copies a message into a caller buffer, always NUL-terminated, truncating if needed. */
 static inline void kvb_copy_message(char* buf, uint32_t buf_len, const char* msg) {

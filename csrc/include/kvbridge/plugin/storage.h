@@ -67,8 +67,7 @@ typedef struct kvb_iovec {
 typedef void (*kvb_storage_visit_fn)(void* user, const uint8_t* key, uint32_t key_len,
                                      uint64_t length);
 typedef void (*kvb_storage_visit_meta_fn)(void* user, const uint8_t* key, uint32_t key_len,
-                                          uint64_t length, const uint8_t* meta,
-                                          uint32_t meta_len);
+                                          uint64_t length, const uint8_t* meta, uint32_t meta_len);
 
 typedef struct kvb_storage_ops {
   uint32_t struct_size;
@@ -150,8 +149,7 @@ static inline kvb_status_t kvb_storage_for_each_unsupported(kvb_storage_t* s,
 static inline kvb_status_t kvb_storage_put_meta_unsupported(kvb_storage_t* s, const uint8_t* key,
                                                             uint32_t key_len,
                                                             const kvb_iovec_t* iov,
-                                                            uint32_t iov_count,
-                                                            const uint8_t* meta,
+                                                            uint32_t iov_count, const uint8_t* meta,
                                                             uint32_t meta_len) {
   (void)s, (void)key, (void)key_len, (void)iov, (void)iov_count, (void)meta, (void)meta_len;
   return KVB_ERR_UNSUPPORTED;

@@ -49,8 +49,8 @@ typedef struct kvb_treq kvb_treq_t;           /* one posted request (opaque) */
 
 typedef struct kvb_transport_params {
   uint32_t struct_size;
-  const char* node_id;      /* this process's node id */
-  uint64_t incarnation;     /* this process's incarnation (random per start) */
+  const char* node_id;  /* this process's node id */
+  uint64_t incarnation; /* this process's incarnation (random per start) */
   /* Where to listen: comma-separated "host:port" list, one entry per NIC; port 0 = pick one.
    * NULL or "" lets the transport choose (loopback for tcp). */
   const char* listen;
@@ -64,7 +64,7 @@ typedef struct kvb_region {
   uint64_t segment_id; /* chosen by the host, unique within this process */
   void* addr;
   uint64_t length;
-  int32_t device_id;   /* CUDA device for KVB_MEM_CUDA, -1 otherwise */
+  int32_t device_id; /* CUDA device for KVB_MEM_CUDA, -1 otherwise */
 } kvb_region_t;
 
 /* One remote segment as published in the peer's descriptor. */
@@ -93,7 +93,7 @@ typedef struct kvb_peer_info {
 /* One op of a request. Arrays of ops are passed with their element size (op_size) so the
  * struct can grow in a minor version. */
 typedef struct kvb_xfer_op {
-  uint32_t opcode;        /* kvb_opcode_t */
+  uint32_t opcode; /* kvb_opcode_t */
   uint32_t reserved;
   uint64_t local_segment; /* local region containing [local_addr, local_addr + length) */
   void* local_addr;
@@ -166,8 +166,8 @@ typedef struct kvb_transport_ops {
                        uint32_t op_size, uint32_t count, const kvb_post_opts_t* opts,
                        kvb_treq_t** out, char* err, uint32_t err_len);
   /* KVB_IN_PROGRESS while any op is unfinished. Once final: KVB_OK, or the error of the failed op
-   * with the lowest index, with its message in err. op_status (may be NULL) receives one code per op (IN_PROGRESS for an
-   * unfinished op). Never blocks. */
+   * with the lowest index, with its message in err. op_status (may be NULL) receives one code per
+   * op (IN_PROGRESS for an unfinished op). Never blocks. */
   kvb_status_t (*poll)(kvb_transport_t* t, kvb_treq_t* req, kvb_status_t* op_status,
                        uint32_t op_status_len, char* err, uint32_t err_len);
   /* Makes the request final: unfinished ops become CANCELLED. When cancel returns, the transport

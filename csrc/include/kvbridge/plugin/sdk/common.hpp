@@ -2,7 +2,8 @@
 // kvb_status_t code with a message), sdk::Host (the kvb_host_services_t table of one instance:
 // logging under the plugin's name, typed configuration, the clock, identity and the handshake
 // services of ABI 1.2 through sdk::AuthSession, the device copy services through
-// sdk::DevStream), and the exception barrier every trampoline runs in. transport.hpp and storage.hpp build the ops tables on it.
+// sdk::DevStream), and the exception barrier every trampoline runs in. transport.hpp and
+// storage.hpp build the ops tables on it.
 //
 // Header-only C++20; it includes nothing of kvbridge but the C ABI headers, so a plugin built
 // with it still sees only csrc/include/kvbridge/plugin/*.h. The C ABI stays the contract: the
@@ -186,8 +187,7 @@ class AuthSession {
 // time, like the kvb_dev_stream_t it owns.
 class DevStream {
  public:
-  DevStream(DevStream&& o) noexcept
-      : host_(o.host_), s_(std::exchange(o.s_, nullptr)) {}
+  DevStream(DevStream&& o) noexcept : host_(o.host_), s_(std::exchange(o.s_, nullptr)) {}
   DevStream& operator=(DevStream&& o) noexcept {
     if (this != &o) {
       Destroy();
