@@ -36,11 +36,12 @@ configure: $(BUILD_DIR)/build.ninja
 build: configure
 	ninja -C $(BUILD_DIR) -j$(JOBS)
 
-# C++ suites (ctest), then the Python suites against the build tree's package, the Mooncake
+# Lint (formatting, ruff, the plugin seam), the C++ suites (ctest), then the Python suites against the build tree's package, the Mooncake
 # compatibility suites against kvbridge and (in .venv-mooncake) the real Mooncake wheel, the
 # end-to-end suites with the real SGLang and vLLM, then `pip install .` from a fresh clone
 # into a fresh venv and into the engines' venv (scripts/check_pip_install.sh).
 test: setup setup-engines
+	$(MAKE) lint
 	$(MAKE) build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure
 	$(MAKE) pytest
