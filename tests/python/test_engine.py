@@ -262,3 +262,20 @@ def test_multipath_options_reach_the_engine_options_and_bools_are_typed():
     with pytest.raises(errors.InvalidArgumentError, match="failover_min_budget_ms=True"):
         options.engine_options({"failover_min_budget_ms": True})
     kvbridge.TransferEngine(path_failover=False).close()
+
+
+def test_an_opt_in_transport_is_used_only_when_named():
+    """ucx declares KVB_TCAP_OPT_IN: a default engine leaves it out, a named one uses it."""
+    try:
+        named = kvbridge.TransferEngine(transports=["tcp", "ucx"])
+    except errors.UnavailableError as e:
+        pytest.skip(f"the ucx transport is not available in this build: {e}")
+    try:
+        assert named.transports == ["tcp", "ucx"]
+    finally:
+        named.close()
+    default = kvbridge.TransferEngine()
+    try:
+        assert "ucx" not in default.transports and "tcp" in default.transports
+    finally:
+        default.close()

@@ -37,7 +37,10 @@ extern "C" {
 #define KVB_TCAP_HOST_MEM ((uint64_t)1 << 2) /* host (CPU) memory regions */
 #define KVB_TCAP_CUDA_MEM ((uint64_t)1 << 3) /* CUDA device memory regions */
 #define KVB_TCAP_STATS ((uint64_t)1 << 4)    /* get_stats is implemented (not the stub) */
-#define KVB_TCAP_KNOWN_MASK ((uint64_t)0x1f)
+/* ABI 1.2: used only when named in EngineOptions::transports, never picked up by default (a
+ * transport that costs every process something, or is not yet the better path). */
+#define KVB_TCAP_OPT_IN ((uint64_t)1 << 5)
+#define KVB_TCAP_KNOWN_MASK ((uint64_t)0x3f)
 
 typedef enum kvb_mem_kind { KVB_MEM_HOST = 1, KVB_MEM_CUDA = 2 } kvb_mem_kind_t;
 
