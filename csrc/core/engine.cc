@@ -668,7 +668,7 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptio
     for (const core::PluginInfo* p : registry.Loaded(KVB_PLUGIN_TRANSPORT)) {
       if ((p->caps & KVB_TCAP_OPT_IN) != 0) {  // only when named in EngineOptions::transports
         KVB_LOG(DEBUG) << "transport '" << p->name
-                        << "' is opt-in: not used unless named in the engine's transports";
+                       << "' is opt-in: not used unless named in the engine's transports";
         continue;
       }
       chosen.emplace_back(p, false);
