@@ -10,43 +10,22 @@
 #include <cstdio>
 #include <cstring>
 
+#include "util/little_endian.h"
+
 namespace kvbridge::core::auth {
 namespace {
-
-void Put16(uint8_t* p, uint16_t v) {
-  p[0] = static_cast<uint8_t>(v);
-  p[1] = static_cast<uint8_t>(v >> 8);
-}
-void Put32(uint8_t* p, uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-void Put64(uint8_t* p, uint64_t v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-uint16_t Get16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
-uint32_t Get32(const uint8_t* p) {
-  uint32_t v = 0;
-  for (int i = 3; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
-uint64_t Get64(const uint8_t* p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
-
 ParseResult Malformed(const char* reason) { return {Parse::kMalformed, 0, reason}; }
 
 // Appends a length-prefixed field to the HMAC input, so no two transcripts serialize alike.
 void AppendField(std::string* s, const void* data, size_t len) {
   uint8_t n[4];
-  Put32(n, static_cast<uint32_t>(len));
+  util::PutLe32(n, static_cast<uint32_t>(len));
   s->append(reinterpret_cast<const char*>(n), 4);
   s->append(static_cast<const char*>(data), len);
 }
 void AppendU64(std::string* s, uint64_t v) {
   uint8_t b[8];
-  Put64(b, v);
+  util::PutLe64(b, v);
   AppendField(s, b, 8);
 }
 
@@ -65,14 +44,14 @@ std::string Fmt(const char* fmt, ...) {
 std::string EncodeHello(const Hello& h) {
   std::string out(kHelloFixedBytes + h.client_node_id.size() + h.expected_node_id.size(), '\0');
   auto* p = reinterpret_cast<uint8_t*>(out.data());
-  Put32(p, kHelloMagic);
-  Put16(p + 4, h.version);
-  Put16(p + 6, h.flags);
-  Put64(p + 8, h.client_incarnation);
-  Put64(p + 16, h.expected_incarnation);
+  util::PutLe32(p, kHelloMagic);
+  util::PutLe16(p + 4, h.version);
+  util::PutLe16(p + 6, h.flags);
+  util::PutLe64(p + 8, h.client_incarnation);
+  util::PutLe64(p + 16, h.expected_incarnation);
   std::memcpy(p + 24, h.client_nonce.data(), kNonceBytes);
-  Put16(p + 40, static_cast<uint16_t>(h.client_node_id.size()));
-  Put16(p + 42, static_cast<uint16_t>(h.expected_node_id.size()));
+  util::PutLe16(p + 40, static_cast<uint16_t>(h.client_node_id.size()));
+  util::PutLe16(p + 42, static_cast<uint16_t>(h.expected_node_id.size()));
   std::memcpy(p + kHelloFixedBytes, h.client_node_id.data(), h.client_node_id.size());
   std::memcpy(p + kHelloFixedBytes + h.client_node_id.size(), h.expected_node_id.data(),
               h.expected_node_id.size());
@@ -81,19 +60,19 @@ std::string EncodeHello(const Hello& h) {
 
 ParseResult DecodeHello(const uint8_t* buf, size_t len, Hello* out) {
   if (len < 4) return {Parse::kNeedMore, kHelloFixedBytes, ""};
-  if (Get32(buf) != kHelloMagic) return Malformed("bad hello magic");
+  if (util::GetLe32(buf) != kHelloMagic) return Malformed("bad hello magic");
   if (len < kHelloFixedBytes) return {Parse::kNeedMore, kHelloFixedBytes, ""};
-  const size_t client_len = Get16(buf + 40);
-  const size_t expected_len = Get16(buf + 42);
+  const size_t client_len = util::GetLe16(buf + 40);
+  const size_t expected_len = util::GetLe16(buf + 42);
   if (client_len > kMaxNodeIdBytes || expected_len > kMaxNodeIdBytes) {
     return Malformed("node id longer than 255 bytes");
   }
   const size_t total = kHelloFixedBytes + client_len + expected_len;
   if (len < total) return {Parse::kNeedMore, total, ""};
-  out->version = Get16(buf + 4);
-  out->flags = Get16(buf + 6);
-  out->client_incarnation = Get64(buf + 8);
-  out->expected_incarnation = Get64(buf + 16);
+  out->version = util::GetLe16(buf + 4);
+  out->flags = util::GetLe16(buf + 6);
+  out->client_incarnation = util::GetLe64(buf + 8);
+  out->expected_incarnation = util::GetLe64(buf + 16);
   std::memcpy(out->client_nonce.data(), buf + 24, kNonceBytes);
   const char* ids = reinterpret_cast<const char*>(buf + kHelloFixedBytes);
   out->client_node_id.assign(ids, client_len);
@@ -104,32 +83,32 @@ ParseResult DecodeHello(const uint8_t* buf, size_t len, Hello* out) {
 std::string EncodeHelloReply(const HelloReply& r) {
   std::string out(kHelloReplyFixedBytes + r.server_node_id.size(), '\0');
   auto* p = reinterpret_cast<uint8_t*>(out.data());
-  Put32(p, kHelloReplyMagic);
-  Put16(p + 4, r.version);
-  Put16(p + 6, r.flags);
-  Put32(p + 8, static_cast<uint32_t>(r.status));
-  Put32(p + 12, 0);
-  Put64(p + 16, r.server_incarnation);
+  util::PutLe32(p, kHelloReplyMagic);
+  util::PutLe16(p + 4, r.version);
+  util::PutLe16(p + 6, r.flags);
+  util::PutLe32(p + 8, static_cast<uint32_t>(r.status));
+  util::PutLe32(p + 12, 0);
+  util::PutLe64(p + 16, r.server_incarnation);
   std::memcpy(p + 24, r.server_nonce.data(), kNonceBytes);
   std::memcpy(p + 40, r.server_proof.data(), kProofBytes);
-  Put16(p + 72, static_cast<uint16_t>(r.server_node_id.size()));
-  Put16(p + 74, 0);
+  util::PutLe16(p + 72, static_cast<uint16_t>(r.server_node_id.size()));
+  util::PutLe16(p + 74, 0);
   std::memcpy(p + kHelloReplyFixedBytes, r.server_node_id.data(), r.server_node_id.size());
   return out;
 }
 
 ParseResult DecodeHelloReply(const uint8_t* buf, size_t len, HelloReply* out) {
   if (len < 4) return {Parse::kNeedMore, kHelloReplyFixedBytes, ""};
-  if (Get32(buf) != kHelloReplyMagic) return Malformed("bad hello-reply magic");
+  if (util::GetLe32(buf) != kHelloReplyMagic) return Malformed("bad hello-reply magic");
   if (len < kHelloReplyFixedBytes) return {Parse::kNeedMore, kHelloReplyFixedBytes, ""};
-  const size_t id_len = Get16(buf + 72);
+  const size_t id_len = util::GetLe16(buf + 72);
   if (id_len > kMaxNodeIdBytes) return Malformed("node id longer than 255 bytes");
   const size_t total = kHelloReplyFixedBytes + id_len;
   if (len < total) return {Parse::kNeedMore, total, ""};
-  out->version = Get16(buf + 4);
-  out->flags = Get16(buf + 6);
-  out->status = static_cast<int32_t>(Get32(buf + 8));
-  out->server_incarnation = Get64(buf + 16);
+  out->version = util::GetLe16(buf + 4);
+  out->flags = util::GetLe16(buf + 6);
+  out->status = static_cast<int32_t>(util::GetLe32(buf + 8));
+  out->server_incarnation = util::GetLe64(buf + 16);
   std::memcpy(out->server_nonce.data(), buf + 24, kNonceBytes);
   std::memcpy(out->server_proof.data(), buf + 40, kProofBytes);
   out->server_node_id.assign(reinterpret_cast<const char*>(buf + kHelloReplyFixedBytes), id_len);
@@ -137,26 +116,26 @@ ParseResult DecodeHelloReply(const uint8_t* buf, size_t len, HelloReply* out) {
 }
 
 void EncodeClientProof(const ClientProof& p, uint8_t out[kClientProofBytes]) {
-  Put32(out, kClientProofMagic);
-  Put32(out + 4, static_cast<uint32_t>(p.status));
+  util::PutLe32(out, kClientProofMagic);
+  util::PutLe32(out + 4, static_cast<uint32_t>(p.status));
   std::memcpy(out + 8, p.proof.data(), kProofBytes);
 }
 
 bool DecodeClientProof(const uint8_t* buf, size_t len, ClientProof* out) {
-  if (len < kClientProofBytes || Get32(buf) != kClientProofMagic) return false;
-  out->status = static_cast<int32_t>(Get32(buf + 4));
+  if (len < kClientProofBytes || util::GetLe32(buf) != kClientProofMagic) return false;
+  out->status = static_cast<int32_t>(util::GetLe32(buf + 4));
   std::memcpy(out->proof.data(), buf + 8, kProofBytes);
   return true;
 }
 
 void EncodeAuthDone(const AuthDone& d, uint8_t out[kAuthDoneBytes]) {
-  Put32(out, kAuthDoneMagic);
-  Put32(out + 4, static_cast<uint32_t>(d.status));
+  util::PutLe32(out, kAuthDoneMagic);
+  util::PutLe32(out + 4, static_cast<uint32_t>(d.status));
 }
 
 bool DecodeAuthDone(const uint8_t* buf, size_t len, AuthDone* out) {
-  if (len < kAuthDoneBytes || Get32(buf) != kAuthDoneMagic) return false;
-  out->status = static_cast<int32_t>(Get32(buf + 4));
+  if (len < kAuthDoneBytes || util::GetLe32(buf) != kAuthDoneMagic) return false;
+  out->status = static_cast<int32_t>(util::GetLe32(buf + 4));
   return true;
 }
 
