@@ -23,6 +23,7 @@
 #include "core/plugin_loader.h"
 #include "core/transport_instance.h"
 #include "util/clock.h"
+#include "util/host_key.h"
 #include "util/logging.h"
 
 namespace kvbridge {
@@ -49,10 +50,8 @@ struct LocalRegion {
   uintptr_t addr = 0;
   uint64_t length = 0;
   MemoryKind kind = MemoryKind::kHost;
-  // kCuda: the device the memory lives on (checked at registration, core/memory_kinds.h).
-  // TODO(descriptor v3): publish it in the segment. Descriptor v2 has no field for it and its
-  // decoder refuses trailing bytes and other versions (core/descriptor.cc), so adding it means
-  // a v3 that v2 peers cannot read; peers learn only mem_kind until then.
+  // kCuda: the device the memory lives on (checked at registration, core/memory_kinds.h);
+  // published in the segment's descriptor entry (version 3).
   int device_id = -1;
   std::map<std::string, std::string> rkeys;  // transport name -> remote key
 };
@@ -179,6 +178,7 @@ std::string Attempt(const Path& path, kvb_status_t code, std::string_view msg) {
 struct TransferEngine::Impl {
   EngineOptions options;
   PeerId self;
+  std::string host_key = util::HostKey();     // published in the descriptor (version 3)
   std::shared_ptr<core::PluginHost> plugins;  // shared with the process's other users
   std::vector<std::unique_ptr<TransportInstance>> transports;
   CircuitBreaker::Config breaker_config;
@@ -851,7 +851,10 @@ std::string TransferEngine::LocalDescriptor() const {
   Descriptor d;
   d.node_id = impl_->self.node_id;
   d.incarnation = impl_->self.incarnation;
-  for (const auto& t : impl_->transports) d.transports.push_back({t->name(), t->endpoints()});
+  d.host_key = impl_->host_key;
+  for (const auto& t : impl_->transports) {
+    d.transports.push_back({t->name(), t->endpoints(), t->caps()});
+  }
   std::shared_lock<std::shared_mutex> lock(impl_->regions_mu);
   for (const auto& [addr, r] : impl_->regions) {
     SegmentDesc s;
@@ -859,14 +862,17 @@ std::string TransferEngine::LocalDescriptor() const {
     s.base = r.addr;
     s.length = r.length;
     s.mem_kind = static_cast<uint32_t>(r.kind);
+    s.device_id = r.device_id;
     s.rkeys = r.rkeys;
     d.segments.push_back(std::move(s));
   }
-  return core::EncodeDescriptor(d);
+  return core::EncodeDescriptor(d, impl_->options.cluster_token);
 }
 
 Result<PeerId> TransferEngine::AddPeer(std::string_view blob, const AddPeerOptions& options) {
-  Result<Descriptor> decoded = core::DecodeDescriptor(blob);
+  // With a cluster token only a sealed descriptor is taken: its endpoints, addresses and keys
+  // are where this engine would write.
+  Result<Descriptor> decoded = core::DecodeDescriptor(blob, impl_->options.cluster_token);
   if (!decoded.ok()) return decoded.status();
   Descriptor& d = decoded.value();
   if (options.expect != nullptr &&
@@ -886,6 +892,13 @@ Result<PeerId> TransferEngine::AddPeer(std::string_view blob, const AddPeerOptio
     auto rt = std::find_if(d.transports.begin(), d.transports.end(),
                            [&](const core::TransportDesc& r) { return r.name == t->name(); });
     if (rt != d.transports.end()) shared.push_back({t, j, &*rt});
+  }
+  // A peer on this host (the same non-empty host key) is tried first over the transports that
+  // reach it through shared memory (KVB_TCAP_LOCAL_SHM); otherwise local preference order.
+  if (!d.host_key.empty() && d.host_key == impl_->host_key) {
+    std::stable_partition(shared.begin(), shared.end(), [](const Shared& sh) {
+      return (sh.transport->caps() & KVB_TCAP_LOCAL_SHM) != 0;
+    });
   }
   if (shared.empty()) {
     std::string theirs, ours;

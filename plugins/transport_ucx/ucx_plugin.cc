@@ -23,7 +23,7 @@ class UcxPlugin {
   // Opt-in: on UCX 1.13 this plugin is slower than tcp on one host and its progress thread costs
   // every process a little, so an engine uses it only when named (docs/transports/ucx.md).
   static constexpr uint64_t kCaps =
-      KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM | KVB_TCAP_OPT_IN;
+      KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM | KVB_TCAP_OPT_IN | KVB_TCAP_LOCAL_SHM;
   // The hello is the host's identity handshake (ABI 1.2 services): older hosts are refused at
   // load time, and Transport::Create names any service a host leaves NULL.
   static constexpr uint16_t kMinHostMinor = 2;

@@ -11,6 +11,7 @@
 
 #include "host_config.h"
 #include "ucx_worker.h"
+#include "util/host_key.h"
 
 namespace kvbridge::ucx {
 namespace {
@@ -84,19 +85,6 @@ bool LoadConfig(const kvb_host_services_t* host, Config* out, std::string* err) 
 
 // ---------------------------------------------------------------------------------------------
 // Endpoints text.
-
-std::string SameHostKey() {
-  std::string boot;
-  std::ifstream f("/proc/sys/kernel/random/boot_id");
-  std::getline(f, boot);
-  struct stat ipc {
-  }, pidns{};
-  if (boot.empty() || stat("/proc/self/ns/ipc", &ipc) != 0 ||
-      stat("/proc/self/ns/pid", &pidns) != 0) {
-    return "";  // unknown: never treated as the same host
-  }
-  return boot + "." + U(ipc.st_ino) + "." + U(pidns.st_ino);
-}
 
 namespace {
 constexpr char kB64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
@@ -184,7 +172,7 @@ bool ParseEndpoints(const std::string& text, PeerAddress* out, std::string* err)
 // Instance.
 
 Transport::Transport(const kvb_host_services_t* host, const Config& config)
-    : host_(host), config_(config), host_key_(SameHostKey()) {}
+    : host_(host), config_(config), host_key_(util::HostKey()) {}
 
 kvb_status_t Transport::Create(const kvb_host_services_t* host,
                                const kvb_transport_params_t* params,

@@ -222,10 +222,6 @@ class Transport {
   std::unordered_set<Peer*> peers_;
 };
 
-// Identifies this machine and the namespaces shared memory and CMA need: two processes with
-// the same key can use sysv/posix shared memory and process_vm_readv on each other.
-std::string SameHostKey();
-
 // Base64 (RFC 4648, with padding) for the worker address in the endpoints text.
 std::string Base64Encode(const std::string& in);
 bool Base64Decode(const std::string& in, std::string* out);

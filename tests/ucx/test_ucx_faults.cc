@@ -354,6 +354,44 @@ TEST_P(UcxTokenTest, PeerWithWrongTokenIsRefused) {
 
 const auto kModes = ::testing::Values("same_host", "net");
 auto ModeName = [](const auto& info) { return info.param; };
+// Same-host ranking (descriptor version 3): with transports {"tcp", "ucx"}, a peer whose
+// descriptor has this process's host key is tried over ucx first (it declares
+// KVB_TCAP_LOCAL_SHM); the same peer seen with another host key keeps the local order, tcp first.
+TEST(UcxSameHost, APeerOnThisHostIsTriedOverSharedMemoryFirst) {
+  auto make = [](const std::string& id) {
+    EngineOptions o = testing::LoopbackOptions("tcp", id);
+    o.transports = {"tcp", "ucx"};
+    return TransferEngine::Create(o);
+  };
+  auto a = make("rank-a");
+  if (!a.ok()) GTEST_SKIP() << "tcp + ucx not usable here: " << a.status().ToString();
+  auto far = Must(make("rank-far"));
+  auto b = Must(make("rank-b"));
+  Buffer mem(1 << 20), remote(1 << 20);
+  Must((*a)->RegisterMemory(mem.data(), mem.size()));
+  const SegmentId seg = Must(b->RegisterMemory(remote.data(), remote.size()));
+
+  Must((*a)->AddPeer(b->LocalDescriptor()));
+  std::optional<PeerHealth> h = (*a)->GetPeerHealth("rank-b");
+  ASSERT_TRUE(h && h->paths.size() == 2);
+  EXPECT_EQ(h->paths[0].transport, "ucx");
+  EXPECT_EQ(h->paths[1].transport, "tcp");
+  std::memset(mem.data(), 0x5a, 65536);
+  Status st =
+      (*a)->Transfer(std::vector{TransferOp{OpCode::kWrite, mem.data(), 65536, "rank-b", seg, 0}});
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(std::memcmp(remote.data(), mem.data(), 65536), 0);
+  EXPECT_EQ((*a)->GetPeerHealth("rank-b")->paths[0].ops_ok, 1u) << "the op did not go over ucx";
+
+  core::Descriptor moved = Must(core::DecodeDescriptor(b->LocalDescriptor()));
+  moved.host_key = "another-host";
+  Must(far->AddPeer(core::EncodeDescriptor(moved)));
+  h = far->GetPeerHealth("rank-b");
+  ASSERT_TRUE(h && h->paths.size() == 2);
+  EXPECT_EQ(h->paths[0].transport, "tcp");
+  EXPECT_EQ(h->paths[1].transport, "ucx");
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, UcxFaultTest, kModes, ModeName);
 INSTANTIATE_TEST_SUITE_P(Modes, UcxBackpressureTest, kModes, ModeName);
 INSTANTIATE_TEST_SUITE_P(Modes, UcxTokenTest, kModes, ModeName);

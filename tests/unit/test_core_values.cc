@@ -10,6 +10,7 @@
 #include "core/descriptor.h"
 #include "core/host_services.h"
 #include "kvbridge/options.h"
+#include "kvbridge/plugin/transport.h"
 #include "kvbridge/status.h"
 #include "util/checksum.h"
 #include "util/clock.h"
@@ -124,6 +125,62 @@ TEST(Descriptor, RejectsEveryTruncationAndCorruption) {
   }
   EXPECT_NE(core::DecodeDescriptor("garbage-garbage").status().message().find("malformed"),
             std::string::npos);
+}
+
+TEST(Descriptor, VersionThreeCarriesHostKeyCapsAndDeviceIds) {
+  core::Descriptor d = SampleDescriptor();
+  d.host_key = "boot.1.2";
+  d.transports[0].caps = KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_LOCAL_SHM;
+  d.segments[0].mem_kind = KVB_MEM_CUDA;
+  d.segments[0].device_id = 3;
+  auto back = core::DecodeDescriptor(core::EncodeDescriptor(d));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->host_key, "boot.1.2");
+  EXPECT_EQ(back->transports[0].caps, d.transports[0].caps);
+  EXPECT_EQ(back->transports[1].caps, 0u);
+  EXPECT_EQ(back->segments[0].mem_kind, static_cast<uint32_t>(KVB_MEM_CUDA));
+  EXPECT_EQ(back->segments[0].device_id, 3);
+  EXPECT_FALSE(back->sealed);
+}
+
+// With a cluster token a descriptor is sealed (HMAC-SHA256 under the token): a holder of the
+// same token takes it, another token or none in the blob is UNAUTHENTICATED, and a change to
+// any byte is caught even when the tamperer recomputes the CRC.
+TEST(Descriptor, SealedUnderTheClusterToken) {
+  const std::string sealed = core::EncodeDescriptor(SampleDescriptor(), "token-1");
+  auto ok = core::DecodeDescriptor(sealed, "token-1");
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_TRUE(ok->sealed);
+  EXPECT_EQ(ok->node_id, "prefill-0");
+
+  auto other = core::DecodeDescriptor(sealed, "token-2");
+  EXPECT_EQ(other.status().code(), StatusCode::kUnauthenticated);
+  EXPECT_NE(other.status().message().find("different cluster token"), std::string::npos)
+      << other.status().ToString();
+
+  auto unsealed = core::DecodeDescriptor(core::EncodeDescriptor(SampleDescriptor()), "token-1");
+  EXPECT_EQ(unsealed.status().code(), StatusCode::kUnauthenticated);
+  EXPECT_NE(unsealed.status().message().find("not sealed"), std::string::npos)
+      << unsealed.status().ToString();
+
+  // Without a token the seal cannot be checked; the contents still decode.
+  auto no_token = core::DecodeDescriptor(sealed);
+  ASSERT_TRUE(no_token.ok()) << no_token.status().ToString();
+  EXPECT_TRUE(no_token->sealed);
+
+  // Every single-byte change of the sealed part, with the CRC made right again.
+  const size_t body = sealed.size() - 4;
+  int caught = 0;
+  for (size_t i = 8; i < body; ++i) {  // past magic, version and flags
+    std::string m = sealed.substr(0, body);
+    m[i] ^= 0x01;
+    const uint32_t crc = util::Crc32c(m.data(), m.size());
+    m.append(reinterpret_cast<const char*>(&crc), 4);
+    auto r = core::DecodeDescriptor(m, "token-1");
+    EXPECT_FALSE(r.ok()) << "a change at byte " << i << " was accepted";
+    if (r.status().code() == StatusCode::kUnauthenticated) ++caught;
+  }
+  EXPECT_GT(caught, 0) << "no change was caught by the seal itself";
 }
 
 TEST(Checksum, KnownVector) {

@@ -9,7 +9,9 @@
 
 #include "core/descriptor.h"
 #include "kvbridge/engine.h"
+#include "kvbridge/plugin/transport.h"
 #include "tests/common/test_util.h"
+#include "util/host_key.h"
 
 namespace kvbridge {
 namespace {
@@ -177,6 +179,40 @@ TEST_F(EngineMockTest, AddPeerRefusesToMoveAKnownPeer) {
   const PeerId b = b_->self();
   expect.expect = &b;
   EXPECT_TRUE(a_->AddPeer(b_->LocalDescriptor(), expect).ok());
+}
+
+// An engine's descriptor (version 3) carries its host key and each transport's caps; with a
+// cluster token it is sealed, and an engine with a token takes only descriptors sealed under
+// the same token: an unsealed one (a process without the token) and one sealed under another
+// token are UNAUTHENTICATED, and the peer is not added.
+TEST(EngineDescriptor, CarriesHostKeyAndCapsAndIsSealedUnderTheToken) {
+  auto make = [](const std::string& id, const std::string& token) {
+    EngineOptions o = LoopbackOptions("mock", id);
+    o.cluster_token = token;
+    return Must(TransferEngine::Create(o));
+  };
+  auto a = make("seal-a", "token-1");
+  auto b = make("seal-b", "token-1");
+  auto open = make("seal-open", "");
+  auto other = make("seal-other", "token-2");
+
+  core::Descriptor d = Must(core::DecodeDescriptor(b->LocalDescriptor(), "token-1"));
+  EXPECT_TRUE(d.sealed);
+  EXPECT_EQ(d.host_key, util::HostKey());
+  EXPECT_FALSE(d.host_key.empty());
+  ASSERT_EQ(d.transports.size(), 1u);
+  EXPECT_NE(d.transports[0].caps & KVB_TCAP_WRITE, 0u);
+
+  EXPECT_TRUE(a->AddPeer(b->LocalDescriptor()).ok());
+  Result<PeerId> r = a->AddPeer(open->LocalDescriptor());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnauthenticated) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("seal-open"), std::string::npos) << r.status().ToString();
+  r = a->AddPeer(other->LocalDescriptor());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnauthenticated) << r.status().ToString();
+  EXPECT_FALSE(a->GetPeerHealth("seal-open").has_value());
+  EXPECT_FALSE(a->GetPeerHealth("seal-other").has_value());
+  // An engine without a token cannot check a seal, and takes a sealed descriptor as it is.
+  EXPECT_TRUE(open->AddPeer(b->LocalDescriptor()).ok());
 }
 
 TEST_F(EngineMockTest, StructuralErrorsRefuseWholeBatch) {

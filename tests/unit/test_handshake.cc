@@ -16,6 +16,7 @@
 
 #include "core/descriptor.h"
 #include "kvbridge/engine.h"
+#include "kvbridge/plugin/transport.h"
 #include "tests/common/test_util.h"
 #include "util/checksum.h"
 
@@ -250,27 +251,60 @@ TEST(Handshake, ListenAddressInUseOrMalformedIsANamedError) {
   EXPECT_TRUE(TransferEngine::Create(o).status().Is(StatusCode::kInvalidArgument));
 }
 
-TEST(Descriptor, VersionOneBlobsStillDecodeAndUnknownVersionsAreNamed) {
-  core::Descriptor d;
-  d.node_id = "old-peer";
-  d.incarnation = 7;
-  d.transports = {{"tcp", "127.0.0.1:1"}};
-  std::string blob = core::EncodeDescriptor(d);  // no segments: v1 and v2 bodies are equal
-  auto with_version = [&](uint16_t v) {
-    std::string b = blob.substr(0, blob.size() - 4);
-    b[4] = static_cast<char>(v & 0xff);  // after the 4-byte magic, little-endian
-    b[5] = static_cast<char>(v >> 8);
+// Descriptors of versions 1 and 2 (written by hand here, as those builds wrote them) still
+// decode, with the version 3 fields at their "unknown" values; a newer version is named.
+TEST(Descriptor, OlderVersionsStillDecodeAndUnknownVersionsAreNamed) {
+  auto blob = [](uint16_t version) {
+    std::string b = "KVBD";
+    auto put = [&b](const void* p, size_t n) { b.append(static_cast<const char*>(p), n); };
+    auto u16 = [&](uint16_t v) { put(&v, 2); };
+    auto u32 = [&](uint32_t v) { put(&v, 4); };
+    auto u64 = [&](uint64_t v) { put(&v, 8); };
+    auto str = [&](const std::string& v) {
+      u32(static_cast<uint32_t>(v.size()));
+      put(v.data(), v.size());
+    };
+    u16(version);
+    u16(0);
+    str("old-peer");
+    u64(7);
+    u32(1);
+    str("tcp");
+    str("127.0.0.1:1");
+    u32(1);                                    // one segment
+    u64(5);                                    // id
+    if (version >= 2) u64(0x7f0000001000ull);  // base
+    u64(4096);                                 // length
+    u32(KVB_MEM_HOST);
+    u32(1);
+    str("tcp");
+    str("key");
     const uint32_t crc = util::Crc32c(b.data(), b.size());
-    b.append(reinterpret_cast<const char*>(&crc), 4);
+    u32(crc);
     return b;
   };
-  auto v1 = core::DecodeDescriptor(with_version(1));
-  ASSERT_TRUE(v1.ok()) << v1.status().ToString();
-  EXPECT_EQ(v1->node_id, "old-peer");
-  auto v3 = core::DecodeDescriptor(with_version(3));
-  ASSERT_FALSE(v3.ok());
-  EXPECT_NE(v3.status().message().find("versions 1 and 2"), std::string::npos)
-      << v3.status().ToString();
+  for (uint16_t v : {1, 2}) {
+    auto d = core::DecodeDescriptor(blob(v));
+    ASSERT_TRUE(d.ok()) << "version " << v << ": " << d.status().ToString();
+    EXPECT_EQ(d->node_id, "old-peer");
+    EXPECT_EQ(d->incarnation, 7u);
+    EXPECT_TRUE(d->host_key.empty()) << "no host key before version 3";
+    ASSERT_EQ(d->transports.size(), 1u);
+    EXPECT_EQ(d->transports[0].caps, 0u);
+    ASSERT_EQ(d->segments.size(), 1u);
+    EXPECT_EQ(d->segments[0].base, v >= 2 ? 0x7f0000001000ull : 0u);
+    EXPECT_EQ(d->segments[0].length, 4096u);
+    EXPECT_EQ(d->segments[0].device_id, -1);
+    EXPECT_EQ(d->segments[0].rkeys.at("tcp"), "key");
+    EXPECT_FALSE(d->sealed);
+    // A process with a cluster token takes only sealed descriptors, which these cannot be.
+    auto with_token = core::DecodeDescriptor(blob(v), "secret");
+    EXPECT_EQ(with_token.status().code(), StatusCode::kUnauthenticated);
+  }
+  auto v4 = core::DecodeDescriptor(blob(4));
+  ASSERT_FALSE(v4.ok());
+  EXPECT_NE(v4.status().message().find("versions 1 to 3"), std::string::npos)
+      << v4.status().ToString();
 }
 
 }  // namespace

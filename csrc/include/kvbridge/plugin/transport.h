@@ -40,7 +40,11 @@ extern "C" {
 /* ABI 1.2: used only when named in EngineOptions::transports, never picked up by default (a
  * transport that costs every process something, or is not yet the better path). */
 #define KVB_TCAP_OPT_IN ((uint64_t)1 << 5)
-#define KVB_TCAP_KNOWN_MASK ((uint64_t)0x3f)
+/* ABI 1.2: reaches a peer on the same host (the same host key in its descriptor) through shared
+ * memory or cross-memory attach, faster than its network path: for such a peer the engine tries
+ * this transport before the others. A host that does not know the bit ignores it. */
+#define KVB_TCAP_LOCAL_SHM ((uint64_t)1 << 6)
+#define KVB_TCAP_KNOWN_MASK ((uint64_t)0x7f)
 
 typedef enum kvb_mem_kind { KVB_MEM_HOST = 1, KVB_MEM_CUDA = 2 } kvb_mem_kind_t;
 
