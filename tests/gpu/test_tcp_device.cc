@@ -546,8 +546,9 @@ TEST_F(TcpDevice, PeerDestroyedMidTransfer) {
 }
 
 // WRITE from device memory: while slice k is on the wire, the copy of slice k+1 is already
-// queued and running. Checked against the peer's memory: slice k's bytes land there after the
-// copy of slice k+1 was queued and before it ended (copies take 20 ms each here).
+// queued and running. The copy of slice k+1 is queued before the copy of slice k ends (so before
+// slice k can be sent), and slice k's bytes land in the peer's memory before the copy of slice
+// k+1 ends (copies take 20 ms each here).
 TEST_F(TcpDevice, WriteStagingOverlapsCopiesWithTheWire) {
   Start({{"tcp.lanes_per_peer", "1"}});
   const size_t n = 6;
@@ -584,7 +585,8 @@ TEST_F(TcpDevice, WriteStagingOverlapsCopiesWithTheWire) {
   for (size_t k = 0; k + 1 < n; ++k) {
     SCOPED_TRACE("slice " + std::to_string(k));
     ASSERT_NE(landed[k], 0u);
-    EXPECT_LT(copies[k + 1].queued_ns, landed[k]) << "copy k+1 queued only after slice k landed";
+    EXPECT_LT(copies[k + 1].queued_ns, copies[k].end_ns) << "copy k+1 queued after copy k ended";
+    EXPECT_LT(copies[k].end_ns, landed[k]);  // the slice's bytes went out after its copy
     EXPECT_LT(landed[k], copies[k + 1].end_ns) << "slice k waited for copy k+1";
   }
 }
@@ -637,6 +639,28 @@ TEST_F(TcpDevice, ServerStagingOverlapsCopiesWithTheWire) {
     EXPECT_LT(copies[k + 1].queued_ns, copies[k].end_ns)
         << "chunk " << k + 1 << " was received only after chunk " << k << "'s copy ended";
   }
+}
+
+// With tcp taking CUDA memory and a driver present, the engine checks the memory is what kCuda
+// says before tcp sees it (core/memory_kinds.h), and keeps the pointer's device for -1.
+TEST_F(TcpDevice, EngineChecksCudaMemoryBeforeTcpSeesIt) {
+  Start();
+  testing::Buffer host(65536);
+  auto r = a_->RegisterMemory(host.data(), host.size(), MemoryKind::kCuda, 0);
+  EXPECT_EQ(r.status().code(), StatusCode::kUnknownMemory) << r.status().ToString();
+  DevMem dev(65536, 1);
+  r = a_->RegisterMemory(dev.data(), dev.size(), MemoryKind::kCuda, 0);  // it is device 1's
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+  const SegmentId seg = Must(a_->RegisterMemory(dev.data(), dev.size(), MemoryKind::kCuda, -1));
+  // Registered on device 1 (-1: the pointer's): b reads it back through a's staging.
+  Fill(dev.data(), 77, dev.size());
+  testing::Buffer back(65536);
+  Must(b_->RegisterMemory(back.data(), back.size()));
+  Must(b_->AddPeer(a_->LocalDescriptor()));
+  ASSERT_TRUE(
+      b_->Transfer(std::vector{TransferOp{OpCode::kRead, back.data(), 65536, "dev-a", seg, 0}})
+          .ok());
+  EXPECT_EQ(std::memcmp(back.data(), dev.data(), 65536), 0);
 }
 
 TEST_F(TcpDevice, BadStagingOptionsAreNamed) {
