@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# benchmarks/gpu_check.sh: the page-copy kernel checks that need a GPU, in one go.
+# benchmarks/gpu_check.sh: the checks that need a GPU, in one go: the page-copy kernels, then
+# device memory through the tcp transport (stage tcp-device).
 #
 # For a machine with an NVIDIA GPU, the CUDA toolkit, CMake and a C++ compiler and none of
 # kvbridge's other dependencies: builds kernels/ as a CMake project of its own with
@@ -12,10 +13,21 @@
 # /usr/src/googletest build-gpu-deps/` there, and bring build-gpu-deps along. Without
 # googletest only the benchmark runs and the script exits 3.
 #
-# Environment: BUILD_DIR (default build-gpu), CUDA_ARCHS (default: the GPU's compute
-# capability from nvidia-smi, else "80;90"), JOBS (default: all cores), BENCH_FLAGS (default
-# --quick), REQUIRE_GPU (default 1; 0 lets the CUDA tests skip, for a dry run without a GPU).
-# Exit status: 0 all passed, 1 a test failed, 2 the build failed, 3 no googletest.
+# Stage tcp-device: CUDA regions through the tcp transport's pinned staging
+# (plugins/transport_tcp/README.md, "Device memory") against the real driver. Unlike kernels/,
+# this builds the main project (libkvbridge, the tcp plugin, tests/gpu) in $TCP_BUILD_DIR, so it
+# needs what that needs besides the toolkit: OpenSSL's headers (libssl-dev) and an installed
+# googletest package (find_package(GTest) in tests/CMakeLists.txt; a source tree is not enough
+# there). It runs the TcpDeviceData.* tests of kvb_gpu_fake_tests with KVBTEST_REAL_CUDA=1
+# (real device memory, the driver the engine loads) and KVBRIDGE_REQUIRE_GPU=$REQUIRE_GPU. The
+# other tests of that binary need the fake driver and are not run here. TCP_DEVICE=0 skips the
+# stage. Until this stage has passed on a GPU machine, tcp's real-GPU paths are unverified.
+#
+# Environment: BUILD_DIR (default build-gpu), TCP_BUILD_DIR (default build-gpu-tcp), CUDA_ARCHS
+# (default: the GPU's compute capability from nvidia-smi, else "80;90"), JOBS (default: all
+# cores), BENCH_FLAGS (default --quick), REQUIRE_GPU (default 1; 0 lets the CUDA tests skip, for
+# a dry run without a GPU), TCP_DEVICE (default 1).
+# Exit status: 0 all passed, 1 a test failed, 2 a build failed, 3 no googletest.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${BUILD_DIR:-$here/build-gpu}"
@@ -80,5 +92,31 @@ fi
 log "running kvb_bench_kernels $bench_flags"
 # shellcheck disable=SC2086
 out="$("$build/benchmarks/kvb_bench_kernels" $bench_flags)" || { log "benchmark failed"; status=1; }
+
+# ---- stage tcp-device ------------------------------------------------------------------------
+# Worst status wins: a failed test (1) or build (2) is never hidden by a later stage; 3 (no
+# googletest for the kernel tests) yields to either.
+merge() { if [[ $1 == 2 || ( $1 == 1 && $status != 2 ) || $status == 0 ]]; then status=$1; fi; }
+if [[ "${TCP_DEVICE:-1}" == 1 ]]; then
+  tcp_build="${TCP_BUILD_DIR:-$here/build-gpu-tcp}"
+  log "stage tcp-device: configuring $tcp_build"
+  if ! cmake -S "$here" -B "$tcp_build" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
+    -DKVBRIDGE_CUDA=OFF -DKVBRIDGE_BUILD_PYTHON=OFF -DKVBRIDGE_BUILD_BENCHMARKS=OFF >&2; then
+    log "stage tcp-device: configure failed (needs libssl-dev and an installed googletest)"
+    merge 2
+  elif ! cmake --build "$tcp_build" -j "$jobs" \
+    --target kvb_gpu_fake_tests kvb_transport_tcp kvbtest_fake_cuda >&2; then
+    log "stage tcp-device: build failed"
+    merge 2
+  else
+    log "stage tcp-device: running TcpDeviceData.* on the real driver"
+    if ! KVBTEST_REAL_CUDA=1 KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" \
+      "$tcp_build/tests/kvb_gpu_fake_tests" --gtest_filter='TcpDeviceData.*' >&2; then
+      log "stage tcp-device: FAILED"
+      merge 1
+    fi
+  fi
+fi
+
 echo "$out" | tail -n 1
 exit $status

@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "core/circuit_breaker.h"
+#include "core/cuda_driver.h"
 #include "core/descriptor.h"
 #include "core/handshake.h"
 #include "core/memory_kinds.h"
@@ -771,10 +772,20 @@ Result<SegmentId> TransferEngine::RegisterMemory(void* addr, uint64_t length, Me
     region.id = impl_->next_segment_id++;
   }
   const uint64_t want_cap = kind == MemoryKind::kCuda ? KVB_TCAP_CUDA_MEM : KVB_TCAP_HOST_MEM;
+  // A transport's CUDA_MEM moves device bytes with the host's device services, which need a
+  // CUDA driver: without one no transport takes CUDA memory (the UNSUPPORTED below).
+  std::string no_driver;
+  if (kind == MemoryKind::kCuda) {
+    Result<const core::cuda::Driver*> driver = core::cuda::GetDriver();
+    if (!driver.ok()) no_driver = driver.status().message();
+  }
+  auto takes = [&](const TransportInstance& t) {
+    return (t.caps() & want_cap) != 0 && no_driver.empty();
+  };
   // The memory must be what `kind` says (core/memory_kinds.h): checked once some transport
   // would take it, so a kind no transport handles stays the UNSUPPORTED below.
   if (std::any_of(impl_->transports.begin(), impl_->transports.end(),
-                  [&](const auto& t) { return (t->caps() & want_cap) != 0; })) {
+                  [&](const auto& t) { return takes(*t); })) {
     Result<int> device = core::CheckMemoryKind(addr, length, kind, device_id);
     if (!device.ok()) return device.status();
     device_id = device.value();  // kCuda: the pointer's device when -1 was given
@@ -785,7 +796,7 @@ Result<SegmentId> TransferEngine::RegisterMemory(void* addr, uint64_t length, Me
   region.device_id = device_id;
   std::vector<TransportInstance*> done;
   for (auto& t : impl_->transports) {
-    if ((t->caps() & want_cap) == 0) continue;
+    if (!takes(*t)) continue;
     Result<std::string> rkey =
         t->RegisterMemory(region.id, addr, length, static_cast<kvb_mem_kind_t>(kind), device_id);
     if (!rkey.ok()) {
@@ -796,9 +807,12 @@ Result<SegmentId> TransferEngine::RegisterMemory(void* addr, uint64_t length, Me
     done.push_back(t.get());
   }
   if (done.empty()) {
-    return Status::Unsupported(kind == MemoryKind::kCuda
-                                   ? "no loaded transport supports CUDA memory"
-                                   : "no loaded transport supports host memory");
+    return Status::Unsupported(kind != MemoryKind::kCuda
+                                   ? "no loaded transport supports host memory"
+                               : no_driver.empty() ? "no loaded transport supports CUDA memory"
+                                                   : "no loaded transport supports CUDA memory "
+                                                     "here (" +
+                                                         no_driver + ")");
   }
   SegmentId id = region.id;
   std::unique_lock<std::shared_mutex> lock(impl_->regions_mu);

@@ -5,10 +5,14 @@
 namespace kvbridge::core {
 
 bool ServesKinds(uint64_t caps, uint32_t local_kind, uint32_t remote_kind) {
-  if (local_kind == KVB_MEM_HOST && remote_kind == KVB_MEM_HOST) {
-    return (caps & KVB_TCAP_HOST_MEM) != 0;
-  }
-  return false;  // device memory: no path serves it yet (see path_choice.h)
+  auto serves = [caps](uint32_t kind) {
+    return kind == KVB_MEM_HOST   ? (caps & KVB_TCAP_HOST_MEM) != 0
+           : kind == KVB_MEM_CUDA ? (caps & KVB_TCAP_CUDA_MEM) != 0
+                                  : false;
+  };
+  // The remote end is served by the peer's instance of the same transport, which registered the
+  // segment (so it takes that kind); descriptors do not carry the peer's caps.
+  return serves(local_kind) && serves(remote_kind);
 }
 
 std::string CircuitOpenMessage(std::span<const PathView> paths, std::span<const uint32_t> refusing,

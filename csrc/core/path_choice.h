@@ -27,10 +27,10 @@ struct PathView {
 };
 
 // Whether a transport whose instance caps are `caps` moves bytes between local memory of
-// `local_kind` and remote memory of `remote_kind` (kvb_mem_kind_t values). Host <-> host needs
-// KVB_TCAP_HOST_MEM. Any device (CUDA) end is not served today: this is the one place to
-// admit it (local CUDA_MEM or CUDA_STAGED caps, and the peer's caps for that transport once
-// descriptors carry them).
+// `local_kind` and remote memory of `remote_kind` (kvb_mem_kind_t values): each end's kind
+// needs its cap, KVB_TCAP_HOST_MEM for host memory and KVB_TCAP_CUDA_MEM for device memory
+// (the tcp transport stages device bytes through pinned buffers). The peer's caps for that
+// transport are taken to be these: descriptors do not carry them.
 bool ServesKinds(uint64_t caps, uint32_t local_kind, uint32_t remote_kind);
 
 struct PathChoice {

@@ -5,19 +5,23 @@
 //   tcp_server.cc    accept loop, inbound handshake, serving requests
 //   tcp_requests.cc  post/poll/cancel, slices, lanes per peer, the housekeeper
 //   tcp_transport.cc lifecycle, memory registration, peers
+//   tcp_staging.cc   pinned bounce buffers and copy queues for CUDA regions (tcp_staging.h)
 // Thread-safety: as stated on each type; the helpers are reentrant.
 #pragma once
 
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "tcp_staging.h"
 #include "tcp_transport.h"
 #include "tcp_wire.h"
 #include "util/host_port.h"
@@ -69,6 +73,7 @@ struct Slice {
   uint64_t deadline_ns = 0;
   uint64_t progress_timeout_ns = 0;
   uint64_t posted_ns = 0;
+  int device = -1;     // >= 0: `local` is device memory of this CUDA device (staged)
   bool ended = false;  // under req->mu
 };
 
@@ -182,6 +187,7 @@ class Lane {
     uint8_t hdr[wire::kRequestHeaderBytes];
     uint64_t sent = 0;       // frame bytes (header + WRITE payload) already sent
     bool abandoned = false;  // ended or request final: its local memory is off limits
+    int staging = -1;        // device slice: its bounce buffer (DevStaging) once it has one
     uint64_t frame_bytes() const {
       return wire::kRequestHeaderBytes + (s->opcode == KVB_OP_WRITE ? s->length : 0);
     }
@@ -196,6 +202,15 @@ class Lane {
   bool RecvSome(uint64_t now, Outcome* out, Completions* done);
   void CompleteFront(kvb_status_t code, const std::string& msg, Completions* done);
   void Teardown(const Outcome& o);
+  // Device slices (tcp_staging.h): bounce buffers for the WRITE entries next in line, copies
+  // polled without blocking, a READ's payload handed to its pinned -> device copy.
+  bool StagingReady(Slice& s, Completions* done);
+  void StageWrites(Completions* done);
+  void PollCopies(uint64_t now, Completions* done);
+  bool CopiesRunning() const;
+  void FreeStaging(Entry& e);
+  void FinishStagedRead(Completions* done);
+  void DrainCopies(Completions* done);
   uint64_t ProgressTimeoutNs() const;
   std::string Name() const {
     return Fmt("'%s' incarnation %#llx at %s", peer_->node_id.c_str(), U(peer_->incarnation),
@@ -216,9 +231,10 @@ class Lane {
     ++s.req->in_user_mem;
     return true;
   }
-  static void ExitUserMem(Slice& s) {
-    std::lock_guard<std::mutex> lock(s.req->mu);
-    if (--s.req->in_user_mem == 0) s.req->cv.notify_all();
+  static void ExitUserMem(Slice& s) { ExitUserMem(*s.req); }
+  static void ExitUserMem(Request& r) {
+    std::lock_guard<std::mutex> lock(r.mu);
+    if (--r.in_user_mem == 0) r.cv.notify_all();
   }
 
   Transport* const t_;
@@ -237,6 +253,9 @@ class Lane {
   uint64_t last_progress_ns_ = 0;
   uint64_t idle_since_ns_ = 0;
   std::unique_ptr<uint8_t[]> scratch_;
+  std::unique_ptr<DevStaging> dev_;  // made on the first device slice
+  uint32_t write_buffers_ = 0;       // bounce buffers held by WRITE entries (kCopyIn, kFilled)
+  bool wait_buffer_ = false;         // a READ payload waits for a free bounce buffer
 };
 
 }  // namespace kvbridge::tcp

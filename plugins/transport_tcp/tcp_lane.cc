@@ -270,6 +270,7 @@ Lane::Outcome Lane::Serve() {
     if (stop_.load()) return {Exit::kStop, KVB_ERR_CANCELLED, "peer removed"};
     uint64_t now = t_->Now();
     Completions done;
+    PollCopies(now, &done);
     // Entries whose request went final or whose deadline passed: never touch their memory
     // again. One that never reached the wire just leaves; a READ's response is drained into
     // scratch; a WRITE cut mid-payload leaves the stream unusable, so the lane goes.
@@ -285,6 +286,7 @@ Lane::Outcome Lane::Serve() {
         e.abandoned = !live;
       }
       if (e.abandoned && i >= send_idx_ && e.sent == 0) {
+        FreeStaging(e);
         inflight_.erase(inflight_.begin() + static_cast<ptrdiff_t>(i));
         continue;
       }
@@ -341,6 +343,7 @@ Lane::Outcome Lane::Serve() {
         }
       }
     }
+    StageWrites(&done);
     if (!inflight_.empty()) {
       idle_since_ns_ = 0;
     } else if (idle_since_ns_ == 0) {
@@ -363,8 +366,20 @@ Lane::Outcome Lane::Serve() {
       const uint64_t at = std::max(idle_since_ns_ + idle_ns, idle_retry_ns);
       wait_ns = std::min(wait_ns, at > now ? at - now : 0);
     }
+    // Device copies are polled, not waited on: look again within a millisecond while any runs.
+    if (CopiesRunning()) wait_ns = std::min(wait_ns, kMsNs);
     const int timeout_ms = static_cast<int>((wait_ns + kMsNs - 1) / kMsNs);
-    const short events = POLLIN | (send_idx_ < inflight_.size() ? POLLOUT : 0);
+    // A device WRITE is sent once its bytes are staged; a READ payload waiting for a bounce
+    // buffer is left in the socket until a copy frees one.
+    bool sendable = send_idx_ < inflight_.size();
+    if (sendable) {
+      const Entry& e = inflight_[send_idx_];
+      sendable =
+          e.s->device < 0 || e.s->opcode != KVB_OP_WRITE || e.abandoned ||
+          (e.staging >= 0 && dev_->buffers()[e.staging].state == StagingBuffer::State::kFilled);
+    }
+    const bool no_buffer = wait_buffer_ && dev_ != nullptr && !dev_->HasFree();
+    const short events = (no_buffer ? 0 : POLLIN) | (sendable ? POLLOUT : 0);
     pollfd p[2] = {{fd_, events, 0}, {wake_fd_, POLLIN, 0}};
     const int n = poll(p, 2, timeout_ms);
     if (n < 0) {
@@ -396,7 +411,14 @@ bool Lane::SendSome(uint64_t now, Outcome* out) {
   for (size_t i = send_idx_; i < inflight_.size() && n + 2 <= kMaxIov; ++i) {
     Entry& e = inflight_[i];
     const bool write = e.s->opcode == KVB_OP_WRITE;
-    if (write) {
+    // A device WRITE's payload is our bounce buffer, not user memory: sent once filled.
+    const bool staged = write && e.s->device >= 0;
+    if (staged) {
+      if (e.abandoned) break;  // dealt with at the top of the next loop
+      if (e.staging < 0 || dev_->buffers()[e.staging].state != StagingBuffer::State::kFilled) {
+        break;
+      }
+    } else if (write) {
       if (e.abandoned || !EnterUserMem(*e.s)) {
         e.abandoned = true;  // dealt with at the top of the next loop
         break;
@@ -409,7 +431,8 @@ bool Lane::SendSome(uint64_t now, Outcome* out) {
     if (write) {
       const uint64_t done =
           e.sent > wire::kRequestHeaderBytes ? e.sent - wire::kRequestHeaderBytes : 0;
-      iov[n++] = {e.s->local + done, e.s->length - done};
+      uint8_t* payload = staged ? dev_->buffers()[e.staging].p : e.s->local;
+      iov[n++] = {payload + done, e.s->length - done};
     }
   }
   if (n == 0) return true;
@@ -432,12 +455,16 @@ bool Lane::SendSome(uint64_t now, Outcome* out) {
     const uint64_t take = std::min(left, e.frame_bytes() - e.sent);
     e.sent += take;
     left -= take;
-    if (e.sent == e.frame_bytes()) ++send_idx_;
+    if (e.sent == e.frame_bytes()) {
+      FreeStaging(e);  // a WRITE's bounce buffer is free once its bytes are in the socket
+      ++send_idx_;
+    }
   }
   return true;
 }
 
 void Lane::CompleteFront(kvb_status_t code, const std::string& msg, Completions* done) {
+  FreeStaging(inflight_.front());
   t_->EndSlice(*inflight_.front().s, code, msg, done);
   inflight_.pop_front();
   --send_idx_;
@@ -456,6 +483,7 @@ bool Lane::RecvSome(uint64_t now, Outcome* out, Completions* done) {
     return false;
   };
   uint64_t budget = 8u << 20;  // then let the sender and the checks run
+  wait_buffer_ = false;
   while (budget > 0) {
     if (!in_payload_) {
       if (rhdr_got_ < sizeof(rhdr_)) {  // it may have come with the previous payload
@@ -503,6 +531,12 @@ bool Lane::RecvSome(uint64_t now, Outcome* out, Completions* done) {
         case KVB_ERR_INTERNAL:
           msg = Fmt("peer '%s' failed internally", peer_->node_id.c_str());
           break;
+        case KVB_ERR_IO:
+          msg =
+              Fmt("peer '%s' could not copy [%llu, +%llu) of its device segment %llu through "
+                  "staging (a failed device copy; its log names the CUDA error)",
+                  peer_->node_id.c_str(), U(e.s->offset), U(e.s->length), U(e.s->segment));
+          break;
         default:
           return protocol(Fmt("unexpected response status %d", h.status));
       }
@@ -513,9 +547,26 @@ bool Lane::RecvSome(uint64_t now, Outcome* out, Completions* done) {
     Entry& e = inflight_.front();
     const uint64_t rest = e.s->length - payload_got_;
     const uint64_t want = std::min(rest, budget);
-    const bool user = !e.abandoned && EnterUserMem(*e.s);
+    // A device READ's payload lands in a bounce buffer, then one copy takes it to the device.
+    const bool staged = e.s->device >= 0;
+    if (staged && e.staging < 0 && !e.abandoned) {
+      if (!StagingReady(*e.s, done)) {
+        e.abandoned = true;  // ended with the staging error; the payload is drained
+      } else {
+        const int b = dev_->TakeFree(StagingBuffer::State::kReceiving);
+        if (b < 0) {
+          wait_buffer_ = true;  // every buffer is under a copy; one frees soon
+          return true;
+        }
+        e.staging = b;
+      }
+    }
+    const bool into_staging = staged && e.staging >= 0;
+    const bool user = !staged && !e.abandoned && EnterUserMem(*e.s);
     iovec v[2];
-    if (user) {
+    if (into_staging) {
+      v[0] = {dev_->buffers()[e.staging].p + payload_got_, static_cast<size_t>(want)};
+    } else if (user) {
       v[0] = {e.s->local + payload_got_, static_cast<size_t>(want)};
     } else {
       e.abandoned = true;
@@ -542,7 +593,11 @@ bool Lane::RecvSome(uint64_t now, Outcome* out, Completions* done) {
     budget -= std::min<uint64_t>(budget, static_cast<uint64_t>(r));
     if (payload_got_ == e.s->length) {
       in_payload_ = false;
-      CompleteFront(KVB_OK, "", done);
+      if (into_staging) {
+        FinishStagedRead(done);
+      } else {
+        CompleteFront(KVB_OK, "", done);
+      }
     }
   }
   return true;
@@ -554,6 +609,7 @@ void Lane::Teardown(const Outcome& o) {
     fd_ = -1;
   }
   Completions done;
+  DrainCopies(&done);  // before any slice is requeued or ended: no copy outlives the lane
   {
     std::lock_guard<std::mutex> lock(peer_->mu);
     if (o.exit == Exit::kRequeue) {
@@ -604,6 +660,194 @@ void Lane::Teardown(const Outcome& o) {
     t_->Bury(std::move(self));
   }
   Transport::RunCompletions(done);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device slices: staging through pinned bounce buffers (tcp_staging.h, README.md "Device memory").
+// WRITE: the entries next in line get a buffer and a device -> pinned copy each (up to all but
+// one buffer, so a READ payload always finds one eventually), and are sent once their copy is
+// answered, so slice k+1 is copied while slice k is on the wire. READ: the payload is received
+// into a buffer, then a pinned -> device copy runs while the next payload is received; the
+// slice ends when that copy is answered. A copy holds its request's in_user_mem, so cancel
+// returns only once no copy touches the request's memory.
+
+bool Lane::StagingReady(Slice& s, Completions* done) {
+  if (!dev_) {
+    dev_ = std::make_unique<DevStaging>(t_, t_->config().staging_slice_bytes,
+                                        t_->config().staging_buffers);
+  }
+  std::string why;
+  const kvb_status_t st = dev_->Init(&why);
+  if (st == KVB_OK) return true;
+  t_->EndSlice(s, st, why, done);
+  return false;
+}
+
+void Lane::StageWrites(Completions* done) {
+  for (size_t i = send_idx_; i < inflight_.size(); ++i) {
+    Entry& e = inflight_[i];
+    if (e.s->device < 0 || e.s->opcode != KVB_OP_WRITE || e.staging >= 0 || e.abandoned ||
+        e.sent > 0) {
+      continue;
+    }
+    if (!StagingReady(*e.s, done)) {
+      e.abandoned = true;
+      continue;
+    }
+    if (write_buffers_ + 1 >= dev_->buffers().size()) return;  // one stays for READ payloads
+    const int b = dev_->TakeFree(StagingBuffer::State::kCopyIn);
+    if (b < 0) return;
+    StagingBuffer& buf = dev_->buffers()[b];
+    std::string why;
+    kvb_dev_stream_t* stream = nullptr;
+    kvb_status_t st = dev_->StreamFor(e.s->device, &stream, &why);
+    if (st == KVB_OK) {
+      if (!EnterUserMem(*e.s)) {  // the request went final meanwhile
+        buf.state = StagingBuffer::State::kFree;
+        e.abandoned = true;
+        continue;
+      }
+      st = dev_->Copy(stream, buf.p, e.s->local, e.s->length, &buf.ticket, &why);
+      if (st != KVB_OK) ExitUserMem(*e.s);
+    }
+    if (st != KVB_OK) {
+      buf.state = StagingBuffer::State::kFree;
+      t_->EndSlice(*e.s, st,
+                   Fmt("device -> staging copy of %llu bytes for a WRITE to %s: %s", U(e.s->length),
+                       Name().c_str(), why.c_str()),
+                   done);
+      e.abandoned = true;
+      continue;
+    }
+    buf.stream = stream;
+    buf.req = e.s->req;
+    buf.entry_id = e.id;
+    e.staging = b;
+    ++write_buffers_;
+  }
+}
+
+bool Lane::CopiesRunning() const {
+  if (!dev_) return false;
+  for (const auto& b : dev_->buffers()) {
+    if (b.state == StagingBuffer::State::kCopyIn || b.state == StagingBuffer::State::kCopyOut) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void Lane::PollCopies(uint64_t now, Completions* done) {
+  if (!dev_) return;
+  for (auto& b : dev_->buffers()) {
+    if (b.state != StagingBuffer::State::kCopyIn && b.state != StagingBuffer::State::kCopyOut) {
+      continue;
+    }
+    std::string why;
+    const kvb_status_t st = dev_->Done(b.stream, b.ticket, &why);
+    if (st == KVB_IN_PROGRESS) continue;
+    last_progress_ns_ = now;  // a finished copy is progress, like a byte on the wire
+    ExitUserMem(*b.req);
+    b.req.reset();
+    if (b.state == StagingBuffer::State::kCopyOut) {
+      t_->EndSlice(*b.read_slice, st,
+                   st == KVB_OK ? std::string()
+                                : Fmt("staging -> device copy of %llu bytes for a READ from %s: %s",
+                                      U(b.read_slice->length), Name().c_str(), why.c_str()),
+                   done);
+      b.read_slice.reset();
+      b.state = StagingBuffer::State::kFree;
+      continue;
+    }
+    Entry* e = nullptr;
+    for (auto& x : inflight_) {
+      if (b.entry_id != 0 && x.id == b.entry_id) e = &x;
+    }
+    if (st == KVB_OK && e != nullptr && !e->abandoned) {
+      b.state = StagingBuffer::State::kFilled;
+      continue;
+    }
+    if (e != nullptr) {
+      if (st != KVB_OK) {
+        t_->EndSlice(*e->s, st,
+                     Fmt("device -> staging copy of %llu bytes for a WRITE to %s: %s",
+                         U(e->s->length), Name().c_str(), why.c_str()),
+                     done);
+      }
+      e->abandoned = true;
+      e->staging = -1;
+    }
+    b.entry_id = 0;
+    b.state = StagingBuffer::State::kFree;
+    --write_buffers_;
+  }
+}
+
+void Lane::FreeStaging(Entry& e) {
+  if (e.staging < 0 || !dev_) return;
+  StagingBuffer& b = dev_->buffers()[e.staging];
+  e.staging = -1;
+  if (b.state == StagingBuffer::State::kCopyIn) {
+    b.entry_id = 0;  // orphaned: freed when its copy is answered (PollCopies)
+    return;
+  }
+  if (b.state == StagingBuffer::State::kFilled) --write_buffers_;
+  b.entry_id = 0;
+  b.state = StagingBuffer::State::kFree;
+}
+
+void Lane::FinishStagedRead(Completions* done) {
+  Entry& e = inflight_.front();
+  StagingBuffer& b = dev_->buffers()[e.staging];
+  if (e.abandoned || !EnterUserMem(*e.s)) {
+    CompleteFront(KVB_OK, "", done);  // ended or final already: this changes nothing
+    return;
+  }
+  std::string why;
+  kvb_dev_stream_t* stream = nullptr;
+  kvb_status_t st = dev_->StreamFor(e.s->device, &stream, &why);
+  if (st == KVB_OK) st = dev_->Copy(stream, e.s->local, b.p, e.s->length, &b.ticket, &why);
+  if (st != KVB_OK) {
+    ExitUserMem(*e.s);
+    CompleteFront(st,
+                  Fmt("staging -> device copy of %llu bytes for a READ from %s: %s", U(e.s->length),
+                      Name().c_str(), why.c_str()),
+                  done);
+    return;
+  }
+  e.staging = -1;
+  b.state = StagingBuffer::State::kCopyOut;
+  b.stream = stream;
+  b.req = e.s->req;
+  b.read_slice = std::move(e.s);
+  inflight_.pop_front();
+  --send_idx_;
+  inflight_count.store(static_cast<uint32_t>(inflight_.size()));
+}
+
+void Lane::DrainCopies(Completions* done) {
+  if (!dev_) return;
+  for (auto& b : dev_->buffers()) {
+    if (b.state != StagingBuffer::State::kCopyIn && b.state != StagingBuffer::State::kCopyOut) {
+      continue;
+    }
+    std::string why;
+    const kvb_status_t st = dev_->Wait(b.stream, b.ticket, &why);
+    ExitUserMem(*b.req);
+    b.req.reset();
+    if (b.state == StagingBuffer::State::kCopyOut) {
+      t_->EndSlice(*b.read_slice, st,
+                   st == KVB_OK ? std::string()
+                                : Fmt("staging -> device copy of %llu bytes for a READ from %s: %s",
+                                      U(b.read_slice->length), Name().c_str(), why.c_str()),
+                   done);
+      b.read_slice.reset();
+    }
+    b.state = StagingBuffer::State::kFree;
+  }
+  for (auto& e : inflight_) e.staging = -1;
+  write_buffers_ = 0;
+  dev_.reset();
 }
 
 }  // namespace kvbridge::tcp

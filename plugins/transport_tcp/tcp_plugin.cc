@@ -20,7 +20,12 @@ class TcpPlugin {
  public:
   static constexpr const char* kName = "tcp";
   static constexpr const char* kVersion = "0.1.0";
-  static constexpr uint64_t kCaps = KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM;
+  // CUDA_MEM: device regions move through pinned bounce buffers by the host's ABI 1.2 device
+  // services (README.md "Device memory"). The descriptor is static, so the cap is always
+  // declared; where the host has no CUDA driver, registering a CUDA region answers the host's
+  // UNAVAILABLE (and the engine does not offer it: csrc/core/engine.cc RegisterMemory).
+  static constexpr uint64_t kCaps =
+      KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM | KVB_TCAP_CUDA_MEM;
   // The handshake is the host's (ABI 1.2 identity and auth services): an older host is refused
   // at load time, naming both versions.
   static constexpr uint16_t kMinHostMinor = 2;
@@ -49,7 +54,10 @@ class TcpPlugin {
   }
   sdk::Status RegisterMemory(const sdk::Region& r, sdk::RkeyBuffer&) {
     uint32_t rkey_len = 0;  // tcp needs no remote key
-    return t_->RegisterMemory(r.raw, nullptr, 0, &rkey_len);
+    std::string msg;
+    const kvb_status_t st = t_->RegisterMemory(r.raw, nullptr, 0, &rkey_len, &msg);
+    if (st != KVB_OK) return sdk::Status(st, std::move(msg));
+    return sdk::Status();
   }
   sdk::Status DeregisterMemory(uint64_t segment_id) { return t_->DeregisterMemory(segment_id); }
 

@@ -118,6 +118,14 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
     return *reinterpret_cast<const kvb_xfer_op_t*>(reinterpret_cast<const uint8_t*>(ops) +
                                                    size_t(i) * op_size);
   };
+  // Per op: the local region's device (-1: host memory) and the slice length. Slices of device
+  // memory are at most one staging buffer long (tcp.staging_slice_bytes): each is copied
+  // through one bounce buffer while the one before it is on the wire.
+  std::vector<int> device(count, -1);
+  auto cut = [&](uint32_t i) {
+    return device[i] >= 0 ? std::min(config_.slice_bytes, config_.staging_slice_bytes)
+                          : config_.slice_bytes;
+  };
   {
     std::lock_guard<std::mutex> lock(regions_mu_);
     for (uint32_t i = 0; i < count; ++i) {
@@ -139,6 +147,7 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
                    op.local_addr, U(op.length), U(op.local_segment));
         return KVB_ERR_NOT_REGISTERED;
       }
+      device[i] = it->second->device;
     }
   }
   auto req = std::make_shared<Request>();
@@ -180,7 +189,7 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
       const bool prefails =
           seg != peer->segment_lengths.end() &&
           (op.remote_offset > seg->second || op.length > seg->second - op.remote_offset);
-      nslices += prefails ? 1 : (op.length - 1) / config_.slice_bytes + 1;
+      nslices += prefails ? 1 : (op.length - 1) / cut(i) + 1;
     }
     const uint64_t queued_slices = peer->queued_slices.load();
     const uint64_t max_slices = config_.max_queued_slices_per_peer;
@@ -214,11 +223,13 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
         return KVB_ERR_INVALID_ARGUMENT;
       }
       bytes += op.length;
-      for (uint64_t off = 0; off < op.length; off += config_.slice_bytes) {
+      const uint64_t slice = cut(i);
+      for (uint64_t off = 0; off < op.length; off += slice) {
         auto s = make_slice(i);
         s->local = static_cast<uint8_t*>(op.local_addr) + off;
         s->offset = op.remote_offset + off;
-        s->length = std::min(config_.slice_bytes, op.length - off);
+        s->length = std::min(slice, op.length - off);
+        s->device = device[i];
         slices.push_back(std::move(s));
         ++st.total_slices;
       }

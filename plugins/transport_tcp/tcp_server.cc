@@ -246,6 +246,90 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
     }
     return Io::kOk;
   };
+  // Device regions (README.md "Device memory"): bytes pass through this connection's pinned
+  // bounce buffers. A WRITE is received a buffer at a time, each buffer's pinned -> device copy
+  // running while the next one is received; a READ is copied device -> pinned in one go and
+  // answered once that copy is done, so a failed copy is a named IO error, never a cut stream.
+  // No buffer is reused or freed under a running copy (DevStaging waits for it).
+  std::unique_ptr<DevStaging> dev;
+  auto dev_ready = [&](int device, kvb_dev_stream_t** stream, std::string* why) {
+    if (!dev) {
+      dev =
+          std::make_unique<DevStaging>(this, config_.staging_slice_bytes, config_.staging_buffers);
+    }
+    const kvb_status_t st = dev->Init(why);
+    return st != KVB_OK ? st : dev->StreamFor(device, stream, why);
+  };
+  auto log_copy_failure = [&](const char* what, const wire::RequestHeader& h,
+                              const std::string& why) {
+    Log(KVB_LOG_WARN, "inbound %s: %s of %llu bytes at offset %llu of device segment %llu: %s",
+        addr.c_str(), what, U(h.length), U(h.offset), U(h.segment_id), why.c_str());
+  };
+  // WRITE into a device region; *status is the response's (OK, or the copy's error).
+  auto write_device = [&](const std::shared_ptr<Region>& region, const wire::RequestHeader& h,
+                          kvb_status_t* status) -> Io {
+    std::string why;
+    kvb_dev_stream_t* stream = nullptr;
+    *status = dev_ready(region->device, &stream, &why);
+    if (*status != KVB_OK) {
+      log_copy_failure("staging a WRITE", h, why);
+      return recv_payload(nullptr, h.length);
+    }
+    auto& bufs = dev->buffers();
+    const uint64_t chunk = dev->buffer_bytes();
+    size_t next = 0;
+    Io io = Io::kOk;
+    uint64_t off = 0;
+    for (; off < h.length && io == Io::kOk && *status == KVB_OK; off += chunk) {
+      StagingBuffer& b = bufs[next];
+      next = (next + 1) % bufs.size();
+      if (b.state == StagingBuffer::State::kCopyOut) {  // its previous copy must be done first
+        b.state = StagingBuffer::State::kFree;
+        *status = dev->Wait(b.stream, b.ticket, &why);
+        if (*status != KVB_OK) break;
+      }
+      const uint64_t len = std::min(chunk, h.length - off);
+      io = recv_payload(b.p, len);
+      if (io != Io::kOk) break;
+      *status = dev->Copy(stream, region->base + h.offset + off, b.p, len, &b.ticket, &why);
+      if (*status == KVB_OK) {
+        b.state = StagingBuffer::State::kCopyOut;
+        b.stream = stream;
+      }
+    }
+    for (auto& b : bufs) {  // every copy answered before the region is let go
+      if (b.state != StagingBuffer::State::kCopyOut) continue;
+      b.state = StagingBuffer::State::kFree;
+      std::string w;
+      const kvb_status_t st = dev->Wait(b.stream, b.ticket, &w);
+      if (st != KVB_OK && *status == KVB_OK) {
+        *status = st;
+        why = w;
+      }
+    }
+    if (*status != KVB_OK) {
+      log_copy_failure("a WRITE through staging", h, why);
+      if (io == Io::kOk && off < h.length) io = recv_payload(nullptr, h.length - off);
+    }
+    return io;
+  };
+  // READ from a device region: the payload staged whole (one copy) before the response.
+  auto read_device = [&](const std::shared_ptr<Region>& region, const wire::RequestHeader& h,
+                         kvb_status_t* status) -> uint8_t* {
+    std::string why;
+    kvb_dev_stream_t* stream = nullptr;
+    uint8_t* buf = nullptr;
+    uint64_t ticket = 0;
+    *status = dev_ready(region->device, &stream, &why);
+    if (*status == KVB_OK) *status = dev->Scratch(h.length, &buf, &why);
+    if (*status == KVB_OK) {
+      *status = dev->Copy(stream, buf, region->base + h.offset, h.length, &ticket, &why);
+    }
+    if (*status == KVB_OK) *status = dev->Wait(stream, ticket, &why);
+    if (*status == KVB_OK) return buf;
+    log_copy_failure("a READ through staging", h, why);
+    return nullptr;
+  };
   auto log_send_failure = [&](Io io) {
     if (io != Io::kClosed) {
       Log(KVB_LOG_WARN, "closing inbound %s while sending responses: %s", addr.c_str(),
@@ -330,6 +414,24 @@ void Transport::ServeRequests(int fd, const std::string& addr) {
       }
       // Drain the payload so the connection stays usable.
       if (h.opcode == KVB_OP_WRITE) io = recv_payload(nullptr, h.length);
+      if (io == Io::kOk) io = queue(resp, nullptr, nullptr);
+    } else if (region->device >= 0 && h.opcode == KVB_OP_READ) {
+      // Responses before this one go out first: the staging buffer is one per connection.
+      io = flush();
+      kvb_status_t st = KVB_OK;
+      uint8_t* payload = io == Io::kOk ? read_device(region, h, &st) : nullptr;
+      ReleaseRegion(region, fd);
+      if (io == Io::kOk) {
+        resp.status = st == KVB_OK ? KVB_OK : KVB_ERR_IO;
+        resp.length = st == KVB_OK ? h.length : 0;
+        io = queue(resp, st == KVB_OK ? payload : nullptr, nullptr);
+        if (io == Io::kOk) io = flush();
+      }
+    } else if (region->device >= 0) {
+      kvb_status_t st = KVB_OK;
+      io = write_device(region, h, &st);
+      ReleaseRegion(region, fd);
+      resp.status = st == KVB_OK ? KVB_OK : KVB_ERR_IO;
       if (io == Io::kOk) io = queue(resp, nullptr, nullptr);
     } else if (h.opcode == KVB_OP_READ) {
       resp.length = h.length;

@@ -61,6 +61,7 @@ kvb_status_t Transport::Create(const kvb_host_services_t* host,
   std::unique_ptr<Transport> t(new Transport(host, config));
   t->node_id_ = node_id;
   t->incarnation_ = host->incarnation(host->host_ctx);
+  t->device_services_ = HasDeviceServices(host);
   std::string listen = "127.0.0.1:0";
   if (has(offsetof(kvb_transport_params_t, listen), sizeof(char*)) && params->listen != nullptr &&
       params->listen[0] != '\0') {
@@ -205,19 +206,58 @@ int32_t Transport::GetEndpoints(char* buf, uint32_t buf_len) const {
 // Memory registration.
 
 kvb_status_t Transport::RegisterMemory(const kvb_region_t* region, uint8_t* rkey, uint32_t rkey_cap,
-                                       uint32_t* rkey_len) {
+                                       uint32_t* rkey_len, std::string* err) {
+  std::string ignored;
+  if (err == nullptr) err = &ignored;
   if (region == nullptr ||
       region->struct_size < offsetof(kvb_region_t, length) + sizeof(region->length)) {
+    *err = "register_memory: region missing or too small";
     return KVB_ERR_INVALID_ARGUMENT;
   }
-  if (region->mem_kind != KVB_MEM_HOST) return KVB_ERR_UNSUPPORTED;
-  if (region->addr == nullptr || region->length == 0) return KVB_ERR_INVALID_ARGUMENT;
+  if (region->mem_kind != KVB_MEM_HOST && region->mem_kind != KVB_MEM_CUDA) {
+    *err = Fmt("register_memory: unknown memory kind %u", region->mem_kind);
+    return KVB_ERR_UNSUPPORTED;
+  }
+  if (region->addr == nullptr || region->length == 0) {
+    *err = "register_memory: null address or zero length";
+    return KVB_ERR_INVALID_ARGUMENT;
+  }
+  int device = -1;
+  if (region->mem_kind == KVB_MEM_CUDA) {
+    // Device memory moves through pinned bounce buffers by the host's copy services: without
+    // them (a host older than ABI 1.2) there is no way to reach it.
+    if (!device_services_) {
+      *err =
+          "register_memory: CUDA memory needs the host's ABI 1.2 device services "
+          "(dev_stream_create ... pinned_free); this host does not offer them";
+      return KVB_ERR_UNSUPPORTED;
+    }
+    device = KVB_HAS_FIELD(region, kvb_region_t, device_id) ? region->device_id : -1;
+    if (device < 0) {
+      *err = "register_memory: a CUDA region needs its device id (>= 0)";
+      return KVB_ERR_INVALID_ARGUMENT;
+    }
+    // A copy queue on that device proves the driver and the device are there (UNAVAILABLE
+    // naming libcuda when the host has no driver).
+    char why[512] = {};
+    kvb_dev_stream_t* s = nullptr;
+    const kvb_status_t st = host_->dev_stream_create(host_->host_ctx, device, &s, why, sizeof(why));
+    if (st != KVB_OK) {
+      *err = Fmt("register_memory: CUDA region on device %d: %s", device, why);
+      return st;
+    }
+    host_->dev_stream_destroy(host_->host_ctx, s);
+  }
   auto r = std::make_shared<Region>();
   r->base = static_cast<uint8_t*>(region->addr);
   r->length = region->length;
+  r->device = device;
   {
     std::lock_guard<std::mutex> lock(regions_mu_);
-    if (!regions_.emplace(region->segment_id, r).second) return KVB_ERR_ALREADY_EXISTS;
+    if (!regions_.emplace(region->segment_id, r).second) {
+      *err = Fmt("register_memory: segment %llu is already registered", U(region->segment_id));
+      return KVB_ERR_ALREADY_EXISTS;
+    }
   }
   if (rkey_len != nullptr) *rkey_len = 0;  // tcp needs no remote key
   return KVB_OK;

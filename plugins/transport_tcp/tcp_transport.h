@@ -47,6 +47,10 @@ struct Config {
   uint64_t min_inbound_bytes_per_sec = 64u << 20;  // an inbound payload's absolute bound
   uint32_t inbound_idle_timeout_ms = 300000;       // an authenticated connection with no request
   uint64_t max_frame_bytes = 16u << 20;
+  // Device (CUDA) regions: bytes pass through pinned bounce buffers of this size, this many per
+  // lane and per inbound connection (README.md "Device memory").
+  uint64_t staging_slice_bytes = 256u << 10;
+  uint32_t staging_buffers = 4;
 };
 
 // Reads the tcp.* keys through host->config_get; unset keys keep their defaults. Returns false
@@ -123,7 +127,7 @@ class Transport {
 
   int32_t GetEndpoints(char* buf, uint32_t buf_len) const;
   kvb_status_t RegisterMemory(const kvb_region_t* region, uint8_t* rkey, uint32_t rkey_cap,
-                              uint32_t* rkey_len);
+                              uint32_t* rkey_len, std::string* err = nullptr);
   kvb_status_t DeregisterMemory(uint64_t segment_id);
   kvb_status_t AddPeer(const kvb_peer_info_t* info, Peer** out, std::string* err);
   kvb_status_t UpdatePeer(Peer* peer, const kvb_peer_info_t* info, std::string* err);
@@ -145,6 +149,8 @@ class Transport {
   const std::string& node_id() const { return node_id_; }
   uint64_t incarnation() const { return incarnation_; }
   const kvb_host_services_t* host() const { return host_; }
+  // The host offers the ABI 1.2 device services: CUDA regions can be registered.
+  bool device_services() const { return device_services_; }
   bool stopping() const { return stopping_.load(); }
   // Ends one slice; adds the request's on_complete to *done when that made it final.
   void EndSlice(Slice& s, kvb_status_t code, const std::string& msg, Completions* done);
@@ -158,6 +164,7 @@ class Transport {
   struct Region {
     uint8_t* base = nullptr;
     uint64_t length = 0;
+    int device = -1;         // KVB_MEM_CUDA: the region's device; -1 for host memory
     uint32_t in_use = 0;     // server threads inside the region (under regions_mu_)
     std::vector<int> users;  // their connections, one entry per use (under regions_mu_)
   };
@@ -199,6 +206,7 @@ class Transport {
   const Config config_;
   std::string node_id_;
   uint64_t incarnation_ = 0;
+  bool device_services_ = false;
   std::atomic<bool> stopping_{false};
   Counters counters_;
   TokenBucket idle_bucket_;

@@ -14,7 +14,10 @@
 //  - each stream has a worker thread running its copies (memcpy) and event records in order,
 //    with a configurable latency per copy, a stall switch that holds copies until cleared, and
 //    error injection: the next copy fails with a given CUresult, which the next event recorded
-//    on that stream reports (cuEventQuery/Synchronize), as a failed async copy does.
+//    on that stream reports (cuEventQuery/Synchronize), as a failed async copy does;
+//  - a log of every copy (when it was queued, when it started and ended, addresses, result),
+//    read with kvbtest_fake_cuda_copy_log, so tests can check the order of copies against
+//    other events (tests/gpu/test_tcp_device.cc: staging overlaps copies with the wire).
 // Thread-safe: one mutex guards the tables; each stream has its own queue lock.
 #include <algorithm>
 #include <atomic>
@@ -62,7 +65,32 @@ struct Op {
   const void* src = nullptr;
   size_t len = 0;
   Event* event = nullptr;
+  size_t log_index = 0;
+  uint64_t log_generation = 0;  // the log's generation when queued (a clear starts another)
 };
+
+// One copy as the log keeps it; the same layout as kvbridge::testing::FakeCopyRecord
+// (tests/gpu/fake_cuda_env.h). Times are steady_clock nanoseconds (CLOCK_MONOTONIC).
+struct CopyRecord {
+  uint64_t queued_ns = 0;
+  uint64_t start_ns = 0;
+  uint64_t end_ns = 0;  // 0 while queued or running
+  uint64_t dst = 0;
+  uint64_t src = 0;
+  uint64_t len = 0;
+  int32_t error = 0;
+  int32_t reserved = 0;
+};
+
+std::mutex g_log_mu;
+std::vector<CopyRecord> g_log;
+uint64_t g_log_generation = 0;
+
+uint64_t NowNs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
 
 struct Stream;
 
@@ -111,6 +139,10 @@ struct Stream {
         ops.pop_front();
       }
       if (op.copy) {
+        {
+          std::lock_guard<std::mutex> lock(g_log_mu);
+          if (op.log_generation == g_log_generation) g_log[op.log_index].start_ns = NowNs();
+        }
         if (uint32_t us = g_latency_us.load())
           std::this_thread::sleep_for(std::chrono::microseconds(us));
         while (g_stall.load()) std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -120,6 +152,11 @@ struct Stream {
         } else {
           std::memmove(op.dst, op.src, op.len);
           g_copies.fetch_add(1);
+        }
+        std::lock_guard<std::mutex> lock(g_log_mu);
+        if (op.log_generation == g_log_generation) {
+          g_log[op.log_index].end_ns = NowNs();
+          g_log[op.log_index].error = fail;
         }
       } else {
         std::lock_guard<std::mutex> lock(op.event->mu);
@@ -203,6 +240,20 @@ __attribute__((visibility("default"))) uint64_t kvbtest_fake_cuda_copies() {
 }
 __attribute__((visibility("default"))) int kvbtest_fake_cuda_init_calls() {
   return g_init_calls.load();
+}
+// Copies logged since the last clear (every cuMemcpyAsync, in the order queued): copies up to
+// `max` records into out and returns how many there are in all.
+__attribute__((visibility("default"))) size_t kvbtest_fake_cuda_copy_log(CopyRecord* out,
+                                                                         size_t max) {
+  std::lock_guard<std::mutex> lock(g_log_mu);
+  for (size_t i = 0; i < max && i < g_log.size(); ++i) out[i] = g_log[i];
+  return g_log.size();
+}
+// Forgets the log. Copies still queued then are no longer recorded.
+__attribute__((visibility("default"))) void kvbtest_fake_cuda_clear_copy_log() {
+  std::lock_guard<std::mutex> lock(g_log_mu);
+  g_log.clear();
+  ++g_log_generation;
 }
 // Streams, events and primary-context references not yet given back (leak checks).
 __attribute__((visibility("default"))) int kvbtest_fake_cuda_live_objects() {
@@ -335,8 +386,19 @@ __attribute__((visibility("default"))) CUresult cuMemcpyAsync(CUdeviceptr dst, C
                                                               size_t len, void* s) {
   if (!HasContext()) return kInvalidContext;
   if (s == nullptr || dst == 0 || src == 0) return kInvalidValue;
-  static_cast<Stream*>(s)->Push(
-      Op{true, reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), len, nullptr});
+  Op op{true, reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), len, nullptr};
+  {
+    std::lock_guard<std::mutex> lock(g_log_mu);
+    op.log_index = g_log.size();
+    op.log_generation = g_log_generation;
+    CopyRecord r;
+    r.queued_ns = NowNs();
+    r.dst = dst;
+    r.src = src;
+    r.len = len;
+    g_log.push_back(r);
+  }
+  static_cast<Stream*>(s)->Push(op);
   return kSuccess;
 }
 __attribute__((visibility("default"))) CUresult cuEventCreate(void** e, unsigned) {
@@ -373,6 +435,33 @@ __attribute__((visibility("default"))) CUresult cuEventDestroy_v2(void* e) {
   if (e == nullptr) return kInvalidValue;
   delete static_cast<Event*>(e);
   g_live_events.fetch_sub(1);
+  return kSuccess;
+}
+// Allocation and synchronous copies as a test on a real GPU makes them (tests/gpu/
+// test_tcp_device.cc with KVBTEST_REAL_CUDA=1), so that mode can run against this fake too.
+__attribute__((visibility("default"))) CUresult cuMemAlloc_v2(CUdeviceptr* dp, size_t len) {
+  if (dp == nullptr || len == 0) return kInvalidValue;
+  if (!HasContext()) return kInvalidContext;
+  void* p = Track(len, Alloc{0, t_ctx_stack.back(), 2, 0});
+  *dp = reinterpret_cast<CUdeviceptr>(p);
+  return p != nullptr ? kSuccess : kOutOfMemory;
+}
+__attribute__((visibility("default"))) CUresult cuMemFree_v2(CUdeviceptr dp) {
+  void* p = reinterpret_cast<void*>(dp);
+  if (!Untrack(p)) return kInvalidValue;
+  std::free(p);
+  return kSuccess;
+}
+__attribute__((visibility("default"))) CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src,
+                                                                size_t len) {
+  if (!HasContext()) return kInvalidContext;
+  std::memcpy(reinterpret_cast<void*>(dst), src, len);
+  return kSuccess;
+}
+__attribute__((visibility("default"))) CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src,
+                                                                size_t len) {
+  if (!HasContext()) return kInvalidContext;
+  std::memcpy(dst, reinterpret_cast<const void*>(src), len);
   return kSuccess;
 }
 __attribute__((visibility("default"))) CUresult cuMemHostAlloc(void** p, size_t len, unsigned) {

@@ -7,15 +7,22 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 namespace kvbridge::testing {
+
+bool RealCuda() {
+  const char* v = std::getenv("KVBTEST_REAL_CUDA");
+  return v != nullptr && v[0] == '1';
+}
+
 namespace {
 
 constexpr const char* kChildMarker = "KVBTEST_GPU_SELF_CHILD";
 
 // Before main, so before anything can load the driver.
 const bool g_env_set = [] {
-  if (std::getenv(kChildMarker) == nullptr)
+  if (std::getenv(kChildMarker) == nullptr && !RealCuda())
     setenv("KVBRIDGE_CUDA_DRIVER", KVBTEST_FAKE_CUDA_PATH, 1);
   return true;
 }();
@@ -49,6 +56,8 @@ const FakeCuda& Fake() {
     Sym(lib, "kvbtest_fake_cuda_pointer_needs_context", &f.pointer_needs_context);
     Sym(lib, "kvbtest_fake_cuda_copies", &f.copies);
     Sym(lib, "kvbtest_fake_cuda_live_objects", &f.live_objects);
+    Sym(lib, "kvbtest_fake_cuda_copy_log", &f.copy_log);
+    Sym(lib, "kvbtest_fake_cuda_clear_copy_log", &f.clear_copy_log);
     return f;
   }();
   return fake;

@@ -14,6 +14,19 @@
 
 namespace kvbridge::testing {
 
+// One copy in the fake driver's log (its CopyRecord): steady_clock nanoseconds (end_ns 0 while
+// queued or running), addresses, and the CUresult it ended with.
+struct FakeCopyRecord {
+  uint64_t queued_ns;
+  uint64_t start_ns;
+  uint64_t end_ns;
+  uint64_t dst;
+  uint64_t src;
+  uint64_t len;
+  int32_t error;
+  int32_t reserved;
+};
+
 struct FakeCuda {
   void* (*alloc)(int device, size_t len);
   void* (*alloc_managed)(int device, size_t len);
@@ -25,10 +38,18 @@ struct FakeCuda {
   void (*pointer_needs_context)(int on);
   uint64_t (*copies)();
   int (*live_objects)();
+  // Every copy queued since the last clear, in queue order: fills up to max, returns the count.
+  size_t (*copy_log)(FakeCopyRecord* out, size_t max);
+  void (*clear_copy_log)();
 };
 
 // The controls of the fake driver (dlopened once; aborts the test binary if it is missing).
 const FakeCuda& Fake();
+
+// KVBTEST_REAL_CUDA=1: the real driver (libcuda.so.1, or KVBRIDGE_CUDA_DRIVER) is left in
+// place and the tests that can run on it use real device memory (benchmarks/gpu_check.sh,
+// stage tcp-device); Fake() must not be used then.
+bool RealCuda();
 
 // True in a child started by RunSelf.
 bool IsSelfChild();

@@ -1,8 +1,8 @@
 // MemoryKinds.*: what RegisterMemory accepts as each memory kind (core/memory_kinds.h), against
 // the fake CUDA driver (tests/fakes/fake_cuda.cc), and what it answers with no driver at all.
-// kCuda is checked through core::CheckMemoryKind (no transport in this build declares CUDA_MEM,
-// so the engine answers UNSUPPORTED before it looks at device memory); kHost is checked through
-// the engine with the tcp transport, as a user reaches it.
+// kCuda is checked through core::CheckMemoryKind directly (through the engine, with tcp taking
+// CUDA memory: TcpDevice.EngineChecksCudaMemoryBeforeTcpSeesIt in test_tcp_device.cc); kHost is
+// checked through the engine with the tcp transport, as a user reaches it.
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>

@@ -65,7 +65,8 @@ TEST(TcpTransport, DescriptorAndEndpoints) {
   const kvb_plugin_descriptor_t* d = Descriptor();
   EXPECT_STREQ(d->name, "tcp");
   EXPECT_EQ(d->kind, KVB_PLUGIN_TRANSPORT);
-  EXPECT_EQ(d->caps, KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM | KVB_TCAP_STATS);
+  EXPECT_EQ(d->caps, KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM | KVB_TCAP_CUDA_MEM |
+                         KVB_TCAP_STATS);
   char reason[64];
   EXPECT_EQ(d->probe(reason, sizeof(reason)), KVB_OK);
   auto a = Make("a", 1, {}, "", "127.0.0.1:0,127.0.0.1:0");

@@ -148,12 +148,18 @@ INSTANTIATE_TEST_SUITE_P(
         ChoiceCase{"NoPathAtAll", {}, {}, 0, StatusCode::kUnsupported, {"the peer has no path"}}),
     [](const auto& info) { return std::string(info.param.name); });
 
-TEST(PathChoice, ServesKindsHostOnlyToday) {
+TEST(PathChoice, ServesKindsByCap) {
   const uint64_t host = KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM;
   EXPECT_TRUE(core::ServesKinds(host, KVB_MEM_HOST, KVB_MEM_HOST));
   EXPECT_FALSE(core::ServesKinds(KVB_TCAP_READ | KVB_TCAP_WRITE, KVB_MEM_HOST, KVB_MEM_HOST));
-  EXPECT_FALSE(core::ServesKinds(host | KVB_TCAP_CUDA_MEM, KVB_MEM_CUDA, KVB_MEM_HOST));
-  EXPECT_FALSE(core::ServesKinds(host | KVB_TCAP_CUDA_MEM, KVB_MEM_HOST, KVB_MEM_CUDA));
+  EXPECT_FALSE(core::ServesKinds(host, KVB_MEM_CUDA, KVB_MEM_HOST));
+  EXPECT_FALSE(core::ServesKinds(host, KVB_MEM_HOST, KVB_MEM_CUDA));
+  EXPECT_TRUE(core::ServesKinds(host | KVB_TCAP_CUDA_MEM, KVB_MEM_CUDA, KVB_MEM_HOST));
+  EXPECT_TRUE(core::ServesKinds(host | KVB_TCAP_CUDA_MEM, KVB_MEM_HOST, KVB_MEM_CUDA));
+  EXPECT_TRUE(core::ServesKinds(host | KVB_TCAP_CUDA_MEM, KVB_MEM_CUDA, KVB_MEM_CUDA));
+  const uint64_t cuda_only = KVB_TCAP_READ | KVB_TCAP_CUDA_MEM;
+  EXPECT_FALSE(core::ServesKinds(cuda_only, KVB_MEM_CUDA, KVB_MEM_HOST));
+  EXPECT_FALSE(core::ServesKinds(cuda_only, 7, KVB_MEM_CUDA));
 }
 
 // --- Two engines, two paths ------------------------------------------------------------------
