@@ -5,7 +5,8 @@
 Runs PROGRAM --help (exit 0, lists its flags), PROGRAM --no-such-flag (exit 2, the flag named
 on stderr), then PROGRAM FLAGS (its quickest run): exit 0, and the last stdout line is one JSON
 object whose "benchmark" is NAME and whose "headline" has the keys every benchmark's headline
-has (docs/benchmarks.md, "The JSON result"), with positive value, baseline and ratio. Exit status 1 with the reason otherwise.
+has (docs/benchmarks.md, "The JSON result"), with positive value, baseline and ratio. Exit
+status 1 with the reason otherwise.
 """
 
 from __future__ import annotations
