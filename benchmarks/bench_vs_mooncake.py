@@ -299,7 +299,7 @@ def phase_row(fields: dict, batch_bytes: int, lat: list[float], total: float,
          "gbps": rnd(gbps(batch_bytes * len(lat), total)),
          "p50_ms": ms(percentile(lat, 50)),
          "p99_ms": ms(percentile(lat, 99)),
-         "batches": len(lat), "failed": failed,
+         "batches": len(lat), "failures": failed,
          "_lat": lat, "_total": total, "_bytes": batch_bytes}
     what = fields.get("block_bytes")
     what = f"{what >> 10:5d} KiB" if what else f"r{fields.get('replica_num')}"
@@ -311,14 +311,14 @@ def phase_row(fields: dict, batch_bytes: int, lat: list[float], total: float,
 def merge_rounds(rows: list[dict]) -> list[dict]:
     """Pools the phases of one row (same fields but the measured ones) over the rounds: GB/s
     over the summed time, percentiles over every batch."""
-    measured = {"gbps", "p50_ms", "p99_ms", "batches", "failed", "_lat", "_total", "_bytes"}
+    measured = {"gbps", "p50_ms", "p99_ms", "batches", "failures", "_lat", "_total", "_bytes"}
     merged: dict[tuple, dict] = {}
     for r in rows:
         key = tuple(sorted((k, v) for k, v in r.items() if k not in measured))
-        m = merged.setdefault(key, {**r, "_lat": [], "_total": 0.0, "failed": 0, "rounds": 0})
+        m = merged.setdefault(key, {**r, "_lat": [], "_total": 0.0, "failures": 0, "rounds": 0})
         m["_lat"] = m["_lat"] + r["_lat"]
         m["_total"] += r["_total"]
-        m["failed"] += r["failed"]
+        m["failures"] += r["failures"]
         m["rounds"] += 1
     out = []
     for m in merged.values():
