@@ -79,6 +79,7 @@ class Flags {
 
 // ------------------------------------------------------------------------ samples, stats
 
+// Sorted lazily on the first query after an Add: not for queries from several threads at once.
 class Samples {
  public:
   void Add(double v) {
