@@ -47,15 +47,15 @@ connector stats under bench-out/engines-logs/<time>/.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import signal
-import statistics
 import sys
 import time
 from pathlib import Path
+
+from benchlib import emit, gbps, median, parser, percentile, positive_int, ratio, rnd
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "engines"))
@@ -88,19 +88,6 @@ XFER_API = {"kvbridge": "transfer_raw", "mooncake": "batch_transfer_sync_write",
 
 def log(msg: str) -> None:
     print(f"[engines {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def median(v):
-    return statistics.median(v) if v else None
-
-
-def pct(v, q):
-    s = sorted(v)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else None
-
-
-def rnd(x, n=3):
-    return None if x is None else round(x, n)
 
 
 def make_prompts(count: int, lo: int, hi: int) -> list[dict]:
@@ -296,17 +283,17 @@ def summarize(path: str, runs: list[dict]) -> dict:
     xs = [r["xfer_s"] for r in reqs if r.get("xfer_s")]
     tt = [r["ttft_s"] for r in reqs if r.get("ttft_s") is not None]
     by = [r["xfer_bytes"] for r in reqs]
-    gb = [r["xfer_bytes"] / r["xfer_s"] / 1e9 for r in reqs if r.get("xfer_s")]
+    gb = [gbps(r["xfer_bytes"], r["xfer_s"]) for r in reqs if r.get("xfer_s")]
     out = {"name": PATHS[path]["name"], "timed": PATHS[path]["timed"],
            "requests": len(reqs),
            "xfer_ms_median": rnd(median(xs) * 1e3 if xs else None),
            "xfer_ms_min": rnd(min(xs) * 1e3 if xs else None),
-           "xfer_ms_p90": rnd(pct(xs, 0.9) * 1e3 if xs else None),
+           "xfer_ms_p90": rnd(percentile(xs, 90) * 1e3 if xs else None),
            "xfer_ms_max": rnd(max(xs) * 1e3 if xs else None),
            "xfer_gbps_median": rnd(median(gb)),
            "ttft_ms_median": rnd(median(tt) * 1e3 if tt else None),
            "ttft_ms_min": rnd(min(tt) * 1e3 if tt else None),
-           "ttft_ms_p90": rnd(pct(tt, 0.9) * 1e3 if tt else None),
+           "ttft_ms_p90": rnd(percentile(tt, 90) * 1e3 if tt else None),
            "ttft_ms_max": rnd(max(tt) * 1e3 if tt else None),
            "bytes_per_request_median": median(by),
            "xfer_calls_per_request": sorted({r["xfer_calls"] for r in reqs}),
@@ -386,14 +373,16 @@ def check(runs: list[dict], paths: list[str], prompts: list[dict], decode_tokens
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="1 round, 3 prompts of 1024-1536 tokens, 8 decode tokens")
-    ap.add_argument("--rounds", type=int, default=None, help="default 3 (--quick: 1)")
-    ap.add_argument("--prompts", type=int, default=None, help="measured prompts (default 8)")
-    ap.add_argument("--min-len", type=int, default=None, help="shortest prompt (tokens, 1024)")
-    ap.add_argument("--max-len", type=int, default=None, help="longest prompt (tokens, 2048)")
-    ap.add_argument("--decode-tokens", type=int, default=None, help="tokens per decode (16)")
+    ap = parser(__doc__, quick="1 round, 3 prompts of 1024-1536 tokens, 8 decode tokens",
+                rounds="default 3 (--quick: 1)")
+    ap.add_argument("--prompts", type=positive_int, default=None,
+                    help="measured prompts (default 8)")
+    ap.add_argument("--min-len", type=positive_int, default=None,
+                    help="shortest prompt (tokens, 1024)")
+    ap.add_argument("--max-len", type=positive_int, default=None,
+                    help="longest prompt (tokens, 2048)")
+    ap.add_argument("--decode-tokens", type=positive_int, default=None,
+                    help="tokens per decode (16)")
     ap.add_argument("--paths", default="kvbridge,mooncake,dropin")
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the plain-instance reference (no KV moved)")
@@ -464,10 +453,9 @@ def main() -> int:
     summary = {p: summarize(p, runs) for p in paths}
     corr = check(runs, paths, prompts, a.decode_tokens)
 
-    def ratio(num, den, key):
-        x = summary.get(num, {}).get(key)
-        y = summary.get(den, {}).get(key)
-        return round(x / y, 3) if x and y else None
+    def over(num, den, key):
+        """num's figure / den's (times: > 1 means den is faster)."""
+        return ratio(summary.get(num, {}).get(key), summary.get(den, {}).get(key))
 
     def paired(num: str, den: str) -> float | None:
         """Median over (round, prompt) of num's transfer time / den's."""
@@ -480,13 +468,13 @@ def main() -> int:
              if p == den and (num, k, n) in t]
         return rnd(median(v))
 
-    ratios = {"xfer_mooncake_over_kvbridge": ratio("mooncake", "kvbridge", "xfer_ms_median"),
-              "xfer_dropin_over_kvbridge": ratio("dropin", "kvbridge", "xfer_ms_median"),
-              "xfer_mooncake_over_dropin": ratio("mooncake", "dropin", "xfer_ms_median"),
+    ratios = {"xfer_mooncake_over_kvbridge": over("mooncake", "kvbridge", "xfer_ms_median"),
+              "xfer_dropin_over_kvbridge": over("dropin", "kvbridge", "xfer_ms_median"),
+              "xfer_mooncake_over_dropin": over("mooncake", "dropin", "xfer_ms_median"),
               "xfer_mooncake_over_kvbridge_paired_median": paired("mooncake", "kvbridge"),
               "xfer_dropin_over_kvbridge_paired_median": paired("dropin", "kvbridge"),
-              "ttft_mooncake_over_kvbridge": ratio("mooncake", "kvbridge", "ttft_ms_median"),
-              "ttft_dropin_over_kvbridge": ratio("dropin", "kvbridge", "ttft_ms_median")}
+              "ttft_mooncake_over_kvbridge": over("mooncake", "kvbridge", "ttft_ms_median"),
+              "ttft_dropin_over_kvbridge": over("dropin", "kvbridge", "ttft_ms_median")}
     kv, mc = summary.get("kvbridge", {}), summary.get("mooncake", {})
     result = {
         "benchmark": "engines", "quick": q, "rounds": a.rounds,
@@ -526,7 +514,7 @@ def main() -> int:
     log(f"ratios: {ratios}")
     if not corr["ok"]:
         log("FAILED: " + "; ".join(corr["failures"])[:4000])
-    print(json.dumps(result))
+    emit(result)
     return 0 if corr["ok"] else 1
 
 

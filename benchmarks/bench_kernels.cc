@@ -7,10 +7,12 @@
 // per-row loop. GPU (when one is usable): kvb_page_copy_cuda between device buffers against
 // cudaMemcpy device-to-device of the same bytes, and into pinned host memory against
 // cudaMemcpy device-to-host. Progress goes to stderr; the last stdout line is one JSON object
-// (docs/performance.md). Usage: kvb_bench_kernels [--quick] [--threads N]
-// [--seconds S] [--pages N] [--no-gpu]
+// (docs/benchmarks.md). Its result is "benchmark": "kernels-c" (`benchmarks/run kernels-c`): the
+// C API against memcpy, not the torch ops against torch copies that "kernels" measures
+// (benchmarks/bench_kernels.py). Flags: kvb_bench_kernels --help.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,11 +23,13 @@
 #include <thread>
 #include <vector>
 
+#include "benchlib.h"
 #include "kvbridge/kernels/cuda_memory.h"
 #include "kvbridge/kernels/page_copy.h"
 
 namespace {
 
+namespace bl = kvbridge::benchlib;
 using Clock = std::chrono::steady_clock;
 
 struct Args {
@@ -34,6 +38,7 @@ struct Args {
   int threads = 2;
   double seconds = 1.0;  // per measured trial of one operation
   int64_t pages = 0;     // pages per copy; 0: by mode
+  bool no_gpu = false;
 };
 
 constexpr int64_t kLayers = 8;
@@ -58,13 +63,11 @@ double Rate(const std::function<void()>& op, int64_t bytes, double seconds) {
     ++runs;
     elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   } while (elapsed < seconds);
-  return static_cast<double>(bytes) * static_cast<double>(runs) / elapsed / 1e9;
+  return bl::Gbps(static_cast<double>(bytes) * static_cast<double>(runs), elapsed);
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+// The median of the trials by the benchmarks' one percentile rule (benchlib.h).
+double Median(const std::vector<double>& v) { return bl::Percentile(v, 50); }
 
 // memcpy of `bytes` split into `threads` contiguous parts.
 void ParallelMemcpy(char* dst, const char* src, int64_t bytes, int threads) {
@@ -236,7 +239,7 @@ double GpuRate(const std::function<void()>& enqueue, int64_t bytes, int reps) {
   for (int i = 0; i < reps; ++i) enqueue();
   Check(kvb_cuda_stream_synchronize(nullptr, err, sizeof(err)), "timed run", err);
   const double s = std::chrono::duration<double>(Clock::now() - start).count();
-  return static_cast<double>(bytes) * reps / s / 1e9;
+  return bl::Gbps(static_cast<double>(bytes) * reps, s);
 }
 
 // Returns the "gpu" JSON member's value.
@@ -246,15 +249,19 @@ std::string RunGpu(const Args& a, double* headline_ratio) {
   const int rc = kvb_cuda_device_count(&count, err, sizeof(err));
   if (rc != KVB_KERNEL_OK || count == 0) {
     std::fprintf(stderr, "gpu: not measured: %s: %s\n", kvb_kernel_status_name(rc), err);
-    std::string reason = std::string(kvb_kernel_status_name(rc)) + ": " + err;
-    std::replace(reason.begin(), reason.end(), '"', '\'');
-    return "{\"available\": false, \"reason\": \"" + reason + "\"}";
+    bl::Json j;
+    j.BeginObject()
+        .Field("available", false)
+        .Field("reason", std::string(kvb_kernel_status_name(rc)) + ": " + err)
+        .EndObject();
+    return j.str();
   }
   char name[256] = "";
   Check(kvb_cuda_device_name(name, sizeof(name), err, sizeof(err)), "device name", err);
   std::fprintf(stderr, "gpu: %s\n", name);
   const int reps = a.quick ? 10 : 30;
-  std::string items;
+  bl::Json items;
+  items.BeginArray();
   double pf_sum = 0, d2d_sum = 0;
   int pf_n = 0;
   for (int64_t page_size : {int64_t{16}, int64_t{32}, int64_t{64}}) {
@@ -312,16 +319,17 @@ std::string RunGpu(const Args& a, double* headline_ratio) {
                      static_cast<long long>(page_size),
                      static_cast<long long>(page_size * kRowBytes >> 10), gbps,
                      to_pinned ? "D2H" : "D2D", base, gbps / base);
-        char item[512];
-        std::snprintf(item, sizeof(item),
-                      "%s{\"layout\": \"%s\", \"direction\": \"%s\", \"memory\": \"%s\", "
-                      "\"page_size\": %lld, \"chunk_bytes\": %lld, \"gbps\": %.1f, "
-                      "\"baseline\": \"%s\", \"baseline_gbps\": %.1f, \"ratio\": %.3f}",
-                      items.empty() ? "" : ", ", kvb_sglang_layout_name(c.layout),
-                      c.pack ? "pack" : "unpack", target, static_cast<long long>(page_size),
-                      static_cast<long long>(page_size * kRowBytes), gbps,
-                      to_pinned ? "cudaMemcpy D2H" : "cudaMemcpy D2D", base, gbps / base);
-        items += item;
+        items.BeginObject()
+            .Field("layout", kvb_sglang_layout_name(c.layout))
+            .Field("direction", c.pack ? "pack" : "unpack")
+            .Field("memory", target)
+            .Field("page_size", page_size)
+            .Field("chunk_bytes", page_size * kRowBytes)
+            .Field("gbps", gbps, 1)
+            .Field("baseline_name", to_pinned ? "cudaMemcpy D2H" : "cudaMemcpy D2D")
+            .Field("baseline_gbps", base, 1)
+            .Field("ratio", bl::Ratio(gbps, base), 3)
+            .EndObject();
         if (!to_pinned && c.layout == KVB_SGLANG_PAGE_FIRST && c.pack &&
             page_size * kRowBytes >= 64 * 1024) {
           pf_sum += gbps;
@@ -331,52 +339,46 @@ std::string RunGpu(const Args& a, double* headline_ratio) {
       }
     }
   }
-  const double value = pf_sum / pf_n, baseline = d2d_sum / pf_n;
-  *headline_ratio = value / baseline;
-  char head[1024];
-  std::snprintf(head, sizeof(head),
-                "{\"available\": true, \"device\": \"%s\", \"headline\": {\"metric\": "
-                "\"page_first pack GB/s (CUDA, >=64KiB per layer and K/V) / cudaMemcpy D2D "
-                "GB/s\", \"value\": %.1f, \"baseline\": %.1f, \"baseline_name\": \"cudaMemcpy "
-                "device-to-device of the same bytes, same run\", \"ratio\": %.3f, \"goal\": "
-                "0.85}, \"results\": [",
-                name, value, baseline, *headline_ratio);
-  return std::string(head) + items + "]}";
+  items.EndArray();
+  const double value = pf_n ? pf_sum / pf_n : std::nan(""),
+               baseline = pf_n ? d2d_sum / pf_n : std::nan("");
+  *headline_ratio = bl::Ratio(value, baseline);
+  bl::Json j;
+  j.BeginObject()
+      .Field("available", true)
+      .Field("device", name)
+      .Key("headline")
+      .BeginObject()
+      .Field("metric",
+             "page_first pack GB/s (CUDA, >=64KiB per layer and K/V) / cudaMemcpy D2D GB/s")
+      .Field("value", value, 1)
+      .Field("baseline", baseline, 1)
+      .Field("baseline_name", "cudaMemcpy device-to-device of the same bytes, same run")
+      .Field("ratio", *headline_ratio, 3)
+      .Field("goal", 0.85, 2)
+      .EndObject()
+      .Key("results")
+      .Raw(items.str())
+      .EndObject();
+  return j.str();
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto next = [&]() -> const char* {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "missing value for %s\n", k.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (k == "--quick") {
-      a.quick = true;
-    } else if (k == "--threads") {
-      a.threads = std::max(1, std::atoi(next()));
-    } else if (k == "--seconds") {
-      a.seconds = std::atof(next());
-    } else if (k == "--pages") {
-      a.pages = std::atoll(next());
-    } else if (k == "--no-gpu") {
-      a.gpu = false;
-    } else {
-      std::fprintf(stderr,
-                   "usage: kvb_bench_kernels [--quick] [--threads N] [--seconds S] [--pages N] "
-                   "[--no-gpu]\n");
-      return 2;
-    }
-  }
-  bool seconds_given = false;
-  for (int i = 1; i < argc; ++i) seconds_given |= std::strcmp(argv[i], "--seconds") == 0;
-  if (a.quick && !seconds_given) a.seconds = 0.2;
+  bl::Flags f("kvb_bench_kernels",
+              "GB/s of the page-copy C API per SGLang host layout against memcpy (and "
+              "cudaMemcpy with a GPU)\nin the same run (benchmarks/run kernels-c; "
+              "docs/benchmarks.md).");
+  f.Bool("quick", &a.quick, "one page size, 3 trials, --seconds 0.2 unless given");
+  f.Int("threads", &a.threads, "CPU threads for the kernel and for memcpy", 1);
+  f.Double("seconds", &a.seconds, "seconds per measured trial of one operation", 0.001);
+  f.Int64("pages", &a.pages, "pages per copy (0: by mode)", 0);
+  f.Bool("no-gpu", &a.no_gpu, "CPU only");
+  f.ParseOrExit(argc, argv);
+  a.gpu = !a.no_gpu;
+  if (a.quick && !f.Given("seconds")) a.seconds = 0.2;
   std::fprintf(stderr, "kvb_bench_kernels: %d layers, K and V, rows of %lld bytes, %d threads%s\n",
                static_cast<int>(kLayers), static_cast<long long>(kRowBytes), a.threads,
                a.quick ? ", quick" : "");
@@ -384,37 +386,63 @@ int main(int argc, char** argv) {
   const std::vector<int64_t> page_sizes =
       a.quick ? std::vector<int64_t>{32} : std::vector<int64_t>{32, 64, 128};
   const std::vector<Result> cpu = RunCpu(a, page_sizes);
-  std::string items;
+  bl::Json items;
+  items.BeginArray();
   double value = 0, baseline = 0;
   int n = 0;
   for (const Result& r : cpu) {
-    char item[512];
-    std::snprintf(item, sizeof(item),
-                  "%s{\"engine\": \"cpu\", \"layout\": \"%s\", \"direction\": \"%s\", "
-                  "\"page_size\": %lld, \"chunk_bytes\": %lld, \"page_bytes\": %lld, "
-                  "\"gbps\": %.3f, \"memcpy_gbps\": %.3f, \"naive_gbps\": %.3f, \"ratio\": %.3f}",
-                  items.empty() ? "" : ", ", r.layout.c_str(), r.direction.c_str(),
-                  static_cast<long long>(r.page_size), static_cast<long long>(r.chunk_bytes),
-                  static_cast<long long>(r.page_bytes), r.gbps, r.baseline_gbps, r.naive_gbps,
-                  r.gbps / r.baseline_gbps);
-    items += item;
+    items.BeginObject()
+        .Field("engine", "cpu")
+        .Field("layout", r.layout)
+        .Field("direction", r.direction)
+        .Field("page_size", r.page_size)
+        .Field("chunk_bytes", r.chunk_bytes)
+        .Field("page_bytes", r.page_bytes)
+        .Field("gbps", r.gbps, 3)
+        .Field("baseline_name", "memcpy")
+        .Field("baseline_gbps", r.baseline_gbps, 3)
+        .Field("ratio", bl::Ratio(r.gbps, r.baseline_gbps), 3)
+        .Field("naive_gbps", r.naive_gbps, 3)
+        .Field("ratio_vs_naive", bl::Ratio(r.gbps, r.naive_gbps), 3)
+        .EndObject();
     if (r.layout == "page_first" && r.direction == "pack") {
       value += r.gbps;
       baseline += r.baseline_gbps;
       ++n;
     }
   }
-  value /= n;
-  baseline /= n;
+  items.EndArray();
+  value = n ? value / n : std::nan("");
+  baseline = n ? baseline / n : std::nan("");
   double gpu_ratio = 0;
-  const std::string gpu =
-      a.gpu ? RunGpu(a, &gpu_ratio) : "{\"available\": false, \"reason\": \"--no-gpu\"}";
-  std::printf(
-      "{\"benchmark\": \"kernels\", \"quick\": %s, \"threads\": %d, \"headline\": {\"metric\": "
-      "\"page_first pack GB/s (CPU) / memcpy GB/s\", \"value\": %.3f, \"baseline\": %.3f, "
-      "\"baseline_name\": \"memcpy of the same bytes, same threads, same run\", \"ratio\": "
-      "%.3f, \"goal\": 0.6}, \"gpu\": %s, \"results\": [%s]}\n",
-      a.quick ? "true" : "false", a.threads, value, baseline, value / baseline, gpu.c_str(),
-      items.c_str());
+  std::string gpu;
+  if (a.gpu) {
+    gpu = RunGpu(a, &gpu_ratio);
+  } else {
+    bl::Json g;
+    g.BeginObject().Field("available", false).Field("reason", "--no-gpu").EndObject();
+    gpu = g.str();
+  }
+  bl::Json j;
+  j.BeginObject()
+      .Field("benchmark", "kernels-c")
+      .Field("implementation", "page-copy C API (kvb_page_copy_cpu / kvb_page_copy_cuda)")
+      .Field("quick", a.quick)
+      .Field("threads", a.threads)
+      .Key("headline")
+      .BeginObject()
+      .Field("metric", "page_first pack GB/s (CPU) / memcpy GB/s")
+      .Field("value", value, 3)
+      .Field("baseline", baseline, 3)
+      .Field("baseline_name", "memcpy of the same bytes, same threads, same run")
+      .Field("ratio", bl::Ratio(value, baseline), 3)
+      .Field("goal", 0.6, 1)
+      .EndObject()
+      .Key("gpu")
+      .Raw(gpu)
+      .Key("results")
+      .Raw(items.str())
+      .EndObject();
+  bl::PrintResult(j);
   return 0;
 }

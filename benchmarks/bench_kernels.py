@@ -10,19 +10,18 @@ CUDA (when usable): the same between device tensors against a device-to-device c
 same bytes (headline: page_first pack with >= 64 KiB per layer and K/V, goal 0.85), and
 page_first into pinned host memory against a device-to-host copy.
 
-Progress goes to stderr; the last stdout line is one JSON object, shaped like
-kvb_bench_kernels' (benchmarks/bench_kernels.cc). Run it with benchmarks/run kernels, or
+Progress goes to stderr; the last stdout line is one JSON object (docs/benchmarks.md). The
+C++ kvb_bench_kernels measures the C API against memcpy instead: benchmarks/run kernels-c.
+Run this one with benchmarks/run kernels, or
 PYTHONPATH=<build>/python .venv/bin/python benchmarks/bench_kernels.py [--quick]
 [--device cpu|cuda|auto] [--seconds S] [--threads N] [--pages N] [--no-gpu].
 """
 
-import argparse
-import json
-import statistics
 import sys
 import time
 
 import torch
+from benchlib import emit, gbps, median, parser, positive_int, ratio, rnd
 
 from kvbridge import ops
 
@@ -40,14 +39,12 @@ def log(msg: str) -> None:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer sizes and shorter trials")
+    p = parser(__doc__, quick="fewer sizes and shorter trials",
+               seconds="seconds per measured trial of one operation (default 1, quick 0.2)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
                    help="cpu: CPU only; cuda: GPU only (fails without one); auto: CPU, and the "
                         "GPU when one is usable (default)")
-    p.add_argument("--seconds", type=float, default=None,
-                   help="seconds per measured trial of one operation (default 1, quick 0.2)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for every contender (default: torch.get_num_threads())")
     p.add_argument("--pages", type=int, default=0, help="pages per copy (default: by mode)")
     p.add_argument("--no-gpu", action="store_true", help="same as --device cpu")
@@ -188,7 +185,7 @@ def cpu_rate(fn, nbytes: int, seconds: float) -> float:
         runs += 1
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
-            return nbytes * runs / elapsed / 1e9
+            return gbps(nbytes * runs, elapsed)
 
 
 def gpu_rate(fn, nbytes: int, reps: int) -> float:
@@ -200,7 +197,7 @@ def gpu_rate(fn, nbytes: int, reps: int) -> float:
         fn()
     end.record()
     torch.cuda.synchronize()
-    return nbytes * reps / (start.elapsed_time(end) / 1e3) / 1e9
+    return gbps(nbytes * reps, start.elapsed_time(end) / 1e3)
 
 
 def measure_cpu(contenders: dict, nbytes: int, seconds: float, trials: int) -> dict:
@@ -209,7 +206,7 @@ def measure_cpu(contenders: dict, nbytes: int, seconds: float, trials: int) -> d
     for _ in range(trials):
         for name, fn in contenders.items():
             rates[name].append(cpu_rate(fn, nbytes, seconds))
-    return {name: statistics.median(r) for name, r in rates.items()}
+    return {name: median(r) for name, r in rates.items()}
 
 
 def row(engine, layout, direction, page_size, nbytes, page_bytes, r, baseline_name,
@@ -219,17 +216,17 @@ def row(engine, layout, direction, page_size, nbytes, page_bytes, r, baseline_na
         out["memory"] = memory
     out.update({
         "page_size": page_size, "chunk_bytes": page_size * ROW_BYTES, "page_bytes": page_bytes,
-        "bytes": nbytes, "gbps": round(r["kvbridge"], 3),
-        "copy_gbps": round(r["copy"], 3), "copy": baseline_name,
-        "torch_index_gbps": round(r["torch_index"], 3),
-        "ratio": round(r["kvbridge"] / r["copy"], 3),
-        "ratio_vs_torch_index": round(r["kvbridge"] / r["torch_index"], 3),
+        "bytes": nbytes, "gbps": rnd(r["kvbridge"]),
+        "baseline_name": baseline_name, "baseline_gbps": rnd(r["copy"]),
+        "ratio": ratio(r["kvbridge"], r["copy"]),
+        "torch_index_gbps": rnd(r["torch_index"]),
+        "ratio_vs_torch_index": ratio(r["kvbridge"], r["torch_index"]),
     })
     return out
 
 
 def describe(r: dict) -> str:
-    return (f"{r['gbps']:7.2f} GB/s, copy {r['copy_gbps']:7.2f} (ratio {r['ratio']:.2f}), "
+    return (f"{r['gbps']:7.2f} GB/s, copy {r['baseline_gbps']:7.2f} (ratio {r['ratio']:.2f}), "
             f"torch index_select+index_copy_ {r['torch_index_gbps']:7.2f} "
             f"(x{r['ratio_vs_torch_index']:.2f})")
 
@@ -321,7 +318,7 @@ def run_gpu(a) -> dict:
                   "copy GB/s",
         "value": round(value, 1), "baseline": round(base, 1),
         "baseline_name": "torch device-to-device copy_ of the same bytes, same run",
-        "ratio": round(value / base, 3), "goal": 0.85}, "results": results}
+        "ratio": ratio(value, base), "goal": 0.85}, "results": results}
 
 
 def main(argv=None) -> int:
@@ -344,17 +341,17 @@ def main(argv=None) -> int:
     if cpu:
         pf = [r for r in cpu if r["layout"] == "page_first" and r["direction"] == "pack"]
         value = sum(r["gbps"] for r in pf) / len(pf)
-        base = sum(r["copy_gbps"] for r in pf) / len(pf)
+        base = sum(r["baseline_gbps"] for r in pf) / len(pf)
         out["headline"] = {
             "metric": "page_first pack GB/s (CPU) / copy GB/s", "value": round(value, 3),
             "baseline": round(base, 3),
             "baseline_name": "torch dst.copy_(src) of the same bytes, same threads, same run",
-            "ratio": round(value / base, 3), "goal": 0.6}
+            "ratio": ratio(value, base), "goal": 0.6}
     else:
         out["headline"] = gpu["headline"]
     out["gpu"] = gpu
     out["results"] = cpu
-    print(json.dumps(out), flush=True)
+    emit(out)
     return 0
 
 

@@ -27,12 +27,14 @@
 #include <thread>
 #include <vector>
 
+#include "benchlib.h"
 #include "core/host_services.h"
 #include "core/plugin_host.h"
 
 namespace {
 
 namespace fs = std::filesystem;
+namespace bl = kvbridge::benchlib;
 using kvbridge::core::HostServices;
 using kvbridge::core::PluginHost;
 using kvbridge::core::StorageInstance;
@@ -46,17 +48,15 @@ struct Args {
   uint64_t mib_per_size = 1024;  // bytes written (and read) per object size and side
   int rounds = 3;                // each measurement is the median of this many
   std::string io = "auto";
-  std::vector<uint64_t> sizes = {64 << 10, 256 << 10, 1 << 20, 4 << 20};
+  std::vector<uint64_t> sizes = {64 << 10, 256 << 10, 1 << 20, 4 << 20};  // bytes
 };
 
 double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+// The median of the rounds by the benchmarks' one percentile rule (benchlib.h).
+double Median(const std::vector<double>& v) { return bl::Percentile(v, 50); }
 
 // Runs fn(thread, index) for index in [0, n), handing out indexes in order to `threads` threads.
 // Returns the wall time in seconds.
@@ -216,43 +216,28 @@ Rates ThroughPlugin(const Args& a, PluginHost& plugins, uint64_t size, uint64_t 
 
 int main(int argc, char** argv) {
   Args a;
-  bool mib_given = false, rounds_given = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto next = [&]() -> const char* {
-      if (i + 1 >= argc) Die("missing value for " + k);
-      return argv[++i];
-    };
-    if (k == "--quick") {
-      a.quick = true;
-    } else if (k == "--dir") {
-      a.dir = next();
-    } else if (k == "--threads") {
-      a.threads = std::max(1, std::atoi(next()));
-    } else if (k == "--mib") {
-      a.mib_per_size = std::max<uint64_t>(8, std::strtoull(next(), nullptr, 10));
-      mib_given = true;
-    } else if (k == "--rounds") {
-      a.rounds = std::max(1, std::atoi(next()));
-      rounds_given = true;
-    } else if (k == "--io") {
-      a.io = next();
-    } else if (k == "--sizes") {
-      a.sizes.clear();
-      for (std::string list = next(); !list.empty();) {
-        const size_t comma = list.find(',');
-        a.sizes.push_back(std::strtoull(list.substr(0, comma).c_str(), nullptr, 10) << 10);
-        list = comma == std::string::npos ? "" : list.substr(comma + 1);
-      }
-    } else {
+  bl::Flags f("kvb_bench_ssd",
+              "The ssd storage plugin's put/get GB/s against plain O_DIRECT write/read on the "
+              "same file system\nin the same run (benchmarks/run ssd; docs/benchmarks.md).");
+  f.Bool("quick", &a.quick, "--mib 256 and --rounds 1 unless given");
+  f.String("dir", &a.dir, "directory on the disk to measure (not tmpfs)");
+  f.Int("threads", &a.threads, "threads on both sides", 1);
+  f.UInt64("mib", &a.mib_per_size, "MiB written (and read) per object size and side", 8);
+  f.Int("rounds", &a.rounds, "alternated rounds; each figure is their median", 1);
+  f.String("io", &a.io, "the plugin's ssd.io", {"auto", "uring", "sync"});
+  f.UInt64List("sizes", &a.sizes, "object sizes in KiB", 1024);
+  f.ParseOrExit(argc, argv);
+  for (uint64_t size : a.sizes) {
+    if (size == 0 || size % 4096 != 0) {
       std::fprintf(stderr,
-                   "usage: kvb_bench_ssd [--quick] [--dir DIR] [--threads N] [--mib MiB per size] "
-                   "[--rounds N] [--io auto|uring|sync] [--sizes KiB,KiB,...]\n");
+                   "kvb_bench_ssd: bad value for --sizes: %llu KiB is not a multiple of 4 KiB "
+                   "(O_DIRECT) (try --help)\n",
+                   static_cast<unsigned long long>(size >> 10));
       return 2;
     }
   }
-  if (a.quick && !mib_given) a.mib_per_size = 256;
-  if (a.quick && !rounds_given) a.rounds = 1;
+  if (a.quick && !f.Given("mib")) a.mib_per_size = 256;
+  if (a.quick && !f.Given("rounds")) a.rounds = 1;
   std::error_code ec;
   fs::create_directories(a.dir, ec);
   if (ec) Die("cannot create " + a.dir + ": " + ec.message());
@@ -268,7 +253,9 @@ int main(int argc, char** argv) {
                static_cast<unsigned long long>(a.mib_per_size), a.rounds, a.quick ? ", quick" : "");
 
   std::shared_ptr<PluginHost> plugins = PluginHost::Acquire({KVBRIDGE_PLUGIN_BUILD_DIR});
-  std::string items, io_line;
+  std::string io_line;
+  bl::Json items;
+  items.BeginArray();
   double value = 0, baseline = 0, w_sum = 0, bw_sum = 0, r_sum = 0, br_sum = 0;
   int headline_n = 0;
   for (uint64_t size : a.sizes) {
@@ -291,24 +278,27 @@ int main(int argc, char** argv) {
     for (auto* p : src) std::free(p);
     for (auto* p : dst) std::free(p);
     const double bytes = static_cast<double>(n * size);
-    const double w = bytes / Median(pw) / 1e9, r = bytes / Median(pr) / 1e9;
-    const double bw_gbps = bytes / Median(bw) / 1e9, br_gbps = bytes / Median(br) / 1e9;
+    const double w = bl::Gbps(bytes, Median(pw)), r = bl::Gbps(bytes, Median(pr));
+    const double bw_gbps = bl::Gbps(bytes, Median(bw)), br_gbps = bl::Gbps(bytes, Median(br));
     std::fprintf(stderr,
                  "  %7llu KiB x %5llu: put %.3f GB/s (%.0f IOPS) vs O_DIRECT write %.3f GB/s; get "
                  "%.3f GB/s (%.0f IOPS) vs O_DIRECT read %.3f GB/s\n",
                  static_cast<unsigned long long>(size >> 10), static_cast<unsigned long long>(n), w,
                  n / Median(pw), bw_gbps, r, n / Median(pr), br_gbps);
-    char item[768];
-    std::snprintf(item, sizeof(item),
-                  "%s{\"object_bytes\": %llu, \"objects\": %llu, \"write_gbps\": %.3f, "
-                  "\"write_iops\": %.0f, \"read_gbps\": %.3f, \"read_iops\": %.0f, "
-                  "\"baseline_write_gbps\": %.3f, \"baseline_write_iops\": %.0f, "
-                  "\"baseline_read_gbps\": %.3f, \"baseline_read_iops\": %.0f, "
-                  "\"write_ratio\": %.3f, \"read_ratio\": %.3f}",
-                  items.empty() ? "" : ", ", static_cast<unsigned long long>(size),
-                  static_cast<unsigned long long>(n), w, n / Median(pw), r, n / Median(pr), bw_gbps,
-                  n / Median(bw), br_gbps, n / Median(br), Median(wratio), Median(rratio));
-    items += item;
+    items.BeginObject()
+        .Field("object_bytes", size)
+        .Field("objects", n)
+        .Field("write_gbps", w, 3)
+        .Field("write_iops", n / Median(pw), 0)
+        .Field("read_gbps", r, 3)
+        .Field("read_iops", n / Median(pr), 0)
+        .Field("baseline_write_gbps", bw_gbps, 3)
+        .Field("baseline_write_iops", n / Median(bw), 0)
+        .Field("baseline_read_gbps", br_gbps, 3)
+        .Field("baseline_read_iops", n / Median(br), 0)
+        .Field("write_ratio", Median(wratio), 3)
+        .Field("read_ratio", Median(rratio), 3)
+        .EndObject();
     if (size >= kMiB) {
       value += w + r;
       baseline += bw_gbps + br_gbps;
@@ -323,19 +313,33 @@ int main(int argc, char** argv) {
   if (headline_n == 0) Die("no object size of 1 MiB or more: no headline");
   value /= headline_n;
   baseline /= headline_n;
-  std::string io_json;
-  for (char c : io_line) {
-    if (c == '"' || c == '\\') io_json.push_back('\\');
-    io_json.push_back(c);
-  }
-  std::printf(
-      "{\"benchmark\": \"ssd\", \"quick\": %s, \"dir\": \"%s\", \"fs\": \"%s\", \"threads\": %d, "
-      "\"io\": \"%s\", \"headline\": {\"metric\": \"ssd plugin put+get GB/s (objects >= 1 MiB, "
-      "each put durable) / plain O_DIRECT write+read GB/s\", \"value\": %.3f, \"baseline\": "
-      "%.3f, \"baseline_name\": \"O_DIRECT pwrite (one fdatasync at the end) and pread of the "
-      "same sizes, same threads, same file system, same run\", \"ratio\": %.3f, \"write_ratio\": "
-      "%.3f, \"read_ratio\": %.3f, \"goal\": 0.8}, \"results\": [%s]}\n",
-      a.quick ? "true" : "false", a.dir.c_str(), fs_name.c_str(), a.threads, io_json.c_str(), value,
-      baseline, value / baseline, w_sum / bw_sum, r_sum / br_sum, items.c_str());
+  items.EndArray();
+  bl::Json j;
+  j.BeginObject()
+      .Field("benchmark", "ssd")
+      .Field("quick", a.quick)
+      .Field("dir", a.dir)
+      .Field("fs", fs_name)
+      .Field("threads", a.threads)
+      .Field("io", io_line)
+      .Key("headline")
+      .BeginObject()
+      .Field("metric",
+             "ssd plugin put+get GB/s (objects >= 1 MiB, each put durable) / plain O_DIRECT "
+             "write+read GB/s")
+      .Field("value", value, 3)
+      .Field("baseline", baseline, 3)
+      .Field("baseline_name",
+             "O_DIRECT pwrite (one fdatasync at the end) and pread of the same sizes, same "
+             "threads, same file system, same run")
+      .Field("ratio", bl::Ratio(value, baseline), 3)
+      .Field("write_ratio", bl::Ratio(w_sum, bw_sum), 3)
+      .Field("read_ratio", bl::Ratio(r_sum, br_sum), 3)
+      .Field("goal", 0.8, 1)
+      .EndObject()
+      .Key("results")
+      .Raw(items.str())
+      .EndObject();
+  bl::PrintResult(j);
   return 0;
 }

@@ -22,6 +22,7 @@
 // the daemons and the client run with them (docs/security.md).
 #include <atomic>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <random>
@@ -29,10 +30,12 @@
 #include <thread>
 #include <vector>
 
+#include "benchlib.h"
 #include "local_cluster.h"
 
 using namespace kvbridge;
 using namespace kvbridge::bench;
+namespace bl = kvbridge::benchlib;
 
 namespace {
 
@@ -58,14 +61,14 @@ struct Measure {
   uint32_t replica_num = 0;
   double seconds = 0;
   uint64_t batches = 0, pages = 0, failures = 0;
-  std::vector<double> lat_ms;  // per batch
-  double gbps() const { return seconds > 0 ? pages * kPage / seconds / 1e9 : 0; }
+  bl::Samples lat_ms;  // per batch
+  double gbps() const { return bl::Gbps(static_cast<double>(pages) * kPage, seconds); }
   void Add(const Measure& o) {
     seconds += o.seconds;
     batches += o.batches;
     pages += o.pages;
     failures += o.failures;
-    lat_ms.insert(lat_ms.end(), o.lat_ms.begin(), o.lat_ms.end());
+    lat_ms.Merge(o.lat_ms);
   }
 };
 
@@ -77,7 +80,7 @@ std::string Key(uint32_t rn, uint64_t id) {
 // or a call returns false (nothing left to do).
 template <typename F>
 Measure RunLoops(int threads, double seconds, F one_batch) {
-  std::vector<std::vector<double>> lat(threads);
+  std::vector<bl::Samples> lat(threads);
   std::vector<uint64_t> pages(threads, 0), failed(threads, 0), batches(threads, 0);
   std::vector<std::thread> ts;
   const auto t0 = Clock::now();
@@ -90,7 +93,7 @@ Measure RunLoops(int threads, double seconds, F one_batch) {
         uint64_t ok = 0, bad = 0;
         const bool more = one_batch(t, &ok, &bad);
         if (ok + bad == 0) break;  // nothing was done: out of work
-        lat[t].push_back(std::chrono::duration<double, std::milli>(Clock::now() - s).count());
+        lat[t].Add(std::chrono::duration<double, std::milli>(Clock::now() - s).count());
         pages[t] += ok;
         failed[t] += bad;
         ++batches[t];
@@ -102,7 +105,7 @@ Measure RunLoops(int threads, double seconds, F one_batch) {
   Measure m;
   m.seconds = SecondsSince(t0);
   for (int t = 0; t < threads; ++t) {
-    m.lat_ms.insert(m.lat_ms.end(), lat[t].begin(), lat[t].end());
+    m.lat_ms.Merge(lat[t]);
     m.pages += pages[t];
     m.failures += failed[t];
     m.batches += batches[t];
@@ -110,12 +113,12 @@ Measure RunLoops(int threads, double seconds, F one_batch) {
   return m;
 }
 
-void Report(Measure& m) {
+void Report(const Measure& m) {
   std::fprintf(stderr,
                "store: %-11s replica_num %u: %.3f GB/s, batch p50 %.2f ms, p99 %.2f ms "
                "(%" PRIu64 " batches, %" PRIu64 " pages, %" PRIu64 " failed, %.1f s)\n",
-               m.op.c_str(), m.replica_num, m.gbps(), Percentile(m.lat_ms, 50),
-               Percentile(m.lat_ms, 99), m.batches, m.pages, m.failures, m.seconds);
+               m.op.c_str(), m.replica_num, m.gbps(), m.lat_ms.Percentile(50),
+               m.lat_ms.Percentile(99), m.batches, m.pages, m.failures, m.seconds);
 }
 
 // Removes every object and waits until the master shows the pool empty.
@@ -339,35 +342,54 @@ int Run(const Args& a) {
   }
   cluster.Stop();
 
-  std::string items;
-  auto add = [&](Measure& m) {
-    char item[512];
-    std::snprintf(item, sizeof(item),
-                  "%s{\"op\": \"%s\", \"replica_num\": %u, \"batch_pages\": %d, "
-                  "\"buffers_per_page\": 2, \"buffer_bytes\": %zu, \"threads\": %d, "
-                  "\"gbps\": %.3f, \"p50_ms\": %.3f, \"p99_ms\": %.3f, \"batches\": %" PRIu64
-                  ", \"pages\": %" PRIu64 ", \"failures\": %" PRIu64 ", \"seconds\": %.2f}",
-                  items.empty() ? "" : ", ", m.op.c_str(), m.replica_num, a.batch, kBuf, a.threads,
-                  m.gbps(), Percentile(m.lat_ms, 50), Percentile(m.lat_ms, 99), m.batches, m.pages,
-                  m.failures, m.seconds);
-    items += item;
+  bl::Json items;
+  items.BeginArray();
+  auto add = [&](const Measure& m) {
+    items.BeginObject()
+        .Field("op", m.op)
+        .Field("replica_num", m.replica_num)
+        .Field("batch_pages", a.batch)
+        .Field("buffers_per_page", 2)
+        .Field("buffer_bytes", uint64_t{kBuf})
+        .Field("threads", a.threads)
+        .Field("gbps", m.gbps(), 3)
+        .Field("p50_ms", m.lat_ms.Percentile(50), 3)
+        .Field("p99_ms", m.lat_ms.Percentile(99), 3)
+        .Field("batches", m.batches)
+        .Field("pages", m.pages)
+        .Field("failures", m.failures)
+        .Field("seconds", m.seconds, 2)
+        .EndObject();
   };
   uint64_t failures = 0;
-  for (Measure& m : results) {
+  for (const Measure& m : results) {
     add(m);
     failures += m.failures;
   }
   if (baseline_checked) add(baseline);
-  const double value = results.size() > 1 ? results[1].gbps() : 0;  // batch_get, replica_num 1
-  const double base = baseline_checked ? baseline.gbps() : 0;
-  std::printf(
-      "{\"benchmark\": \"store\", \"quick\": %s, \"headline\": {\"metric\": \"batch get "
-      "GB/s (replica_num 1, 128-page batches)\", \"value\": %.3f, \"baseline\": %.3f, "
-      "\"baseline_name\": \"transfer engine READ of the same 128 x 2 x 64 KiB batches "
-      "from the same nodes' pools, same run, same threads\", \"ratio\": %.3f}, "
-      "\"failures\": %" PRIu64 ", \"results\": [%s]}\n",
-      a.quick ? "true" : "false", value, base, base > 0 ? value / base : 0.0, failures,
-      items.c_str());
+  items.EndArray();
+  // batch_get, replica_num 1
+  const double value = results.size() > 1 ? results[1].gbps() : std::nan("");
+  const double base = baseline_checked ? baseline.gbps() : std::nan("");
+  bl::Json j;
+  j.BeginObject()
+      .Field("benchmark", "store")
+      .Field("quick", a.quick)
+      .Key("headline")
+      .BeginObject()
+      .Field("metric", "batch get GB/s (replica_num 1, 128-page batches)")
+      .Field("value", value, 3)
+      .Field("baseline", base, 3)
+      .Field("baseline_name",
+             "transfer engine READ of the same 128 x 2 x 64 KiB batches from the same nodes' "
+             "pools, same run, same threads")
+      .Field("ratio", bl::Ratio(value, base), 3)
+      .EndObject()
+      .Field("failures", failures)
+      .Key("results")
+      .Raw(items.str())
+      .EndObject();
+  bl::PrintResult(j);
   return failures == 0 && baseline_checked ? 0 : 1;
 }
 
@@ -375,45 +397,17 @@ int Run(const Args& a) {
 
 int main(int argc, char** argv) {
   Args a;
-  bool seconds_given = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::cerr << "missing value for " << k << "\n";
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    try {
-      if (k == "--quick") {
-        a.quick = true;
-      } else if (k == "--threads") {
-        a.threads = std::stoi(next());
-      } else if (k == "--seconds") {
-        a.seconds = std::stod(next());
-        seconds_given = true;
-      } else if (k == "--dram-mib") {
-        a.dram_mib = std::stoull(next());
-      } else if (k == "--bin") {
-        a.bin_dir = next();
-      } else if (k == "--logs") {
-        a.log_dir = next();
-      } else if (k == "--help" || k == "-h") {
-        std::cout << "usage: kvb_bench_store [--quick] [--threads N] [--seconds S] "
-                     "[--dram-mib N] [--bin DIR] [--logs DIR]\n";
-        return 0;
-      } else {
-        std::cerr << "unknown flag " << k << " (try --help)\n";
-        return 2;
-      }
-    } catch (const std::exception&) {
-      std::cerr << "bad value for " << k << "\n";
-      return 2;
-    }
-  }
-  if (a.quick && !seconds_given) a.seconds = 1.5;
-  if (a.threads < 1 || a.seconds <= 0) return 2;
+  bl::Flags f("kvb_bench_store",
+              "The store's batch put/get GB/s on a local master + nodes, against the engine's "
+              "READ of the same bytes\n(benchmarks/run store; docs/benchmarks.md).");
+  f.Bool("quick", &a.quick, "short run: --seconds 1.5 unless given");
+  f.Int("threads", &a.threads, "client threads", 1);
+  f.Double("seconds", &a.seconds, "seconds per measurement", 0.001);
+  f.UInt64("dram-mib", &a.dram_mib, "DRAM pool of each node (MiB)", 16);
+  f.String("bin", &a.bin_dir, "directory holding the `kvbridge` program");
+  f.String("logs", &a.log_dir, "where the daemons' logs go");
+  f.ParseOrExit(argc, argv);
+  if (a.quick && !f.Given("seconds")) a.seconds = 1.5;
   InstallCleanupOnSignals();
   return Run(a);
 }

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -23,10 +24,12 @@
 #include <thread>
 #include <vector>
 
+#include "benchlib.h"
 #include "kvbridge/engine.h"
 #include "util/hex.h"
 
 using namespace kvbridge;
+namespace bl = kvbridge::benchlib;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -38,8 +41,8 @@ struct Args {
   int batch = 8;         // ops per batch
   int lanes = 4;         // tcp.lanes_per_peer
   double seconds = 2.0;  // per configuration
-  std::vector<size_t> blocks = {4096, 16384, 65536, 262144, 1u << 20, 4u << 20};
-  size_t region = 256u << 20;
+  std::vector<uint64_t> blocks = {4096, 16384, 65536, 262144, 1u << 20, 4u << 20};
+  uint64_t region = 256u << 20;
   std::string transport = "tcp";    // the plugin both processes use
   std::vector<std::string> config;  // "key=value" plugin settings, both processes
   bool no_raw = false;              // skip the raw-socket baseline
@@ -139,16 +142,17 @@ int RunTarget(const Args& a) {
 
 struct Measure {
   double gbps = 0;
-  double p50_us = 0;
-  double p99_us = 0;
+  bl::Samples lat_us;  // one per batch
   uint64_t failures = 0;
+  double p50_us() const { return lat_us.Percentile(50); }
+  double p99_us() const { return lat_us.Percentile(99); }
 };
 
 // Runs `threads` loops of `one_batch` for `seconds`; each call moves `batch_bytes`.
 template <typename F>
 Measure RunLoops(int threads, double seconds, size_t batch_bytes, F one_batch) {
   std::atomic<bool> stop{false};
-  std::vector<std::vector<double>> lat(threads);
+  std::vector<bl::Samples> lat(threads);
   std::vector<uint64_t> done(threads, 0), failed(threads, 0);
   std::vector<std::thread> ts;
   auto t0 = Clock::now();
@@ -157,7 +161,7 @@ Measure RunLoops(int threads, double seconds, size_t batch_bytes, F one_batch) {
       while (!stop.load(std::memory_order_relaxed)) {
         auto s = Clock::now();
         bool ok = one_batch(t);
-        lat[t].push_back(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
+        lat[t].Add(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
         (ok ? done[t] : failed[t])++;
       }
     });
@@ -166,20 +170,14 @@ Measure RunLoops(int threads, double seconds, size_t batch_bytes, F one_batch) {
   stop = true;
   for (auto& th : ts) th.join();
   double elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
-  std::vector<double> all;
   Measure m;
   uint64_t batches = 0;
   for (int t = 0; t < threads; ++t) {
-    all.insert(all.end(), lat[t].begin(), lat[t].end());
+    m.lat_us.Merge(lat[t]);
     batches += done[t];
     m.failures += failed[t];
   }
-  std::sort(all.begin(), all.end());
-  m.gbps = static_cast<double>(batches) * batch_bytes / elapsed / 1e9;
-  if (!all.empty()) {
-    m.p50_us = all[all.size() / 2];
-    m.p99_us = all[std::min(all.size() - 1, all.size() * 99 / 100)];
-  }
+  m.gbps = bl::Gbps(static_cast<double>(batches) * batch_bytes, elapsed);
   return m;
 }
 
@@ -301,9 +299,12 @@ int RunInitiator(const Args& a, const char* self_exe) {
             }
             return RecvAll(raw_fds[t], p, batch_bytes);
           });
-        std::cerr << " " << e.gbps << " GB/s, p50 " << e.p50_us << " us, p99 " << e.p99_us
-                  << " us (raw " << r.gbps << " GB/s, p50 " << r.p50_us << " us)\n";
-        rows.push_back({mode.name, name, block, mode.threads, mode.batch, e, r});
+        std::cerr << " " << e.gbps << " GB/s, p50 " << e.p50_us() << " us, p99 " << e.p99_us()
+                  << " us";
+        if (!a.no_raw) std::cerr << " (raw " << r.gbps << " GB/s, p50 " << r.p50_us() << " us)";
+        std::cerr << "\n";
+        rows.push_back(
+            {mode.name, name, block, mode.threads, mode.batch, std::move(e), std::move(r)});
       }
     }
   }
@@ -313,40 +314,57 @@ int RunInitiator(const Args& a, const char* self_exe) {
   fflush(out);
   waitpid(pid, nullptr, 0);
 
-  double e_sum = 0, r_sum = 0, tail_64k = 0;
+  // Rows: the engine's figures, and the raw-socket baseline's (null with --no-raw).
+  double e_sum = 0, r_sum = 0, tail_64k = std::nan("");  // null without a 64 KiB latency row
   int n = 0;
-  std::string results;
+  bl::Json j;
+  j.BeginObject().Field("benchmark", "transfer").Field("quick", a.quick);
+  bl::Json items;
+  items.BeginArray();
   for (const auto& row : rows) {
-    if (row.mode == "latency" && row.block == 65536 && row.engine.p50_us > 0) {
-      tail_64k = std::max(tail_64k, row.engine.p99_us / row.engine.p50_us);
+    if (row.mode == "latency" && row.block == 65536 && row.engine.p50_us() > 0) {
+      const double t = row.engine.p99_us() / row.engine.p50_us();
+      tail_64k = std::isnan(tail_64k) ? t : std::max(tail_64k, t);
     }
     if (row.mode == "throughput" && row.block >= 262144) {
       e_sum += row.engine.gbps;
       r_sum += row.raw.gbps;
       ++n;
     }
-    char item[512];
-    std::snprintf(item, sizeof(item),
-                  "%s{\"mode\": \"%s\", \"op\": \"%s\", \"block_bytes\": %zu, \"batch\": %d, "
-                  "\"threads\": %d, "
-                  "\"lanes\": %d, \"gbps\": %.3f, \"p50_us\": %.1f, \"p99_us\": %.1f, "
-                  "\"failures\": %llu, \"baseline_gbps\": %.3f, \"baseline_p50_us\": %.1f, "
-                  "\"baseline_p99_us\": %.1f, \"ratio\": %.3f}",
-                  results.empty() ? "" : ", ", row.mode.c_str(), row.op.c_str(), row.block,
-                  row.batch, row.threads, a.lanes, row.engine.gbps, row.engine.p50_us,
-                  row.engine.p99_us, (unsigned long long)row.engine.failures, row.raw.gbps,
-                  row.raw.p50_us, row.raw.p99_us,
-                  row.raw.gbps > 0 ? row.engine.gbps / row.raw.gbps : 0.0);
-    results += item;
+    const double nan = std::nan("");
+    items.BeginObject()
+        .Field("mode", row.mode)
+        .Field("op", row.op)
+        .Field("block_bytes", uint64_t{row.block})
+        .Field("batch", row.batch)
+        .Field("threads", row.threads)
+        .Field("lanes", a.lanes)
+        .Field("gbps", row.engine.gbps, 3)
+        .Field("p50_us", row.engine.p50_us(), 1)
+        .Field("p99_us", row.engine.p99_us(), 1)
+        .Field("failures", row.engine.failures)
+        .Field("baseline_gbps", a.no_raw ? nan : row.raw.gbps, 3)
+        .Field("baseline_p50_us", a.no_raw ? nan : row.raw.p50_us(), 1)
+        .Field("baseline_p99_us", a.no_raw ? nan : row.raw.p99_us(), 1)
+        .Field("ratio", bl::Ratio(row.engine.gbps, a.no_raw ? nan : row.raw.gbps), 3)
+        .EndObject();
   }
-  const double value = n ? e_sum / n : 0, baseline = n ? r_sum / n : 0;
-  std::printf(
-      "{\"benchmark\": \"transfer\", \"quick\": %s, \"headline\": {\"metric\": \"GB/s at "
-      ">=256KiB blocks\", \"value\": %.3f, \"baseline\": %.3f, \"baseline_name\": \"raw "
-      "sockets, same run, same connection count\", \"ratio\": %.3f}, "
-      "\"p99_over_p50_at_64KiB\": %.2f, \"results\": [%s]}\n",
-      a.quick ? "true" : "false", value, baseline, baseline > 0 ? value / baseline : 0.0, tail_64k,
-      results.c_str());
+  items.EndArray();
+  const double value = n ? e_sum / n : std::nan(""),
+               baseline = n && !a.no_raw ? r_sum / n : std::nan("");
+  j.Key("headline")
+      .BeginObject()
+      .Field("metric", "GB/s at >=256KiB blocks")
+      .Field("value", value, 3)
+      .Field("baseline", baseline, 3)
+      .Field("baseline_name", "raw sockets, same run, same connection count")
+      .Field("ratio", bl::Ratio(value, baseline), 3)
+      .EndObject()
+      .Field("p99_over_p50_at_64KiB", tail_64k, 2)
+      .Key("results")
+      .Raw(items.str())
+      .EndObject();
+  bl::PrintResult(j);
   return 0;
 }
 
@@ -355,53 +373,25 @@ int RunInitiator(const Args& a, const char* self_exe) {
 int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::cerr << "missing value for " << k << "\n";
-        exit(2);
-      }
-      return argv[++i];
-    };
-    if (k == "--quick") {
-      a.quick = true;
-    } else if (k == "--role") {
-      a.role = next();
-    } else if (k == "--threads") {
-      a.threads = std::stoi(next());
-    } else if (k == "--batch") {
-      a.batch = std::stoi(next());
-    } else if (k == "--lanes") {
-      a.lanes = std::stoi(next());
-    } else if (k == "--seconds") {
-      a.seconds = std::stod(next());
-    } else if (k == "--region") {
-      a.region = std::stoull(next());
-    } else if (k == "--blocks") {
-      a.blocks.clear();
-      std::string s = next();
-      for (size_t p = 0; p < s.size();) {
-        size_t c = s.find(',', p);
-        a.blocks.push_back(std::stoull(s.substr(p, c - p)));
-        p = c == std::string::npos ? s.size() : c + 1;
-      }
-    } else if (k == "--transport") {
-      a.transport = next();
-    } else if (k == "--config") {
-      a.config.push_back(next());
-    } else if (k == "--no-raw") {
-      a.no_raw = true;
-    } else if (k == "--no-latency") {
-      a.no_latency = true;
-    } else if (k == "--help" || k == "-h") {
-      std::cout << "usage: kvb_bench_transfer [--quick] [--threads N] [--batch N] [--lanes N]\n"
-                   "         [--seconds S] [--blocks b1,b2,...] [--region BYTES]\n"
-                   "         [--transport tcp|ucx] [--config key=value]... [--no-raw]\n"
-                   "         [--no-latency]\n";
-      return 0;
-    } else {
-      std::cerr << "unknown flag " << k << " (try --help)\n";
+  bl::Flags f("kvb_bench_transfer",
+              "Transfer-engine GB/s and latency between two processes on loopback, against raw "
+              "sockets in the same run\n(benchmarks/run transfer; docs/benchmarks.md).");
+  f.Bool("quick", &a.quick, "short run: --seconds at most 0.6");
+  f.Int("threads", &a.threads, "submitter threads (and raw-baseline connections)", 1);
+  f.Int("batch", &a.batch, "ops per batch", 1);
+  f.Int("lanes", &a.lanes, "tcp.lanes_per_peer of the initiator (tcp only)", 1);
+  f.Double("seconds", &a.seconds, "seconds per configuration", 0.001);
+  f.UInt64List("blocks", &a.blocks, "block sizes in bytes");
+  f.UInt64("region", &a.region, "bytes registered on each side", 4096);
+  f.String("transport", &a.transport, "the transport plugin both processes use");
+  f.Repeated("config", &a.config, "key=value plugin setting for both processes");
+  f.Bool("no-raw", &a.no_raw, "skip the raw-socket baseline (its figures are null)");
+  f.Bool("no-latency", &a.no_latency, "throughput rows only");
+  f.String("role", &a.role, "");  // internal: the re-executed target
+  f.ParseOrExit(argc, argv);
+  for (uint64_t b : a.blocks) {
+    if (b == 0) {
+      std::cerr << "kvb_bench_transfer: bad value for --blocks: a block of 0 bytes\n";
       return 2;
     }
   }

@@ -12,13 +12,14 @@ endpoints; "tcp": tcp with PEER-mode endpoints, ucx.same_host=off) and each bloc
 Progress goes to stderr; the last stdout line is one JSON object. Goals are reported, never
 asserted: the exit status is non-zero only when a measurement could not be taken.
 """
-import argparse
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+
+from benchlib import emit, gbps, int_list, parser, ratio, rnd
 
 TLS_SETS = {
     "sm": {"tls": "sysv,posix,cma,self", "same_host": "auto"},
@@ -88,22 +89,23 @@ def memcpy_gbps(size, seconds=0.3):
     while time.perf_counter() - t0 < seconds:
         mv_dst[:] = mv_src
         n += 1
-    return n * size / (time.perf_counter() - t0) / 1e9
+    return gbps(n * size, time.perf_counter() - t0)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="64 KiB and 1 MiB, 1 s each")
-    ap.add_argument("--seconds", type=float, default=2.0)
-    ap.add_argument("--blocks", default="65536,262144,1048576,4194304")
-    ap.add_argument("--sets", default="sm,tcp")
+    ap = parser(__doc__, quick="64 KiB and 1 MiB, 1 s each (unless given)",
+                seconds="seconds per point (default 2)")
+    ap.add_argument("--blocks", type=int_list, default=None,
+                    help="block sizes in bytes (default 65536,262144,1048576,4194304)")
+    ap.add_argument("--sets", default="sm,tcp", help="UCX_TLS sets: sm, tcp or both")
     ap.add_argument("--build", default=os.environ.get("BUILD_DIR", "build"))
     a = ap.parse_args()
-    blocks = [int(b) for b in a.blocks.split(",")]
-    seconds = a.seconds
-    if a.quick:
-        blocks, seconds = [65536, MIB], 1.0
+    blocks = a.blocks or ([65536, MIB] if a.quick else [65536, 262144, MIB, 4 * MIB])
+    seconds = a.seconds or (1.0 if a.quick else 2.0)
     sets = [s for s in a.sets.split(",") if s]
+    unknown = [s for s in sets if s not in TLS_SETS]
+    if unknown or not sets:
+        ap.error(f"argument --sets: {a.sets!r}: each set is one of {', '.join(TLS_SETS)}")
 
     log("ucx bench: kvbridge tcp plugin ...")
     tcp = kvb_bench(a.build, "tcp", blocks, seconds, [])
@@ -123,17 +125,17 @@ def main():
                 k_gbps, k_fail = kvb[(op, block)]
                 t_gbps, _ = tcp[(op, block)]
                 failures += k_fail
+                mc = memcpy_gbps(block)
                 row = {
-                    "ucx_perftest_gbps": round(pt, 3),
-                    "kvb_ucx_gbps": round(k_gbps, 3),
-                    "kvb_tcp_gbps": round(t_gbps, 3),
-                    "memcpy_gbps": round(memcpy_gbps(block), 3),
-                    "ratio_vs_perftest": round(k_gbps / pt, 3) if pt else None,
-                    "ratio_vs_tcp": round(k_gbps / t_gbps, 3) if t_gbps else None,
+                    "ucx_perftest_gbps": rnd(pt),
+                    "kvb_ucx_gbps": rnd(k_gbps),
+                    "kvb_tcp_gbps": rnd(t_gbps),
+                    "memcpy_gbps": rnd(mc),
+                    "ratio_vs_perftest": ratio(k_gbps, pt),
+                    "ratio_vs_tcp": ratio(k_gbps, t_gbps),
+                    "ratio_vs_memcpy": ratio(k_gbps, mc),
                     "kvb_ucx_failures": k_fail,
                 }
-                row["ratio_vs_memcpy"] = (round(k_gbps / row["memcpy_gbps"], 3)
-                                          if row["memcpy_gbps"] else None)
                 results[set_name][op][str(block)] = row
                 log(f"  {set_name} {op} {block}: {row}")
     big = [b for b in blocks if b >= MIB]
@@ -144,9 +146,19 @@ def main():
             (results["sm"][op][str(b)]["ratio_vs_tcp"] or 0) >= 3 for op in ("write", "read")
             for b in big),
     }
-    print(json.dumps({"benchmark": "ucx", "quick": a.quick, "seconds": seconds,
-                      "shape": "1 thread, batches of 16 ops (kvbridge); perftest default",
-                      "results": results, "goals": goals}))
+    # Headline: the row where kvbridge over UCX is furthest behind ucx_perftest.
+    worst = min(rows, key=lambda r: r["ratio_vs_perftest"] or 0.0, default=None)
+    headline = {
+        "metric": "kvbridge over UCX GB/s / ucx_perftest GB/s, the lowest over sets, ops and "
+                  "blocks",
+        "value": worst["kvb_ucx_gbps"] if worst else None,
+        "baseline": worst["ucx_perftest_gbps"] if worst else None,
+        "baseline_name": "ucx_perftest ucp_put_bw (writes) / ucp_get (reads) with the same "
+                         "UCX_TLS, same run",
+        "ratio": worst["ratio_vs_perftest"] if worst else None, "goal": 0.9}
+    emit({"benchmark": "ucx", "quick": a.quick, "seconds": seconds,
+          "shape": "1 thread, batches of 16 ops (kvbridge); perftest default",
+          "headline": headline, "results": results, "goals": goals})
     return 1 if failures else 0
 
 

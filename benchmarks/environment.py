@@ -10,51 +10,16 @@ is not a JSON object (a benchmark that failed) is left as it is.
 Why: on a virtual machine, small synchronous transfers between two local processes are bound
 by how fast a halted vCPU wakes up, which the guest's halt polling decides
 (docs/performance.md, "Guest halt polling"); figures from two runs compare only when these
-facts match.
+facts match. The facts themselves are benchlib.environment() (benchmarks/benchlib.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 
-HALT_POLL_PARAM = "/sys/module/haltpoll/parameters/guest_halt_poll_ns"
-
-
-def read_text(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def virtualized() -> bool | None:
-    info = read_text("/proc/cpuinfo")
-    if info is None:
-        return None
-    for line in info.splitlines():
-        if line.startswith("flags"):
-            return "hypervisor" in line.split()
-    return None
-
-
-def environment(halt_poll_param: str, loadavg: str | None, set_by_run: bool) -> dict:
-    hp = read_text(halt_poll_param)
-    return {
-        "cpus": os.cpu_count(),
-        "kernel": platform.release(),
-        "virtualized": virtualized(),
-        "cpuidle_driver": read_text("/sys/devices/system/cpu/cpuidle/current_driver"),
-        # null: this kernel has no guest halt polling (not a KVM guest, or no cpuidle-haltpoll)
-        "guest_halt_poll_ns": int(hp) if hp is not None and hp.isdigit() else None,
-        "guest_halt_poll_set_by_run": set_by_run,
-        "tcp_congestion_control": read_text("/proc/sys/net/ipv4/tcp_congestion_control"),
-        "loadavg_at_start": [float(x) for x in loadavg.split()[:3]] if loadavg else None,
-    }
+from benchlib import HALT_POLL_PARAM, environment
 
 
 def main() -> int:

@@ -321,12 +321,4 @@ inline bool CheckWords(const uint8_t* p, size_t len, uint64_t h, uint64_t first)
   return bad == 0;
 }
 
-// p-th percentile (0..100) of v, sorting it; 0 when empty.
-inline double Percentile(std::vector<double>& v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p / 100.0 * v.size()));
-  return v[i];
-}
-
 }  // namespace kvbridge::bench

@@ -25,10 +25,12 @@
 #include <thread>
 #include <vector>
 
+#include "benchlib.h"
 #include "local_cluster.h"
 
 using namespace kvbridge;
 using namespace kvbridge::bench;
+namespace bl = kvbridge::benchlib;
 
 namespace {
 
@@ -192,7 +194,7 @@ struct Phase {
   double from, to;  // seconds
   double secs = 0;
   uint64_t pages = 0, bytes = 0, failed = 0, missed = 0, hit = 0, requested = 0;
-  std::vector<double> lat;
+  bl::Samples lat;  // per request (ms)
 };
 
 void Accumulate(Phase& p, const Step& s) {
@@ -202,7 +204,7 @@ void Accumulate(Phase& p, const Step& s) {
   p.missed += s.missed;
   p.hit += s.hit;
   p.requested += kBatch;
-  p.lat.push_back(s.latency_ms);
+  p.lat.Add(s.latency_ms);
 }
 
 // Runs `argv` and waits for it; its exit code, or -1.
@@ -223,73 +225,32 @@ int RunProgram(const std::vector<std::string>& argv_in) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-int Usage() {
-  std::cerr << "usage: kvb_store_demo [--quick] [--seconds S] [--warmup-s S] [--threads N]\n"
-               "         [--dram-mib N]\n"
-               "         [--docs N] [--kill-at FRACTION] [--restore-timeout-s S]\n"
-               "         [--bin DIR] [--out DIR] [--python PYTHON]\n"
-               "  --bin     directory holding the `kvbridge` program (default: the build's)\n"
-               "  --out     where the CSV timeline, the PNG and the daemons' logs go\n"
-               "  --python  a Python with matplotlib, to draw the PNG (skipped without)\n";
-  return 2;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   Args a;
-  bool seconds_given = false, warmup_given = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::cerr << "missing value for " << k << "\n";
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    try {
-      if (k == "--quick") {
-        a.quick = true;
-      } else if (k == "--seconds") {
-        a.seconds = std::stod(next());
-        seconds_given = true;
-      } else if (k == "--warmup-s") {
-        a.warmup_s = std::stod(next());
-        warmup_given = true;
-      } else if (k == "--threads") {
-        a.threads = std::stoi(next());
-      } else if (k == "--dram-mib") {
-        a.dram_mib = std::stoull(next());
-      } else if (k == "--docs") {
-        a.docs = std::stoi(next());
-      } else if (k == "--kill-at") {
-        a.kill_at = std::stod(next());
-      } else if (k == "--restore-timeout-s") {
-        a.restore_timeout_s = std::stod(next());
-      } else if (k == "--bin") {
-        a.bin_dir = next();
-      } else if (k == "--out") {
-        a.out_dir = next();
-      } else if (k == "--python") {
-        a.python = next();
-      } else if (k == "--help" || k == "-h") {
-        Usage();
-        return 0;
-      } else {
-        std::cerr << "unknown flag " << k << "\n";
-        return Usage();
-      }
-    } catch (const std::exception&) {
-      std::cerr << "bad value for " << k << "\n";
-      return Usage();
-    }
-  }
-  if (a.quick && !seconds_given) a.seconds = 8;
-  if (a.quick && !warmup_given) a.warmup_s = 1.5;
-  if (a.threads < 1 || a.warmup_s < 0 || a.docs < 1 || a.seconds <= 0 || a.kill_at <= 0 ||
-      a.kill_at >= 1) {
-    return Usage();
+  bl::Flags f("kvb_store_demo",
+              "The store under a HiCache-like load on a local master + 3 nodes, one node killed "
+              "with SIGKILL\nat --kill-at of the run (`make demo`; docs/benchmarks.md).");
+  f.Bool("quick", &a.quick, "short run: --seconds 8 and --warmup-s 1.5 unless given");
+  f.Double("seconds", &a.seconds, "measured seconds", 0.001);
+  f.Double("warmup-s", &a.warmup_s, "seconds run before the measured time (not counted)", 0);
+  f.Int("threads", &a.threads, "client threads", 1);
+  f.UInt64("dram-mib", &a.dram_mib, "DRAM pool of each node (MiB)", 16);
+  f.Int("docs", &a.docs, "distinct shared prefixes", 1);
+  f.Double("kill-at", &a.kill_at, "when the node is killed, as a fraction of the run (0-1)", 0);
+  f.Double("restore-timeout-s", &a.restore_timeout_s,
+           "how long to wait for the replicas after the run", 0);
+  f.String("bin", &a.bin_dir, "directory holding the `kvbridge` program");
+  f.String("out", &a.out_dir, "where the CSV timeline, the PNG and the daemons' logs go");
+  f.String("python", &a.python, "a Python with matplotlib, to draw the PNG (skipped without)");
+  f.ParseOrExit(argc, argv);
+  if (a.quick && !f.Given("seconds")) a.seconds = 8;
+  if (a.quick && !f.Given("warmup-s")) a.warmup_s = 1.5;
+  if (a.kill_at <= 0 || a.kill_at >= 1) {
+    std::cerr << "kvb_store_demo: bad value for --kill-at: " << a.kill_at
+              << " is not between 0 and 1 (exclusive) (try --help)\n";
+    return 2;
   }
   InstallCleanupOnSignals();
   MakeDirs(a.out_dir);
@@ -479,7 +440,7 @@ int main(int argc, char** argv) {
               "p50 ms", "p99 ms", "failed");
   for (Phase& p : phases) {
     const double hit = p.requested ? 100.0 * p.hit / p.requested : 0;
-    const double p50 = Percentile(p.lat, 50), p99 = Percentile(p.lat, 99);
+    const double p50 = p.lat.Percentile(50), p99 = p.lat.Percentile(99);
     std::printf("%-12s %7.1f %10.0f %8.3f %5.0f%% %9.1f %9.1f %8" PRIu64 "\n", p.name, p.secs,
                 p.secs > 0 ? p.pages / p.secs : 0, p.secs > 0 ? p.bytes / p.secs / 1e9 : 0, hit,
                 p50, p99, p.failed);
