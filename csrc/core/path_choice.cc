@@ -11,7 +11,7 @@ bool ServesKinds(uint64_t caps, uint32_t local_kind, uint32_t remote_kind) {
                                   : false;
   };
   // The remote end is served by the peer's instance of the same transport, which registered the
-  // segment (so it takes that kind); descriptors do not carry the peer's caps.
+  // segment (so it takes that kind); the peer's caps (descriptor v3) add nothing to that.
   return serves(local_kind) && serves(remote_kind);
 }
 
