@@ -9,6 +9,10 @@ endpoints; "tcp": tcp with PEER-mode endpoints, ucx.same_host=off) and each bloc
     16 ops), writes and reads;
   - kvb_bench_transfer --transport tcp at the same sizes and shape;
   - memcpy of the same block in this process (the ceiling for a same-host copy).
+--ucx picks the UCX on both sides: "pypi" (the default when the build has
+build/plugins_ucx_pypi) is PyPI's libucx-cu13 (UCX 1.22: the plugin built on it, selected with
+KVBRIDGE_PLUGIN_PATH, and that wheel's own ucx_perftest); "system" is Debian's UCX 1.13 (the
+build's plugins/ and /usr/bin/ucx_perftest).
 Progress goes to stderr; the last stdout line is one JSON object. Goals are reported, never
 asserted: the exit status is non-zero only when a measurement could not be taken.
 """
@@ -40,16 +44,34 @@ def free_port():
     return port
 
 
-def perftest(test, size, iters, tls):
+def ucx_choice(name, build):
+    """(perftest binary, its extra env, kvb_bench_transfer's extra env, UCX version) for --ucx."""
+    if name == "system":
+        out = subprocess.run(["ucx_info", "-v"], capture_output=True, text=True).stdout
+        version = next((ln.split()[-1] for ln in out.splitlines() if "Library version" in ln), "?")
+        return "ucx_perftest", {}, {}, version
+    import libucx  # PyPI's libucx-cu13 (python/requirements-dev.txt)
+    root = os.path.dirname(libucx.__file__)
+    plugins = os.path.abspath(os.path.join(build, "plugins_ucx_pypi"))
+    if not os.path.exists(os.path.join(plugins, "libkvb_transport_ucx.so")):
+        raise RuntimeError(f"--ucx pypi: {plugins} has no ucx plugin (build with the project venv)")
+    with open(os.path.join(root, "UCX_WHEEL_VERSION.txt")) as f:
+        version = f.read().strip()
+    lib_env = {"LD_LIBRARY_PATH": os.path.join(root, "lib")}
+    perftest_bin = os.path.join(root, "bin", "ucx_perftest")
+    return perftest_bin, lib_env, {"KVBRIDGE_PLUGIN_PATH": plugins}, version
+
+
+def perftest(binary, extra_env, test, size, iters, tls):
     """GB/s (1e9 bytes/s) from ucx_perftest's "Final:" row (its bandwidth column is MiB/s)."""
-    env = dict(os.environ, UCX_TLS=tls)
+    env = dict(os.environ, UCX_TLS=tls, **extra_env)
     port = free_port()
-    server = subprocess.Popen(["ucx_perftest", "-p", str(port)], env=env,
+    server = subprocess.Popen([binary, "-p", str(port)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(0.3)
         out = subprocess.run(
-            ["ucx_perftest", "127.0.0.1", "-p", str(port), "-t", test, "-s", str(size), "-n",
+            [binary, "127.0.0.1", "-p", str(port), "-t", test, "-s", str(size), "-n",
              str(iters), "-w", str(max(10, iters // 10))],
             env=env, capture_output=True, text=True, timeout=120).stdout
     finally:
@@ -64,14 +86,15 @@ def perftest(test, size, iters, tls):
     raise RuntimeError(f"ucx_perftest {test} {size} printed no Final row:\n{out}")
 
 
-def kvb_bench(build, transport, blocks, seconds, config):
+def kvb_bench(build, transport, blocks, seconds, config, extra_env=None):
     cmd = [os.path.join(build, "benchmarks", "kvb_bench_transfer"), "--transport", transport,
            "--threads", "1", "--batch", "16", "--seconds", str(seconds), "--no-raw",
            "--no-latency", "--region", str(max(64 * MIB, 16 * max(blocks) * 2)),
            "--blocks", ",".join(str(b) for b in blocks)]
     for kv in config:
         cmd += ["--config", kv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, **(extra_env or {}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -99,7 +122,16 @@ def main():
                     help="block sizes in bytes (default 65536,262144,1048576,4194304)")
     ap.add_argument("--sets", default="sm,tcp", help="UCX_TLS sets: sm, tcp or both")
     ap.add_argument("--build", default=os.environ.get("BUILD_DIR", "build"))
+    ap.add_argument("--ucx", choices=("pypi", "system"), default=None,
+                    help="which UCX both sides use (default: pypi when the build has "
+                         "plugins_ucx_pypi, else system)")
     a = ap.parse_args()
+    if a.ucx is None:
+        has_pypi = os.path.exists(os.path.join(a.build, "plugins_ucx_pypi",
+                                               "libkvb_transport_ucx.so"))
+        a.ucx = "pypi" if has_pypi else "system"
+    pt_bin, pt_env, kvb_env, ucx_version = ucx_choice(a.ucx, a.build)
+    log(f"ucx bench: UCX {ucx_version} ({a.ucx})")
     blocks = a.blocks or ([65536, MIB] if a.quick else [65536, 262144, MIB, 4 * MIB])
     seconds = a.seconds or (1.0 if a.quick else 2.0)
     sets = [s for s in a.sets.split(",") if s]
@@ -114,14 +146,15 @@ def main():
         tls = TLS_SETS[set_name]
         log(f"ucx bench: kvbridge ucx, set {set_name} (ucx.tls={tls['tls']}) ...")
         kvb = kvb_bench(a.build, "ucx", blocks, seconds,
-                        [f"ucx.tls={tls['tls']}", f"ucx.same_host={tls['same_host']}"])
+                        [f"ucx.tls={tls['tls']}", f"ucx.same_host={tls['same_host']}"],
+                        kvb_env)
         results[set_name] = {}
         for op, test in (("write", "ucp_put_bw"), ("read", "ucp_get")):
             results[set_name][op] = {}
             for block in blocks:
                 iters = max(200, min(20000, int(2e9 * seconds / 4 / block)))
                 log(f"ucx bench: ucx_perftest {test} {block} B, UCX_TLS={tls['tls']} ...")
-                pt = perftest(test, block, iters, tls["tls"])
+                pt = perftest(pt_bin, pt_env, test, block, iters, tls["tls"])
                 k_gbps, k_fail = kvb[(op, block)]
                 t_gbps, _ = tcp[(op, block)]
                 failures += k_fail
@@ -156,7 +189,8 @@ def main():
         "baseline_name": "ucx_perftest ucp_put_bw (writes) / ucp_get (reads) with the same "
                          "UCX_TLS, same run",
         "ratio": worst["ratio_vs_perftest"] if worst else None, "goal": 0.9}
-    emit({"benchmark": "ucx", "quick": a.quick, "seconds": seconds,
+    emit({"benchmark": "ucx", "quick": a.quick, "seconds": seconds, "ucx": a.ucx,
+          "ucx_version": ucx_version,
           "shape": "1 thread, batches of 16 ops (kvbridge); perftest default",
           "headline": headline, "results": results, "goals": goals})
     return 1 if failures else 0
