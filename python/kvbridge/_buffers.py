@@ -80,9 +80,9 @@ def host_only(r: Region, what: str) -> None:
         from kvbridge.errors import UnsupportedError
 
         raise UnsupportedError(
-            f"{what}: CUDA memory cannot be used here (no GPU transport in this build); pack "
-            "pages into a registered host buffer (kvbridge.ops) or use put/get_into, which "
-            "copy through host memory")
+            f"{what}: the store client takes host memory only (its checksums are computed on "
+            "the CPU); pack pages into a registered host buffer (kvbridge.ops) or use "
+            "put/get_into, which copy through host memory")
 
 
 def host_bytes_of(tensor: Any) -> Any:

@@ -117,9 +117,11 @@ class TransferEngine:
 
     # -- memory ----------------------------------------------------------------------------
     def register(self, buf: Any) -> int:
-        """Registers a buffer (CPU tensor, buffer object or (address, length)); returns the
-        segment id peers use as ``segment``. Overlapping a registered region raises
-        AlreadyExistsError. CUDA tensors raise UnsupportedError until a GPU transport exists."""
+        """Registers a buffer (CPU or CUDA tensor, buffer object or (address, length)); returns
+        the segment id peers use as ``segment``. Overlapping a registered region raises
+        AlreadyExistsError. A CUDA tensor is registered as device memory, which the tcp
+        transport moves through pinned bounce buffers (docs/transports/tcp.md); without a CUDA
+        driver, or with no transport that takes device memory, UnsupportedError."""
         r = _buffers.region(buf, writable=True, what="register")
         seg = self._h.register_memory(r.address, r.length, r.kind, r.device)
         self._keepalive[seg] = buf  # the memory must outlive the registration
