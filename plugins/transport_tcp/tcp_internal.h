@@ -207,6 +207,8 @@ class Lane {
   bool StagingReady(Slice& s, Completions* done);
   void StageWrites(Completions* done);
   void PollCopies(uint64_t now, Completions* done);
+  // A READ slice's staging -> device copy answered `st`: the slice ends with it.
+  void EndCopyOut(StagingBuffer& b, kvb_status_t st, const std::string& why, Completions* done);
   bool CopiesRunning() const;
   void FreeStaging(Entry& e);
   void FinishStagedRead(Completions* done);

@@ -737,6 +737,16 @@ bool Lane::CopiesRunning() const {
   return false;
 }
 
+void Lane::EndCopyOut(StagingBuffer& b, kvb_status_t st, const std::string& why,
+                      Completions* done) {
+  t_->EndSlice(*b.read_slice, st,
+               st == KVB_OK ? std::string()
+                            : Fmt("staging -> device copy of %llu bytes for a READ from %s: %s",
+                                  U(b.read_slice->length), Name().c_str(), why.c_str()),
+               done);
+  b.read_slice.reset();
+}
+
 void Lane::PollCopies(uint64_t now, Completions* done) {
   if (!dev_) return;
   for (auto& b : dev_->buffers()) {
@@ -750,12 +760,7 @@ void Lane::PollCopies(uint64_t now, Completions* done) {
     ExitUserMem(*b.req);
     b.req.reset();
     if (b.state == StagingBuffer::State::kCopyOut) {
-      t_->EndSlice(*b.read_slice, st,
-                   st == KVB_OK ? std::string()
-                                : Fmt("staging -> device copy of %llu bytes for a READ from %s: %s",
-                                      U(b.read_slice->length), Name().c_str(), why.c_str()),
-                   done);
-      b.read_slice.reset();
+      EndCopyOut(b, st, why, done);
       b.state = StagingBuffer::State::kFree;
       continue;
     }
@@ -836,12 +841,7 @@ void Lane::DrainCopies(Completions* done) {
     ExitUserMem(*b.req);
     b.req.reset();
     if (b.state == StagingBuffer::State::kCopyOut) {
-      t_->EndSlice(*b.read_slice, st,
-                   st == KVB_OK ? std::string()
-                                : Fmt("staging -> device copy of %llu bytes for a READ from %s: %s",
-                                      U(b.read_slice->length), Name().c_str(), why.c_str()),
-                   done);
-      b.read_slice.reset();
+      EndCopyOut(b, st, why, done);
     }
     b.state = StagingBuffer::State::kFree;
   }
