@@ -121,9 +121,16 @@ struct SubRequest {
   kvb_status_t status = KVB_IN_PROGRESS;
 };
 
+// Transports fail their own requests at the deadline (it is in every post); the engine cancels
+// what is still open this long after it, as a backstop. Cancelling right at the deadline would
+// race the transport's own answer, and a transport's cancel may rightly wait (ucx: while UCX
+// holds a READ's memory on a same-host endpoint to a frozen peer) where its deadline does not.
+constexpr uint64_t kDeadlineBackstopGraceNs = 50'000'000;
+
 struct Batch {
   BatchId id = 0;
   uint64_t deadline_ns = 0;
+  uint64_t backstop_ns() const { return deadline_ns + kDeadlineBackstopGraceNs; }
   uint64_t progress_timeout_ns = 0;
   WaitSlot* slot = nullptr;
   std::mutex mu;  // serializes poll passes, cancel and collection of this batch
@@ -524,7 +531,7 @@ void TransferEngine::Impl::SweepFinished() {
     std::unique_lock<std::mutex> lock(b->mu, std::try_to_lock);
     if (!lock.owns_lock() || b->collected || b->finished) continue;
     bool final = PollPass(*b);
-    if (!final && b->deadline_ns != 0 && now >= b->deadline_ns) {
+    if (!final && b->deadline_ns != 0 && now >= b->backstop_ns()) {
       CancelSubs(*b, /*by_deadline=*/true);
       final = PollPass(*b);
     }
@@ -608,7 +615,7 @@ std::optional<BatchResult> TransferEngine::Impl::PollOrWait(BatchId id, bool blo
         return r;
       }
       bool done = PollPass(*b);
-      if (!done && b->deadline_ns != 0 && util::MonoNs() >= b->deadline_ns) {
+      if (!done && b->deadline_ns != 0 && util::MonoNs() >= b->backstop_ns()) {
         CancelSubs(*b, /*by_deadline=*/true);
         done = PollPass(*b);
       }
@@ -627,7 +634,8 @@ std::optional<BatchResult> TransferEngine::Impl::PollOrWait(BatchId id, bool blo
     std::unique_lock<std::mutex> lock(slot.mu);
     uint64_t wait_ns = 100'000'000;  // re-check at least every 100 ms
     if (b->deadline_ns != 0) {
-      wait_ns = std::min<uint64_t>(wait_ns, b->deadline_ns > now ? b->deadline_ns - now : 0);
+      const uint64_t backstop = b->backstop_ns();
+      wait_ns = std::min<uint64_t>(wait_ns, backstop > now ? backstop - now : 0);
     }
     if (until_ns != 0) wait_ns = std::min<uint64_t>(wait_ns, until_ns - now);
     slot.cv.wait_for(lock, std::chrono::nanoseconds(wait_ns), [&] { return slot.seq != seq; });
