@@ -480,8 +480,12 @@ TEST_P(FaultTest, DeadAndFrozenPeersDoNotSlowHealthyPeer) {
   EXPECT_EQ(bad_ok.load(), 0u);
   EXPECT_GT(bad_failed.load(), 0u);
   // Allow for CPU contention on a 2-core machine, but not for waiting on the bad peers
-  // (which would cost their 500 ms progress timeout).
-  EXPECT_LT(p50, 2 * p50_base + 1.0);
+  // (which would cost their 500 ms progress timeout). ucx adds its idle-poll quantum: its
+  // progress threads (ours and the peer's) sleep up to ucx.idle_poll_ms (1 ms) once idle, so
+  // an op's latency sits at ~0.05 ms or ~1.8 ms depending on whether other traffic (here, the
+  // hammering of the bad peers) keeps them spinning; measured baselines swing between the two.
+  const double slack_ms = tcp() ? 1.0 : 1.0 + 2 * 1.0;
+  EXPECT_LT(p50, 2 * p50_base + slack_ms);
   EXPECT_LT(p99, 100.0) << "a healthy op waited behind a bad peer";
 }
 
