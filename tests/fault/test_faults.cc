@@ -49,7 +49,7 @@ class FaultTest : public ::testing::TestWithParam<std::string> {
     o.listen = "127.0.0.1:0";
     o.default_deadline_ms = 5000;
     o.progress_timeout_ms = 500;
-    o.plugin_config = p.config;
+    for (const auto& [k, v] : p.config) o.plugin_config[k] = v;
     if (transport_ == "ucx") o.plugin_config["ucx.connect_timeout_ms"] = "1000";
     Configure(o);
     auto e = TransferEngine::Create(o);
