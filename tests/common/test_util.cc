@@ -55,6 +55,29 @@ EngineOptions LoopbackOptions(const std::string& transport, const std::string& n
   return o;
 }
 
+TransportParam ParseTransportParam(const std::string& param) {
+  if (param == "ucx_net") return {"ucx", {{"ucx.same_host", "off"}}};
+  if (param == "ucx") return {"ucx", {{"ucx.same_host", "auto"}}};
+  return {param, {}};
+}
+
+EngineOptions ParamLoopbackOptions(const std::string& param, const std::string& node_id) {
+  const TransportParam p = ParseTransportParam(param);
+  EngineOptions o = LoopbackOptions(p.transport, node_id);
+  for (const auto& [k, v] : p.config) o.plugin_config[k] = v;
+  return o;
+}
+
+std::vector<std::string> PeerTransportArgs(const std::string& param) {
+  const TransportParam p = ParseTransportParam(param);
+  std::vector<std::string> args = {"--transport", p.transport};
+  for (const auto& [k, v] : p.config) {
+    args.push_back("--config");
+    args.push_back(k + "=" + v);
+  }
+  return args;
+}
+
 uint16_t FreePort() {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};

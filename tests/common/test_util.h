@@ -5,6 +5,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,6 +36,18 @@ uint8_t PatternByte(uint64_t seed, size_t offset);
 
 // Options for an engine on loopback using exactly `transport`; the mock's directory is added.
 EngineOptions LoopbackOptions(const std::string& transport, const std::string& node_id);
+
+// A per-transport suite parameter (tests/conformance, tests/fault): a transport plugin's name, or
+// "ucx_net": ucx with ucx.same_host=off (PEER-mode endpoints over the network transports).
+struct TransportParam {
+  std::string transport;                      // the plugin's name
+  std::map<std::string, std::string> config;  // plugin_config entries the parameter implies
+};
+TransportParam ParseTransportParam(const std::string& param);
+// LoopbackOptions for the parameter's transport, with its config.
+EngineOptions ParamLoopbackOptions(const std::string& param, const std::string& node_id);
+// kvb_test_peer flags that make the peer use the parameter's transport and config.
+std::vector<std::string> PeerTransportArgs(const std::string& param);
 
 // Unwraps a Result in tests, failing the test with the status on error.
 template <typename T>

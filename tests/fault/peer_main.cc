@@ -5,8 +5,13 @@
 //   FILL <seed>  -> refills the region, "OK"
 //   DESC         -> "DESC <hex>"
 //   ADD <hex>    -> AddPeer(descriptor), "OK" or "ERR <status>"
+// Flags: --node-id, --listen, --size, --seed, --token; --transport <name>[,<name>...] (default
+// tcp; the engine's transports in preference order) and --config <key>=<value>, repeatable
+// (EngineOptions::plugin_config, e.g. ucx.same_host=off), so the per-transport suites
+// (tests/conformance, tests/fault) start the peer over the transport they test.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -35,9 +40,25 @@ int main(int argc, char** argv) {
       seed = std::stoull(v);
     else if (k == "--token")
       opts.cluster_token = v;
-    else if (k == "--transport")
-      opts.transports = {v};
-    else {
+    else if (k == "--transport") {
+      opts.transports.clear();
+      for (size_t at = 0; at <= v.size();) {
+        const size_t comma = std::min(v.find(',', at), v.size());
+        if (comma > at) opts.transports.push_back(v.substr(at, comma - at));
+        at = comma + 1;
+      }
+      if (opts.transports.empty()) {
+        fprintf(stderr, "kvb_test_peer: --transport '%s' names no transport\n", v.c_str());
+        return 2;
+      }
+    } else if (k == "--config") {
+      const size_t eq = v.find('=');
+      if (eq == std::string::npos || eq == 0) {
+        fprintf(stderr, "kvb_test_peer: --config '%s' is not <key>=<value>\n", v.c_str());
+        return 2;
+      }
+      opts.plugin_config[v.substr(0, eq)] = v.substr(eq + 1);
+    } else {
       fprintf(stderr, "kvb_test_peer: unknown flag %s\n", k.c_str());
       return 2;
     }
