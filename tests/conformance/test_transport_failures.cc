@@ -55,23 +55,6 @@ Contract ContractOf(const std::string& param) {
   return {true, "", 0};                                                // mock
 }
 
-// Contract violations found by this suite and not fixed yet: the case is skipped for that
-// parameter with the defect named (KVB_CONFORMANCE_RUN_KNOWN_DEFECTS=1 runs it anyway, to
-// check a fix).
-std::string KnownDefect(const std::string& param, const std::string& test) {
-  if (std::getenv("KVB_CONFORMANCE_RUN_KNOWN_DEFECTS") != nullptr) return "";
-  const std::string name = test.substr(0, test.find('/'));  // "<case>/<param>" for TEST_P
-  if (param == "ucx" && name == "DeadlineExceededWhenThePeerStalls") {
-    return "known defect (ucx, same-host NONE-mode endpoints): the engine's Wait() backstop "
-           "cancels the batch when its deadline passes (csrc/core/engine.cc PollOrWait -> "
-           "CancelSubs) and the ucx plugin's cancel blocks while UCX holds a READ's memory on a "
-           "NONE-mode endpoint (plugins/transport_ucx/ucx_transport.cc Transport::Cancel), so "
-           "Wait() on a batch to a frozen same-host peer hangs until the peer resumes instead of "
-           "returning DEADLINE_EXCEEDED on time";
-  }
-  return "";
-}
-
 class TransportFailures : public ::testing::TestWithParam<std::string> {
  protected:
   const std::string& param() const { return GetParam(); }
@@ -80,9 +63,6 @@ class TransportFailures : public ::testing::TestWithParam<std::string> {
   // The client engine, with `config` added to the parameter's plugin_config. The peers' own
   // timeouts are the transport's defaults; the client's are passed per batch.
   void MakeClient(const std::map<std::string, std::string>& config = {}) {
-    const std::string defect =
-        KnownDefect(param(), ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    if (!defect.empty()) GTEST_SKIP() << defect;
     EngineOptions o = testing::ParamLoopbackOptions(param(), "client");
     o.default_deadline_ms = 5000;
     o.progress_timeout_ms = 500;

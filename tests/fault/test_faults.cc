@@ -285,12 +285,6 @@ TEST_P(FaultTest, FrozenPeerFailsABatchOnAnIdleLaneOnTime) {
   EXPECT_LT(ms, 800) << "the lane slept through the progress timeout";
   // The same with a deadline shorter than everything else (a new lane: the old one was
   // evicted).
-  if (GetParam() == "ucx" && std::getenv("KVB_CONFORMANCE_RUN_KNOWN_DEFECTS") == nullptr) {
-    GTEST_SKIP() << "the deadline half: known defect on ucx same-host endpoints, Wait() hangs "
-                    "in the deadline backstop's cancel until the frozen peer resumes (see "
-                    "TransportFailures.DeadlineExceededWhenThePeerStalls in tests/conformance); "
-                    "the progress-timeout half above passed";
-  }
   so.deadline_ms = 250;
   so.progress_timeout_ms = 10000;
   st = frozen_read(so, &ms);
