@@ -1,6 +1,7 @@
 #include "tests/common/test_util.h"
 
 #include <arpa/inet.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -76,6 +77,21 @@ std::vector<std::string> PeerTransportArgs(const std::string& param) {
     args.push_back(k + "=" + v);
   }
   return args;
+}
+
+unsigned LoadedUcxMinor() {
+  void* h = dlopen("libucp.so.0", RTLD_LAZY | RTLD_NOLOAD);
+  if (h == nullptr) return 0;
+  using GetVersion = void (*)(unsigned*, unsigned*, unsigned*);
+  auto get = reinterpret_cast<GetVersion>(dlsym(h, "ucp_get_version"));
+  unsigned major = 0, minor = 0, release = 0;
+  if (get != nullptr) get(&major, &minor, &release);
+  dlclose(h);
+  return major == 1 ? minor : 0;
+}
+
+bool OneSidedSameHostRma(const std::string& param) {
+  return param == "ucx" && LoadedUcxMinor() >= 22;
 }
 
 uint16_t FreePort() {

@@ -45,6 +45,14 @@ struct TransportParam {
 };
 TransportParam ParseTransportParam(const std::string& param);
 // LoopbackOptions for the parameter's transport, with its config.
+// The minor version of the libucp this process has loaded (the ucx plugin's: Debian's 1.13, or
+// PyPI's 1.22 with KVBRIDGE_PLUGIN_PATH=build/plugins_ucx_pypi); 0 when none is loaded.
+unsigned LoadedUcxMinor();
+
+// True for the "ucx" parameter (same-host endpoints) when the loaded UCX moves same-host RMA
+// one-sided through cma (1.22): a frozen peer then does not stall a transfer to it at all.
+bool OneSidedSameHostRma(const std::string& param);
+
 EngineOptions ParamLoopbackOptions(const std::string& param, const std::string& node_id);
 // kvb_test_peer flags that make the peer use the parameter's transport and config.
 std::vector<std::string> PeerTransportArgs(const std::string& param);

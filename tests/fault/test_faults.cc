@@ -17,6 +17,7 @@
 #include <random>
 #include <thread>
 
+#include "core/descriptor.h"
 #include "fault_transports.inc"  // generated: KVB_FAULT_TRANSPORTS
 #include "kvbridge/engine.h"
 #include "tests/common/test_util.h"
@@ -490,7 +491,13 @@ class AuthFaultTest : public FaultTest {
 TEST_P(AuthFaultTest, PeerWithWrongTokenIsRefused) {
   auto peer = StartPeer("intruder", 0, 1, {"--token", "wrong-token"}, 1 << 20);
   ASSERT_TRUE(peer);
-  Must(engine_->AddPeer(peer->descriptor()));
+  // Its descriptor is sealed under its own token: refused before any connection.
+  Result<PeerId> added = engine_->AddPeer(peer->descriptor());
+  EXPECT_EQ(added.status().code(), StatusCode::kUnauthenticated) << added.status().ToString();
+  // Re-sealed under this engine's token (a relay holding the token vouches for a process that
+  // lacks it), the descriptor is taken, and the transport's own handshake refuses the peer.
+  core::Descriptor d = Must(core::DecodeDescriptor(peer->descriptor()));
+  Must(engine_->AddPeer(core::EncodeDescriptor(d, "right-token")));
   const std::string crc = peer->Command("CRC");
   Status st = engine_->Transfer(std::vector{Op(OpCode::kWrite, "intruder", 0, 4096)});
   EXPECT_EQ(st.code(), StatusCode::kUnauthenticated) << st.ToString();

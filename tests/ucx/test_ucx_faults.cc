@@ -3,7 +3,6 @@
 // UCX. Each test runs in both endpoint modes: "same_host" (ucx.same_host=auto: NONE-mode
 // endpoints over shared memory and cma, liveness by pidfd) and "net" (ucx.same_host=off:
 // PEER-mode endpoints over tcp with UCX's error handling).
-#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -28,19 +27,6 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kPeerBytes = 64u << 20;
 constexpr uint32_t kProgressMs = 500;
 constexpr uint32_t kDeadlineMs = 5000;
-
-// The minor version of the libucp this process loaded (the plugin's: Debian's 1.13, or PyPI's
-// 1.22 when the test runs with KVBRIDGE_PLUGIN_PATH=build/plugins_ucx_pypi); 0 if none is loaded.
-unsigned LoadedUcxMinor() {
-  void* h = dlopen("libucp.so.0", RTLD_LAZY | RTLD_NOLOAD);
-  if (h == nullptr) return 0;
-  using GetVersion = void (*)(unsigned*, unsigned*, unsigned*);
-  auto get = reinterpret_cast<GetVersion>(dlsym(h, "ucp_get_version"));
-  unsigned major = 0, minor = 0, release = 0;
-  if (get != nullptr) get(&major, &minor, &release);
-  dlclose(h);
-  return major == 1 ? minor : 0;
-}
 
 double MsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -184,7 +170,7 @@ TEST_P(UcxFaultTest, FrozenPeerEndsByTheDeadlineAndOthersAreUnaffected) {
   EXPECT_EQ(healthy_ok, 50);
   EXPECT_LT(worst_ms, 250) << "a healthy op waited behind the frozen peer";
   EXPECT_LT(frozen_ms, 3000 + 300) << frozen_st.ToString();
-  const unsigned minor = LoadedUcxMinor();
+  const unsigned minor = testing::LoadedUcxMinor();
   ASSERT_GE(minor, 13u) << "no libucp loaded after the ucx transport ran";
   const char* plugin_path = getenv("KVBRIDGE_PLUGIN_PATH");
   if (plugin_path != nullptr && strstr(plugin_path, "plugins_ucx_pypi") != nullptr) {
@@ -339,7 +325,13 @@ class UcxTokenTest : public UcxFaultTest {
 TEST_P(UcxTokenTest, PeerWithWrongTokenIsRefused) {
   auto peer = StartPeer("intruder", 10, {"--token", "wrong-token"});
   ASSERT_TRUE(peer);
-  Must(engine_->AddPeer(peer->descriptor()));
+  // Its descriptor is sealed under its own token: refused before any connection.
+  Result<PeerId> added = engine_->AddPeer(peer->descriptor());
+  EXPECT_EQ(added.status().code(), StatusCode::kUnauthenticated) << added.status().ToString();
+  // Re-sealed under this engine's token (a relay holding the token vouches for a process that
+  // lacks it), the descriptor is taken, and the transport's own handshake refuses the peer.
+  core::Descriptor d = Must(core::DecodeDescriptor(peer->descriptor()));
+  Must(engine_->AddPeer(core::EncodeDescriptor(d, "right-token")));
   const std::string crc = peer->Command("CRC");
   local_->Fill(11, 0, 4096);
   Status st = engine_->Transfer(std::vector{Op(OpCode::kWrite, "intruder", 0, 4096)});
