@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/export_internal.h"
 #include "kvbridge/status.h"
 
 namespace kvbridge::core {
@@ -41,7 +42,7 @@ inline constexpr size_t kMaxDescriptorRkey = 4096;
 inline constexpr uint32_t kMaxDescriptorTransports = 32;
 inline constexpr uint32_t kMaxDescriptorSegments = 1u << 16;
 
-std::string EncodeDescriptor(const Descriptor& d);
-Result<Descriptor> DecodeDescriptor(std::string_view blob);
+KVBRIDGE_INTERNAL_API std::string EncodeDescriptor(const Descriptor& d);
+KVBRIDGE_INTERNAL_API Result<Descriptor> DecodeDescriptor(std::string_view blob);
 
 }  // namespace kvbridge::core
