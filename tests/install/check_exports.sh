@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# check_exports.sh <library|plugin> <file.so>...
+# check_exports.sh <library|store|plugin> <file.so>...
 #
 # The CTest tests Exports.* (tests/install/CMakeLists.txt): fails when a shared object
 # exports (nm -D --defined-only) a symbol outside its allow-list, and names each one.
 #   library  libkvbridge.so: the public API (what kvbridge/*.h declares with KVBRIDGE_API) and
 #            the KVBRIDGE_INTERNAL_API entry points of csrc/core/export_internal.h, listed
 #            one by one below.
+#   store    libkvbridge_store.so: what kvbridge/store.h declares with KVBRIDGE_API.
 #   plugin   a plugin: kvb_plugin_query and nothing else.
 # Both may also carry what the toolchain emits for the C++ standard library whatever the
 # visibility settings: weak (W, V) or unique (u) instantiations of templates in namespace std
@@ -18,7 +19,7 @@ set -u
 NM=${NM:-nm}
 kind=$1
 shift
-[ $# -gt 0 ] || { echo "usage: $0 <library|plugin> <file.so>..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 <library|store|plugin> <file.so>..." >&2; exit 2; }
 
 # Demangled names (nm -C) that libkvbridge.so may export, as extended regexes.
 library_allow=(
@@ -38,14 +39,22 @@ library_allow=(
   '^kvbridge::core::(Encode|Decode)Descriptor(\[abi:cxx11\])?\('
 )
 library_required='^kvbridge::TransferEngine::Create\('
+# Demangled names libkvbridge_store.so may export: kvbridge/store.h.
+store_allow=(
+  '^kvbridge::(StoreOptions|NodeOptions|MasterOptions)::FromEnv\('
+  '^kvbridge::(StoreClient|StorageNode|MasterServer|EmbeddedCluster)::'
+  '^kvbridge::QueryClusterStatus\('
+)
+store_required='^kvbridge::StoreClient::'
 plugin_allow=('^kvb_plugin_query$')
 std_template='^_Z(T[VIS]|GV|Z)*(N[KVr]*)?(St|9__gnu_cxx)'
 plugin_required='^kvb_plugin_query$'
 
 case $kind in
   library) allow=("${library_allow[@]}"); required=$library_required ;;
+  store) allow=("${store_allow[@]}"); required=$store_required ;;
   plugin) allow=("${plugin_allow[@]}"); required=$plugin_required ;;
-  *) echo "$0: unknown kind '$kind' (library or plugin)" >&2; exit 2 ;;
+  *) echo "$0: unknown kind '$kind' (library, store or plugin)" >&2; exit 2 ;;
 esac
 
 failed=0
