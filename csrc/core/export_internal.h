@@ -5,7 +5,7 @@
 // headers are not installed and they change without notice. Everything else under csrc/core
 // stays hidden; tests and tools that need more of it link the static kvbridge_core instead
 // (csrc/CMakeLists.txt). The exported-symbols test names each of them in its allow-list
-// (tests/install/check_exports.cmake).
+// (tests/install/check_exports.sh).
 #pragma once
 
 #include "kvbridge/export.h"
