@@ -93,6 +93,13 @@ asan: setup
 install: build
 	KVBRIDGE_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pip install --no-build-isolation .
 
+# Installs the C++ package (libraries, plugins, headers, the `kvbridge` CLI and the CMake
+# package for find_package(kvbridge), cmake/kvbridgeInstall.cmake) under $(PREFIX).
+PREFIX ?= /usr/local
+.PHONY: install-cmake
+install-cmake: build
+	cmake --install $(BUILD_DIR) --prefix $(PREFIX)
+
 # The store demo: a local cluster (master + 3 nodes as processes) under a HiCache-like load,
 # one node killed halfway; prints a table, writes bench-out/store-demo-timeline.csv and
 # bench-out/store-demo.png (plotted with the project venv's matplotlib). Fails if any

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/export_internal.h"
 #include "kvbridge/status.h"
 
 namespace kvbridge::core {
@@ -50,11 +51,13 @@ inline constexpr uint32_t kMaxDescriptorSegments = 1u << 16;
 // Version 3. With a non-empty cluster token the blob is sealed: an HMAC-SHA256 of its body under
 // the token, so a peer holding the token knows a token holder wrote every endpoint, segment
 // address and remote key in it.
-std::string EncodeDescriptor(const Descriptor& d, std::string_view cluster_token = {});
+KVBRIDGE_INTERNAL_API std::string EncodeDescriptor(const Descriptor& d,
+                                                   std::string_view cluster_token = {});
 
 // Reads versions 1 to 3. With a non-empty cluster token the blob must be sealed under that
 // token (UNAUTHENTICATED otherwise: unsealed, or sealed under another token); without one a
 // seal is not checked (there is nothing to check it with).
-Result<Descriptor> DecodeDescriptor(std::string_view blob, std::string_view cluster_token = {});
+KVBRIDGE_INTERNAL_API Result<Descriptor> DecodeDescriptor(std::string_view blob,
+                                                          std::string_view cluster_token = {});
 
 }  // namespace kvbridge::core

@@ -18,6 +18,7 @@
 #include <string_view>
 #include <thread>
 
+#include "core/export_internal.h"
 #include "kvbridge/status.h"
 
 namespace kvbridge::core {
@@ -30,7 +31,7 @@ namespace kvbridge::core {
 // bound the oldest (of that address, or of all) is closed. The handler runs on the service
 // thread, never on a caller's: a process whose other threads are busy (or hold an
 // interpreter's lock) still answers.
-class RequestServer {
+class KVBRIDGE_INTERNAL_API RequestServer {
  public:
   // What the handler makes of the bytes a connection has sent so far.
   struct Answer {

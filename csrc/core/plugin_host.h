@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "core/export_internal.h"
 #include "core/plugin_loader.h"
 #include "core/storage_instance.h"
 #include "core/transport_instance.h"
@@ -23,7 +24,7 @@
 
 namespace kvbridge::core {
 
-class PluginHost : public std::enable_shared_from_this<PluginHost> {
+class KVBRIDGE_INTERNAL_API PluginHost : public std::enable_shared_from_this<PluginHost> {
  public:
   // The host for `dirs` (searched in order; see PluginRegistry::Scan), scanning them if no
   // live host has the same canonical list.

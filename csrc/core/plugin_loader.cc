@@ -281,9 +281,10 @@ std::vector<std::string> PluginRegistry::DefaultSearchPath(const std::string& ex
     for (auto& d : SplitPath(env)) dirs.push_back(std::move(d));
   }
   // Next to the library: an installed package keeps its plugins in <libdir>/plugins (the
-  // Python wheel) or <libdir>/kvbridge/plugins (a system install). The build tree's plugin
-  // directory is searched only by a library that still lives in the build tree, so an
-  // installed copy never picks up plugins from the tree it was built in.
+  // Python wheel) or <libdir>/kvbridge/plugins (`cmake --install`, CMAKE_INSTALL_LIBDIR). The
+  // build tree's plugin directory is searched only by a library that still lives in the build
+  // tree and has no installed plugin directory next to it, so an installed copy never picks up
+  // plugins from the tree it was built in, even when installed into a prefix inside that tree.
   std::string lib_dir;
   Dl_info info;
   if (dladdr(reinterpret_cast<const void*>(&ValidateDescriptor), &info) != 0 &&
@@ -294,8 +295,17 @@ std::vector<std::string> PluginRegistry::DefaultSearchPath(const std::string& ex
   }
 #ifdef KVBRIDGE_BUILD_PLUGIN_DIR
   const std::string build_root = KVBRIDGE_BUILD_ROOT;
+  auto is_dir = [](const std::string& d) {
+    DIR* h = opendir(d.c_str());
+    if (h == nullptr) return false;
+    closedir(h);
+    return true;
+  };
+  bool installed =
+      !lib_dir.empty() && (is_dir(lib_dir + "/plugins") || is_dir(lib_dir + "/kvbridge/plugins"));
   bool in_build_tree =
-      lib_dir.empty() || (Canonical(lib_dir) + "/").rfind(Canonical(build_root) + "/", 0) == 0;
+      !installed &&
+      (lib_dir.empty() || (Canonical(lib_dir) + "/").rfind(Canonical(build_root) + "/", 0) == 0);
   if (in_build_tree) dirs.emplace_back(KVBRIDGE_BUILD_PLUGIN_DIR);
 #endif
   if (!lib_dir.empty()) {

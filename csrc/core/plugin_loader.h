@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/export_internal.h"
 #include "kvbridge/plugin/abi.h"
 #include "kvbridge/plugin/storage.h"
 #include "kvbridge/plugin/transport.h"
@@ -57,10 +58,12 @@ class PluginRegistry {
   PluginRegistry& operator=(const PluginRegistry&) = delete;
 
   // The directories searched by default, in order: `extra` (':'-separated), then
-  // $KVBRIDGE_PLUGIN_PATH (':'-separated), then the build tree's plugin directory, then the
-  // install directory "<dir of libkvbridge.so>/kvbridge/plugins". Nonexistent ones are kept
-  // (Scan skips them silently).
-  static std::vector<std::string> DefaultSearchPath(const std::string& extra);
+  // $KVBRIDGE_PLUGIN_PATH (':'-separated), then the build tree's plugin directory (only for a
+  // library in the build tree with no installed plugin directory next to it), then the install
+  // directories "<libdir>/plugins" and "<libdir>/kvbridge/plugins", <libdir> being where the
+  // module holding the loader is (libkvbridge.so, or a program linking kvbridge_core).
+  // Nonexistent ones are kept (Scan skips them silently).
+  KVBRIDGE_INTERNAL_API static std::vector<std::string> DefaultSearchPath(const std::string& extra);
 
   // Loads every libkvb_*.so in `dirs` (sorted by file name within a directory). When two files
   // carry the same (kind, name), the first one found wins and the later one is refused with

@@ -18,6 +18,7 @@
 #include <string>
 #include <string_view>
 
+#include "core/export_internal.h"
 #include "kvbridge/plugin/storage.h"
 #include "kvbridge/status.h"
 
@@ -53,7 +54,7 @@ struct StorageUsage {
   uint64_t object_count = 0;
 };
 
-class StorageInstance {
+class KVBRIDGE_INTERNAL_API StorageInstance {
  public:
   using Visit = std::function<void(std::string_view key, uint64_t length)>;
   using VisitMeta =

@@ -33,6 +33,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvbridge/export.h"
 #include "kvbridge/options.h"
 #include "kvbridge/status.h"
 
@@ -45,7 +46,7 @@ enum class MemoryKind : uint32_t { kHost = 1, kCuda = 2 };
 enum class OpCode : uint32_t { kRead = 1, kWrite = 2 };
 
 // A process incarnation: node id plus a random 64-bit number drawn at engine start.
-struct PeerId {
+struct KVBRIDGE_API PeerId {
   std::string node_id;
   uint64_t incarnation = 0;
   std::string ToString() const;  // "node@0123abcd..."
@@ -132,7 +133,7 @@ struct TransportStats {
   uint64_t queued_bytes = 0;
 };
 
-class TransferEngine {
+class KVBRIDGE_API TransferEngine {
  public:
   // Loads the transport plugins, draws the incarnation and starts the listeners.
   // Fails if no transport is usable, or if a transport named in options.transports is not.
@@ -203,7 +204,7 @@ class TransferEngine {
   // UNSUPPORTED when the transport does not report stats.
   Result<TransportStats> GetTransportStats(std::string_view transport) const;
 
-  struct Impl;
+  struct KVBRIDGE_HIDDEN Impl;  // engine.cc; not exported
 
  private:
   explicit TransferEngine(std::unique_ptr<Impl> impl);

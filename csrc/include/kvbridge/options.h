@@ -14,9 +14,11 @@
 #include <string>
 #include <vector>
 
+#include "kvbridge/export.h"
+
 namespace kvbridge {
 
-struct EngineOptions {
+struct KVBRIDGE_API EngineOptions {
   // --- Identity ---
   // This process's node id. Empty = "<hostname>-<pid>". KVBRIDGE_NODE_ID.
   std::string node_id;

@@ -16,6 +16,7 @@
 #include <string_view>
 #include <utility>
 
+#include "kvbridge/export.h"
 #include "kvbridge/plugin/abi.h"
 
 namespace kvbridge {
@@ -46,7 +47,7 @@ enum class StatusCode : int32_t {
 };
 
 // "STALE_PEER", "DEADLINE_EXCEEDED", ...; "UNKNOWN(<n>)" for codes this build does not know.
-std::string StatusCodeName(StatusCode code);
+KVBRIDGE_API std::string StatusCodeName(StatusCode code);
 
 // Which remote party a failure came from, where a caller must tell them apart without reading
 // the message: a store call can fail at the master (metadata) or at a storage node (the
@@ -59,9 +60,9 @@ enum class StatusOrigin : uint8_t {
 };
 
 // "", "master", "storage_node".
-const char* StatusOriginName(StatusOrigin origin);
+KVBRIDGE_API const char* StatusOriginName(StatusOrigin origin);
 
-class [[nodiscard]] Status {
+class [[nodiscard]] KVBRIDGE_API Status {
  public:
   Status() noexcept = default;  // OK
   Status(StatusCode code, std::string_view msg);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kvbridge/engine.h"
+#include "kvbridge/export.h"
 #include "kvbridge/options.h"
 #include "kvbridge/status.h"
 
@@ -29,7 +30,7 @@ struct BufferRef {
   uint64_t length = 0;
 };
 
-struct StoreOptions {
+struct KVBRIDGE_API StoreOptions {
   // The master's gRPC address. KVBRIDGE_MASTER.
   std::string master_address = "127.0.0.1:50051";
   // Replicas per object written by puts. KVBRIDGE_REPLICA_NUM.
@@ -88,7 +89,7 @@ struct ReplicaInfo {
   uint64_t bytes = 0;  // the object's size
 };
 
-class StoreClient {
+class KVBRIDGE_API StoreClient {
  public:
   static Result<std::unique_ptr<StoreClient>> Create(const StoreOptions& options);
   ~StoreClient();
@@ -129,14 +130,14 @@ class StoreClient {
 
   TransferEngine& engine();
 
-  struct Impl;
+  struct KVBRIDGE_HIDDEN Impl;  // not exported
 
  private:
   explicit StoreClient(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 
-struct NodeOptions {
+struct KVBRIDGE_API NodeOptions {
   // The master's gRPC address. KVBRIDGE_MASTER.
   std::string master_address = "127.0.0.1:50051";
   // DRAM this node contributes to the pool. KVBRIDGE_NODE_DRAM_BYTES.
@@ -190,7 +191,7 @@ struct StorageNodeStats {
 // A storage node: a transfer engine whose registered DRAM pool holds replicas, registered with
 // the master, heartbeating on its own thread and gRPC channel (never behind data-plane work),
 // executing the master's re-replication tasks.
-class StorageNode {
+class KVBRIDGE_API StorageNode {
  public:
   static Result<std::unique_ptr<StorageNode>> Start(const NodeOptions& options);
   // Stops at once, without draining (what a crash looks like to the cluster, minus the TTL:
@@ -208,14 +209,14 @@ class StorageNode {
   Status ssd_status() const;
   StorageNodeStats stats() const;
 
-  struct Impl;
+  struct KVBRIDGE_HIDDEN Impl;  // not exported
 
  private:
   explicit StorageNode(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 
-struct MasterOptions {
+struct KVBRIDGE_API MasterOptions {
   // Where the master's gRPC service listens; port 0 picks one. KVBRIDGE_MASTER_LISTEN.
   std::string listen = "127.0.0.1:50051";
   // A node silent this long is dead. KVBRIDGE_NODE_TTL_MS.
@@ -283,14 +284,14 @@ struct MasterOptions {
 };
 
 // The control plane, as a gRPC server (the `kvbridge master` daemon, or embedded in-process).
-class MasterServer {
+class KVBRIDGE_API MasterServer {
  public:
   static Result<std::unique_ptr<MasterServer>> Start(const MasterOptions& options);
   ~MasterServer();
   // "host:port" with the port actually bound.
   const std::string& address() const;
 
-  struct Impl;
+  struct KVBRIDGE_HIDDEN Impl;  // not exported
 
  private:
   explicit MasterServer(std::unique_ptr<Impl> impl);
@@ -328,9 +329,9 @@ struct ClusterStatus {
 
 // Asks a master for its view (what `kvbridge status` prints). `cluster_token`: the
 // cluster's, when it has one (KVBRIDGE_CLUSTER_TOKEN; else UNAUTHENTICATED).
-Result<ClusterStatus> QueryClusterStatus(const std::string& master_address,
-                                         uint32_t timeout_ms = 3000,
-                                         const std::string& cluster_token = "");
+KVBRIDGE_API Result<ClusterStatus> QueryClusterStatus(const std::string& master_address,
+                                                      uint32_t timeout_ms = 3000,
+                                                      const std::string& cluster_token = "");
 
 // Master + storage nodes + client in one process, on loopback: the default for one-machine
 // use and for tests. Nodes get node ids "<prefix>-node<i>".
@@ -351,7 +352,7 @@ struct EmbeddedClusterOptions {
   EngineOptions engine;  // template for the nodes' and the client's engines
 };
 
-class EmbeddedCluster {
+class KVBRIDGE_API EmbeddedCluster {
  public:
   static Result<std::unique_ptr<EmbeddedCluster>> Start(const EmbeddedClusterOptions& options);
   ~EmbeddedCluster();
@@ -361,7 +362,7 @@ class EmbeddedCluster {
   // The nodes, to drain or stop one (destroying a node is a stop).
   std::vector<std::unique_ptr<StorageNode>>& nodes();
 
-  struct Impl;
+  struct KVBRIDGE_HIDDEN Impl;  // not exported
 
  private:
   explicit EmbeddedCluster(std::unique_ptr<Impl> impl);
