@@ -18,6 +18,7 @@
 #include <mutex>
 #include <thread>
 
+#include "core/descriptor.h"
 #include "kvbridge/engine.h"
 #include "tests/common/test_util.h"
 
@@ -73,7 +74,12 @@ TEST(FailoverNet, TcpCutUnderLoadFailsOverToUcxWithNoFailedOp) {
   auto engine = Must(TransferEngine::Create(o));
   Buffer local(kPeerBytes);
   Must(engine->RegisterMemory(local.data(), local.size()));
-  Must(engine->AddPeer(peer->descriptor()));
+  // The namespace stands for another machine, but its process shares this one's boot, IPC and
+  // pid namespaces, hence its host key: with that key the engine would try ucx first
+  // (KVB_TCAP_LOCAL_SHM). Give it another machine's key, as it would have there.
+  core::Descriptor d = Must(core::DecodeDescriptor(peer->descriptor()));
+  d.host_key = "another-machine";
+  Must(engine->AddPeer(core::EncodeDescriptor(d)));
   auto health = engine->GetPeerHealth("twopath");
   ASSERT_TRUE(health.has_value());
   ASSERT_EQ(health->paths.size(), 2u) << "the peer is not reachable over both transports";

@@ -644,7 +644,12 @@ TEST_F(SecureCluster, ReadSsdCannotTargetOtherMemory) {
     const core::Descriptor n2 = Must(core::DecodeDescriptor(node2_desc));
     moved.transports = n2.transports;
     moved.segments = n2.segments;
+    // Unsealed (a caller without the token could not seal it): refused at the seal.
     ASSERT_TRUE(read(reader_id, core::EncodeDescriptor(moved), into_node2, fresh(), &reply).ok());
+    EXPECT_EQ(reply.status().code(), KVB_ERR_UNAUTHENTICATED) << reply.status().message();
+    // Sealed under the token (a token holder doing it): refused as a move of a known peer.
+    ASSERT_TRUE(
+        read(reader_id, core::EncodeDescriptor(moved, kToken), into_node2, fresh(), &reply).ok());
     EXPECT_EQ(reply.status().code(), KVB_ERR_ALREADY_EXISTS) << reply.status().message();
   }
   ExpectIntact("after the ReadSsd attempts");
