@@ -189,23 +189,33 @@ TEST(Handshake, SilentConnectionsAndAFloodFromOneAddressDelayNoOne) {
   EXPECT_LT(ms, 300) << "20 silent connections delayed the service";
   // A flood of 400 more from the same address: its oldest connections are closed to make room
   // (per-address and total bounds), the newest client is still served at once.
+  std::vector<Clock::time_point> connected_at(silent.size(), first);
   for (int i = 0; i < 400; ++i) {
     const int fd = Connect(port);
     ASSERT_GE(fd, 0) << "connect " << i;
     silent.push_back(fd);
+    connected_at.push_back(Clock::now());
   }
   t = Clock::now();
   d = TransferEngine::FetchDescriptor(a->handshake_endpoint(), 2500);
   ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   EXPECT_LT(ms, 500) << "a flood of silent connections delayed the service";
-  // The first ones were closed early (evicted), long before their one-second bound.
-  char c;
-  timeval tv{0, 1000};
-  setsockopt(silent[0], SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  EXPECT_EQ(recv(silent[0], &c, 1, 0), 0) << "the oldest silent connection is still open";
-  EXPECT_LT(Clock::now() - first, std::chrono::milliseconds(900)) << "too slow to tell eviction "
-                                                                     "from the 1 s bound";
+  // Connections were closed by eviction, not by their one-second bound: some connection that
+  // is younger than that bound (so no timer can have closed it) is closed already. The newest
+  // ones stay open (the per-address bound keeps them), so the evidence is in between; this
+  // holds however slowly a loaded machine ran the flood.
+  const auto checked_at = Clock::now();
+  int young = 0, young_closed = 0;
+  for (size_t i = 0; i < silent.size(); ++i) {
+    if (checked_at - connected_at[i] >= std::chrono::milliseconds(900)) continue;
+    ++young;
+    char c;
+    const ssize_t n = recv(silent[i], &c, 1, MSG_DONTWAIT);
+    if (n == 0) ++young_closed;
+  }
+  EXPECT_GT(young_closed, 0) << "none of the " << young
+                             << " connections younger than the 1 s bound was evicted";
   for (int fd : silent) close(fd);
 }
 
