@@ -48,7 +48,9 @@ def ucx_choice(name, build):
     """(perftest binary, its extra env, kvb_bench_transfer's extra env, UCX version) for --ucx."""
     if name == "system":
         out = subprocess.run(["ucx_info", "-v"], capture_output=True, text=True).stdout
-        version = next((ln.split()[-1] for ln in out.splitlines() if "Library version" in ln), "?")
+        # "# Version 1.13.1" (1.13) or "# Library version: 1.22.0" (newer)
+        version = next((ln.split()[-1] for ln in out.splitlines()
+                        if ln.startswith("# Version") or "Library version" in ln), "?")
         return "ucx_perftest", {}, {}, version
     import libucx  # PyPI's libucx-cu13 (python/requirements-dev.txt)
     root = os.path.dirname(libucx.__file__)
