@@ -292,6 +292,9 @@ std::vector<std::string> PluginRegistry::DefaultSearchPath(const std::string& ex
     std::string lib = info.dli_fname;
     size_t slash = lib.rfind('/');
     lib_dir = slash == std::string::npos ? "." : lib.substr(0, slash);
+    // A program started by a relative path gets a relative name for its own module (the test
+    // binaries link the loader statically): search absolute directories all the same.
+    if (lib_dir.empty() || lib_dir[0] != '/') lib_dir = Canonical(lib_dir);
   }
 #ifdef KVBRIDGE_BUILD_PLUGIN_DIR
   const std::string build_root = KVBRIDGE_BUILD_ROOT;
