@@ -729,6 +729,7 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
   // least a quarter TTL, is not scheduling jitter but a pause of the whole master.
   cfg.pause_threshold_ms =
       std::max<uint64_t>(3 * TickPeriodMs(options.node_ttl_ms), options.node_ttl_ms / 4);
+  cfg.start_ns = util::MonoNs();
   cfg.lease_ms = options.lease_ms;
   cfg.put_timeout_ms = options.put_timeout_ms;
   cfg.min_replicas = options.min_replicas;

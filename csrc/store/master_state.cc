@@ -227,7 +227,9 @@ MasterState::~MasterState() = default;
 
 Result<std::unique_ptr<MasterState>> MasterState::Create(const MasterConfig& config) {
   KVB_RETURN_IF_ERROR(config.Validate());
-  return std::unique_ptr<MasterState>(new MasterState(std::make_unique<Impl>(config)));
+  auto impl = std::make_unique<Impl>(config);
+  impl->last_tick_ns = config.start_ns;
+  return std::unique_ptr<MasterState>(new MasterState(std::move(impl)));
 }
 
 const MasterConfig& MasterState::config() const { return impl_->cfg; }

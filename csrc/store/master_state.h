@@ -110,6 +110,10 @@ struct MasterConfig {
   // 0 = off (tests that drive Tick in big steps). The master service sets it from its tick
   // period.
   uint64_t pause_threshold_ms = 0;
+  // When the master started, on Tick's clock: the first tick's gap is measured from here, so a
+  // master frozen before it ever ticked is caught like any other pause. 0 = no start time (the
+  // first tick only sets the reference).
+  uint64_t start_ns = 0;
   // A DRAINING node is reported drained after this even if not everything moved.
   uint64_t drain_timeout_ms = 30000;
 

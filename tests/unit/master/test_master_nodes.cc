@@ -352,6 +352,31 @@ TEST(MasterMembership, APausedMasterStartsEveryTtlOver) {
   EXPECT_TRUE(c.Heartbeat(c.nodes["n1"]).ok());
 }
 
+// A master frozen before its first tick (nodes registered, then SIGSTOP within one tick
+// period) measures that first gap from its start time: a pause, not silent nodes.
+TEST(MasterMembership, APauseBeforeTheFirstTickIsAPause) {
+  MasterConfig cfg;
+  cfg.pause_threshold_ms = 500;
+  cfg.start_ns = 1000 * kMs;
+  Cluster c(cfg);
+  c.now = cfg.start_ns + 50 * kMs;
+  c.AddNode("n0", {1 << 20});
+  c.AddNode("n1", {1 << 20});
+  c.now += 5000 * kMs;  // frozen before the first tick
+  TickSummary t = c.m().Tick(c.now);
+  EXPECT_EQ(t.paused_ms, 5050u);
+  EXPECT_EQ(t.nodes_expired, 0u);
+  // Without a start time the same first tick has no reference and both nodes expire.
+  cfg.start_ns = 0;
+  Cluster d(cfg);
+  d.now = 1050 * kMs;
+  d.AddNode("n0", {1 << 20});
+  d.now += 5000 * kMs;
+  t = d.m().Tick(d.now);
+  EXPECT_EQ(t.paused_ms, 0u);
+  EXPECT_EQ(t.nodes_expired, 1u);
+}
+
 // Liveness is recorded by Touch() without the table lock (a heartbeat that then waits behind
 // data-plane work still counts); another incarnation's touch does not keep a node alive.
 TEST(MasterMembership, TouchKeepsANodeAliveWithoutTheTableLock) {
