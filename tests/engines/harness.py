@@ -140,8 +140,9 @@ class Role:
                 raise AssertionError(f"{self.name} exited with {self.proc.returncode} before the "
                                      f"expected line; stderr tail:\n{self.stderr_tail()}")
             if time.monotonic() > deadline:
+                stacks = self.dump_stacks()
                 raise AssertionError(f"{self.name}: no expected line within {timeout:.0f} s; "
-                                     f"stderr tail:\n{self.stderr_tail()}")
+                                     f"stderr tail:\n{self.stderr_tail(1500)}\n{stacks}")
             time.sleep(0.2)
 
     def wait(self, timeout: float) -> int:
@@ -150,6 +151,56 @@ class Role:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{self.name} still running after {timeout:.0f} s; stderr tail:\n"
                                  f"{self.stderr_tail()}") from None
+
+    def group_pids(self) -> list[int]:
+        """The live processes of this role's process group (the leader and what it started)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if os.getpgid(int(entry.name)) == self.proc.pid:
+                        pids.append(int(entry.name))
+                except (ProcessLookupError, PermissionError):
+                    pass
+        return sorted(pids)
+
+    def dump_stacks(self, chars: int = 6000) -> str:
+        """Python and native stacks of every process of the group (py-spy, from the engines'
+        venv), written to <name>.stacks in the log dir; returns a summary of what each process'
+        threads were doing (the last frames, to `chars`). For a role that stops answering:
+        which process and thread it waits in."""
+        spy = Path(sys.executable).parent / "py-spy"
+        if not spy.exists():
+            return f"(no stacks: {spy} is missing)"
+        dumps = []
+        for pid in self.group_pids():
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                state, utime, stime = stat[0], int(stat[11]), int(stat[12])
+            except OSError:
+                continue
+            tick = os.sysconf("SC_CLK_TCK")
+            head = f"--- pid {pid} {comm} state {state} cpu {(utime + stime) / tick:.1f} s"
+            try:
+                r = subprocess.run([str(spy), "dump", "--native", "--pid", str(pid)],
+                                   capture_output=True, text=True, timeout=60)
+                dumps.append(f"{head}\n{r.stdout}{r.stderr}")
+            except subprocess.TimeoutExpired:
+                dumps.append(f"{head}\n(py-spy took over 60 s)")
+        text = "\n".join(dumps)
+        (self.out_path.parent / f"{self.name}.stacks").write_text(text)
+        # The summary: per thread, its header and the innermost frames that name a function.
+        lines, keep = [], 0
+        for line in text.splitlines():
+            if line.startswith("---") or line.startswith("Thread "):
+                lines.append(line)
+                keep = 4
+            elif keep and line.strip():
+                lines.append(line)
+                keep -= 1
+        summary = "\n".join(lines)
+        return f"stacks ({self.out_path.parent / (self.name + '.stacks')}):\n{summary[-chars:]}"
 
     def stderr_tail(self, chars: int = 4000) -> str:
         self._err.flush()

@@ -497,7 +497,7 @@ def scenario(tmp_path_factory):
             return res
         first = {k: res.get(k) for k in ("decode_pd", "decode2_pd", "decode_stats_before_failures")}
     except AssertionError as e:
-        first = {"error": str(e)[-2000:]}
+        first = {"error": str(e)[-8000:]}
     kept = harness.WORK_DIR / "logs" / "test_vllm_connector-failed"
     shutil.rmtree(kept, ignore_errors=True)
     (harness.WORK_DIR / "logs" / "test_vllm_connector").rename(kept)

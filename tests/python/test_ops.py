@@ -587,3 +587,46 @@ def _opcheck_cases():
 def test_opcheck(case):
     op, args = _opcheck_cases()[case]
     torch.library.opcheck(op, args)
+
+
+def test_the_eager_copies_register_no_torch_op():
+    """kvbridge._page_copy (the vLLM connector's host staging) copies like the registered ops
+    and leaves torch's operator registry alone: a vLLM worker was seen spinning for minutes
+    inside torch's registration of these ops (docs/vllm.md "Known issues")."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import json, sys, torch
+        from kvbridge import _page_copy
+        from kvbridge.integrations._vllm_core import layout_of
+        from kvbridge.integrations._vllm_stage import Stager
+        g = torch.Generator().manual_seed(3)
+        kv = {f"l{i}": torch.randn(6, 2, 4, 8, generator=g) for i in range(2)}
+        st = Stager(kv, layout_of(kv, 6), staging_bytes=3 * 2 * 2 * 4 * 8 * 4)
+        st.gather([4, 0, 2], [2, 0, 1])
+        back = {n: torch.zeros_like(t) for n, t in kv.items()}
+        st.layers = [back[n] for n in sorted(back)]
+        st.scatter([2, 0, 1], [4, 0, 2])
+        same = all(torch.equal(back[n][b], kv[n][b]) for n in kv for b in (0, 2, 4))
+        print(json.dumps({"same": same, "ops_module": "kvbridge.ops" in sys.modules,
+                          "registered": hasattr(torch.ops.kvbridge, "vllm_blocks_to_pages")}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"same": True, "ops_module": False, "registered": False}
+    # The registered op and the eager copy move the same bytes.
+    g = torch.Generator().manual_seed(4)
+    layers = [torch.randn(5, 2, 4, 8, generator=g) for _ in range(2)]
+    pages_a = torch.zeros(3, *ops.vllm_page_shape(layers, kv_dim=1, block_dim=0))
+    pages_b = torch.zeros_like(pages_a)
+    blocks, pages = torch.tensor([3, 1, 4]), torch.tensor([0, 2, 1])
+    ops.vllm_blocks_to_pages(layers, pages_a, blocks, pages, kv_dim=1, block_dim=0)
+    from kvbridge import _page_copy
+
+    _page_copy.vllm_blocks_to_pages(layers, pages_b, blocks, pages, kv_dim=1, block_dim=0)
+    assert torch.equal(pages_a, pages_b) and pages_a.abs().sum() > 0

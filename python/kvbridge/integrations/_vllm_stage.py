@@ -1,11 +1,12 @@
 """Staging of vLLM KV blocks through host pages, for KV tensors kvbridge cannot register.
 
 kvbridge's transfer engine and store register host memory only; KV tensors on a GPU are
-therefore copied, a batch of blocks at a time, into pinned host pages with the page kernels
-of ``kvbridge.ops`` (``vllm_blocks_to_pages`` / ``vllm_pages_to_blocks``), and the pages are
-what kvbridge moves. A page holds one block of every layer (and K/V part) in the layers'
-memory order: byte for byte what the in-place path moves, so staged and in-place instances
-share store objects and pull from each other.
+therefore copied, a batch of blocks at a time, into pinned host pages with kvbridge's page
+kernels (``vllm_blocks_to_pages`` / ``vllm_pages_to_blocks``, called eagerly through
+``kvbridge._page_copy``: the worker never registers the ``kvbridge.ops`` torch ops, see
+docs/vllm.md "Known issues"), and the pages are what kvbridge moves. A page holds one block
+of every layer (and K/V part) in the layers' memory order: byte for byte what the in-place
+path moves, so staged and in-place instances share store objects and pull from each other.
 
 ``Stager.host_layout`` describes the pages as a KvLayout whose "blocks" are pages, so the
 store and pull code is the same for both paths; only page ids replace block ids, with a
@@ -28,7 +29,7 @@ class Stager:
     """Pinned host pages for one worker's KV tensors, with a page allocator."""
 
     def __init__(self, kv_caches: dict, layout: KvLayout, staging_bytes: int):
-        from kvbridge import ops
+        from kvbridge import _page_copy as ops
 
         self._ops = ops
         self.layers = [kv_caches[n] for n in layout.names]
