@@ -319,14 +319,18 @@ void BindClient(py::module_& m) {
            }),
            py::arg("options"))
       .def("close", [](PyStoreClient& c) { NoGil([&] { c.Close(); }); })
-      .def("register_buffer",
-           [](PyStoreClient& c, uintptr_t addr, uint64_t len) {
-             NoGil([&] {
-               c.With([&](StoreClient& s) {
-                 ThrowIfError(s.RegisterBuffer(reinterpret_cast<void*>(addr), len));
-               });
-             });
-           })
+      .def(
+          "register_buffer",
+          [](PyStoreClient& c, uintptr_t addr, uint64_t len, int kind, int device) {
+            NoGil([&] {
+              c.With([&](StoreClient& s) {
+                ThrowIfError(s.RegisterBuffer(reinterpret_cast<void*>(addr), len,
+                                              static_cast<MemoryKind>(kind), device));
+              });
+            });
+          },
+          py::arg("addr"), py::arg("len"), py::arg("kind") = static_cast<int>(MemoryKind::kHost),
+          py::arg("device") = -1)
       .def("unregister_buffer",
            [](PyStoreClient& c, uintptr_t addr) {
              NoGil([&] {

@@ -759,7 +759,9 @@ Result<SegmentId> TransferEngine::RegisterMemory(void* addr, uint64_t length, Me
     return Status::InvalidArgument("RegisterMemory: address must be non-null and length > 0");
   }
   if (kind != MemoryKind::kHost && kind != MemoryKind::kCuda) {
-    return Status::InvalidArgument("RegisterMemory: unknown memory kind");
+    return Status::InvalidArgument("RegisterMemory: unknown memory kind " +
+                                   std::to_string(static_cast<uint32_t>(kind)) +
+                                   " (neither kHost nor kCuda)");
   }
   const auto start = reinterpret_cast<uintptr_t>(addr);
   if (start + length < start) return Status::InvalidArgument("RegisterMemory: range wraps");

@@ -19,6 +19,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "core/device_bounce.h"
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
 #include "store/rpc_auth.h"
@@ -50,6 +51,13 @@ StoreOptions StoreOptions::FromEnv() {
 namespace {
 
 constexpr uint64_t kStagingBytes = 64ull << 20;
+// The pinned bounce buffer the checksums of pieces in CUDA buffers are taken through, in two
+// halves: one is copied into while the CRC runs over the other (core/device_bounce.h). Only the
+// checksum goes through it: transfers go straight from and into the device segment, so that
+// replicas, hedged reads and SSD reads (a node writes into the caller's buffer) work as for
+// host memory and a transport with direct device access needs no host copy at all; the cost
+// is one extra device-to-host copy per byte (docs/store.md "Device buffers").
+constexpr uint64_t kBounceBytes = 8ull << 20;
 
 // Where one key's bytes go: the object's byte range [obj_off, obj_off+len) maps to local memory.
 constexpr uint32_t kTierSsd = 2;  // ReplicaLocation.tier of a replica on an SSD tier
@@ -58,6 +66,7 @@ struct Piece {
   uint64_t obj_off;
   char* local;
   uint64_t len;
+  int device = -1;  // the CUDA device of a piece in a CUDA buffer (Impl::MarkDevices); else -1
 };
 
 // Splits an object of `total` bytes over caller buffers filled in order.
@@ -79,10 +88,15 @@ std::string HexAddress(const void* p) {
   return buf;
 }
 
+// REQUIRES: every piece in host memory.
 uint32_t ChecksumOf(const std::vector<Piece>& pieces) {
   uint32_t crc = 0;
   for (const auto& p : pieces) crc = util::Crc32c(p.local, p.len, crc);
   return crc;
+}
+
+bool OnDevice(const std::vector<Piece>& pieces) {
+  return std::any_of(pieces.begin(), pieces.end(), [](const Piece& p) { return p.device >= 0; });
 }
 
 // A batch of more than store::kMaxKeysPerCall keys as several batches, so that no request or
@@ -124,9 +138,17 @@ struct StoreClient::Impl {
   struct Registered {
     SegmentId segment;
     uint64_t length;
+    MemoryKind kind = MemoryKind::kHost;
+    int device = -1;  // kCuda: the buffer's device
   };
   std::mutex buffers_mu;
   std::map<uintptr_t, Registered> buffers;  // registered caller buffers by start address
+  std::atomic<size_t> device_buffers{0};    // how many of them are CUDA buffers
+  // Made by the first registration of a CUDA buffer (under bounce_mu), before that buffer is
+  // in `buffers`, and kept: a piece found in a CUDA buffer (MarkDevices, under buffers_mu)
+  // finds it set.
+  std::mutex bounce_mu;
+  std::unique_ptr<core::DeviceBounce> bounce;
 
   std::mutex staging_mu;  // one Put/Get at a time uses the staging area
   std::unique_ptr<char[]> staging;
@@ -162,6 +184,51 @@ struct StoreClient::Impl {
     return Status::OK();
   }
   bool LocalSegment(const char* p, uint64_t len, SegmentId* seg, uint64_t* off);
+  // Sets the device of each piece that lies in a registered CUDA buffer.
+  void MarkDevices(std::vector<Piece>* pieces) {
+    if (device_buffers.load(std::memory_order_acquire) == 0) return;
+    std::lock_guard<std::mutex> lock(buffers_mu);
+    for (Piece& p : *pieces) {
+      const auto start = reinterpret_cast<uintptr_t>(p.local);
+      auto it = buffers.upper_bound(start);
+      if (it == buffers.begin()) continue;
+      --it;
+      if (it->second.kind == MemoryKind::kCuda && start < it->first + it->second.length) {
+        p.device = it->second.device;
+      }
+    }
+  }
+  // The CRC-32C of each key's pieces, in order. Pieces in host memory are read where they
+  // are. Pieces in CUDA buffers are never read by the CPU: they are copied (one device-to-host
+  // copy per byte) into the pinned bounce buffer and the CRC runs there, over one half while
+  // the other is being filled; concurrent calls take turns at the bounce buffer. (*status)[k]:
+  // a copy of key k's bytes that failed (IO_ERROR naming it; its checksum is then unknown).
+  void Checksums(std::span<const std::vector<Piece>* const> keys, std::vector<uint32_t>* crcs,
+                 std::vector<Status>* status) {
+    crcs->assign(keys.size(), 0);
+    status->assign(keys.size(), Status::OK());
+    if (std::none_of(keys.begin(), keys.end(), [](const auto* p) { return OnDevice(*p); })) {
+      for (size_t k = 0; k < keys.size(); ++k) (*crcs)[k] = ChecksumOf(*keys[k]);
+      return;
+    }
+    std::vector<core::DeviceBounce::Span> spans;
+    std::vector<size_t> key_of;
+    for (size_t k = 0; k < keys.size(); ++k) {
+      for (const Piece& p : *keys[k]) {
+        spans.push_back({p.local, p.len, p.device});
+        key_of.push_back(k);
+      }
+    }
+    const std::vector<Status> got =
+        bounce->Read(spans, [&](size_t s, const char* data, uint64_t len) {
+          uint32_t& crc = (*crcs)[key_of[s]];
+          crc = util::Crc32c(data, len, crc);
+        });
+    for (size_t s = 0; s < spans.size(); ++s) {
+      Status& st = (*status)[key_of[s]];
+      if (st.ok() && !got[s].ok()) st = got[s];
+    }
+  }
   // The master's replicas (and sizes, read leases) of each key; a failed call is a Status.
   Status GetReplicas(std::span<const std::string> keys, rpc::GetReplicasReply* got,
                      bool sizes_only = false) {
@@ -822,11 +889,38 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& opt
 
 TransferEngine& StoreClient::engine() { return *impl_->engine; }
 
-Status StoreClient::RegisterBuffer(void* addr, uint64_t length) {
-  Result<SegmentId> seg = impl_->engine->RegisterMemory(addr, length);
+Status StoreClient::RegisterBuffer(void* addr, uint64_t length, MemoryKind kind, int device_id) {
+  Impl& im = *impl_;
+  if (kind == MemoryKind::kCuda) {
+    // The checksums of a CUDA buffer's bytes are taken through the driver (Impl::Checksums).
+    std::lock_guard<std::mutex> lock(im.bounce_mu);
+    if (!im.bounce) {
+      Result<std::unique_ptr<core::DeviceBounce>> b = core::DeviceBounce::Create(kBounceBytes);
+      if (!b.ok()) {
+        return Status(b.status().code(),
+                      "RegisterBuffer: a CUDA device buffer needs the CUDA driver (the store "
+                      "client copies its bytes with it to checksum them): " +
+                          b.status().message());
+      }
+      im.bounce = std::move(b).value();
+    }
+  }
+  // The engine checks the kind (neither kHost nor kCuda: INVALID_ARGUMENT) and that the memory
+  // is what it says (core/memory_kinds.h).
+  Result<SegmentId> seg = im.engine->RegisterMemory(addr, length, kind, device_id);
   if (!seg.ok()) return seg.status();
-  std::lock_guard<std::mutex> lock(impl_->buffers_mu);
-  impl_->buffers[reinterpret_cast<uintptr_t>(addr)] = {seg.value(), length};
+  int device = device_id;
+  if (kind == MemoryKind::kCuda && device < 0) {
+    Result<int> d = core::DeviceBounce::DeviceOf(addr, length);
+    if (!d.ok()) {
+      (void)im.engine->DeregisterMemory(seg.value());
+      return d.status();
+    }
+    device = d.value();
+  }
+  std::lock_guard<std::mutex> lock(im.buffers_mu);
+  im.buffers[reinterpret_cast<uintptr_t>(addr)] = {seg.value(), length, kind, device};
+  if (kind == MemoryKind::kCuda) im.device_buffers.fetch_add(1, std::memory_order_release);
   return Status::OK();
 }
 
@@ -839,6 +933,7 @@ Status StoreClient::UnregisterBuffer(void* addr) {
       return Status::NotFound("UnregisterBuffer: no buffer registered at this address");
     }
     seg = it->second.segment;
+    if (it->second.kind == MemoryKind::kCuda) impl_->device_buffers.fetch_sub(1);
     impl_->buffers.erase(it);
   }
   return impl_->engine->DeregisterMemory(seg);
@@ -873,10 +968,12 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   }
   // Checksums depend only on the caller's bytes, so they are computed while the master
   // allocates: for 128 x 64 KiB pages the CRC takes about as long as the PutStart round trip
-  // (0.6 ms each), and overlapping them took 3-16% off a put batch (docs/performance.md).
+  // (0.6 ms each), and overlapping them took 3-16% off a put batch (docs/performance.md). The
+  // bytes of CUDA buffers are copied to host memory for it then too (Impl::Checksums).
   rpc::PutStartReply started;
-  std::vector<uint32_t> checksums(keys.size(), 0);
-  std::vector<Piece> pieces;
+  std::vector<uint32_t> checksums;
+  std::vector<Status> unread;  // per key: why its bytes could not be read for the checksum
+  std::vector<std::vector<Piece>> pieces(keys.size());
   // The master's write deadline counts from its answer: measured from before asking, it ends
   // no later here than there.
   const auto put_base = std::chrono::steady_clock::now();
@@ -892,12 +989,15 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
       done = true;
       cv.notify_one();
     });
+    std::vector<const std::vector<Piece>*> of_key(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
       uint64_t total = 0;
       for (const auto& b : buffers[i]) total += b.length;
-      MapPieces(total, buffers[i], &pieces);
-      checksums[i] = ChecksumOf(pieces);
+      MapPieces(total, buffers[i], &pieces[i]);
+      im.MarkDevices(&pieces[i]);
+      of_key[i] = &pieces[i];
     }
+    im.Checksums(of_key, &checksums, &unread);
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return done; });
     if (!gs.ok() || started.items_size() != static_cast<int>(keys.size())) {
@@ -926,6 +1026,7 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   std::vector<TransferOp> ops;
   std::vector<size_t> group_of_op;
   std::vector<std::pair<size_t, int>> groups;  // (key index, replica index)
+  std::vector<size_t> unread_groups;           // groups of keys whose bytes could not be read
   for (size_t i = 0; i < keys.size(); ++i) {
     const auto& item = started.items(static_cast<int>(i));
     Status st = FromProto(item.status());
@@ -934,13 +1035,19 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
       result[i] = st;
       continue;
     }
-    uint64_t total = 0;
-    for (const auto& b : buffers[i]) total += b.length;
-    MapPieces(total, buffers[i], &pieces);
+    // No checksum, no write: its replicas go to PutEnd as failed, so that the master drops the
+    // object at once (nothing stored, nothing half-written).
+    if (!unread[i].ok()) {
+      for (int r = 0; r < item.replicas_size(); ++r) {
+        groups.emplace_back(i, r);
+        unread_groups.push_back(groups.size() - 1);
+      }
+      continue;
+    }
     for (int r = 0; r < item.replicas_size(); ++r) {
       const auto& loc = item.replicas(r);
       groups.emplace_back(i, r);
-      for (const auto& p : pieces) {
+      for (const auto& p : pieces[i]) {
         ops.push_back(TransferOp{OpCode::kWrite, p.local, p.len, loc.node().node_id(),
                                  loc.segment_id(), loc.offset() + p.obj_off});
         group_of_op.push_back(groups.size() - 1);
@@ -965,6 +1072,7 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
            static_cast<uint32_t>(std::min<int64_t>(left_ms, im.options.transfer_deadline_ms)));
   }
   if (!peers_ok.ok()) KVB_LOG(WARN) << "put: " << peers_ok.ToString();
+  for (size_t g : unread_groups) group_status[g] = unread[groups[g].first];
 
   rpc::PutEndRequest end;
   std::vector<int> end_item_of_key(keys.size(), -1);
@@ -986,6 +1094,10 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   for (size_t i = 0; i < keys.size(); ++i) {
     const int e = end_item_of_key[i];
     if (e < 0) continue;
+    if (!unread[i].ok()) {  // the master dropped it (or will: the put times out)
+      result[i] = unread[i].WithContext("not stored");
+      continue;
+    }
     if (!gs.ok() || ended.statuses_size() != end.items_size()) {
       result[i] = store::FromGrpc(gs, "PutEnd");
       continue;
@@ -1085,6 +1197,7 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
                                           std::to_string(total));
       continue;
     }
+    im.MarkDevices(&pieces[i]);
     if (item.replicas_size() == 0) {
       result[i] = Status::NotFound("object has no readable replica");
       continue;
@@ -1190,15 +1303,33 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
       const auto& slow = got.items(static_cast<int>(i)).replicas(next_replica[i]);
       if (reported_nodes.insert(slow.node().node_id()).second) report(i, slow, true);
     }
+    // Every byte handed to the caller is checked, lease or not, DRAM or SSD: a lease keeps
+    // the master from reusing the range, but not a late writer, a node that lost track of its
+    // memory, or a node that answers a ReadSsd without writing (docs/store.md). The bytes in
+    // CUDA buffers are copied back to host memory for it (Impl::Checksums).
+    std::vector<const std::vector<Piece>*> to_check;
+    for (size_t g = 0; g < pending.size(); ++g) {
+      if (group_status[g].ok()) to_check.push_back(&pieces[pending[g]]);
+    }
+    std::vector<uint32_t> crcs;
+    std::vector<Status> unread;
+    im.Checksums(to_check, &crcs, &unread);
+    size_t checked = 0;  // the next entry of crcs/unread
     for (size_t g = 0; g < pending.size(); ++g) {
       const size_t i = pending[g];
       const auto& item = got.items(static_cast<int>(i));
       Status st = group_status[g];
-      // Every byte handed to the caller is checked, lease or not, DRAM or SSD: a lease keeps
-      // the master from reusing the range, but not a late writer, a node that lost track of
-      // its memory, or a node that answers a ReadSsd without writing (docs/store.md).
-      if (st.ok() && ChecksumOf(pieces[i]) != item.checksum()) {
-        st = Status::IoError("checksum mismatch: the replica's bytes are not the object's");
+      bool mismatch = false;
+      bool local_copy_failed = false;  // our copy of the key's CUDA buffers for the checksum
+      if (st.ok()) {
+        const size_t c = checked++;
+        if (!unread[c].ok()) {
+          st = unread[c];
+          local_copy_failed = true;
+        } else if (crcs[c] != item.checksum()) {
+          st = Status::IoError("checksum mismatch: the replica's bytes are not the object's");
+          mismatch = true;
+        }
       }
       if (st.ok()) {
         result[i] = static_cast<uint64_t>(
@@ -1214,12 +1345,22 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
       // Replica-level faults (bad bytes, a range the node does not hold) are reported per key
       // and drop that replica: only the reader can see them.
       const bool node_level = NodeLevel(st);
+      // A copy of our own CUDA buffers that failed says nothing about the replica, and
+      // another replica would meet the same device: the key fails with it, nothing reported.
+      if (local_copy_failed) {
+        result[i] =
+            st.WithContext("checking the bytes read from the replica on " + bad.node().node_id());
+        continue;
+      }
       // Says nothing about the replica (a busy node, our own memory, a node that could not
       // write back to us, a node this client could not learn about and so never asked): move
-      // on without reporting it.
-      const bool not_the_replica = st.Is(StatusCode::kBackpressure) ||
-                                   st.Is(StatusCode::kNotRegistered) ||
-                                   st.Is(StatusCode::kUnavailable) || !im.Knows(bad.node());
+      // on without reporting it. An I/O error of a transfer into CUDA buffers may be one of
+      // our device's copies (a transport staging device memory through host memory) as well
+      // as the node's: it is not held against the replica either.
+      const bool not_the_replica =
+          st.Is(StatusCode::kBackpressure) || st.Is(StatusCode::kNotRegistered) ||
+          st.Is(StatusCode::kUnavailable) || !im.Knows(bad.node()) ||
+          (st.Is(StatusCode::kIoError) && !mismatch && OnDevice(pieces[i]));
       if (!not_the_replica && (!node_level || reported_nodes.insert(bad.node().node_id()).second)) {
         report(i, bad, node_level);
       }

@@ -75,16 +75,6 @@ def regions(obj: Any, *, writable: bool, what: str) -> list[Region]:
     return [region(obj, writable=writable, what=what)]
 
 
-def host_only(r: Region, what: str) -> None:
-    if r.kind != HOST:
-        from kvbridge.errors import UnsupportedError
-
-        raise UnsupportedError(
-            f"{what}: the store client takes host memory only (its checksums are computed on "
-            "the CPU); pack pages into a registered host buffer (kvbridge.ops) or use "
-            "put/get_into, which copy through host memory")
-
-
 def host_bytes_of(tensor: Any) -> Any:
     """A contiguous CPU uint8 copy of a CUDA tensor's bytes."""
     return tensor.detach().contiguous().view(-1).view(__import__("torch").uint8).cpu()

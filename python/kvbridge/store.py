@@ -8,10 +8,11 @@
         out = torch.empty_like(page)
         assert store.get_into("req7/layer0/page3", out) == page.numel() * 4
 
-Keys are str (UTF-8) or bytes, 1..4096 bytes. Buffers are contiguous CPU tensors,
+Keys are str (UTF-8) or bytes, 1..4096 bytes. Buffers are contiguous CPU or CUDA tensors,
 buffer-protocol objects or (address, length) pairs (kvbridge._buffers). put/get_into work on
 any memory (one staging copy); buffers registered with register_buffer() are moved zero-copy,
-and the batch_* forms require them (NotRegisteredError per key otherwise).
+CUDA tensors included (their checksums are taken from a pinned host copy; docs/store.md
+"Device buffers"), and the batch_* forms require them (NotRegisteredError per key otherwise).
 
 Batch calls never raise for one key: they return one result per key, in order. Single-key
 calls raise the key's KvbError (NotFoundError, NoSpaceError, ...). Blocking calls release
@@ -150,10 +151,13 @@ class StoreClient:
 
     # -- registration ----------------------------------------------------------------------
     def register_buffer(self, buf: Any) -> None:
-        """Registers memory for zero-copy puts and gets (overlap: AlreadyExistsError)."""
+        """Registers memory for zero-copy puts and gets (overlap: AlreadyExistsError). A CUDA
+        tensor is registered as device memory of its device: puts and gets move its bytes
+        with no host copy of the caller's, and the store client takes their checksums from a
+        pinned host copy of its own (docs/store.md "Device buffers"). Without a CUDA driver
+        that is UnavailableError naming the driver."""
         r = _buffers.region(buf, writable=True, what="register_buffer")
-        _buffers.host_only(r, "register_buffer")
-        self._h.register_buffer(r.address, r.length)
+        self._h.register_buffer(r.address, r.length, r.kind, r.device)
         with self._lock:
             bisect.insort(self._starts, r.address)
             self._ends[r.address] = r.address + r.length
@@ -176,11 +180,11 @@ class StoreClient:
     # -- single keys -----------------------------------------------------------------------
     def put(self, key: Key, buf: Any) -> None:
         """Stores buf's bytes under key. An existing key succeeds without rewriting.
-        A CUDA tensor is copied to host memory first (for many pages, pack them into a
-        registered host buffer with kvbridge.ops and use batch_put_from)."""
+        A CUDA tensor outside the registered buffers is copied to host memory first (register
+        it, or the pool it lies in, to skip that copy)."""
         key = _key(key)
         r = _buffers.region(buf, writable=False, what="put")
-        if r.kind == _buffers.CUDA:
+        if r.kind == _buffers.CUDA and not self._registered(r):
             buf = _buffers.host_bytes_of(buf)
             r = _buffers.region(buf, writable=False, what="put")
         if self._registered(r):
@@ -194,10 +198,11 @@ class StoreClient:
 
     def get_into(self, key: Key, buf: Any) -> int:
         """Reads the object into buf; returns its size. NotFoundError if absent,
-        InvalidArgumentError if buf is smaller than the object (buf is then untouched)."""
+        InvalidArgumentError if buf is smaller than the object (buf is then untouched). A CUDA
+        tensor outside the registered buffers is filled through host memory."""
         key = _key(key)
         r = _buffers.region(buf, writable=True, what="get_into")
-        if r.kind == _buffers.CUDA:  # through host memory, then one copy to the device
+        if r.kind == _buffers.CUDA and not self._registered(r):  # through host memory
             host = bytearray(r.length)
             n = self.get_into(key, host)
             _buffers.copy_host_to_tensor(host, n, buf)
@@ -245,9 +250,8 @@ class StoreClient:
             if type(b) is list and b and all(_raw_pair(x) for x in b):
                 bufs.append(b)
                 continue
+            # CUDA tensors too: the native side checks every buffer is registered.
             rs = _buffers.regions(b, writable=writable, what=f"{what} buffers[{i}]")
-            for r in rs:
-                _buffers.host_only(r, f"{what} buffers[{i}]")
             bufs.append([(r.address, r.length) for r in rs])
         return ks, bufs
 

@@ -17,8 +17,16 @@
 //    on that stream reports (cuEventQuery/Synchronize), as a failed async copy does;
 //  - a log of every copy (when it was queued, when it started and ended, addresses, result),
 //    read with kvbtest_fake_cuda_copy_log, so tests can check the order of copies against
-//    other events (tests/gpu/test_tcp_device.cc: staging overlaps copies with the wire).
+//    other events (tests/gpu/test_tcp_device.cc: staging overlaps copies with the wire);
+//  - guarded device memory: after kvbtest_fake_cuda_set_guarded(1), each new device allocation
+//    (not managed, not pinned) is a memfd mapped twice, PROT_NONE at the address handed out
+//    and read-write at another that only the fake's copies (and kvbtest_fake_cuda_host_view,
+//    for the tests' own checks) use. Whoever dereferences a "device pointer" on the CPU
+//    then faults, as on a real GPU, instead of quietly reading host memory.
 // Thread-safe: one mutex guards the tables; each stream has its own queue lock.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -50,6 +58,8 @@ struct Alloc {
   int device = -1;    // -1: pinned host memory
   unsigned type = 2;  // CU_MEMORYTYPE_DEVICE, or 1 (HOST) for pinned
   unsigned managed = 0;
+  uintptr_t alias = 0;  // guarded: the read-write mapping of the same pages; 0 otherwise
+  size_t mapped = 0;    // guarded: bytes of each mapping
 };
 
 struct Event {
@@ -61,9 +71,10 @@ struct Event {
 
 struct Op {
   bool copy = true;
-  void* dst = nullptr;
+  void* dst = nullptr;  // what memmove uses: the read-write alias of guarded memory
   const void* src = nullptr;
   size_t len = 0;
+  bool to_host = false;  // from device memory to memory that is not
   Event* event = nullptr;
   size_t log_index = 0;
   uint64_t log_generation = 0;  // the log's generation when queued (a clear starts another)
@@ -99,6 +110,9 @@ std::map<uintptr_t, Alloc> g_allocs;
 std::atomic<uint32_t> g_latency_us{0};
 std::atomic<bool> g_stall{false};
 std::atomic<CUresult> g_fail_next_copy{kSuccess};
+std::atomic<CUresult> g_fail_next_copy_to_host{kSuccess};
+std::atomic<bool> g_guarded{false};
+std::atomic<int> g_guarded_live{0};
 std::atomic<bool> g_unknown_as_success{false};
 std::atomic<bool> g_pointer_needs_context{false};
 std::atomic<uint64_t> g_copies{0};
@@ -146,7 +160,8 @@ struct Stream {
         if (uint32_t us = g_latency_us.load())
           std::this_thread::sleep_for(std::chrono::microseconds(us));
         while (g_stall.load()) std::this_thread::sleep_for(std::chrono::microseconds(200));
-        const CUresult fail = g_fail_next_copy.exchange(kSuccess);
+        CUresult fail = g_fail_next_copy.exchange(kSuccess);
+        if (fail == kSuccess && op.to_host) fail = g_fail_next_copy_to_host.exchange(kSuccess);
         if (fail != kSuccess) {
           error = fail;
         } else {
@@ -187,18 +202,78 @@ const Alloc* Find(uintptr_t p, uintptr_t* start) {
   return &it->second;
 }
 
+// Guarded device memory: one memfd, PROT_NONE at the address returned, read-write at *alias.
+void* MapGuarded(size_t bytes, uintptr_t* alias) {
+  const int fd = memfd_create("kvbtest-fake-cuda", MFD_CLOEXEC);
+  if (fd < 0) return nullptr;
+  void* none = MAP_FAILED;
+  void* rw = MAP_FAILED;
+  if (ftruncate(fd, static_cast<off_t>(bytes)) == 0) {
+    none = mmap(nullptr, bytes, PROT_NONE, MAP_SHARED, fd, 0);
+    rw = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  close(fd);  // the mappings keep the pages
+  if (none == MAP_FAILED || rw == MAP_FAILED) {
+    if (none != MAP_FAILED) munmap(none, bytes);
+    if (rw != MAP_FAILED) munmap(rw, bytes);
+    return nullptr;
+  }
+  *alias = reinterpret_cast<uintptr_t>(rw);
+  return none;
+}
+
 void* Track(size_t len, Alloc a) {
-  void* p = std::aligned_alloc(4096, (len + 4095) & ~size_t{4095});
+  const size_t bytes = (len + 4095) & ~size_t{4095};
+  void* p = nullptr;
+  if (g_guarded.load() && a.type == 2 && a.managed == 0) {
+    p = MapGuarded(bytes, &a.alias);
+    a.mapped = bytes;
+  } else {
+    p = std::aligned_alloc(4096, bytes);
+  }
   if (p == nullptr) return nullptr;
+  if (a.alias != 0) g_guarded_live.fetch_add(1);
   a.size = len;
   std::lock_guard<std::mutex> lock(g_mu);
   g_allocs[reinterpret_cast<uintptr_t>(p)] = a;
   return p;
 }
 
-bool Untrack(void* p) {
+// Forgets an allocation and gives its memory back; false for a pointer that is not one.
+bool Release(void* p) {
+  Alloc a;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_allocs.find(reinterpret_cast<uintptr_t>(p));
+    if (it == g_allocs.end()) return false;
+    a = it->second;
+    g_allocs.erase(it);
+  }
+  if (a.alias == 0) {
+    std::free(p);
+    return true;
+  }
+  munmap(p, a.mapped);
+  munmap(reinterpret_cast<void*>(a.alias), a.mapped);
+  g_guarded_live.fetch_sub(1);
+  return true;
+}
+
+// Where the CPU may touch the bytes at p: the read-write alias of guarded memory, else p.
+void* HostView(uintptr_t p) {
+  if (g_guarded_live.load() == 0) return reinterpret_cast<void*>(p);
   std::lock_guard<std::mutex> lock(g_mu);
-  return g_allocs.erase(reinterpret_cast<uintptr_t>(p)) == 1;
+  uintptr_t start = 0;
+  const Alloc* a = Find(p, &start);
+  if (a == nullptr || a->alias == 0) return reinterpret_cast<void*>(p);
+  return reinterpret_cast<void*>(a->alias + (p - start));
+}
+
+bool IsDeviceMemory(uintptr_t p) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  uintptr_t start = 0;
+  const Alloc* a = Find(p, &start);
+  return a != nullptr && a->type == 2;
 }
 
 }  // namespace
@@ -216,7 +291,16 @@ __attribute__((visibility("default"))) void* kvbtest_fake_cuda_alloc_managed(int
   return Track(len, Alloc{0, device, 2, 1});
 }
 __attribute__((visibility("default"))) void kvbtest_fake_cuda_free(void* p) {
-  if (p != nullptr && Untrack(p)) std::free(p);
+  if (p != nullptr) (void)Release(p);
+}
+// 1: device allocations made from now on are guarded (see the top of this file); 0: plain host
+// memory again (the default).
+__attribute__((visibility("default"))) void kvbtest_fake_cuda_set_guarded(int on) {
+  g_guarded = on != 0;
+}
+// Where a test reads and writes the bytes of fake device memory at p (p itself unless guarded).
+__attribute__((visibility("default"))) void* kvbtest_fake_cuda_host_view(void* p) {
+  return HostView(reinterpret_cast<uintptr_t>(p));
 }
 __attribute__((visibility("default"))) void kvbtest_fake_cuda_set_latency_us(uint32_t us) {
   g_latency_us = us;
@@ -226,6 +310,12 @@ __attribute__((visibility("default"))) void kvbtest_fake_cuda_set_stall(int on) 
 }
 __attribute__((visibility("default"))) void kvbtest_fake_cuda_fail_next_copy(int cuda_error) {
   g_fail_next_copy = cuda_error;
+}
+// As fail_next_copy, for the next copy from device memory to memory that is not (device to
+// host): copies the other way go through untouched.
+__attribute__((visibility("default"))) void kvbtest_fake_cuda_fail_next_copy_to_host(
+    int cuda_error) {
+  g_fail_next_copy_to_host = cuda_error;
 }
 __attribute__((visibility("default"))) void kvbtest_fake_cuda_unknown_as_success(int on) {
   g_unknown_as_success = on != 0;
@@ -386,7 +476,7 @@ __attribute__((visibility("default"))) CUresult cuMemcpyAsync(CUdeviceptr dst, C
                                                               size_t len, void* s) {
   if (!HasContext()) return kInvalidContext;
   if (s == nullptr || dst == 0 || src == 0) return kInvalidValue;
-  Op op{true, reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), len, nullptr};
+  Op op{true, HostView(dst), HostView(src), len, IsDeviceMemory(src) && !IsDeviceMemory(dst)};
   {
     std::lock_guard<std::mutex> lock(g_log_mu);
     op.log_index = g_log.size();
@@ -415,7 +505,7 @@ __attribute__((visibility("default"))) CUresult cuEventRecord(void* e, void* s) 
     std::lock_guard<std::mutex> lock(ev->mu);
     ev->pending = true;
   }
-  static_cast<Stream*>(s)->Push(Op{false, nullptr, nullptr, 0, ev});
+  static_cast<Stream*>(s)->Push(Op{false, nullptr, nullptr, 0, false, ev});
   return kSuccess;
 }
 __attribute__((visibility("default"))) CUresult cuEventQuery(void* e) {
@@ -447,21 +537,18 @@ __attribute__((visibility("default"))) CUresult cuMemAlloc_v2(CUdeviceptr* dp, s
   return p != nullptr ? kSuccess : kOutOfMemory;
 }
 __attribute__((visibility("default"))) CUresult cuMemFree_v2(CUdeviceptr dp) {
-  void* p = reinterpret_cast<void*>(dp);
-  if (!Untrack(p)) return kInvalidValue;
-  std::free(p);
-  return kSuccess;
+  return Release(reinterpret_cast<void*>(dp)) ? kSuccess : kInvalidValue;
 }
 __attribute__((visibility("default"))) CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src,
                                                                 size_t len) {
   if (!HasContext()) return kInvalidContext;
-  std::memcpy(reinterpret_cast<void*>(dst), src, len);
+  std::memcpy(HostView(dst), src, len);
   return kSuccess;
 }
 __attribute__((visibility("default"))) CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src,
                                                                 size_t len) {
   if (!HasContext()) return kInvalidContext;
-  std::memcpy(dst, reinterpret_cast<const void*>(src), len);
+  std::memcpy(dst, HostView(src), len);
   return kSuccess;
 }
 __attribute__((visibility("default"))) CUresult cuMemHostAlloc(void** p, size_t len, unsigned) {
@@ -471,9 +558,7 @@ __attribute__((visibility("default"))) CUresult cuMemHostAlloc(void** p, size_t 
   return *p != nullptr ? kSuccess : kOutOfMemory;
 }
 __attribute__((visibility("default"))) CUresult cuMemFreeHost(void* p) {
-  if (p == nullptr || !Untrack(p)) return kInvalidValue;
-  std::free(p);
-  return kSuccess;
+  return p != nullptr && Release(p) ? kSuccess : kInvalidValue;
 }
 
 }  // extern "C"

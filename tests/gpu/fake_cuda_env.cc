@@ -52,6 +52,9 @@ const FakeCuda& Fake() {
     Sym(lib, "kvbtest_fake_cuda_set_latency_us", &f.set_latency_us);
     Sym(lib, "kvbtest_fake_cuda_set_stall", &f.set_stall);
     Sym(lib, "kvbtest_fake_cuda_fail_next_copy", &f.fail_next_copy);
+    Sym(lib, "kvbtest_fake_cuda_fail_next_copy_to_host", &f.fail_next_copy_to_host);
+    Sym(lib, "kvbtest_fake_cuda_set_guarded", &f.set_guarded);
+    Sym(lib, "kvbtest_fake_cuda_host_view", &f.host_view);
     Sym(lib, "kvbtest_fake_cuda_unknown_as_success", &f.unknown_as_success);
     Sym(lib, "kvbtest_fake_cuda_pointer_needs_context", &f.pointer_needs_context);
     Sym(lib, "kvbtest_fake_cuda_copies", &f.copies);

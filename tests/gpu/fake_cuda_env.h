@@ -34,6 +34,12 @@ struct FakeCuda {
   void (*set_latency_us)(uint32_t us);
   void (*set_stall)(int on);
   void (*fail_next_copy)(int cuda_error);
+  // The next device-to-host copy fails (copies the other way are not counted).
+  void (*fail_next_copy_to_host)(int cuda_error);
+  // 1: device allocations made from now on fault on any CPU access (tests/fakes/fake_cuda.cc);
+  // read and write their bytes through host_view(p) then.
+  void (*set_guarded)(int on);
+  void* (*host_view)(void* p);
   void (*unknown_as_success)(int on);
   void (*pointer_needs_context)(int on);
   uint64_t (*copies)();

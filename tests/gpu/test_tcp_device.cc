@@ -1,7 +1,8 @@
 // TcpDevice.*: CUDA regions through the tcp transport's pinned staging (plugins/transport_tcp,
 // README.md "Device memory"), end to end through two engines on loopback, against the fake CUDA
-// driver (tests/fakes/fake_cuda.cc): its "device memory" is host memory it tracks and its copies
-// really move bytes, on a worker thread per stream, with latency, stalls and injected errors on
+// driver (tests/fakes/fake_cuda.cc): its "device memory" is host memory it tracks, guarded
+// (PROT_NONE where kvbridge sees it, so a CPU access by kvbridge faults), and its copies really
+// move bytes, on a worker thread per stream, with latency, stalls and injected errors on
 // demand, and a log of every copy (when queued, started, ended). Real-GPU runs:
 // benchmarks/gpu_check.sh (KVBRIDGE_REQUIRE_GPU=1).
 // TcpDeviceNoDriver.*: with no loadable driver, CUDA memory stays a named UNSUPPORTED.
@@ -60,6 +61,15 @@ struct RealDriver {
   core::cuda::CUresult (*htod)(core::cuda::CUdeviceptr, const void*, size_t) = nullptr;
   core::cuda::CUresult (*dtoh)(void*, core::cuda::CUdeviceptr, size_t) = nullptr;
 };
+// Fake device memory that faults on CPU access (tests/fakes/fake_cuda.cc, guarded mode).
+uint8_t* GuardedAlloc(int device, size_t len) {
+  Fake().set_guarded(1);
+  auto* p = static_cast<uint8_t*>(Fake().alloc(device, len));
+  Fake().set_guarded(0);
+  if (p == nullptr) std::abort();
+  return p;
+}
+
 const RealDriver* Real(std::string* why) {
   static std::string error;
   static const RealDriver* real = []() -> const RealDriver* {
@@ -91,9 +101,10 @@ const RealDriver* Real(std::string* why) {
   return real;
 }
 
-// Test memory: host memory, or device memory (the fake driver's, which is host memory the test
-// reads and writes directly; or, with KVBTEST_REAL_CUDA=1, real device memory read and written
-// with the driver's synchronous copies).
+// Test memory: host memory, or device memory (the fake driver's, guarded: kvbridge faults if it
+// touches it on the CPU, and the test reads and writes it through the fake's host view; or, with
+// KVBTEST_REAL_CUDA=1, real device memory read and written with the driver's synchronous
+// copies).
 class Mem {
  public:
   Mem(MemoryKind kind, size_t len, int device = 0) : kind_(kind), n_(len), device_(device) {
@@ -101,7 +112,7 @@ class Mem {
       host_ = std::make_unique<testing::Buffer>(len);
       p_ = host_->data();
     } else if (!testing::RealCuda()) {
-      p_ = static_cast<uint8_t*>(Fake().alloc(device, len));
+      p_ = GuardedAlloc(device, len);
     } else {
       std::string why;
       const RealDriver* r = Real(&why);
@@ -131,7 +142,7 @@ class Mem {
 
   void Put(size_t off, const uint8_t* src, size_t n) {
     if (!Staged()) {
-      std::memcpy(p_ + off, src, n);
+      std::memcpy(View() + off, src, n);
       return;
     }
     std::string why;
@@ -142,7 +153,7 @@ class Mem {
   std::vector<uint8_t> Get(size_t off, size_t n) const {
     std::vector<uint8_t> out(n);
     if (!Staged()) {
-      std::memcpy(out.data(), p_ + off, n);
+      std::memcpy(out.data(), View() + off, n);
       return out;
     }
     std::string why;
@@ -174,6 +185,10 @@ class Mem {
 
  private:
   bool Staged() const { return kind_ == MemoryKind::kCuda && testing::RealCuda(); }
+  // Where the test touches the bytes: the fake's host view of its device memory.
+  uint8_t* View() const {
+    return kind_ == MemoryKind::kCuda ? static_cast<uint8_t*>(Fake().host_view(p_)) : p_;
+  }
   MemoryKind kind_;
   size_t n_;
   int device_;
@@ -181,19 +196,24 @@ class Mem {
   uint8_t* p_ = nullptr;
 };
 
-// Fake-driver "device" memory, read and written directly (the fake-only tests).
+// Fake-driver "device" memory (the fake-only tests), guarded: data() is what kvbridge gets and
+// faults on any CPU access; the test reads and writes the bytes through view().
 class DevMem {
  public:
   DevMem(size_t len, int device = 0)
-      : p_(static_cast<uint8_t*>(Fake().alloc(device, len))), n_(len) {}
+      : p_(GuardedAlloc(device, len)),
+        view_(static_cast<uint8_t*>(Fake().host_view(p_))),
+        n_(len) {}
   ~DevMem() { Fake().free(p_); }
   DevMem(const DevMem&) = delete;
   DevMem& operator=(const DevMem&) = delete;
   uint8_t* data() const { return p_; }
+  uint8_t* view() const { return view_; }
   size_t size() const { return n_; }
 
  private:
   uint8_t* p_;
+  uint8_t* view_;
   size_t n_;
 };
 
@@ -398,7 +418,7 @@ TEST_F(TcpDevice, FailedLocalCopyFailsOnlyItsOp) {
   RegA(local.data(), cap, MemoryKind::kCuda);
   const SegmentId seg = RegB(remote.data(), cap, MemoryKind::kHost);
   Connect();
-  Fill(local.data(), 5, cap);
+  Fill(local.view(), 5, cap);
   Fake().fail_next_copy(700);  // CUDA_ERROR_ILLEGAL_ADDRESS: the first copy queued fails
   std::vector<TransferOp> ops;
   for (int i = 0; i < 4; ++i) {
@@ -415,7 +435,7 @@ TEST_F(TcpDevice, FailedLocalCopyFailsOnlyItsOp) {
       EXPECT_EQ(r.op_status[i].code(), StatusCode::kIoError);
       continue;
     }
-    EXPECT_EQ(std::memcmp(remote.data() + i * kStage, local.data() + i * kStage, kStage), 0);
+    EXPECT_EQ(std::memcmp(remote.data() + i * kStage, local.view() + i * kStage, kStage), 0);
   }
   EXPECT_EQ(failed, 1);
   // READ side: the pinned -> device copy fails.
@@ -424,7 +444,7 @@ TEST_F(TcpDevice, FailedLocalCopyFailsOnlyItsOp) {
   // Nothing else was lost: the same lane carries the next transfers.
   std::memset(remote.data(), 0, cap);
   ASSERT_TRUE(Xfer(OpCode::kWrite, local.data(), cap, seg, 0).ok());
-  EXPECT_EQ(std::memcmp(remote.data(), local.data(), cap), 0);
+  EXPECT_EQ(std::memcmp(remote.data(), local.view(), cap), 0);
 }
 
 TEST_F(TcpDevice, FailedRemoteCopyIsANamedError) {
@@ -445,7 +465,7 @@ TEST_F(TcpDevice, FailedRemoteCopyIsANamedError) {
   EXPECT_EQ(st.code(), StatusCode::kIoError) << st.ToString();
   // The connection stays usable.
   ASSERT_TRUE(Xfer(OpCode::kWrite, local.data(), cap, seg, 0).ok());
-  EXPECT_EQ(std::memcmp(remote.data(), local.data(), cap), 0);
+  EXPECT_EQ(std::memcmp(remote.view(), local.data(), cap), 0);
 }
 
 // Deregistering a device region whose WRITE is being staged cancels the transfer and returns
@@ -509,7 +529,7 @@ TEST_F(TcpDevice, DeadlineWhileStaging) {
   Fake().set_latency_us(0);
   remote.Fill(8);
   ASSERT_TRUE(Xfer(OpCode::kRead, local.data(), cap, seg, 0).ok());
-  EXPECT_EQ(std::memcmp(local.data(), remote.data(), cap), 0);
+  EXPECT_EQ(std::memcmp(local.view(), remote.data(), cap), 0);
 }
 
 // The peer's engine (and its tcp instance) is destroyed in the middle of a device-to-device
@@ -523,7 +543,7 @@ TEST_F(TcpDevice, PeerDestroyedMidTransfer) {
   RegA(local.data(), cap, MemoryKind::kCuda);
   const SegmentId seg = RegB(remote->data(), cap, MemoryKind::kCuda);
   Connect();
-  Fill(local.data(), 11, cap);
+  Fill(local.view(), 11, cap);
   Fake().set_latency_us(2000);  // 128 slices x 2 ms on each side: the transfer takes a while
   const BatchId id =
       Must(a_->Submit(std::vector{TransferOp{OpCode::kWrite, local.data(), cap, "dev-b", seg, 0}},
@@ -542,7 +562,7 @@ TEST_F(TcpDevice, PeerDestroyedMidTransfer) {
   const SegmentId cseg = Must(c->RegisterMemory(other.data(), cap, MemoryKind::kCuda, 0));
   Must(a_->AddPeer(c->LocalDescriptor()));
   ASSERT_TRUE(Xfer(OpCode::kWrite, local.data(), cap, cseg, 0).ok());
-  EXPECT_EQ(std::memcmp(other.data(), local.data(), cap), 0);
+  EXPECT_EQ(std::memcmp(other.view(), local.view(), cap), 0);
 }
 
 // WRITE from device memory: while slice k is on the wire, the copy of slice k+1 is already
@@ -558,7 +578,7 @@ TEST_F(TcpDevice, WriteStagingOverlapsCopiesWithTheWire) {
   RegA(local.data(), cap, MemoryKind::kCuda);
   const SegmentId seg = RegB(remote.data(), cap, MemoryKind::kHost);
   Connect();
-  for (size_t i = 0; i < cap; ++i) local.data()[i] = static_cast<uint8_t>(1 + i % 251);
+  for (size_t i = 0; i < cap; ++i) local.view()[i] = static_cast<uint8_t>(1 + i % 251);
   std::memset(remote.data(), 0, cap);
   std::vector<uint64_t> landed(n, 0);
   std::atomic<bool> stop{false};
@@ -579,7 +599,7 @@ TEST_F(TcpDevice, WriteStagingOverlapsCopiesWithTheWire) {
   stop.store(true);
   watch.join();
   ASSERT_TRUE(st.ok()) << st.ToString();
-  ASSERT_EQ(std::memcmp(remote.data(), local.data(), cap), 0);
+  ASSERT_EQ(std::memcmp(remote.data(), local.view(), cap), 0);
   const auto copies = CopiesTouching(local.data(), cap, /*src=*/true);
   ASSERT_EQ(copies.size(), n);
   for (size_t k = 0; k + 1 < n; ++k) {
@@ -607,7 +627,7 @@ TEST_F(TcpDevice, ReadStagingOverlapsCopiesWithTheWire) {
   Fake().set_latency_us(20 * 1000);
   const Status st = Xfer(OpCode::kRead, local.data(), cap, seg, 0);
   ASSERT_TRUE(st.ok()) << st.ToString();
-  ASSERT_EQ(std::memcmp(local.data(), remote.data(), cap), 0);
+  ASSERT_EQ(std::memcmp(local.view(), remote.data(), cap), 0);
   const auto copies = CopiesTouching(local.data(), cap, /*src=*/false);
   ASSERT_EQ(copies.size(), n);
   for (size_t k = 0; k + 1 < n; ++k) {
@@ -632,7 +652,7 @@ TEST_F(TcpDevice, ServerStagingOverlapsCopiesWithTheWire) {
   Fake().set_latency_us(20 * 1000);
   const Status st = Xfer(OpCode::kWrite, local.data(), cap, seg, 0);
   ASSERT_TRUE(st.ok()) << st.ToString();
-  ASSERT_EQ(std::memcmp(remote.data(), local.data(), cap), 0);
+  ASSERT_EQ(std::memcmp(remote.view(), local.data(), cap), 0);
   const auto copies = CopiesTouching(remote.data(), cap, /*src=*/false);
   ASSERT_EQ(copies.size(), n);
   for (size_t k = 0; k + 1 < n; ++k) {
@@ -653,14 +673,14 @@ TEST_F(TcpDevice, EngineChecksCudaMemoryBeforeTcpSeesIt) {
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
   const SegmentId seg = Must(a_->RegisterMemory(dev.data(), dev.size(), MemoryKind::kCuda, -1));
   // Registered on device 1 (-1: the pointer's): b reads it back through a's staging.
-  Fill(dev.data(), 77, dev.size());
+  Fill(dev.view(), 77, dev.size());
   testing::Buffer back(65536);
   Must(b_->RegisterMemory(back.data(), back.size()));
   Must(b_->AddPeer(a_->LocalDescriptor()));
   ASSERT_TRUE(
       b_->Transfer(std::vector{TransferOp{OpCode::kRead, back.data(), 65536, "dev-a", seg, 0}})
           .ok());
-  EXPECT_EQ(std::memcmp(back.data(), dev.data(), 65536), 0);
+  EXPECT_EQ(std::memcmp(back.data(), dev.view(), 65536), 0);
 }
 
 TEST_F(TcpDevice, BadStagingOptionsAreNamed) {

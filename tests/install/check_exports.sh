@@ -37,6 +37,8 @@ library_allow=(
   '^kvbridge::core::RequestServer::'
   '^kvbridge::core::PluginRegistry::DefaultSearchPath\('
   '^kvbridge::core::(Encode|Decode)Descriptor(\[abi:cxx11\])?\('
+  # For libkvbridge_store.so: the store client's checksums of CUDA buffers.
+  '^kvbridge::core::DeviceBounce::'
 )
 library_required='^kvbridge::TransferEngine::Create\('
 # Demangled names libkvbridge_store.so may export: kvbridge/store.h.

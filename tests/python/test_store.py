@@ -412,14 +412,20 @@ def test_client_without_master_fails_fast_with_a_named_error():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
-def test_cuda_tensors_go_through_host_memory(cluster):
+def test_cuda_tensors(cluster):
+    """Unregistered CUDA tensors go through host memory in put/get_into and are
+    NOT_REGISTERED in the batch forms; registered ones go straight (tests/python/
+    test_store_device.py has the same over the fake driver, for machines without a GPU)."""
     store = cluster.client()
     page = torch.randn(2, 16, 8, 64, device="cuda")
     store.put("cuda/page", page)
     out = torch.zeros_like(page)
     assert store.get_into("cuda/page", out) == page.numel() * 4
     assert torch.equal(out, page)
-    with pytest.raises(errors.UnsupportedError, match="kvbridge.ops"):
-        store.batch_put_from(["x"], [page])
-    with pytest.raises(errors.UnsupportedError):
-        store.register_buffer(out)
+    assert store.batch_put_from(["x"], [page])[0].name == "NOT_REGISTERED"
+    store.register_buffer(page)
+    store.register_buffer(out)
+    assert all(st.ok for st in store.batch_put_from(["x"], [page]))
+    out.zero_()
+    assert store.batch_get_into(["x"], [out])[0].size == page.numel() * 4
+    assert torch.equal(out, page)

@@ -24,7 +24,7 @@
 namespace kvbridge {
 
 // A piece of caller memory. For the zero-copy calls it must lie inside a buffer registered
-// with RegisterBuffer().
+// with RegisterBuffer() (host memory, or CUDA device memory registered as such).
 struct BufferRef {
   void* addr = nullptr;
   uint64_t length = 0;
@@ -95,18 +95,27 @@ class KVBRIDGE_API StoreClient {
   ~StoreClient();
 
   // Registers [addr, addr+length) for zero-copy puts and gets. Overlap is ALREADY_EXISTS.
-  Status RegisterBuffer(void* addr, uint64_t length);
+  // kind kCuda: CUDA device memory of device_id (-1: the pointer's device), checked by the
+  // engine's registration (UNKNOWN_MEMORY, INVALID_ARGUMENT naming what was found). Its bytes
+  // move between the device and the storage nodes through the engine; their CRC-32C is taken
+  // from a copy in a pinned bounce buffer, never by the CPU reading device memory
+  // (docs/store.md "Device buffers"). Without a CUDA driver: UNAVAILABLE naming it. A kind
+  // that is neither kHost nor kCuda: INVALID_ARGUMENT.
+  Status RegisterBuffer(void* addr, uint64_t length, MemoryKind kind = MemoryKind::kHost,
+                        int device_id = -1);
   // NOT_FOUND unless addr is the start of a registered buffer.
   Status UnregisterBuffer(void* addr);
 
   // Stores each key's buffers (concatenated) as one object. A key that already exists (or is
   // being written by someone else) succeeds without rewriting. Per key: OK, INVALID_ARGUMENT,
-  // NO_SPACE, NOT_REGISTERED (memory not registered), or the transfer error of its replicas.
+  // NO_SPACE, NOT_REGISTERED (memory not registered), IO_ERROR (a copy of its CUDA buffers for
+  // the checksum failed: nothing is stored), or the transfer error of its replicas.
   std::vector<Status> BatchPutFrom(std::span<const std::string> keys,
                                    std::span<const std::vector<BufferRef>> buffers);
   // Reads each key's object into its buffers, filled in order. Per key: the object's size, or
-  // NOT_FOUND, INVALID_ARGUMENT (buffers smaller than the object), or the error of the last
-  // replica tried. Replicas are tried in order until one returns bytes whose checksum holds.
+  // NOT_FOUND, INVALID_ARGUMENT (buffers smaller than the object), IO_ERROR (a copy of its CUDA
+  // buffers for the checksum failed), or the error of the last replica tried. Replicas are
+  // tried in order until one returns bytes whose checksum holds.
   std::vector<Result<uint64_t>> BatchGetInto(std::span<const std::string> keys,
                                              std::span<const std::vector<BufferRef>> buffers);
   Result<std::vector<bool>> BatchExists(std::span<const std::string> keys);
