@@ -99,4 +99,19 @@ int RunSelf(const std::string& test, const std::vector<std::pair<std::string, co
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
+uint8_t* GuardedAlloc(int device, size_t len) {
+  Fake().set_guarded(1);
+  auto* p = static_cast<uint8_t*>(Fake().alloc(device, len));
+  Fake().set_guarded(0);
+  if (p == nullptr) std::abort();
+  return p;
+}
+
+FakeDeviceMemory::FakeDeviceMemory(size_t len, int device)
+    : p_(GuardedAlloc(device, len)), view_(static_cast<uint8_t*>(Fake().host_view(p_))), n_(len) {
+  if (view_ == p_) std::abort();  // not guarded: the fake is too old for these tests
+}
+
+FakeDeviceMemory::~FakeDeviceMemory() { Fake().free(p_); }
+
 }  // namespace kvbridge::testing

@@ -65,4 +65,26 @@ bool IsSelfChild();
 int RunSelf(const std::string& test, const std::vector<std::pair<std::string, const char*>>& set,
             std::string* out);
 
+// Fake device memory in the fake driver's guarded mode: faults on any CPU access (aborts the
+// test binary if the fake cannot allocate it).
+uint8_t* GuardedAlloc(int device, size_t len);
+
+// Guarded fake device memory as an object: data() is what kvbridge gets and faults on any CPU
+// access; the test reads and writes the same bytes through view(). Freed on destruction.
+class FakeDeviceMemory {
+ public:
+  explicit FakeDeviceMemory(size_t len, int device = 0);
+  ~FakeDeviceMemory();
+  FakeDeviceMemory(const FakeDeviceMemory&) = delete;
+  FakeDeviceMemory& operator=(const FakeDeviceMemory&) = delete;
+  uint8_t* data() const { return p_; }
+  uint8_t* view() const { return view_; }
+  size_t size() const { return n_; }
+
+ private:
+  uint8_t* p_;
+  uint8_t* view_;
+  size_t n_;
+};
+
 }  // namespace kvbridge::testing

@@ -29,30 +29,7 @@ using testing::PatternByte;
 constexpr uint64_t kKiB = 1024;
 constexpr uint64_t kMiB = 1024 * kKiB;
 
-// Guarded fake device memory: data() faults on any CPU access, view() is the same bytes for the
-// test's own reads and writes.
-class DevMem {
- public:
-  DevMem(size_t len, int device) : n_(len) {
-    Fake().set_guarded(1);
-    p_ = static_cast<uint8_t*>(Fake().alloc(device, len));
-    Fake().set_guarded(0);
-    if (p_ == nullptr) std::abort();
-    view_ = static_cast<uint8_t*>(Fake().host_view(p_));
-    if (view_ == p_) std::abort();  // not guarded
-  }
-  ~DevMem() { Fake().free(p_); }
-  DevMem(const DevMem&) = delete;
-  DevMem& operator=(const DevMem&) = delete;
-  uint8_t* data() const { return p_; }
-  uint8_t* view() const { return view_; }
-  size_t size() const { return n_; }
-
- private:
-  size_t n_;
-  uint8_t* p_ = nullptr;
-  uint8_t* view_ = nullptr;
-};
+using DevMem = testing::FakeDeviceMemory;
 
 void Fill(uint8_t* p, uint64_t seed, size_t len) {
   for (size_t i = 0; i < len; ++i) p[i] = PatternByte(seed, i);

@@ -30,6 +30,7 @@ namespace {
 
 using testing::Fake;
 using testing::FakeCopyRecord;
+using testing::GuardedAlloc;
 using testing::LoopbackOptions;
 using testing::Must;
 using testing::PatternByte;
@@ -61,15 +62,6 @@ struct RealDriver {
   core::cuda::CUresult (*htod)(core::cuda::CUdeviceptr, const void*, size_t) = nullptr;
   core::cuda::CUresult (*dtoh)(void*, core::cuda::CUdeviceptr, size_t) = nullptr;
 };
-// Fake device memory that faults on CPU access (tests/fakes/fake_cuda.cc, guarded mode).
-uint8_t* GuardedAlloc(int device, size_t len) {
-  Fake().set_guarded(1);
-  auto* p = static_cast<uint8_t*>(Fake().alloc(device, len));
-  Fake().set_guarded(0);
-  if (p == nullptr) std::abort();
-  return p;
-}
-
 const RealDriver* Real(std::string* why) {
   static std::string error;
   static const RealDriver* real = []() -> const RealDriver* {
@@ -196,26 +188,7 @@ class Mem {
   uint8_t* p_ = nullptr;
 };
 
-// Fake-driver "device" memory (the fake-only tests), guarded: data() is what kvbridge gets and
-// faults on any CPU access; the test reads and writes the bytes through view().
-class DevMem {
- public:
-  DevMem(size_t len, int device = 0)
-      : p_(GuardedAlloc(device, len)),
-        view_(static_cast<uint8_t*>(Fake().host_view(p_))),
-        n_(len) {}
-  ~DevMem() { Fake().free(p_); }
-  DevMem(const DevMem&) = delete;
-  DevMem& operator=(const DevMem&) = delete;
-  uint8_t* data() const { return p_; }
-  uint8_t* view() const { return view_; }
-  size_t size() const { return n_; }
-
- private:
-  uint8_t* p_;
-  uint8_t* view_;
-  size_t n_;
-};
+using DevMem = testing::FakeDeviceMemory;
 
 void Fill(uint8_t* p, uint64_t seed, size_t len) {
   for (size_t i = 0; i < len; ++i) p[i] = PatternByte(seed, i);
