@@ -519,8 +519,15 @@ def _scenario(tmp_path_factory, name: str) -> dict:
     res: dict = {"prompts": P}
     t_start = time.monotonic()
 
-    def env(cpu):
-        return h.engine_env({"VLLM_CPU_OMP_THREADS_BIND": cpu})
+    # No instance is pinned to a core. A prefill that holds requests for decodes keeps vLLM's
+    # engine loop stepping, and its worker then busy-waits on vLLM's shared-memory queue
+    # (sched_yield, a whole core); with each worker pinned to one of the two cores
+    # (VLLM_CPU_OMP_THREADS_BIND=0/1), the decode that shared the prefill's core got about a
+    # tenth of it and every kvbridge thread it started (they inherit the worker's affinity)
+    # with it: its PD pull, store load and even start-up then ran for minutes. One OpenMP
+    # thread per worker, placed by the kernel (docs/vllm.md "Known issues").
+    def env():
+        return h.engine_env({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
 
     def plan(kvc, steps):
         return json.dumps({"model": model, "kv_transfer_config": kvc, "steps": steps})
@@ -541,13 +548,13 @@ def _scenario(tmp_path_factory, name: str) -> dict:
             # the decodes wait for the parameters the prefill returns.
             ref = h.python_role("reference", ROLES, ["vllm", plan(None, [
                 {"op": "generate", "tag": "ref", "prompts": [P[n] for n in ref_names],
-                 "max_tokens": MAX_TOKENS}])], env("0"), log_dir)
+                 "max_tokens": MAX_TOKENS}])], env(), log_dir)
             roles.append(ref)
             prefill = h.python_role("prefill", ROLES, ["vllm", plan(_connector(
                 "kv_producer", dict(common, master=master, stats_file=str(tmp / "prefill.json"))),
                 [{"op": "generate", "tag": "prefill", "prompts": [P[n] for n in pd_names],
                   "max_tokens": 1, "params": [{"do_remote_decode": True}] * len(pd_names)},
-                 {"op": "serve"}])], env("1"), log_dir)
+                 {"op": "serve"}])], env(), log_dir)
             roles.append(prefill)
             decode = h.python_role("decode", ROLES, ["vllm", plan(_connector(
                 "kv_both", dict(common, master=master, stats_file=str(tmp / "decode.json"),
@@ -567,7 +574,7 @@ def _scenario(tmp_path_factory, name: str) -> dict:
                 {"op": "wait_file", "path": str(store_down)},
                 {"op": "generate", "tag": "nostore", "prompts": [P["p0"]],
                  "max_tokens": MAX_TOKENS}])],
-                env("0"), log_dir)
+                env(), log_dir)
             roles.append(decode)
             # decode2 moves its KV through host pages (the GPU path, forced here), two blocks
             # at a time, and reads the store the in-place prefill wrote.
@@ -583,7 +590,7 @@ def _scenario(tmp_path_factory, name: str) -> dict:
                 {"op": "wait_file", "path": str(killed)},
                 {"op": "generate", "tag": "killed", "prompts": [P["f3"]],
                  "max_tokens": MAX_TOKENS, "params_file": str(files["f3"])}])],
-                env("1"), log_dir)
+                env(), log_dir)
             roles.append(decode2)
             pre = prefill.wait_json(lambda d: d.get("tag") == "prefill", 280)
             res["prefill"] = pre

@@ -591,8 +591,8 @@ def test_opcheck(case):
 
 def test_the_eager_copies_register_no_torch_op():
     """kvbridge._page_copy (the vLLM connector's host staging) copies like the registered ops
-    and leaves torch's operator registry alone: a vLLM worker was seen spinning for minutes
-    inside torch's registration of these ops (docs/vllm.md "Known issues")."""
+    and leaves torch's operator registry alone: a vLLM worker that stages never registers ops
+    it does not call."""
     import subprocess
     import sys
     import textwrap
