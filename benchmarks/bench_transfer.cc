@@ -9,15 +9,18 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <string>
@@ -47,6 +50,51 @@ struct Args {
   std::vector<std::string> config;  // "key=value" plugin settings, both processes
   bool no_raw = false;              // skip the raw-socket baseline
   bool no_latency = false;          // throughput rows only
+  // Every op of a batch moves the same local block to the same remote block (what ucx_perftest
+  // does with its one buffer): the footprint is one block, not one batch.
+  bool same_block = false;
+  // "plain": zeroed heap memory (4 KiB pages); "thp": anonymous memory with MADV_HUGEPAGE, as
+  // the DRAM pool allocates its segments (plugins/storage_dram/dram_pool.cc).
+  std::string memory = "plain";
+};
+
+// A benchmark region, zeroed (every page faulted in before measuring).
+class Region {
+ public:
+  Region(size_t bytes, bool thp) : bytes_(bytes) {
+    if (!thp) {
+      plain_.assign(bytes, 0);
+      data_ = plain_.data();
+      return;
+    }
+    constexpr size_t kHuge = 2u << 20;
+    mapped_ = (bytes + kHuge - 1) / kHuge * kHuge;
+    void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      std::cerr << "kvb_bench_transfer: mmap of " << mapped_ << " bytes: " << strerror(errno)
+                << "\n";
+      std::exit(1);
+    }
+    if (madvise(p, mapped_, MADV_HUGEPAGE) != 0) {
+      std::cerr << "kvb_bench_transfer: --memory thp: MADV_HUGEPAGE: " << strerror(errno) << "\n";
+      std::exit(1);
+    }
+    data_ = static_cast<char*>(p);
+    memset(data_, 0, mapped_);
+  }
+  ~Region() {
+    if (mapped_ != 0) munmap(data_, mapped_);
+  }
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+  char* data() { return data_; }
+  size_t size() const { return bytes_; }
+
+ private:
+  size_t bytes_;
+  size_t mapped_ = 0;
+  std::vector<char> plain_;
+  char* data_ = nullptr;
 };
 
 // Engine options both roles share: the transport and the --config plugin settings.
@@ -114,7 +162,7 @@ int RunTarget(const Args& a) {
     std::cout << "ERR " << engine.status().ToString() << std::endl;
     return 1;
   }
-  std::vector<char> region(a.region);
+  Region region(a.region, a.memory == "thp");
   if (!engine.value()->RegisterMemory(region.data(), region.size()).ok()) return 1;
   int lfd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -124,7 +172,7 @@ int RunTarget(const Args& a) {
   listen(lfd, 64);
   socklen_t len = sizeof(addr);
   getsockname(lfd, reinterpret_cast<sockaddr*>(&addr), &len);
-  std::vector<char> raw_region(a.region);
+  Region raw_region(a.region, a.memory == "thp");
   std::thread([&] {
     for (;;) {
       int fd = accept(lfd, nullptr, nullptr);
@@ -203,8 +251,8 @@ int RunInitiator(const Args& a, const char* self_exe) {
     close(to_child[1]);
     close(from_child[0]);
     std::vector<std::string> args = {
-        self_exe,      "--role",   "target", "--region", std::to_string(a.region),
-        "--transport", a.transport};
+        self_exe,      "--role",    "target",   "--region", std::to_string(a.region),
+        "--transport", a.transport, "--memory", a.memory};
     for (const std::string& kv : a.config) {
       args.push_back("--config");
       args.push_back(kv);
@@ -245,7 +293,7 @@ int RunInitiator(const Args& a, const char* self_exe) {
     return 1;
   }
   auto& engine = *engine_r.value();
-  std::vector<char> local(a.region);
+  Region local(a.region, a.memory == "thp");
   if (!engine.RegisterMemory(local.data(), local.size()).ok()) return 1;
   auto peer = engine.AddPeer(desc);
   if (!peer.ok()) {
@@ -282,7 +330,7 @@ int RunInitiator(const Args& a, const char* self_exe) {
           std::vector<TransferOp> ops;
           ops.reserve(mode.batch);
           for (int i = 0; i < mode.batch; ++i) {
-            size_t off = t * area + i * block;
+            size_t off = t * area + (a.same_block ? 0 : i * block);
             ops.push_back(TransferOp{code, local.data() + off, block, "bench-target", 1, off});
           }
           return engine.Transfer(ops).ok();
@@ -387,6 +435,10 @@ int main(int argc, char** argv) {
   f.Repeated("config", &a.config, "key=value plugin setting for both processes");
   f.Bool("no-raw", &a.no_raw, "skip the raw-socket baseline (its figures are null)");
   f.Bool("no-latency", &a.no_latency, "throughput rows only");
+  f.Bool("same-block", &a.same_block,
+         "every op of a batch uses the same local and remote block (one block's footprint)");
+  f.String("memory", &a.memory,
+           "plain (heap, 4 KiB pages) or thp (MADV_HUGEPAGE, as the DRAM pool allocates)");
   f.String("role", &a.role, "");  // internal: the re-executed target
   f.ParseOrExit(argc, argv);
   for (uint64_t b : a.blocks) {
@@ -394,6 +446,11 @@ int main(int argc, char** argv) {
       std::cerr << "kvb_bench_transfer: bad value for --blocks: a block of 0 bytes\n";
       return 2;
     }
+  }
+  if (a.memory != "plain" && a.memory != "thp") {
+    std::cerr << "kvb_bench_transfer: bad value for --memory: '" << a.memory
+              << "' (plain or thp)\n";
+    return 2;
   }
   if (a.quick) a.seconds = std::min(a.seconds, 0.6);
   if (a.role == "target") return RunTarget(a);

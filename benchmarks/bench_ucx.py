@@ -25,9 +25,13 @@ import time
 
 from benchlib import emit, gbps, int_list, parser, ratio, rnd
 
+# perftest_flags: the endpoint error mode kvbridge uses for that set, given to ucx_perftest too
+# ("-e": UCP_ERR_HANDLING_MODE_PEER, which kvbridge needs to notice a dead remote peer; with it
+# UCX 1.22's tcp PUT waits for the target's acknowledgement, a quarter of the no-error-handling
+# rate). Same-host endpoints use NONE mode (docs/transports/ucx.md) and so does perftest there.
 TLS_SETS = {
-    "sm": {"tls": "sysv,posix,cma,self", "same_host": "auto"},
-    "tcp": {"tls": "tcp,self", "same_host": "off"},
+    "sm": {"tls": "sysv,posix,cma,self", "same_host": "auto", "perftest_flags": []},
+    "tcp": {"tls": "tcp,self", "same_host": "off", "perftest_flags": ["-e"]},
 }
 MIB = 1 << 20
 
@@ -64,17 +68,17 @@ def ucx_choice(name, build):
     return perftest_bin, lib_env, {"KVBRIDGE_PLUGIN_PATH": plugins}, version
 
 
-def perftest(binary, extra_env, test, size, iters, tls):
+def perftest(binary, extra_env, test, size, iters, tls, flags):
     """GB/s (1e9 bytes/s) from ucx_perftest's "Final:" row (its bandwidth column is MiB/s)."""
     env = dict(os.environ, UCX_TLS=tls, **extra_env)
     port = free_port()
-    server = subprocess.Popen([binary, "-p", str(port)], env=env,
+    server = subprocess.Popen([binary, "-p", str(port)] + flags, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(0.3)
         out = subprocess.run(
             [binary, "127.0.0.1", "-p", str(port), "-t", test, "-s", str(size), "-n",
-             str(iters), "-w", str(max(10, iters // 10))],
+             str(iters), "-w", str(max(10, iters // 10))] + flags,
             env=env, capture_output=True, text=True, timeout=120).stdout
     finally:
         try:
@@ -88,11 +92,21 @@ def perftest(binary, extra_env, test, size, iters, tls):
     raise RuntimeError(f"ucx_perftest {test} {size} printed no Final row:\n{out}")
 
 
-def kvb_bench(build, transport, blocks, seconds, config, extra_env=None):
+# What kvb_bench_transfer is told per --shape. "perftest" moves what ucx_perftest moves: one
+# block, hot, in huge-page-backed memory (perftest's buffers come from ucp_mem_map's allocator,
+# which asks for transparent huge pages). "walk": 16 distinct blocks per batch in plain heap
+# memory (4 KiB pages), the footprint of a batch of KV pages.
+SHAPES = {
+    "perftest": ["--same-block", "--memory", "thp"],
+    "walk": ["--memory", "plain"],
+}
+
+
+def kvb_bench(build, transport, blocks, seconds, config, shape, extra_env=None):
     cmd = [os.path.join(build, "benchmarks", "kvb_bench_transfer"), "--transport", transport,
            "--threads", "1", "--batch", "16", "--seconds", str(seconds), "--no-raw",
            "--no-latency", "--region", str(max(64 * MIB, 16 * max(blocks) * 2)),
-           "--blocks", ",".join(str(b) for b in blocks)]
+           "--blocks", ",".join(str(b) for b in blocks)] + SHAPES[shape]
     for kv in config:
         cmd += ["--config", kv]
     env = dict(os.environ, **(extra_env or {}))
@@ -124,6 +138,10 @@ def main():
                     help="block sizes in bytes (default 65536,262144,1048576,4194304)")
     ap.add_argument("--sets", default="sm,tcp", help="UCX_TLS sets: sm, tcp or both")
     ap.add_argument("--build", default=os.environ.get("BUILD_DIR", "build"))
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="perftest",
+                    help="what kvbridge moves: perftest (the default: one block, hot, huge-page "
+                         "memory, as ucx_perftest) or walk (16 distinct blocks per batch in "
+                         "plain heap memory)")
     ap.add_argument("--ucx", choices=("pypi", "system"), default=None,
                     help="which UCX both sides use (default: pypi when the build has "
                          "plugins_ucx_pypi, else system)")
@@ -142,21 +160,22 @@ def main():
         ap.error(f"argument --sets: {a.sets!r}: each set is one of {', '.join(TLS_SETS)}")
 
     log("ucx bench: kvbridge tcp plugin ...")
-    tcp = kvb_bench(a.build, "tcp", blocks, seconds, [])
+    tcp = kvb_bench(a.build, "tcp", blocks, seconds, [], a.shape)
     results, failures = {}, 0
     for set_name in sets:
         tls = TLS_SETS[set_name]
         log(f"ucx bench: kvbridge ucx, set {set_name} (ucx.tls={tls['tls']}) ...")
         kvb = kvb_bench(a.build, "ucx", blocks, seconds,
                         [f"ucx.tls={tls['tls']}", f"ucx.same_host={tls['same_host']}"],
-                        kvb_env)
+                        a.shape, kvb_env)
         results[set_name] = {}
         for op, test in (("write", "ucp_put_bw"), ("read", "ucp_get")):
             results[set_name][op] = {}
             for block in blocks:
                 iters = max(200, min(20000, int(2e9 * seconds / 4 / block)))
                 log(f"ucx bench: ucx_perftest {test} {block} B, UCX_TLS={tls['tls']} ...")
-                pt = perftest(pt_bin, pt_env, test, block, iters, tls["tls"])
+                pt = perftest(pt_bin, pt_env, test, block, iters, tls["tls"],
+                              tls["perftest_flags"])
                 k_gbps, k_fail = kvb[(op, block)]
                 t_gbps, _ = tcp[(op, block)]
                 failures += k_fail
@@ -193,7 +212,9 @@ def main():
         "ratio": worst["ratio_vs_perftest"] if worst else None, "goal": 0.9}
     emit({"benchmark": "ucx", "quick": a.quick, "seconds": seconds, "ucx": a.ucx,
           "ucx_version": ucx_version,
-          "shape": "1 thread, batches of 16 ops (kvbridge); perftest default",
+          "shape": a.shape,
+          "shape_detail": "kvbridge: 1 thread, batches of 16 ops, " + " ".join(SHAPES[a.shape])
+                          + "; ucx_perftest: its defaults",
           "headline": headline, "results": results, "goals": goals})
     return 1 if failures else 0
 
