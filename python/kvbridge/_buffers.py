@@ -4,7 +4,9 @@ Accepted everywhere a buffer is expected:
   * a torch.Tensor, contiguous, on the CPU or a CUDA device (its bytes: numel * element_size);
   * any object exporting the buffer protocol, C-contiguous (bytearray, memoryview, numpy
     arrays, mmap, ...); read-only objects (bytes) only where kvbridge reads the memory;
-  * a raw ``(address, length)`` pair of ints.
+  * a raw ``(address, length)`` pair of ints (host memory);
+  * a ``Region`` (address, length, kind, device): memory already described, e.g. a range of
+    device memory inside a CUDA tensor.
 
 The caller keeps the object alive (and does not resize it) while kvbridge uses the memory.
 """
@@ -39,6 +41,11 @@ def _is_tensor(obj: Any) -> bool:
 
 def region(obj: BufferLike, *, writable: bool, what: str = "buffer") -> Region:
     """The memory `obj` denotes; InvalidArgumentError naming `what` if it is not usable."""
+    if isinstance(obj, Region):
+        if obj.address <= 0 or obj.length < 0 or obj.kind not in (HOST, CUDA) or (
+                obj.kind == CUDA and obj.device < 0):
+            raise InvalidArgumentError(f"{what}: {obj} is not a valid range")
+        return obj
     if _is_tensor(obj):
         if not obj.is_contiguous():
             raise InvalidArgumentError(

@@ -25,6 +25,7 @@ from kvbridge.errors import InvalidArgumentError
 # --------------------------------------------------------------------------------------------
 
 _ROLES = ("kv_producer", "kv_consumer", "kv_both")
+_DEVICE_KV = ("auto", "direct", "stage")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,10 @@ class Settings:
     load_threads: int = 2
     # Both.
     stage_through_host: bool = False  # move KV through host pages even when it is host memory
+    # GPU KV: "auto" registers it as device memory where kvbridge can (a CUDA driver; a
+    # transport and store that take device memory), else stages it; "direct" requires the
+    # former; "stage" always stages.
+    device_kv: str = "auto"
     staging_bytes: int = 256 << 20  # pinned host pages for staged KV (GPU)
     cluster_token: str = ""
     transports: str = ""  # "": every transport the build has
@@ -93,6 +98,8 @@ class Settings:
             bad("hold_timeout_s", "must be positive")
         if self.staging_bytes <= 0:
             bad("staging_bytes", "must be positive")
+        if self.device_kv not in _DEVICE_KV:
+            bad("device_kv", f"must be one of {', '.join(_DEVICE_KV)}")
         if self.load_threads < 1:
             bad("load_threads", "must be at least 1")
         if not 0 <= self.side_channel_port < 65536:
@@ -315,6 +322,45 @@ def layout_of(kv_caches: dict, num_blocks: Optional[int] = None) -> KvLayout:
     if len(dtypes) != 1:
         raise InvalidArgumentError(f"KV tensors of several dtypes: {sorted(dtypes)}")
     return KvLayout(names, tuple(all_parts), dtypes.pop())
+
+
+def kv_device(kv_caches: dict) -> Optional[int]:
+    """The CUDA device index of KV tensors that are all on one GPU; None otherwise (host KV, or
+    KV spread over several devices or kinds, which is staged)."""
+    devices = {(t.device.type, t.device.index or 0) for t in kv_caches.values()}
+    if len(devices) != 1:
+        return None
+    kind, index = devices.pop()
+    return index if kind == "cuda" else None
+
+
+def register_device_kv(layout: KvLayout, device: int, engine: Any = None,
+                       store: Any = None) -> list[tuple[int, int, int]]:
+    """Registers the memory `layout` spans as CUDA memory of `device`: with `engine` (a
+    kvbridge.TransferEngine) and `store` (a kvbridge.StoreClient), each when given. Returns
+    (address, length, segment id) per region (segment -1 without an engine). All or nothing:
+    on any error what was registered is undone and the error raised (without a CUDA driver:
+    UnsupportedError from the engine, UnavailableError from the store)."""
+    from kvbridge._buffers import CUDA, Region
+
+    regions = [Region(a, n, CUDA, device) for a, n in layout.regions()]
+    segs: list[tuple[int, int, int]] = []
+    stored: list[Region] = []
+    try:
+        for r in regions:
+            segs.append((r.address, r.length, engine.register(r) if engine is not None else -1))
+        for r in regions:
+            if store is not None:
+                store.register_buffer(r)
+                stored.append(r)
+    except BaseException:
+        for _, _, seg in segs:
+            if seg >= 0:
+                engine.deregister(seg)
+        for r in stored:
+            store.unregister_buffer(r)
+        raise
+    return segs
 
 
 # --------------------------------------------------------------------------------------------

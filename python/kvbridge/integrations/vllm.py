@@ -54,10 +54,12 @@ from kvbridge.integrations._vllm_core import (
     block_keys,
     chain_hashes,
     key_prefix,
+    kv_device,
     layout_of,
     model_tag,
     parse_remote_prefill,
     prefill_params,
+    register_device_kv,
     request_salt,
     stats_path,
     tokens_hash,
@@ -605,14 +607,6 @@ class _WorkerSide:
             raise errors.UnsupportedError(f"KvbridgeConnector: KV tensors on {sorted(devices)}")
         num_blocks = getattr(self.kv_cache_config, "num_blocks", None)
         self.layout = layout = layout_of(kv_caches, num_blocks)
-        # kvbridge registers host memory only: KV tensors anywhere else (or on request) are
-        # moved through pinned host pages (kvbridge.ops page kernels).
-        if devices != {"cpu"} or self.s.stage_through_host:
-            self.stager = Stager(kv_caches, layout, self.s.staging_bytes)
-            io_layout, regions = self.stager.host_layout, [self.stager.region()]
-        else:
-            io_layout, regions = layout, layout.regions()
-        self.io_layout = io_layout
         host = self.s.host or _default_host()
         kw: dict[str, Any] = {
             "node_id": f"vllm-{self.engine_id}-tp{self.tp_rank}-{socket.gethostname()}-"
@@ -627,7 +621,10 @@ class _WorkerSide:
             kw["transports"] = self.s.transports
         if self.producer or self.consumer:
             self.engine = kvbridge.TransferEngine(**kw)
-            segs = [(a, n, self.engine.register((a, n))) for a, n in regions]
+        if self.store_save or self.store_load:
+            self.store = _store_client(self.s)
+        segs, where = self._register_kv(kv_caches, layout)
+        if self.engine is not None:
             if self.producer and self.stager is None:
                 port = self.s.side_channel_port + self.tp_rank if self.s.side_channel_port else 0
                 self.server = PdServer(self.engine, layout, segs, host, port, self.counters)
@@ -636,24 +633,52 @@ class _WorkerSide:
                             "does not serve prefill blocks to decode instances (requests with "
                             "do_remote_decode are not handed off)")
             if self.consumer:
-                self.puller = PdPuller(self.engine, io_layout, self.s.handshake_timeout_ms,
+                self.puller = PdPuller(self.engine, self.io_layout, self.s.handshake_timeout_ms,
                                        self.s.transfer_deadline_ms, self.s.progress_timeout_ms)
         mc = self.vllm_config.model_config
         tag = self.s.model_tag or model_tag(
             getattr(mc, "model", ""), getattr(mc, "revision", None), layout.signature(),
             self.vllm_config.cache_config.block_size, self.tp_size)
         self.prefix = key_prefix(tag, self.tp_rank, self.tp_size)
-        if self.store_save or self.store_load:
-            self.store = _store_client(self.s)
-            for a, n in regions:
-                self.store.register_buffer((a, n))
         log.info("KvbridgeConnector worker (tp rank %d, %s): %d layers, %d blocks of %d bytes, "
                  "%s, side channel %s, store %s, key prefix %s", self.tp_rank, self.kv_role,
-                 len(layout.names), layout.num_blocks, layout.bytes_per_block,
-                 f"staged through {self.stager.num_pages} host pages" if self.stager
-                 else "in place", self.server.endpoint if self.server else "-",
-                 self.s.master or "-", self.prefix)
+                 len(layout.names), layout.num_blocks, layout.bytes_per_block, where,
+                 self.server.endpoint if self.server else "-", self.s.master or "-", self.prefix)
         self._write_stats()
+
+    def _register_kv(self, kv_caches: dict[str, torch.Tensor],
+                     layout: KvLayout) -> tuple[list[tuple[int, int, int]], str]:
+        """Registers the KV memory with the engine and the store (whichever exist); returns the
+        (address, length, segment) of each engine region and how the KV is moved. KV on one GPU
+        is registered as device memory in place (docs/vllm.md "GPUs") unless device_kv is
+        "stage"; with "auto" a machine where kvbridge cannot take device memory falls back to
+        staging through pinned host pages, as does KV on the host with stage_through_host and
+        KV spread over several devices."""
+        device = kv_device(kv_caches)
+        if device is not None and self.s.device_kv != "stage" and not self.s.stage_through_host:
+            try:
+                segs = register_device_kv(layout, device, self.engine, self.store)
+                self.io_layout = layout
+                return segs, f"device memory of cuda:{device} in place"
+            except (errors.UnsupportedError, errors.UnavailableError) as e:
+                if self.s.device_kv == "direct":
+                    raise
+                log.warning("KvbridgeConnector: KV on cuda:%d cannot be registered as device "
+                            "memory here (%s); staging it through pinned host pages "
+                            "(device_kv=auto)", device, e)
+        if {t.device.type for t in kv_caches.values()} != {"cpu"} or self.s.stage_through_host:
+            self.stager = Stager(kv_caches, layout, self.s.staging_bytes)
+            self.io_layout, regions = self.stager.host_layout, [self.stager.region()]
+            where = f"staged through {self.stager.num_pages} host pages"
+        else:
+            self.io_layout, regions = layout, layout.regions()
+            where = "host memory in place"
+        segs = [(a, n, self.engine.register((a, n)) if self.engine is not None else -1)
+                for a, n in regions]
+        if self.store is not None:
+            for a, n in regions:
+                self.store.register_buffer((a, n))
+        return segs, where
 
     def handshake(self) -> Optional[KvbridgeHandshake]:
         if self.layout is None:
