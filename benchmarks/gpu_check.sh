@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # benchmarks/gpu_check.sh: the checks that need a GPU, in one go: the page-copy kernels, then
-# device memory through the tcp transport (stage tcp-device).
+# device memory through the tcp transport (stage tcp-device) and through a CUDA-enabled UCX
+# (stage ucx-device).
 #
 # For a machine with an NVIDIA GPU, the CUDA toolkit, CMake and a C++ compiler and none of
 # kvbridge's other dependencies: builds kernels/ as a CMake project of its own with
@@ -23,10 +24,21 @@
 # other tests of that binary need the fake driver and are not run here. TCP_DEVICE=0 skips the
 # stage. Until this stage has passed on a GPU machine, tcp's real-GPU paths are unverified.
 #
-# Environment: BUILD_DIR (default build-gpu), TCP_BUILD_DIR (default build-gpu-tcp), CUDA_ARCHS
+# Stage ucx-device: device memory through the ucx transport on a CUDA-enabled UCX (cuda_copy,
+# cuda_ipc; docs/transports/ucx.md "Device memory"). Needs such a UCX: $UCX_ROOT (a directory
+# with include/ and lib/), else the libucx package of `python3` (PyPI's libucx-cu13); without
+# either the stage is skipped with a printed reason. Builds the main project against it in
+# $UCX_BUILD_DIR (-DKVBRIDGE_UCX_ROOT) and runs
+# TcpDeviceData.DeviceMemoryGoesDirectOverUcxWhereItCanElseStagedOverTcp on real device memory
+# with KVBTEST_REQUIRE_UCX_CUDA=1: the ucx instance must report CUDA memory and carry the device
+# ops. UCX_DEVICE=0 skips it. Until it has passed on a GPU machine, ucx's device path is
+# unverified.
+#
+# Environment: BUILD_DIR (default build-gpu), TCP_BUILD_DIR (default build-gpu-tcp),
+# UCX_BUILD_DIR (default build-gpu-ucx), UCX_ROOT, CUDA_ARCHS
 # (default: the GPU's compute capability from nvidia-smi, else "80;90"), JOBS (default: all
 # cores), BENCH_FLAGS (default --quick), REQUIRE_GPU (default 1; 0 lets the CUDA tests skip, for
-# a dry run without a GPU), TCP_DEVICE (default 1).
+# a dry run without a GPU), TCP_DEVICE (default 1), UCX_DEVICE (default 1).
 # Exit status: 0 all passed, 1 a test failed, 2 a build failed, 3 no googletest.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -114,6 +126,40 @@ if [[ "${TCP_DEVICE:-1}" == 1 ]]; then
       "$tcp_build/tests/kvb_gpu_fake_tests" --gtest_filter='TcpDeviceData.*' >&2; then
       log "stage tcp-device: FAILED"
       merge 1
+    fi
+  fi
+fi
+
+# ---- stage ucx-device ------------------------------------------------------------------------
+if [[ "${UCX_DEVICE:-1}" == 1 ]]; then
+  ucx_root="${UCX_ROOT:-}"
+  if [[ -z "$ucx_root" ]]; then
+    ucx_root="$(python3 -c 'import libucx, os; print(os.path.dirname(libucx.__file__))' \
+      2>/dev/null || true)"
+  fi
+  if [[ -z "$ucx_root" || ! -f "$ucx_root/include/ucp/api/ucp.h" ]]; then
+    log "stage ucx-device: skipped: no CUDA-enabled UCX (set UCX_ROOT, or pip install" \
+      "libucx-cu13 for python3)"
+  else
+    ucx_build="${UCX_BUILD_DIR:-$here/build-gpu-ucx}"
+    log "stage ucx-device: configuring $ucx_build against $ucx_root"
+    if ! cmake -S "$here" -B "$ucx_build" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
+      -DKVBRIDGE_CUDA=OFF -DKVBRIDGE_BUILD_PYTHON=OFF -DKVBRIDGE_BUILD_BENCHMARKS=OFF \
+      -DKVBRIDGE_UCX=ON "-DKVBRIDGE_UCX_ROOT=$ucx_root" >&2; then
+      log "stage ucx-device: configure failed"
+      merge 2
+    elif ! cmake --build "$ucx_build" -j "$jobs" \
+      --target kvb_gpu_fake_tests kvb_transport_tcp kvb_transport_ucx kvbtest_fake_cuda >&2; then
+      log "stage ucx-device: build failed"
+      merge 2
+    else
+      log "stage ucx-device: running the tcp + ucx device test on the real driver"
+      if ! KVBTEST_REAL_CUDA=1 KVBTEST_REQUIRE_UCX_CUDA=1 \
+        KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" "$ucx_build/tests/kvb_gpu_fake_tests" \
+        --gtest_filter='TcpDeviceData.DeviceMemoryGoesDirectOverUcx*' >&2; then
+        log "stage ucx-device: FAILED"
+        merge 1
+      fi
     fi
   fi
 fi

@@ -1199,6 +1199,8 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
         views[k].local_registered =
             p.transport_index < 64 && (local_paths[i] >> p.transport_index & 1) != 0;
         views[k].kinds_served = core::ServesKinds(p.transport->caps(), local_kind[i], seg.mem_kind);
+        views[k].device_direct = (local_kind[i] == KVB_MEM_CUDA || seg.mem_kind == KVB_MEM_CUDA) &&
+                                 (p.transport->caps() & KVB_TCAP_CUDA_DIRECT) != 0;
       }
       core::PathChoice choice = core::ChoosePaths(views, peer_name_full);
       // Paths passed over because their breaker refuses count the op as fast-failed there.

@@ -1,5 +1,7 @@
 #include "core/path_choice.h"
 
+#include <algorithm>
+
 #include "kvbridge/plugin/transport.h"
 
 namespace kvbridge::core {
@@ -49,6 +51,13 @@ PathChoice ChoosePaths(std::span<const PathView> paths, std::string_view peer) {
       c.order.push_back(i);
     }
   }
+  // Device memory goes over a path that moves it directly before one that stages it in host
+  // memory; otherwise the input (local preference) order stands.
+  auto direct_first = [&](std::vector<uint32_t>& v) {
+    std::stable_partition(v.begin(), v.end(), [&](uint32_t i) { return paths[i].device_direct; });
+  };
+  direct_first(c.order);
+  direct_first(refusing);
   c.admitting = static_cast<uint32_t>(c.order.size());
   c.order.insert(c.order.end(), refusing.begin(), refusing.end());
   if (c.order.empty()) {

@@ -18,9 +18,12 @@ namespace kvbridge::core {
 // What path choice sees of one path, for one op.
 struct PathView {
   std::string_view transport;
-  bool remote_registered = false;     // the remote segment lists a key entry for this transport
-  bool local_registered = false;      // the op's local region is registered with this transport
-  bool kinds_served = false;          // ServesKinds(...) for the op's local and remote memory
+  bool remote_registered = false;  // the remote segment lists a key entry for this transport
+  bool local_registered = false;   // the op's local region is registered with this transport
+  bool kinds_served = false;       // ServesKinds(...) for the op's local and remote memory
+  // The op touches CUDA memory (either end) and this path moves it without host staging
+  // (KVB_TCAP_CUDA_DIRECT): such paths are tried first.
+  bool device_direct = false;
   bool breaker_refuses = false;       // the path's breaker is open (its backoff not over)
   uint32_t consecutive_failures = 0;  // for the message when it refuses
   uint64_t retry_in_ms = 0;           // likewise: time to the breaker's next probe
@@ -35,7 +38,8 @@ bool ServesKinds(uint64_t caps, uint32_t local_kind, uint32_t remote_kind);
 
 struct PathChoice {
   // Eligible paths, as indices into the input, in the order to try: those whose breaker admits
-  // (in input order), then those whose breaker refuses (in input order).
+  // (device_direct ones first, otherwise in input order), then those whose breaker refuses
+  // (likewise).
   std::vector<uint32_t> order;
   uint32_t admitting = 0;  // how many leading entries of `order` have a breaker that admits
   // OK when some eligible path admits; PEER_UNREACHABLE when every eligible path's breaker

@@ -29,6 +29,9 @@ constexpr size_t kStorageOpsV1Size =
 // ABI 1.1 appended put_meta and for_each_meta to the storage ops.
 constexpr size_t kStorageOpsV1_1Size =
     offsetof(kvb_storage_ops_t, for_each_meta) + sizeof(kvb_storage_ops_t::for_each_meta);
+// ABI 1.3 appended instance_caps to the transport ops.
+constexpr size_t kTransportOpsV1_3Size =
+    offsetof(kvb_transport_ops_t, instance_caps) + sizeof(kvb_transport_ops_t::instance_caps);
 constexpr size_t kMaxNameLength = 64;
 constexpr std::string_view kPluginPrefix = "libkvb_";
 constexpr std::string_view kPluginSuffix = ".so";
@@ -41,7 +44,7 @@ struct Slot {
 
 std::vector<Slot> TransportSlots(const kvb_transport_ops_t& ops) {
   auto p = [](auto fn) { return reinterpret_cast<const void*>(fn); };
-  return {
+  std::vector<Slot> slots = {
       {"create", p(ops.create), true},
       {"destroy", p(ops.destroy), true},
       {"get_endpoints", p(ops.get_endpoints), true},
@@ -56,6 +59,11 @@ std::vector<Slot> TransportSlots(const kvb_transport_ops_t& ops) {
       {"release", p(ops.release), true},
       {"get_stats", p(ops.get_stats), false},
   };
+  // The ABI 1.3 slot is checked only in a table long enough to hold it.
+  if (ops.struct_size >= kTransportOpsV1_3Size) {
+    slots.push_back({"instance_caps", p(ops.instance_caps), false});
+  }
+  return slots;
 }
 
 // The POOL slots are required of a plugin that declares POOL and optional (stubbed) otherwise;
@@ -171,6 +179,10 @@ const kvb_transport_ops_t* PluginInfo::transport_ops() const {
     return nullptr;
   }
   return static_cast<const kvb_transport_ops_t*>(descriptor->ops);
+}
+
+bool TransportHasInstanceCaps(const kvb_transport_ops_t& ops) {
+  return ops.struct_size >= kTransportOpsV1_3Size;
 }
 
 bool StorageHasMetaOps(const kvb_storage_ops_t& ops) {

@@ -38,6 +38,10 @@ struct PluginInfo {
   const kvb_storage_ops_t* storage_ops() const;      // null unless a loaded storage plugin
 };
 
+// True when a transport ops table is long enough to hold the ABI 1.3 slot instance_caps (never
+// read from a shorter table: the instance then has its descriptor's caps).
+bool TransportHasInstanceCaps(const kvb_transport_ops_t& ops);
+
 // True when a storage ops table is long enough to hold the ABI 1.1 slots put_meta and
 // for_each_meta. A 1.0 plugin's table is not, and the host must treat both as unsupported (never
 // read them); a 1.1 table may still point them to the KVB_ERR_UNSUPPORTED stubs.

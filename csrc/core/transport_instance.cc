@@ -5,6 +5,7 @@
 #include "core/descriptor.h"
 #include "core/host_services.h"
 #include "core/plugin_loader.h"
+#include "util/logging.h"
 
 namespace kvbridge::core {
 namespace {
@@ -89,6 +90,16 @@ Result<std::unique_ptr<TransportInstance>> TransportInstance::Create(
     t->inst_ = nullptr;
     return FromPlugin(st, err).WithContext("transport '" + plugin.name + "' (" + plugin.path +
                                            ") failed to start");
+  }
+  if (TransportHasInstanceCaps(*ops)) {
+    // An instance can only drop caps its descriptor declared (say CUDA_MEM on a machine where
+    // the plugin's library cannot move device memory), never add one.
+    const uint64_t kept = t->caps_ & ops->instance_caps(t->inst_);
+    if (kept != t->caps_) {
+      KVB_LOG(INFO) << "transport '" << plugin.name << "': this instance has caps 0x" << std::hex
+                    << kept << " of its descriptor's 0x" << t->caps_ << std::dec;
+    }
+    t->caps_ = kept;
   }
   char ep[kEndpointsLen];
   int32_t n = ops->get_endpoints(t->inst_, ep, sizeof(ep));

@@ -82,6 +82,7 @@ class TransportInstance {
   TransportInstance& operator=(const TransportInstance&) = delete;
 
   const std::string& name() const { return name_; }
+  // The descriptor's caps, less what the instance dropped (ABI 1.3 instance_caps).
   uint64_t caps() const { return caps_; }
   // The endpoints peers dial (get_endpoints, read once at create).
   const std::string& endpoints() const { return endpoints_; }

@@ -184,7 +184,8 @@ static const kvb_transport_ops_t kOps = {
     .poll = Poll,
     .cancel = Cancel,
     .release = Release,
-    .get_stats = kvb_transport_stats_unsupported, /* optional: the ABI's stub, never NULL */
+    .get_stats = kvb_transport_stats_unsupported,     /* optional: the ABI's stub, never NULL */
+    .instance_caps = kvb_transport_instance_caps_all, /* optional (ABI 1.3): the stub */
 };
 
 static const kvb_plugin_descriptor_t kDescriptor = {

@@ -146,6 +146,7 @@ static const kvb_transport_ops_t kOps = {
 #else
     .get_stats = kvb_transport_stats_unsupported,
 #endif
+    .instance_caps = kvb_transport_instance_caps_all,
 };
 
 static const kvb_plugin_descriptor_t kDescriptor = {

@@ -9,6 +9,9 @@
 // delivery: no live instance with that node id -> PEER_UNREACHABLE; a live one with another
 // incarnation -> STALE_PEER, and not one byte is copied.
 //
+// "mock.instance_caps" (a number) at create is what instance_caps (ABI 1.3) returns; unset, it
+// returns every bit (the descriptor's caps stand).
+//
 // Faults (per initiating instance): config keys "mock.fail_code" (a number or a name such as
 // PEER_UNREACHABLE), "mock.fail_count" (default -1 = forever) and "mock.delay_ms" at create, and
 // at run time the exported kvb_mock_set_fault() / kvb_mock_post_count() below, which a test
@@ -162,6 +165,7 @@ struct kvb_treq {
 struct kvb_transport {
   const kvb_host_services_t* host = nullptr;
   std::shared_ptr<Node> self;
+  uint64_t instance_caps = ~uint64_t{0};
 
   std::mutex mu;  // guards everything below up to the worker section
   Fault fault;
@@ -368,6 +372,8 @@ kvb_status_t MockCreate(const kvb_host_services_t* host, const kvb_transport_par
     auto t = std::make_unique<kvb_transport>();
     t->host = host;
     t->fault = fault;
+    std::string caps = ConfigString(host, KVB_MOCK_NAME ".instance_caps");
+    if (!caps.empty()) t->instance_caps = std::strtoull(caps.c_str(), nullptr, 0);
     t->self = std::make_shared<Node>();
     t->self->node_id = params->node_id;
     t->self->incarnation = params->incarnation;
@@ -662,6 +668,8 @@ void MockRelease(kvb_transport_t* t, kvb_treq_t* handle) {
   delete handle;
 }
 
+uint64_t MockInstanceCaps(kvb_transport_t* t) { return t->instance_caps; }
+
 kvb_status_t MockGetStats(kvb_transport_t* t, kvb_transport_stats_t* stats) {
   if (stats == nullptr || stats->struct_size < sizeof(uint32_t)) return KVB_ERR_INVALID_ARGUMENT;
   kvb_transport_stats_t s{};
@@ -695,6 +703,7 @@ const kvb_transport_ops_t kOps = {
     .cancel = MockCancel,
     .release = MockRelease,
     .get_stats = MockGetStats,
+    .instance_caps = MockInstanceCaps,
 };
 
 const kvb_plugin_descriptor_t kDescriptor = {

@@ -22,11 +22,14 @@ class UcxPlugin {
   static constexpr const char* kVersion = "0.1.0";
   // Opt-in: on UCX 1.13 this plugin is slower than tcp on one host and its progress thread costs
   // every process a little, so an engine uses it only when named (docs/transports/ucx.md).
-  static constexpr uint64_t kCaps =
-      KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM | KVB_TCAP_OPT_IN | KVB_TCAP_LOCAL_SHM;
+  // CUDA_MEM and CUDA_DIRECT are what the plugin can do with a UCX that has CUDA transports;
+  // InstanceCaps drops both where the loaded UCX cannot move device memory here.
+  static constexpr uint64_t kCaps = KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM |
+                                    KVB_TCAP_CUDA_MEM | KVB_TCAP_CUDA_DIRECT | KVB_TCAP_OPT_IN |
+                                    KVB_TCAP_LOCAL_SHM;
   // The hello is the host's identity handshake (ABI 1.2 services): older hosts are refused at
   // load time, and Transport::Create names any service a host leaves NULL.
-  static constexpr uint16_t kMinHostMinor = 2;
+  static constexpr uint16_t kMinHostMinor = 3;
   using Peer = kvbridge::ucx::Peer;
   using Request = kvbridge::ucx::RequestHandle;
 
@@ -90,6 +93,9 @@ class UcxPlugin {
   void Cancel(Request* req) { t_->Cancel(req); }
   void Release(Request* req) { t_->Release(req); }
   sdk::Status Stats(kvb_transport_stats_t& stats) { return t_->GetStats(&stats); }
+  uint64_t InstanceCaps() {
+    return t_->cuda_memory() ? ~uint64_t{0} : ~(KVB_TCAP_CUDA_MEM | KVB_TCAP_CUDA_DIRECT);
+  }
 
  private:
   std::unique_ptr<Transport> t_;

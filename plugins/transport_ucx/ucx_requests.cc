@@ -128,9 +128,12 @@ bool Worker::Issue(Endpoint& ep, const SlicePtr& s) {
   ep.inflight_bytes += s->length;
   if (put) ep.unflushed.push_back(s);
   ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
   p.cb.send = OnSend;
   p.user_data = rec;
+  // Told, not detected: UCX would otherwise look the pointer up in its memory-type cache.
+  p.memory_type = s->local_cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
   const uint64_t raddr = it->second.base + s->offset;
   void* r = put ? ucp_put_nbx(ep.ep, s->local, s->length, raddr, it->second.rkey, &p)
                 : ucp_get_nbx(ep.ep, s->local, s->length, raddr, it->second.rkey, &p);

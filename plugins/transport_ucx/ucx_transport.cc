@@ -225,6 +225,19 @@ void Transport::RunCompletions(const Completions& done) {
   for (const auto& c : done) c.fn(c.user);
 }
 
+bool Transport::cuda_memory() const {
+  return (worker_->memory_types() & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+}
+
+std::string Transport::memory_types() const {
+  std::string out;
+  for (int m = 0; m < UCS_MEMORY_TYPE_LAST; ++m) {
+    if ((worker_->memory_types() & UCS_BIT(m)) == 0) continue;
+    out += (out.empty() ? "" : ", ") + std::string(ucs_memory_type_names[m]);
+  }
+  return out;
+}
+
 std::string Transport::EndpointsText() const {
   return FormatEndpoints(worker_->address(), host_key_, getpid());
 }
@@ -238,8 +251,17 @@ kvb_status_t Transport::RegisterMemory(const kvb_region_t* region, uint32_t rkey
     *err = "ucx: register_memory: null address or zero length";
     return KVB_ERR_INVALID_ARGUMENT;
   }
-  if (region->mem_kind != KVB_MEM_HOST) {
-    *err = "ucx: only host memory can be registered (mem_kind " + U(region->mem_kind) + ")";
+  const bool cuda = region->mem_kind == KVB_MEM_CUDA;
+  if (region->mem_kind != KVB_MEM_HOST && !cuda) {
+    *err = "ucx: register_memory: mem_kind " + U(region->mem_kind) + " is neither host nor CUDA";
+    return KVB_ERR_UNSUPPORTED;
+  }
+  if (cuda && !cuda_memory()) {
+    unsigned major = 0, minor = 0, release = 0;
+    ucp_get_version(&major, &minor, &release);
+    *err = "ucx: UCX " + U(major) + "." + U(minor) + "." + U(release) + " here moves only [" +
+           memory_types() +
+           "] memory, not CUDA (a UCX built without CUDA, or no GPU or driver on this machine)";
     return KVB_ERR_UNSUPPORTED;
   }
   {
@@ -252,7 +274,7 @@ kvb_status_t Transport::RegisterMemory(const kvb_region_t* region, uint32_t rkey
   kvb_status_t st = KVB_OK;
   ucp_mem_h memh = nullptr;
   worker_->RunSync([&] {
-    st = worker_->MapMemory(region->addr, region->length, &memh, rkey, err);
+    st = worker_->MapMemory(region->addr, region->length, cuda, &memh, rkey, err);
     if (st == KVB_OK && rkey->size() <= rkey_cap) worker_->Published(region->segment_id);
   });
   if (st != KVB_OK) return st;
@@ -264,7 +286,8 @@ kvb_status_t Transport::RegisterMemory(const kvb_region_t* region, uint32_t rkey
     return KVB_ERR_INVALID_ARGUMENT;
   }
   std::lock_guard<std::mutex> lock(regions_mu_);
-  regions_[region->segment_id] = Region{static_cast<uint8_t*>(region->addr), region->length, memh};
+  regions_[region->segment_id] =
+      Region{static_cast<uint8_t*>(region->addr), region->length, memh, cuda};
   return KVB_OK;
 }
 
@@ -485,6 +508,7 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
       req->user = opts->user;
     }
   }
+  std::vector<bool> local_cuda(count, false);
   auto op_at = [&](uint32_t i) -> const kvb_xfer_op_t& {
     return *reinterpret_cast<const kvb_xfer_op_t*>(reinterpret_cast<const uint8_t*>(ops) +
                                                    size_t(i) * op_size);
@@ -510,6 +534,7 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
                U(op.local_segment);
         return KVB_ERR_NOT_REGISTERED;
       }
+      if (it->second.cuda) local_cuda[i] = true;
     }
   }
   req->ops.resize(count);
@@ -522,6 +547,7 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
     s->op = i;
     s->opcode = static_cast<uint16_t>(op_at(i).opcode);
     s->segment = op_at(i).remote_segment;
+    s->local_cuda = local_cuda[i];
     return s;
   };
   uint64_t bytes = 0, nslices = 0;

@@ -105,6 +105,7 @@ struct Slice {
   uint64_t segment = 0;
   uint64_t offset = 0;
   uint64_t length = 0;
+  bool local_cuda = false;  // the local memory is CUDA device memory (UCS_MEMORY_TYPE_CUDA)
   bool ended = false;
 };
 using SlicePtr = std::shared_ptr<Slice>;
@@ -191,6 +192,11 @@ class Transport {
   uint64_t Now() const { return host_->now_ns(host_->host_ctx); }
   void Log(int32_t level, const std::string& msg) const;
   const std::string& host_key() const { return host_key_; }
+  // Whether the loaded UCX moves CUDA device memory here (ucp_context memory types, read at
+  // create): false for a UCX built without CUDA, or with no GPU or driver on the machine.
+  bool cuda_memory() const;
+  // "host, cuda, ..." from the same query, for messages.
+  std::string memory_types() const;
   // Ends one slice; finalizes its request when it was the last one.
   void EndSlice(Slice& s, kvb_status_t code, const std::string& msg, Completions* done);
   // Makes a request final with `code` for its unfinished ops (cancel, deadline).
@@ -214,6 +220,7 @@ class Transport {
     uint8_t* base = nullptr;
     uint64_t length = 0;
     ucp_mem_h memh = nullptr;
+    bool cuda = false;
   };
   mutable std::mutex regions_mu_;
   std::unordered_map<uint64_t, Region> regions_;

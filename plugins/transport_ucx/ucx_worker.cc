@@ -57,6 +57,13 @@ kvb_status_t Worker::Init(std::string* err) {
     *err = "ucx: ucp_init: " + UcsText(st);
     return KVB_ERR_UNAVAILABLE;
   }
+  // Which memory the context can move: CUDA only with a UCX built with CUDA (PyPI's
+  // libucx-cu13) on a machine with a GPU and driver; Debian's UCX and any machine without a GPU
+  // say host only.
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  st = ucp_context_query(context_, &attr);
+  memory_types_ = st == UCS_OK ? attr.memory_types : UCS_BIT(UCS_MEMORY_TYPE_HOST);
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
@@ -237,12 +244,14 @@ void Worker::Loop() {
 // ---------------------------------------------------------------------------------------------
 // Memory.
 
-kvb_status_t Worker::MapMemory(void* addr, uint64_t length, ucp_mem_h* memh, std::string* rkey,
-                               std::string* err) {
+kvb_status_t Worker::MapMemory(void* addr, uint64_t length, bool cuda, ucp_mem_h* memh,
+                               std::string* rkey, std::string* err) {
   ucp_mem_map_params_t mp{};
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                  UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
   mp.address = addr;
   mp.length = length;
+  mp.memory_type = cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
   ucs_status_t st = ucp_mem_map(context_, &mp, memh);
   if (st != UCS_OK) {
     *err = "ucx: ucp_mem_map: " + UcsText(st);

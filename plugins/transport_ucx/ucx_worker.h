@@ -69,13 +69,16 @@ class Worker {
   ~Worker();
 
   const std::string& address() const { return address_; }
+  // The context's memory types (ucp_context_query, read once in Init; immutable after).
+  uint64_t memory_types() const { return memory_types_; }
 
   // Runs fn on the progress thread (Run: queued; RunSync: returns once it ran).
   void Run(std::function<void()> fn);
   void RunSync(std::function<void()> fn);
 
   // ---- Called on the progress thread only (from commands). ----
-  kvb_status_t MapMemory(void* addr, uint64_t length, ucp_mem_h* memh, std::string* rkey,
+  // `cuda`: the memory is CUDA device memory (mapped with UCS_MEMORY_TYPE_CUDA).
+  kvb_status_t MapMemory(void* addr, uint64_t length, bool cuda, ucp_mem_h* memh, std::string* rkey,
                          std::string* err);
   // Serves grants for the segment until Revoke.
   void Published(uint64_t segment_id);
@@ -144,7 +147,8 @@ class Worker {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::string address_;
-  int cmdfd_ = -1;  // eventfd: commands queued
+  uint64_t memory_types_ = 0;  // UCS_BIT(ucs_memory_type_t) of what the context supports
+  int cmdfd_ = -1;             // eventfd: commands queued
   int epfd_ = -1;
   std::thread thread_;
 

@@ -21,7 +21,9 @@
 #include <vector>
 
 #include "core/cuda_driver.h"
+#include "core/descriptor.h"
 #include "kvbridge/engine.h"
+#include "kvbridge/plugin/transport.h"
 #include "tests/common/test_util.h"
 #include "tests/gpu/fake_cuda_env.h"
 
@@ -335,6 +337,66 @@ TEST_F(TcpDeviceData, DeviceToDevice) {
   Connect();
   RoundTrip(local, remote, seg, "device to device");
 }
+
+#ifdef KVBTEST_HAVE_UCX
+// With transports {tcp, ucx}: a ucx instance whose UCX moves CUDA memory here declares CUDA_MEM
+// and CUDA_DIRECT (ABI 1.3 instance caps), takes device regions and carries their ops although
+// tcp is preferred; one whose UCX cannot (Debian's, or any UCX on a machine without a GPU, so
+// always against the fake driver) declares neither, holds no key for device regions, and their
+// ops are staged over tcp. Host regions are registered with both either way.
+TEST_F(TcpDeviceData, DeviceMemoryGoesDirectOverUcxWhereItCanElseStagedOverTcp) {
+  auto opts = [](const std::string& node) {
+    EngineOptions o = Options(node);
+    o.transports = {"tcp", "ucx"};
+    return o;
+  };
+  auto a = TransferEngine::Create(opts("dev-a"));
+  if (!a.ok()) GTEST_SKIP() << "tcp + ucx not usable here: " << a.status().ToString();
+  a_ = std::move(a).value();
+  b_ = Must(TransferEngine::Create(opts("dev-b")));
+  const core::Descriptor before = Must(core::DecodeDescriptor(a_->LocalDescriptor()));
+  uint64_t ucx_caps = 0;
+  for (const auto& t : before.transports) {
+    if (t.name == "ucx") ucx_caps = t.caps;
+  }
+  ASSERT_NE(ucx_caps & KVB_TCAP_HOST_MEM, 0u);
+  const bool direct = (ucx_caps & KVB_TCAP_CUDA_MEM) != 0;
+  EXPECT_EQ(direct, (ucx_caps & KVB_TCAP_CUDA_DIRECT) != 0);
+  if (!testing::RealCuda()) {
+    EXPECT_FALSE(direct) << "UCX saw the fake driver's memory as CUDA";
+  }
+  // benchmarks/gpu_check.sh, stage ucx-device: a CUDA-enabled UCX on a GPU must take the region.
+  const char* need = std::getenv("KVBTEST_REQUIRE_UCX_CUDA");
+  if (need != nullptr && std::string(need) == "1") {
+    ASSERT_TRUE(direct) << "KVBTEST_REQUIRE_UCX_CUDA=1 but the ucx instance has no CUDA_MEM "
+                           "(caps 0x"
+                        << std::hex << ucx_caps << ")";
+  }
+
+  const size_t cap = 4 * kMiB;
+  Mem dev(MemoryKind::kCuda, cap), host(MemoryKind::kHost, cap);
+  const SegmentId dev_seg = Reg(*a_, dev);
+  const SegmentId host_seg = Reg(*b_, host);
+  for (const auto& s : Must(core::DecodeDescriptor(a_->LocalDescriptor())).segments) {
+    if (s.id != dev_seg) continue;
+    EXPECT_EQ(s.rkeys.count("ucx"), direct ? 1u : 0u);
+    EXPECT_EQ(s.rkeys.count("tcp"), 1u);
+  }
+  for (const auto& s : Must(core::DecodeDescriptor(b_->LocalDescriptor())).segments) {
+    if (s.id == host_seg) EXPECT_EQ(s.rkeys.size(), 2u) << "host memory is on both transports";
+  }
+  Connect();
+  RoundTrip(dev, host, host_seg, direct ? "device over ucx" : "device staged over tcp");
+  const std::optional<PeerHealth> h = a_->GetPeerHealth("dev-b");
+  ASSERT_TRUE(h.has_value());
+  ASSERT_EQ(h->paths.size(), 2u);
+  for (const PathHealth& p : h->paths) {
+    const bool carrier = (p.transport == "ucx") == direct;
+    EXPECT_EQ(p.ops_ok > 0, carrier) << p.transport << " carried " << p.ops_ok << " ops";
+    EXPECT_EQ(p.ops_failed, 0u) << p.transport;
+  }
+}
+#endif
 
 TEST_F(TcpDeviceData, ManyOpsPerBatch) {
   Start();

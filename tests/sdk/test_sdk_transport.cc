@@ -114,6 +114,10 @@ class TestTransport {
     s.queued_bytes = 22;
     return Status();
   }
+  uint64_t InstanceCaps() requires kWithStats {
+    MaybeThrow("instance_caps");
+    return KVB_TCAP_READ;
+  }
 };
 
 using Plain = TestTransport<false>;
@@ -206,6 +210,21 @@ TEST_F(SdkTransport, CapsFollowTheMembersAndTheLoaderAcceptsTheTable) {
   EXPECT_EQ(small.s.connections_open, 11u);
   EXPECT_EQ(small.s.queued_bytes, 0xeeeeeeeeeeeeeeeeu) << "wrote past the host's struct_size";
   EXPECT_EQ(small.s.struct_size, offsetof(kvb_transport_stats_t, connections_opened));
+}
+
+// instance_caps (ABI 1.3): the ABI's all-bits stub without InstanceCaps(); the member's answer
+// with it; all bits (the descriptor's caps stand) when the member throws.
+TEST_F(SdkTransport, InstanceCapsFollowTheMember) {
+  {
+    Made<Plain> m(fake_.table());
+    EXPECT_EQ(m.ops()->instance_caps, &kvb_transport_instance_caps_all);
+    EXPECT_EQ(m.ops()->instance_caps(m.get()), ~uint64_t{0});
+  }
+  Made<WithStats> m(fake_.table());
+  EXPECT_EQ(m.ops()->instance_caps(m.get()), KVB_TCAP_READ);
+  g_rec.throw_in = "instance_caps";
+  EXPECT_EQ(m.ops()->instance_caps(m.get()), ~uint64_t{0});
+  g_rec.throw_in.clear();
 }
 
 TEST_F(SdkTransport, QueryRefusesAnotherMajorAndATooOldMinor) {

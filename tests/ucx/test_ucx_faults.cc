@@ -13,6 +13,8 @@
 #include <thread>
 
 #include "core/descriptor.h"
+#include "core/plugin_host.h"
+#include "core/plugin_loader.h"
 #include "kvbridge/engine.h"
 #include "tests/common/test_util.h"
 
@@ -393,6 +395,36 @@ INSTANTIATE_TEST_SUITE_P(Modes, UcxTokenTest, kModes, ModeName);
 
 namespace kvbridge {
 namespace {
+
+// Device memory (ABI 1.3 instance caps): a ucx instance declares CUDA_MEM and CUDA_DIRECT only
+// when the loaded UCX lists CUDA among its memory types (a CUDA build on a machine with a GPU);
+// elsewhere both are dropped and a CUDA region given to it anyway is UNSUPPORTED (the plugin logs
+// the UCX version and what it can move; register_memory carries no message). The engine never
+// hands it one: tests/gpu, TcpDeviceData.
+TEST(UcxDeviceMemory, WithoutCudaInUcxTheCapsDropItAndARegionIsRefused) {
+  auto host = core::PluginHost::Acquire(core::PluginRegistry::DefaultSearchPath(""));
+  const core::PluginInfo* ucx = host->registry().Find(KVB_PLUGIN_TRANSPORT, "ucx");
+  ASSERT_NE(ucx, nullptr);
+  EXPECT_NE(ucx->caps & KVB_TCAP_CUDA_MEM, 0u) << "the descriptor declares what it can do";
+  EXPECT_NE(ucx->caps & KVB_TCAP_CUDA_DIRECT, 0u);
+  core::TransportConfig config;
+  config.node_id = "ucx-dev";
+  config.listen = "127.0.0.1:0";
+  auto t = Must(host->CreateTransport(*ucx, config));
+  if ((t->caps() & KVB_TCAP_CUDA_MEM) != 0) {
+    EXPECT_NE(t->caps() & KVB_TCAP_CUDA_DIRECT, 0u);
+    GTEST_SKIP() << "this UCX moves CUDA memory here (covered by benchmarks/gpu_check.sh)";
+  }
+  EXPECT_EQ(t->caps() & KVB_TCAP_CUDA_DIRECT, 0u);
+  EXPECT_EQ(t->caps(), ucx->caps & ~(KVB_TCAP_CUDA_MEM | KVB_TCAP_CUDA_DIRECT));
+  Buffer mem(1 << 20);
+  auto key = t->RegisterMemory(1, mem.data(), mem.size(), KVB_MEM_CUDA, 0);
+  ASSERT_FALSE(key.ok());
+  EXPECT_EQ(key.status().code(), StatusCode::kUnsupported) << key.status().ToString();
+  // Host memory is unaffected.
+  Must(t->RegisterMemory(2, mem.data(), mem.size(), KVB_MEM_HOST, -1));
+  EXPECT_TRUE(t->DeregisterMemory(2).ok());
+}
 
 // A malformed ucx.* setting stops the engine from starting, with the key and value named.
 TEST(UcxConfig, MalformedSettingsAreNamed) {

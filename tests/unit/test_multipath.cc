@@ -79,6 +79,11 @@ PathView NoKinds(std::string_view n) {
   v.kinds_served = false;
   return v;
 }
+PathView Direct(std::string_view n) {
+  PathView v = Eligible(n);
+  v.device_direct = true;
+  return v;
+}
 
 INSTANTIATE_TEST_SUITE_P(
     PathChoice, PathChoiceTable,
@@ -86,6 +91,24 @@ INSTANTIATE_TEST_SUITE_P(
         ChoiceCase{
             "PreferenceOrderKept", {Eligible("a"), Eligible("b")}, {0, 1}, 2, StatusCode::kOk, {}},
         ChoiceCase{"SinglePath", {Eligible("a")}, {0}, 1, StatusCode::kOk, {}},
+        ChoiceCase{"DeviceDirectPathGoesFirst",
+                   {Eligible("tcp"), Direct("ucx"), Eligible("c")},
+                   {1, 0, 2},
+                   3,
+                   StatusCode::kOk,
+                   {}},
+        ChoiceCase{"RefusingDeviceDirectPathStillGoesAfterAdmittingOnes",
+                   {Eligible("tcp"),
+                    [] {
+                      PathView v = Refusing("ucx", 2, 50);
+                      v.device_direct = true;
+                      return v;
+                    }(),
+                    Refusing("c", 1, 5)},
+                   {0, 1, 2},
+                   1,
+                   StatusCode::kOk,
+                   {}},
         ChoiceCase{"RefusingBreakerGoesLast",
                    {Refusing("a", 3, 100), Eligible("b"), Eligible("c")},
                    {1, 2, 0},

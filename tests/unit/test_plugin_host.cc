@@ -85,6 +85,28 @@ TEST(PluginHost, InstancesKeepTheLibraryMapped) {
   }
 }
 
+// ABI 1.3 instance_caps: the instance's caps are its descriptor's, less what instance_caps left
+// out; a bit the descriptor lacks is never added.
+TEST(PluginHost, AnInstanceNarrowsItsCapsButNeverWidensThem) {
+  auto host = PluginHost::Acquire({kTestDir});
+  const PluginInfo* mock = host->registry().Find(KVB_PLUGIN_TRANSPORT, "mock");
+  ASSERT_NE(mock, nullptr);
+  ASSERT_NE(mock->caps & KVB_TCAP_STATS, 0u);
+  ASSERT_EQ(mock->caps & KVB_TCAP_CUDA_MEM, 0u);
+  TransportConfig config;
+  config.node_id = "caps-a";
+  auto plain = host->CreateTransport(*mock, config);
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_EQ(plain.value()->caps(), mock->caps);
+  config.node_id = "caps-b";
+  config.plugin_config["mock.instance_caps"] =
+      std::to_string(KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM | KVB_TCAP_CUDA_MEM |
+                     KVB_TCAP_CUDA_DIRECT);
+  auto narrowed = host->CreateTransport(*mock, config);
+  ASSERT_TRUE(narrowed.ok()) << narrowed.status().ToString();
+  EXPECT_EQ(narrowed.value()->caps(), KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM);
+}
+
 TEST(PluginHost, StorageRequirementsAreCheckedBeforeCreate) {
   auto host = PluginHost::Acquire({KVBRIDGE_PLUGIN_BUILD_DIR, kTestDir});
   StorageConfig config;

@@ -482,6 +482,18 @@ TEST_F(ValidateDescriptorTest, TooSmallStructsAreRefused) {
   EXPECT_HAS(Check().message(), "transport ops struct_size");
 }
 
+// ABI 1.3's instance_caps: a NULL slot is refused in a table long enough to hold it, and never
+// looked at in a 1.2 table (which ends at get_stats).
+TEST_F(ValidateDescriptorTest, InstanceCapsSlotIsCheckedOnlyInA13Table) {
+  tops_.instance_caps = nullptr;
+  EXPECT_HAS(Check().message(), "optional slot 'instance_caps' is NULL");
+  tops_.struct_size = offsetof(kvb_transport_ops_t, instance_caps);
+  EXPECT_TRUE(Check().ok()) << Check().ToString();
+  EXPECT_FALSE(TransportHasInstanceCaps(tops_));
+  tops_.struct_size = sizeof(tops_);
+  EXPECT_TRUE(TransportHasInstanceCaps(tops_));
+}
+
 TEST_F(ValidateDescriptorTest, NameMustBeLowercaseIdentifier) {
   for (const char* bad : {"", "Tcp", "my-plugin", "a b"}) {
     desc_.name = bad;

@@ -36,8 +36,10 @@ extern "C" {
 #define KVB_ABI_MAJOR 1
 /* 1.1: storage put_meta / for_each_meta, params.on_evict.
  * 1.2: host services for identity and the cluster-token handshake (node_id ... auth_end),
- *      device-memory services (dev_stream_create ... pinned_free), KVB_ERR_UNKNOWN_MEMORY. */
-#define KVB_ABI_MINOR 2
+ *      device-memory services (dev_stream_create ... pinned_free), KVB_ERR_UNKNOWN_MEMORY.
+ * 1.3: transport instance_caps (an instance narrows its descriptor's caps), KVB_TCAP_CUDA_DIRECT.
+ */
+#define KVB_ABI_MINOR 3
 
 /* Name of the one symbol every plugin exports. */
 #define KVB_PLUGIN_QUERY_SYMBOL "kvb_plugin_query"

@@ -44,7 +44,11 @@ extern "C" {
  * memory or cross-memory attach, faster than its network path: for such a peer the engine tries
  * this transport before the others. A host that does not know the bit ignores it. */
 #define KVB_TCAP_LOCAL_SHM ((uint64_t)1 << 6)
-#define KVB_TCAP_KNOWN_MASK ((uint64_t)0x7f)
+/* 1.3: CUDA memory moves without a host staging copy (cuda_copy/cuda_ipc, GPUDirect RDMA). A
+ * transport with CUDA_MEM but not CUDA_DIRECT stages device bytes through host memory; for an
+ * op on device memory the engine tries CUDA_DIRECT paths first. */
+#define KVB_TCAP_CUDA_DIRECT ((uint64_t)1 << 7)
+#define KVB_TCAP_KNOWN_MASK ((uint64_t)0xff)
 
 typedef enum kvb_mem_kind { KVB_MEM_HOST = 1, KVB_MEM_CUDA = 2 } kvb_mem_kind_t;
 
@@ -185,6 +189,13 @@ typedef struct kvb_transport_ops {
 
   /* Optional (KVB_TCAP_STATS): counters for tests and metrics. */
   kvb_status_t (*get_stats)(kvb_transport_t* t, kvb_transport_stats_t* stats);
+
+  /* ABI 1.3, optional (kvb_transport_instance_caps_all when not implemented): the caps this
+   * instance has, which may be fewer than the descriptor's, e.g. CUDA_MEM only when the library
+   * the plugin loaded can move device memory on this machine. Called once, right after create.
+   * The host uses (descriptor caps & the result): an instance can drop a bit, never add one. A
+   * host reads this slot only when struct_size covers it. */
+  uint64_t (*instance_caps)(kvb_transport_t* t);
 } kvb_transport_ops_t;
 
 /* A stub for optional slots a transport does not implement. */
@@ -193,6 +204,12 @@ static inline kvb_status_t kvb_transport_stats_unsupported(kvb_transport_t* t,
   (void)t;
   (void)stats;
   return KVB_ERR_UNSUPPORTED;
+}
+
+/* The stub for instance_caps: the instance has every cap its descriptor declares. */
+static inline uint64_t kvb_transport_instance_caps_all(kvb_transport_t* t) {
+  (void)t;
+  return ~(uint64_t)0;
 }
 
 #ifdef __cplusplus

@@ -25,6 +25,9 @@
 //     void Cancel(Request*);
 //     void Release(Request*);                          // frees the request
 //     sdk::Status Stats(kvb_transport_stats_t&);       // optional: adds KVB_TCAP_STATS
+//     uint64_t InstanceCaps();                         // optional (ABI 1.3): the caps this
+//                                                      // instance has; the host keeps only
+//                                                      // those of kCaps among them
 //   };
 //   KVB_TRANSPORT_PLUGIN(MyTransport)
 //
@@ -276,6 +279,11 @@ concept HasTransportStats = requires(P& p, kvb_transport_stats_t& s) {
   { p.Stats(s) } -> std::convertible_to<Status>;
 };
 
+template <typename P>
+concept HasInstanceCaps = requires(P& p) {
+  { p.InstanceCaps() } -> std::convertible_to<uint64_t>;
+};
+
 // The required members, each checked on its own so the compile error names the one missing.
 template <typename P>
 constexpr bool CheckTransportClass() {
@@ -478,6 +486,16 @@ struct TransportGlue {
     });
   }
 
+  // An exception leaves the descriptor's caps (logged by Guard).
+  static uint64_t InstanceCaps(kvb_transport_t* t) {
+    uint64_t caps = ~uint64_t{0};
+    Guard(I(t).host, "instance_caps", nullptr, 0, [&] {
+      caps = I(t).impl->InstanceCaps();
+      return KVB_OK;
+    });
+    return caps;
+  }
+
   static constexpr uint64_t Caps() {
     return P::kCaps | (HasTransportStats<P> ? KVB_TCAP_STATS : 0);
   }
@@ -497,6 +515,8 @@ struct TransportGlue {
       .cancel = Cancel,
       .release = Release,
       .get_stats = KVB_SDK_SLOT(HasTransportStats<P>, GetStats, kvb_transport_stats_unsupported),
+      .instance_caps =
+          KVB_SDK_SLOT(HasInstanceCaps<P>, InstanceCaps, kvb_transport_instance_caps_all),
   };
 
   static constexpr kvb_plugin_descriptor_t kDescriptor =
