@@ -169,4 +169,28 @@ ScopedDeviceContext::~ScopedDeviceContext() {
   if (retained_) (void)d_.cuDevicePrimaryCtxRelease(dev_);
 }
 
+Result<std::unique_ptr<DeviceStream>> DeviceStream::Create(const Driver& d, int device,
+                                                           std::string_view what) {
+  std::unique_ptr<DeviceStream> s(new DeviceStream(d, device));
+  const std::string where = std::string(what) + ": ";
+  ScopedDeviceContext ctx(d, device);
+  KVB_RETURN_IF_ERROR(ctx.status().WithContext(what));
+  KVB_RETURN_IF_ERROR(d.Check(d.cuDeviceGet(&s->dev_, device), where + "cuDeviceGet"));
+  CUcontext primary = nullptr;
+  KVB_RETURN_IF_ERROR(
+      d.Check(d.cuDevicePrimaryCtxRetain(&primary, s->dev_), where + "cuDevicePrimaryCtxRetain"));
+  s->retained_ = true;
+  KVB_RETURN_IF_ERROR(
+      d.Check(d.cuStreamCreate(&s->stream_, kStreamNonBlocking), where + "cuStreamCreate"));
+  return s;
+}
+
+DeviceStream::~DeviceStream() {
+  if (stream_ != nullptr) {
+    ScopedDeviceContext ctx(d_, device_);
+    (void)d_.cuStreamDestroy(stream_);
+  }
+  if (retained_) (void)d_.cuDevicePrimaryCtxRelease(dev_);
+}
+
 }  // namespace kvbridge::core::cuda

@@ -11,7 +11,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <string_view>
 
 #include "kvbridge/status.h"
 
@@ -102,6 +104,30 @@ class ScopedDeviceContext {
   bool retained_ = false;
   bool pushed_ = false;
   Status status_;
+};
+
+// A non-blocking stream on `device`'s primary context, which it keeps retained while it lives
+// (memory and events made on that context stay usable as long as it exists). Create and the
+// destructor make the context current only around their own driver calls. The destructor does
+// not wait for queued work: the owner drains the stream first.
+class DeviceStream {
+ public:
+  // Errors name `what` and the failed call: "<what>: cuStreamCreate: CUDA_ERROR_...".
+  static Result<std::unique_ptr<DeviceStream>> Create(const Driver& d, int device,
+                                                      std::string_view what);
+  ~DeviceStream();
+  DeviceStream(const DeviceStream&) = delete;
+  DeviceStream& operator=(const DeviceStream&) = delete;
+  CUstream get() const { return stream_; }
+  int device() const { return device_; }
+
+ private:
+  DeviceStream(const Driver& d, int device) : d_(d), device_(device) {}
+  const Driver& d_;
+  int device_;
+  CUdevice dev_ = 0;
+  bool retained_ = false;
+  CUstream stream_ = nullptr;
 };
 
 }  // namespace kvbridge::core::cuda

@@ -29,9 +29,8 @@ std::string Where(const void* addr, uint64_t off, uint64_t len, int device) {
 
 struct DeviceBounce::Impl {
   struct Device {
-    cuda::CUdevice dev = 0;
-    cuda::CUstream stream = nullptr;
-    std::vector<cuda::CUevent> events[2];  // per half of the bounce buffer, one per copy
+    std::unique_ptr<cuda::DeviceStream> stream;  // retains the device's primary context
+    std::vector<cuda::CUevent> events[2];        // per half of the bounce buffer, one per copy
   };
   const cuda::Driver* d = nullptr;
   uint64_t bytes = 0;
@@ -44,27 +43,19 @@ struct DeviceBounce::Impl {
   // device's context current.
   Result<Device*> Prepare(int ordinal) {
     if (auto it = devices.find(ordinal); it != devices.end()) return &it->second;
-    const std::string where = "bounce buffer for CUDA device " + std::to_string(ordinal) + ": ";
+    const std::string what = "bounce buffer for CUDA device " + std::to_string(ordinal);
     Device dv;
-    KVB_RETURN_IF_ERROR(d->Check(d->cuDeviceGet(&dv.dev, ordinal), where + "cuDeviceGet"));
-    cuda::CUcontext ctx = nullptr;
-    KVB_RETURN_IF_ERROR(
-        d->Check(d->cuDevicePrimaryCtxRetain(&ctx, dv.dev), where + "cuDevicePrimaryCtxRetain"));
-    Status st =
-        d->Check(d->cuStreamCreate(&dv.stream, cuda::kStreamNonBlocking), where + "cuStreamCreate");
-    if (st.ok() && host == nullptr) {
+    Result<std::unique_ptr<cuda::DeviceStream>> stream =
+        cuda::DeviceStream::Create(*d, ordinal, what);
+    if (!stream.ok()) return stream.status();
+    dv.stream = std::move(stream).value();
+    if (host == nullptr) {
       void* p = nullptr;
-      st = d->Check(d->cuMemHostAlloc(&p, bytes, cuda::kMemHostAllocPortable),
-                    where + "cuMemHostAlloc of " + std::to_string(bytes) + " bytes");
-      if (st.ok()) {
-        host = static_cast<char*>(p);
-        host_device = ordinal;
-      }
-    }
-    if (!st.ok()) {
-      if (dv.stream != nullptr) (void)d->cuStreamDestroy(dv.stream);
-      (void)d->cuDevicePrimaryCtxRelease(dv.dev);
-      return st;
+      KVB_RETURN_IF_ERROR(
+          d->Check(d->cuMemHostAlloc(&p, bytes, cuda::kMemHostAllocPortable),
+                   what + ": cuMemHostAlloc of " + std::to_string(bytes) + " bytes"));
+      host = static_cast<char*>(p);
+      host_device = ordinal;
     }
     return &devices.emplace(ordinal, std::move(dv)).first->second;
   }
@@ -100,19 +91,19 @@ Result<std::unique_ptr<DeviceBounce>> DeviceBounce::Create(uint64_t bounce_bytes
 DeviceBounce::~DeviceBounce() {
   Impl& im = *impl_;
   const cuda::Driver& d = *im.d;
-  // Read leaves no copy in flight, so the streams are idle.
+  // Read leaves no copy in flight, so the streams are idle. The events and the bounce buffer go
+  // first, while the streams still hold their primary contexts; the streams last.
   for (auto& [ordinal, dv] : im.devices) {
     cuda::ScopedDeviceContext ctx(d, ordinal);
     for (auto& evs : dv.events) {
       for (cuda::CUevent ev : evs) (void)d.cuEventDestroy(ev);
     }
-    (void)d.cuStreamDestroy(dv.stream);
   }
   if (im.host != nullptr) {
     cuda::ScopedDeviceContext ctx(d, im.host_device);
     (void)d.cuMemFreeHost(im.host);
   }
-  for (auto& [ordinal, dv] : im.devices) (void)d.cuDevicePrimaryCtxRelease(dv.dev);
+  im.devices.clear();
 }
 
 uint64_t DeviceBounce::bounce_bytes() const { return impl_->bytes; }
@@ -209,11 +200,12 @@ std::vector<Status> DeviceBounce::Read(std::span<const Span> spans, const ChunkF
       const Span& s = spans[c.span];
       const std::string what =
           "copying " + Where(s.addr, c.off, c.len, s.device) + " to the pinned bounce buffer";
-      Status cs = d.Check(
-          d.cuMemcpyAsync(reinterpret_cast<cuda::CUdeviceptr>(im.host + c.at),
-                          reinterpret_cast<cuda::CUdeviceptr>(s.addr) + c.off, c.len, f.dv->stream),
-          what + ": cuMemcpyAsync");
-      if (cs.ok()) cs = d.Check(d.cuEventRecord(f.dv->events[f.half][k], f.dv->stream), what);
+      Status cs = d.Check(d.cuMemcpyAsync(reinterpret_cast<cuda::CUdeviceptr>(im.host + c.at),
+                                          reinterpret_cast<cuda::CUdeviceptr>(s.addr) + c.off,
+                                          c.len, f.dv->stream->get()),
+                          what + ": cuMemcpyAsync");
+      if (cs.ok())
+        cs = d.Check(d.cuEventRecord(f.dv->events[f.half][k], f.dv->stream->get()), what);
       if (!cs.ok()) {
         fail(c.span, cs);
         continue;

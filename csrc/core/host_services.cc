@@ -143,8 +143,7 @@ void HostAuthEnd(void*, kvb_auth_t* a) { delete SessionOf(a); }
 struct kvb_dev_stream {
   const kvbridge::core::cuda::Driver* d = nullptr;
   int device = 0;
-  kvbridge::core::cuda::CUdevice dev = 0;
-  kvbridge::core::cuda::CUstream stream = nullptr;
+  std::unique_ptr<kvbridge::core::cuda::DeviceStream> stream;  // retains the primary context
   std::mutex mu;
   uint64_t next_ticket = 1;
   std::unordered_map<uint64_t, kvbridge::core::cuda::CUevent> tickets;
@@ -174,24 +173,13 @@ kvb_status_t HostDevStreamCreate(void*, int32_t device_id, kvb_dev_stream_t** ou
     kvb_copy_message(err, err_len, "dev_stream_create: needs a device id >= 0 and an out pointer");
     return KVB_ERR_INVALID_ARGUMENT;
   }
-  cuda::ScopedDeviceContext ctx(*d, device_id);
-  if (!ctx.status().ok()) return Fail(ctx.status().WithContext("dev_stream_create"), err, err_len);
+  Result<std::unique_ptr<cuda::DeviceStream>> stream =
+      cuda::DeviceStream::Create(*d, device_id, "dev_stream_create");
+  if (!stream.ok()) return Fail(stream.status(), err, err_len);
   auto s = std::make_unique<kvb_dev_stream_t>();
   s->d = d;
   s->device = device_id;
-  Status st = d->Check(d->cuDeviceGet(&s->dev, device_id), "dev_stream_create: cuDeviceGet");
-  cuda::CUcontext primary = nullptr;
-  if (st.ok()) {
-    st = d->Check(d->cuDevicePrimaryCtxRetain(&primary, s->dev),
-                  "dev_stream_create: cuDevicePrimaryCtxRetain");
-  }
-  if (!st.ok()) return Fail(st, err, err_len);
-  st = d->Check(d->cuStreamCreate(&s->stream, cuda::kStreamNonBlocking),
-                "dev_stream_create: cuStreamCreate");
-  if (!st.ok()) {
-    (void)d->cuDevicePrimaryCtxRelease(s->dev);
-    return Fail(st, err, err_len);
-  }
+  s->stream = std::move(stream).value();
   *out = s.release();
   return KVB_OK;
 }
@@ -207,10 +195,8 @@ void HostDevStreamDestroy(void*, kvb_dev_stream_t* s) {
       (void)d.cuEventDestroy(ev);
     }
     s->tickets.clear();
-    (void)d.cuStreamDestroy(s->stream);
   }
-  (void)d.cuDevicePrimaryCtxRelease(s->dev);
-  delete s;
+  delete s;  // the stream: destroyed, then its primary context released
 }
 
 kvb_status_t HostDevCopyAsync(void*, kvb_dev_stream_t* s, void* dst, const void* src, uint64_t len,
@@ -230,10 +216,11 @@ kvb_status_t HostDevCopyAsync(void*, kvb_dev_stream_t* s, void* dst, const void*
       d->Check(d->cuEventCreate(&ev, cuda::kEventDisableTiming), "dev_copy_async: cuEventCreate");
   if (st.ok()) {
     st = d->Check(d->cuMemcpyAsync(reinterpret_cast<cuda::CUdeviceptr>(dst),
-                                   reinterpret_cast<cuda::CUdeviceptr>(src), len, s->stream),
+                                   reinterpret_cast<cuda::CUdeviceptr>(src), len, s->stream->get()),
                   "dev_copy_async: cuMemcpyAsync of " + std::to_string(len) + " bytes");
   }
-  if (st.ok()) st = d->Check(d->cuEventRecord(ev, s->stream), "dev_copy_async: cuEventRecord");
+  if (st.ok())
+    st = d->Check(d->cuEventRecord(ev, s->stream->get()), "dev_copy_async: cuEventRecord");
   if (!st.ok()) {
     if (ev != nullptr) (void)d->cuEventDestroy(ev);
     return Fail(st, err, err_len);
