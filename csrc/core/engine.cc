@@ -12,6 +12,7 @@
 #include <random>
 #include <set>
 #include <shared_mutex>
+#include <tuple>
 #include <unordered_map>
 
 #include "core/circuit_breaker.h"
@@ -758,6 +759,7 @@ Result<SegmentId> TransferEngine::RegisterMemory(void* addr, uint64_t length, Me
   if (addr == nullptr || length == 0) {
     return Status::InvalidArgument("RegisterMemory: address must be non-null and length > 0");
   }
+  if (kind == MemoryKind::kDetect) std::tie(kind, device_id) = core::DetectMemoryKind(addr);
   if (kind != MemoryKind::kHost && kind != MemoryKind::kCuda) {
     return Status::InvalidArgument("RegisterMemory: unknown memory kind " +
                                    std::to_string(static_cast<uint32_t>(kind)) +

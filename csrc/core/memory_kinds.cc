@@ -125,6 +125,22 @@ Status CheckMapped(uint64_t addr, uint64_t len) {
   return Status::OK();
 }
 
+}  // namespace
+
+std::pair<MemoryKind, int> DetectMemoryKind(const void* addr) {
+  if (const cuda::Driver* d = cuda::DriverIfPresent()) {
+    // With a device hint of 0 an INVALID_CONTEXT answer is asked again with device 0's primary
+    // context current: a process holding device pointers has contexts already.
+    const PointerInfo p = Query(*d, reinterpret_cast<uint64_t>(addr), /*device_hint=*/0);
+    if (p.known() && p.memory_type == cuda::kMemoryTypeDevice && !p.managed) {
+      return {MemoryKind::kCuda, p.ordinal};
+    }
+  }
+  return {MemoryKind::kHost, -1};
+}
+
+namespace {
+
 Result<int> CheckHost(uint64_t addr, uint64_t len, int device_id) {
   if (const cuda::Driver* d = cuda::DriverIfPresent()) {
     const PointerInfo p = Query(*d, addr, /*device_hint=*/-2);  // never makes a context

@@ -8,7 +8,9 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
+#include "core/export_internal.h"
 #include "kvbridge/engine.h"
 #include "kvbridge/status.h"
 
@@ -17,5 +19,12 @@ namespace kvbridge::core {
 // The device id to keep with the region: for kCuda the pointer's device ordinal (device_id -1
 // means "the pointer's"), for kHost device_id unchanged.
 Result<int> CheckMemoryKind(const void* addr, uint64_t len, MemoryKind kind, int device_id);
+
+// What MemoryKind::kDetect stands for at `addr`: {kCuda, its device ordinal} when the CUDA
+// driver this process already has (cuda::DriverIfPresent: nothing is loaded for it) knows the
+// address as device memory (not managed), else {kHost, -1}. Never fails; the registration
+// that follows checks the range as usual. Exported KVBRIDGE_INTERNAL_API for
+// libkvbridge_store.so (core/export_internal.h).
+KVBRIDGE_INTERNAL_API std::pair<MemoryKind, int> DetectMemoryKind(const void* addr);
 
 }  // namespace kvbridge::core

@@ -17,9 +17,11 @@
 #include <span>
 #include <string_view>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 
 #include "core/device_bounce.h"
+#include "core/memory_kinds.h"
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
 #include "store/rpc_auth.h"
@@ -891,6 +893,7 @@ TransferEngine& StoreClient::engine() { return *impl_->engine; }
 
 Status StoreClient::RegisterBuffer(void* addr, uint64_t length, MemoryKind kind, int device_id) {
   Impl& im = *impl_;
+  if (kind == MemoryKind::kDetect) std::tie(kind, device_id) = core::DetectMemoryKind(addr);
   if (kind == MemoryKind::kCuda) {
     // The checksums of a CUDA buffer's bytes are taken through the driver (Impl::Checksums).
     std::lock_guard<std::mutex> lock(im.bounce_mu);

@@ -6,7 +6,7 @@ Accepted everywhere a buffer is expected:
     arrays, mmap, ...); read-only objects (bytes) only where kvbridge reads the memory;
   * a raw ``(address, length)`` pair of ints (host memory);
   * a ``Region`` (address, length, kind, device): memory already described, e.g. a range of
-    device memory inside a CUDA tensor.
+    device memory inside a CUDA tensor, or a raw pointer of either kind (DETECT) to register.
 
 The caller keeps the object alive (and does not resize it) while kvbridge uses the memory.
 """
@@ -24,13 +24,14 @@ BufferLike = Union[Any, Tuple[int, int]]
 
 HOST = 1
 CUDA = 2
+DETECT = 3  # registration only: what the memory is (CUDA device memory the driver knows, or host)
 
 
 @dataclass(frozen=True)
 class Region:
     address: int
     length: int
-    kind: int = HOST  # HOST or CUDA
+    kind: int = HOST  # HOST, CUDA, or DETECT (registration only)
     device: int = -1  # CUDA device index for CUDA memory
 
 
@@ -42,7 +43,7 @@ def _is_tensor(obj: Any) -> bool:
 def region(obj: BufferLike, *, writable: bool, what: str = "buffer") -> Region:
     """The memory `obj` denotes; InvalidArgumentError naming `what` if it is not usable."""
     if isinstance(obj, Region):
-        if obj.address <= 0 or obj.length < 0 or obj.kind not in (HOST, CUDA) or (
+        if obj.address <= 0 or obj.length < 0 or obj.kind not in (HOST, CUDA, DETECT) or (
                 obj.kind == CUDA and obj.device < 0):
             raise InvalidArgumentError(f"{what}: {obj} is not a valid range")
         return obj

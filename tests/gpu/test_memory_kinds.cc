@@ -13,6 +13,7 @@
 #include <string>
 
 #include "core/cuda_driver.h"
+#include "core/descriptor.h"
 #include "core/memory_kinds.h"
 #include "kvbridge/engine.h"
 #include "tests/common/test_util.h"
@@ -151,6 +152,27 @@ TEST_F(MemoryKinds, DevicePointerRegisteredAsHostIsRefusedByTheEngine) {
   EXPECT_TRUE(e->RegisterMemory(host.data(), host.size()).ok());
 }
 
+// kDetect: device memory the driver knows is registered as kCuda of its device (the descriptor
+// says so), anything else as host memory.
+TEST_F(MemoryKinds, DetectRegistersEachAsWhatItIs) {
+  DeviceMem m(1, 1 << 20);
+  Buffer host(65536);
+  EXPECT_EQ(core::DetectMemoryKind(m.p + 4096), std::make_pair(MemoryKind::kCuda, 1));
+  EXPECT_EQ(core::DetectMemoryKind(host.data()), std::make_pair(MemoryKind::kHost, -1));
+  auto e = Must(TransferEngine::Create(LoopbackOptions("tcp", "gpu-detect")));
+  const SegmentId dev_seg = Must(e->RegisterMemory(m.p, m.len, MemoryKind::kDetect, 0));
+  const SegmentId host_seg = Must(e->RegisterMemory(host.data(), host.size(), MemoryKind::kDetect));
+  for (const auto& s : Must(core::DecodeDescriptor(e->LocalDescriptor())).segments) {
+    if (s.id == dev_seg) {
+      EXPECT_EQ(s.mem_kind, static_cast<uint32_t>(MemoryKind::kCuda));
+      EXPECT_EQ(s.device_id, 1) << "the pointer's device, not the device_id passed";
+    } else {
+      EXPECT_EQ(s.id, host_seg);
+      EXPECT_EQ(s.mem_kind, static_cast<uint32_t>(MemoryKind::kHost));
+    }
+  }
+}
+
 TEST_F(MemoryKinds, UnmappedHostRangeIsUnknownMemory) {
   auto e = Must(TransferEngine::Create(LoopbackOptions("tcp", "gpu-unmapped")));
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
@@ -183,9 +205,12 @@ TEST(MemoryKindsNoDriverChild, CudaIsUnavailableHostStillWorks) {
   // The same cached answer each time.
   EXPECT_EQ(core::CheckMemoryKind(host.data(), 4096, MemoryKind::kCuda, -1).status().message(),
             r.status().message());
-  // Host memory needs no driver.
+  // Host memory needs no driver; kDetect without one is host memory.
   auto e = Must(TransferEngine::Create(LoopbackOptions("tcp", "gpu-nodriver")));
   EXPECT_TRUE(e->RegisterMemory(host.data(), host.size()).ok());
+  Buffer other(65536);
+  EXPECT_EQ(core::DetectMemoryKind(other.data()), std::make_pair(MemoryKind::kHost, -1));
+  EXPECT_TRUE(e->RegisterMemory(other.data(), other.size(), MemoryKind::kDetect).ok());
 }
 
 TEST_F(MemoryKinds, NoDriverIsUnavailableNamingTheLibrary) {

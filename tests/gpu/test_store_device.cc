@@ -318,6 +318,20 @@ TEST_F(StoreDevice, RegistrationChecksTheKind) {
             StatusCode::kAlreadyExists);
   EXPECT_TRUE(c.UnregisterBuffer(dev.data()).ok());
   EXPECT_TRUE(c.UnregisterBuffer(host.data()).ok());
+  // kDetect registers each as what it is; the device buffer then takes a put and a get.
+  EXPECT_TRUE(c.RegisterBuffer(host.data(), host.size(), MemoryKind::kDetect).ok());
+  EXPECT_TRUE(c.RegisterBuffer(dev.data(), dev.size(), MemoryKind::kDetect).ok());
+  EXPECT_EQ(c.RegisterBuffer(dev.data(), dev.size(), MemoryKind::kCuda, 1).code(),
+            StatusCode::kAlreadyExists);
+  Fill(dev.view(), 11, 4096);
+  const std::vector<std::string> keys = {"detected"};
+  const std::vector<std::vector<BufferRef>> from = {{BufferRef{dev.data(), 4096}}};
+  std::vector<Status> put = c.BatchPutFrom(keys, from);
+  ASSERT_TRUE(put[0].ok()) << put[0].ToString();
+  const std::vector<std::vector<BufferRef>> into = {{BufferRef{host.data(), 4096}}};
+  std::vector<Result<uint64_t>> got = c.BatchGetInto(keys, into);
+  ASSERT_TRUE(got[0].ok()) << got[0].status().ToString();
+  EXPECT_EQ(std::memcmp(host.data(), dev.view(), 4096), 0);
 }
 
 // Without a driver: registering a CUDA buffer is UNAVAILABLE naming the driver and why it is

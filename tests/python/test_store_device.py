@@ -152,3 +152,47 @@ with kvbridge.Cluster(nodes=1, dram_bytes_per_node=16 << 20) as cluster:
     assert store.get("k") == b"v" * 10
 print("CHILD OK")
 ''', {"KVBRIDGE_CUDA_DRIVER": "/nonexistent/libcuda.so.1"})
+
+
+def test_mooncake_api_registers_raw_gpu_pointers_as_device_memory():
+    """The Mooncake-compatible API takes raw pointers to host or GPU memory alike (SGLang's and
+    vLLM's Mooncake backends register GPU KV that way): kvbridge registers each as what it is
+    (MemoryKind::kDetect), so a GPU pointer is moved as device memory (here through tcp's
+    staging, every CPU access to it faulting) by the transfer engine and the store."""
+    needs_fake_driver()
+    run_child(FAKE_PRELUDE + r'''
+from kvbridge.compat._mooncake_engine import TransferEngine
+from kvbridge.compat._mooncake_store import MooncakeDistributedStore
+N = 1 << 20
+src, src_view = device_alloc(0, N)
+dst, dst_view = device_alloc(1, N)
+payload = os.urandom(N)
+ctypes.memmove(src_view, payload, N)
+host = ctypes.create_string_buffer(N)
+server, client = TransferEngine(), TransferEngine()
+assert server.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+assert client.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+assert server.register_memory(dst, N) == 0
+assert server.register_memory(ctypes.addressof(host), N) == 0
+assert client.register_memory(src, N) == 0
+session = f"127.0.0.1:{server.get_rpc_port()}"
+# GPU to GPU and GPU to host, one-sided writes from the client.
+assert client.transfer_sync_write(session, src + 4096, dst + 8192, 65536) == 0
+assert ctypes.string_at(dst_view + 8192, 65536) == payload[4096:4096 + 65536]
+assert client.transfer_sync_write(session, src, ctypes.addressof(host), N) == 0
+assert host.raw == payload
+# The store: register_buffer of a GPU pointer, put_from it, get_into another GPU buffer.
+master = kvbridge.Master(master_listen="127.0.0.1:0")
+store = MooncakeDistributedStore()
+assert store.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "",
+                   master.address) == 0
+other, other_view = device_alloc(1, N)
+assert store.register_buffer(src, N) == 0
+assert store.register_buffer(other, N) == 0
+assert store.put_from("gpu-key", src + 100, 300000) == 0
+assert store.get_into("gpu-key", other + 5, 300000) == 300000
+assert ctypes.string_at(other_view + 5, 300000) == payload[100:300100]
+store.close()
+master.close()
+print("CHILD OK")
+''', {"KVBRIDGE_CUDA_DRIVER": str(FAKE_CUDA)})

@@ -42,7 +42,10 @@ namespace kvbridge {
 using SegmentId = uint64_t;
 using BatchId = uint64_t;
 
-enum class MemoryKind : uint32_t { kHost = 1, kCuda = 2 };
+// kDetect (registration only): CUDA device memory of its device when this process's CUDA driver
+// knows the address as such, host memory otherwise; for callers that hold raw pointers of
+// either kind (the Mooncake-compatible API).
+enum class MemoryKind : uint32_t { kHost = 1, kCuda = 2, kDetect = 3 };
 enum class OpCode : uint32_t { kRead = 1, kWrite = 2 };
 
 // A process incarnation: node id plus a random 64-bit number drawn at engine start.
@@ -149,7 +152,8 @@ class KVBRIDGE_API TransferEngine {
   std::string endpoints(std::string_view transport) const;
 
   // Makes [addr, addr+length) reachable by peers. Overlapping an existing region is
-  // ALREADY_EXISTS. The returned id is what peers name as remote_segment.
+  // ALREADY_EXISTS. The returned id is what peers name as remote_segment. kDetect registers
+  // it as what it is (core/memory_kinds.h DetectMemoryKind), with device_id ignored.
   Result<SegmentId> RegisterMemory(void* addr, uint64_t length, MemoryKind kind = MemoryKind::kHost,
                                    int device_id = -1);
   // After return nothing touches the region any more: no peer request, and no batch of this

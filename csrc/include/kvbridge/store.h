@@ -99,8 +99,8 @@ class KVBRIDGE_API StoreClient {
   // engine's registration (UNKNOWN_MEMORY, INVALID_ARGUMENT naming what was found). Its bytes
   // move between the device and the storage nodes through the engine; their CRC-32C is taken
   // from a copy in a pinned bounce buffer, never by the CPU reading device memory
-  // (docs/store.md "Device buffers"). Without a CUDA driver: UNAVAILABLE naming it. A kind
-  // that is neither kHost nor kCuda: INVALID_ARGUMENT.
+  // (docs/store.md "Device buffers"). Without a CUDA driver: UNAVAILABLE naming it. kDetect:
+  // what the memory is (TransferEngine::RegisterMemory). Another kind: INVALID_ARGUMENT.
   Status RegisterBuffer(void* addr, uint64_t length, MemoryKind kind = MemoryKind::kHost,
                         int device_id = -1);
   // NOT_FOUND unless addr is the start of a registered buffer.

@@ -27,7 +27,7 @@ import threading
 from typing import Any, Optional, Sequence
 
 import kvbridge
-from kvbridge import errors
+from kvbridge import _buffers, errors
 from kvbridge._native import _C
 
 log = logging.getLogger("kvbridge.compat.mooncake")
@@ -140,7 +140,10 @@ class TransferEngine:
     # -- registration ------------------------------------------------------------------------
     def register_memory(self, buffer_addr: int, capacity: int) -> int:
         try:
-            seg = self._engine().register((int(buffer_addr), int(capacity)))
+            # Mooncake takes raw pointers to host or GPU memory alike: registered as what they
+            # are (CUDA device memory the driver knows, else host memory).
+            seg = self._engine().register(
+                _buffers.Region(int(buffer_addr), int(capacity), _buffers.DETECT))
         except errors.KvbError as e:
             log.error("register_memory(%#x, %d): %s", buffer_addr, capacity, e)
             return _code(e)

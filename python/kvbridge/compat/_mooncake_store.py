@@ -40,6 +40,7 @@ import socket
 import threading
 from typing import Any, Optional, Sequence
 
+from kvbridge import _buffers
 from kvbridge.errors import KvbError, UnavailableError
 from kvbridge.store import Node, StoreClient, cluster_status
 
@@ -49,6 +50,12 @@ __all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ErrorCode", "mooncake
 
 _log = logging.getLogger("kvbridge.compat.mooncake")
 
+
+
+def _raw(address: int, size: int) -> _buffers.Region:
+    """A raw pointer from the Mooncake API: host or GPU memory alike, registered as what it is
+    (CUDA device memory the driver knows, else host memory)."""
+    return _buffers.Region(address, size, _buffers.DETECT)
 
 class ErrorCode(enum.IntEnum):
     """Mooncake Store's error numbers (mooncake-store/include/types.h) that this layer returns."""
@@ -336,18 +343,18 @@ class _Session:
             raise UnavailableError("the store is closed")
         for address, size in buffers:
             try:
-                c.register_buffer((address, size))
+                c.register_buffer(_raw(address, size))
             except KvbError:
                 pass  # unregistered meanwhile; that key then goes through the staging copy
         return c
 
     def register(self, address: int, size: int) -> None:
-        self.client.register_buffer((address, size))
+        self.client.register_buffer(_raw(address, size))
         with self._lock:
             self._registered[address] = size
             others = [c for n, c in self._by_replicas.items() if n != 1]
         for c in others:
-            c.register_buffer((address, size))
+            c.register_buffer(_raw(address, size))
 
     def unregister(self, address: int) -> None:
         self.client.unregister_buffer((address, 0))
