@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # benchmarks/gpu_check.sh: the checks that need a GPU, in one go: the page-copy kernels, then
 # device memory through the tcp transport (stage tcp-device) and through a CUDA-enabled UCX
-# (stage ucx-device).
+# (stage ucx-device), then the Python suites' GPU tests (stage python-gpu).
 #
 # For a machine with an NVIDIA GPU, the CUDA toolkit, CMake and a C++ compiler and none of
 # kvbridge's other dependencies: builds kernels/ as a CMake project of its own with
@@ -34,11 +34,20 @@
 # ops. UCX_DEVICE=0 skips it. Until it has passed on a GPU machine, ucx's device path is
 # unverified.
 #
+# Stage python-gpu: the Python suites' GPU tests on real CUDA tensors: the torch ops
+# (tests/python/test_ops.py), CUDA tensors between two engines and through the store
+# (test_engine.py, test_store.py), and the vLLM connector's in-place device KV
+# (test_vllm_device_kv.py::test_device_kv_on_a_real_gpu), with KVBRIDGE_REQUIRE_GPU=$REQUIRE_GPU.
+# Needs $PYTHON (default python3) with torch (CUDA), pytest and pybind11; without them the stage
+# is skipped with a printed reason. Builds the main project with the CUDA kernels and the Python
+# extension in $PY_BUILD_DIR. PYTHON_GPU=0 skips it.
+#
 # Environment: BUILD_DIR (default build-gpu), TCP_BUILD_DIR (default build-gpu-tcp),
-# UCX_BUILD_DIR (default build-gpu-ucx), UCX_ROOT, CUDA_ARCHS
+# UCX_BUILD_DIR (default build-gpu-ucx), PY_BUILD_DIR (default build-gpu-py), UCX_ROOT, PYTHON,
+# CUDA_ARCHS
 # (default: the GPU's compute capability from nvidia-smi, else "80;90"), JOBS (default: all
 # cores), BENCH_FLAGS (default --quick), REQUIRE_GPU (default 1; 0 lets the CUDA tests skip, for
-# a dry run without a GPU), TCP_DEVICE (default 1), UCX_DEVICE (default 1).
+# a dry run without a GPU), TCP_DEVICE (default 1), UCX_DEVICE (default 1), PYTHON_GPU (default 1).
 # Exit status: 0 all passed, 1 a test failed, 2 a build failed, 3 no googletest.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -158,6 +167,38 @@ if [[ "${UCX_DEVICE:-1}" == 1 ]]; then
         KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" "$ucx_build/tests/kvb_gpu_fake_tests" \
         --gtest_filter='TcpDeviceData.DeviceMemoryGoesDirectOverUcx*' >&2; then
         log "stage ucx-device: FAILED"
+        merge 1
+      fi
+    fi
+  fi
+fi
+
+# ---- stage python-gpu ------------------------------------------------------------------------
+if [[ "${PYTHON_GPU:-1}" == 1 ]]; then
+  py="${PYTHON:-python3}"
+  why="$("$py" -c 'import torch, pytest, pybind11
+print("" if torch.cuda.is_available() else "torch sees no CUDA device")' 2>&1 | tail -n 1)"
+  if [[ -n "$why" ]]; then
+    log "stage python-gpu: skipped: $py cannot run it ($why)"
+  else
+    py_build="${PY_BUILD_DIR:-$here/build-gpu-py}"
+    log "stage python-gpu: configuring $py_build for $py"
+    if ! cmake -S "$here" -B "$py_build" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
+      -DKVBRIDGE_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$archs" -DKVBRIDGE_BUILD_PYTHON=ON \
+      "-DPython_EXECUTABLE=$(command -v "$py")" -DKVBRIDGE_BUILD_BENCHMARKS=OFF >&2; then
+      log "stage python-gpu: configure failed"
+      merge 2
+    elif ! cmake --build "$py_build" -j "$jobs" >&2; then
+      log "stage python-gpu: build failed"
+      merge 2
+    else
+      log "stage python-gpu: running the GPU tests of tests/python"
+      if ! (cd "$here" && KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" \
+        PYTHONPATH="$py_build/python" "$py" -m pytest -q -rs tests/python/test_ops.py \
+        tests/python/test_engine.py::test_cuda_tensors_move_between_engines \
+        tests/python/test_store.py::test_cuda_tensors \
+        tests/python/test_vllm_device_kv.py::test_device_kv_on_a_real_gpu >&2); then
+        log "stage python-gpu: FAILED"
         merge 1
       fi
     fi

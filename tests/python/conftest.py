@@ -17,6 +17,16 @@ import kvbridge
 REPO = Path(__file__).resolve().parents[2]
 
 
+def need_cuda(ok: bool, reason: str) -> None:
+    """Skips a GPU test where there is no usable GPU, naming why; with KVBRIDGE_REQUIRE_GPU=1
+    (benchmarks/gpu_check.sh on a GPU machine) that is a failure instead."""
+    if ok:
+        return
+    if os.environ.get("KVBRIDGE_REQUIRE_GPU") == "1":
+        pytest.fail(f"KVBRIDGE_REQUIRE_GPU=1 but {reason}")
+    pytest.skip(reason)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ import torch
 
 import kvbridge
 from kvbridge import errors
-from conftest import free_port, freeze, read_line, spawn_python
+from conftest import free_port, freeze, need_cuda, read_line, spawn_python
 
 PEER = r"""
 import sys, zlib, kvbridge
@@ -244,12 +244,23 @@ def test_restarted_peer_on_same_port_is_stale_until_readded():
         proc.wait()
 
 
-def test_cuda_memory_is_a_named_unsupported_or_skips():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: CUDA registration path not reachable here")
-    with engine() as eng:
-        with pytest.raises(errors.UnsupportedError):
-            eng.register(torch.zeros(1024, device="cuda"))
+def test_cuda_tensors_move_between_engines():
+    """On a GPU: CUDA tensors register as device memory and move between two engines (over
+    tcp's pinned staging), both ways; tests/gpu has the same against the fake driver."""
+    need_cuda(torch.cuda.is_available(), "no CUDA device on this machine")
+    with engine(node_id="py-gpu-a") as a, engine(node_id="py-gpu-b") as b:
+        src = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+        dst = torch.zeros(1 << 20, dtype=torch.float32, device="cuda")
+        back = torch.zeros(1 << 20, dtype=torch.float32, device="cuda")
+        a.register(src)
+        a.register(back)
+        seg = b.register(dst)
+        a.add_peer(b.descriptor())
+        torch.cuda.synchronize()
+        a.write(src, "py-gpu-b", seg, 0)
+        assert torch.equal(dst, src)
+        a.read(back, "py-gpu-b", seg, 0)
+        assert torch.equal(back, src)
 
 
 def test_multipath_options_reach_the_engine_options_and_bools_are_typed():

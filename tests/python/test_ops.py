@@ -13,6 +13,8 @@ import torch
 from kvbridge import ops
 from kvbridge.errors import InvalidArgumentError, KvbError, OutOfBoundsError
 
+from conftest import need_cuda
+
 CUDA_OK, CUDA_REASON = ops.cuda_available()
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
@@ -21,8 +23,8 @@ _BITS = {4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 @pytest.fixture(params=["cpu", "cuda"])
 def device(request):
-    if request.param == "cuda" and not CUDA_OK:
-        pytest.skip(f"no usable CUDA device: {CUDA_REASON}")
+    if request.param == "cuda":
+        need_cuda(CUDA_OK, f"no usable CUDA device: {CUDA_REASON}")
     return torch.device(request.param)
 
 
@@ -206,8 +208,7 @@ def test_sglang_many_layers(device):
 
 def test_cuda_graph_capture():
     """The CUDA ops record into a CUDA graph; a replay copies the indices current then."""
-    if not CUDA_OK:
-        pytest.skip(f"no usable CUDA device: {CUDA_REASON}")
+    need_cuda(CUDA_OK, f"no usable CUDA device: {CUDA_REASON}")
     gen = torch.Generator().manual_seed(11)
     dev, P, L = torch.device("cuda"), 4, 3
     k = [rand((32, 2, 8), torch.bfloat16, dev, gen) for _ in range(L)]

@@ -10,6 +10,8 @@ import torch
 import kvbridge
 from kvbridge import errors
 
+from conftest import need_cuda
+
 
 def test_put_get_roundtrip_tensor_and_bytes(cluster):
     store = cluster.client()
@@ -411,11 +413,11 @@ def test_client_without_master_fails_fast_with_a_named_error():
     assert time.monotonic() - t < 5
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_cuda_tensors(cluster):
     """Unregistered CUDA tensors go through host memory in put/get_into and are
     NOT_REGISTERED in the batch forms; registered ones go straight (tests/python/
     test_store_device.py has the same over the fake driver, for machines without a GPU)."""
+    need_cuda(torch.cuda.is_available(), "no CUDA device on this machine")
     store = cluster.client()
     page = torch.randn(2, 16, 8, 64, device="cuda")
     store.put("cuda/page", page)

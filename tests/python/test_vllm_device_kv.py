@@ -148,3 +148,61 @@ with kvbridge.Cluster(nodes=1, dram_bytes_per_node=16 << 20) as cluster:
 engine.close()
 print("CHILD OK")
 ''', {"KVBRIDGE_CUDA_DRIVER": str(FAKE_CUDA)})
+
+
+def test_device_kv_on_a_real_gpu():
+    """The first test on real CUDA tensors (benchmarks/gpu_check.sh, stage python-gpu): a decode
+    pulls prefill blocks device to device, and blocks go through the store and back."""
+    import torch
+
+    import kvbridge
+    from kvbridge.integrations._vllm_core import (Counters, RankEndpoint, kv_device, layout_of,
+                                                  register_device_kv)
+    from kvbridge.integrations._vllm_pd import PdPuller, PdServer
+
+    from conftest import need_cuda
+
+    need_cuda(torch.cuda.is_available(), "no CUDA device on this machine")
+    blocks = 8
+
+    def kv(seed: float) -> dict:
+        return {f"layer.{i}": torch.full((blocks, 2, 4, 16), seed + i, device="cuda")
+                for i in range(2)}
+
+    prefill_kv, decode_kv = kv(1.0), kv(100.0)
+    assert kv_device(prefill_kv) == 0
+    p_layout, d_layout = layout_of(prefill_kv, blocks), layout_of(decode_kv, blocks)
+    with kvbridge.Cluster(nodes=1, dram_bytes_per_node=32 << 20) as cluster:
+        store = cluster.client()
+        prefill = kvbridge.TransferEngine(node_id="gpu-prefill", listen="127.0.0.1:0")
+        decode = kvbridge.TransferEngine(node_id="gpu-decode", listen="127.0.0.1:0")
+        segs = register_device_kv(p_layout, 0, prefill, store)
+        register_device_kv(d_layout, 0, decode, None)
+        torch.cuda.synchronize()
+        server = PdServer(prefill, p_layout, segs, "127.0.0.1", 0, Counters())
+        try:
+            server.hold({"req": 30.0})
+            rank = RankEndpoint(server.endpoint, prefill.id.node_id, prefill.id.incarnation)
+            got = PdPuller(decode, d_layout, 3000, 5000, 2000).pull(rank, [0, 1, 5], [2, 3, 4])
+            assert got.ok, got.error
+        finally:
+            server.close()
+        for i in range(2):
+            for lb, rb in ((0, 2), (1, 3), (5, 4)):
+                assert torch.equal(decode_kv[f"layer.{i}"][lb], prefill_kv[f"layer.{i}"][rb])
+            assert torch.all(decode_kv[f"layer.{i}"][2] == 100.0 + i)
+        pieces = [p_layout.block_pieces(b) for b in (6, 7)]
+        assert store.batch_put_from_ptrs(["g6", "g7"], [a for a, _ in pieces],
+                                         [n for _, n in pieces]) == {}
+        want = {i: prefill_kv[f"layer.{i}"][6:8].clone() for i in range(2)}
+        for t in prefill_kv.values():
+            t.zero_()
+        torch.cuda.synchronize()
+        pieces = [p_layout.block_pieces(b) for b in (0, 1)]
+        sizes, failed = store.batch_get_into_ptrs(["g6", "g7"], [a for a, _ in pieces],
+                                                  [n for _, n in pieces])
+        assert failed == {}, failed
+        for i in range(2):
+            assert torch.equal(prefill_kv[f"layer.{i}"][0:2], want[i])
+        decode.close()
+        prefill.close()
