@@ -12,6 +12,7 @@ PACKAGES=(
   iproute2 nftables procps
   clang-format
   libucx-dev ucx-utils
+  libibverbs-dev librdmacm-dev
 )
 
 missing=()
