@@ -6,7 +6,13 @@
 # For a machine with an NVIDIA GPU, the CUDA toolkit, CMake and a C++ compiler and none of
 # kvbridge's other dependencies: builds kernels/ as a CMake project of its own with
 # -DKVBRIDGE_CUDA=ON, runs kvb_kernel_tests with KVBRIDGE_REQUIRE_GPU=1 (a CUDA test that
-# would skip fails instead), then the kernel benchmark, whose JSON is the last stdout line.
+# would skip fails instead), then the kernel benchmark.
+#
+# Output: progress on stderr, then a summary table of every stage (result: passed, FAILED,
+# skipped with the reason, or the kernel benchmark's headline against its goal, page_first pack
+# >= 0.85 of a device-to-device copy); the last stdout line is one JSON object
+# {"benchmark": "gpu_check", "status", "stages": [{"stage", "result", "detail"}...], "kernels":
+# the kernel benchmark's JSON}.
 #
 # googletest: an installed package if CMake finds one, else the sources in
 # $KVBRIDGE_GTEST_SOURCE_DIR, build-gpu-deps/googletest (git-ignored) or /usr/src/googletest.
@@ -55,6 +61,10 @@ build="${BUILD_DIR:-$here/build-gpu}"
 jobs="${JOBS:-$(nproc)}"
 bench_flags="${BENCH_FLAGS:---quick}"
 log() { echo "gpu_check: $*" >&2; }
+# The summary: one "stage|result|detail" per stage (printed as a table at the end, and as the
+# "stages" of the last stdout line).
+stages=()
+record() { stages+=("$1|$2|$3"); }
 
 if ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
   export PATH="/usr/local/cuda/bin:$PATH"
@@ -104,15 +114,30 @@ if [[ $have_tests == 1 ]]; then
   if ! KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" "$build/tests/kvb_kernel_tests" >&2; then
     log "kvb_kernel_tests FAILED"
     status=1
+    record kernel-tests FAILED "kvb_kernel_tests (REQUIRE_GPU=${REQUIRE_GPU:-1})"
+  else
+    record kernel-tests passed "kvb_kernel_tests (REQUIRE_GPU=${REQUIRE_GPU:-1})"
   fi
 else
   log "no googletest: kvb_kernel_tests not built (see the header of this script)"
   status=3
+  record kernel-tests skipped "no googletest"
 fi
 
 log "running kvb_bench_kernels $bench_flags"
 # shellcheck disable=SC2086
 out="$("$build/benchmarks/kvb_bench_kernels" $bench_flags)" || { log "benchmark failed"; status=1; }
+bench_line="$(echo "$out" | tail -n 1)"
+# The headline: page_first pack over a device-to-device copy of the same bytes (goal 0.85).
+headline="$(echo "$bench_line" | sed -n 's/.*"headline": *{[^}]*"ratio": *\([0-9.]*\).*/\1/p')"
+if [[ -z "$bench_line" || "$bench_line" != "{"* ]]; then
+  record kernel-bench FAILED "no JSON from kvb_bench_kernels"
+elif [[ -z "$headline" ]]; then
+  record kernel-bench no-gpu "kvb_bench_kernels measured no GPU (see its JSON)"
+else
+  verdict="$(awk -v r="$headline" 'BEGIN { print (r >= 0.85) ? "goal met" : "goal missed" }')"
+  record kernel-bench measured "page_first pack / D2D copy = $headline (goal >= 0.85: $verdict)"
+fi
 
 # ---- stage tcp-device ------------------------------------------------------------------------
 # Worst status wins: a failed test (1) or build (2) is never hidden by a later stage; 3 (no
@@ -125,16 +150,21 @@ if [[ "${TCP_DEVICE:-1}" == 1 ]]; then
     -DKVBRIDGE_CUDA=OFF -DKVBRIDGE_BUILD_PYTHON=OFF -DKVBRIDGE_BUILD_BENCHMARKS=OFF >&2; then
     log "stage tcp-device: configure failed (needs libssl-dev and an installed googletest)"
     merge 2
+    record tcp-device FAILED "configure (needs libssl-dev and an installed googletest)"
   elif ! cmake --build "$tcp_build" -j "$jobs" \
     --target kvb_gpu_fake_tests kvb_transport_tcp kvbtest_fake_cuda >&2; then
     log "stage tcp-device: build failed"
     merge 2
+    record tcp-device FAILED "build"
   else
     log "stage tcp-device: running TcpDeviceData.* on the real driver"
     if ! KVBTEST_REAL_CUDA=1 KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" \
       "$tcp_build/tests/kvb_gpu_fake_tests" --gtest_filter='TcpDeviceData.*' >&2; then
       log "stage tcp-device: FAILED"
       merge 1
+      record tcp-device FAILED "TcpDeviceData.* on the real driver"
+    else
+      record tcp-device passed "TcpDeviceData.* on the real driver"
     fi
   fi
 fi
@@ -149,6 +179,7 @@ if [[ "${UCX_DEVICE:-1}" == 1 ]]; then
   if [[ -z "$ucx_root" || ! -f "$ucx_root/include/ucp/api/ucp.h" ]]; then
     log "stage ucx-device: skipped: no CUDA-enabled UCX (set UCX_ROOT, or pip install" \
       "libucx-cu13 for python3)"
+    record ucx-device skipped "no CUDA-enabled UCX (UCX_ROOT, or libucx-cu13 for python3)"
   else
     ucx_build="${UCX_BUILD_DIR:-$here/build-gpu-ucx}"
     log "stage ucx-device: configuring $ucx_build against $ucx_root"
@@ -157,10 +188,12 @@ if [[ "${UCX_DEVICE:-1}" == 1 ]]; then
       -DKVBRIDGE_UCX=ON "-DKVBRIDGE_UCX_ROOT=$ucx_root" >&2; then
       log "stage ucx-device: configure failed"
       merge 2
+      record ucx-device FAILED "configure"
     elif ! cmake --build "$ucx_build" -j "$jobs" \
       --target kvb_gpu_fake_tests kvb_transport_tcp kvb_transport_ucx kvbtest_fake_cuda >&2; then
       log "stage ucx-device: build failed"
       merge 2
+      record ucx-device FAILED "build"
     else
       log "stage ucx-device: running the tcp + ucx device test on the real driver"
       if ! KVBTEST_REAL_CUDA=1 KVBTEST_REQUIRE_UCX_CUDA=1 \
@@ -168,6 +201,9 @@ if [[ "${UCX_DEVICE:-1}" == 1 ]]; then
         --gtest_filter='TcpDeviceData.DeviceMemoryGoesDirectOverUcx*' >&2; then
         log "stage ucx-device: FAILED"
         merge 1
+        record ucx-device FAILED "tcp + ucx device test, KVBTEST_REQUIRE_UCX_CUDA=1"
+      else
+        record ucx-device passed "tcp + ucx device test, KVBTEST_REQUIRE_UCX_CUDA=1"
       fi
     fi
   fi
@@ -180,6 +216,7 @@ if [[ "${PYTHON_GPU:-1}" == 1 ]]; then
 print("" if torch.cuda.is_available() else "torch sees no CUDA device")' 2>&1 | tail -n 1)"
   if [[ -n "$why" ]]; then
     log "stage python-gpu: skipped: $py cannot run it ($why)"
+    record python-gpu skipped "$py: $why"
   else
     py_build="${PY_BUILD_DIR:-$here/build-gpu-py}"
     log "stage python-gpu: configuring $py_build for $py"
@@ -188,9 +225,11 @@ print("" if torch.cuda.is_available() else "torch sees no CUDA device")' 2>&1 | 
       "-DPython_EXECUTABLE=$(command -v "$py")" -DKVBRIDGE_BUILD_BENCHMARKS=OFF >&2; then
       log "stage python-gpu: configure failed"
       merge 2
+      record python-gpu FAILED "configure"
     elif ! cmake --build "$py_build" -j "$jobs" >&2; then
       log "stage python-gpu: build failed"
       merge 2
+      record python-gpu FAILED "build"
     else
       log "stage python-gpu: running the GPU tests of tests/python"
       if ! (cd "$here" && KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" \
@@ -200,10 +239,37 @@ print("" if torch.cuda.is_available() else "torch sees no CUDA device")' 2>&1 | 
         tests/python/test_vllm_device_kv.py::test_device_kv_on_a_real_gpu >&2); then
         log "stage python-gpu: FAILED"
         merge 1
+        record python-gpu FAILED "torch ops, engine, store, vLLM device KV"
+      else
+        record python-gpu passed "torch ops, engine, store, vLLM device KV"
       fi
     fi
   fi
 fi
 
-echo "$out" | tail -n 1
+# Transports whose GPU or NIC checks do not exist yet.
+record nccl skipped "the plugin is not built yet (docs/transports/nccl.md)"
+record verbs skipped "the plugin is not built yet (docs/transports/verbs.md)"
+
+# ---- summary -----------------------------------------------------------------------------------
+json_escape() { local v="${1//\\/\\\\}"; printf '%s' "${v//\"/\\\"}"; }
+{
+  echo "gpu_check summary (exit status $status):"
+  printf '| %-13s | %-8s | %s\n' stage result detail
+  printf '|---------------|----------|--------\n'
+  for row in "${stages[@]}"; do
+    IFS='|' read -r name result detail <<<"$row"
+    printf '| %-13s | %-8s | %s\n' "$name" "$result" "$detail"
+  done
+} >&2
+json='{"benchmark": "gpu_check", "status": '"$status"', "stages": ['
+sep=""
+for row in "${stages[@]}"; do
+  IFS='|' read -r name result detail <<<"$row"
+  json+="$sep"'{"stage": "'"$(json_escape "$name")"'", "result": "'"$(json_escape "$result")"'", '
+  json+='"detail": "'"$(json_escape "$detail")"'"}'
+  sep=", "
+done
+json+='], "kernels": '"${bench_line:-null}"'}'
+echo "$json"
 exit $status
