@@ -20,37 +20,37 @@
 # /usr/src/googletest build-gpu-deps/` there, and bring build-gpu-deps along. Without
 # googletest only the benchmark runs and the script exits 3.
 #
+# The main project is then configured and built once, in $MAIN_BUILD_DIR, for the three stages
+# below (only what they need: the tcp and, with a CUDA-enabled UCX, ucx plugins and tests/gpu;
+# with a usable Python also the CUDA kernels and the Python extension). Unlike kernels/ it needs
+# what the main project needs besides the toolkit: OpenSSL's headers (libssl-dev), gRPC and
+# protobuf, and an installed googletest package (find_package(GTest) in tests/CMakeLists.txt).
+#
 # Stage tcp-device: CUDA regions through the tcp transport's pinned staging
-# (plugins/transport_tcp/README.md, "Device memory") against the real driver. Unlike kernels/,
-# this builds the main project (libkvbridge, the tcp plugin, tests/gpu) in $TCP_BUILD_DIR, so it
-# needs what that needs besides the toolkit: OpenSSL's headers (libssl-dev) and an installed
-# googletest package (find_package(GTest) in tests/CMakeLists.txt; a source tree is not enough
-# there). It runs the TcpDeviceData.* tests of kvb_gpu_fake_tests with KVBTEST_REAL_CUDA=1
-# (real device memory, the driver the engine loads) and KVBRIDGE_REQUIRE_GPU=$REQUIRE_GPU. The
-# other tests of that binary need the fake driver and are not run here. TCP_DEVICE=0 skips the
-# stage. Until this stage has passed on a GPU machine, tcp's real-GPU paths are unverified.
+# (plugins/transport_tcp/README.md, "Device memory"): the TcpDeviceData.* tests of
+# kvb_gpu_fake_tests with KVBTEST_REAL_CUDA=1 (real device memory, the driver the engine loads)
+# and KVBRIDGE_REQUIRE_GPU=$REQUIRE_GPU. The other tests of that binary need the fake driver and
+# are not run here. TCP_DEVICE=0 skips the stage.
 #
 # Stage ucx-device: device memory through the ucx transport on a CUDA-enabled UCX (cuda_copy,
 # cuda_ipc; docs/transports/ucx.md "Device memory"). Needs such a UCX: $UCX_ROOT (a directory
 # with include/ and lib/), else the libucx package of `python3` (PyPI's libucx-cu13); without
-# either the stage is skipped with a printed reason. Builds the main project against it in
-# $UCX_BUILD_DIR (-DKVBRIDGE_UCX_ROOT) and runs
-# TcpDeviceData.DeviceMemoryGoesDirectOverUcxWhereItCanElseStagedOverTcp on real device memory
-# with KVBTEST_REQUIRE_UCX_CUDA=1: the ucx instance must report CUDA memory and carry the device
-# ops. UCX_DEVICE=0 skips it. Until it has passed on a GPU machine, ucx's device path is
-# unverified.
+# either the stage is skipped with a printed reason. The main project is then built against it
+# (-DKVBRIDGE_UCX_ROOT) and TcpDeviceData.DeviceMemoryGoesDirectOverUcxWhereItCanElseStagedOverTcp
+# runs on real device memory with KVBTEST_REQUIRE_UCX_CUDA=1: the ucx instance must report CUDA
+# memory and carry the device ops. UCX_DEVICE=0 skips it.
 #
 # Stage python-gpu: the Python suites' GPU tests on real CUDA tensors: the torch ops
 # (tests/python/test_ops.py), CUDA tensors between two engines and through the store
 # (test_engine.py, test_store.py), and the vLLM connector's in-place device KV
 # (test_vllm_device_kv.py::test_device_kv_on_a_real_gpu), with KVBRIDGE_REQUIRE_GPU=$REQUIRE_GPU.
 # Needs $PYTHON (default python3) with torch (CUDA), pytest and pybind11; without them the stage
-# is skipped with a printed reason. Builds the main project with the CUDA kernels and the Python
-# extension in $PY_BUILD_DIR. PYTHON_GPU=0 skips it.
+# is skipped with a printed reason. PYTHON_GPU=0 skips it.
 #
-# Environment: BUILD_DIR (default build-gpu), TCP_BUILD_DIR (default build-gpu-tcp),
-# UCX_BUILD_DIR (default build-gpu-ucx), PY_BUILD_DIR (default build-gpu-py), UCX_ROOT, PYTHON,
-# CUDA_ARCHS
+# Until a stage has passed on a GPU machine, the paths it covers are unverified.
+#
+# Environment: BUILD_DIR (default build-gpu, the kernels/ project), MAIN_BUILD_DIR (default
+# build-gpu-main), UCX_ROOT, PYTHON, CUDA_ARCHS
 # (default: the GPU's compute capability from nvidia-smi, else "80;90"), JOBS (default: all
 # cores), BENCH_FLAGS (default --quick), REQUIRE_GPU (default 1; 0 lets the CUDA tests skip, for
 # a dry run without a GPU), TCP_DEVICE (default 1), UCX_DEVICE (default 1), PYTHON_GPU (default 1).
@@ -139,38 +139,15 @@ else
   record kernel-bench measured "page_first pack / D2D copy = $headline (goal >= 0.85: $verdict)"
 fi
 
-# ---- stage tcp-device ------------------------------------------------------------------------
+# ---- the main project, once, for stages tcp-device, ucx-device and python-gpu ----------------
 # Worst status wins: a failed test (1) or build (2) is never hidden by a later stage; 3 (no
 # googletest for the kernel tests) yields to either.
 merge() { if [[ $1 == 2 || ( $1 == 1 && $status != 2 ) || $status == 0 ]]; then status=$1; fi; }
-if [[ "${TCP_DEVICE:-1}" == 1 ]]; then
-  tcp_build="${TCP_BUILD_DIR:-$here/build-gpu-tcp}"
-  log "stage tcp-device: configuring $tcp_build"
-  if ! cmake -S "$here" -B "$tcp_build" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
-    -DKVBRIDGE_CUDA=OFF -DKVBRIDGE_BUILD_PYTHON=OFF -DKVBRIDGE_BUILD_BENCHMARKS=OFF >&2; then
-    log "stage tcp-device: configure failed (needs libssl-dev and an installed googletest)"
-    merge 2
-    record tcp-device FAILED "configure (needs libssl-dev and an installed googletest)"
-  elif ! cmake --build "$tcp_build" -j "$jobs" \
-    --target kvb_gpu_fake_tests kvb_transport_tcp kvbtest_fake_cuda >&2; then
-    log "stage tcp-device: build failed"
-    merge 2
-    record tcp-device FAILED "build"
-  else
-    log "stage tcp-device: running TcpDeviceData.* on the real driver"
-    if ! KVBTEST_REAL_CUDA=1 KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" \
-      "$tcp_build/tests/kvb_gpu_fake_tests" --gtest_filter='TcpDeviceData.*' >&2; then
-      log "stage tcp-device: FAILED"
-      merge 1
-      record tcp-device FAILED "TcpDeviceData.* on the real driver"
-    else
-      record tcp-device passed "TcpDeviceData.* on the real driver"
-    fi
-  fi
-fi
-
-# ---- stage ucx-device ------------------------------------------------------------------------
-if [[ "${UCX_DEVICE:-1}" == 1 ]]; then
+want_tcp="${TCP_DEVICE:-1}"
+want_ucx="${UCX_DEVICE:-1}"
+want_py="${PYTHON_GPU:-1}"
+ucx_root=""
+if [[ $want_ucx == 1 ]]; then
   ucx_root="${UCX_ROOT:-}"
   if [[ -z "$ucx_root" ]]; then
     ucx_root="$(python3 -c 'import libucx, os; print(os.path.dirname(libucx.__file__))' \
@@ -180,70 +157,94 @@ if [[ "${UCX_DEVICE:-1}" == 1 ]]; then
     log "stage ucx-device: skipped: no CUDA-enabled UCX (set UCX_ROOT, or pip install" \
       "libucx-cu13 for python3)"
     record ucx-device skipped "no CUDA-enabled UCX (UCX_ROOT, or libucx-cu13 for python3)"
-  else
-    ucx_build="${UCX_BUILD_DIR:-$here/build-gpu-ucx}"
-    log "stage ucx-device: configuring $ucx_build against $ucx_root"
-    if ! cmake -S "$here" -B "$ucx_build" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
-      -DKVBRIDGE_CUDA=OFF -DKVBRIDGE_BUILD_PYTHON=OFF -DKVBRIDGE_BUILD_BENCHMARKS=OFF \
-      -DKVBRIDGE_UCX=ON "-DKVBRIDGE_UCX_ROOT=$ucx_root" >&2; then
-      log "stage ucx-device: configure failed"
-      merge 2
-      record ucx-device FAILED "configure"
-    elif ! cmake --build "$ucx_build" -j "$jobs" \
-      --target kvb_gpu_fake_tests kvb_transport_tcp kvb_transport_ucx kvbtest_fake_cuda >&2; then
-      log "stage ucx-device: build failed"
-      merge 2
-      record ucx-device FAILED "build"
-    else
-      log "stage ucx-device: running the tcp + ucx device test on the real driver"
-      if ! KVBTEST_REAL_CUDA=1 KVBTEST_REQUIRE_UCX_CUDA=1 \
-        KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" "$ucx_build/tests/kvb_gpu_fake_tests" \
-        --gtest_filter='TcpDeviceData.DeviceMemoryGoesDirectOverUcx*' >&2; then
-        log "stage ucx-device: FAILED"
-        merge 1
-        record ucx-device FAILED "tcp + ucx device test, KVBTEST_REQUIRE_UCX_CUDA=1"
-      else
-        record ucx-device passed "tcp + ucx device test, KVBTEST_REQUIRE_UCX_CUDA=1"
-      fi
-    fi
+    want_ucx=0
   fi
 fi
-
-# ---- stage python-gpu ------------------------------------------------------------------------
-if [[ "${PYTHON_GPU:-1}" == 1 ]]; then
-  py="${PYTHON:-python3}"
+py="${PYTHON:-python3}"
+if [[ $want_py == 1 ]]; then
   why="$("$py" -c 'import torch, pytest, pybind11
 print("" if torch.cuda.is_available() else "torch sees no CUDA device")' 2>&1 | tail -n 1)"
   if [[ -n "$why" ]]; then
     log "stage python-gpu: skipped: $py cannot run it ($why)"
     record python-gpu skipped "$py: $why"
+    want_py=0
+  fi
+fi
+main_build="${MAIN_BUILD_DIR:-$here/build-gpu-main}"
+main_ok=0
+if [[ $want_tcp == 1 || $want_ucx == 1 || $want_py == 1 ]]; then
+  cfg=(-DCMAKE_BUILD_TYPE=Release -DKVBRIDGE_BUILD_BENCHMARKS=OFF)
+  targets=(kvb_gpu_fake_tests kvb_transport_tcp kvbtest_fake_cuda)
+  if [[ $want_ucx == 1 ]]; then
+    cfg+=(-DKVBRIDGE_UCX=ON "-DKVBRIDGE_UCX_ROOT=$ucx_root")
+    targets+=(kvb_transport_ucx)
+  fi
+  if [[ $want_py == 1 ]]; then
+    cfg+=(-DKVBRIDGE_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$archs" -DKVBRIDGE_BUILD_PYTHON=ON
+      "-DPython_EXECUTABLE=$(command -v "$py")")
+    targets=(all)  # the extension, the plugins, the staged package
   else
-    py_build="${PY_BUILD_DIR:-$here/build-gpu-py}"
-    log "stage python-gpu: configuring $py_build for $py"
-    if ! cmake -S "$here" -B "$py_build" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
-      -DKVBRIDGE_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$archs" -DKVBRIDGE_BUILD_PYTHON=ON \
-      "-DPython_EXECUTABLE=$(command -v "$py")" -DKVBRIDGE_BUILD_BENCHMARKS=OFF >&2; then
-      log "stage python-gpu: configure failed"
-      merge 2
-      record python-gpu FAILED "configure"
-    elif ! cmake --build "$py_build" -j "$jobs" >&2; then
-      log "stage python-gpu: build failed"
-      merge 2
-      record python-gpu FAILED "build"
-    else
-      log "stage python-gpu: running the GPU tests of tests/python"
-      if ! (cd "$here" && KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" \
-        PYTHONPATH="$py_build/python" "$py" -m pytest -q -rs tests/python/test_ops.py \
-        tests/python/test_engine.py::test_cuda_tensors_move_between_engines \
-        tests/python/test_store.py::test_cuda_tensors \
-        tests/python/test_vllm_device_kv.py::test_device_kv_on_a_real_gpu >&2); then
-        log "stage python-gpu: FAILED"
-        merge 1
-        record python-gpu FAILED "torch ops, engine, store, vLLM device KV"
-      else
-        record python-gpu passed "torch ops, engine, store, vLLM device KV"
-      fi
-    fi
+    cfg+=(-DKVBRIDGE_CUDA=OFF -DKVBRIDGE_BUILD_PYTHON=OFF)
+  fi
+  start=$(date +%s)
+  log "main project: configuring $main_build (${cfg[*]})"
+  if ! cmake -S "$here" -B "$main_build" -G "$generator" "${cfg[@]}" >&2; then
+    log "main project: configure failed (needs libssl-dev, gRPC, protobuf and an installed" \
+      "googletest)"
+    merge 2
+  elif ! cmake --build "$main_build" -j "$jobs" --target "${targets[@]}" >&2; then
+    log "main project: build failed"
+    merge 2
+  else
+    main_ok=1
+    log "main project: built ${targets[*]} in $(($(date +%s) - start)) s"
+  fi
+  for stage_on in "tcp-device:$want_tcp" "ucx-device:$want_ucx" "python-gpu:$want_py"; do
+    [[ ${stage_on#*:} == 1 && $main_ok == 0 ]] && record "${stage_on%:*}" FAILED "main build"
+  done
+fi
+
+# ---- stage tcp-device ------------------------------------------------------------------------
+if [[ $want_tcp == 1 && $main_ok == 1 ]]; then
+  log "stage tcp-device: running TcpDeviceData.* on the real driver"
+  if ! KVBTEST_REAL_CUDA=1 KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" \
+    "$main_build/tests/kvb_gpu_fake_tests" \
+    --gtest_filter='TcpDeviceData.*-TcpDeviceData.DeviceMemoryGoesDirectOverUcx*' >&2; then
+    log "stage tcp-device: FAILED"
+    merge 1
+    record tcp-device FAILED "TcpDeviceData.* on the real driver"
+  else
+    record tcp-device passed "TcpDeviceData.* on the real driver"
+  fi
+fi
+
+# ---- stage ucx-device ------------------------------------------------------------------------
+if [[ $want_ucx == 1 && $main_ok == 1 ]]; then
+  log "stage ucx-device: running the tcp + ucx device test on the real driver"
+  if ! KVBTEST_REAL_CUDA=1 KVBTEST_REQUIRE_UCX_CUDA=1 KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" \
+    "$main_build/tests/kvb_gpu_fake_tests" \
+    --gtest_filter='TcpDeviceData.DeviceMemoryGoesDirectOverUcx*' >&2; then
+    log "stage ucx-device: FAILED"
+    merge 1
+    record ucx-device FAILED "tcp + ucx device test, KVBTEST_REQUIRE_UCX_CUDA=1"
+  else
+    record ucx-device passed "tcp + ucx device test, KVBTEST_REQUIRE_UCX_CUDA=1"
+  fi
+fi
+
+# ---- stage python-gpu ------------------------------------------------------------------------
+if [[ $want_py == 1 && $main_ok == 1 ]]; then
+  log "stage python-gpu: running the GPU tests of tests/python"
+  if ! (cd "$here" && KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" \
+    PYTHONPATH="$main_build/python" "$py" -m pytest -q -rs tests/python/test_ops.py \
+    tests/python/test_engine.py::test_cuda_tensors_move_between_engines \
+    tests/python/test_store.py::test_cuda_tensors \
+    tests/python/test_vllm_device_kv.py::test_device_kv_on_a_real_gpu >&2); then
+    log "stage python-gpu: FAILED"
+    merge 1
+    record python-gpu FAILED "torch ops, engine, store, vLLM device KV"
+  else
+    record python-gpu passed "torch ops, engine, store, vLLM device KV"
   fi
 fi
 
