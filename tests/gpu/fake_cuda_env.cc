@@ -1,13 +1,13 @@
 #include "tests/gpu/fake_cuda_env.h"
 
 #include <dlfcn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+
+#include "tests/common/run_self.h"
 
 namespace kvbridge::testing {
 
@@ -66,37 +66,11 @@ const FakeCuda& Fake() {
   return fake;
 }
 
-bool IsSelfChild() { return std::getenv(kChildMarker) != nullptr; }
+bool IsSelfChild() { return testing::IsSelfChild(kChildMarker); }
 
 int RunSelf(const std::string& test, const std::vector<std::pair<std::string, const char*>>& set,
             std::string* out) {
-  int fds[2];
-  if (pipe(fds) != 0) return -1;
-  const pid_t pid = fork();
-  if (pid == 0) {
-    dup2(fds[1], 1);
-    dup2(fds[1], 2);
-    close(fds[0]);
-    setenv(kChildMarker, "1", 1);
-    for (const auto& [name, value] : set) {
-      if (value == nullptr) {
-        unsetenv(name.c_str());
-      } else {
-        setenv(name.c_str(), value, 1);
-      }
-    }
-    const std::string filter = "--gtest_filter=" + test;
-    execl("/proc/self/exe", "kvb_gpu_fake_tests", filter.c_str(), static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  close(fds[1]);
-  std::array<char, 4096> buf;
-  ssize_t n;
-  while ((n = read(fds[0], buf.data(), buf.size())) > 0) out->append(buf.data(), n);
-  close(fds[0]);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return testing::RunSelf(kChildMarker, test, set, out);
 }
 
 uint8_t* GuardedAlloc(int device, size_t len) {

@@ -9,10 +9,8 @@
 // --gtest_filter and the environment set): the NcclChild.* tests skip unless run that way.
 #include <dlfcn.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -26,6 +24,7 @@
 #include <vector>
 
 #include "nccl_loader.h"
+#include "tests/common/run_self.h"
 
 namespace kvbridge::nccl {
 namespace {
@@ -82,40 +81,12 @@ std::string DlopenError(const std::string& path) {
   return e != nullptr ? e : "";
 }
 
-// Runs this binary again with --gtest_filter=`test` and `env` set; its exit code, output in *out.
 int RunSelf(const std::string& test, const std::vector<std::pair<std::string, const char*>>& env,
             std::string* out) {
-  int fds[2];
-  if (pipe(fds) != 0) return -1;
-  const pid_t pid = fork();
-  if (pid == 0) {
-    dup2(fds[1], 1);
-    dup2(fds[1], 2);
-    close(fds[0]);
-    close(fds[1]);
-    setenv(kChildMarker, "1", 1);
-    for (const auto& [name, value] : env) {
-      if (value == nullptr) {
-        unsetenv(name.c_str());
-      } else {
-        setenv(name.c_str(), value, 1);
-      }
-    }
-    const std::string filter = "--gtest_filter=" + test;
-    execl("/proc/self/exe", "kvb_nccl_tests", filter.c_str(), static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  close(fds[1]);
-  std::array<char, 4096> buf;
-  ssize_t n;
-  while ((n = read(fds[0], buf.data(), buf.size())) > 0) out->append(buf.data(), n);
-  close(fds[0]);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return kvbridge::testing::RunSelf(kChildMarker, test, env, out);
 }
 
-bool IsChild() { return std::getenv(kChildMarker) != nullptr; }
+bool IsChild() { return kvbridge::testing::IsSelfChild(kChildMarker); }
 
 void ExpectEveryEntryPoint(const Nccl& n) {
   EXPECT_NE(n.ncclGetVersion, nullptr);
