@@ -37,8 +37,10 @@ library_allow=(
   '^kvbridge::core::RequestServer::'
   '^kvbridge::core::PluginRegistry::DefaultSearchPath\('
   '^kvbridge::core::(Encode|Decode)Descriptor(\[abi:cxx11\])?\('
-  # For libkvbridge_store.so: the store client's checksums of CUDA buffers.
+  # For libkvbridge_store.so: the store client's checksums of CUDA buffers, and
+  # MemoryKind::kDetect in its RegisterBuffer.
   '^kvbridge::core::DeviceBounce::'
+  '^kvbridge::core::DetectMemoryKind\('
 )
 library_required='^kvbridge::TransferEngine::Create\('
 # Demangled names libkvbridge_store.so may export: kvbridge/store.h.
