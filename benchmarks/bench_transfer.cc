@@ -22,9 +22,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <iostream>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "benchlib.h"
@@ -42,6 +44,10 @@ struct Args {
   bool quick = false;
   int threads = 4;       // submitter threads (and raw-baseline connections)
   int batch = 8;         // ops per batch
+  // Batches each submitter keeps in flight (Submit, then Wait for the oldest once `window` are
+  // out): 1 is Transfer() one batch at a time; more keeps the wire busy between batches the way
+  // an engine submitting per layer does, and as ucx_perftest keeps a window of puts.
+  int window = 1;
   int lanes = 4;         // tcp.lanes_per_peer
   double seconds = 2.0;  // per configuration
   std::vector<uint64_t> blocks = {4096, 16384, 65536, 262144, 1u << 20, 4u << 20};
@@ -196,7 +202,12 @@ struct Measure {
   double p99_us() const { return lat_us.Percentile(99); }
 };
 
-// Runs `threads` loops of `one_batch` for `seconds`; each call moves `batch_bytes`.
+// What one call of a loop's body did: a batch ended (ok or failed), or one was only submitted
+// (windowed loops, until the window is full).
+enum class Step { kOk, kFailed, kSubmitted };
+
+// Runs `threads` loops of `one_batch` for `seconds`; each call that ends a batch moved
+// `batch_bytes` (the loop body returns bool, or Step where it keeps batches in flight).
 template <typename F>
 Measure RunLoops(int threads, double seconds, size_t batch_bytes, F one_batch) {
   std::atomic<bool> stop{false};
@@ -208,9 +219,16 @@ Measure RunLoops(int threads, double seconds, size_t batch_bytes, F one_batch) {
     ts.emplace_back([&, t] {
       while (!stop.load(std::memory_order_relaxed)) {
         auto s = Clock::now();
-        bool ok = one_batch(t);
+        const auto r = one_batch(t);
+        Step step;
+        if constexpr (std::is_same_v<decltype(r), const bool>) {
+          step = r ? Step::kOk : Step::kFailed;
+        } else {
+          step = r;
+        }
+        if (step == Step::kSubmitted) continue;
         lat[t].Add(std::chrono::duration<double, std::micro>(Clock::now() - s).count());
-        (ok ? done[t] : failed[t])++;
+        (step == Step::kOk ? done[t] : failed[t])++;
       }
     });
   }
@@ -307,15 +325,15 @@ int RunInitiator(const Args& a, const char* self_exe) {
     std::string mode;  // "throughput": threads x batch; "latency": one op at a time
     std::string op;
     size_t block;
-    int threads, batch;
+    int threads, batch, window;
     Measure engine, raw;
   };
   std::vector<Row> rows;
   struct Mode {
     const char* name;
-    int threads, batch;
+    int threads, batch, window;
   };
-  const Mode modes[] = {{"throughput", a.threads, a.batch}, {"latency", 1, 1}};
+  const Mode modes[] = {{"throughput", a.threads, a.batch, a.window}, {"latency", 1, 1, 1}};
   for (const Mode& mode : modes) {
     if (a.no_latency && std::string(mode.name) == "latency") continue;
     for (size_t block : a.blocks) {
@@ -326,6 +344,9 @@ int RunInitiator(const Args& a, const char* self_exe) {
         const char* name = code == OpCode::kWrite ? "write" : "read";
         std::cerr << "transfer: " << mode.name << " " << name << " block " << block << " B ..."
                   << std::flush;
+        // Windowed: each thread's batches in flight, oldest first; drained after the run.
+        const int window = mode.window;
+        std::vector<std::deque<BatchId>> inflight(mode.threads);
         Measure e = RunLoops(mode.threads, a.seconds, batch_bytes, [&](int t) {
           std::vector<TransferOp> ops;
           ops.reserve(mode.batch);
@@ -333,8 +354,17 @@ int RunInitiator(const Args& a, const char* self_exe) {
             size_t off = t * area + (a.same_block ? 0 : i * block);
             ops.push_back(TransferOp{code, local.data() + off, block, "bench-target", 1, off});
           }
-          return engine.Transfer(ops).ok();
+          if (window == 1) return engine.Transfer(ops).ok() ? Step::kOk : Step::kFailed;
+          auto id = engine.Submit(ops);
+          if (!id.ok()) return Step::kFailed;
+          inflight[t].push_back(*id);
+          if (static_cast<int>(inflight[t].size()) < window) return Step::kSubmitted;
+          const BatchId oldest = inflight[t].front();
+          inflight[t].pop_front();
+          return engine.Wait(oldest).status.ok() ? Step::kOk : Step::kFailed;
         });
+        for (auto& q : inflight)
+          for (BatchId id : q) engine.Wait(id);
         Measure r;
         if (!a.no_raw)
           r = RunLoops(mode.threads, a.seconds, batch_bytes, [&](int t) {
@@ -352,7 +382,8 @@ int RunInitiator(const Args& a, const char* self_exe) {
         if (!a.no_raw) std::cerr << " (raw " << r.gbps << " GB/s, p50 " << r.p50_us() << " us)";
         std::cerr << "\n";
         rows.push_back(
-            {mode.name, name, block, mode.threads, mode.batch, std::move(e), std::move(r)});
+            {mode.name, name, block, mode.threads, mode.batch, mode.window, std::move(e),
+             std::move(r)});
       }
     }
   }
@@ -386,6 +417,7 @@ int RunInitiator(const Args& a, const char* self_exe) {
         .Field("block_bytes", uint64_t{row.block})
         .Field("batch", row.batch)
         .Field("threads", row.threads)
+        .Field("window", row.window)
         .Field("lanes", a.lanes)
         .Field("gbps", row.engine.gbps, 3)
         .Field("p50_us", row.engine.p50_us(), 1)
@@ -427,6 +459,10 @@ int main(int argc, char** argv) {
   f.Bool("quick", &a.quick, "short run: --seconds at most 0.6");
   f.Int("threads", &a.threads, "submitter threads (and raw-baseline connections)", 1);
   f.Int("batch", &a.batch, "ops per batch", 1);
+  f.Int("window", &a.window,
+        "batches each submitter keeps in flight in the throughput rows (1: one Transfer() at a "
+        "time; the latency rows always use 1)",
+        1);
   f.Int("lanes", &a.lanes, "tcp.lanes_per_peer of the initiator (tcp only)", 1);
   f.Double("seconds", &a.seconds, "seconds per configuration", 0.001);
   f.UInt64List("blocks", &a.blocks, "block sizes in bytes");

@@ -102,9 +102,10 @@ SHAPES = {
 }
 
 
-def kvb_bench(build, transport, blocks, seconds, config, shape, extra_env=None):
+def kvb_bench(build, transport, blocks, seconds, config, shape, window, extra_env=None):
     cmd = [os.path.join(build, "benchmarks", "kvb_bench_transfer"), "--transport", transport,
-           "--threads", "1", "--batch", "16", "--seconds", str(seconds), "--no-raw",
+           "--threads", "1", "--batch", "16", "--window", str(window),
+           "--seconds", str(seconds), "--no-raw",
            "--no-latency", "--region", str(max(64 * MIB, 16 * max(blocks) * 2)),
            "--blocks", ",".join(str(b) for b in blocks)] + SHAPES[shape]
     for kv in config:
@@ -142,10 +143,16 @@ def main():
                     help="what kvbridge moves: perftest (the default: one block, hot, huge-page "
                          "memory, as ucx_perftest) or walk (16 distinct blocks per batch in "
                          "plain heap memory)")
+    ap.add_argument("--window", type=int, default=2,
+                    help="batches kvbridge keeps in flight (default 2: one submitting while "
+                         "one moves, as perftest keeps puts outstanding; 1: one Transfer() at a "
+                         "time)")
     ap.add_argument("--ucx", choices=("pypi", "system"), default=None,
                     help="which UCX both sides use (default: pypi when the build has "
                          "plugins_ucx_pypi, else system)")
     a = ap.parse_args()
+    if a.window < 1:
+        ap.error(f"argument --window: {a.window}: at least 1")
     if a.ucx is None:
         has_pypi = os.path.exists(os.path.join(a.build, "plugins_ucx_pypi",
                                                "libkvb_transport_ucx.so"))
@@ -160,14 +167,14 @@ def main():
         ap.error(f"argument --sets: {a.sets!r}: each set is one of {', '.join(TLS_SETS)}")
 
     log("ucx bench: kvbridge tcp plugin ...")
-    tcp = kvb_bench(a.build, "tcp", blocks, seconds, [], a.shape)
+    tcp = kvb_bench(a.build, "tcp", blocks, seconds, [], a.shape, a.window)
     results, failures = {}, 0
     for set_name in sets:
         tls = TLS_SETS[set_name]
         log(f"ucx bench: kvbridge ucx, set {set_name} (ucx.tls={tls['tls']}) ...")
         kvb = kvb_bench(a.build, "ucx", blocks, seconds,
                         [f"ucx.tls={tls['tls']}", f"ucx.same_host={tls['same_host']}"],
-                        a.shape, kvb_env)
+                        a.shape, a.window, kvb_env)
         results[set_name] = {}
         for op, test in (("write", "ucp_put_bw"), ("read", "ucp_get")):
             results[set_name][op] = {}
@@ -213,8 +220,8 @@ def main():
     emit({"benchmark": "ucx", "quick": a.quick, "seconds": seconds, "ucx": a.ucx,
           "ucx_version": ucx_version,
           "shape": a.shape,
-          "shape_detail": "kvbridge: 1 thread, batches of 16 ops, " + " ".join(SHAPES[a.shape])
-                          + "; ucx_perftest: its defaults",
+          "shape_detail": f"kvbridge: 1 thread, batches of 16 ops, {a.window} in flight, "
+                          + " ".join(SHAPES[a.shape]) + "; ucx_perftest: its defaults",
           "headline": headline, "results": results, "goals": goals})
     return 1 if failures else 0
 
