@@ -119,13 +119,16 @@ FORMAT_FILES = find $(FORMAT_DIRS) -type f \( -name '*.h' -o -name '*.c' -o -nam
 format:
 	$(FORMAT_FILES) | xargs -0 -r clang-format -i
 
-# Formatting (clang-format 14, .clang-format), Python lint (ruff, ruff.toml) and the plugin
-# seam (scripts/check_seams.sh) over the whole tree. The first step of `make test`.
+# Formatting (clang-format 14, .clang-format), Python lint (ruff, ruff.toml), the plugin
+# seam (scripts/check_seams.sh) and the Markdown pages (scripts/check_docs.py: no repeated
+# section, no link to a missing file or outside the repository) over the whole tree. The first
+# step of `make test`.
 .PHONY: lint
 lint: setup
 	$(FORMAT_FILES) | xargs -0 -r clang-format --dry-run --Werror
 	$(abspath $(VENV))/bin/ruff check .
 	scripts/check_seams.sh
+	python3 scripts/check_docs.py
 
 clean:
 	rm -rf $(BUILD_DIR)
