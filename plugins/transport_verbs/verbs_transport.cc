@@ -196,6 +196,24 @@ sdk::Status RecvAll(const sdk::Host& h, int fd, uint8_t* p, size_t len, uint64_t
   return {};
 }
 
+// Receives between 1 and len bytes, waiting for the first until the deadline.
+sdk::Result<size_t> RecvSome(const sdk::Host& h, int fd, uint8_t* p, size_t len,
+                             uint64_t deadline) {
+  while (true) {
+    const ssize_t r = recv(fd, p, len, MSG_DONTWAIT);
+    if (r > 0) return static_cast<size_t>(r);
+    if (r == 0) return sdk::Status(KVB_ERR_PEER_UNREACHABLE, "side channel: closed by the peer");
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      return sdk::Status(KVB_ERR_PEER_UNREACHABLE,
+                         std::string("side channel: recv: ") + std::strerror(errno));
+    }
+    if (!WaitFd(h, fd, POLLIN, deadline)) {
+      return sdk::Status(KVB_ERR_PEER_UNREACHABLE, "side channel: receive timed out");
+    }
+  }
+}
+
 // Carries the host's handshake messages over the socket (client steps first, with no input).
 sdk::Status RunAuth(const sdk::Host& h, int fd, sdk::AuthSession& a, bool client,
                     uint64_t deadline) {
@@ -203,14 +221,15 @@ sdk::Status RunAuth(const sdk::Host& h, int fd, sdk::AuthSession& a, bool client
   bool receive = !client;
   while (true) {
     if (receive) {
+      // Asks again after every partial read, so a bad magic is refused on its first bytes.
       in.clear();
       auto need = a.Need(sdk::Bytes(in));
       while (need.ok() && *need > in.size()) {
         const size_t have = in.size();
         in.resize(*need);
-        if (auto st = RecvAll(h, fd, in.data() + have, *need - have, deadline); !st.ok()) {
-          return st;
-        }
+        auto got = RecvSome(h, fd, in.data() + have, *need - have, deadline);
+        if (!got.ok()) return got.status();
+        in.resize(have + *got);
         need = a.Need(sdk::Bytes(in));
       }
       if (!need.ok()) return need.status();
