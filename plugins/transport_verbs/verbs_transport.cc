@@ -108,6 +108,7 @@ struct RailConn {
   std::unique_ptr<RcConnection> conn;
   uint32_t remote_nic = 0;
   bool connecting = false;
+  bool port_down = false;    // its port was not ACTIVE when last asked (at retry_at_ns)
   uint64_t retry_at_ns = 0;  // failed: not reconnected before
   std::string why;           // the last failure
 };
@@ -1194,7 +1195,7 @@ void Transport::PumpPeer(Peer& p, uint64_t now, Done* done) {
     };
     auto pending = [&](uint32_t i) {
       const RailConn& rc = p.rails[i];
-      return rc.connecting || (!rc.conn && rc.retry_at_ns <= now) ||
+      return rc.connecting || (!rc.conn && !rc.port_down && rc.retry_at_ns <= now) ||
              (rc.conn && rc.conn->state() == RcState::kRts);
     };
     int32_t chosen = -1;
@@ -1282,12 +1283,17 @@ void Transport::StartConnect(Peer& p, uint64_t now) {
     if (!attr.ok() || attr->state != PortState::kActive) {
       rc.why = attr.ok() ? "port " + std::to_string(nic.info.port) + " of " + nic.name + " is not ACTIVE"
                          : attr.status().message();
-      rc.retry_at_ns = now + config_.rail_retry_ms * kMsNs;
-      ++counters_.rails_failed;
-      host_.Log(KVB_LOG_WARN, "verbs: rail %s:%u out: %s", nic.name.c_str(), nic.info.port,
-                rc.why.c_str());
+      // Asked again after rail_retry_ms (at least 1 ms); no op waits for it meanwhile.
+      rc.retry_at_ns = now + std::max<uint64_t>(config_.rail_retry_ms, 1) * kMsNs;
+      if (!rc.port_down) {
+        ++counters_.rails_failed;
+        host_.Log(KVB_LOG_WARN, "verbs: rail %s:%u out: %s", nic.name.c_str(), nic.info.port,
+                  rc.why.c_str());
+      }
+      rc.port_down = true;
       continue;
     }
+    rc.port_down = false;
     rc.connecting = true;
     job->pairs.emplace_back(i, rc.remote_nic);
   }

@@ -429,6 +429,48 @@ TEST_F(VerbsTransportTest, ARailWhosePortIsDownIsLeftOut) {
   EXPECT_TRUE(a->Logged("is not ACTIVE")) << a->AllLogs();
 }
 
+TEST_F(VerbsTransportTest, APortGoingDownEvictsItsRailWhichReconnectsLazilyOnceUp) {
+  const std::map<std::string, std::string> cfg = {{"verbs.stripe_min_bytes", "65536"},
+                                                  {"verbs.rail_retry_ms", "0"}};
+  auto a = Make({"node-a", 11, {"a0", "a1"}, "", cfg});
+  auto b = Make({"node-b", 22, {"b0", "b1"}, "", cfg});
+  ASSERT_TRUE(a && b);
+  constexpr size_t kLen = 1 << 20;
+  auto src = Pattern(kLen, 2);
+  std::vector<uint8_t> remote(kLen, 0);
+  Register(*a, 1, src.data(), kLen);
+  Register(*b, 9, remote.data(), kLen);
+  Peer* peer = AddPeer(*a, *b);
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, src.data(), kLen, 9, 0)}).ok());
+  ASSERT_EQ(fabric_.LiveQps("a0"), 1u);
+
+  // a0's link goes down under an established QP: its work requests fail RETRY_EXC, the QP is
+  // evicted, the stripe goes to a1, and a0 is not reconnected while its port is DOWN.
+  fabric_.SetPortState("a0", 1, PortState::kDown);
+  std::fill(remote.begin(), remote.end(), 0);
+  sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, src.data(), kLen, 9, 0)});
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_EQ(remote, src);
+  EXPECT_EQ(fabric_.LiveQps("a0"), 0u);
+  EXPECT_TRUE(a->Logged("is not ACTIVE")) << a->AllLogs();
+  kvb_transport_stats_t stats{};
+  ASSERT_TRUE(a->t->Stats(stats).ok());
+  EXPECT_EQ(stats.connections_evicted, 1u);
+  EXPECT_EQ(stats.connections_open, 1u);
+
+  // Up again: once the port is asked again (after rail_retry_ms, at least 1 ms), the next op
+  // reconnects a0 through the side channel, with a new QP.
+  fabric_.SetPortState("a0", 1, PortState::kActive);
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const uint64_t before = fabric_.WrsPosted("a0");
+  st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, src.data(), kLen, 9, 0)});
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_GT(fabric_.WrsPosted("a0"), before);
+  ASSERT_TRUE(a->t->Stats(stats).ok());
+  EXPECT_EQ(stats.connections_open, 2u);
+  EXPECT_EQ(stats.connections_opened, 3u);
+}
+
 // ---- 4. restarted peer ------------------------------------------------------------------------
 
 TEST_F(VerbsTransportTest, ARestartedPeerIsStaleAndGetsNoByte) {
