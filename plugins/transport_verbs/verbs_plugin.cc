@@ -45,6 +45,15 @@ class VerbsPlugin {
       return verbs::MakeIbvRegistrar(pd);
     };
     fabric.cuda_direct = verbs::CudaDirectAvailable();
+    fabric.locate = [](uint64_t addr, bool cuda, int device_id) {
+      verbs::Location where;
+      if (cuda) {
+        where.gpu_pci = verbs::CudaPciBusId(device_id);
+      } else {
+        where.numa_node = verbs::HostNumaNodeOf(addr);
+      }
+      return where;
+    };
     auto t = verbs::Transport::Create(host, params, std::move(fabric));
     if (!t.ok()) return t.status();
     return std::make_unique<VerbsPlugin>(std::move(api), std::move(*t));

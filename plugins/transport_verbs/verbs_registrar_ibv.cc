@@ -19,8 +19,12 @@ constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_A
 struct CudaDmaBuf {
   using InitFn = int (*)(unsigned);
   using HandleFn = int (*)(void*, unsigned long long, size_t, int, unsigned long long);
+  using DeviceGetFn = int (*)(int*, int);
+  using BusIdFn = int (*)(char*, int, int);
   InitFn init = nullptr;
   HandleFn get_handle = nullptr;
+  DeviceGetFn device_get = nullptr;
+  BusIdFn bus_id = nullptr;
   bool ok = false;
 
   static const CudaDmaBuf& Get() {
@@ -30,6 +34,8 @@ struct CudaDmaBuf {
       if (lib == nullptr) return d;
       d.init = reinterpret_cast<InitFn>(dlsym(lib, "cuInit"));
       d.get_handle = reinterpret_cast<HandleFn>(dlsym(lib, "cuMemGetHandleForAddressRange"));
+      d.device_get = reinterpret_cast<DeviceGetFn>(dlsym(lib, "cuDeviceGet"));
+      d.bus_id = reinterpret_cast<BusIdFn>(dlsym(lib, "cuDeviceGetPCIBusId"));
       d.ok = d.init != nullptr && d.get_handle != nullptr && d.init(0) == 0;
       return d;
     }();
@@ -94,6 +100,15 @@ class IbvRegistrar final : public Registrar {
 
 std::unique_ptr<Registrar> MakeIbvRegistrar(PdHandle pd) {
   return std::make_unique<IbvRegistrar>(static_cast<ibv_pd*>(pd.impl));
+}
+
+std::string CudaPciBusId(int device_id) {
+  const CudaDmaBuf& cuda = CudaDmaBuf::Get();
+  if (!cuda.ok || cuda.device_get == nullptr || cuda.bus_id == nullptr || device_id < 0) return "";
+  int dev = 0;
+  char buf[32] = "";
+  if (cuda.device_get(&dev, device_id) != 0 || cuda.bus_id(buf, sizeof(buf), dev) != 0) return "";
+  return buf;
 }
 
 bool CudaDirectAvailable() {

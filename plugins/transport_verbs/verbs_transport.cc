@@ -7,6 +7,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -264,6 +265,21 @@ sdk::Result<Frame> RecvFrame(const sdk::Host& h, int fd, uint64_t deadline) {
   if (auto st = RecvAll(h, fd, payload.data(), len, deadline); !st.ok()) return st;
   return DecodeFrame(sdk::Bytes(payload));
 }
+
+}  // namespace
+
+int HostNumaNodeOf(uint64_t addr) {
+  int node = -1;
+  // get_mempolicy(MPOL_F_NODE | MPOL_F_ADDR): the node of the page at addr (faulted in).
+  constexpr unsigned long kNodeOfAddr = (1ul << 0) | (1ul << 1);
+  if (syscall(SYS_get_mempolicy, &node, nullptr, 0ul, reinterpret_cast<void*>(addr), kNodeOfAddr) !=
+      0) {
+    return -1;
+  }
+  return node;
+}
+
+namespace {
 
 uint32_t RandomPsn() {
   static thread_local std::mt19937 rng(std::random_device{}());
@@ -842,9 +858,19 @@ sdk::Status Transport::RegisterMemory(const sdk::Region& r, sdk::RkeyBuffer& key
   for (const auto& nic : nics_) {
     keys.push_back(RegionKey{region->mrs[nic->device].rkey(), region->addr});
   }
-  // The closest rails: those ChooseRails puts at the smallest distance.
+  // The closest rails: those ChooseRails puts at the smallest distance from the memory.
   Location where;
-  auto rails = ChooseRails(topology_, where, {}, config_.max_rails, {});
+  if (fabric_.locate) {
+    where = fabric_.locate(region->addr, cuda, r.device_id);
+  } else if (!cuda) {
+    where.numa_node = HostNumaNodeOf(region->addr);
+  }
+  std::vector<std::string> gpu_path;
+  if (!where.gpu_pci.empty()) {
+    auto path = PciPathOf(fabric_.sysfs_root, where.gpu_pci);
+    if (path.ok()) gpu_path = std::move(*path);
+  }
+  auto rails = ChooseRails(topology_, where, gpu_path, config_.max_rails, {});
   if (rails.ok()) {
     for (const Rail& rail : *rails) {
       if (rail.distance != rails->front().distance) break;
@@ -858,6 +884,13 @@ sdk::Status Transport::RegisterMemory(const sdk::Region& r, sdk::RkeyBuffer& key
   if (region->rails.empty()) {
     for (uint32_t i = 0; i < nics_.size(); ++i) region->rails.push_back(i);
   }
+  std::string names;
+  for (uint32_t i : region->rails) {
+    names += " " + nics_[i]->name + ":" + std::to_string(nics_[i]->info.port);
+  }
+  host_.Log(KVB_LOG_DEBUG, "verbs: segment %" PRIu64 " (NUMA node %d%s%s) uses rails%s",
+            r.segment_id, where.numa_node, where.gpu_pci.empty() ? "" : ", GPU ",
+            where.gpu_pci.c_str(), names.c_str());
   const std::vector<uint8_t> blob = EncodeRkeys(keys);
   if (auto st = key.Set(sdk::Bytes(blob)); !st.ok()) return st;
   std::lock_guard<std::mutex> lock(mu_);

@@ -74,7 +74,13 @@ struct Fabric {
   std::function<std::unique_ptr<Registrar>(const std::string& device, DeviceHandle, PdHandle)>
       make_registrar;
   bool cuda_direct = false;  // device memory is registrable (dma-buf or nvidia-peermem)
+  // Where a region's bytes live, for choosing its rails: the NUMA node of host memory, the PCI
+  // bus id of a CUDA device. Unset: HostNumaNodeOf for host memory, unknown for device memory.
+  std::function<Location(uint64_t addr, bool cuda, int device_id)> locate;
 };
+
+// The NUMA node holding the page at `addr` (get_mempolicy), -1 when the kernel does not say.
+int HostNumaNodeOf(uint64_t addr);
 
 // Counters beyond kvb_transport_stats_t, for tests and logs.
 struct VerbsCounters {

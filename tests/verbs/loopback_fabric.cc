@@ -277,7 +277,8 @@ sdk::Result<Gid> LoopbackFabric::QueryGid(DeviceHandle dev, uint8_t port, int) {
 
 // ---- FakeSysfsTree ---------------------------------------------------------------------------
 
-FakeSysfsTree::FakeSysfsTree(const std::vector<std::string>& devices) {
+FakeSysfsTree::FakeSysfsTree(const std::vector<std::string>& devices,
+                             const std::vector<int>& numa_nodes) {
   std::string tmpl = (fs::temp_directory_path() / "kvb_verbs_sysfs_XXXXXX").string();
   if (mkdtemp(tmpl.data()) == nullptr) return;
   root_ = tmpl;
@@ -287,7 +288,8 @@ FakeSysfsTree::FakeSysfsTree(const std::vector<std::string>& devices) {
     std::snprintf(pci, sizeof(pci), "0000:%02x:00.0", slot++);
     const std::string dev_dir = root_ + "/devices/pci0000:00/" + pci;
     fs::create_directories(dev_dir);
-    std::ofstream(dev_dir + "/numa_node") << "0\n";
+    const size_t i = static_cast<size_t>(slot - 2);
+    std::ofstream(dev_dir + "/numa_node") << (i < numa_nodes.size() ? numa_nodes[i] : 0) << "\n";
     const std::string ib = root_ + "/class/infiniband/" + name;
     fs::create_directories(ib + "/ports/1");
     fs::create_directory_symlink("../../../devices/pci0000:00/" + std::string(pci), ib + "/device");

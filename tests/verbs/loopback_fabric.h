@@ -105,10 +105,12 @@ class LoopbackFabric final : public VerbsApi {
 };
 
 // A sysfs root in a fresh temp directory (removed with the object) listing `devices`, each with
-// one ACTIVE Ethernet port on PCI and NUMA node 0.
+// one ACTIVE Ethernet port on PCI and its NUMA node.
 class FakeSysfsTree {
  public:
-  explicit FakeSysfsTree(const std::vector<std::string>& devices);
+  // numa_nodes[i] is device i's NUMA node (0 when not given).
+  explicit FakeSysfsTree(const std::vector<std::string>& devices,
+                         const std::vector<int>& numa_nodes = {});
   ~FakeSysfsTree();
   const std::string& root() const { return root_; }
 

@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <functional>
+#include <set>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -169,6 +171,8 @@ struct NodeSpec {
   std::string token;
   std::map<std::string, std::string> config;
   std::string listen = "127.0.0.1:0";
+  std::vector<int> numa;  // per device
+  std::function<Location(uint64_t, bool, int)> locate;
 };
 
 class VerbsTransportTest : public ::testing::Test {
@@ -183,7 +187,7 @@ class VerbsTransportTest : public ::testing::Test {
     auto n = std::make_unique<Node>();
     n->node_id = spec.node_id;
     n->incarnation = spec.incarnation;
-    n->sysfs = std::make_unique<FakeSysfsTree>(spec.devices);
+    n->sysfs = std::make_unique<FakeSysfsTree>(spec.devices, spec.numa);
     Node* raw = n.get();
     n->host = std::make_unique<core::HostServices>(
         spec.config, core::auth::Identity{spec.node_id, spec.incarnation, spec.token},
@@ -197,6 +201,7 @@ class VerbsTransportTest : public ::testing::Test {
     f.make_registrar = [this](const std::string& d, DeviceHandle, PdHandle) {
       return fabric_.MakeRegistrar(d);
     };
+    f.locate = spec.locate;
     kvb_transport_params_t params{sizeof(params), spec.node_id.c_str(), spec.incarnation,
                                   spec.listen.c_str(), spec.token.c_str()};
     auto t = Transport::Create(sdk::Host(n->host->table(), "verbs"), params, std::move(f));
@@ -374,6 +379,41 @@ TEST_F(VerbsTransportTest, WriteThenReadBackStripedOverTwoRails) {
   kvb_transport_stats_t stats{};
   ASSERT_TRUE(a->t->Stats(stats).ok());
   EXPECT_EQ(stats.connections_open, 2u);
+}
+
+TEST_F(VerbsTransportTest, RailsAreChosenByDistanceToTheMemory) {
+  constexpr size_t kLen = 1 << 20;
+  auto near1 = Pattern(kLen, 4), near0 = Pattern(kLen, 6);
+  const uint64_t on_node1 = reinterpret_cast<uint64_t>(near1.data());
+  NodeSpec sa{"node-a", 11, {"a0", "a1"}, "", {{"verbs.stripe_min_bytes", "4096"}}};
+  sa.numa = {0, 1};
+  sa.locate = [on_node1](uint64_t addr, bool, int) {
+    Location l;
+    l.numa_node = addr == on_node1 ? 1 : 0;
+    return l;
+  };
+  auto a = Make(sa);
+  auto b = Make({"node-b", 22, {"b0", "b1"}});
+  ASSERT_TRUE(a && b);
+  std::vector<uint8_t> remote(kLen, 0);
+  Register(*a, 1, near1.data(), kLen);
+  Register(*a, 2, near0.data(), kLen);
+  Register(*b, 9, remote.data(), kLen);
+  Peer* peer = AddPeer(*a, *b);
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, near1.data(), kLen, 9, 0)}).ok());
+  EXPECT_EQ(remote, near1);
+  EXPECT_EQ(fabric_.WrsPosted("a0"), 0u) << "a0 is on the other NUMA node";
+  EXPECT_GT(fabric_.WrsPosted("a1"), 0u);
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 2, near0.data(), kLen, 9, 0)}).ok());
+  EXPECT_EQ(remote, near0);
+  EXPECT_GT(fabric_.WrsPosted("a0"), 0u);
+}
+
+TEST(VerbsTransportNuma, HostNumaNodeOfMappedMemoryIsANodeOrUnknown) {
+  std::vector<uint8_t> v(4096, 1);
+  const int node = HostNumaNodeOf(reinterpret_cast<uint64_t>(v.data()));
+  EXPECT_GE(node, -1);
+  EXPECT_LT(node, 1024);
 }
 
 // ---- 3. a rail fails mid-transfer -------------------------------------------------------------
