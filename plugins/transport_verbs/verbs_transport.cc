@@ -326,6 +326,7 @@ sdk::Result<Config> LoadConfig(const sdk::Host& host) {
   KVB_VERBS_KEY("gid_index", gid_index, 0u, 255u);
   KVB_VERBS_KEY("rail_retry_ms", rail_retry_ms, 0u, 3600000u);
   KVB_VERBS_KEY("max_inbound_qps", max_inbound_qps, 1u, 1000000u);
+  KVB_VERBS_KEY("max_handshakes", max_handshakes, 1u, 4096u);
 #undef KVB_VERBS_KEY
   return c;
 }
@@ -565,6 +566,12 @@ void Transport::Run(Done& done) {
 
 void Transport::ListenerLoop() {
   while (!stop_) {
+    std::erase_if(exchanges_, [](Exchange& x) {
+      if (!x.done->load()) return false;
+      x.thread.join();
+      close(x.fd);
+      return true;
+    });
     pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_pipe_[0], POLLIN, 0}};
     const int r = poll(fds, 2, 1000);
     if (r <= 0) continue;
@@ -590,9 +597,35 @@ void Transport::ListenerLoop() {
       inet_ntop(AF_INET6, &in->sin6_addr, host, sizeof(host));
       port = ntohs(in->sin6_port);
     }
-    ServeOne(fd, std::string(host) + ":" + std::to_string(port));
-    close(fd);
+    const std::string from = std::string(host) + ":" + std::to_string(port);
+    if (exchanges_.size() >= config_.max_handshakes) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.frames_rejected;
+        ++counters_.side_channel_refused;
+      }
+      host_.Log(KVB_LOG_WARN,
+                "verbs: side channel from %s: %u exchanges in progress (verbs.max_handshakes); "
+                "connection closed",
+                from.c_str(), config_.max_handshakes);
+      close(fd);
+      continue;
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    std::thread t([this, fd, from, done] {
+      ServeOne(fd, from);
+      shutdown(fd, SHUT_RDWR);  // the peer sees the close now; the fd is closed when reaped
+      done->store(true);
+    });
+    exchanges_.push_back(Exchange{fd, std::move(t), done});
   }
+  // Shutting down: wake every exchange out of its socket wait, then wait for it.
+  for (Exchange& x : exchanges_) shutdown(x.fd, SHUT_RDWR);
+  for (Exchange& x : exchanges_) {
+    x.thread.join();
+    close(x.fd);
+  }
+  exchanges_.clear();
 }
 
 // One side-channel exchange, bounded by connect_timeout_ms: handshake, the client's kConnect,

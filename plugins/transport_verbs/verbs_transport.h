@@ -16,7 +16,8 @@
 //   channel) after verbs.rail_retry_ms, if its port is ACTIVE.
 // - One progress thread polls every CQ, posts queued work within each QP's max_outstanding,
 //   and enforces deadlines and progress timeouts; connection setup runs on a short-lived thread
-//   per peer so that a dead peer never stalls the others.
+//   per peer, and each inbound side-channel exchange on its own (at most
+//   verbs.max_handshakes at once), so that a dead or slow peer never stalls the others.
 //
 // Thread-safety: every public method may be called concurrently, except the destructor. One
 // mutex guards peers, requests and connections; on_complete runs with no lock held.
@@ -62,6 +63,7 @@ struct Config {
   uint32_t gid_index = 0;               // RoCE source GID index
   uint32_t rail_retry_ms = 1000;        // a failed rail stays out this long, then reconnects
   uint32_t max_inbound_qps = 4096;      // server-side QPs kept, all peers
+  uint32_t max_handshakes = 64;         // side-channel exchanges served at once
 };
 
 plugin::sdk::Result<Config> LoadConfig(const plugin::sdk::Host& host);
@@ -170,6 +172,13 @@ class Transport {
   std::atomic<bool> stop_{false};
   std::thread listener_;
   std::thread progress_;
+  // Side-channel exchanges in progress, one thread each (listener-thread-only).
+  struct Exchange {
+    int fd = -1;
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<Exchange> exchanges_;
 
   std::mutex mu_;
   std::condition_variable cv_;

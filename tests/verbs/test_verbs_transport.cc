@@ -149,6 +149,9 @@ struct Node {
   std::mutex log_mu;
   std::vector<std::string> logs;
 
+  // The transport logs while it shuts down: it goes before the log it writes to.
+  ~Node() { t.reset(); }
+
   bool Logged(const std::string& needle) {
     std::lock_guard<std::mutex> lock(log_mu);
     for (const auto& l : logs) {
@@ -692,6 +695,39 @@ TEST_F(VerbsTransportTest, MalformedSideChannelInputClosesThatConnectionAndTheLi
   st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, src.data(), src.size(), 9, 0)});
   ASSERT_TRUE(st.ok()) << st.message();
   EXPECT_EQ(remote, src);
+}
+
+TEST_F(VerbsTransportTest, ASilentSideChannelClientDelaysNoOtherAndExchangesAreBounded) {
+  auto a = Make({"node-a", 11, {"a0"}});
+  auto b = Make({"node-b", 22, {"b0"}, "", {{"verbs.connect_timeout_ms", "5000"}}});
+  ASSERT_TRUE(a && b);
+  std::vector<uint8_t> src(4096, 8), remote(4096, 0);
+  Register(*a, 1, src.data(), src.size());
+  Register(*b, 9, remote.data(), remote.size());
+  const int silent = Dial(b->t->cm_port());
+  ASSERT_GE(silent, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  Peer* peer = AddPeer(*a, *b);
+  const auto start = std::chrono::steady_clock::now();
+  sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, src.data(), src.size(), 9, 0)});
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2))
+      << "the exchange waited behind the silent client";
+  EXPECT_EQ(remote, src);
+  close(silent);
+
+  // With one exchange allowed at a time, a second client is turned away while one is silent.
+  auto c = Make({"node-c", 33, {"c0"}, "", {{"verbs.max_handshakes", "1"}}});
+  ASSERT_TRUE(c);
+  Register(*c, 9, remote.data(), remote.size());
+  const int hog = Dial(c->t->cm_port());
+  ASSERT_GE(hog, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  Peer* to_c = AddPeer(*a, *c);
+  st = Transfer(*a, to_c, {Op(KVB_OP_WRITE, 1, src.data(), src.size(), 9, 0)});
+  EXPECT_EQ(st.code(), KVB_ERR_PEER_UNREACHABLE) << st.message();
+  EXPECT_TRUE(c->Logged("verbs.max_handshakes")) << c->AllLogs();
+  close(hog);
 }
 
 // ---- 6. deadline, progress timeout, backpressure ----------------------------------------------
