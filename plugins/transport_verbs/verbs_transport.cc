@@ -1426,7 +1426,8 @@ void Transport::HandleEnds(Peer& p, uint32_t rail, std::vector<OpEnd>& ends, uin
   }
 }
 
-void Transport::FailRail(Peer& p, uint32_t i, const sdk::Status& why, uint64_t now, Done* done) {
+// `why` by value: it may be the first_error() of the connection closed here.
+void Transport::FailRail(Peer& p, uint32_t i, sdk::Status why, uint64_t now, Done* done) {
   RailConn& rc = p.rails[i];
   if (!rc.conn) return;
   std::vector<OpEnd> ends;

@@ -146,7 +146,7 @@ class Transport {
   void FinishConnect(Peer& p, uint64_t now, std::vector<std::function<void()>>* done);
   void HandleEnds(Peer& p, uint32_t rail, std::vector<OpEnd>& ends, uint64_t now,
                   std::vector<std::function<void()>>* done);
-  void FailRail(Peer& p, uint32_t rail, const plugin::sdk::Status& why, uint64_t now,
+  void FailRail(Peer& p, uint32_t rail, plugin::sdk::Status why, uint64_t now,
                 std::vector<std::function<void()>>* done);
   void FailPeer(Peer& p, const plugin::sdk::Status& why, std::vector<std::function<void()>>* done);
   void EndSlice(Slice& s, const plugin::sdk::Status& st,
