@@ -307,6 +307,9 @@ sdk::Result<Config> LoadConfig(const sdk::Host& host) {
   auto devices = host.Config<std::string>("verbs.devices", c.devices);
   if (!devices.ok()) return devices.status();
   c.devices = *devices;
+  auto cm_listen = host.Config<std::string>("verbs.cm_listen", c.cm_listen);
+  if (!cm_listen.ok()) return cm_listen.status();
+  c.cm_listen = *cm_listen;
 #define KVB_VERBS_KEY(key, field, min, max)                                              \
   do {                                                                                   \
     auto v = host.Config<decltype(c.field)>("verbs." key, c.field, min, max);            \
@@ -459,13 +462,20 @@ sdk::Status Transport::OpenNics() {
   return {};
 }
 
+// verbs.cm_listen when set; else the host of the engine's first listen entry with port 0 (its
+// port belongs to the tcp transport, which may be loaded too).
 sdk::Status Transport::Listen(const char* listen) {
-  std::string spec = listen != nullptr ? listen : "";
-  spec = spec.substr(0, spec.find(','));
-  if (spec.empty()) spec = "127.0.0.1:0";
+  std::string spec = config_.cm_listen;
+  if (spec.empty()) {
+    spec = listen != nullptr ? listen : "";
+    spec = spec.substr(0, spec.find(','));
+    const size_t colon = spec.rfind(':');
+    spec = (spec.empty() || colon == std::string::npos ? "127.0.0.1" : spec.substr(0, colon)) + ":0";
+  }
   const size_t colon = spec.rfind(':');
-  if (colon == std::string::npos) {
-    return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "verbs: listen '" + spec + "' is not host:port");
+  if (colon == std::string::npos || colon == 0) {
+    return sdk::Status(KVB_ERR_INVALID_ARGUMENT,
+                       "verbs: side-channel address '" + spec + "' is not host:port");
   }
   const std::string host = spec.substr(0, colon), port = spec.substr(colon + 1);
   addrinfo hints{};
@@ -491,6 +501,11 @@ sdk::Status Transport::Listen(const char* listen) {
                                      ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
                                      : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
       endpoints_.cm_host = host;
+      if (host == "0.0.0.0" || host == "::" || host == "[::]") {
+        // A wildcard is no address to dial: publish this host's name.
+        char name[256] = "";
+        if (gethostname(name, sizeof(name) - 1) == 0 && name[0] != '\0') endpoints_.cm_host = name;
+      }
       listen_fd_ = fd;
       break;
     }

@@ -52,6 +52,7 @@ namespace kvbridge::verbs {
 // Every verbs.* configuration key; docs/transports/verbs.md says what each one does.
 struct Config {
   std::string devices;  // comma-separated allow-list of device names; empty = all
+  std::string cm_listen;  // the side channel's host:port; empty = listen's host, port 0
   uint32_t max_rails = 0;  // rails per op (0 = every rail of the closest distance)
   uint64_t stripe_min_bytes = 256u << 10;
   uint64_t max_wr_bytes = 1u << 20;

@@ -180,7 +180,8 @@ struct NodeSpec {
 
 class VerbsTransportTest : public ::testing::Test {
  protected:
-  std::unique_ptr<Node> Make(const NodeSpec& spec, sdk::Status* why = nullptr) {
+  std::unique_ptr<Node> Make(const NodeSpec& spec, sdk::Status* why = nullptr,
+                             bool must_work = true) {
     for (const auto& d : spec.devices) {
       if (!added_.count(d)) {
         fabric_.AddDevice(d);
@@ -210,7 +211,7 @@ class VerbsTransportTest : public ::testing::Test {
     auto t = Transport::Create(sdk::Host(n->host->table(), "verbs"), params, std::move(f));
     if (!t.ok()) {
       if (why != nullptr) *why = t.status();
-      ADD_FAILURE_AT(__FILE__, __LINE__) << t.status().message();
+      if (must_work) ADD_FAILURE_AT(__FILE__, __LINE__) << t.status().message();
       return nullptr;
     }
     n->t = std::move(*t);
@@ -533,7 +534,7 @@ TEST_F(VerbsTransportTest, ARestartedPeerIsStaleAndGetsNoByte) {
   // node-b restarts on the same side-channel port, registering the same segment id.
   const std::string port = std::to_string(b1->t->cm_port());
   b1.reset();
-  auto b2 = Make({"node-b", 200, {"b0"}, "", {}, "127.0.0.1:" + port});
+  auto b2 = Make({"node-b", 200, {"b0"}, "", {{"verbs.cm_listen", "127.0.0.1:" + port}}});
   ASSERT_TRUE(b2);
   Register(*b2, 9, new_mem.data(), kLen);
   const uint64_t posted_before = fabric_.WrsPosted("a0");
@@ -568,7 +569,7 @@ TEST_F(VerbsTransportTest, APeerRestartedBeforeTheFirstConnectIsStale) {
   Peer* old_peer = AddPeer(*a, *b1);
   const std::string port = std::to_string(b1->t->cm_port());
   b1.reset();
-  auto b2 = Make({"node-b", 200, {"b0"}, "", {}, "127.0.0.1:" + port});
+  auto b2 = Make({"node-b", 200, {"b0"}, "", {{"verbs.cm_listen", "127.0.0.1:" + port}}});
   ASSERT_TRUE(b2);
   Register(*b2, 9, new_mem.data(), new_mem.size());
   const sdk::Status st = Transfer(*a, old_peer, {Op(KVB_OP_WRITE, 1, src.data(), 4096, 9, 0)});
@@ -854,6 +855,26 @@ TEST_F(VerbsTransportTest, DeregisteredRemoteMemoryIsNotRegistered) {
   st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, src.data(), 4096, 10, 1)});
   EXPECT_EQ(st.code(), KVB_ERR_OUT_OF_BOUNDS) << st.message();
   EXPECT_EQ(b->t->DeregisterMemory(9).code(), KVB_ERR_NOT_FOUND);
+}
+
+TEST_F(VerbsTransportTest, TheSideChannelTakesTheListenHostOnAPortOfItsOwn) {
+  // The engine's listen port belongs to tcp; verbs binds the same host on a free port.
+  const int busy = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(busy, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  ASSERT_EQ(listen(busy, 1), 0);
+  socklen_t len = sizeof(sa);
+  getsockname(busy, reinterpret_cast<sockaddr*>(&sa), &len);
+  const std::string taken = "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+  auto a = Make({"node-a", 11, {"a0"}, "", {}, taken});
+  ASSERT_TRUE(a);
+  EXPECT_NE(a->t->cm_port(), ntohs(sa.sin_port));
+  EXPECT_HAS(a->t->Endpoints(), "cm=127.0.0.1:");
+  close(busy);
+  auto bad = Make({"node-b", 22, {"b0"}, "", {{"verbs.cm_listen", "nonsense"}}}, nullptr, false);
+  EXPECT_EQ(bad, nullptr);
 }
 
 TEST_F(VerbsTransportTest, NoDeviceInTheTreeIsUnavailableNamingIt) {
