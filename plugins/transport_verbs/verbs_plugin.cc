@@ -22,8 +22,8 @@ class VerbsPlugin {
   static constexpr const char* kVersion = "0.1.0";
   // Not OPT_IN: where a NIC exists it is the fast path. InstanceCaps drops CUDA_* where no
   // GPUDirect registration path exists.
-  static constexpr uint64_t kCaps = KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM |
-                                    KVB_TCAP_CUDA_MEM | KVB_TCAP_CUDA_DIRECT;
+  static constexpr uint64_t kCaps =
+      KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM | KVB_TCAP_CUDA_MEM | KVB_TCAP_CUDA_DIRECT;
   // The side channel authenticates with the host's handshake services (ABI 1.2); instance_caps
   // is 1.3.
   static constexpr uint16_t kMinHostMinor = 3;

@@ -4,8 +4,8 @@
 // nvidia-peermem (ibv_reg_mr on the device pointer); host staging is not implemented, so when
 // both fail Register returns UNSUPPORTED naming each path and why. CudaDirectAvailable says
 // whether either GPU path can exist here (a CUDA driver, and dma-buf or the nvidia_peermem
-// module); CudaPciBusId places a GPU for rail choice. Thread-safety: MrCache calls a Registrar under its mutex; the CUDA entry points are
-// resolved once, thread-safely.
+// module); CudaPciBusId places a GPU for rail choice. Thread-safety: MrCache calls a Registrar
+// under its mutex; the CUDA entry points are resolved once, thread-safely.
 #pragma once
 
 #include <memory>

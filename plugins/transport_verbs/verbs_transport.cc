@@ -43,7 +43,7 @@ struct Transport::Region {
   uint64_t addr = 0;
   uint64_t length = 0;
   bool cuda = false;
-  std::vector<MrRef> mrs;      // per device
+  std::vector<MrRef> mrs;       // per device
   std::vector<uint32_t> rails;  // local NICs closest to the memory, closest first
 };
 
@@ -75,7 +75,7 @@ struct Slice {
   uint64_t remote_segment = 0;
   uint64_t remote_offset = 0;
   uint32_t length = 0;
-  uint32_t rail = 0;  // the rail the stripe plan gave it
+  uint32_t rail = 0;                               // the rail the stripe plan gave it
   const std::vector<uint32_t>* allowed = nullptr;  // the request's rails for this op
   bool posted = false;
   uint32_t posted_rail = 0;
@@ -310,11 +310,11 @@ sdk::Result<Config> LoadConfig(const sdk::Host& host) {
   auto cm_listen = host.Config<std::string>("verbs.cm_listen", c.cm_listen);
   if (!cm_listen.ok()) return cm_listen.status();
   c.cm_listen = *cm_listen;
-#define KVB_VERBS_KEY(key, field, min, max)                                              \
-  do {                                                                                   \
-    auto v = host.Config<decltype(c.field)>("verbs." key, c.field, min, max);            \
-    if (!v.ok()) return v.status();                                                      \
-    c.field = *v;                                                                        \
+#define KVB_VERBS_KEY(key, field, min, max)                                   \
+  do {                                                                        \
+    auto v = host.Config<decltype(c.field)>("verbs." key, c.field, min, max); \
+    if (!v.ok()) return v.status();                                           \
+    c.field = *v;                                                             \
   } while (0)
   KVB_VERBS_KEY("max_rails", max_rails, 0u, 64u);
   KVB_VERBS_KEY("stripe_min_bytes", stripe_min_bytes, uint64_t{1}, uint64_t{1} << 40);
@@ -322,8 +322,7 @@ sdk::Result<Config> LoadConfig(const sdk::Host& host) {
   KVB_VERBS_KEY("max_outstanding_wr", max_outstanding_wr, 1u, 16384u);
   KVB_VERBS_KEY("max_queued_bytes_per_peer", max_queued_bytes_per_peer, uint64_t{1},
                 uint64_t{1} << 62);
-  KVB_VERBS_KEY("max_queued_ops_per_peer", max_queued_ops_per_peer, uint64_t{1},
-                uint64_t{1} << 40);
+  KVB_VERBS_KEY("max_queued_ops_per_peer", max_queued_ops_per_peer, uint64_t{1}, uint64_t{1} << 40);
   KVB_VERBS_KEY("progress_timeout_ms", progress_timeout_ms, 1u, 3600000u);
   KVB_VERBS_KEY("connect_timeout_ms", connect_timeout_ms, 1u, 600000u);
   KVB_VERBS_KEY("gid_index", gid_index, 0u, 255u);
@@ -452,8 +451,7 @@ sdk::Status Transport::OpenNics() {
     devices_.push_back(std::move(ctx));
   }
   if (nics_.empty()) {
-    std::string why = found->empty() ? "no device under " + fabric_.sysfs_root +
-                                           "/class/infiniband"
+    std::string why = found->empty() ? "no device under " + fabric_.sysfs_root + "/class/infiniband"
                                      : "no usable port:" + skipped;
     if (!allow.empty()) why += " (verbs.devices=" + config_.devices + ")";
     return sdk::Status(KVB_ERR_UNAVAILABLE, "no RDMA device (" + why + ")");
@@ -470,7 +468,8 @@ sdk::Status Transport::Listen(const char* listen) {
     spec = listen != nullptr ? listen : "";
     spec = spec.substr(0, spec.find(','));
     const size_t colon = spec.rfind(':');
-    spec = (spec.empty() || colon == std::string::npos ? "127.0.0.1" : spec.substr(0, colon)) + ":0";
+    spec =
+        (spec.empty() || colon == std::string::npos ? "127.0.0.1" : spec.substr(0, colon)) + ":0";
   }
   const size_t colon = spec.rfind(':');
   if (colon == std::string::npos || colon == 0) {
@@ -497,9 +496,9 @@ sdk::Status Transport::Listen(const char* listen) {
       sockaddr_storage ss{};
       socklen_t len = sizeof(ss);
       getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
-      endpoints_.cm_port = ntohs(ss.ss_family == AF_INET6
-                                     ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
-                                     : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+      endpoints_.cm_port =
+          ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                         : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
       endpoints_.cm_host = host;
       if (host == "0.0.0.0" || host == "::" || host == "[::]") {
         // A wildcard is no address to dial: publish this host's name.
@@ -598,8 +597,8 @@ void Transport::ListenerLoop() {
     if ((fds[0].revents & POLLIN) == 0) continue;
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
-    const int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len,
-                           SOCK_CLOEXEC | SOCK_NONBLOCK);
+    const int fd =
+        accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) continue;
     char host[INET6_ADDRSTRLEN] = "?";
     uint16_t port = 0;
@@ -685,9 +684,9 @@ void Transport::ServeOne(int fd, const std::string& from) {
   {
     std::lock_guard<std::mutex> lock(inbound_mu_);
     if (inbound_.size() + frame->qps.size() > config_.max_inbound_qps) {
-      return refuse(KVB_ERR_BACKPRESSURE,
-                    "verbs.max_inbound_qps (" + std::to_string(config_.max_inbound_qps) +
-                        ") reached");
+      return refuse(
+          KVB_ERR_BACKPRESSURE,
+          "verbs.max_inbound_qps (" + std::to_string(config_.max_inbound_qps) + ") reached");
     }
   }
   Frame reply;
@@ -779,9 +778,8 @@ void Transport::RunConnect(ConnectJob& job) {
   addrinfo* res = nullptr;
   if (const int rc = getaddrinfo(job.host.c_str(), std::to_string(job.port).c_str(), &hints, &res);
       rc != 0) {
-    return finish(sdk::Status(KVB_ERR_PEER_UNREACHABLE,
-                              "verbs: side channel " + where + " of " + who + ": " +
-                                  gai_strerror(rc)));
+    return finish(sdk::Status(KVB_ERR_PEER_UNREACHABLE, "verbs: side channel " + where + " of " +
+                                                            who + ": " + gai_strerror(rc)));
   }
   int fd = -1;
   std::string err = "no address";
@@ -803,9 +801,8 @@ void Transport::RunConnect(ConnectJob& job) {
   }
   freeaddrinfo(res);
   if (fd < 0) {
-    return finish(sdk::Status(KVB_ERR_PEER_UNREACHABLE,
-                              "verbs: cannot reach the side channel " + where + " of " + who +
-                                  ": " + err));
+    return finish(sdk::Status(KVB_ERR_PEER_UNREACHABLE, "verbs: cannot reach the side channel " +
+                                                            where + " of " + who + ": " + err));
   }
   const int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -817,8 +814,8 @@ void Transport::RunConnect(ConnectJob& job) {
   auto auth = host_.BeginAuth(KVB_AUTH_CLIENT, job.peer.node_id, job.peer.incarnation);
   if (!auth.ok()) return finish(auth.status());
   if (auto st = RunAuth(host_, fd, *auth, /*client=*/true, deadline); !st.ok()) {
-    return finish(sdk::Status(st.code(), "verbs: side channel " + where + " of " + who +
-                                             ": handshake: " + st.message()));
+    return finish(sdk::Status(
+        st.code(), "verbs: side channel " + where + " of " + who + ": handshake: " + st.message()));
   }
   auto peer = auth->Peer();
   if (!peer.ok()) return finish(peer.status());
@@ -836,11 +833,12 @@ void Transport::RunConnect(ConnectJob& job) {
                                                          ": " + reply.status().message()));
   }
   if (reply->type == FrameType::kRefuse) {
-    return finish(sdk::Status(reply->code, "verbs: " + who + " refused the connection: " +
-                                               reply->reason));
+    return finish(
+        sdk::Status(reply->code, "verbs: " + who + " refused the connection: " + reply->reason));
   }
   if (reply->type != FrameType::kAccept) {
-    return finish(sdk::Status(KVB_ERR_PROTOCOL, "verbs: " + who + " answered with a connect frame"));
+    return finish(
+        sdk::Status(KVB_ERR_PROTOCOL, "verbs: " + who + " answered with a connect frame"));
   }
   for (size_t i = 0; i < job.pairs.size(); ++i) {
     if (!job.conns[i]) continue;
@@ -897,9 +895,9 @@ sdk::Status Transport::RegisterMemory(const sdk::Region& r, sdk::RkeyBuffer& key
                                                   std::to_string(r.segment_id) + " on " + d->name +
                                                   ": " + ref.status().message());
     }
-    host_.Log(KVB_LOG_DEBUG, "verbs: segment %" PRIu64 " (%" PRIu64 " bytes of %s memory) on %s: %s",
-              r.segment_id, r.length, cuda ? "CUDA" : "host", d->name.c_str(),
-              RegPathName(ref->path()));
+    host_.Log(KVB_LOG_DEBUG,
+              "verbs: segment %" PRIu64 " (%" PRIu64 " bytes of %s memory) on %s: %s", r.segment_id,
+              r.length, cuda ? "CUDA" : "host", d->name.c_str(), RegPathName(ref->path()));
     region->mrs.push_back(std::move(*ref));
   }
   std::vector<RegionKey> keys;
@@ -972,14 +970,16 @@ namespace {
 
 sdk::Status ReadPeer(const sdk::PeerInfo& info, Endpoints* ep,
                      std::unordered_map<uint64_t, RemoteSegment>* segments) {
-  if (info.node_id.empty()) return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "verbs: peer without node id");
+  if (info.node_id.empty())
+    return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "verbs: peer without node id");
   auto parsed = ParseEndpoints(info.endpoints);
   if (!parsed.ok()) return parsed.status();
   for (const sdk::PeerSegment& s : info.segments) {
     auto keys = DecodeRkeys(s.rkey);
     if (!keys.ok()) {
-      return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "verbs: segment " + std::to_string(s.segment_id) +
-                                                       ": " + keys.status().message());
+      return sdk::Status(
+          KVB_ERR_INVALID_ARGUMENT,
+          "verbs: segment " + std::to_string(s.segment_id) + ": " + keys.status().message());
     }
     if (keys->size() != parsed->nics.size()) {
       return sdk::Status(KVB_ERR_INVALID_ARGUMENT,
@@ -1011,11 +1011,12 @@ sdk::Result<Peer*> Transport::AddPeer(const sdk::PeerInfo& info) {
 }
 
 sdk::Status Transport::UpdatePeer(Peer* peer, const sdk::PeerInfo& info) {
-  if (peer == nullptr) return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "verbs: update_peer: NULL peer");
+  if (peer == nullptr)
+    return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "verbs: update_peer: NULL peer");
   if (info.node_id != peer->node_id || info.incarnation != peer->incarnation) {
-    return sdk::Status(KVB_ERR_STALE_PEER, "verbs: update_peer: " +
-                                               Who(std::string(info.node_id), info.incarnation) +
-                                               " is not " + Who(peer->node_id, peer->incarnation));
+    return sdk::Status(KVB_ERR_STALE_PEER,
+                       "verbs: update_peer: " + Who(std::string(info.node_id), info.incarnation) +
+                           " is not " + Who(peer->node_id, peer->incarnation));
   }
   verbs::Endpoints ep;
   std::unordered_map<uint64_t, RemoteSegment> segments;
@@ -1064,9 +1065,8 @@ sdk::Result<Request*> Transport::Post(Peer* peer, const sdk::Ops& ops,
   if (peer == nullptr) return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "verbs: post: NULL peer");
   auto req = std::make_unique<Request>();
   req->deadline_ns = opts.deadline_ns;
-  req->progress_timeout_ns = opts.progress_timeout_ns != 0
-                                 ? opts.progress_timeout_ns
-                                 : config_.progress_timeout_ms * kMsNs;
+  req->progress_timeout_ns = opts.progress_timeout_ns != 0 ? opts.progress_timeout_ns
+                                                           : config_.progress_timeout_ms * kMsNs;
   req->on_complete = opts.on_complete;
   req->user = opts.user;
   req->ops.resize(ops.size());
@@ -1090,9 +1090,9 @@ sdk::Result<Request*> Transport::Post(Peer* peer, const sdk::Ops& ops,
     if (local == regions_.end() || la < local->second->addr ||
         la - local->second->addr > local->second->length ||
         op.length > local->second->length - (la - local->second->addr)) {
-      return sdk::Status(KVB_ERR_NOT_REGISTERED,
-                         what + "local memory is not inside local segment " +
-                             std::to_string(op.local_segment));
+      return sdk::Status(
+          KVB_ERR_NOT_REGISTERED,
+          what + "local memory is not inside local segment " + std::to_string(op.local_segment));
     }
     auto remote = peer->segments.find(op.remote_segment);
     if (remote == peer->segments.end()) {
@@ -1116,15 +1116,16 @@ sdk::Result<Request*> Transport::Post(Peer* peer, const sdk::Ops& ops,
   }
   if (peer->queued_bytes + bytes > config_.max_queued_bytes_per_peer ||
       peer->queued_ops + ops.size() > config_.max_queued_ops_per_peer) {
-    return sdk::Status(KVB_ERR_BACKPRESSURE,
-                       "verbs: " + Who(peer->node_id, peer->incarnation) + " has " +
-                           std::to_string(peer->queued_bytes) + " bytes in " +
-                           std::to_string(peer->queued_ops) + " ops queued; " +
-                           std::to_string(bytes) + " more would pass verbs.max_queued_bytes_"
-                           "per_peer (" +
-                           std::to_string(config_.max_queued_bytes_per_peer) +
-                           ") or verbs.max_queued_ops_per_peer (" +
-                           std::to_string(config_.max_queued_ops_per_peer) + ")");
+    return sdk::Status(KVB_ERR_BACKPRESSURE, "verbs: " + Who(peer->node_id, peer->incarnation) +
+                                                 " has " + std::to_string(peer->queued_bytes) +
+                                                 " bytes in " + std::to_string(peer->queued_ops) +
+                                                 " ops queued; " + std::to_string(bytes) +
+                                                 " more would pass verbs.max_queued_bytes_"
+                                                 "per_peer (" +
+                                                 std::to_string(config_.max_queued_bytes_per_peer) +
+                                                 ") or verbs.max_queued_ops_per_peer (" +
+                                                 std::to_string(config_.max_queued_ops_per_peer) +
+                                                 ")");
   }
   Request* r = req.release();
   r->peer = peer;
@@ -1138,8 +1139,8 @@ sdk::Result<Request*> Transport::Post(Peer* peer, const sdk::Ops& ops,
   for (uint32_t i = 0; i < ops.size(); ++i) {
     const kvb_xfer_op_t op = ops[i];
     const auto& rails = r->rails[i];
-    const std::vector<Stripe> stripes = PlanStripes(
-        op.length, static_cast<uint32_t>(rails.size()), config_.stripe_min_bytes);
+    const std::vector<Stripe> stripes =
+        PlanStripes(op.length, static_cast<uint32_t>(rails.size()), config_.stripe_min_bytes);
     for (const Stripe& st : stripes) {
       for (uint64_t off = 0; off < st.length; off += config_.max_wr_bytes) {
         auto s = std::make_unique<Slice>();
@@ -1150,7 +1151,8 @@ sdk::Result<Request*> Transport::Post(Peer* peer, const sdk::Ops& ops,
         s->local_segment = op.local_segment;
         s->remote_segment = op.remote_segment;
         s->remote_offset = op.remote_offset + st.offset + off;
-        s->length = static_cast<uint32_t>(std::min<uint64_t>(config_.max_wr_bytes, st.length - off));
+        s->length =
+            static_cast<uint32_t>(std::min<uint64_t>(config_.max_wr_bytes, st.length - off));
         s->rail = rails[st.rail];
         s->allowed = &r->rails[i];
         peer->queue.push_back(s.get());
@@ -1173,8 +1175,8 @@ sdk::Status Transport::Poll(Request* r, std::span<kvb_status_t> op_status) {
   std::lock_guard<std::mutex> lock(mu_);
   const bool final = r->final && r->reported.load();
   for (size_t i = 0; i < op_status.size() && i < r->ops.size(); ++i) {
-    op_status[i] = final ? r->ops[i].code : (r->ops[i].code == KVB_IN_PROGRESS ? KVB_IN_PROGRESS
-                                                                               : r->ops[i].code);
+    op_status[i] = final ? r->ops[i].code
+                         : (r->ops[i].code == KVB_IN_PROGRESS ? KVB_IN_PROGRESS : r->ops[i].code);
   }
   if (!final) return sdk::Status(KVB_IN_PROGRESS);
   for (const OpState& o : r->ops) {
@@ -1245,20 +1247,19 @@ void Transport::PumpPeer(Peer& p, uint64_t now, Done* done) {
   for (Request* r : late) {
     if (r->final) continue;
     const bool deadline = r->deadline_ns != 0 && now >= r->deadline_ns;
-    FailRequest(*r,
-                deadline ? sdk::Status(KVB_ERR_DEADLINE_EXCEEDED,
-                                       "verbs: the deadline passed " +
-                                           std::to_string((now - r->deadline_ns) / 1000) +
-                                           " us ago with work unfinished for " +
-                                           Who(p.node_id, p.incarnation))
-                         : sdk::Status(KVB_ERR_PROGRESS_TIMEOUT,
-                                       "verbs: no progress to " + Who(p.node_id, p.incarnation) +
-                                           " for " +
-                                           std::to_string((now - r->last_progress_ns) / kMsNs) +
-                                           " ms (progress timeout " +
-                                           std::to_string(r->progress_timeout_ns / kMsNs) +
-                                           " ms)"),
-                done);
+    FailRequest(
+        *r,
+        deadline
+            ? sdk::Status(KVB_ERR_DEADLINE_EXCEEDED,
+                          "verbs: the deadline passed " +
+                              std::to_string((now - r->deadline_ns) / 1000) +
+                              " us ago with work unfinished for " + Who(p.node_id, p.incarnation))
+            : sdk::Status(KVB_ERR_PROGRESS_TIMEOUT,
+                          "verbs: no progress to " + Who(p.node_id, p.incarnation) + " for " +
+                              std::to_string((now - r->last_progress_ns) / kMsNs) +
+                              " ms (progress timeout " +
+                              std::to_string(r->progress_timeout_ns / kMsNs) + " ms)"),
+        done);
   }
   if (p.queue.empty()) return;
   if (p.job == nullptr) StartConnect(p, now);
@@ -1299,10 +1300,11 @@ void Transport::PumpPeer(Peer& p, uint64_t now, Done* done) {
             why += " " + nics_[i]->name + ":" + std::to_string(nics_[i]->info.port) + " (" +
                    p.rails[i].why + ")";
           }
-          EndSlice(*s,
-                   sdk::Status(KVB_ERR_PEER_UNREACHABLE,
-                               "verbs: no rail left to " + Who(p.node_id, p.incarnation) + ":" + why),
-                   done);
+          EndSlice(
+              *s,
+              sdk::Status(KVB_ERR_PEER_UNREACHABLE,
+                          "verbs: no rail left to " + Who(p.node_id, p.incarnation) + ":" + why),
+              done);
           continue;
         }
       }
@@ -1335,7 +1337,8 @@ void Transport::PumpPeer(Peer& p, uint64_t now, Done* done) {
     op.length = s->length;
     op.deadline_ns = s->req->deadline_ns;
     size_t accepted = 0;
-    const sdk::Status st = p.rails[rail].conn->Post(std::span<const RdmaOp>(&op, 1), now, &accepted);
+    const sdk::Status st =
+        p.rails[rail].conn->Post(std::span<const RdmaOp>(&op, 1), now, &accepted);
     if (accepted == 1) {
       if (s->tries > 0 || rail != s->rail) ++counters_.wrs_retried;
       s->posted = true;
@@ -1362,8 +1365,9 @@ void Transport::StartConnect(Peer& p, uint64_t now) {
     const LocalNic& nic = *nics_[i];
     auto attr = fabric_.api->QueryPort(devices_[nic.device]->dev, nic.info.port);
     if (!attr.ok() || attr->state != PortState::kActive) {
-      rc.why = attr.ok() ? "port " + std::to_string(nic.info.port) + " of " + nic.name + " is not ACTIVE"
-                         : attr.status().message();
+      rc.why = attr.ok()
+                   ? "port " + std::to_string(nic.info.port) + " of " + nic.name + " is not ACTIVE"
+                   : attr.status().message();
       // Asked again after rail_retry_ms (at least 1 ms); no op waits for it meanwhile.
       rc.retry_at_ns = now + std::max<uint64_t>(config_.rail_retry_ms, 1) * kMsNs;
       if (!rc.port_down) {

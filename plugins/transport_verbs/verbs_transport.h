@@ -33,10 +33,10 @@
 #include <memory>
 #include <mutex>
 #include <set>
-#include <tuple>
 #include <span>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -51,8 +51,8 @@ namespace kvbridge::verbs {
 
 // Every verbs.* configuration key; docs/transports/verbs.md says what each one does.
 struct Config {
-  std::string devices;  // comma-separated allow-list of device names; empty = all
-  std::string cm_listen;  // the side channel's host:port; empty = listen's host, port 0
+  std::string devices;     // comma-separated allow-list of device names; empty = all
+  std::string cm_listen;   // the side channel's host:port; empty = listen's host, port 0
   uint32_t max_rails = 0;  // rails per op (0 = every rail of the closest distance)
   uint64_t stripe_min_bytes = 256u << 10;
   uint64_t max_wr_bytes = 1u << 20;
@@ -87,8 +87,8 @@ int HostNumaNodeOf(uint64_t addr);
 
 // Counters beyond kvb_transport_stats_t, for tests and logs.
 struct VerbsCounters {
-  uint64_t rails_failed = 0;      // rails taken out (QP error, port down, failed connect)
-  uint64_t wrs_retried = 0;       // work requests re-posted on another rail
+  uint64_t rails_failed = 0;  // rails taken out (QP error, port down, failed connect)
+  uint64_t wrs_retried = 0;   // work requests re-posted on another rail
   uint64_t side_channel_refused = 0;
   std::array<uint64_t, kRegPathCount> registrations{};  // by RegPath
   std::vector<uint64_t> wrs_per_nic;                    // work requests posted, by local NIC
@@ -150,8 +150,7 @@ class Transport {
   void FailRail(Peer& p, uint32_t rail, plugin::sdk::Status why, uint64_t now,
                 std::vector<std::function<void()>>* done);
   void FailPeer(Peer& p, const plugin::sdk::Status& why, std::vector<std::function<void()>>* done);
-  void EndSlice(Slice& s, const plugin::sdk::Status& st,
-                std::vector<std::function<void()>>* done);
+  void EndSlice(Slice& s, const plugin::sdk::Status& st, std::vector<std::function<void()>>* done);
   void FailRequest(Request& r, const plugin::sdk::Status& why,
                    std::vector<std::function<void()>>* done);
   void Finalize(Request& r, std::vector<std::function<void()>>* done);

@@ -56,8 +56,8 @@ bool ParseGid(std::string_view s, Gid* out) {
 }
 
 sdk::Status BadEndpoints(std::string_view text, const std::string& why) {
-  return sdk::Status(KVB_ERR_INVALID_ARGUMENT,
-                     "verbs: malformed endpoints '" + std::string(text.substr(0, 200)) + "': " + why);
+  return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "verbs: malformed endpoints '" +
+                                                   std::string(text.substr(0, 200)) + "': " + why);
 }
 
 void PutU32(std::vector<uint8_t>* b, uint32_t v) {
@@ -137,11 +137,11 @@ sdk::Result<Endpoints> ParseEndpoints(std::string_view text) {
                                       std::to_string(f.size()) + " fields, not 7");
       }
       n.device = std::string(f[0]);
-      const char* why = n.device.empty()                           ? "device name is empty"
+      const char* why = n.device.empty()                                  ? "device name is empty"
                         : !Number(f[1], &port) || port == 0 || port > 255 ? "port is not 1..255"
-                        : !Number(f[2], &n.lid)                    ? "lid is not a number"
-                        : !ParseGid(f[3], &n.gid)                  ? "gid is not 32 hex digits"
-                        : (f[4] != "roce" && f[4] != "ib")         ? "link layer is not roce|ib"
+                        : !Number(f[2], &n.lid)                           ? "lid is not a number"
+                        : !ParseGid(f[3], &n.gid)                   ? "gid is not 32 hex digits"
+                        : (f[4] != "roce" && f[4] != "ib")          ? "link layer is not roce|ib"
                         : !Number(f[5], &n.mtu) || !ValidMtu(n.mtu) ? "mtu is not 256..4096"
                         : !Number(f[6], &n.numa_node)               ? "numa is not a number"
                                                                     : nullptr;
@@ -158,8 +158,8 @@ sdk::Result<Endpoints> ParseEndpoints(std::string_view text) {
   if (!have_cm) return BadEndpoints(text, "no cm=<host>:<port>");
   if (e.nics.empty()) return BadEndpoints(text, "no nic=");
   if (e.nics.size() > kMaxNics) {
-    return BadEndpoints(text, std::to_string(e.nics.size()) + " NICs, at most " +
-                                  std::to_string(kMaxNics));
+    return BadEndpoints(
+        text, std::to_string(e.nics.size()) + " NICs, at most " + std::to_string(kMaxNics));
   }
   return e;
 }
@@ -254,8 +254,8 @@ sdk::Result<Frame> DecodeFrame(sdk::Bytes payload) {
     r.Bytes(q.gid.data(), q.gid.size());
     q.mtu = r.Get<uint32_t>();
     if (q.qp_num == 0 || q.qp_num > 0xffffff || q.psn > 0xffffff || !ValidMtu(q.mtu)) {
-      return bad("QP " + std::to_string(i) + " has qp_num " + std::to_string(q.qp_num) +
-                 ", psn " + std::to_string(q.psn) + ", mtu " + std::to_string(q.mtu));
+      return bad("QP " + std::to_string(i) + " has qp_num " + std::to_string(q.qp_num) + ", psn " +
+                 std::to_string(q.psn) + ", mtu " + std::to_string(q.mtu));
     }
     f.qps.push_back(q);
   }

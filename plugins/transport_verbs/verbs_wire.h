@@ -65,7 +65,7 @@ inline constexpr uint32_t kMaxFramePayload = 8192;
 
 struct Frame {
   FrameType type = FrameType::kConnect;
-  std::vector<QpInfo> qps;  // kConnect: the client's QPs; kAccept: the server's, same pairs
+  std::vector<QpInfo> qps;     // kConnect: the client's QPs; kAccept: the server's, same pairs
   kvb_status_t code = KVB_OK;  // kRefuse
   std::string reason;          // kRefuse
 };

@@ -122,7 +122,8 @@ void LoopbackFabric::Flush(Qp& qp) {
 
 void LoopbackFabric::Execute(Qp& qp, const SendWr& wr) {
   auto complete = [&](WcStatus st) {
-    const WcOpcode op = wr.opcode == WrOpcode::kRdmaRead ? WcOpcode::kRdmaRead : WcOpcode::kRdmaWrite;
+    const WcOpcode op =
+        wr.opcode == WrOpcode::kRdmaRead ? WcOpcode::kRdmaRead : WcOpcode::kRdmaWrite;
     qp.cq->queue.push_back(Completion{wr.wr_id, st, 0, op, wr.length});
     if (st != WcStatus::kSuccess) {
       qp.state = QpState::kErr;

@@ -15,9 +15,10 @@ namespace {
 
 const std::string kPlugin = std::string(KVBRIDGE_PLUGIN_BUILD_DIR) + "/libkvb_transport_verbs.so";
 
-#define SKIP_WITH_A_DEVICE()                                                               \
-  if (verbs::Discover().ok()) GTEST_SKIP() << "this machine has an RDMA device; the "      \
-                                              "conformance suite runs verbs on it instead"
+#define SKIP_WITH_A_DEVICE()                              \
+  if (verbs::Discover().ok())                             \
+  GTEST_SKIP() << "this machine has an RDMA device; the " \
+                  "conformance suite runs verbs on it instead"
 
 TEST(VerbsPlugin, ProbeThroughTheLoaderIsUnavailableNamingNoRdmaDevice) {
   SKIP_WITH_A_DEVICE();

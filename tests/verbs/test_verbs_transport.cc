@@ -12,12 +12,12 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <functional>
-#include <set>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -238,13 +238,10 @@ class VerbsTransportTest : public ::testing::Test {
       segs->push_back(kvb_peer_segment_t{sizeof(kvb_peer_segment_t), KVB_MEM_HOST, id, s.first,
                                          s.second.data(), static_cast<uint32_t>(s.second.size())});
     }
-    return kvb_peer_info_t{sizeof(kvb_peer_info_t),
-                           of.node_id.c_str(),
-                           of.incarnation,
-                           endpoints->c_str(),
-                           segs->data(),
-                           static_cast<uint32_t>(segs->size()),
-                           sizeof(kvb_peer_segment_t)};
+    return kvb_peer_info_t{
+        sizeof(kvb_peer_info_t),   of.node_id.c_str(), of.incarnation,
+        endpoints->c_str(),        segs->data(),       static_cast<uint32_t>(segs->size()),
+        sizeof(kvb_peer_segment_t)};
   }
 
   static Peer* AddPeer(Node& to, Node& of) {
@@ -280,9 +277,9 @@ class VerbsTransportTest : public ::testing::Test {
   static sdk::Status Post(Node& n, Peer* peer, const std::vector<kvb_xfer_op_t>& ops,
                           uint64_t deadline_ns, uint64_t progress_timeout_ns, Request** out) {
     kvb_post_opts_t opts{sizeof(opts), deadline_ns, progress_timeout_ns, nullptr, nullptr};
-    auto r = n.t->Post(peer, sdk::Ops(ops.data(), static_cast<uint32_t>(ops.size()),
-                                      sizeof(kvb_xfer_op_t)),
-                       sdk::PostOptions::From(&opts));
+    auto r = n.t->Post(
+        peer, sdk::Ops(ops.data(), static_cast<uint32_t>(ops.size()), sizeof(kvb_xfer_op_t)),
+        sdk::PostOptions::From(&opts));
     if (!r.ok()) return r.status();
     *out = *r;
     return {};
@@ -786,8 +783,8 @@ TEST_F(VerbsTransportTest, AStalledTransferEndsProgressTimeout) {
 }
 
 TEST_F(VerbsTransportTest, PostsPastTheQueuedBoundAreBackpressure) {
-  const std::map<std::string, std::string> cfg = {
-      {"verbs.max_queued_bytes_per_peer", "65536"}, {"verbs.max_queued_ops_per_peer", "4"}};
+  const std::map<std::string, std::string> cfg = {{"verbs.max_queued_bytes_per_peer", "65536"},
+                                                  {"verbs.max_queued_ops_per_peer", "4"}};
   auto a = Make({"node-a", 11, {"a0"}, "", cfg});
   auto b = Make({"node-b", 22, {"b0"}});
   ASSERT_TRUE(a && b);
@@ -797,8 +794,7 @@ TEST_F(VerbsTransportTest, PostsPastTheQueuedBoundAreBackpressure) {
   Peer* peer = AddPeer(*a, *b);
   fabric_.Stall();
   Request* first = nullptr;
-  ASSERT_TRUE(
-      Post(*a, peer, {Op(KVB_OP_WRITE, 1, src.data(), 49152, 9, 0)}, 0, 0, &first).ok());
+  ASSERT_TRUE(Post(*a, peer, {Op(KVB_OP_WRITE, 1, src.data(), 49152, 9, 0)}, 0, 0, &first).ok());
   Request* second = nullptr;
   sdk::Status st = Post(*a, peer, {Op(KVB_OP_WRITE, 1, src.data(), 32768, 9, 0)}, 0, 0, &second);
   EXPECT_EQ(st.code(), KVB_ERR_BACKPRESSURE) << st.message();
