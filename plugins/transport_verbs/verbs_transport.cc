@@ -535,6 +535,8 @@ Transport::~Transport() {
     peers_.clear();
   }
   Run(done);
+  for (Orphan& o : orphans_) o.thread.join();
+  orphans_.clear();
   for (auto& p : peers) {
     if (p->job_thread.joinable()) p->job_thread.join();
     if (p->job) {
@@ -1053,9 +1055,13 @@ void Transport::RemovePeer(Peer* peer) {
     if (peers_.erase(peer) == 0) return;
     FailPeer(*peer, sdk::Status(KVB_ERR_CANCELLED, "verbs: the peer was removed"), &done);
     owned.reset(peer);
+    // A connect in progress may take up to connect_timeout_ms: the progress thread joins it
+    // once done, so the caller does not wait for a dead peer.
+    if (owned->job_thread.joinable()) {
+      orphans_.push_back(Orphan{std::move(owned->job_thread), owned->job});
+    }
   }
   Run(done);
-  if (owned->job_thread.joinable()) owned->job_thread.join();
 }
 
 // ---- posting ---------------------------------------------------------------------------------
@@ -1205,10 +1211,20 @@ void Transport::ProgressLoop() {
   while (!stop_) {
     Done done;
     bool busy = false;
+    std::vector<Orphan> finished;
     {
       std::unique_lock<std::mutex> lock(mu_);
       work_ = false;
       const uint64_t now = host_.NowNs();
+      for (auto it = orphans_.begin(); it != orphans_.end();) {
+        if (it->job->done) {
+          finished.push_back(std::move(*it));
+          it = orphans_.erase(it);
+        } else {
+          busy = true;
+          ++it;
+        }
+      }
       for (Peer* p : peers_) {
         PumpPeer(*p, now, &done);
         busy = busy || !p->requests.empty() || p->job != nullptr;
@@ -1218,6 +1234,7 @@ void Transport::ProgressLoop() {
       }
     }
     Run(done);
+    for (Orphan& o : finished) o.thread.join();
     if (busy) std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
 }

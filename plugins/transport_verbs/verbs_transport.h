@@ -185,6 +185,12 @@ class Transport {
   bool work_ = false;
   std::unordered_map<uint64_t, std::unique_ptr<Region>> regions_;
   std::set<Peer*> peers_;
+  // Connect threads of removed peers, joined by the progress thread once their job is done.
+  struct Orphan {
+    std::thread thread;
+    std::shared_ptr<ConnectJob> job;
+  };
+  std::vector<Orphan> orphans_;
   VerbsCounters counters_;
   kvb_transport_stats_t stats_{};
 

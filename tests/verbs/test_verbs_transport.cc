@@ -728,6 +728,43 @@ TEST_F(VerbsTransportTest, ASilentSideChannelClientDelaysNoOtherAndExchangesAreB
   close(hog);
 }
 
+TEST_F(VerbsTransportTest, RemovingAPeerWhoseConnectHangsReturnsAtOnceAndCancels) {
+  auto a = Make({"node-a", 11, {"a0"}, "", {{"verbs.connect_timeout_ms", "3000"}}});
+  auto b = Make({"node-b", 22, {"b0"}});
+  ASSERT_TRUE(a && b);
+  std::vector<uint8_t> src(4096, 1), remote(4096, 0);
+  Register(*a, 1, src.data(), src.size());
+  Register(*b, 9, remote.data(), remote.size());
+  // A side channel that takes connections and never answers: b's NICs behind a black hole.
+  const int hole = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(hole, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  ASSERT_EQ(listen(hole, 4), 0);
+  socklen_t len = sizeof(sa);
+  getsockname(hole, reinterpret_cast<sockaddr*>(&sa), &len);
+  std::string ep;
+  std::vector<kvb_peer_segment_t> segs;
+  kvb_peer_info_t info = Info(*b, &ep, &segs);
+  const std::string cm = "cm=127.0.0.1:" + std::to_string(b->t->cm_port());
+  ep.replace(ep.find(cm), cm.size(), "cm=127.0.0.1:" + std::to_string(ntohs(sa.sin_port)));
+  info.endpoints = ep.c_str();
+  auto peer = a->t->AddPeer(sdk::PeerInfo::From(&info));
+  ASSERT_TRUE(peer.ok()) << peer.status().message();
+  Request* r = nullptr;
+  ASSERT_TRUE(Post(*a, *peer, {Op(KVB_OP_WRITE, 1, src.data(), 4096, 9, 0)}, 0, 0, &r).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto start = std::chrono::steady_clock::now();
+  a->t->RemovePeer(*peer);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(500))
+      << "remove_peer waited for the hanging connect";
+  EXPECT_EQ(a->t->Poll(r, {}).code(), KVB_ERR_CANCELLED);
+  a->t->Release(r);
+  EXPECT_EQ(remote, std::vector<uint8_t>(4096, 0));
+  close(hole);
+}
+
 // ---- 6. deadline, progress timeout, backpressure ----------------------------------------------
 
 TEST_F(VerbsTransportTest, AStalledTransferEndsDeadlineExceededByItsDeadline) {
