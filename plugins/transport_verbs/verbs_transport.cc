@@ -28,6 +28,7 @@ struct Transport::DeviceCtx {
   std::string name;
   DeviceHandle dev;
   PdHandle pd;
+  RcOptions qp;  // the QP options this device can take (config, clamped to its limits)
   std::unique_ptr<Registrar> registrar;
   std::unique_ptr<MrCache> mrs;
 };
@@ -404,6 +405,25 @@ sdk::Status Transport::OpenNics() {
     ctx->name = nic.name;
     ctx->dev = *dev;
     ctx->pd = *pd;
+    ctx->qp.max_outstanding = config_.max_outstanding_wr;
+    ctx->qp.progress_timeout_ns = config_.progress_timeout_ms * kMsNs;
+    if (auto attr = fabric_.api->QueryDevice(*dev); attr.ok()) {
+      // ibv_modify_qp refuses read depths past the device's, ibv_create_qp/cq longer queues.
+      auto clamp = [](auto v, uint32_t limit) {
+        return limit == 0 ? v : static_cast<decltype(v)>(std::min<uint32_t>(v, limit));
+      };
+      ctx->qp.max_rd_atomic = clamp(ctx->qp.max_rd_atomic, attr->max_qp_init_rd_atom);
+      ctx->qp.max_dest_rd_atomic = clamp(ctx->qp.max_dest_rd_atomic, attr->max_qp_rd_atom);
+      ctx->qp.max_outstanding =
+          clamp(clamp(ctx->qp.max_outstanding, attr->max_qp_wr), attr->max_cqe);
+      if (ctx->qp.max_outstanding != config_.max_outstanding_wr ||
+          ctx->qp.max_rd_atomic != RcOptions{}.max_rd_atomic) {
+        host_.Log(KVB_LOG_INFO,
+                  "verbs: %s: QPs of %u work requests, %u/%u RDMA READs (the device's limits)",
+                  nic.name.c_str(), ctx->qp.max_outstanding, ctx->qp.max_rd_atomic,
+                  ctx->qp.max_dest_rd_atomic);
+      }
+    }
     ctx->registrar = fabric_.make_registrar(nic.name, *dev, *pd);
     ctx->mrs = std::make_unique<MrCache>(*ctx->registrar, MrCacheLimits{});
     Nic kept = nic;
@@ -694,11 +714,11 @@ void Transport::ServeOne(int fd, const std::string& from) {
   Frame reply;
   reply.type = FrameType::kAccept;
   std::vector<std::unique_ptr<RcConnection>> made;
-  RcOptions opts;
-  opts.max_outstanding = config_.max_outstanding_wr;
   for (const QpInfo& q : frame->qps) {
     const LocalNic& nic = *nics_[q.server_nic];
     const DeviceCtx& d = *devices_[nic.device];
+    RcOptions opts = d.qp;
+    opts.progress_timeout_ns = 0;  // it posts nothing
     opts.local_psn = RandomPsn();
     auto conn =
         RcConnection::Create(*fabric_.api, d.dev, d.pd, {who->node_id, who->incarnation}, opts);
@@ -751,12 +771,10 @@ void Transport::RunConnect(ConnectJob& job) {
   };
   Frame hello;
   hello.type = FrameType::kConnect;
-  RcOptions opts;
-  opts.max_outstanding = config_.max_outstanding_wr;
-  opts.progress_timeout_ns = config_.progress_timeout_ms * kMsNs;
   for (size_t i = 0; i < job.pairs.size(); ++i) {
     const LocalNic& nic = *nics_[job.pairs[i].first];
     const DeviceCtx& d = *devices_[nic.device];
+    RcOptions opts = d.qp;
     opts.local_psn = RandomPsn();
     auto conn = RcConnection::Create(*fabric_.api, d.dev, d.pd, job.peer, opts);
     if (!conn.ok()) {
@@ -1290,7 +1308,7 @@ void Transport::PumpPeer(Peer& p, uint64_t now, Done* done) {
     auto usable = [&](uint32_t i) {
       const RailConn& rc = p.rails[i];
       return rc.conn && rc.conn->state() == RcState::kRts &&
-             rc.conn->outstanding() < config_.max_outstanding_wr;
+             rc.conn->outstanding() < devices_[nics_[i]->device]->qp.max_outstanding;
     };
     auto pending = [&](uint32_t i) {
       const RailConn& rc = p.rails[i];

@@ -171,14 +171,23 @@ sdk::Status LoopbackFabric::CloseDevice(DeviceHandle) { return {}; }
 sdk::Result<PdHandle> LoopbackFabric::AllocPd(DeviceHandle dev) { return PdHandle{dev.impl}; }
 sdk::Status LoopbackFabric::DeallocPd(PdHandle) { return {}; }
 
-sdk::Result<CqHandle> LoopbackFabric::CreateCq(DeviceHandle, uint32_t) {
+sdk::Result<DeviceAttr> LoopbackFabric::QueryDevice(DeviceHandle) { return kLimits; }
+
+sdk::Result<CqHandle> LoopbackFabric::CreateCq(DeviceHandle, uint32_t depth) {
+  if (depth > kLimits.max_cqe) {
+    return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "ibv_create_cq: depth over max_cqe (fake)");
+  }
   std::lock_guard<std::mutex> lock(mu_);
   cqs_.push_back(std::make_unique<Cq>());
   return CqHandle{cqs_.back().get()};
 }
 sdk::Status LoopbackFabric::DestroyCq(CqHandle) { return {}; }
 
-sdk::Result<QpHandle> LoopbackFabric::CreateRcQp(PdHandle pd, CqHandle cq, const QpCaps&) {
+sdk::Result<QpHandle> LoopbackFabric::CreateRcQp(PdHandle pd, CqHandle cq, const QpCaps& caps) {
+  if (caps.max_send_wr > kLimits.max_qp_wr) {
+    return sdk::Status(KVB_ERR_INVALID_ARGUMENT,
+                       "ibv_create_qp: max_send_wr over max_qp_wr (fake)");
+  }
   std::lock_guard<std::mutex> lock(mu_);
   auto qp = std::make_unique<Qp>();
   qp->qp_num = next_qp_++;
@@ -201,14 +210,20 @@ sdk::Status LoopbackFabric::ModifyQpToRtr(QpHandle h, const RtrAttr& a) {
   std::lock_guard<std::mutex> lock(mu_);
   Qp& qp = *static_cast<Qp*>(h.impl);
   if (qp.state != QpState::kInit) return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "fake: not INIT");
+  if (a.max_dest_rd_atomic > kLimits.max_qp_rd_atom) {
+    return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "ibv_modify_qp(RTR): max_dest_rd_atomic (fake)");
+  }
   qp.dest = a.dest_qp_num;
   qp.state = QpState::kRtr;
   return {};
 }
-sdk::Status LoopbackFabric::ModifyQpToRts(QpHandle h, const RtsAttr&) {
+sdk::Status LoopbackFabric::ModifyQpToRts(QpHandle h, const RtsAttr& a) {
   std::lock_guard<std::mutex> lock(mu_);
   Qp& qp = *static_cast<Qp*>(h.impl);
   if (qp.state != QpState::kRtr) return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "fake: not RTR");
+  if (a.max_rd_atomic > kLimits.max_qp_init_rd_atom) {
+    return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "ibv_modify_qp(RTS): max_rd_atomic (fake)");
+  }
   qp.state = QpState::kRts;
   return {};
 }

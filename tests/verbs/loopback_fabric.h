@@ -7,7 +7,8 @@
 // connected back, or whose port (either end) is DOWN, completes RETRY_EXC_ERR.
 // Faults: FailNextWrs (the next work requests on a device's QPs complete with a chosen error),
 // SetPortState, Stall (work requests get no completion until Unstall; an errored QP flushes
-// them). Counters: work requests posted per device.
+// them). Device limits (kLimits, smaller than RcOptions' defaults) are enforced like a NIC's.
+// Counters: work requests posted per device.
 // Also FakeSysfsTree: a sysfs root listing fake devices, each one ACTIVE RoCE port.
 // Thread-safety: every VerbsApi call and every test hook takes one mutex.
 #pragma once
@@ -58,6 +59,9 @@ class LoopbackFabric final : public VerbsApi {
   plugin::sdk::Result<size_t> PollCq(CqHandle cq, std::span<Completion> out) override;
   plugin::sdk::Result<PortAttr> QueryPort(DeviceHandle dev, uint8_t port) override;
   plugin::sdk::Result<Gid> QueryGid(DeviceHandle dev, uint8_t port, int gid_index) override;
+  // kLimits; CreateCq, CreateRcQp and the RTR/RTS modifies refuse more, as a NIC does.
+  plugin::sdk::Result<DeviceAttr> QueryDevice(DeviceHandle dev) override;
+  static constexpr DeviceAttr kLimits{64, 64, 8, 8};
 
  private:
   enum class QpState { kReset, kInit, kRtr, kRts, kErr };

@@ -344,6 +344,8 @@ TEST_F(VerbsTransportTest, WriteThenReadBackOnOneRail) {
   kvb_transport_stats_t bstats{};
   ASSERT_TRUE(b->t->Stats(bstats).ok());
   EXPECT_EQ(bstats.inbound_open, 1u);
+  // The fake's limits are below RcOptions' defaults: the QPs were sized to the device.
+  EXPECT_TRUE(a->Logged("QPs of 64 work requests, 8/8 RDMA READs")) << a->AllLogs();
 }
 
 TEST_F(VerbsTransportTest, WriteThenReadBackStripedOverTwoRails) {
