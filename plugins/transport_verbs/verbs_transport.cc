@@ -669,13 +669,12 @@ void Transport::ListenerLoop() {
 void Transport::ServeOne(int fd, const std::string& from) {
   const uint64_t deadline = host_.NowNs() + config_.connect_timeout_ms * kMsNs;
   auto reject = [&](const std::string& why) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++stats_.frames_rejected;
-      ++counters_.side_channel_refused;
-    }
+    // Logged before counted: whoever sees the count finds the reason in the log.
     host_.Log(KVB_LOG_WARN, "verbs: side channel from %s: %s; connection closed", from.c_str(),
               why.c_str());
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.frames_rejected;
+    ++counters_.side_channel_refused;
   };
   auto auth = host_.BeginAuth(KVB_AUTH_SERVER);
   if (!auth.ok()) return reject("handshake: " + auth.status().message());
