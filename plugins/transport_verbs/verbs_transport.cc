@@ -1234,7 +1234,8 @@ void Transport::ProgressLoop() {
       work_ = false;
       const uint64_t now = host_.NowNs();
       for (auto it = orphans_.begin(); it != orphans_.end();) {
-        if (it->job->done) {
+        // No job: FinishConnect already took it, so the thread has ended or is ending.
+        if (it->job == nullptr || it->job->done) {
           finished.push_back(std::move(*it));
           it = orphans_.erase(it);
         } else {
