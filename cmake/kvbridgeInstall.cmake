@@ -31,6 +31,9 @@ set(_kvb_installed_plugins kvb_transport_tcp kvb_storage_dram kvb_storage_ssd)
 if(TARGET kvb_transport_ucx)
   list(APPEND _kvb_installed_plugins kvb_transport_ucx)
 endif()
+if(TARGET kvb_transport_verbs)
+  list(APPEND _kvb_installed_plugins kvb_transport_verbs)
+endif()
 install(TARGETS ${_kvb_installed_plugins}
   LIBRARY DESTINATION ${KVBRIDGE_INSTALL_PLUGINDIR} COMPONENT runtime)
 

@@ -191,6 +191,14 @@ struct PortAttr {
   uint32_t gid_table_len = 0;
 };
 
+// The device limits the transport sizes its QPs by (ibv_device_attr).
+struct DeviceAttr {
+  uint32_t max_qp_wr = 0;            // work requests per queue
+  uint32_t max_cqe = 0;              // entries per CQ
+  uint32_t max_qp_rd_atom = 0;       // RDMA READs a QP answers at once (max_dest_rd_atomic)
+  uint32_t max_qp_init_rd_atom = 0;  // RDMA READs a QP keeps in flight (max_rd_atomic)
+};
+
 class VerbsApi {
  public:
   virtual ~VerbsApi() = default;
@@ -228,6 +236,11 @@ class VerbsApi {
 
   virtual plugin::sdk::Result<PortAttr> QueryPort(DeviceHandle dev, uint8_t port) = 0;
   virtual plugin::sdk::Result<Gid> QueryGid(DeviceHandle dev, uint8_t port, int gid_index) = 0;
+  // ibv_query_device. The default answers UNSUPPORTED (an implementation that cannot tell); the
+  // transport then keeps RcOptions' defaults.
+  virtual plugin::sdk::Result<DeviceAttr> QueryDevice(DeviceHandle) {
+    return plugin::sdk::Status(KVB_ERR_UNSUPPORTED, "QueryDevice is not implemented");
+  }
 };
 
 // The libibverbs implementation (verbs_api_ibv.cc). Constructing it needs no device.

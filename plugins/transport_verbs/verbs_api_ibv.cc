@@ -311,6 +311,19 @@ class IbvApi final : public VerbsApi {
     return out;
   }
 
+  sdk::Result<DeviceAttr> QueryDevice(DeviceHandle dev) override {
+    ibv_device_attr a{};
+    if (const int rc = ibv_query_device(Ctx(dev), &a); rc != 0) {
+      return Errno("ibv_query_device", rc);
+    }
+    DeviceAttr out;
+    out.max_qp_wr = static_cast<uint32_t>(a.max_qp_wr);
+    out.max_cqe = static_cast<uint32_t>(a.max_cqe);
+    out.max_qp_rd_atom = static_cast<uint32_t>(a.max_qp_rd_atom);
+    out.max_qp_init_rd_atom = static_cast<uint32_t>(a.max_qp_init_rd_atom);
+    return out;
+  }
+
   sdk::Result<Gid> QueryGid(DeviceHandle dev, uint8_t port, int gid_index) override {
     ibv_gid gid{};
     errno = 0;
