@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <filesystem>
 #include <system_error>
 #include <utility>
@@ -73,6 +74,19 @@ std::string FormatNcclVersion(int code) {
   return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
 }
 
+ncclConfig_t MakeNcclConfig(int blocking) {
+  ncclConfig_t c{};
+  c.size = sizeof(ncclConfig_t);
+  c.magic = 0xcafebeef;  // NCCL_CONFIG_MAGIC
+  c.version = 21400;     // the layout above is NCCL 2.14's
+  c.blocking = blocking;
+  c.cgaClusterSize = std::numeric_limits<int>::min();  // NCCL_CONFIG_UNDEF_INT
+  c.minCTAs = std::numeric_limits<int>::min();
+  c.maxCTAs = std::numeric_limits<int>::min();
+  c.netName = nullptr;  // NCCL_CONFIG_UNDEF_PTR
+  return c;
+}
+
 std::string Nccl::ErrorString(ncclResult_t r) const {
   const char* s = ncclGetErrorString != nullptr ? ncclGetErrorString(r) : nullptr;
   if (s != nullptr && s[0] != '\0') return std::string(s) + " (" + std::to_string(r) + ")";
@@ -96,6 +110,8 @@ sdk::Result<std::unique_ptr<Nccl>> Bind(const std::function<void*(const char*)>&
   Get(lookup, "ncclGroupEnd", &n->ncclGroupEnd, &missing);
   Get(lookup, "ncclGetErrorString", &n->ncclGetErrorString, &missing);
   if (!missing.empty()) return sdk::Status(KVB_ERR_UNAVAILABLE, "lacks " + missing);
+  n->ncclCommInitRankConfig =
+      reinterpret_cast<decltype(n->ncclCommInitRankConfig)>(lookup("ncclCommInitRankConfig"));
 
   int code = 0;
   if (const ncclResult_t r = n->ncclGetVersion(&code); r != ncclSuccess) {

@@ -40,6 +40,22 @@ inline constexpr ncclResult_t ncclSuccess = 0;
 inline constexpr ncclResult_t ncclInProgress = 7;  // non-blocking communicators (NCCL >= 2.14)
 inline constexpr ncclDataType_t ncclUint8 = 1;
 
+// The first fields of ncclConfig_t as NCCL 2.14 introduced it (later versions append fields;
+// NCCL reads only `size` bytes of the struct it is handed). Filled by MakeNcclConfig.
+struct ncclConfig_t {  // NOLINT(readability-identifier-naming)
+  size_t size;
+  unsigned int magic;
+  unsigned int version;
+  int blocking;
+  int cgaClusterSize;
+  int minCTAs;
+  int maxCTAs;
+  const char* netName;
+};
+// NCCL_CONFIG_INITIALIZER's values for these fields (INT_MIN, NULL: "NCCL's default"), with
+// `blocking` as given (0: a non-blocking communicator).
+ncclConfig_t MakeNcclConfig(int blocking);
+
 // The oldest NCCL the transport accepts: 2.18.0 (ncclCommGetAsyncError, ncclCommAbort on a hung
 // communicator, and the version-code scheme of NCCL >= 2.9).
 inline constexpr int kMinNcclVersionCode = 21800;
@@ -68,6 +84,10 @@ struct Nccl {
   ncclResult_t (*ncclGroupStart)() = nullptr;
   ncclResult_t (*ncclGroupEnd)() = nullptr;
   const char* (*ncclGetErrorString)(ncclResult_t) = nullptr;
+  // Optional (NULL when the library lacks it; every NCCL >= 2.14 has it): a communicator made
+  // with a config, so non-blocking (ncclInProgress, then ncclCommGetAsyncError until success).
+  ncclResult_t (*ncclCommInitRankConfig)(ncclComm_t*, int nranks, ncclUniqueId, int rank,
+                                         ncclConfig_t*) = nullptr;
 
   // "2.28.9".
   std::string version() const { return FormatNcclVersion(version_code); }
