@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <future>
 #include <netdb.h>
 #include <utility>
 
@@ -173,7 +174,15 @@ sdk::Status Transport::Start(const ControlAddress& listen) {
   if (wake_fd_ < 0 || listen_wake_fd_ < 0) {
     return sdk::Status(KVB_ERR_INTERNAL, std::string("nccl: eventfd: ") + strerror(errno));
   }
-  progress_ = std::thread([this] { ProgressLoop(); });
+  std::promise<void> device_checked;
+  auto checked = device_checked.get_future();
+  progress_ = std::thread([this, &device_checked] { ProgressLoop(&device_checked); });
+  checked.wait();
+  if (!device_ready_) {
+    stop_ = true;
+    progress_.join();
+    return sdk::Status(KVB_ERR_UNAVAILABLE, device_error_);
+  }
   listener_ = std::thread([this] { ListenLoop(); });
   host_.Log(KVB_LOG_INFO, "control listener on %s; NCCL %s (%s); device %d",
             FormatEndpoints(bound_).c_str(), nccl_->version().c_str(), nccl_->path.c_str(),
@@ -480,14 +489,17 @@ void Transport::ListenLoop() {
 
 // ---- progress thread -----------------------------------------------------------------------------
 
-void Transport::ProgressLoop() {
+void Transport::ProgressLoop(std::promise<void>* device_checked) {
+  // Every NCCL and CUDA call of this instance runs on this thread, in the device's primary
+  // context.
   if (const int r = cuda_->use_device(config_.device); r != kCudaSuccess) {
-    device_error_ = "nccl: cannot use CUDA device " + std::to_string(config_.device) + ": " +
-                    cuda_->ErrorString(r);
-    host_.Log(KVB_LOG_ERROR, "%s", device_error_.c_str());
+    device_error_ = "nccl: cannot use CUDA device " + std::to_string(config_.device) +
+                    " (nccl.device): " + cuda_->ErrorString(r);
   } else {
     device_ready_ = true;
   }
+  device_checked->set_value();  // Start reads device_ready_ and device_error_ after this
+  if (!device_ready_) return;
   while (!stop_) {
     Completions done;
     RunCommands(&done);
@@ -744,10 +756,6 @@ void Transport::OnConnected(Peer& p, Completions* done) {
 }
 
 void Transport::DriveLink(Peer& p, uint64_t now, Completions* done) {
-  if (!device_ready_) {
-    FailQueued(p, KVB_ERR_UNAVAILABLE, device_error_, done);
-    return;
-  }
   if (p.link == nullptr) {
     if (!p.queued.empty()) StartConnect(p);
     CheckOps(p, now, done);
@@ -779,7 +787,8 @@ void Transport::DriveLink(Peer& p, uint64_t now, Completions* done) {
       ++counters_.connections_open;
       host_.Log(KVB_LOG_DEBUG, "communicator with %s ready", PeerName(p).c_str());
     } else if ((r != ncclSuccess || async != ncclInProgress) ||
-               now - l.started_ns > uint64_t{config_.connect_timeout_ms} * kMs) {
+               (now > l.started_ns &&
+                now - l.started_ns > uint64_t{config_.connect_timeout_ms} * kMs)) {
       const std::string msg =
           "nccl: communicator with " + PeerName(p) + " did not start: " +
           (r != ncclSuccess || async != ncclInProgress
@@ -887,7 +896,8 @@ void Transport::CheckOps(Peer& p, uint64_t now, Completions* done) {
              true, done);
     return;
   }
-  if (now - p.link->last_progress_ns > progress_ns) {
+  // last_progress_ns may be a little later than `now` (a frame read after this pass began).
+  if (now > p.link->last_progress_ns && now - p.link->last_progress_ns > progress_ns) {
     const std::string msg = "nccl: no op to " + PeerName(p) + " ended for " +
                             std::to_string(progress_ns / kMs) +
                             " ms; the communicator was aborted";
@@ -1098,10 +1108,6 @@ void Transport::OnInboundFrame(Inbound& in, const Frame& f) {
     if (in.comm != nullptr) {
       ++counters_.frames_rejected;
       CloseInbound(in, "nccl: a second COMM frame on one control connection");
-      return;
-    }
-    if (!device_ready_) {
-      CloseInbound(in, device_error_);
       return;
     }
     ncclResult_t r;

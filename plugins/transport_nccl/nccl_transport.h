@@ -30,6 +30,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -187,7 +188,7 @@ class Transport {
   // Listener thread.
   void ListenLoop();
   // Progress thread.
-  void ProgressLoop();
+  void ProgressLoop(std::promise<void>* device_checked);
   void RunCommands(Completions* done);
   void DriveLink(Peer& p, uint64_t now, Completions* done);
   void StartConnect(Peer& p);

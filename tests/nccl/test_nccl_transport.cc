@@ -1,0 +1,540 @@
+// The nccl transport (plugins/transport_nccl) with two or three instances in this process on a
+// fake NCCL and CUDA (fake_nccl.h: host memory stands in for device memory), the real control
+// channel over loopback TCP and the real host handshake (core::HostServices). Each failure the
+// transport promises to handle is made to happen: refusals at the target, a hung send (deadline,
+// progress timeout), an asynchronous NCCL error, a restarted peer, a wrong or missing cluster
+// token, malformed frames, the in-flight bound.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "tests/nccl/fake_nccl.h"
+#include "tests/nccl/nccl_test_util.h"
+
+namespace kvbridge::nccl::test {
+namespace {
+
+constexpr size_t kBytes = 1 << 16;
+
+std::vector<uint8_t> Pattern(size_t n, uint8_t seed) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<uint8_t>(seed + i * 7 + (i >> 8));
+  return v;
+}
+
+bool Contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+template <typename F>
+bool Eventually(F&& f, int ms = 3000) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  while (std::chrono::steady_clock::now() < until) {
+    if (f()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return f();
+}
+
+Node::Options Opts(const std::string& id, uint64_t inc = 1, std::string token = "") {
+  Node::Options o;
+  o.node_id = id;
+  o.incarnation = inc;
+  o.token = std::move(token);
+  o.config["nccl.connect_timeout_ms"] = "2000";
+  return o;
+}
+
+// Two instances, each with one "device" buffer registered as segment 1.
+class NcclPair : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    fake::ResetFaults();
+    a_ = Node::Make(Opts("a", 11, token_));
+    b_ = Node::Make(Opts("b", 21, token_));
+    ASSERT_TRUE(a_ && b_);
+    ASSERT_TRUE(a_->Register(1, abuf_.data(), abuf_.size()).ok());
+    ASSERT_TRUE(b_->Register(1, bbuf_.data(), bbuf_.size()).ok());
+    peer_ = a_->AddPeer(*b_);
+    ASSERT_NE(peer_, nullptr);
+  }
+  void TearDown() override {
+    a_.reset();
+    b_.reset();
+    c_.reset();
+    fake::ResetFaults();
+    EXPECT_EQ(fake::GetCounts().calls_after_abort, 0u) << "a communicator was used after abort";
+  }
+
+  std::string token_;
+  std::vector<uint8_t> abuf_ = std::vector<uint8_t>(kBytes);
+  std::vector<uint8_t> bbuf_ = std::vector<uint8_t>(kBytes);
+  std::vector<uint8_t> cbuf_ = std::vector<uint8_t>(kBytes);
+  std::unique_ptr<Node> a_, b_, c_;
+  Peer* peer_ = nullptr;
+};
+
+// ---- 1. endpoints text and frames --------------------------------------------------------------
+
+TEST(NcclEndpoints, RoundTrip) {
+  const ControlAddress a{"127.0.0.1", 45123};
+  const std::string text = FormatEndpoints(a);
+  EXPECT_EQ(text, "nccl1;c=127.0.0.1:45123");
+  auto back = ParseEndpoints(text);
+  ASSERT_TRUE(back.ok()) << back.status().message();
+  EXPECT_EQ(back->host, "127.0.0.1");
+  EXPECT_EQ(back->port, 45123);
+  auto node = Node::Make(Opts("ep"));
+  ASSERT_TRUE(node);
+  auto own = ParseEndpoints(node->t().Endpoints());
+  ASSERT_TRUE(own.ok()) << own.status().message();
+  EXPECT_NE(own->port, 0);
+}
+
+TEST(NcclEndpoints, MalformedRefusedNamingWhy) {
+  const std::pair<const char*, const char*> bad[] = {
+      {"", "do not start with 'nccl1;c='"},
+      {"tcp1;c=127.0.0.1:1", "do not start with 'nccl1;c='"},
+      {"nccl1;c=127.0.0.1", "is not host:port"},
+      {"nccl1;c=127.0.0.1:", "no port"},
+      {"nccl1;c=127.0.0.1:70000", "no port"},
+      {"nccl1;c=127.0.0.1:12x", "no port"},
+      {"nccl1;c=127.0.0.1:0", "port 0"},
+  };
+  for (const auto& [text, why] : bad) {
+    auto r = ParseEndpoints(text);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), KVB_ERR_INVALID_ARGUMENT) << text;
+    EXPECT_TRUE(Contains(r.status().message(), why)) << text << ": " << r.status().message();
+    EXPECT_TRUE(Contains(r.status().message(), text)) << r.status().message();
+  }
+  // add_peer refuses them the same way.
+  auto a = Node::Make(Opts("a"));
+  ASSERT_TRUE(a);
+  kvb_peer_info_t info{};
+  info.struct_size = sizeof(info);
+  info.node_id = "b";
+  info.incarnation = 1;
+  info.endpoints = "nccl1;c=nowhere";
+  auto p = a->t().AddPeer(sdk::PeerInfo::From(&info));
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), KVB_ERR_INVALID_ARGUMENT);
+}
+
+TEST(NcclFrames, RoundTripAndMalformed) {
+  Frame f;
+  f.type = FrameType::kReq;
+  f.op_id = 7;
+  f.opcode = KVB_OP_WRITE;
+  f.segment = 3;
+  f.offset = 100;
+  f.length = 4096;
+  const std::string bytes = EncodeFrame(f);
+  Frame g;
+  size_t used = 0;
+  ASSERT_TRUE(DecodeFrame(bytes, &g, &used).ok());
+  EXPECT_EQ(used, bytes.size());
+  EXPECT_EQ(g.op_id, 7u);
+  EXPECT_EQ(g.segment, 3u);
+  EXPECT_EQ(g.offset, 100u);
+  EXPECT_EQ(g.length, 4096u);
+  ASSERT_TRUE(DecodeFrame(bytes.substr(0, 20), &g, &used).ok());
+  EXPECT_EQ(used, 0u) << "a partial frame waits for more bytes";
+
+  std::string bad_magic = bytes;
+  bad_magic[0] ^= 1;
+  EXPECT_EQ(DecodeFrame(bad_magic, &g, &used).code(), KVB_ERR_PROTOCOL);
+  std::string bad_type = bytes;
+  bad_type[4] = 9;
+  EXPECT_TRUE(Contains(DecodeFrame(bad_type, &g, &used).message(), "unknown type 9"));
+  std::string bad_len = bytes;
+  bad_len[8] = 5;
+  EXPECT_TRUE(Contains(DecodeFrame(bad_len, &g, &used).message(), "body of 5 bytes"));
+}
+
+// ---- 2. bytes move; host memory is refused -----------------------------------------------------
+
+TEST_F(NcclPair, WriteThenReadBack) {
+  const auto data = Pattern(kBytes / 2, 3);
+  std::memcpy(abuf_.data(), data.data(), data.size());
+  const auto before = fake::GetCounts();
+  Outcome w = a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), data.size(), 1, 1000);
+  ASSERT_EQ(w.status, KVB_OK) << w.msg;
+  EXPECT_EQ(std::memcmp(bbuf_.data() + 1000, data.data(), data.size()), 0);
+
+  std::memset(abuf_.data(), 0, abuf_.size());
+  Outcome r = a_->Run(peer_, KVB_OP_READ, 1, abuf_.data() + 5, data.size(), 1, 1000);
+  ASSERT_EQ(r.status, KVB_OK) << r.msg;
+  EXPECT_EQ(std::memcmp(abuf_.data() + 5, data.data(), data.size()), 0);
+
+  const auto after = fake::GetCounts();
+  EXPECT_EQ(after.comms_created - before.comms_created, 2u) << "one 2-rank communicator";
+  EXPECT_EQ(after.bytes_copied - before.bytes_copied, 2 * data.size());
+  const auto st = a_->Stats();
+  EXPECT_EQ(st.bytes_written, data.size());
+  EXPECT_EQ(st.bytes_read, data.size());
+  EXPECT_EQ(st.connections_open, 1u);
+  EXPECT_EQ(b_->Stats().inbound_open, 1u);
+  EXPECT_EQ(st.queued_bytes, 0u);
+}
+
+TEST_F(NcclPair, ManyOpsInOneRequestBothDirections) {
+  const auto data = Pattern(kBytes, 9);
+  std::memcpy(bbuf_.data(), data.data(), data.size());
+  std::vector<kvb_xfer_op_t> ops;
+  for (int i = 0; i < 16; ++i) {
+    kvb_xfer_op_t op{};
+    op.opcode = KVB_OP_READ;
+    op.local_segment = 1;
+    op.local_addr = abuf_.data() + i * 4096;
+    op.length = 4096;
+    op.remote_segment = 1;
+    op.remote_offset = static_cast<uint64_t>(i) * 4096;
+    ops.push_back(op);
+  }
+  auto req = a_->t().Post(peer_, sdk::Ops(ops.data(), ops.size(), sizeof(kvb_xfer_op_t)),
+                          sdk::PostOptions{});
+  ASSERT_TRUE(req.ok()) << req.status().message();
+  Outcome o = a_->Wait(*req);
+  a_->t().Release(*req);
+  ASSERT_EQ(o.status, KVB_OK) << o.msg;
+  EXPECT_EQ(std::memcmp(abuf_.data(), data.data(), 16 * 4096), 0);
+}
+
+TEST_F(NcclPair, HostRegionRefusedUnsupported) {
+  std::vector<uint8_t> host(4096);
+  sdk::Status st = a_->Register(9, host.data(), host.size(), KVB_MEM_HOST, -1);
+  EXPECT_EQ(st.code(), KVB_ERR_UNSUPPORTED);
+  EXPECT_TRUE(Contains(st.message(), "host memory")) << st.message();
+  EXPECT_TRUE(Contains(st.message(), "device memory only")) << st.message();
+  st = a_->Register(10, host.data(), host.size(), KVB_MEM_CUDA, 3);
+  EXPECT_EQ(st.code(), KVB_ERR_UNSUPPORTED);
+  EXPECT_TRUE(Contains(st.message(), "nccl.device")) << st.message();
+  EXPECT_EQ(a_->Register(1, abuf_.data(), 16).code(), KVB_ERR_ALREADY_EXISTS);
+}
+
+// ---- 3. the target checks every request before touching memory ---------------------------------
+
+TEST_F(NcclPair, TargetRefusesUnregisteredAndOutOfRange) {
+  // a believes b has segments 2 and a larger 1 (a stale or lying descriptor): the local checks
+  // pass, the target's do not.
+  Peer* liar = a_->AddPeer(*b_, {{1, kBytes * 4}, {2, kBytes}});
+  ASSERT_NE(liar, nullptr);
+  const auto data = Pattern(4096, 5);
+  std::memcpy(abuf_.data(), data.data(), data.size());
+  const std::vector<uint8_t> b_before = bbuf_;
+  const auto before = fake::GetCounts();
+
+  Outcome o = a_->Run(liar, KVB_OP_WRITE, 1, abuf_.data(), 4096, 2, 0);
+  EXPECT_EQ(o.status, KVB_ERR_NOT_REGISTERED) << o.msg;
+  EXPECT_TRUE(Contains(o.msg, "segment 2 is not registered at the target")) << o.msg;
+
+  o = a_->Run(liar, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, kBytes * 2);
+  EXPECT_EQ(o.status, KVB_ERR_OUT_OF_BOUNDS) << o.msg;
+  EXPECT_TRUE(Contains(o.msg, "lies outside segment 1")) << o.msg;
+
+  o = a_->Run(liar, KVB_OP_READ, 1, abuf_.data(), 4096, 1, kBytes - 100);
+  EXPECT_EQ(o.status, KVB_ERR_OUT_OF_BOUNDS) << o.msg;
+
+  EXPECT_EQ(bbuf_, b_before) << "no byte of the target was touched";
+  EXPECT_EQ(std::memcmp(abuf_.data(), data.data(), data.size()), 0);
+  const auto after = fake::GetCounts();
+  EXPECT_EQ(after.sends, before.sends);
+  EXPECT_EQ(after.recvs, before.recvs);
+  EXPECT_GE(b_->Stats().frames_rejected, 3u);
+
+  // The connection is still good for a valid op.
+  o = a_->Run(liar, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 0);
+  EXPECT_EQ(o.status, KVB_OK) << o.msg;
+}
+
+TEST_F(NcclPair, LocalChecksRefuseAtPost) {
+  Outcome o = a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 4096, 7, 0);
+  EXPECT_EQ(o.status, KVB_ERR_NOT_REGISTERED) << o.msg;
+  o = a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, kBytes);
+  EXPECT_EQ(o.status, KVB_ERR_OUT_OF_BOUNDS) << o.msg;
+  std::vector<uint8_t> other(64);
+  o = a_->Run(peer_, KVB_OP_WRITE, 1, other.data(), 64, 1, 0);
+  EXPECT_EQ(o.status, KVB_ERR_NOT_REGISTERED) << o.msg;
+  o = a_->Run(peer_, 9, 1, abuf_.data(), 64, 1, 0);
+  EXPECT_EQ(o.status, KVB_ERR_INVALID_ARGUMENT) << o.msg;
+}
+
+// ---- 4. hung send: deadline, abort, rebuild; other peers go on ---------------------------------
+
+TEST_F(NcclPair, HungSendHitsDeadlineAbortsAndRebuilds) {
+  c_ = Node::Make(Opts("c", 31));
+  ASSERT_TRUE(c_);
+  ASSERT_TRUE(c_->Register(1, cbuf_.data(), cbuf_.size()).ok());
+  Peer* to_c = a_->AddPeer(*c_);
+  ASSERT_NE(to_c, nullptr);
+  // Both communicators exist before the fault.
+  ASSERT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+  ASSERT_EQ(a_->Run(to_c, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+  const auto before = fake::GetCounts();
+  const uint64_t aborted_before = a_->t().counters().comms_aborted;
+
+  fake::HangNextSends(1);
+  auto hung = a_->Post(peer_, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 0, /*deadline_ms=*/400,
+                       /*progress_ms=*/10000);
+  ASSERT_TRUE(hung.ok()) << hung.status().message();
+  // Meanwhile c is served at full speed.
+  const auto data = Pattern(4096, 77);
+  std::memcpy(abuf_.data() + 8192, data.data(), data.size());
+  for (int i = 0; i < 20; ++i) {
+    Outcome o = a_->Run(to_c, KVB_OP_WRITE, 1, abuf_.data() + 8192, 4096, 1, 0);
+    ASSERT_EQ(o.status, KVB_OK) << o.msg;
+    EXPECT_LT(o.ms, 300) << "a peer unaffected by another's hung communicator";
+  }
+  EXPECT_EQ(std::memcmp(cbuf_.data(), data.data(), data.size()), 0);
+
+  Outcome h = a_->Wait(*hung);
+  a_->t().Release(*hung);
+  EXPECT_EQ(h.status, KVB_ERR_DEADLINE_EXCEEDED) << h.msg;
+  EXPECT_GT(h.ms, 100);
+  EXPECT_LT(h.ms, 1500) << "final by its deadline (400 ms)";
+  EXPECT_EQ(a_->t().counters().comms_aborted, aborted_before + 1);
+  EXPECT_TRUE(a_->LogContains("passed its deadline")) << a_->Logs();
+
+  // The next op to b runs on a new communicator (a new unique id, both ranks).
+  std::memcpy(abuf_.data(), data.data(), data.size());
+  Outcome next = a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 4096);
+  ASSERT_EQ(next.status, KVB_OK) << next.msg;
+  EXPECT_EQ(std::memcmp(bbuf_.data() + 4096, data.data(), data.size()), 0);
+  const auto after = fake::GetCounts();
+  EXPECT_EQ(after.comms_created - before.comms_created, 2u) << "rebuilt once, for b only";
+  EXPECT_GE(after.comms_aborted - before.comms_aborted, 2u) << "both ranks of the old one";
+}
+
+TEST_F(NcclPair, HungSendHitsProgressTimeout) {
+  ASSERT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+  fake::HangNextSends(1);
+  Outcome o = a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 0, /*deadline_ms=*/0,
+                      /*progress_ms=*/200);
+  EXPECT_EQ(o.status, KVB_ERR_PROGRESS_TIMEOUT) << o.msg;
+  EXPECT_LT(o.ms, 1500);
+  EXPECT_TRUE(Contains(o.msg, "communicator was aborted")) << o.msg;
+  EXPECT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+}
+
+TEST_F(NcclPair, AsyncErrorAbortsAndTheNextOpRebuilds) {
+  ASSERT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+  fake::HangNextSends(1);
+  auto req = a_->Post(peer_, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 0, 0, 10000);
+  ASSERT_TRUE(req.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  fake::FailNextAsyncQuery(6);  // ncclRemoteError
+  Outcome o = a_->Wait(*req, 3000);
+  a_->t().Release(*req);
+  EXPECT_EQ(o.status, KVB_ERR_PEER_UNREACHABLE) << o.msg;
+  EXPECT_LT(o.ms, 2000);
+  EXPECT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+}
+
+TEST_F(NcclPair, CancelOfAnIssuedOpAbortsOnlyThatCommunicator) {
+  ASSERT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+  fake::HangNextSends(1);
+  auto req = a_->Post(peer_, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 0, 0, 10000);
+  ASSERT_TRUE(req.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  a_->t().Cancel(*req);
+  std::vector<kvb_status_t> st(1);
+  EXPECT_EQ(a_->t().Poll(*req, st).code(), KVB_ERR_CANCELLED);
+  a_->t().Release(*req);
+  EXPECT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+}
+
+// ---- 5. restarted peer -------------------------------------------------------------------------
+
+TEST_F(NcclPair, RestartedPeerIsStaleAndItsCommunicatorIsNeverReused) {
+  ASSERT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+  const uint16_t port = ParseEndpoints(b_->t().Endpoints())->port;
+  b_.reset();  // b exits; a sees its control connection close and drops that communicator
+  ASSERT_TRUE(Eventually([&] { return a_->Stats().connections_open == 0; }));
+  Node::Options o = Opts("b", 22);
+  o.listen = "127.0.0.1:" + std::to_string(port);
+  b_ = Node::Make(o);
+  ASSERT_TRUE(b_);
+  ASSERT_TRUE(b_->Register(1, bbuf_.data(), bbuf_.size()).ok());
+  const auto before = fake::GetCounts();
+  const std::vector<uint8_t> b_before = bbuf_;
+
+  Outcome stale = a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 0);
+  EXPECT_EQ(stale.status, KVB_ERR_STALE_PEER) << stale.msg;
+  const auto after = fake::GetCounts();
+  EXPECT_EQ(after.sends, before.sends) << "nothing issued to the old incarnation";
+  EXPECT_EQ(after.comms_created, before.comms_created);
+  EXPECT_EQ(after.calls_after_abort, 0u);
+  EXPECT_EQ(bbuf_, b_before);
+
+  // The new incarnation, learnt as such, gets a new communicator.
+  Peer* fresh = a_->AddPeer(*b_);
+  ASSERT_NE(fresh, nullptr);
+  Outcome ok = a_->Run(fresh, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 0);
+  EXPECT_EQ(ok.status, KVB_OK) << ok.msg;
+  EXPECT_EQ(fake::GetCounts().comms_created, before.comms_created + 2);
+}
+
+// ---- 6. authentication and malformed frames ----------------------------------------------------
+
+class NcclAuth : public NcclPair {
+ protected:
+  NcclAuth() { token_ = "cluster-secret"; }
+};
+
+TEST_F(NcclAuth, WrongOrMissingTokenIsUnauthenticated) {
+  for (const std::string token : {"wrong-secret", ""}) {
+    auto x = Node::Make(Opts("x", 5, token));
+    ASSERT_TRUE(x);
+    std::vector<uint8_t> xbuf(4096);
+    ASSERT_TRUE(x->Register(1, xbuf.data(), xbuf.size()).ok());
+    Peer* p = x->AddPeer(*b_);
+    ASSERT_NE(p, nullptr);
+    const std::vector<uint8_t> b_before = bbuf_;
+    Outcome o = x->Run(p, KVB_OP_WRITE, 1, xbuf.data(), 4096, 1, 0);
+    EXPECT_EQ(o.status, KVB_ERR_UNAUTHENTICATED) << "token '" << token << "': " << o.msg;
+    EXPECT_EQ(bbuf_, b_before);
+  }
+  EXPECT_TRUE(b_->LogContains("refused control connection")) << b_->Logs();
+  // The right token still works.
+  EXPECT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+}
+
+int ConnectLoopback(uint16_t port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(port);
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// True when the peer closed fd within ms (reads and drops anything it sent first).
+bool ClosedWithin(int fd, int ms) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  char buf[256];
+  while (std::chrono::steady_clock::now() < until) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 50) > 0) {
+      const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+      if (n <= 0) return true;
+    }
+  }
+  return false;
+}
+
+TEST_F(NcclAuth, MalformedFramesCloseTheConnectionAndTheListenerGoesOn) {
+  const uint16_t port = ParseEndpoints(b_->t().Endpoints())->port;
+  // Garbage instead of a handshake.
+  int fd = ConnectLoopback(port);
+  ASSERT_GE(fd, 0);
+  const char junk[] = "GET / HTTP/1.0\r\n\r\n";
+  ASSERT_GT(send(fd, junk, sizeof(junk), MSG_NOSIGNAL), 0);
+  EXPECT_TRUE(ClosedWithin(fd, 3000));
+  close(fd);
+
+  // Authenticated (this test holds the token), then frames that break the protocol.
+  core::HostServices attacker({}, core::auth::Identity{"mallory", 99, token_});
+  const sdk::Host host(attacker.table(), "nccl");
+  const std::vector<std::string> bad = {
+      std::string("\x01\x02\x03\x04 not a frame at all", 22),
+      [] {  // a REQ before COMM
+        Frame f;
+        f.type = FrameType::kReq;
+        f.op_id = 1;
+        f.opcode = KVB_OP_WRITE;
+        f.segment = 1;
+        f.length = 16;
+        return EncodeFrame(f);
+      }(),
+      [] {  // an ACCEPT, which only a target sends
+        Frame f;
+        f.type = FrameType::kAccept;
+        return EncodeFrame(f);
+      }(),
+  };
+  const uint64_t rejected = b_->Stats().frames_rejected;
+  for (const std::string& frame : bad) {
+    fd = ConnectLoopback(port);
+    ASSERT_GE(fd, 0);
+    auto who = Handshake(host, fd, KVB_AUTH_CLIENT, "b", 21, host.NowNs() + 2000000000ull);
+    ASSERT_TRUE(who.ok()) << who.status().message();
+    ASSERT_GT(send(fd, frame.data(), frame.size(), MSG_NOSIGNAL), 0);
+    EXPECT_TRUE(ClosedWithin(fd, 3000)) << "the target must close a connection sending junk";
+    close(fd);
+  }
+  EXPECT_TRUE(Eventually([&] { return b_->Stats().frames_rejected >= rejected + 3; }));
+  EXPECT_TRUE(b_->LogContains("malformed control frame")) << b_->Logs();
+  EXPECT_TRUE(b_->LogContains("REQ before COMM")) << b_->Logs();
+  // And the listener serves the next, well-behaved initiator.
+  EXPECT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+}
+
+// ---- 7. the in-flight bound ----------------------------------------------------------------------
+
+TEST(NcclBounds, BackpressurePastMaxInflightOpsPerPeer) {
+  fake::ResetFaults();
+  Node::Options ao = Opts("a", 1);
+  ao.config["nccl.max_inflight_ops_per_peer"] = "2";
+  auto a = Node::Make(ao);
+  auto b = Node::Make(Opts("b", 2));
+  ASSERT_TRUE(a && b);
+  std::vector<uint8_t> abuf(kBytes), bbuf(kBytes);
+  ASSERT_TRUE(a->Register(1, abuf.data(), abuf.size()).ok());
+  ASSERT_TRUE(b->Register(1, bbuf.data(), bbuf.size()).ok());
+  Peer* p = a->AddPeer(*b);
+  ASSERT_NE(p, nullptr);
+  ASSERT_EQ(a->Run(p, KVB_OP_WRITE, 1, abuf.data(), 64, 1, 0).status, KVB_OK);
+  fake::HangNextSends(1);  // the first op never ends, and blocks the second
+  auto r1 = a->Post(p, KVB_OP_WRITE, 1, abuf.data(), 64, 1, 0, 0, 10000);
+  auto r2 = a->Post(p, KVB_OP_WRITE, 1, abuf.data(), 64, 1, 64, 0, 10000);
+  ASSERT_TRUE(r1.ok() && r2.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // both are on the communicator
+  auto r3 = a->Post(p, KVB_OP_WRITE, 1, abuf.data(), 64, 1, 128);
+  ASSERT_FALSE(r3.ok());
+  EXPECT_EQ(r3.status().code(), KVB_ERR_BACKPRESSURE);
+  EXPECT_TRUE(Contains(r3.status().message(), "nccl.max_inflight_ops_per_peer (2)"))
+      << r3.status().message();
+  a->t().Cancel(*r1);
+  a->t().Release(*r1);
+  Outcome o2 = a->Wait(*r2);
+  a->t().Release(*r2);
+  EXPECT_EQ(o2.status, KVB_OK) << "re-issued on a new communicator: " << o2.msg;
+  EXPECT_EQ(a->Run(p, KVB_OP_WRITE, 1, abuf.data(), 64, 1, 128).status, KVB_OK);
+}
+
+TEST(NcclConfig, BadValueNamesTheKey) {
+  Node::Options o = Opts("a");
+  o.config["nccl.max_inflight_ops_per_peer"] = "lots";
+  sdk::Status err;
+  EXPECT_EQ(Node::Make(o, &err), nullptr);
+  EXPECT_EQ(err.code(), KVB_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(Contains(err.message(), "nccl.max_inflight_ops_per_peer")) << err.message();
+}
+
+TEST(NcclDevice, UnusableDeviceFailsCreateNamingIt) {
+  fake::ResetFaults();
+  fake::SetUseDeviceResult(100);
+  sdk::Status err;
+  auto a = Node::Make(Opts("a", 1), &err);
+  fake::ResetFaults();
+  EXPECT_EQ(a, nullptr);
+  EXPECT_EQ(err.code(), KVB_ERR_UNAVAILABLE);
+  EXPECT_TRUE(Contains(err.message(), "CUDA_ERROR_NO_DEVICE")) << err.message();
+  EXPECT_TRUE(Contains(err.message(), "nccl.device")) << err.message();
+}
+
+}  // namespace
+}  // namespace kvbridge::nccl::test
