@@ -352,6 +352,52 @@ TEST_F(NcclPair, CancelOfAnIssuedOpAbortsOnlyThatCommunicator) {
   EXPECT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
 }
 
+TEST_F(NcclPair, RemovePeerCancelsItsOps) {
+  ASSERT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+  fake::HangNextSends(1);
+  auto req = a_->Post(peer_, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 0, 0, 10000);
+  ASSERT_TRUE(req.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  a_->t().RemovePeer(peer_);
+  peer_ = nullptr;
+  Outcome o = a_->Wait(*req, 1000);
+  a_->t().Release(*req);
+  EXPECT_EQ(o.status, KVB_ERR_CANCELLED) << o.msg;
+  EXPECT_EQ(a_->Stats().connections_open, 0u);
+}
+
+TEST(NcclDeregister, WaitsForTheTargetsQueuedCallThenClosesItsConnection) {
+  fake::ResetFaults();
+  auto a = Node::Make(Opts("a", 1));
+  Node::Options bo = Opts("b", 2);
+  bo.config["nccl.progress_timeout_ms"] = "300";
+  auto b = Node::Make(bo);
+  ASSERT_TRUE(a && b);
+  std::vector<uint8_t> abuf(4096), bbuf(4096);
+  ASSERT_TRUE(a->Register(1, abuf.data(), abuf.size()).ok());
+  ASSERT_TRUE(b->Register(1, bbuf.data(), bbuf.size()).ok());
+  Peer* p = a->AddPeer(*b);
+  ASSERT_EQ(a->Run(p, KVB_OP_WRITE, 1, abuf.data(), 64, 1, 0).status, KVB_OK);
+  fake::HangNextSends(1);  // b's ncclRecv into its region stays queued
+  auto req = a->Post(p, KVB_OP_WRITE, 1, abuf.data(), 4096, 1, 0, 0, 10000);
+  ASSERT_TRUE(req.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_TRUE(b->t().DeregisterMemory(1).ok());
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GE(ms, 250) << "it waited for the queued call";
+  EXPECT_LT(ms, 2000);
+  EXPECT_TRUE(b->LogContains("is being deregistered")) << b->Logs();
+  Outcome o = a->Wait(*req, 3000);
+  a->t().Release(*req);
+  EXPECT_EQ(o.status, KVB_ERR_PEER_UNREACHABLE) << o.msg;
+  // The region is gone: the next op is refused by the target.
+  Outcome n = a->Run(p, KVB_OP_WRITE, 1, abuf.data(), 64, 1, 0);
+  EXPECT_EQ(n.status, KVB_ERR_NOT_REGISTERED) << n.msg;
+  EXPECT_EQ(b->t().DeregisterMemory(1).code(), KVB_ERR_NOT_FOUND);
+}
+
 // ---- 5. restarted peer -------------------------------------------------------------------------
 
 TEST_F(NcclPair, RestartedPeerIsStaleAndItsCommunicatorIsNeverReused) {
