@@ -54,12 +54,22 @@ struct Link {
   uint64_t started_ns = 0;
   uint64_t last_progress_ns = 0;
   std::string in, out;
+  // Accepted ops whose ncclSend/ncclRecv is not queued yet, in ACCEPT order, and the one NCCL
+  // is still enqueueing (a non-blocking communicator answered ncclInProgress: no other NCCL
+  // call on it until ncclCommGetAsyncError says success, and its event is recorded only then).
+  std::deque<OpPtr> to_issue;
+  OpPtr enqueuing;
 };
 
-// One op the target queued on its side.
+// One op the target accepted: its call is queued in ACCEPT order, then its event recorded.
 struct InOp {
+  enum class State { kWaiting, kEnqueuing, kIssued };
   uint64_t id = 0;
   uint64_t segment = 0;
+  uint32_t opcode = 0;
+  uint8_t* addr = nullptr;
+  uint64_t length = 0;
+  State state = State::kWaiting;
   CudaEvent event = nullptr;
 };
 
@@ -834,6 +844,7 @@ void Transport::DriveLink(Peer& p, uint64_t now, Completions* done) {
              done);
     return;
   }
+  if (!IssueAccepted(p, async, done)) return;
   // Completions of our side.
   for (auto it = p.sent.begin(); it != p.sent.end();) {
     Op& op = *it->second;
@@ -1000,7 +1011,7 @@ void Transport::OnFrame(Peer& p, const Frame& f, Completions* done) {
   p.link->last_progress_ns = host_.NowNs();
   switch (f.type) {
     case FrameType::kAccept:
-      IssueLocal(p, op, done);
+      p.link->to_issue.push_back(it->second);
       break;
     case FrameType::kRefuse: {
       const kvb_status_t code =
@@ -1028,32 +1039,43 @@ void Transport::OnFrame(Peer& p, const Frame& f, Completions* done) {
   }
 }
 
-void Transport::IssueLocal(Peer& p, Op& op, Completions* done) {
+bool Transport::IssueAccepted(Peer& p, ncclResult_t async, Completions* done) {
   Link& l = *p.link;
-  ncclResult_t r = op.opcode == KVB_OP_WRITE
-                       ? nccl_->ncclSend(op.local, op.length, ncclUint8, 1, l.comm, l.stream)
-                       : nccl_->ncclRecv(op.local, op.length, ncclUint8, 1, l.comm, l.stream);
-  // A non-blocking communicator may still be enqueueing the call: wait for that (brief).
-  const uint64_t until = host_.NowNs() + op.progress_timeout_ns;
-  while (r == ncclInProgress && host_.NowNs() < until) {
-    ncclResult_t async = ncclSuccess;
-    r = nccl_->ncclCommGetAsyncError(l.comm, &async);
-    if (r == ncclSuccess) r = async;
-  }
-  int c = kCudaSuccess;
-  if (r == ncclSuccess) {
-    c = cuda_->event_create(&op.event);
-    if (c == kCudaSuccess) c = cuda_->event_record(op.event, l.stream);
-  }
-  if (r != ncclSuccess || c != kCudaSuccess) {
-    const std::string msg = "nccl: " + std::string(op.opcode == KVB_OP_WRITE ? "ncclSend" : "ncclRecv") +
-                            " to " + PeerName(p) + " failed: " +
-                            (r != ncclSuccess ? nccl_->ErrorString(r) : cuda_->ErrorString(c));
+  auto fail = [&](Op& op, const std::string& why) {
+    const std::string msg = "nccl: " +
+                            std::string(op.opcode == KVB_OP_WRITE ? "ncclSend" : "ncclRecv") +
+                            " to " + PeerName(p) + " failed: " + why;
     Finish(op, KVB_ERR_IO, msg, done);
     Teardown(p, KVB_ERR_PEER_UNREACHABLE, msg, true, done);
-    return;
+    return false;
+  };
+  auto record = [&](Op& op) {
+    int c = cuda_->event_create(&op.event);
+    if (c == kCudaSuccess) c = cuda_->event_record(op.event, l.stream);
+    if (c != kCudaSuccess) return fail(op, cuda_->ErrorString(c));
+    op.issued = true;
+    return true;
+  };
+  if (l.enqueuing != nullptr) {
+    if (async == ncclInProgress) return true;  // still enqueueing: no other call on the comm
+    OpPtr op = std::move(l.enqueuing);
+    if (!record(*op)) return false;
   }
-  op.issued = true;
+  while (!l.to_issue.empty()) {
+    OpPtr op = l.to_issue.front();
+    l.to_issue.pop_front();
+    const ncclResult_t r =
+        op->opcode == KVB_OP_WRITE
+            ? nccl_->ncclSend(op->local, op->length, ncclUint8, 1, l.comm, l.stream)
+            : nccl_->ncclRecv(op->local, op->length, ncclUint8, 1, l.comm, l.stream);
+    if (r == ncclInProgress) {
+      l.enqueuing = op;
+      return true;
+    }
+    if (r != ncclSuccess) return fail(*op, nccl_->ErrorString(r));
+    if (!record(*op)) return false;
+  }
+  return true;
 }
 
 bool Transport::FlushOut(int fd, std::string* out) {
@@ -1176,22 +1198,13 @@ void Transport::OnInboundFrame(Inbound& in, const Frame& f) {
     addr = r->second.base + f.offset;
     ++segment_busy_[f.segment];
   }
-  const ncclResult_t r = f.opcode == KVB_OP_WRITE
-                             ? nccl_->ncclRecv(addr, f.length, ncclUint8, 0, in.comm, in.stream)
-                             : nccl_->ncclSend(addr, f.length, ncclUint8, 0, in.comm, in.stream);
-  InOp op{f.op_id, f.segment, nullptr};
-  int c = kCudaSuccess;
-  if (r == ncclSuccess || r == ncclInProgress) {
-    c = cuda_->event_create(&op.event);
-    if (c == kCudaSuccess) c = cuda_->event_record(op.event, in.stream);
-  }
-  in.ops.push_back(op);  // CloseInbound releases its charge on failure
-  if ((r != ncclSuccess && r != ncclInProgress) || c != kCudaSuccess) {
-    CloseInbound(in, "nccl: queueing the target's side failed: " +
-                         (r != ncclSuccess && r != ncclInProgress ? nccl_->ErrorString(r)
-                                                                  : cuda_->ErrorString(c)));
-    return;
-  }
+  InOp op;
+  op.id = f.op_id;
+  op.segment = f.segment;
+  op.opcode = f.opcode;
+  op.addr = addr;
+  op.length = f.length;
+  in.ops.push_back(op);  // its call is queued by DriveInbound, in this order
   Frame a;
   a.type = FrameType::kAccept;
   a.op_id = f.op_id;
@@ -1228,7 +1241,8 @@ void Transport::DriveInbound(Inbound& in, Completions* /*done*/) {
       return;
     }
   }
-  while (!in.ops.empty()) {
+  if (in.comm_ready && !IssueInbound(in)) return;
+  while (!in.ops.empty() && in.ops.front().state == InOp::State::kIssued) {
     InOp& op = in.ops.front();
     const int q = cuda_->event_query(op.event);
     if (q == kCudaNotReady) break;
@@ -1246,6 +1260,37 @@ void Transport::DriveInbound(Inbound& in, Completions* /*done*/) {
     }
   }
   if (!FlushOut(in.fd, &in.out)) CloseInbound(in, std::string("send: ") + strerror(errno));
+}
+
+bool Transport::IssueInbound(Inbound& in) {
+  ncclResult_t async = ncclSuccess;
+  for (InOp& op : in.ops) {
+    if (op.state == InOp::State::kIssued) continue;
+    if (op.state == InOp::State::kWaiting) {
+      const ncclResult_t r =
+          op.opcode == KVB_OP_WRITE
+              ? nccl_->ncclRecv(op.addr, op.length, ncclUint8, 0, in.comm, in.stream)
+              : nccl_->ncclSend(op.addr, op.length, ncclUint8, 0, in.comm, in.stream);
+      if (r != ncclSuccess && r != ncclInProgress) {
+        CloseInbound(in, "nccl: queueing the target's side failed: " + nccl_->ErrorString(r));
+        return false;
+      }
+      op.state = InOp::State::kEnqueuing;
+      if (r == ncclInProgress) return true;  // asked again on the next pass
+    } else if (const ncclResult_t r = nccl_->ncclCommGetAsyncError(in.comm, &async);
+               r != ncclSuccess || async == ncclInProgress) {
+      return true;  // still enqueueing (an error is found by DriveInbound's own check)
+    }
+    int c = cuda_->event_create(&op.event);
+    if (c == kCudaSuccess) c = cuda_->event_record(op.event, in.stream);
+    if (c != kCudaSuccess) {
+      CloseInbound(in, "nccl: a CUDA event for the target's side failed: " +
+                           cuda_->ErrorString(c));
+      return false;
+    }
+    op.state = InOp::State::kIssued;
+  }
+  return true;
 }
 
 void Transport::ChargeSegment(uint64_t segment, int delta) {

@@ -195,7 +195,10 @@ class Transport {
   void OnConnected(Peer& p, Completions* done);
   void ReadLink(Peer& p, Completions* done);
   void OnFrame(Peer& p, const Frame& f, Completions* done);
-  void IssueLocal(Peer& p, Op& op, Completions* done);
+  // Queues the ncclSend/ncclRecv of accepted ops in ACCEPT order, one NCCL call at a time while
+  // a non-blocking communicator is still enqueueing (async: its ncclCommGetAsyncError). False
+  // when the link was torn down.
+  bool IssueAccepted(Peer& p, ncclResult_t async, Completions* done);
   void CheckOps(Peer& p, uint64_t now, Completions* done);
   // Aborts the link's communicator and closes its connection. Its ops in `sent` end with
   // (code, msg), except, when `requeue`, those whose deadline has not passed: they go back to
@@ -204,6 +207,8 @@ class Transport {
                 Completions* done);
   void DriveInbound(Inbound& in, Completions* done);
   bool ReadInbound(Inbound& in);
+  // The target's side of IssueAccepted. False when the connection was closed.
+  bool IssueInbound(Inbound& in);
   void OnInboundFrame(Inbound& in, const Frame& f);
   void CloseInbound(Inbound& in, const std::string& why);
   void FailQueued(Peer& p, kvb_status_t code, const std::string& msg, Completions* done);

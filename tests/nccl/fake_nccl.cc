@@ -28,11 +28,19 @@ struct Clique {
   std::deque<CallPtr> sends[2], recvs[2];
 };
 
+struct Stream;
+
 struct Comm {
   std::shared_ptr<Clique> clique;
   int rank = 0;
   bool aborted = false;
   int async_error = 0;
+  // A call answered ncclInProgress: it reaches its stream and its direction only after
+  // `enqueue_polls` more ncclCommGetAsyncError calls.
+  CallPtr enqueuing;
+  Stream* enqueuing_stream = nullptr;
+  int enqueuing_from = 0;
+  int enqueue_polls = 0;
 };
 
 struct Stream {
@@ -50,6 +58,7 @@ uint64_t g_next_id = 1;
 int g_hang_sends = 0;
 int g_fail_async = 0;
 int g_use_device = 0;
+int g_slow_enqueue = 0;
 Counts g_counts;
 
 std::string Key(const ncclUniqueId& id) { return std::string(id.internal, sizeof(id.internal)); }
@@ -135,6 +144,18 @@ ncclResult_t GetAsyncError(ncclComm_t comm, ncclResult_t* async) {
     ++g_counts.calls_after_abort;
     return 4;
   }
+  if (c->enqueuing) {
+    if (--c->enqueue_polls > 0) {
+      *async = ncclInProgress;
+      return ncclSuccess;
+    }
+    c->enqueuing_stream->calls.push_back(c->enqueuing);
+    auto& q = c->enqueuing->send ? c->clique->sends[c->enqueuing_from]
+                                 : c->clique->recvs[c->enqueuing_from];
+    q.push_back(c->enqueuing);
+    c->enqueuing.reset();
+    Match(*c->clique, c->enqueuing_from);
+  }
   const bool joined = c->clique->ranks[0] != nullptr && c->clique->ranks[1] != nullptr;
   if (c->async_error == 0 && g_fail_async != 0 && joined) {
     c->async_error = g_fail_async;
@@ -152,6 +173,7 @@ ncclResult_t P2p(bool send, void* buf, size_t count, int peer, ncclComm_t comm,
     return 4;
   }
   if (peer != 1 - c->rank || stream == nullptr) return 4;
+  if (c->enqueuing) ++g_counts.calls_while_enqueuing;
   auto call = std::make_shared<Call>();
   call->send = send;
   call->buf = buf;
@@ -162,8 +184,16 @@ ncclResult_t P2p(bool send, void* buf, size_t count, int peer, ncclComm_t comm,
     call->hung = true;
   }
   const int from = send ? c->rank : peer;
-  (send ? c->clique->sends[from] : c->clique->recvs[from]).push_back(call);
   (send ? g_counts.sends : g_counts.recvs)++;
+  if (g_slow_enqueue > 0) {
+    --g_slow_enqueue;
+    c->enqueuing = call;
+    c->enqueuing_stream = static_cast<Stream*>(stream);
+    c->enqueuing_from = from;
+    c->enqueue_polls = 3;
+    return ncclInProgress;
+  }
+  (send ? c->clique->sends[from] : c->clique->recvs[from]).push_back(call);
   static_cast<Stream*>(stream)->calls.push_back(call);
   Match(*c->clique, from);
   return ncclSuccess;
@@ -289,6 +319,10 @@ void FailNextAsyncQuery(int err) {
   std::lock_guard<std::mutex> lock(g_mu);
   g_fail_async = err;
 }
+void SlowEnqueueNext(int n) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_slow_enqueue = n;
+}
 void SetUseDeviceResult(int r) {
   std::lock_guard<std::mutex> lock(g_mu);
   g_use_device = r;
@@ -298,6 +332,7 @@ void ResetFaults() {
   g_hang_sends = 0;
   g_fail_async = 0;
   g_use_device = 0;
+  g_slow_enqueue = 0;
 }
 Counts GetCounts() {
   std::lock_guard<std::mutex> lock(g_mu);

@@ -25,6 +25,10 @@ void HangNextSends(int n);
 // The next ncclCommGetAsyncError on a ready communicator reports `err` (and keeps reporting it
 // for that communicator).
 void FailNextAsyncQuery(int err);
+// The next `n` ncclSend/ncclRecv calls answer ncclInProgress, as a non-blocking communicator
+// may: the call reaches its stream (and can pair) only after three more ncclCommGetAsyncError
+// queries on its communicator, which answer ncclInProgress until then.
+void SlowEnqueueNext(int n);
 // FakeCuda's use_device fails with this CUresult (0: succeeds).
 void SetUseDeviceResult(int r);
 // Clears the faults above.
@@ -38,6 +42,8 @@ struct Counts {
   uint64_t bytes_copied = 0;
   // Calls made on a communicator after it was aborted or destroyed: must stay 0.
   uint64_t calls_after_abort = 0;
+  // ncclSend/ncclRecv on a communicator still enqueueing an earlier call: must stay 0.
+  uint64_t calls_while_enqueuing = 0;
   uint64_t live_events = 0;
   uint64_t live_streams = 0;
 };

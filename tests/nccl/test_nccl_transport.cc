@@ -72,6 +72,7 @@ class NcclPair : public ::testing::Test {
     c_.reset();
     fake::ResetFaults();
     EXPECT_EQ(fake::GetCounts().calls_after_abort, 0u) << "a communicator was used after abort";
+    EXPECT_EQ(fake::GetCounts().calls_while_enqueuing, 0u);
   }
 
   std::string token_;
@@ -207,6 +208,31 @@ TEST_F(NcclPair, ManyOpsInOneRequestBothDirections) {
   a_->t().Release(*req);
   ASSERT_EQ(o.status, KVB_OK) << o.msg;
   EXPECT_EQ(std::memcmp(abuf_.data(), data.data(), 16 * 4096), 0);
+}
+
+TEST_F(NcclPair, NonBlockingEnqueueIsWaitedOutOnBothSides) {
+  const auto data = Pattern(8192, 21);
+  std::memcpy(abuf_.data(), data.data(), data.size());
+  ASSERT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+  // Four calls in a row answer ncclInProgress: the target's and the initiator's of two ops.
+  fake::SlowEnqueueNext(4);
+  std::vector<kvb_xfer_op_t> ops(2);
+  for (int i = 0; i < 2; ++i) {
+    ops[i].opcode = KVB_OP_WRITE;
+    ops[i].local_segment = 1;
+    ops[i].local_addr = abuf_.data() + i * 4096;
+    ops[i].length = 4096;
+    ops[i].remote_segment = 1;
+    ops[i].remote_offset = 16384 + i * 4096;
+  }
+  auto req = a_->t().Post(peer_, sdk::Ops(ops.data(), 2, sizeof(kvb_xfer_op_t)),
+                          sdk::PostOptions{});
+  ASSERT_TRUE(req.ok());
+  Outcome o = a_->Wait(*req);
+  a_->t().Release(*req);
+  ASSERT_EQ(o.status, KVB_OK) << o.msg;
+  EXPECT_EQ(std::memcmp(bbuf_.data() + 16384, data.data(), data.size()), 0);
+  EXPECT_EQ(fake::GetCounts().calls_while_enqueuing, 0u);
 }
 
 TEST_F(NcclPair, HostRegionRefusedUnsupported) {
