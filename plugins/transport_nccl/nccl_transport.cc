@@ -410,7 +410,7 @@ sdk::Result<RequestHandle*> Transport::Post(Peer* peer, const sdk::Ops& ops,
   cmd->peer = peer;
   cmd->ops = std::move(list);
   Submit(cmd, false);
-  return new RequestHandle{req, peer};
+  return new RequestHandle{req};
 }
 
 sdk::Status Transport::Poll(RequestHandle* h, std::span<kvb_status_t> op_status) {

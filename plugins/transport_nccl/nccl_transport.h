@@ -82,7 +82,6 @@ struct RequestState {
 // What kvb_treq_t* points at.
 struct RequestHandle {
   std::shared_ptr<RequestState> req;
-  Peer* peer = nullptr;
 };
 
 // One op as the progress thread drives it (initiator side).
