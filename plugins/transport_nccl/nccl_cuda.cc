@@ -25,7 +25,7 @@ struct Driver {
 
 Driver g_driver;  // filled once by LoadCudaOpsOnce, read-only afterwards
 
-constexpr unsigned kStreamNonBlocking = 1;  // CU_STREAM_NON_BLOCKING
+constexpr unsigned kStreamNonBlocking = 1;   // CU_STREAM_NON_BLOCKING
 constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
 
 int UseDevice(int device) {

@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <limits>
 #include <filesystem>
+#include <limits>
 #include <system_error>
 #include <utility>
 

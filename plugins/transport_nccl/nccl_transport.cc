@@ -1,6 +1,7 @@
 #include "nccl_transport.h"
 
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -12,7 +13,6 @@
 #include <cerrno>
 #include <cstring>
 #include <future>
-#include <netdb.h>
 #include <utility>
 
 namespace kvbridge::nccl {
@@ -21,9 +21,7 @@ namespace {
 
 constexpr uint64_t kMs = 1000000;
 
-std::string PeerName(const Peer& p) {
-  return p.node_id + "#" + std::to_string(p.incarnation);
-}
+std::string PeerName(const Peer& p) { return p.node_id + "#" + std::to_string(p.incarnation); }
 
 // The op's status is still open (no one has ended it).
 bool IsOpen(const Op& op) {
@@ -113,8 +111,7 @@ sdk::Result<Config> LoadConfig(const sdk::Host& host) {
     return s;
   if (auto s = u32("nccl.progress_timeout_ms", &c.progress_timeout_ms, 1, 3600000); !s.ok())
     return s;
-  if (auto s = u32("nccl.connect_timeout_ms", &c.connect_timeout_ms, 1, 3600000); !s.ok())
-    return s;
+  if (auto s = u32("nccl.connect_timeout_ms", &c.connect_timeout_ms, 1, 3600000); !s.ok()) return s;
   if (auto s = u32("nccl.max_inbound", &c.max_inbound, 1, 65536); !s.ok()) return s;
   if (auto s = u32("nccl.idle_poll_ms", &c.idle_poll_ms, 1, 1000); !s.ok()) return s;
   auto dev = host.Config<int32_t>("nccl.device", c.device, 0, 1023);
@@ -243,10 +240,10 @@ sdk::Status Transport::RegisterMemory(const sdk::Region& r, sdk::RkeyBuffer& key
                            "(host memory goes through another transport, e.g. tcp)");
   }
   if (r.device_id != config_.device) {
-    return sdk::Status(KVB_ERR_UNSUPPORTED,
-                       "nccl: " + seg + " is on CUDA device " + std::to_string(r.device_id) +
-                           "; this instance's communicators use device " +
-                           std::to_string(config_.device) + " (nccl.device)");
+    return sdk::Status(KVB_ERR_UNSUPPORTED, "nccl: " + seg + " is on CUDA device " +
+                                                std::to_string(r.device_id) +
+                                                "; this instance's communicators use device " +
+                                                std::to_string(config_.device) + " (nccl.device)");
   }
   if (r.addr == nullptr || r.length == 0) {
     return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "nccl: " + seg + " is empty or NULL");
@@ -266,9 +263,9 @@ sdk::Status Transport::DeregisterMemory(uint64_t segment_id) {
                        "nccl: region " + std::to_string(segment_id) + " is not registered");
   }
   // New requests are refused from here on; wait for the ones already queued on a communicator.
-  const bool idle = regions_cv_.wait_for(
-      lock, std::chrono::milliseconds(config_.progress_timeout_ms),
-      [&] { return segment_busy_[segment_id] == 0; });
+  const bool idle =
+      regions_cv_.wait_for(lock, std::chrono::milliseconds(config_.progress_timeout_ms),
+                           [&] { return segment_busy_[segment_id] == 0; });
   lock.unlock();
   if (!idle) {
     auto cmd = std::make_shared<Command>();
@@ -352,16 +349,15 @@ sdk::Result<RequestHandle*> Transport::Post(Peer* peer, const sdk::Ops& ops,
       const kvb_xfer_op_t o = ops[i];
       const std::string which = "nccl: op " + std::to_string(i) + ": ";
       if (o.opcode != KVB_OP_READ && o.opcode != KVB_OP_WRITE) {
-        return sdk::Status(KVB_ERR_INVALID_ARGUMENT,
-                           which + "opcode " + std::to_string(o.opcode) + " is neither READ nor WRITE");
+        return sdk::Status(KVB_ERR_INVALID_ARGUMENT, which + "opcode " + std::to_string(o.opcode) +
+                                                         " is neither READ nor WRITE");
       }
       if (o.length == 0 || o.local_addr == nullptr) {
         return sdk::Status(KVB_ERR_INVALID_ARGUMENT, which + "empty or NULL local buffer");
       }
       auto r = regions_.find(o.local_segment);
       const auto* a = static_cast<const uint8_t*>(o.local_addr);
-      if (r == regions_.end() || a < r->second.base ||
-          o.length > r->second.length ||
+      if (r == regions_.end() || a < r->second.base || o.length > r->second.length ||
           static_cast<uint64_t>(a - r->second.base) > r->second.length - o.length) {
         return sdk::Status(KVB_ERR_NOT_REGISTERED,
                            which + "the local buffer is not inside registered CUDA region " +
@@ -369,16 +365,16 @@ sdk::Result<RequestHandle*> Transport::Post(Peer* peer, const sdk::Ops& ops,
       }
       auto s = peer->segments.find(o.remote_segment);
       if (s == peer->segments.end()) {
-        return sdk::Status(KVB_ERR_NOT_REGISTERED,
-                           which + PeerName(*peer) + " published no CUDA segment " +
-                               std::to_string(o.remote_segment));
+        return sdk::Status(KVB_ERR_NOT_REGISTERED, which + PeerName(*peer) +
+                                                       " published no CUDA segment " +
+                                                       std::to_string(o.remote_segment));
       }
       if (o.remote_offset > s->second || o.length > s->second - o.remote_offset) {
-        return sdk::Status(KVB_ERR_OUT_OF_BOUNDS,
-                           which + "[" + std::to_string(o.remote_offset) + ", +" +
-                               std::to_string(o.length) + ") lies outside segment " +
-                               std::to_string(o.remote_segment) + " of " +
-                               std::to_string(s->second) + " bytes");
+        return sdk::Status(KVB_ERR_OUT_OF_BOUNDS, which + "[" + std::to_string(o.remote_offset) +
+                                                      ", +" + std::to_string(o.length) +
+                                                      ") lies outside segment " +
+                                                      std::to_string(o.remote_segment) + " of " +
+                                                      std::to_string(s->second) + " bytes");
       }
       auto op = std::make_shared<Op>();
       op->req = req;
@@ -400,7 +396,8 @@ sdk::Result<RequestHandle*> Transport::Post(Peer* peer, const sdk::Ops& ops,
     peer->inflight_ops.fetch_sub(n);
     return sdk::Status(KVB_ERR_BACKPRESSURE,
                        "nccl: " + std::to_string(before) + " ops to " + PeerName(*peer) +
-                           " are in flight; " + std::to_string(n) + " more would pass "
+                           " are in flight; " + std::to_string(n) +
+                           " more would pass "
                            "nccl.max_inflight_ops_per_peer (" +
                            std::to_string(config_.max_inflight_ops_per_peer) + ")");
   }
@@ -454,7 +451,8 @@ sdk::Status Transport::Stats(kvb_transport_stats_t& s) {
   return sdk::Status();
 }
 
-// ---- listener thread -----------------------------------------------------------------------------
+// ---- listener thread
+// -----------------------------------------------------------------------------
 
 void Transport::ListenLoop() {
   while (!stop_) {
@@ -463,8 +461,8 @@ void Transport::ListenLoop() {
     if (stop_) break;
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
-    const int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len,
-                           SOCK_NONBLOCK | SOCK_CLOEXEC);
+    const int fd =
+        accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) continue;
     char host[NI_MAXHOST] = "?", serv[NI_MAXSERV] = "?";
     getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, host, sizeof(host), serv, sizeof(serv),
@@ -497,7 +495,8 @@ void Transport::ListenLoop() {
   }
 }
 
-// ---- progress thread -----------------------------------------------------------------------------
+// ---- progress thread
+// -----------------------------------------------------------------------------
 
 void Transport::ProgressLoop(std::promise<void>* device_checked) {
   // Every NCCL and CUDA call of this instance runs on this thread, in the device's primary
@@ -525,14 +524,14 @@ void Transport::ProgressLoop(std::promise<void>* device_checked) {
     }
     for (auto& in : inbound_) {
       if (!in->closed && ReadInbound(*in)) DriveInbound(*in, &done);
-      if (!in->closed && (!in->ops.empty() || (in->comm != nullptr && !in->comm_ready) ||
-                          !in->out.empty())) {
+      if (!in->closed &&
+          (!in->ops.empty() || (in->comm != nullptr && !in->comm_ready) || !in->out.empty())) {
         busy = true;
       }
     }
-    inbound_.erase(std::remove_if(inbound_.begin(), inbound_.end(),
-                                  [](const auto& in) { return in->closed; }),
-                   inbound_.end());
+    inbound_.erase(
+        std::remove_if(inbound_.begin(), inbound_.end(), [](const auto& in) { return in->closed; }),
+        inbound_.end());
     RunCompletions(&done);
     // Connector threads whose link was dropped: join the ones that ended.
     for (auto it = finished_connectors_.begin(); it != finished_connectors_.end();) {
@@ -546,8 +545,8 @@ void Transport::ProgressLoop(std::promise<void>* device_checked) {
     fds.push_back({wake_fd_, POLLIN, 0});
     for (Peer* p : peers_) {
       if (p->link != nullptr && p->link->fd >= 0) {
-        fds.push_back({p->link->fd,
-                       static_cast<short>(POLLIN | (p->link->out.empty() ? 0 : POLLOUT)), 0});
+        fds.push_back(
+            {p->link->fd, static_cast<short>(POLLIN | (p->link->out.empty() ? 0 : POLLOUT)), 0});
       }
     }
     for (auto& in : inbound_) {
@@ -598,8 +597,8 @@ void Transport::RunCommands(Completions* done) {
           }
           // NCCL cannot take back one queued call: the communicator goes, the others move on.
           if (on_wire) {
-            Teardown(*p, KVB_ERR_CANCELLED, "nccl: communicator aborted to cancel a request",
-                     true, done);
+            Teardown(*p, KVB_ERR_CANCELLED, "nccl: communicator aborted to cancel a request", true,
+                     done);
           }
         }
         break;
@@ -675,8 +674,7 @@ bool Transport::ReapConnector(Connector& c, bool wait) {
   return true;
 }
 
-void Transport::FailQueued(Peer& p, kvb_status_t code, const std::string& msg,
-                           Completions* done) {
+void Transport::FailQueued(Peer& p, kvb_status_t code, const std::string& msg, Completions* done) {
   for (auto& op : p.queued) {
     Finish(*op, code, msg, done);
     p.inflight_ops.fetch_sub(1);
@@ -756,8 +754,8 @@ void Transport::OnConnected(Peer& p, Completions* done) {
     r = nccl_->ncclCommInitRank(&l.comm, 2, l.connect->id, 0);  // blocks until the target joins
   }
   if (r != ncclSuccess && r != ncclInProgress) {
-    const std::string msg = "nccl: communicator with " + PeerName(p) +
-                            " could not be made: " + nccl_->ErrorString(r);
+    const std::string msg =
+        "nccl: communicator with " + PeerName(p) + " could not be made: " + nccl_->ErrorString(r);
     Teardown(p, KVB_ERR_PEER_UNREACHABLE, msg, false, done);
     FailQueued(p, KVB_ERR_PEER_UNREACHABLE, msg, done);
     return;
@@ -799,12 +797,11 @@ void Transport::DriveLink(Peer& p, uint64_t now, Completions* done) {
     } else if ((r != ncclSuccess || async != ncclInProgress) ||
                (now > l.started_ns &&
                 now - l.started_ns > uint64_t{config_.connect_timeout_ms} * kMs)) {
-      const std::string msg =
-          "nccl: communicator with " + PeerName(p) + " did not start: " +
-          (r != ncclSuccess || async != ncclInProgress
-               ? nccl_->ErrorString(r != ncclSuccess ? r : async)
-               : "no answer within nccl.connect_timeout_ms (" +
-                     std::to_string(config_.connect_timeout_ms) + ")");
+      const std::string msg = "nccl: communicator with " + PeerName(p) + " did not start: " +
+                              (r != ncclSuccess || async != ncclInProgress
+                                   ? nccl_->ErrorString(r != ncclSuccess ? r : async)
+                                   : "no answer within nccl.connect_timeout_ms (" +
+                                         std::to_string(config_.connect_timeout_ms) + ")");
       Teardown(p, KVB_ERR_PEER_UNREACHABLE, msg, false, done);
       FailQueued(p, KVB_ERR_PEER_UNREACHABLE, msg, done);
       return;
@@ -813,8 +810,7 @@ void Transport::DriveLink(Peer& p, uint64_t now, Completions* done) {
       return;
     }
   } else if (r != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
-    const std::string msg = "nccl: the communicator with " + PeerName(p) +
-                            " reported an error: " +
+    const std::string msg = "nccl: the communicator with " + PeerName(p) + " reported an error: " +
                             nccl_->ErrorString(r != ncclSuccess ? r : async);
     host_.Log(KVB_LOG_WARN, "%s; aborting it", msg.c_str());
     Teardown(p, KVB_ERR_PEER_UNREACHABLE, msg, false, done);
@@ -853,8 +849,8 @@ void Transport::DriveLink(Peer& p, uint64_t now, Completions* done) {
       if (q == kCudaSuccess) {
         op.local_done = true;
       } else if (q != kCudaNotReady) {
-        const std::string msg = "nccl: CUDA event of op to " + PeerName(p) +
-                                " failed: " + cuda_->ErrorString(q);
+        const std::string msg =
+            "nccl: CUDA event of op to " + PeerName(p) + " failed: " + cuda_->ErrorString(q);
         Teardown(p, KVB_ERR_IO, msg, false, done);
         return;
       }
@@ -890,10 +886,10 @@ void Transport::CheckOps(Peer& p, uint64_t now, Completions* done) {
   uint64_t progress_ns = UINT64_MAX;
   for (auto& [id, op] : p.sent) {
     if (op->deadline_ns != 0 && now >= op->deadline_ns && IsOpen(*op)) {
-      Finish(*op, KVB_ERR_DEADLINE_EXCEEDED,
-             "nccl: the op to " + PeerName(p) +
-                 " passed its deadline; its communicator was aborted",
-             done);
+      Finish(
+          *op, KVB_ERR_DEADLINE_EXCEEDED,
+          "nccl: the op to " + PeerName(p) + " passed its deadline; its communicator was aborted",
+          done);
       expired = true;
     }
     progress_ns = std::min(progress_ns, op->progress_timeout_ns);
@@ -910,8 +906,7 @@ void Transport::CheckOps(Peer& p, uint64_t now, Completions* done) {
   // last_progress_ns may be a little later than `now` (a frame read after this pass began).
   if (now > p.link->last_progress_ns && now - p.link->last_progress_ns > progress_ns) {
     const std::string msg = "nccl: no op to " + PeerName(p) + " ended for " +
-                            std::to_string(progress_ns / kMs) +
-                            " ms; the communicator was aborted";
+                            std::to_string(progress_ns / kMs) + " ms; the communicator was aborted";
     host_.Log(KVB_LOG_WARN, "%s", msg.c_str());
     Teardown(p, KVB_ERR_PROGRESS_TIMEOUT, msg, false, done);
   }
@@ -1014,9 +1009,9 @@ void Transport::OnFrame(Peer& p, const Frame& f, Completions* done) {
       p.link->to_issue.push_back(it->second);
       break;
     case FrameType::kRefuse: {
-      const kvb_status_t code =
-          f.status > KVB_IN_PROGRESS && f.status < KVB_STATUS_CODE_COUNT ? f.status
-                                                                        : KVB_ERR_PROTOCOL;
+      const kvb_status_t code = f.status > KVB_IN_PROGRESS && f.status < KVB_STATUS_CODE_COUNT
+                                    ? f.status
+                                    : KVB_ERR_PROTOCOL;
       Finish(op, code, f.text, done);
       p.inflight_ops.fetch_sub(1);
       p.sent.erase(it);
@@ -1024,12 +1019,12 @@ void Transport::OnFrame(Peer& p, const Frame& f, Completions* done) {
     }
     case FrameType::kDone:
       if (f.status != KVB_OK) {
-        Finish(op, KVB_ERR_PEER_UNREACHABLE,
-               "nccl: " + PeerName(p) + "'s side of the op failed (" + std::to_string(f.status) +
-                   ")",
-               done);
-        Teardown(p, KVB_ERR_PEER_UNREACHABLE, "nccl: the communicator failed on the target",
-                 true, done);
+        Finish(
+            op, KVB_ERR_PEER_UNREACHABLE,
+            "nccl: " + PeerName(p) + "'s side of the op failed (" + std::to_string(f.status) + ")",
+            done);
+        Teardown(p, KVB_ERR_PEER_UNREACHABLE, "nccl: the communicator failed on the target", true,
+                 done);
         return;
       }
       op.remote_done = true;
@@ -1042,9 +1037,9 @@ void Transport::OnFrame(Peer& p, const Frame& f, Completions* done) {
 bool Transport::IssueAccepted(Peer& p, ncclResult_t async, Completions* done) {
   Link& l = *p.link;
   auto fail = [&](Op& op, const std::string& why) {
-    const std::string msg = "nccl: " +
-                            std::string(op.opcode == KVB_OP_WRITE ? "ncclSend" : "ncclRecv") +
-                            " to " + PeerName(p) + " failed: " + why;
+    const std::string msg =
+        "nccl: " + std::string(op.opcode == KVB_OP_WRITE ? "ncclSend" : "ncclRecv") + " to " +
+        PeerName(p) + " failed: " + why;
     Finish(op, KVB_ERR_IO, msg, done);
     Teardown(p, KVB_ERR_PEER_UNREACHABLE, msg, true, done);
     return false;
@@ -1229,8 +1224,7 @@ void Transport::DriveInbound(Inbound& in, Completions* /*done*/) {
         }
         if (in.closed) return;
       } else if (r != ncclSuccess || async != ncclInProgress ||
-                 host_.NowNs() - in.comm_started_ns >
-                     uint64_t{config_.connect_timeout_ms} * kMs) {
+                 host_.NowNs() - in.comm_started_ns > uint64_t{config_.connect_timeout_ms} * kMs) {
         CloseInbound(in, "nccl: the communicator did not start: " +
                              nccl_->ErrorString(r != ncclSuccess ? r : async));
         return;
@@ -1284,8 +1278,7 @@ bool Transport::IssueInbound(Inbound& in) {
     int c = cuda_->event_create(&op.event);
     if (c == kCudaSuccess) c = cuda_->event_record(op.event, in.stream);
     if (c != kCudaSuccess) {
-      CloseInbound(in, "nccl: a CUDA event for the target's side failed: " +
-                           cuda_->ErrorString(c));
+      CloseInbound(in, "nccl: a CUDA event for the target's side failed: " + cuda_->ErrorString(c));
       return false;
     }
     op.state = InOp::State::kIssued;

@@ -135,8 +135,8 @@ class Transport {
   static constexpr const char* kVersion = "0.1.0";
   // Device memory only (host memory goes through tcp/ucx); opt-in: an engine uses it only when
   // named, since every communicator holds GPU memory and NCCL threads.
-  static constexpr uint64_t kCaps = KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_CUDA_MEM |
-                                    KVB_TCAP_CUDA_DIRECT | KVB_TCAP_OPT_IN;
+  static constexpr uint64_t kCaps =
+      KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_CUDA_MEM | KVB_TCAP_CUDA_DIRECT | KVB_TCAP_OPT_IN;
   static constexpr uint16_t kMinHostMinor = 3;  // the handshake services of ABI 1.2
   using Peer = nccl::Peer;
   using Request = RequestHandle;
@@ -148,8 +148,7 @@ class Transport {
   // Create on the given NCCL and CUDA tables (tests hand fakes in).
   static sdk::Result<std::unique_ptr<Transport>> CreateWith(sdk::Host host,
                                                             const kvb_transport_params_t& params,
-                                                            const Nccl* nccl,
-                                                            const CudaOps* cuda);
+                                                            const Nccl* nccl, const CudaOps* cuda);
   ~Transport();
   Transport(const Transport&) = delete;
   Transport& operator=(const Transport&) = delete;

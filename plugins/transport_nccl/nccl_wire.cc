@@ -28,7 +28,8 @@ void PutU64(std::string* s, uint64_t v) {
 }
 uint64_t Get(std::string_view b, size_t at, int bytes) {
   uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(b[at + i])) << (8 * i);
+  for (int i = 0; i < bytes; ++i)
+    v |= static_cast<uint64_t>(static_cast<uint8_t>(b[at + i])) << (8 * i);
   return v;
 }
 
@@ -87,8 +88,8 @@ sdk::Result<ControlAddress> ParseHostPort(std::string_view text) {
   unsigned v = 0;
   const auto [end, ec] = std::from_chars(port.data(), port.data() + port.size(), v);
   if (port.empty() || ec != std::errc() || end != port.data() + port.size() || v > 65535) {
-    return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "nccl: '" + std::string(text) +
-                                                     "' has no port in 0..65535 after the ':'");
+    return sdk::Status(KVB_ERR_INVALID_ARGUMENT,
+                       "nccl: '" + std::string(text) + "' has no port in 0..65535 after the ':'");
   }
   return ControlAddress{std::string(text.substr(0, colon)), static_cast<uint16_t>(v)};
 }
@@ -96,8 +97,8 @@ sdk::Result<ControlAddress> ParseHostPort(std::string_view text) {
 sdk::Result<ControlAddress> ParseEndpoints(std::string_view text) {
   constexpr std::string_view kPrefix = "nccl1;c=";
   if (text.substr(0, kPrefix.size()) != kPrefix) {
-    return sdk::Status(KVB_ERR_INVALID_ARGUMENT, "nccl: endpoints '" + std::string(text) +
-                                                     "' do not start with 'nccl1;c='");
+    return sdk::Status(KVB_ERR_INVALID_ARGUMENT,
+                       "nccl: endpoints '" + std::string(text) + "' do not start with 'nccl1;c='");
   }
   auto a = ParseHostPort(text.substr(kPrefix.size()));
   if (!a.ok()) {

@@ -21,9 +21,10 @@ std::unique_ptr<Node> Node::MakeWith(const Options& o, const Nccl* nccl, const C
   n->host_ = std::make_unique<core::HostServices>(
       o.config, core::auth::Identity{o.node_id, o.incarnation, o.token},
       [raw, name = o.node_id](int32_t level, const char* plugin, const char* msg) {
-        const std::string line = std::string("[") + plugin + " " + name + " L" +
-                                 std::to_string(level) + "] " + msg;
-        if (level >= KVB_LOG_WARN || getenv("KVBTEST_NCCL_DEBUG")) fprintf(stderr, "%s\n", line.c_str());
+        const std::string line =
+            std::string("[") + plugin + " " + name + " L" + std::to_string(level) + "] " + msg;
+        if (level >= KVB_LOG_WARN || getenv("KVBTEST_NCCL_DEBUG"))
+          fprintf(stderr, "%s\n", line.c_str());
         std::lock_guard<std::mutex> lock(raw->mu_);
         raw->logs_.push_back(line);
       });
@@ -33,8 +34,8 @@ std::unique_ptr<Node> Node::MakeWith(const Options& o, const Nccl* nccl, const C
   params.incarnation = o.incarnation;
   params.listen = o.listen.c_str();
   params.cluster_token = o.token.c_str();
-  auto t = Transport::CreateWith(sdk::Host(n->host_->table(), Transport::kName), params, nccl,
-                                 cuda);
+  auto t =
+      Transport::CreateWith(sdk::Host(n->host_->table(), Transport::kName), params, nccl, cuda);
   if (!t.ok()) {
     if (err != nullptr) *err = t.status();
     return nullptr;
@@ -128,8 +129,8 @@ Outcome Node::Wait(RequestHandle* req, int wait_ms) {
   out.op_status.assign(req->req->ops.size(), KVB_IN_PROGRESS);
   for (;;) {
     const sdk::Status st = t_->Poll(req, out.op_status);
-    out.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-                 .count();
+    out.ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (st.code() != KVB_IN_PROGRESS || out.ms > wait_ms) {
       out.status = st.code();
       out.msg = st.message();

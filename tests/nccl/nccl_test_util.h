@@ -54,10 +54,9 @@ class Node {
               uint64_t remote_segment, uint64_t remote_offset, uint64_t deadline_ms = 0,
               uint64_t progress_ms = 0, int wait_ms = 10000);
   // Posts one op; the request (release with Finish) or the post's error.
-  sdk::Result<RequestHandle*> Post(Peer* peer, uint32_t opcode, uint64_t local_segment,
-                                   void* local, uint64_t len, uint64_t remote_segment,
-                                   uint64_t remote_offset, uint64_t deadline_ms = 0,
-                                   uint64_t progress_ms = 0);
+  sdk::Result<RequestHandle*> Post(Peer* peer, uint32_t opcode, uint64_t local_segment, void* local,
+                                   uint64_t len, uint64_t remote_segment, uint64_t remote_offset,
+                                   uint64_t deadline_ms = 0, uint64_t progress_ms = 0);
   Outcome Wait(RequestHandle* req, int wait_ms = 10000);
   kvb_transport_stats_t Stats();
 

@@ -33,7 +33,6 @@ bool GpuRequired() {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
-
 TEST(NcclPlugin, LoadsAndProbesThroughThePluginHost) {
   core::PluginRegistry reg;
   const core::PluginInfo& info = reg.LoadFile(kPlugin);
@@ -120,10 +119,10 @@ bool RealTables(const Nccl** nccl, const CudaOps** cuda, std::string* why) {
   return false;
 }
 
-#define KVB_NEED_GPU(why)                                                        \
-  do {                                                                           \
-    if (GpuRequired()) FAIL() << "KVBRIDGE_REQUIRE_GPU=1 but: " << (why);        \
-    GTEST_SKIP() << (why);                                                       \
+#define KVB_NEED_GPU(why)                                                 \
+  do {                                                                    \
+    if (GpuRequired()) FAIL() << "KVBRIDGE_REQUIRE_GPU=1 but: " << (why); \
+    GTEST_SKIP() << (why);                                                \
   } while (0)
 
 TEST(NcclGpu, RegistersDeviceMemoryAndRefusesHostMemory) {
@@ -141,8 +140,7 @@ TEST(NcclGpu, RegistersDeviceMemoryAndRefusesHostMemory) {
   ASSERT_EQ(dm.alloc(&dev, 1 << 20), 0);
   EXPECT_TRUE(a->Register(1, reinterpret_cast<void*>(dev), 1 << 20).ok());
   std::vector<uint8_t> host(4096);
-  EXPECT_EQ(a->Register(2, host.data(), host.size(), KVB_MEM_HOST, -1).code(),
-            KVB_ERR_UNSUPPORTED);
+  EXPECT_EQ(a->Register(2, host.data(), host.size(), KVB_MEM_HOST, -1).code(), KVB_ERR_UNSUPPORTED);
   a.reset();
   dm.free(dev);
 }
@@ -190,8 +188,8 @@ TEST(NcclGpu, WriteAndReadBetweenTwoGpus) {
   ASSERT_EQ(cuda->use_device(1), 0);
   ASSERT_EQ(dm.dtoh(back.data(), mem[1], kLen), 0);
   EXPECT_EQ(back, data);
-  Outcome r = a->Run(p, KVB_OP_READ, 1, reinterpret_cast<void*>(mem[0] + 4096), kLen / 2, 1, 0,
-                     20000);
+  Outcome r =
+      a->Run(p, KVB_OP_READ, 1, reinterpret_cast<void*>(mem[0] + 4096), kLen / 2, 1, 0, 20000);
   ASSERT_EQ(r.status, KVB_OK) << r.msg;
   ASSERT_EQ(cuda->use_device(0), 0);
   ASSERT_EQ(dm.dtoh(back.data(), mem[0] + 4096, kLen / 2), 0);

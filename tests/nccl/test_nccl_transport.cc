@@ -225,8 +225,8 @@ TEST_F(NcclPair, NonBlockingEnqueueIsWaitedOutOnBothSides) {
     ops[i].remote_segment = 1;
     ops[i].remote_offset = 16384 + i * 4096;
   }
-  auto req = a_->t().Post(peer_, sdk::Ops(ops.data(), 2, sizeof(kvb_xfer_op_t)),
-                          sdk::PostOptions{});
+  auto req =
+      a_->t().Post(peer_, sdk::Ops(ops.data(), 2, sizeof(kvb_xfer_op_t)), sdk::PostOptions{});
   ASSERT_TRUE(req.ok());
   Outcome o = a_->Wait(*req);
   a_->t().Release(*req);
@@ -554,7 +554,8 @@ TEST_F(NcclAuth, MalformedFramesCloseTheConnectionAndTheListenerGoesOn) {
   EXPECT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
 }
 
-// ---- 7. the in-flight bound ----------------------------------------------------------------------
+// ---- 7. the in-flight bound
+// ----------------------------------------------------------------------
 
 TEST(NcclBounds, BackpressurePastMaxInflightOpsPerPeer) {
   fake::ResetFaults();
