@@ -75,7 +75,8 @@ sdk::Status WaitFd(int fd, short events, uint64_t deadline_ns, const sdk::Host& 
 }  // namespace
 
 std::string FormatEndpoints(const ControlAddress& a) {
-  return "nccl1;c=" + a.host + ":" + std::to_string(a.port);
+  const bool v6 = a.host.find(':') != std::string::npos;
+  return "nccl1;c=" + (v6 ? "[" + a.host + "]" : a.host) + ":" + std::to_string(a.port);
 }
 
 sdk::Result<ControlAddress> ParseHostPort(std::string_view text) {
@@ -91,7 +92,11 @@ sdk::Result<ControlAddress> ParseHostPort(std::string_view text) {
     return sdk::Status(KVB_ERR_INVALID_ARGUMENT,
                        "nccl: '" + std::string(text) + "' has no port in 0..65535 after the ':'");
   }
-  return ControlAddress{std::string(text.substr(0, colon)), static_cast<uint16_t>(v)};
+  std::string_view host = text.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {  // "[::1]:port"
+    host = host.substr(1, host.size() - 2);
+  }
+  return ControlAddress{std::string(host), static_cast<uint16_t>(v)};
 }
 
 sdk::Result<ControlAddress> ParseEndpoints(std::string_view text) {

@@ -93,6 +93,10 @@ TEST(NcclEndpoints, RoundTrip) {
   ASSERT_TRUE(back.ok()) << back.status().message();
   EXPECT_EQ(back->host, "127.0.0.1");
   EXPECT_EQ(back->port, 45123);
+  auto v6 = ParseEndpoints(FormatEndpoints({"::1", 7}));
+  ASSERT_TRUE(v6.ok()) << v6.status().message();
+  EXPECT_EQ(v6->host, "::1");
+  EXPECT_EQ(FormatEndpoints(*v6), "nccl1;c=[::1]:7");
   auto node = Node::Make(Opts("ep"));
   ASSERT_TRUE(node);
   auto own = ParseEndpoints(node->t().Endpoints());
