@@ -113,6 +113,7 @@ sdk::Result<Config> LoadConfig(const sdk::Host& host) {
     return s;
   if (auto s = u32("nccl.connect_timeout_ms", &c.connect_timeout_ms, 1, 3600000); !s.ok()) return s;
   if (auto s = u32("nccl.max_inbound", &c.max_inbound, 1, 65536); !s.ok()) return s;
+  if (auto s = u32("nccl.max_handshakes", &c.max_handshakes, 1, 65536); !s.ok()) return s;
   if (auto s = u32("nccl.idle_poll_ms", &c.idle_poll_ms, 1, 1000); !s.ok()) return s;
   auto dev = host.Config<int32_t>("nccl.device", c.device, 0, 1023);
   if (!dev.ok()) return dev.status();
@@ -456,6 +457,7 @@ sdk::Status Transport::Stats(kvb_transport_stats_t& s) {
 
 void Transport::ListenLoop() {
   while (!stop_) {
+    ReapHandshakes(false);
     pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {listen_wake_fd_, POLLIN, 0}};
     if (poll(fds, 2, 1000) <= 0) continue;
     if (stop_) break;
@@ -468,6 +470,7 @@ void Transport::ListenLoop() {
     getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, host, sizeof(host), serv, sizeof(serv),
                 NI_NUMERICHOST | NI_NUMERICSERV);
     const std::string from = std::string(host) + ":" + serv;
+    ReapHandshakes(false);
     if (counters_.inbound_open >= config_.max_inbound) {
       host_.Log(KVB_LOG_WARN, "refused control connection from %s: %u are open (nccl.max_inbound)",
                 from.c_str(), config_.max_inbound);
@@ -475,23 +478,91 @@ void Transport::ListenLoop() {
       close(fd);
       continue;
     }
-    const int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    auto who = Handshake(host_, fd, KVB_AUTH_SERVER, {}, 0,
-                         host_.NowNs() + uint64_t{config_.connect_timeout_ms} * kMs);
-    if (!who.ok()) {
-      host_.Log(KVB_LOG_WARN, "refused control connection from %s: %s", from.c_str(),
-                who.status().message().c_str());
-      ++counters_.frames_rejected;
+    if (counters_.handshakes_active >= config_.max_handshakes) {
+      host_.Log(KVB_LOG_WARN,
+                "refused control connection from %s: %u handshakes are in progress "
+                "(nccl.max_handshakes)",
+                from.c_str(), config_.max_handshakes);
+      ++counters_.handshakes_refused;
       close(fd);
       continue;
     }
-    ++counters_.inbound_open;
-    auto cmd = std::make_shared<Command>();
-    cmd->kind = Command::Kind::kInbound;
-    cmd->fd = fd;
-    cmd->who = who->node_id + "#" + std::to_string(who->incarnation);
-    Submit(cmd, false);
+    const int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    auto h = std::make_unique<Handshaker>();
+    h->fd = fd;
+    h->from = from;
+    Handshaker* raw = h.get();
+    ++counters_.handshakes_active;
+    {
+      std::lock_guard<std::mutex> lock(handshakes_mu_);
+      handshakes_.push_back(std::move(h));
+    }
+    try {
+      raw->thread = std::thread([this, raw] { ServeHandshake(raw); });
+    } catch (const std::exception& e) {
+      host_.Log(KVB_LOG_WARN, "refused control connection from %s: cannot start a thread: %s",
+                from.c_str(), e.what());
+      --counters_.handshakes_active;
+      raw->done = true;  // reaped (and closed) below
+    }
+  }
+  ReapHandshakes(true);
+}
+
+void Transport::ServeHandshake(Handshaker* h) {
+  const uint64_t deadline = host_.NowNs() + uint64_t{config_.connect_timeout_ms} * kMs;
+  auto who = Handshake(host_, h->fd, KVB_AUTH_SERVER, {}, 0, deadline);
+  if (!who.ok()) {
+    const bool timed_out = host_.NowNs() >= deadline;
+    host_.Log(KVB_LOG_WARN, "refused control connection from %s: %s%s", h->from.c_str(),
+              who.status().message().c_str(),
+              timed_out ? (" (handshake not finished within nccl.connect_timeout_ms, " +
+                           std::to_string(config_.connect_timeout_ms) + " ms)")
+                              .c_str()
+                        : "");
+    ++counters_.frames_rejected;
+  } else {
+    bool hand_off;
+    {
+      std::lock_guard<std::mutex> lock(handshakes_mu_);
+      hand_off = !stop_;
+      h->handed_off = hand_off;
+    }
+    if (hand_off) {
+      ++counters_.inbound_open;
+      auto cmd = std::make_shared<Command>();
+      cmd->kind = Command::Kind::kInbound;
+      cmd->fd = h->fd;
+      cmd->who = who->node_id + "#" + std::to_string(who->incarnation);
+      Submit(cmd, false);
+    }
+  }
+  --counters_.handshakes_active;
+  h->done = true;
+}
+
+void Transport::ReapHandshakes(bool all) {
+  std::vector<std::unique_ptr<Handshaker>> dead;
+  {
+    std::lock_guard<std::mutex> lock(handshakes_mu_);
+    for (auto& h : handshakes_) {
+      // A connection still in its handshake ends at once (its recv sees the shutdown).
+      if (all && !h->handed_off && !h->done) shutdown(h->fd, SHUT_RDWR);
+    }
+    for (auto it = handshakes_.begin(); it != handshakes_.end();) {
+      if (all || (*it)->done) {
+        dead.push_back(std::move(*it));
+        it = handshakes_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& h : dead) {
+    if (h->thread.joinable()) h->thread.join();
+    // Closed only after the join, so no thread uses a reused descriptor number.
+    if (!h->handed_off) close(h->fd);
   }
 }
 

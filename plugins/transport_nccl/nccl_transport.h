@@ -19,7 +19,10 @@
 // the handshake names the incarnation (STALE_PEER otherwise).
 //
 // Threads: one progress thread per instance owns every socket, communicator, stream and event
-// after setup; one listener thread accepts and authenticates inbound control connections; one
+// after setup; one listener thread accepts inbound control connections and starts one
+// short-lived handshake thread per connection (at most nccl.max_handshakes at once; past it a
+// connection is closed at once), which authenticates it within nccl.connect_timeout_ms and hands
+// it to the progress thread, so a silent or stopped client delays no other peer; one
 // short-lived connector thread per outbound connection attempt does TCP connect + handshake +
 // COMM. ABI calls validate on the caller's thread and hand the progress thread commands.
 //
@@ -54,6 +57,7 @@ struct Config {
   uint32_t connect_timeout_ms = 5000;        // TCP connect + handshake + communicator init
   int32_t device = 0;                        // the CUDA device of every region and communicator
   uint32_t max_inbound = 64;                 // inbound control connections at once
+  uint32_t max_handshakes = 64;              // inbound handshakes in progress at once
   uint32_t idle_poll_ms = 20;                // longest sleep of an idle progress thread
 };
 sdk::Result<Config> LoadConfig(const sdk::Host& host);
@@ -126,7 +130,9 @@ struct Counters {
   std::atomic<uint64_t> bytes_read{0};
   std::atomic<uint64_t> frames_rejected{0};
   std::atomic<uint64_t> queued_bytes{0};
-  std::atomic<uint64_t> comms_aborted{0};  // for tests: communicators aborted after a failure
+  std::atomic<uint64_t> comms_aborted{0};       // for tests: communicators aborted after a failure
+  std::atomic<uint64_t> handshakes_active{0};   // inbound handshakes running now
+  std::atomic<uint64_t> handshakes_refused{0};  // closed at once: nccl.max_handshakes running
 };
 
 class Transport {
@@ -185,6 +191,18 @@ class Transport {
 
   // Listener thread.
   void ListenLoop();
+  struct Handshaker {
+    std::thread thread;
+    int fd = -1;
+    std::string from;
+    bool handed_off = false;  // the progress thread owns fd (guarded by handshakes_mu_)
+    std::atomic<bool> done{false};
+  };
+  // A handshake thread: authenticates h's connection, then hands it to the progress thread.
+  void ServeHandshake(Handshaker* h);
+  // Joins (and closes the connection of) handshake threads that ended; all of them when `all`
+  // (their sockets are shut down first, so each ends at once).
+  void ReapHandshakes(bool all);
   // Progress thread.
   void ProgressLoop(std::promise<void>* device_checked);
   void RunCommands(Completions* done);
@@ -249,6 +267,9 @@ class Transport {
   std::vector<Connector> finished_connectors_;
   bool device_ready_ = false;
   std::string device_error_;
+
+  std::mutex handshakes_mu_;
+  std::vector<std::unique_ptr<Handshaker>> handshakes_;  // listener-thread-owned list
 
   std::thread listener_;
   std::thread progress_;

@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -556,6 +557,120 @@ TEST_F(NcclAuth, MalformedFramesCloseTheConnectionAndTheListenerGoesOn) {
   EXPECT_TRUE(b_->LogContains("REQ before COMM")) << b_->Logs();
   // And the listener serves the next, well-behaved initiator.
   EXPECT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+}
+
+// ---- 6b. inbound handshakes are isolated from each other --------------------------------------
+
+// The first half of a real client hello: a handshake frame cut in two.
+std::string HalfAHello(const std::string& token) {
+  core::HostServices client({}, core::auth::Identity{"half", 7, token});
+  const sdk::Host host(client.table(), "nccl");
+  auto session = host.BeginAuth(KVB_AUTH_CLIENT, "b", 21);
+  EXPECT_TRUE(session.ok());
+  std::vector<uint8_t> out;
+  (void)session->Step({}, &out);
+  EXPECT_GT(out.size(), 2u);
+  return std::string(out.begin(), out.begin() + out.size() / 2);
+}
+
+double MsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A client that connects and sends nothing, and one that stops half-way through its hello, hold
+// one handshake slot each until nccl.connect_timeout_ms; a real initiator connecting meanwhile
+// is served at once (before: the listener ran handshakes one at a time, so it waited for both).
+TEST(NcclIsolation, SilentAndHalfHelloClientsDelayNoOtherPeer) {
+  fake::ResetFaults();
+  constexpr int kTimeoutMs = 2500;
+  Node::Options bo = Opts("b", 21);
+  bo.config["nccl.connect_timeout_ms"] = std::to_string(kTimeoutMs);
+  auto b = Node::Make(bo);
+  Node::Options ao = Opts("a", 11);
+  ao.config["nccl.connect_timeout_ms"] = "1500";  // shorter than b's: serial handshakes fail it
+  auto a = Node::Make(ao);
+  ASSERT_TRUE(a && b);
+  std::vector<uint8_t> abuf = Pattern(kBytes, 3), bbuf(kBytes);
+  ASSERT_TRUE(a->Register(1, abuf.data(), abuf.size()).ok());
+  ASSERT_TRUE(b->Register(1, bbuf.data(), bbuf.size()).ok());
+  Peer* p = a->AddPeer(*b);
+  ASSERT_NE(p, nullptr);
+  const uint16_t port = ParseEndpoints(b->t().Endpoints())->port;
+
+  const auto t0 = std::chrono::steady_clock::now();
+  const int silent = ConnectLoopback(port);
+  const int half = ConnectLoopback(port);
+  ASSERT_GE(silent, 0);
+  ASSERT_GE(half, 0);
+  const std::string hello = HalfAHello("");
+  ASSERT_EQ(send(half, hello.data(), hello.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(hello.size()));
+  ASSERT_TRUE(Eventually([&] { return b->t().counters().handshakes_active == 2; }));
+
+  const auto w0 = std::chrono::steady_clock::now();
+  Outcome o = a->Run(p, KVB_OP_WRITE, 1, abuf.data(), 4096, 1, 0);
+  const double write_ms = MsSince(w0);
+  EXPECT_EQ(o.status, KVB_OK) << o.msg;
+  EXPECT_LT(write_ms, kTimeoutMs / 2.0) << "a stalled handshake delayed another peer's connect";
+  EXPECT_TRUE(std::equal(abuf.begin(), abuf.begin() + 4096, bbuf.begin()));
+  EXPECT_EQ(b->t().counters().handshakes_active, 2u) << "both stalled clients still hold a slot";
+
+  // Each stalled connection is closed by b once nccl.connect_timeout_ms passed, not before.
+  EXPECT_TRUE(ClosedWithin(silent, kTimeoutMs + 2000));
+  const double silent_ms = MsSince(t0);
+  EXPECT_TRUE(ClosedWithin(half, 2000));
+  EXPECT_GE(silent_ms, kTimeoutMs - 100);
+  EXPECT_LT(silent_ms, kTimeoutMs + 2000);
+  close(silent);
+  close(half);
+  EXPECT_TRUE(Eventually([&] { return b->t().counters().handshakes_active == 0; }));
+  EXPECT_TRUE(b->LogContains("nccl.connect_timeout_ms")) << b->Logs();
+}
+
+// Past nccl.max_handshakes in progress, a new connection is closed at once, counted and logged;
+// a slot freed serves the next initiator; destroying an instance does not wait out a handshake.
+TEST(NcclIsolation, HandshakesPastTheBoundAreClosedAtOnce) {
+  fake::ResetFaults();
+  Node::Options bo = Opts("b", 21);
+  bo.config["nccl.max_handshakes"] = "2";
+  bo.config["nccl.connect_timeout_ms"] = "10000";
+  auto b = Node::Make(bo);
+  auto a = Node::Make(Opts("a", 11));
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(b->t().config().max_handshakes, 2u);
+  std::vector<uint8_t> abuf(kBytes), bbuf(kBytes);
+  ASSERT_TRUE(a->Register(1, abuf.data(), abuf.size()).ok());
+  ASSERT_TRUE(b->Register(1, bbuf.data(), bbuf.size()).ok());
+  Peer* p = a->AddPeer(*b);
+  ASSERT_NE(p, nullptr);
+  const uint16_t port = ParseEndpoints(b->t().Endpoints())->port;
+
+  const int s1 = ConnectLoopback(port);
+  const int s2 = ConnectLoopback(port);
+  ASSERT_GE(s1, 0);
+  ASSERT_GE(s2, 0);
+  ASSERT_TRUE(Eventually([&] { return b->t().counters().handshakes_active == 2; }));
+  const int s3 = ConnectLoopback(port);
+  ASSERT_GE(s3, 0);
+  EXPECT_TRUE(ClosedWithin(s3, 1000)) << "the third handshake must be refused at once";
+  close(s3);
+  EXPECT_EQ(b->t().counters().handshakes_refused, 1u);
+  EXPECT_TRUE(b->LogContains("(nccl.max_handshakes)")) << b->Logs();
+  // An initiator is refused too while both slots are held (its connect fails, not hangs).
+  Outcome refused = a->Run(p, KVB_OP_WRITE, 1, abuf.data(), 64, 1, 0);
+  EXPECT_NE(refused.status, KVB_OK);
+  EXPECT_EQ(b->t().counters().handshakes_refused, 2u);
+
+  close(s1);  // its handshake ends (EOF), freeing a slot
+  ASSERT_TRUE(Eventually([&] { return b->t().counters().handshakes_active == 1; }));
+  EXPECT_EQ(a->Run(p, KVB_OP_WRITE, 1, abuf.data(), 64, 1, 0).status, KVB_OK);
+
+  // s2 is still in its handshake (10 s timeout): destroying b ends it at once.
+  const auto d0 = std::chrono::steady_clock::now();
+  b.reset();
+  EXPECT_LT(MsSince(d0), 3000.0);
+  EXPECT_TRUE(ClosedWithin(s2, 1000));
+  close(s2);
 }
 
 // ---- 7. the in-flight bound
