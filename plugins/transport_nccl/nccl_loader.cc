@@ -76,14 +76,15 @@ std::string FormatNcclVersion(int code) {
 
 ncclConfig_t MakeNcclConfig(int blocking) {
   ncclConfig_t c{};
-  c.size = sizeof(ncclConfig_t);
-  c.magic = 0xcafebeef;  // NCCL_CONFIG_MAGIC
-  c.version = 21400;     // the layout above is NCCL 2.14's
+  c.size = kNcclConfigBytes;
+  c.magic = kNcclConfigMagic;
+  c.version = kNcclConfigVersion;  // the fields above are NCCL 2.18's; see nccl_loader.h
   c.blocking = blocking;
   c.cgaClusterSize = std::numeric_limits<int>::min();  // NCCL_CONFIG_UNDEF_INT
   c.minCTAs = std::numeric_limits<int>::min();
   c.maxCTAs = std::numeric_limits<int>::min();
   c.netName = nullptr;  // NCCL_CONFIG_UNDEF_PTR
+  c.splitShare = std::numeric_limits<int>::min();
   return c;
 }
 

@@ -40,20 +40,33 @@ inline constexpr ncclResult_t ncclSuccess = 0;
 inline constexpr ncclResult_t ncclInProgress = 7;  // non-blocking communicators (NCCL >= 2.14)
 inline constexpr ncclDataType_t ncclUint8 = 1;
 
-// The first fields of ncclConfig_t as NCCL 2.14 introduced it (later versions append fields;
-// NCCL reads only `size` bytes of the struct it is handed). Filled by MakeNcclConfig.
+// The first fields of nccl.h's ncclConfig_t, up to `splitShare`: the fields NCCL 2.18, the
+// oldest NCCL the transport loads, knows. Later versions append fields. NCCL reads a config
+// this way (parseCommConfig in NCCL's init.cc, 2.18 to 2.30): it starts from its own
+// NCCL_CONFIG_INITIALIZER, copies min(config->size, its sizeof(ncclConfig_t)) bytes over it,
+// refuses a wrong `magic`, then resets to NCCL's default every field newer than the config's
+// `version`. So a config that says version 2.18 and the size of these fields is accepted by
+// every NCCL >= 2.18, which reads exactly these fields and takes its defaults for the rest.
+// tests/nccl/test_nccl_config_layout.cc checks offsets, sizes and values against a real nccl.h
+// when the build machine has one (the plugin itself never includes nccl.h).
 struct ncclConfig_t {  // NOLINT(readability-identifier-naming)
   size_t size;
   unsigned int magic;
   unsigned int version;
   int blocking;
-  int cgaClusterSize;
-  int minCTAs;
-  int maxCTAs;
-  const char* netName;
+  int cgaClusterSize;   // NCCL >= 2.17
+  int minCTAs;          // NCCL >= 2.17
+  int maxCTAs;          // NCCL >= 2.17
+  const char* netName;  // NCCL >= 2.17
+  int splitShare;       // NCCL >= 2.18
 };
+// The bytes of ncclConfig_t that MakeNcclConfig hands NCCL (`size`): through splitShare, not the
+// struct's tail padding, which a newer NCCL would otherwise read as its next field.
+inline constexpr size_t kNcclConfigBytes = offsetof(ncclConfig_t, splitShare) + sizeof(int);
+inline constexpr unsigned int kNcclConfigMagic = 0xcafebeef;  // NCCL_CONFIG_INITIALIZER's magic
+inline constexpr unsigned int kNcclConfigVersion = 21800;     // NCCL_VERSION(2, 18, 0)
 // NCCL_CONFIG_INITIALIZER's values for these fields (INT_MIN, NULL: "NCCL's default"), with
-// `blocking` as given (0: a non-blocking communicator).
+// `blocking` as given (0: a non-blocking communicator); size kNcclConfigBytes, version 2.18.
 ncclConfig_t MakeNcclConfig(int blocking);
 
 // The oldest NCCL the transport accepts: 2.18.0 (ncclCommGetAsyncError, ncclCommAbort on a hung
