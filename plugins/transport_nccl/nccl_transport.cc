@@ -315,6 +315,11 @@ sdk::Status Transport::UpdatePeer(Peer* peer, const sdk::PeerInfo& info) {
   ControlAddress addr;
   std::unordered_map<uint64_t, uint64_t> segments;
   if (sdk::Status st = ReadPeerInfo(info, &addr, &segments); !st.ok()) return st;
+  // As tcp and ucx: update_peer is for the same incarnation; a restarted peer is add_peer'd.
+  if (info.node_id != peer->node_id || info.incarnation != peer->incarnation) {
+    return sdk::Status(KVB_ERR_INVALID_ARGUMENT,
+                       "nccl: update_peer: another incarnation is another peer (use add_peer)");
+  }
   std::lock_guard<std::mutex> lock(peer->mu);
   peer->address = addr;
   peer->segments = std::move(segments);
@@ -642,11 +647,34 @@ void Transport::RunCommands(Completions* done) {
   }
   for (auto& cmd : cmds) {
     switch (cmd->kind) {
-      case Command::Kind::kAddPeer:
-        peers_.push_back(cmd->peer);
+      case Command::Kind::kAddPeer: {
+        // Another incarnation of the same node: the ones known before are gone (the host's
+        // engine replaces a peer record the same way). Their ops end STALE_PEER now, those on
+        // a communicator included, and so does every op posted to them from here on.
+        Peer* fresh = cmd->peer;
+        for (Peer* q : peers_) {
+          if (q->node_id != fresh->node_id || q->incarnation == fresh->incarnation ||
+              q->superseded) {
+            continue;
+          }
+          q->superseded = true;
+          const std::string msg = "nccl: " + PeerName(*q) + " was replaced by incarnation " +
+                                  std::to_string(fresh->incarnation) + " (add_peer)";
+          host_.Log(KVB_LOG_INFO, "%s; its ops end STALE_PEER", msg.c_str());
+          Teardown(*q, KVB_ERR_STALE_PEER, msg, false, done);
+          FailQueued(*q, KVB_ERR_STALE_PEER, msg, done);
+        }
+        peers_.push_back(fresh);
         break;
+      }
       case Command::Kind::kPost:
         for (auto& op : cmd->ops) cmd->peer->queued.push_back(op);
+        if (cmd->peer->superseded) {
+          FailQueued(*cmd->peer, KVB_ERR_STALE_PEER,
+                     "nccl: " + PeerName(*cmd->peer) +
+                         " was replaced by another incarnation (add_peer); post to that one",
+                     done);
+        }
         break;
       case Command::Kind::kCancel: {
         for (Peer* p : peers_) {
@@ -1040,7 +1068,24 @@ void Transport::ReadLink(Peer& p, Completions* done) {
     const std::string msg = "nccl: control connection to " + PeerName(p) +
                             (n == 0 ? " closed by the peer" : std::string(": ") + strerror(errno));
     host_.Log(KVB_LOG_WARN, "%s", msg.c_str());
+    // An op whose call we never made moved no byte (each NCCL call needs both sides): it goes
+    // back to the queue, once, and the next connection's handshake tells a restarted peer
+    // (STALE_PEER) from a dead one (its connect fails). The ones we issued may have moved
+    // bytes: they end PEER_UNREACHABLE.
+    std::deque<OpPtr> again;
+    for (auto it = p.sent.begin(); it != p.sent.end();) {
+      OpPtr op = it->second;
+      if (!op->issued && op != l.enqueuing && !op->resent && IsOpen(*op)) {
+        op->sent = op->local_done = op->remote_done = false;
+        op->resent = true;
+        again.push_back(std::move(op));
+        it = p.sent.erase(it);
+      } else {
+        ++it;
+      }
+    }
     Teardown(p, KVB_ERR_PEER_UNREACHABLE, msg, false, done);
+    p.queued.insert(p.queued.begin(), again.begin(), again.end());
     return;
   }
   size_t at = 0;

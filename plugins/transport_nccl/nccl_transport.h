@@ -99,6 +99,7 @@ struct Op {
   uint64_t progress_timeout_ns = 0;
   uint64_t id = 0;
   bool sent = false;    // REQ is on the wire
+  bool resent = false;  // went back to the queue once after its connection closed
   bool issued = false;  // our ncclSend/ncclRecv is queued (event recorded)
   CudaEvent event = nullptr;
   bool local_done = false;
@@ -116,6 +117,8 @@ struct Peer {
   std::unordered_map<uint64_t, uint64_t> segments;  // id -> length
   std::atomic<uint32_t> inflight_ops{0};
   // Progress-thread-only.
+  // add_peer learnt another incarnation of node_id: every op of this one ends STALE_PEER.
+  bool superseded = false;
   std::deque<OpPtr> queued;
   std::map<uint64_t, OpPtr> sent;  // by op id: REQ sent, not final
   std::unique_ptr<Link> link;

@@ -429,6 +429,10 @@ TEST(NcclDeregister, WaitsForTheTargetsQueuedCallThenClosesItsConnection) {
   EXPECT_EQ(b->t().DeregisterMemory(1).code(), KVB_ERR_NOT_FOUND);
 }
 
+double MsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
 // ---- 5. restarted peer -------------------------------------------------------------------------
 
 TEST_F(NcclPair, RestartedPeerIsStaleAndItsCommunicatorIsNeverReused) {
@@ -458,6 +462,144 @@ TEST_F(NcclPair, RestartedPeerIsStaleAndItsCommunicatorIsNeverReused) {
   Outcome ok = a_->Run(fresh, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 0);
   EXPECT_EQ(ok.status, KVB_OK) << ok.msg;
   EXPECT_EQ(fake::GetCounts().comms_created, before.comms_created + 2);
+}
+
+// The peer info for node `node`, incarnation `inc`, at 127.0.0.1:port with segment 1.
+struct Info {
+  Info(const std::string& node, uint64_t inc, uint16_t port) {
+    node_ = node;
+    ep_ = "nccl1;c=127.0.0.1:" + std::to_string(port);
+    seg_.struct_size = sizeof(seg_);
+    seg_.mem_kind = KVB_MEM_CUDA;
+    seg_.segment_id = 1;
+    seg_.length = kBytes;
+    info_.struct_size = sizeof(info_);
+    info_.node_id = node_.c_str();
+    info_.incarnation = inc;
+    info_.endpoints = ep_.c_str();
+    info_.segments = &seg_;
+    info_.num_segments = 1;
+    info_.segment_size = sizeof(seg_);
+  }
+  sdk::PeerInfo view() const { return sdk::PeerInfo::From(&info_); }
+  std::string node_, ep_;
+  kvb_peer_segment_t seg_{};
+  kvb_peer_info_t info_{};
+};
+
+// Reads one whole frame (blocking) from fd.
+bool ReadFrame(int fd, const sdk::Host& host, Frame* f) {
+  std::string buf(kHeaderBytes, '\0');
+  const uint64_t deadline = host.NowNs() + 3000000000ull;
+  if (!RecvAll(fd, buf.data(), buf.size(), deadline, host).ok()) return false;
+  uint32_t body = 0;
+  std::memcpy(&body, buf.data() + 8, 4);
+  buf.resize(kHeaderBytes + body);
+  if (!RecvAll(fd, buf.data() + kHeaderBytes, body, deadline, host).ok()) return false;
+  size_t used = 0;
+  return DecodeFrame(buf, f, &used).ok() && used == buf.size();
+}
+
+// The race the brief names: the old incarnation takes the REQ and dies before answering, and
+// its successor is already listening at the same port when the initiator sees the connection
+// close. The op (never issued: no byte can have moved) goes back to the queue once, and the
+// new connection's handshake answers STALE_PEER; before, it ended PEER_UNREACHABLE. The old
+// incarnation is played by this test (handshake as b#21, COMM, rank 1 of the fake
+// communicator) so that the REQ is on the wire, unanswered, when it dies.
+TEST(NcclRestart, AnOpCaughtByTheOldIncarnationsDeathEndsStalePeer) {
+  fake::ResetFaults();
+  auto a = Node::Make(Opts("a", 11));
+  ASSERT_TRUE(a);
+  std::vector<uint8_t> abuf = Pattern(kBytes, 9), bbuf(kBytes);
+  ASSERT_TRUE(a->Register(1, abuf.data(), abuf.size()).ok());
+
+  const int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  const int one = 1;
+  setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  ASSERT_EQ(listen(lfd, 4), 0);
+  socklen_t len = sizeof(sa);
+  getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len);
+  const uint16_t port = ntohs(sa.sin_port);
+  const Info old_b("b", 21, port);
+  auto p = a->t().AddPeer(old_b.view());
+  ASSERT_TRUE(p.ok()) << p.status().message();
+
+  auto req = a->Post(*p, KVB_OP_WRITE, 1, abuf.data(), 4096, 1, 0, 0, 10000);
+  ASSERT_TRUE(req.ok()) << req.status().message();
+  // The old b: handshake, COMM (join rank 1), the REQ read and never answered.
+  const int conn = accept(lfd, nullptr, nullptr);
+  ASSERT_GE(conn, 0);
+  core::HostServices old_host({}, core::auth::Identity{"b", 21, ""});
+  const sdk::Host host(old_host.table(), "nccl");
+  auto who = Handshake(host, conn, KVB_AUTH_SERVER, {}, 0, host.NowNs() + 3000000000ull);
+  ASSERT_TRUE(who.ok()) << who.status().message();
+  Frame comm_frame, req_frame;
+  ASSERT_TRUE(ReadFrame(conn, host, &comm_frame));
+  ASSERT_EQ(comm_frame.type, FrameType::kComm);
+  ncclComm_t rank1 = nullptr;
+  ASSERT_EQ(fake::FakeNccl()->ncclCommInitRank(&rank1, 2, comm_frame.id, 1), ncclSuccess);
+  ASSERT_TRUE(ReadFrame(conn, host, &req_frame));
+  ASSERT_EQ(req_frame.type, FrameType::kReq);
+  const auto before = fake::GetCounts();
+
+  // b restarts on the same port (incarnation 22), then the old process's socket closes.
+  close(lfd);
+  Node::Options o = Opts("b", 22);
+  o.listen = "127.0.0.1:" + std::to_string(port);
+  auto b = Node::Make(o);
+  ASSERT_TRUE(b);
+  ASSERT_TRUE(b->Register(1, bbuf.data(), bbuf.size()).ok());
+  close(conn);
+
+  Outcome out = a->Wait(*req);
+  a->t().Release(*req);
+  EXPECT_EQ(out.status, KVB_ERR_STALE_PEER) << out.msg;
+  EXPECT_EQ(fake::GetCounts().sends, before.sends) << "the op was issued";
+  EXPECT_EQ(bbuf, std::vector<uint8_t>(kBytes)) << "bytes landed in the new incarnation";
+  // Once, not forever: the next op to the old incarnation is refused by the handshake too.
+  EXPECT_EQ(a->Run(*p, KVB_OP_WRITE, 1, abuf.data(), 64, 1, 0).status, KVB_ERR_STALE_PEER);
+  fake::FakeNccl()->ncclCommAbort(rank1);
+  a.reset();
+  b.reset();
+  EXPECT_EQ(fake::GetCounts().calls_after_abort, 0u);
+}
+
+// add_peer of another incarnation of a known node: every op of the old one ends STALE_PEER at
+// once, one hung on its communicator included (aborted), and later posts to it end STALE_PEER
+// without a connection; update_peer naming another incarnation is refused, as tcp and ucx do.
+TEST_F(NcclPair, AddPeerOfANewIncarnationEndsTheOldOnesOpsStale) {
+  ASSERT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+  fake::HangNextSends(1);
+  auto hung = a_->Post(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0, 0, 10000);
+  ASSERT_TRUE(hung.ok());
+  ASSERT_TRUE(Eventually([&] { return fake::GetCounts().sends >= 2; }));
+  const uint16_t port = ParseEndpoints(b_->t().Endpoints())->port;
+
+  const Info newer("b", 22, port);
+  const auto aborted = a_->t().counters().comms_aborted.load();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto fresh = a_->t().AddPeer(newer.view());
+  ASSERT_TRUE(fresh.ok());
+  Outcome o = a_->Wait(*hung, 3000);
+  a_->t().Release(*hung);
+  EXPECT_EQ(o.status, KVB_ERR_STALE_PEER) << o.msg;
+  EXPECT_TRUE(Contains(o.msg, "b#21 was replaced by incarnation 22")) << o.msg;
+  EXPECT_LT(MsSince(t0), 1000.0);
+  EXPECT_EQ(a_->t().counters().comms_aborted, aborted + 1);
+
+  const uint64_t opened = a_->Stats().connections_opened;
+  Outcome later = a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0);
+  EXPECT_EQ(later.status, KVB_ERR_STALE_PEER) << later.msg;
+  EXPECT_EQ(a_->Stats().connections_opened, opened) << "a replaced incarnation was connected to";
+
+  const sdk::Status up = a_->t().UpdatePeer(peer_, newer.view());
+  EXPECT_EQ(up.code(), KVB_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(Contains(up.message(), "use add_peer")) << up.message();
+  a_->t().RemovePeer(*fresh);
 }
 
 // ---- 6. authentication and malformed frames ----------------------------------------------------
@@ -571,10 +713,6 @@ std::string HalfAHello(const std::string& token) {
   (void)session->Step({}, &out);
   EXPECT_GT(out.size(), 2u);
   return std::string(out.begin(), out.begin() + out.size() / 2);
-}
-
-double MsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // A client that connects and sends nothing, and one that stops half-way through its hello, hold
