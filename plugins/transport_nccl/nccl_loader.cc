@@ -4,9 +4,11 @@
 #include <link.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
+#include <mutex>
 #include <system_error>
 #include <utility>
 
@@ -158,6 +160,42 @@ sdk::Status ProbeWith(const Nccl& nccl, const CudaProbe& cuda) {
 
 }  // namespace detail
 
+namespace {
+
+// Every table LoadNccl handed out, with its library. The list is a plain pointer, not an object
+// with a destructor, so the tables stay valid however static destructors are ordered; only
+// ReleaseUnusedTables frees it.
+struct Loaded {
+  std::unique_ptr<Nccl> table;
+  void* lib = nullptr;
+};
+std::mutex g_loaded_mu;
+std::vector<Loaded>* g_loaded = nullptr;  // guarded by g_loaded_mu
+std::vector<Loaded>& LoadedTables() {
+  if (g_loaded == nullptr) g_loaded = new std::vector<Loaded>;
+  return *g_loaded;
+}
+std::atomic<bool> g_keep_loaded{false};
+
+// At unload or exit: releases the tables and their libraries unless a transport ran on one.
+struct ReleaseUnusedTables {
+  ~ReleaseUnusedTables() {
+    if (g_keep_loaded.load()) return;
+    std::lock_guard<std::mutex> lock(g_loaded_mu);
+    if (g_loaded == nullptr) return;
+    for (Loaded& l : *g_loaded) {
+      l.table.reset();
+      if (l.lib != nullptr) dlclose(l.lib);
+    }
+    delete g_loaded;
+    g_loaded = nullptr;
+  }
+} g_release_unused_tables;
+
+}  // namespace
+
+void KeepNcclLoaded() { g_keep_loaded.store(true); }
+
 sdk::Result<const Nccl*> LoadNccl(const std::vector<std::string>& candidates) {
   if (candidates.empty()) {
     return sdk::Status(KVB_ERR_UNAVAILABLE, "no NCCL: no library to try (no candidates)");
@@ -181,7 +219,10 @@ sdk::Result<const Nccl*> LoadNccl(const std::vector<std::string>& candidates) {
     n->path = path;
     n->file = MappedFile(lib);
     if (n->file.empty()) n->file = path;
-    return static_cast<const Nccl*>(n.release());  // as the library: mapped for good
+    const Nccl* out = n.get();
+    std::lock_guard<std::mutex> lock(g_loaded_mu);
+    LoadedTables().push_back({std::move(n), lib});
+    return out;
   }
   return sdk::Status(KVB_ERR_UNAVAILABLE,
                      "no usable NCCL >= " + FormatNcclVersion(kMinNcclVersionCode) + " (tried " +

@@ -9,8 +9,8 @@
 // $KVBRIDGE_CUDA_DRIVER as in csrc/core/cuda_driver.cc) whether there is a GPU for NCCL to use.
 //
 // Thread-safety: every function may be called from any thread. A loaded Nccl is immutable and
-// lives for the rest of the process (its library stays mapped); NCCL's own entry points have
-// NCCL's thread-safety rules.
+// lives until this module is unloaded or the process exits, for good once a transport runs on
+// it (KeepNcclLoaded); NCCL's own entry points have NCCL's thread-safety rules.
 #pragma once
 
 #include <cstddef>
@@ -113,7 +113,8 @@ struct Nccl {
 // or is too old is passed over; when none is usable: UNAVAILABLE listing every candidate with why
 // ("<path>: <dlerror>", "<path>: lacks ncclCommGetAsyncError", "<path>: NCCL 2.17.1 is older
 // than 2.18.0, the oldest kvbridge supports"). Nothing is cached: each success maps the library
-// (dlopen counts references) and allocates a table that is never freed.
+// (dlopen counts references) and allocates a table, both kept until the module is unloaded or
+// the process exits (for good once KeepNcclLoaded was called).
 sdk::Result<const Nccl*> LoadNccl(const std::vector<std::string>& candidates);
 
 // Where NCCL is looked for, in order:
@@ -129,6 +130,11 @@ std::vector<std::string> DefaultNcclCandidates();
 
 // LoadNccl(DefaultNcclCandidates()) the first time; the same answer (table or error) after.
 sdk::Result<const Nccl*> LoadNcclOnce();
+// Says that a transport runs on a table LoadNccl handed out. Until it is called, the tables and
+// their libraries are released when this module is unloaded or the process exits (a plugin
+// whose probe said UNAVAILABLE is unloaded by the host: it leaves no table behind and drops its
+// reference to libnccl); after it, they stay for good, as a transport may still use them then.
+void KeepNcclLoaded();
 
 // Whether the loaded NCCL can run here: NCCL needs a GPU, so the CUDA driver ($KVBRIDGE_CUDA_DRIVER
 // when set, else libcuda.so.1) is loaded and asked (cuInit(0), cuDeviceGetCount). OK only with

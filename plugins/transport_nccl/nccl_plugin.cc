@@ -22,6 +22,7 @@ sdk::Result<std::unique_ptr<Transport>> Transport::Create(sdk::Host host,
   if (sdk::Status st = ProbeNccl(*nccl); !st.ok()) return st;
   auto cuda = LoadCudaOpsOnce();
   if (!cuda.ok()) return cuda.status();
+  KeepNcclLoaded();  // an instance may outlive this module's static destructors
   return CreateWith(host, params, *nccl, *cuda);
 }
 

@@ -53,7 +53,16 @@ struct Event {
 
 std::mutex g_mu;
 std::map<std::string, std::shared_ptr<Clique>> g_cliques;
-std::set<Comm*> g_comms;
+std::set<Comm*> g_comms;  // every communicator ever made, aborted ones too (see Abort)
+// Frees them at exit (after every test destroyed its instances), so LeakSanitizer, which checks
+// after static destructors ran, sees no communicator or clique left behind.
+struct FreeCommsAtExit {
+  ~FreeCommsAtExit() {
+    for (Comm* c : g_comms) delete c;
+    g_comms.clear();
+    g_cliques.clear();
+  }
+} g_free_comms_at_exit;
 uint64_t g_next_id = 1;
 int g_hang_sends = 0;
 int g_fail_async = 0;
