@@ -461,6 +461,8 @@ sdk::Status Transport::Stats(kvb_transport_stats_t& s) {
 // -----------------------------------------------------------------------------
 
 void Transport::ListenLoop() {
+  uint64_t refusals_logged_ns = 0;  // when a refusal at a bound was last logged
+  uint64_t refusals_unlogged = 0;   // refusals since then
   while (!stop_) {
     ReapHandshakes(false);
     pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {listen_wake_fd_, POLLIN, 0}};
@@ -476,20 +478,30 @@ void Transport::ListenLoop() {
                 NI_NUMERICHOST | NI_NUMERICSERV);
     const std::string from = std::string(host) + ":" + serv;
     ReapHandshakes(false);
-    if (counters_.inbound_open >= config_.max_inbound) {
-      host_.Log(KVB_LOG_WARN, "refused control connection from %s: %u are open (nccl.max_inbound)",
-                from.c_str(), config_.max_inbound);
-      ++counters_.frames_rejected;
+    // Refusals at the bounds are logged at most once a second, with how many were not, so a
+    // flood of connections does not become a flood of log lines.
+    auto refuse = [&](const std::string& why) {
+      const uint64_t now = host_.NowNs();
+      if (refusals_logged_ns == 0 || now - refusals_logged_ns >= 1000 * kMs) {
+        host_.Log(KVB_LOG_WARN,
+                  "refused control connection from %s: %s; %llu similar refusals not logged",
+                  from.c_str(), why.c_str(), static_cast<unsigned long long>(refusals_unlogged));
+        refusals_logged_ns = now;
+        refusals_unlogged = 0;
+      } else {
+        ++refusals_unlogged;
+      }
       close(fd);
+    };
+    if (counters_.inbound_open >= config_.max_inbound) {
+      refuse(std::to_string(config_.max_inbound) + " are open (nccl.max_inbound)");
+      ++counters_.frames_rejected;
       continue;
     }
     if (counters_.handshakes_active >= config_.max_handshakes) {
-      host_.Log(KVB_LOG_WARN,
-                "refused control connection from %s: %u handshakes are in progress "
-                "(nccl.max_handshakes)",
-                from.c_str(), config_.max_handshakes);
+      refuse(std::to_string(config_.max_handshakes) +
+             " handshakes are in progress (nccl.max_handshakes)");
       ++counters_.handshakes_refused;
-      close(fd);
       continue;
     }
     const int one = 1;

@@ -798,6 +798,14 @@ TEST(NcclIsolation, HandshakesPastTheBoundAreClosedAtOnce) {
   Outcome refused = a->Run(p, KVB_OP_WRITE, 1, abuf.data(), 64, 1, 0);
   EXPECT_NE(refused.status, KVB_OK);
   EXPECT_EQ(b->t().counters().handshakes_refused, 2u);
+  // Refusals are logged at most once a second: the second one, right after, is not.
+  const std::string logs = b->Logs();
+  size_t logged = 0;
+  for (size_t at = logs.find("(nccl.max_handshakes)"); at != std::string::npos;
+       at = logs.find("(nccl.max_handshakes)", at + 1)) {
+    ++logged;
+  }
+  EXPECT_EQ(logged, 1u) << logs;
 
   close(s1);  // its handshake ends (EOF), freeing a slot
   ASSERT_TRUE(Eventually([&] { return b->t().counters().handshakes_active == 1; }));
