@@ -494,14 +494,14 @@ void Transport::ListenLoop() {
       close(fd);
     };
     if (counters_.inbound_open >= config_.max_inbound) {
+      ++counters_.frames_rejected;  // counted before the close the client sees
       refuse(std::to_string(config_.max_inbound) + " are open (nccl.max_inbound)");
-      ++counters_.frames_rejected;
       continue;
     }
     if (counters_.handshakes_active >= config_.max_handshakes) {
+      ++counters_.handshakes_refused;
       refuse(std::to_string(config_.max_handshakes) +
              " handshakes are in progress (nccl.max_handshakes)");
-      ++counters_.handshakes_refused;
       continue;
     }
     const int one = 1;
