@@ -45,6 +45,11 @@ bool Eventually(F&& f, int ms = 3000) {
   return f();
 }
 
+// Until the fake has seen more than `before` ncclSend calls: the hung send was issued.
+bool SendIssued(uint64_t before) {
+  return Eventually([&] { return fake::GetCounts().sends > before; });
+}
+
 Node::Options Opts(const std::string& id, uint64_t inc = 1, std::string token = "") {
   Node::Options o;
   o.node_id = id;
@@ -317,6 +322,9 @@ TEST_F(NcclPair, HungSendHitsDeadlineAbortsAndRebuilds) {
   auto hung = a_->Post(peer_, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 0, /*deadline_ms=*/400,
                        /*progress_ms=*/10000);
   ASSERT_TRUE(hung.ok()) << hung.status().message();
+  // The hung send must be b's: c's ops start only once it was issued (else c's ACCEPT could
+  // come first and c's send be the one that hangs).
+  ASSERT_TRUE(SendIssued(before.sends));
   // Meanwhile c is served at full speed.
   const auto data = Pattern(4096, 77);
   std::memcpy(abuf_.data() + 8192, data.data(), data.size());
@@ -358,10 +366,11 @@ TEST_F(NcclPair, HungSendHitsProgressTimeout) {
 
 TEST_F(NcclPair, AsyncErrorAbortsAndTheNextOpRebuilds) {
   ASSERT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+  const uint64_t sends_before = fake::GetCounts().sends;
   fake::HangNextSends(1);
   auto req = a_->Post(peer_, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 0, 0, 10000);
   ASSERT_TRUE(req.ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_TRUE(SendIssued(sends_before));
   fake::FailNextAsyncQuery(6);  // ncclRemoteError
   Outcome o = a_->Wait(*req, 3000);
   a_->t().Release(*req);
@@ -372,10 +381,11 @@ TEST_F(NcclPair, AsyncErrorAbortsAndTheNextOpRebuilds) {
 
 TEST_F(NcclPair, CancelOfAnIssuedOpAbortsOnlyThatCommunicator) {
   ASSERT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+  const uint64_t sends_before = fake::GetCounts().sends;
   fake::HangNextSends(1);
   auto req = a_->Post(peer_, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 0, 0, 10000);
   ASSERT_TRUE(req.ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_TRUE(SendIssued(sends_before));
   a_->t().Cancel(*req);
   std::vector<kvb_status_t> st(1);
   EXPECT_EQ(a_->t().Poll(*req, st).code(), KVB_ERR_CANCELLED);
@@ -385,10 +395,11 @@ TEST_F(NcclPair, CancelOfAnIssuedOpAbortsOnlyThatCommunicator) {
 
 TEST_F(NcclPair, RemovePeerCancelsItsOps) {
   ASSERT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+  const uint64_t sends_before = fake::GetCounts().sends;
   fake::HangNextSends(1);
   auto req = a_->Post(peer_, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 0, 0, 10000);
   ASSERT_TRUE(req.ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_TRUE(SendIssued(sends_before));
   a_->t().RemovePeer(peer_);
   peer_ = nullptr;
   Outcome o = a_->Wait(*req, 1000);
@@ -409,10 +420,11 @@ TEST(NcclDeregister, WaitsForTheTargetsQueuedCallThenClosesItsConnection) {
   ASSERT_TRUE(b->Register(1, bbuf.data(), bbuf.size()).ok());
   Peer* p = a->AddPeer(*b);
   ASSERT_EQ(a->Run(p, KVB_OP_WRITE, 1, abuf.data(), 64, 1, 0).status, KVB_OK);
+  const uint64_t sends_before = fake::GetCounts().sends;
   fake::HangNextSends(1);  // b's ncclRecv into its region stays queued
   auto req = a->Post(p, KVB_OP_WRITE, 1, abuf.data(), 4096, 1, 0, 0, 10000);
   ASSERT_TRUE(req.ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_TRUE(SendIssued(sends_before));
   const auto start = std::chrono::steady_clock::now();
   EXPECT_TRUE(b->t().DeregisterMemory(1).ok());
   const double ms =
