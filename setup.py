@@ -6,7 +6,8 @@ kvbridge_python (which pulls in libkvbridge, libkvbridge_store, the kernels and 
 then `cmake --install --component python` lays them into the wheel's kvbridge/ directory:
 
     kvbridge/_C.<abi>.so  kvbridge/libkvbridge.so  kvbridge/libkvbridge_store.so
-    kvbridge/plugins/libkvb_transport_tcp.so  kvbridge/plugins/libkvb_storage_dram.so
+    kvbridge/plugins/libkvb_transport_tcp.so  kvbridge/plugins/libkvb_transport_nccl.so
+    kvbridge/plugins/libkvb_storage_dram.so   kvbridge/plugins/libkvb_storage_ssd.so
 
 All with $ORIGIN rpaths, so the plugin loader finds the plugins next to the library with no
 environment variable. The extension does not link torch, so one build serves venvs with

@@ -277,11 +277,13 @@ if [[ $want_py == 1 && $main_ok == 1 ]]; then
 fi
 
 # ---- stages nccl and verbs: what exists of those transports --------------------------------
-# The plugins are not built yet; their loader, probe and device discovery are, and say here
-# what this machine has (NCCL with a GPU: the probe must answer OK; an RDMA NIC: listed).
+# nccl: the loader and probe (NCCL with a GPU: the probe must answer OK), the transport on its
+# fake NCCL/CUDA, and the NcclGpu.* cases on the real NCCL and driver (KVBRIDGE_REQUIRE_GPU: they
+# fail rather than skip without a usable GPU; the two-instance transfer needs two GPUs and
+# skips on one, saying so). verbs: the plugin is not built yet; its device discovery is.
 if [[ $main_ok == 1 && -x "$main_build/tests/kvb_nccl_tests" ]]; then
-  gtest_stage nccl "loader and probe (the plugin is not built yet: docs/transports/nccl.md)" \
-    "$main_build/tests/kvb_nccl_tests" || merge 1
+  gtest_stage nccl "loader, probe, transport on fake NCCL, real-GPU cases" \
+    env KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" "$main_build/tests/kvb_nccl_tests" || merge 1
 else
   record nccl skipped "not built (main build)"
 fi

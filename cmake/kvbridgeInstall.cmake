@@ -27,7 +27,9 @@ install(TARGETS kvbridge kvbridge_store kvbridge_plugin_abi
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS kvbridge_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT runtime)
 
-set(_kvb_installed_plugins kvb_transport_tcp kvb_storage_dram kvb_storage_ssd)
+# nccl is always built (NCCL and the driver are dlopen'ed) and opt-in: without NCCL or a GPU its
+# probe says UNAVAILABLE and an engine with default transports goes on without it.
+set(_kvb_installed_plugins kvb_transport_tcp kvb_transport_nccl kvb_storage_dram kvb_storage_ssd)
 if(TARGET kvb_transport_ucx)
   list(APPEND _kvb_installed_plugins kvb_transport_ucx)
 endif()

@@ -43,7 +43,8 @@ import kvbridge.integrations
 pkg = os.path.dirname(kvbridge.__file__)
 assert "site-packages" in pkg, pkg
 plugins = sorted(os.listdir(os.path.join(pkg, "plugins")))
-for so in ("libkvb_transport_tcp.so", "libkvb_storage_dram.so", "libkvb_storage_ssd.so"):
+for so in ("libkvb_transport_tcp.so", "libkvb_transport_nccl.so", "libkvb_storage_dram.so",
+           "libkvb_storage_ssd.so"):
     assert so in plugins, plugins
 with kvbridge.Cluster(nodes=2, dram_bytes_per_node=32 << 20, replica_num=2) as c:
     store = c.client()
@@ -59,7 +60,15 @@ except kvbridge.KvbError as e:
     searched = str(e)
 assert os.path.join(pkg, "plugins") in searched, searched
 assert os.environ["KVB_SOURCE_TREE"] not in searched.replace(pkg, ""), searched
-print("check_pip_install: torch", torch.__version__, "- import, plugins from", pkg,
+# The bundled nccl plugin is opt-in and harmless without a GPU: an engine naming it starts
+# (NCCL and a GPU here) or fails naming why nccl cannot run; default transports never need it.
+try:
+    kvbridge.TransferEngine(transports=["nccl"]).close()
+    nccl = "usable"
+except kvbridge.KvbError as e:
+    assert "nccl" in str(e), str(e)
+    nccl = "unavailable here"
+print("check_pip_install: torch", torch.__version__, "- nccl plugin", nccl, "- import, plugins from", pkg,
       "and an embedded-cluster round trip: OK; CUDA kernels:", ops.cuda_available())
 PY
 }

@@ -4,8 +4,11 @@
 #include <link.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
+#include <mutex>
 #include <system_error>
 #include <utility>
 
@@ -73,6 +76,20 @@ std::string FormatNcclVersion(int code) {
   return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
 }
 
+ncclConfig_t MakeNcclConfig(int blocking) {
+  ncclConfig_t c{};
+  c.size = kNcclConfigBytes;
+  c.magic = kNcclConfigMagic;
+  c.version = kNcclConfigVersion;  // the fields above are NCCL 2.18's; see nccl_loader.h
+  c.blocking = blocking;
+  c.cgaClusterSize = std::numeric_limits<int>::min();  // NCCL_CONFIG_UNDEF_INT
+  c.minCTAs = std::numeric_limits<int>::min();
+  c.maxCTAs = std::numeric_limits<int>::min();
+  c.netName = nullptr;  // NCCL_CONFIG_UNDEF_PTR
+  c.splitShare = std::numeric_limits<int>::min();
+  return c;
+}
+
 std::string Nccl::ErrorString(ncclResult_t r) const {
   const char* s = ncclGetErrorString != nullptr ? ncclGetErrorString(r) : nullptr;
   if (s != nullptr && s[0] != '\0') return std::string(s) + " (" + std::to_string(r) + ")";
@@ -96,6 +113,8 @@ sdk::Result<std::unique_ptr<Nccl>> Bind(const std::function<void*(const char*)>&
   Get(lookup, "ncclGroupEnd", &n->ncclGroupEnd, &missing);
   Get(lookup, "ncclGetErrorString", &n->ncclGetErrorString, &missing);
   if (!missing.empty()) return sdk::Status(KVB_ERR_UNAVAILABLE, "lacks " + missing);
+  n->ncclCommInitRankConfig =
+      reinterpret_cast<decltype(n->ncclCommInitRankConfig)>(lookup("ncclCommInitRankConfig"));
 
   int code = 0;
   if (const ncclResult_t r = n->ncclGetVersion(&code); r != ncclSuccess) {
@@ -141,6 +160,42 @@ sdk::Status ProbeWith(const Nccl& nccl, const CudaProbe& cuda) {
 
 }  // namespace detail
 
+namespace {
+
+// Every table LoadNccl handed out, with its library. The list is a plain pointer, not an object
+// with a destructor, so the tables stay valid however static destructors are ordered; only
+// ReleaseUnusedTables frees it.
+struct Loaded {
+  std::unique_ptr<Nccl> table;
+  void* lib = nullptr;
+};
+std::mutex g_loaded_mu;
+std::vector<Loaded>* g_loaded = nullptr;  // guarded by g_loaded_mu
+std::vector<Loaded>& LoadedTables() {
+  if (g_loaded == nullptr) g_loaded = new std::vector<Loaded>;
+  return *g_loaded;
+}
+std::atomic<bool> g_keep_loaded{false};
+
+// At unload or exit: releases the tables and their libraries unless a transport ran on one.
+struct ReleaseUnusedTables {
+  ~ReleaseUnusedTables() {
+    if (g_keep_loaded.load()) return;
+    std::lock_guard<std::mutex> lock(g_loaded_mu);
+    if (g_loaded == nullptr) return;
+    for (Loaded& l : *g_loaded) {
+      l.table.reset();
+      if (l.lib != nullptr) dlclose(l.lib);
+    }
+    delete g_loaded;
+    g_loaded = nullptr;
+  }
+} g_release_unused_tables;
+
+}  // namespace
+
+void KeepNcclLoaded() { g_keep_loaded.store(true); }
+
 sdk::Result<const Nccl*> LoadNccl(const std::vector<std::string>& candidates) {
   if (candidates.empty()) {
     return sdk::Status(KVB_ERR_UNAVAILABLE, "no NCCL: no library to try (no candidates)");
@@ -164,7 +219,10 @@ sdk::Result<const Nccl*> LoadNccl(const std::vector<std::string>& candidates) {
     n->path = path;
     n->file = MappedFile(lib);
     if (n->file.empty()) n->file = path;
-    return static_cast<const Nccl*>(n.release());  // as the library: mapped for good
+    const Nccl* out = n.get();
+    std::lock_guard<std::mutex> lock(g_loaded_mu);
+    LoadedTables().push_back({std::move(n), lib});
+    return out;
   }
   return sdk::Status(KVB_ERR_UNAVAILABLE,
                      "no usable NCCL >= " + FormatNcclVersion(kMinNcclVersionCode) + " (tried " +

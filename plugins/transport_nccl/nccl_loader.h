@@ -9,8 +9,8 @@
 // $KVBRIDGE_CUDA_DRIVER as in csrc/core/cuda_driver.cc) whether there is a GPU for NCCL to use.
 //
 // Thread-safety: every function may be called from any thread. A loaded Nccl is immutable and
-// lives for the rest of the process (its library stays mapped); NCCL's own entry points have
-// NCCL's thread-safety rules.
+// lives until this module is unloaded or the process exits, for good once a transport runs on
+// it (KeepNcclLoaded); NCCL's own entry points have NCCL's thread-safety rules.
 #pragma once
 
 #include <cstddef>
@@ -40,6 +40,35 @@ inline constexpr ncclResult_t ncclSuccess = 0;
 inline constexpr ncclResult_t ncclInProgress = 7;  // non-blocking communicators (NCCL >= 2.14)
 inline constexpr ncclDataType_t ncclUint8 = 1;
 
+// The first fields of nccl.h's ncclConfig_t, up to `splitShare`: the fields NCCL 2.18, the
+// oldest NCCL the transport loads, knows. Later versions append fields. NCCL reads a config
+// this way (parseCommConfig in NCCL's init.cc, 2.18 to 2.30): it starts from its own
+// NCCL_CONFIG_INITIALIZER, copies min(config->size, its sizeof(ncclConfig_t)) bytes over it,
+// refuses a wrong `magic`, then resets to NCCL's default every field newer than the config's
+// `version`. So a config that says version 2.18 and the size of these fields is accepted by
+// every NCCL >= 2.18, which reads exactly these fields and takes its defaults for the rest.
+// tests/nccl/test_nccl_config_layout.cc checks offsets, sizes and values against a real nccl.h
+// when the build machine has one (the plugin itself never includes nccl.h).
+struct ncclConfig_t {  // NOLINT(readability-identifier-naming)
+  size_t size;
+  unsigned int magic;
+  unsigned int version;
+  int blocking;
+  int cgaClusterSize;   // NCCL >= 2.17
+  int minCTAs;          // NCCL >= 2.17
+  int maxCTAs;          // NCCL >= 2.17
+  const char* netName;  // NCCL >= 2.17
+  int splitShare;       // NCCL >= 2.18
+};
+// The bytes of ncclConfig_t that MakeNcclConfig hands NCCL (`size`): through splitShare, not the
+// struct's tail padding, which a newer NCCL would otherwise read as its next field.
+inline constexpr size_t kNcclConfigBytes = offsetof(ncclConfig_t, splitShare) + sizeof(int);
+inline constexpr unsigned int kNcclConfigMagic = 0xcafebeef;  // NCCL_CONFIG_INITIALIZER's magic
+inline constexpr unsigned int kNcclConfigVersion = 21800;     // NCCL_VERSION(2, 18, 0)
+// NCCL_CONFIG_INITIALIZER's values for these fields (INT_MIN, NULL: "NCCL's default"), with
+// `blocking` as given (0: a non-blocking communicator); size kNcclConfigBytes, version 2.18.
+ncclConfig_t MakeNcclConfig(int blocking);
+
 // The oldest NCCL the transport accepts: 2.18.0 (ncclCommGetAsyncError, ncclCommAbort on a hung
 // communicator, and the version-code scheme of NCCL >= 2.9).
 inline constexpr int kMinNcclVersionCode = 21800;
@@ -68,6 +97,10 @@ struct Nccl {
   ncclResult_t (*ncclGroupStart)() = nullptr;
   ncclResult_t (*ncclGroupEnd)() = nullptr;
   const char* (*ncclGetErrorString)(ncclResult_t) = nullptr;
+  // Optional (NULL when the library lacks it; every NCCL >= 2.14 has it): a communicator made
+  // with a config, so non-blocking (ncclInProgress, then ncclCommGetAsyncError until success).
+  ncclResult_t (*ncclCommInitRankConfig)(ncclComm_t*, int nranks, ncclUniqueId, int rank,
+                                         ncclConfig_t*) = nullptr;
 
   // "2.28.9".
   std::string version() const { return FormatNcclVersion(version_code); }
@@ -80,7 +113,8 @@ struct Nccl {
 // or is too old is passed over; when none is usable: UNAVAILABLE listing every candidate with why
 // ("<path>: <dlerror>", "<path>: lacks ncclCommGetAsyncError", "<path>: NCCL 2.17.1 is older
 // than 2.18.0, the oldest kvbridge supports"). Nothing is cached: each success maps the library
-// (dlopen counts references) and allocates a table that is never freed.
+// (dlopen counts references) and allocates a table, both kept until the module is unloaded or
+// the process exits (for good once KeepNcclLoaded was called).
 sdk::Result<const Nccl*> LoadNccl(const std::vector<std::string>& candidates);
 
 // Where NCCL is looked for, in order:
@@ -96,6 +130,11 @@ std::vector<std::string> DefaultNcclCandidates();
 
 // LoadNccl(DefaultNcclCandidates()) the first time; the same answer (table or error) after.
 sdk::Result<const Nccl*> LoadNcclOnce();
+// Says that a transport runs on a table LoadNccl handed out. Until it is called, the tables and
+// their libraries are released when this module is unloaded or the process exits (a plugin
+// whose probe said UNAVAILABLE is unloaded by the host: it leaves no table behind and drops its
+// reference to libnccl); after it, they stay for good, as a transport may still use them then.
+void KeepNcclLoaded();
 
 // Whether the loaded NCCL can run here: NCCL needs a GPU, so the CUDA driver ($KVBRIDGE_CUDA_DRIVER
 // when set, else libcuda.so.1) is loaded and asked (cuInit(0), cuDeviceGetCount). OK only with

@@ -32,7 +32,8 @@ foreach(f config lib)
   endif()
 endforeach()
 foreach(f include/kvbridge/engine.h include/kvbridge/export.h
-          include/kvbridge/plugin/sdk/transport.hpp ${INSTALL_PLUGIN_DIR}/libkvb_transport_tcp.so)
+          include/kvbridge/plugin/sdk/transport.hpp ${INSTALL_PLUGIN_DIR}/libkvb_transport_tcp.so
+          ${INSTALL_PLUGIN_DIR}/libkvb_transport_nccl.so)
   if(NOT EXISTS ${PREFIX}/${f})
     message(FATAL_ERROR "the install into ${PREFIX} has no ${f}")
   endif()
