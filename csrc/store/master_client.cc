@@ -27,8 +27,9 @@ PeerId FromProto(const rpc::NodeIdentity& id) { return PeerId{id.node_id(), id.i
 std::shared_ptr<grpc::Channel> MasterChannel(const MasterClient::Options& o, const char* name) {
   grpc::ChannelArguments args;
   args.SetString("kvbridge.channel", name);  // distinct arguments: a connection of its own
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
-              static_cast<int>(std::min(o.retry.max_reconnect_backoff_ms, 100u)));
+  // Only the waits between attempts are shortened. GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, which is
+  // also each connection attempt's timeout, stays at gRPC's 20 s: a handshake with a master
+  // on a loaded host can take longer than a short backoff.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
               static_cast<int>(std::min(o.retry.max_reconnect_backoff_ms, 100u)));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
@@ -83,24 +84,35 @@ Status MasterClient::Run(std::string_view name, std::string_view method, bool re
       Clock::now() +
       std::chrono::milliseconds(uint64_t{options_.retry.rpc_timeout_ms} + extra_deadline_ms);
   uint32_t backoff_ms = options_.retry.first_backoff_ms;
+  grpc::Status unavailable;  // the first UNAVAILABLE, once one was retried
   for (int tries = 1;; ++tries) {
     grpc::ClientContext ctx;
     ctx.set_deadline(deadline);
+    // A retry waits for the channel to connect again, up to the deadline, rather than failing
+    // at once while it is down: the waiting call is what drives the reconnection (a blocking
+    // client polls its connections only while a call is in progress), so the call goes out as
+    // soon as the master is back instead of at gRPC's next background poll, 5 s later.
+    ctx.set_wait_for_ready(tries > 1);
     auth_.Sign(&ctx, method);
     if (sign) sign(&ctx);
     attempts_.fetch_add(1, std::memory_order_relaxed);
     const grpc::Status gs = attempt(&ctx);
     if (gs.ok()) return Status::OK();
-    if (!retryable || gs.error_code() != grpc::StatusCode::UNAVAILABLE ||
-        Clock::now() + std::chrono::milliseconds(backoff_ms) >= deadline) {
-      Status st = Failed(gs, name);
+    const bool retry = retryable && gs.error_code() == grpc::StatusCode::UNAVAILABLE &&
+                       Clock::now() + std::chrono::milliseconds(backoff_ms) < deadline;
+    if (!retry) {
+      // Still down at the deadline: say so (unreachable, and why), not only that it was late.
+      const bool down = tries > 1 && gs.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+      Status st = Failed(down ? unavailable : gs, name);
       if (tries > 1) {
-        st = Status(st.code(), st.message() + " (" + std::to_string(tries) + " attempts in " +
+        st = Status(st.code(), st.message() + " (" + std::to_string(tries) +
+                                   " attempts; the call's deadline is " +
                                    std::to_string(options_.retry.rpc_timeout_ms) + " ms)")
                  .WithOrigin(StatusOrigin::kMaster);
       }
       return st;
     }
+    if (tries == 1) unavailable = gs;
     std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
     backoff_ms = std::min(2 * backoff_ms, options_.retry.max_backoff_ms);
   }

@@ -31,13 +31,14 @@
 namespace kvbridge::store {
 
 // Retries of calls to the master, one policy for every caller. A call the policy marks
-// retryable (idempotent reads: GetReplicas, Exists, GetNodeDescriptors, Stats) is sent again
-// while it fails with UNAVAILABLE (master down, restarting, connection lost), after a backoff
-// of first_backoff_ms doubling to max_backoff_ms, until its total deadline: rpc_timeout_ms
-// from the first attempt, the same bound a single attempt has. Every other code (a deadline,
-// UNAUTHENTICATED, a refusal) ends the call at once. Calls that change state, or that their
-// caller repeats itself (Heartbeat, TaskDone and DemoteDone have their own loops), are sent
-// once.
+// retryable (idempotent reads: GetReplicas, Exists, GetNodeDescriptors, Stats) that fails with
+// UNAVAILABLE (master down, restarting, connection lost) is sent again after first_backoff_ms
+// (doubling to max_backoff_ms), each retry waiting for the channel to reconnect, until its
+// total deadline: rpc_timeout_ms from the first attempt, the same bound a single attempt has.
+// A master still down then is PEER_UNREACHABLE with the first attempt's reason. Every other
+// code (a deadline, UNAUTHENTICATED, a refusal) ends the call at once. Calls that change state,
+// or that their caller repeats itself (Heartbeat; TaskDone and DemoteDone have their own
+// queue), are sent once and fail at once while the master is unreachable.
 struct MasterRetryPolicy {
   uint32_t rpc_timeout_ms = 3000;  // total deadline of one call, all attempts together
   uint32_t first_backoff_ms = 50;

@@ -70,6 +70,8 @@ TEST_F(MasterClientTest, MasterDownFailsByTheDeadlineNamingAddressAndRpc) {
   const int64_t took = MsSince(start);
   ASSERT_FALSE(exists.ok());
   const Status& st = exists.status();
+  std::printf("master down: %s after %lld ms\n", st.ToString().c_str(),
+              static_cast<long long>(took));
   EXPECT_TRUE(st.IsPeerUnreachable() || st.IsDeadlineExceeded()) << st.ToString();
   EXPECT_EQ(st.origin(), StatusOrigin::kMaster) << st.ToString();
   EXPECT_NE(st.message().find("Exists"), std::string::npos) << st.ToString();
