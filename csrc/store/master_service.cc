@@ -18,6 +18,7 @@
 #include "core/descriptor.h"
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
+#include "store/master_client.h"
 #include "store/master_state.h"
 #include "store/rpc_auth.h"
 #include "store/rpc_util.h"
@@ -782,39 +783,11 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
 
 Result<ClusterStatus> QueryClusterStatus(const std::string& master_address, uint32_t timeout_ms,
                                          const std::string& cluster_token) {
-  auto stub = rpc::Master::NewStub(store::NewChannel(master_address));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
-  store::RpcAuth(cluster_token).Sign(&ctx, store::method::kStats);
-  rpc::Empty req;
-  rpc::StatsReply reply;
-  grpc::Status gs = stub->Stats(&ctx, req, &reply);
-  if (!gs.ok()) return store::FromGrpc(gs, "Stats");
-  ClusterStatus out;
-  for (const auto& n : reply.nodes()) {
-    NodeStatus ns;
-    ns.id = PeerId{n.node().node_id(), n.node().incarnation()};
-    ns.state = n.state();
-    ns.capacity_bytes = n.capacity();
-    ns.used_bytes = n.used();
-    ns.replicas = n.replicas();
-    ns.ssd_capacity_bytes = n.ssd_capacity();
-    ns.ssd_used_bytes = n.ssd_used();
-    out.nodes.push_back(std::move(ns));
-  }
-  out.objects = reply.objects();
-  out.pending_puts = reply.pending();
-  out.stored_bytes = reply.bytes();
-  out.evictions_total = reply.evictions_total();
-  out.bad_replicas_total = reply.bad_replicas_total();
-  out.unreachable_reports_total = reply.unreachable_reports_total();
-  out.nodes_expired_total = reply.nodes_expired_total();
-  out.under_replicated = reply.under_replicated();
-  out.demotions_total = reply.demotions_total();
-  out.ssd_replicas = reply.ssd_replicas();
-  out.promotions_total = reply.promotions_total();
-  out.departed_copies = reply.departed_copies();
-  return out;
+  store::MasterClient::Options o;
+  o.address = master_address;
+  o.cluster_token = cluster_token;
+  o.retry.rpc_timeout_ms = timeout_ms;
+  return store::MasterClient(std::move(o)).Stats();
 }
 
 }  // namespace kvbridge

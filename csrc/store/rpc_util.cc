@@ -20,30 +20,6 @@ Status CheckPeerDiscovery(const std::string& mode) {
                                  "'; use 'master' or 'direct' (KVBRIDGE_PEER_DISCOVERY)");
 }
 
-Result<std::string> DescribeNode(const std::string& rpc_address, const RpcAuth& auth,
-                                 const rpc::NodeIdentity& expect, uint32_t timeout_ms) {
-  if (rpc_address.empty()) {
-    return Status::PeerUnreachable("node " + expect.node_id() + " published no control address");
-  }
-  static NodeStubCache stubs;
-  const std::shared_ptr<rpc::Node::Stub> stub = stubs.Get(rpc_address);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
-  auth.Sign(&ctx, method::kDescribe);
-  rpc::Empty req;
-  rpc::NodeDescriptor reply;
-  grpc::Status gs = stub->Describe(&ctx, req, &reply);
-  if (!gs.ok()) return FromGrpc(gs, "Describe", StatusOrigin::kStorageNode);
-  if (reply.node().node_id() != expect.node_id() ||
-      reply.node().incarnation() != expect.incarnation()) {
-    return Status::StalePeer(rpc_address + " is " + reply.node().node_id() + " incarnation " +
-                             std::to_string(reply.node().incarnation()) + ", not the expected " +
-                             expect.node_id() + " incarnation " +
-                             std::to_string(expect.incarnation()));
-  }
-  return reply.engine_descriptor();
-}
-
 uint64_t DescribeBackoff::WaitMs(const rpc::NodeIdentity& node) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = nodes_.find(node.node_id());
@@ -70,29 +46,12 @@ void DescribeBackoff::Succeeded(const rpc::NodeIdentity& node) {
   nodes_.erase(node.node_id());
 }
 
-Result<std::string> DescribeNode(DescribeBackoff& backoff, const RpcAuth& auth,
-                                 const std::string& rpc_address, const rpc::NodeIdentity& expect,
-                                 uint32_t timeout_ms) {
-  if (const uint64_t wait = backoff.WaitMs(expect); wait != 0) {
-    return Status::PeerUnreachable("node " + expect.node_id() +
-                                   " did not answer Describe recently; not asked again for " +
-                                   std::to_string(wait) + " ms");
-  }
-  Result<std::string> d = DescribeNode(rpc_address, auth, expect, timeout_ms);
-  if (d.ok()) {
-    backoff.Succeeded(expect);
-  } else {
-    const uint32_t ms = backoff.Failed(expect);
-    KVB_LOG(WARN) << "cannot reach storage node " << expect.node_id()
-                  << " directly: " << d.status().ToString() << "; not asked again for " << ms
-                  << " ms";
-  }
-  return d;
-}
-
-Status FromGrpc(const grpc::Status& s, std::string_view call, StatusOrigin peer) {
+Status FromGrpc(const grpc::Status& s, std::string_view call, StatusOrigin peer,
+                std::string_view address) {
   const std::string what = std::string(call) + ": ";
-  const std::string who = peer == StatusOrigin::kMaster ? "master" : "node";
+  const std::string role = peer == StatusOrigin::kMaster ? "master" : "node";
+  const std::string who = address.empty() ? role : role + " " + std::string(address);
+  const std::string at = address.empty() ? "" : " (" + who + ")";
   Status st;
   if (s.ok()) {
     st = Status::Protocol(what + "malformed reply from the " + who);
@@ -105,22 +64,23 @@ Status FromGrpc(const grpc::Status& s, std::string_view call, StatusOrigin peer)
         st = Status::PeerUnreachable(what + who + " unreachable: " + s.error_message());
         break;
       case grpc::StatusCode::INVALID_ARGUMENT:
-        st = Status::InvalidArgument(what + s.error_message());
+        st = Status::InvalidArgument(what + s.error_message() + at);
         break;
       case grpc::StatusCode::UNIMPLEMENTED:
-        st = Status::Unsupported(what + s.error_message());
+        st = Status::Unsupported(what + s.error_message() + at);
         break;
       case grpc::StatusCode::UNAUTHENTICATED:
         // No valid proof of the cluster token (none, another token, a replay, clocks apart).
         st = Status::Unauthenticated(what + s.error_message() +
-                                     " (KVBRIDGE_CLUSTER_TOKEN must be the " + who + "'s)");
+                                     " (KVBRIDGE_CLUSTER_TOKEN must be the " + role + "'s; " + who +
+                                     ")");
         break;
       case grpc::StatusCode::PERMISSION_DENIED:
-        st = Status::PermissionDenied(what + s.error_message());
+        st = Status::PermissionDenied(what + s.error_message() + at);
         break;
       default:
         st = Status::Internal(what + "rpc failed (" + std::to_string(s.error_code()) +
-                              "): " + s.error_message());
+                              "): " + s.error_message() + at);
     }
   }
   return st.WithOrigin(peer);

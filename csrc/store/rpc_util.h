@@ -22,7 +22,6 @@
 
 namespace kvbridge::store {
 
-class RpcAuth;  // store/rpc_auth.h
 
 inline Status FromProto(const rpc::Status& s) { return Status::FromAbi(s.code(), s.message()); }
 
@@ -32,11 +31,11 @@ inline void ToProto(const Status& s, rpc::Status* out) {
 }
 
 // A failed gRPC call as a kvbridge Status naming the call and who was called (the master or a
-// storage node), with that as its origin(): callers such as the Mooncake compatibility layer
-// tell a master failure from a data-path one by it. An OK grpc status with a malformed reply
-// (wrong number of entries) is a PROTOCOL error.
+// storage node, at `address` when given), with that as its origin(): callers such as the
+// Mooncake compatibility layer tell a master failure from a data-path one by it. An OK grpc
+// status with a malformed reply (wrong number of entries) is a PROTOCOL error.
 Status FromGrpc(const grpc::Status& s, std::string_view call,
-                StatusOrigin peer = StatusOrigin::kMaster);
+                StatusOrigin peer = StatusOrigin::kMaster, std::string_view address = {});
 
 // Message size limits of every control-plane server and channel. gRPC's own default accepts
 // at most 4 MiB per received message, which one list of ~40 k inventory records already
@@ -84,17 +83,11 @@ class NodeStubCache {
 Result<std::unique_ptr<grpc::Server>> StartServer(const std::string& listen, grpc::Service* service,
                                                   std::string_view what, std::string* address);
 
-// Direct peer discovery: asks the Node service at `rpc_address` for its engine descriptor and
-// checks that it is `expect` (node id and incarnation; STALE_PEER otherwise, e.g. the node
-// restarted), and that the descriptor is that node's. The call is signed with `auth`.
-// Channels are cached per address.
-Result<std::string> DescribeNode(const std::string& rpc_address, const RpcAuth& auth,
-                                 const rpc::NodeIdentity& expect, uint32_t timeout_ms);
-
-// Direct discovery: nodes whose Describe failed (frozen, partitioned, another incarnation
-// answering) are not asked again until a backoff has passed (1 s, doubling per failure of the
-// same incarnation up to 16 s; forgotten on success), so one bad node costs one Describe
-// timeout per backoff period instead of one per request. Thread-safe.
+// Direct discovery (PeerDirectory, store/master_client.h): nodes whose Describe failed
+// (frozen, partitioned, another incarnation answering) are not asked again until a backoff has
+// passed (1 s, doubling per failure of the same incarnation up to 16 s; forgotten on success),
+// so one bad node costs one Describe timeout per backoff period instead of one per request.
+// Thread-safe.
 class DescribeBackoff {
  public:
   static constexpr uint32_t kFirstMs = 1000, kMaxMs = 16000;
@@ -113,12 +106,6 @@ class DescribeBackoff {
   mutable std::mutex mu_;
   std::unordered_map<std::string, Entry> nodes_;
 };
-
-// DescribeNode behind `backoff`: while the node is backing off, PEER_UNREACHABLE at once
-// (naming the wait left) without a call.
-Result<std::string> DescribeNode(DescribeBackoff& backoff, const RpcAuth& auth,
-                                 const std::string& rpc_address, const rpc::NodeIdentity& expect,
-                                 uint32_t timeout_ms);
 
 // "master" (descriptors from the master's directory and tasks) or "direct" (from each node's
 // own Node service); INVALID_ARGUMENT naming the value otherwise.

@@ -16,6 +16,7 @@
 #include "core/storage_instance.h"
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
+#include "store/master_client.h"
 #include "store/rpc_auth.h"
 #include "store/rpc_util.h"
 #include "util/checksum.h"
@@ -115,16 +116,14 @@ struct StorageNode::Impl final : public rpc::Node::Service {
 
   std::unique_ptr<grpc::Server> server;
   std::string rpc_address;
-  std::unique_ptr<store::RpcAuth> auth;  // signs calls to the master, checks calls to us
+  std::unique_ptr<store::RpcAuth> auth;  // checks calls to us (MasterClient signs ours)
   // From the master's RegisterNodeReply.node_secret (under mu): proves it is this node that
   // drains or deregisters itself.
   store::CallKey node_key;
-  // Data-plane calls (task results, drain) and the heartbeat use separate channels, so a slow
-  // control call can never delay a heartbeat behind it on one connection.
-  std::unique_ptr<rpc::Master::Stub> master;
-  std::unique_ptr<rpc::Master::Stub> heartbeat_master;
+  // Every call to the master; the heartbeat goes on a channel of its own (MasterClient).
+  std::unique_ptr<store::MasterClient> master;
   uint32_t heartbeat_interval_ms = 1000;
-  store::DescribeBackoff describe_backoff;  // direct discovery of task destinations
+  std::unique_ptr<store::PeerDirectory> directory;  // task destinations' descriptors
 
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -213,20 +212,10 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   Status ssd_status;  // OK: the tier runs; else why not
 
   ~Impl() override;
-  // A call's context: its deadline and its proof of the cluster token (for `method`).
-  std::unique_ptr<grpc::ClientContext> Context(std::string_view method) const {
-    auto ctx = std::make_unique<grpc::ClientContext>();
-    ctx->set_deadline(std::chrono::system_clock::now() +
-                      std::chrono::milliseconds(options.rpc_timeout_ms));
-    auth->Sign(ctx.get(), method);
-    return ctx;
-  }
-  // Context() plus the proof of this registration's secret (Drain, Deregister of itself).
-  std::unique_ptr<grpc::ClientContext> NodeContext(std::string_view method) const {
-    auto ctx = Context(method);
+  // This registration's secret (Drain, Deregister of itself).
+  store::CallKey NodeKey() const {
     std::lock_guard<std::mutex> lock(mu);
-    store::RpcAuth::SignWith(ctx.get(), store::kNodeHeader, node_key, method);
-    return ctx;
+    return node_key;
   }
   rpc::NodeIdentity Identity() const {
     rpc::NodeIdentity id;
@@ -234,11 +223,8 @@ struct StorageNode::Impl final : public rpc::Node::Service {
     id.set_incarnation(engine->self().incarnation);
     return id;
   }
-  Status Register(rpc::Master::Stub* stub);
-  // One RegisterNodeStream call: `head`, then `records` in chunks (store/rpc_util.h).
-  grpc::Status SendRegistration(rpc::Master::Stub* stub, const rpc::RegisterNodeRequest& head,
-                                const std::vector<rpc::InventoryRecord>& records,
-                                rpc::RegisterNodeReply* reply) const;
+  // With the master; `again`: from the heartbeat thread, on its channel.
+  Status Register(bool again = false);
   void ApplyFrees(const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& frees,
                   const google::protobuf::RepeatedField<uint64_t>& seqs);
   void HeartbeatLoop();
@@ -344,7 +330,7 @@ grpc::Status StorageNode::Impl::Commit(grpc::ServerContext* ctx, const rpc::Comm
   return grpc::Status::OK;
 }
 
-Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
+Status StorageNode::Impl::Register(bool again) {
   rpc::RegisterNodeRequest req;  // everything but the inventory, which goes in chunks
   std::vector<rpc::InventoryRecord> records;
   *req.mutable_node() = Identity();
@@ -370,17 +356,9 @@ Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
       records.push_back(r);
     }
   }
-  rpc::RegisterNodeReply reply;
-  grpc::Status gs = SendRegistration(stub, req, records, &reply);
-  if (gs.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
-    // A master from before RegisterNodeStream: everything in one message (at most ~40 k
-    // records fit its 4 MiB limit).
-    reply.Clear();
-    for (auto& r : records) *req.add_inventory() = std::move(r);
-    auto ctx = Context(store::method::kRegisterNode);
-    gs = stub->RegisterNode(ctx.get(), req, &reply);
-  }
-  if (!gs.ok()) return store::FromGrpc(gs, "RegisterNode");
+  Result<rpc::RegisterNodeReply> registered = master->Register(req, records, again);
+  if (!registered.ok()) return registered.status();
+  const rpc::RegisterNodeReply& reply = *registered;
   Status st = store::FromProto(reply.status());
   if (!st.ok()) return st.WithContext("RegisterNode");
   {
@@ -401,36 +379,6 @@ Status StorageNode::Impl::Register(rpc::Master::Stub* stub) {
     heartbeat_now = true;  // the rest of the frees come in heartbeat replies
   }
   return Status::OK();
-}
-
-grpc::Status StorageNode::Impl::SendRegistration(rpc::Master::Stub* stub,
-                                                 const rpc::RegisterNodeRequest& head,
-                                                 const std::vector<rpc::InventoryRecord>& records,
-                                                 rpc::RegisterNodeReply* reply) const {
-  auto ctx = Context(store::method::kRegisterNodeStream);
-  // The master registers the node only once every record has arrived: a large inventory gets
-  // 1 ms more per 100 records (10 s per million) on top of the usual deadline.
-  ctx->set_deadline(std::chrono::system_clock::now() +
-                    std::chrono::milliseconds(options.rpc_timeout_ms + records.size() / 100));
-  std::unique_ptr<grpc::ClientWriter<rpc::RegisterNodeRequest>> writer =
-      stub->RegisterNodeStream(ctx.get(), reply);
-  rpc::RegisterNodeRequest msg = head;
-  bool sent = false;
-  size_t bytes = 0;
-  for (const rpc::InventoryRecord& r : records) {
-    bytes += r.ByteSizeLong();
-    *msg.add_inventory() = r;
-    if (msg.inventory_size() >= static_cast<int>(store::kInventoryChunkRecords) ||
-        bytes >= store::kInventoryChunkBytes) {
-      if (!writer->Write(msg)) return writer->Finish();  // the stream broke: why
-      sent = true;
-      msg.Clear();
-      bytes = 0;
-    }
-  }
-  if ((!sent || msg.inventory_size() > 0) && !writer->Write(msg)) return writer->Finish();
-  writer->WritesDone();
-  return writer->Finish();
 }
 
 // Runs on the heartbeat thread: memory only. SSD frees go to free_thread.
@@ -528,19 +476,15 @@ void StorageNode::Impl::HeartbeatLoop() {
     heartbeat_now = false;
     const uint64_t frees_acked = FreesAcked();
     lock.unlock();
-    rpc::HeartbeatRequest req;
-    *req.mutable_node() = Identity();
-    req.set_frees_acked(frees_acked);
-    rpc::HeartbeatReply reply;
     // Deadlines in the reply count from when the master answered: from here they are never
     // later than the master's.
     const auto sent_at = std::chrono::steady_clock::now();
-    auto ctx = Context(store::method::kHeartbeat);
-    grpc::Status gs = heartbeat_master->Heartbeat(ctx.get(), req, &reply);
-    Status st = gs.ok() ? store::FromProto(reply.status()) : store::FromGrpc(gs, "Heartbeat");
+    Result<rpc::HeartbeatReply> beat = master->Heartbeat(engine->self(), frees_acked);
+    Status st = beat.status();
+    const rpc::HeartbeatReply reply = beat.ok() ? std::move(beat).value() : rpc::HeartbeatReply();
     if (st.IsNotFound()) {
       // The master does not know us (it restarted): register again with our inventory.
-      Status reg = Register(heartbeat_master.get());
+      Status reg = Register(/*again=*/true);
       if (!reg.ok())
         KVB_LOG(WARN) << "re-registration failed: " << reg.ToString();
       else
@@ -602,8 +546,9 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& b
   std::vector<size_t> task_of_op;
   std::vector<std::string> dest_ids(batch.size());
   std::optional<Clock::time_point> deadline;  // the earliest of the batch's tasks
-  // Direct discovery: one Describe per destination and batch (the answer, or the failure, is
-  // reused for its other tasks), and none while that destination is backing off.
+  // The task carries the master's entry for its destination; in direct discovery the
+  // destination is asked once per batch (the answer, or the failure, is reused for its other
+  // tasks), and not at all while it is backing off (PeerDirectory).
   std::map<std::pair<std::string, uint64_t>, Result<std::string>> described;
   for (size_t i = 0; i < batch.size(); ++i) {
     const rpc::ReplicationTask& task = batch[i].task;
@@ -612,15 +557,15 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& b
       result[i] = Status::DeadlineExceeded("task reached the node past its deadline; not run");
       continue;
     }
-    std::string descriptor = task.dest_descriptor();
-    if (options.peer_discovery == "direct") {
+    std::string descriptor;
+    {
       const rpc::NodeIdentity& dn = task.dest().node();
       auto d = described.find({dn.node_id(), dn.incarnation()});
       if (d == described.end()) {
+        const store::NodeEntry listed{PeerId{dn.node_id(), dn.incarnation()},
+                                      task.dest_descriptor(), task.dest_rpc_address()};
         d = described
-                .emplace(std::pair{dn.node_id(), dn.incarnation()},
-                         store::DescribeNode(describe_backoff, *auth, task.dest_rpc_address(), dn,
-                                             options.rpc_timeout_ms))
+                .emplace(std::pair{dn.node_id(), dn.incarnation()}, directory->Descriptor(listed))
                 .first;
       }
       if (!d->second.ok()) {
@@ -722,28 +667,18 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& b
 
 void StorageNode::Impl::ReportBadCopy(const std::string& key, uint64_t version, uint64_t segment_id,
                                       uint64_t offset) {
-  rpc::BadReplicaRequest report;
-  report.set_key(key);
-  report.set_version(version);
-  *report.mutable_node() = Identity();
-  report.set_segment_id(segment_id);
-  report.set_offset(offset);
-  rpc::Status ignored;
-  auto ctx = Context(store::method::kReportBadReplica);
-  (void)master->ReportBadReplica(ctx.get(), report, &ignored);
+  master->ReportBadReplica({key, version, engine->self(), segment_id, offset, false});
 }
 
 // False when no answer came (the call failed on the way): ask again later.
 bool StorageNode::Impl::ReportTask(const rpc::TaskDoneRequest& done) {
-  rpc::Status reply;
-  auto ctx = Context(store::method::kTaskDone);
-  grpc::Status gs = master->TaskDone(ctx.get(), done, &reply);
-  if (!gs.ok()) {
-    KVB_LOG(WARN) << store::FromGrpc(gs, "TaskDone").ToString() << " (task " << done.task_id()
-                  << "; asking again)";
+  Status answer;
+  Status call = master->TaskDone(done, &answer);
+  if (!call.ok()) {
+    KVB_LOG(WARN) << call.ToString() << " (task " << done.task_id() << "; asking again)";
   }
   // Any answer settles it (NOT_FOUND: the first report arrived, or the master gave the task up).
-  return gs.ok();
+  return call.ok();
 }
 
 void StorageNode::Impl::TaskLoop() {
@@ -986,15 +921,11 @@ Status StorageNode::Impl::Promote(const rpc::Demotion& d) {
 
 bool StorageNode::Impl::ReportMove(const rpc::Demotion& d, const rpc::DemoteDoneRequest& done,
                                    bool made) {
-  rpc::Status reply;
-  auto ctx = Context(store::method::kDemoteDone);
-  grpc::Status gs = master->DemoteDone(ctx.get(), done, &reply);
-  if (!gs.ok()) {
-    KVB_LOG(WARN) << store::FromGrpc(gs, "DemoteDone").ToString() << " (move of "
-                  << d.source().key() << "; asking again)";
+  Status answer;
+  if (Status call = master->DemoteDone(done, &answer); !call.ok()) {
+    KVB_LOG(WARN) << call.ToString() << " (move of " << d.source().key() << "; asking again)";
     return false;
   }
-  Status answer = store::FromProto(reply);
   if (answer.Is(StatusCode::kUnavailable)) {
     // The master does not know this node (it restarted; the heartbeat registers us again).
     KVB_LOG(INFO) << "DemoteDone: " << answer.ToString() << " (move of " << d.source().key()
@@ -1258,18 +1189,14 @@ Status StorageNode::Impl::CheckReadClient(const rpc::NodeIdentity& client) {
       return Status::OK();
     }
   }
-  rpc::NodeDescriptorsRequest req;
-  req.add_node_ids(client.node_id());
-  rpc::NodeDescriptorsReply reply;
-  auto ctx = Context(store::method::kGetNodeDescriptors);
-  grpc::Status gs = master->GetNodeDescriptors(ctx.get(), req, &reply);
-  if (!gs.ok()) {
-    return store::FromGrpc(gs, "GetNodeDescriptors")
-        .WithContext("cannot tell whether ReadSsd client " + client.node_id() +
-                     " is a storage node");
+  const std::string ids[] = {client.node_id()};
+  Result<std::vector<store::NodeEntry>> listed = master->NodeDescriptors(ids);
+  if (!listed.ok()) {
+    return listed.status().WithContext("cannot tell whether ReadSsd client " + client.node_id() +
+                                       " is a storage node");
   }
-  for (const auto& n : reply.nodes()) {
-    if (n.node().node_id() == client.node_id()) {
+  for (const store::NodeEntry& n : *listed) {
+    if (n.id.node_id == client.node_id()) {
       return Status::PermissionDenied("ReadSsd client " + client.node_id() +
                                       " is a storage node: a node never writes into another "
                                       "node's pool on a read request");
@@ -1306,10 +1233,7 @@ StorageNode::~StorageNode() {
   }
   impl_->Stop();
   if (!superseded && impl_->master) {
-    rpc::NodeIdentity id = impl_->Identity();
-    rpc::Status reply;
-    auto ctx = impl_->NodeContext(store::method::kDeregister);
-    (void)impl_->master->Deregister(ctx.get(), id, &reply);
+    (void)impl_->master->Deregister(impl_->engine->self(), impl_->NodeKey());
   }
 }
 
@@ -1376,11 +1300,15 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   impl->auth->WarnIfDisabled("storage node " + impl->engine->self().node_id + "'s control service",
                              impl->rpc_address);
 
-  impl->master = rpc::Master::NewStub(store::NewChannel(options.master_address));
-  grpc::ChannelArguments heartbeat_args;
-  heartbeat_args.SetString("kvbridge.channel", "heartbeat");  // a connection of its own
-  impl->heartbeat_master =
-      rpc::Master::NewStub(store::NewChannel(options.master_address, heartbeat_args));
+  store::MasterClient::Options mo;
+  mo.address = options.master_address;
+  mo.cluster_token = options.engine.cluster_token;
+  mo.auth_skew_ms = options.rpc_auth_skew_ms;
+  mo.retry.rpc_timeout_ms = options.rpc_timeout_ms;
+  mo.heartbeat_channel = true;
+  impl->master = std::make_unique<store::MasterClient>(std::move(mo));
+  impl->directory =
+      std::make_unique<store::PeerDirectory>(impl->master.get(), options.peer_discovery);
   if (!options.ssd_path.empty()) {
     // A tier that cannot start (missing or read-only directory, plugin not found, ...) costs
     // the tier, not the node: it serves its DRAM pool and says why (ssd_status()).
@@ -1399,7 +1327,7 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   } else {
     impl->ssd_status = Status::NotFound("no SSD tier configured (ssd_path is empty)");
   }
-  Status reg = impl->Register(impl->master.get());
+  Status reg = impl->Register();
   if (!reg.ok()) return reg;
   KVB_LOG(INFO) << "storage node " << impl->engine->self().ToString() << " registered "
                 << impl->pool_bytes << " bytes with " << options.master_address;
@@ -1415,19 +1343,11 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
 
 Status StorageNode::Drain() {
   Impl& im = *impl_;
-  rpc::NodeIdentity id = im.Identity();
-  rpc::Status reply;
   {
     std::lock_guard<std::mutex> lock(im.mu);
     im.draining = true;
   }
-  {
-    auto ctx = im.NodeContext(store::method::kDrain);
-    grpc::Status gs = im.master->Drain(ctx.get(), id, &reply);
-    if (!gs.ok()) return store::FromGrpc(gs, "Drain");
-    Status st = store::FromProto(reply);
-    if (!st.ok()) return st.WithContext("Drain");
-  }
+  KVB_RETURN_IF_ERROR(im.master->Drain(im.engine->self(), im.NodeKey()));
   std::unique_lock<std::mutex> lock(im.mu);
   const bool done = im.cv.wait_for(lock, std::chrono::milliseconds(im.options.drain_timeout_ms),
                                    [&] { return im.drained || im.stopping || im.superseded; });

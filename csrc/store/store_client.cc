@@ -24,6 +24,7 @@
 #include "core/memory_kinds.h"
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
+#include "store/master_client.h"
 #include "store/rpc_auth.h"
 #include "store/rpc_util.h"
 #include "util/checksum.h"
@@ -123,18 +124,18 @@ struct StoreClient::Impl {
   std::atomic<uint32_t> put_stall_before_write_ms{0};
   std::atomic<uint32_t> put_ignore_deadline{0};
   std::unique_ptr<TransferEngine> engine;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<rpc::Master::Stub> master;
-  std::unique_ptr<store::RpcAuth> auth;  // signs every control-plane call
-  store::CallKey admin_key;              // StoreOptions::admin_token (RemoveAll)
+  // Every call to the master; its RpcAuth signs the calls to nodes too (ReadSsd).
+  std::unique_ptr<store::MasterClient> master;
+  // Where the nodes' descriptors come from (StoreOptions::peer_discovery). In direct discovery
+  // a node whose Describe failed is not asked again for a while; its keys go to other replicas
+  // meanwhile.
+  std::unique_ptr<store::PeerDirectory> directory;
+  store::CallKey admin_key;  // StoreOptions::admin_token (RemoveAll)
 
   std::mutex peers_mu;
   std::unordered_map<std::string, uint64_t> peers;        // node id -> incarnation added to engine
   std::unordered_map<std::string, std::string> node_rpc;  // node id -> its Node service
   store::NodeStubCache node_stubs;                        // by address
-  // Direct discovery: a node whose Describe failed is not asked again for a while; its keys
-  // go to other replicas meanwhile.
-  store::DescribeBackoff describe_backoff;
   SegmentId staging_segment = 0;
 
   struct Registered {
@@ -155,14 +156,6 @@ struct StoreClient::Impl {
   std::mutex staging_mu;  // one Put/Get at a time uses the staging area
   std::unique_ptr<char[]> staging;
 
-  // A call's context: its deadline and its proof of the cluster token (for `method`).
-  std::unique_ptr<grpc::ClientContext> Context(std::string_view method) const {
-    auto ctx = std::make_unique<grpc::ClientContext>();
-    ctx->set_deadline(std::chrono::system_clock::now() +
-                      std::chrono::milliseconds(options.rpc_timeout_ms));
-    auth->Sign(ctx.get(), method);
-    return ctx;
-  }
   // OK when every buffer of one key lies inside a registered buffer (or the staging area);
   // else NOT_REGISTERED naming the first one that does not, so that key alone fails.
   Status CheckRegistered(const std::vector<BufferRef>& bufs, size_t key_index) {
@@ -234,15 +227,9 @@ struct StoreClient::Impl {
   // The master's replicas (and sizes, read leases) of each key; a failed call is a Status.
   Status GetReplicas(std::span<const std::string> keys, rpc::GetReplicasReply* got,
                      bool sizes_only = false) {
-    rpc::GetReplicasRequest req;
-    req.set_client_node_id(engine->self().node_id);
-    req.set_sizes_only(sizes_only);
-    for (const auto& k : keys) req.add_keys(k);
-    auto ctx = Context(store::method::kGetReplicas);
-    grpc::Status gs = master->GetReplicas(ctx.get(), req, got);
-    if (!gs.ok() || got->items_size() != static_cast<int>(keys.size())) {
-      return store::FromGrpc(gs, "GetReplicas");
-    }
+    Result<rpc::GetReplicasReply> r = master->GetReplicas(keys, engine->self().node_id, sizes_only);
+    if (!r.ok()) return r.status();
+    *got = std::move(r).value();
     return Status::OK();
   }
   // Answers each key from the master's size-only reply (no lease, no access): `fn(item)` for
@@ -300,16 +287,8 @@ struct StoreClient::Impl {
   // Tells the master a replica (node_level: its whole node) failed this client; best effort.
   void Report(const std::string& key, uint64_t version, const rpc::ReplicaLocation& loc,
               bool node_level) {
-    rpc::BadReplicaRequest req;
-    req.set_key(key);
-    req.set_version(version);
-    *req.mutable_node() = loc.node();
-    req.set_segment_id(loc.segment_id());
-    req.set_offset(loc.offset());
-    req.set_node_unreachable(node_level);
-    rpc::Status ignored;
-    auto ctx = Context(store::method::kReportBadReplica);
-    (void)master->ReportBadReplica(ctx.get(), req, &ignored);
+    master->ReportBadReplica({key, version, PeerId{loc.node().node_id(), loc.node().incarnation()},
+                              loc.segment_id(), loc.offset(), node_level});
   }
   // One transfer pass, bounded by deadline_ms (0: transfer_deadline_ms); fills ok[i] per
   // group of ops.
@@ -329,48 +308,34 @@ struct StoreClient::Impl {
 };
 
 Status StoreClient::Impl::EnsurePeers(const std::set<std::pair<std::string, uint64_t>>& nodes) {
-  rpc::NodeDescriptorsRequest req;
+  std::vector<PeerId> unknown;
   {
     std::lock_guard<std::mutex> lock(peers_mu);
     for (const auto& [id, inc] : nodes) {
       auto it = peers.find(id);
-      if (it != peers.end() && it->second == inc) continue;
-      rpc::NodeIdentity node;
-      node.set_node_id(id);
-      node.set_incarnation(inc);
-      if (describe_backoff.WaitMs(node) != 0) continue;  // its keys use other replicas
-      req.add_node_ids(id);
+      if (it == peers.end() || it->second != inc) unknown.push_back(PeerId{id, inc});
     }
   }
-  if (req.node_ids_size() == 0) return Status::OK();
-  rpc::NodeDescriptorsReply reply;
-  auto ctx = Context(store::method::kGetNodeDescriptors);
-  grpc::Status gs = master->GetNodeDescriptors(ctx.get(), req, &reply);
-  if (!gs.ok()) return store::FromGrpc(gs, "GetNodeDescriptors");
-  for (const auto& nd : reply.nodes()) {
-    std::string descriptor = nd.engine_descriptor();
-    if (options.peer_discovery == "direct") {
-      Result<std::string> d = store::DescribeNode(describe_backoff, *auth, nd.rpc_address(),
-                                                  nd.node(), options.rpc_timeout_ms);
-      if (!d.ok()) continue;  // logged; skipped until the backoff passes
-      descriptor = std::move(d).value();
-    }
+  if (unknown.empty()) return Status::OK();
+  // Nodes backing off after a failed Describe are left out: their keys use other replicas.
+  Result<std::vector<store::NodeEntry>> listed = directory->Lookup(unknown);
+  if (!listed.ok()) return listed.status();
+  for (const store::NodeEntry& nd : *listed) {
     // The entry's descriptor must be that node's own: one naming another node would send the
     // reads and writes meant for it elsewhere (and its SSD reads to this entry's address).
-    const PeerId listed{nd.node().node_id(), nd.node().incarnation()};
     AddPeerOptions expect;
-    expect.expect = &listed;
-    Result<PeerId> added = engine->AddPeer(descriptor, expect);
+    expect.expect = &nd.id;
+    Result<PeerId> added = engine->AddPeer(nd.engine_descriptor, expect);
     if (!added.ok()) {
-      KVB_LOG(WARN) << "cannot add storage node " << nd.node().node_id() << ": "
+      KVB_LOG(WARN) << "cannot add storage node " << nd.id.node_id << ": "
                     << added.status().ToString();
       continue;
     }
     std::lock_guard<std::mutex> lock(peers_mu);
     peers[added->node_id] = added->incarnation;
     std::string& address = node_rpc[added->node_id];
-    if (!address.empty() && address != nd.rpc_address()) node_stubs.Erase(address);  // moved
-    address = nd.rpc_address();
+    if (!address.empty() && address != nd.rpc_address) node_stubs.Erase(address);  // moved
+    address = nd.rpc_address;
   }
   return Status::OK();
 }
@@ -539,7 +504,7 @@ void StoreClient::Impl::RunSsd(const std::vector<std::pair<size_t, SsdTarget>>& 
       // The node writes nothing past the call's deadline, which is the get's.
       c->req.set_timeout_ms(static_cast<uint32_t>(std::min<int64_t>(left.count(), UINT32_MAX)));
       c->ctx.set_deadline(std::chrono::system_clock::now() + left);
-      auth->Sign(&c->ctx, store::method::kReadSsd);
+      master->auth().Sign(&c->ctx, store::method::kReadSsd);
       stub->async()->ReadSsd(&c->ctx, &c->req, &c->reply, [&mu, &cv, c](grpc::Status s) {
         std::lock_guard<std::mutex> lock(mu);
         c->gs = std::move(s);
@@ -871,7 +836,6 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& opt
   KVB_RETURN_IF_ERROR(store::CheckPeerDiscovery(options.peer_discovery));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  impl->auth = std::make_unique<store::RpcAuth>(options.engine.cluster_token);
   impl->admin_key = store::CallKey(options.admin_token, store::kAdminKeyPurpose);
   KVB_RETURN_IF_ERROR(
       store::ParseFaults(options.faults, "StoreOptions::faults",
@@ -880,8 +844,13 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& opt
   auto engine = TransferEngine::Create(options.engine);
   if (!engine.ok()) return engine.status().WithContext("store client");
   impl->engine = std::move(engine).value();
-  impl->channel = store::NewChannel(options.master_address);
-  impl->master = rpc::Master::NewStub(impl->channel);
+  store::MasterClient::Options mo;
+  mo.address = options.master_address;
+  mo.cluster_token = options.engine.cluster_token;
+  mo.retry.rpc_timeout_ms = options.rpc_timeout_ms;
+  impl->master = std::make_unique<store::MasterClient>(std::move(mo));
+  impl->directory =
+      std::make_unique<store::PeerDirectory>(impl->master.get(), options.peer_discovery);
   impl->staging.reset(new char[kStagingBytes]);  // not zero-filled: it is only ever copied into
   Result<SegmentId> seg = impl->engine->RegisterMemory(impl->staging.get(), kStagingBytes);
   if (!seg.ok()) return seg.status().WithContext("registering the staging buffer");
@@ -961,13 +930,9 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
     for (size_t j = 0; j < sub.size(); ++j) result[subset->index[j]] = std::move(sub[j]);
     return result;
   }
-  rpc::PutStartRequest req;
-  req.set_replica_num(im.options.replica_num);
-  req.set_client_node_id(im.engine->self().node_id);
+  std::vector<std::vector<uint64_t>> sizes(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
-    req.add_keys(keys[i]);
-    auto* sizes = req.add_sizes();
-    for (const auto& b : buffers[i]) sizes->add_sizes(b.length);
+    for (const auto& b : buffers[i]) sizes[i].push_back(b.length);
   }
   // Checksums depend only on the caller's bytes, so they are computed while the master
   // allocates: for 128 x 64 KiB pages the CRC takes about as long as the PutStart round trip
@@ -981,17 +946,8 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   // no later here than there.
   const auto put_base = std::chrono::steady_clock::now();
   {
-    auto ctx = im.Context(store::method::kPutStart);
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-    grpc::Status gs;
-    im.master->async()->PutStart(ctx.get(), &req, &started, [&](grpc::Status s) {
-      std::lock_guard<std::mutex> lock(mu);
-      gs = std::move(s);
-      done = true;
-      cv.notify_one();
-    });
+    store::MasterClient::PendingPutStart pending =
+        im.master->PutStart(keys, sizes, im.options.replica_num, im.engine->self().node_id);
     std::vector<const std::vector<Piece>*> of_key(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
       uint64_t total = 0;
@@ -1001,12 +957,12 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
       of_key[i] = &pieces[i];
     }
     im.Checksums(of_key, &checksums, &unread);
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return done; });
-    if (!gs.ok() || started.items_size() != static_cast<int>(keys.size())) {
-      result.assign(keys.size(), store::FromGrpc(gs, "PutStart"));
+    Result<rpc::PutStartReply> reply = pending.Wait();
+    if (!reply.ok()) {
+      result.assign(keys.size(), reply.status());
       return result;
     }
+    started = std::move(reply).value();
   }
   // Writes: every replica of every admitted key, all in one batch, ended by the earliest of
   // their deadlines from the master (its put_timeout_ms). After a deadline the master revokes
@@ -1077,23 +1033,18 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   if (!peers_ok.ok()) KVB_LOG(WARN) << "put: " << peers_ok.ToString();
   for (size_t g : unread_groups) group_status[g] = unread[groups[g].first];
 
-  rpc::PutEndRequest end;
+  std::vector<store::PutEndItem> end;
   std::vector<int> end_item_of_key(keys.size(), -1);
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto [i, r] = groups[g];
     if (end_item_of_key[i] < 0) {
-      end_item_of_key[i] = end.items_size();
-      auto* e = end.add_items();
-      e->set_key(keys[i]);
-      e->set_version(started.items(static_cast<int>(i)).version());
-      e->set_checksum(checksums[i]);
+      end_item_of_key[i] = static_cast<int>(end.size());
+      end.push_back({keys[i], started.items(static_cast<int>(i)).version(), {}, checksums[i]});
     }
-    end.mutable_items(end_item_of_key[i])->add_replica_ok(group_status[g].ok());
+    end[end_item_of_key[i]].replica_ok.push_back(group_status[g].ok());
   }
-  if (end.items_size() == 0) return result;
-  rpc::KeyStatusReply ended;
-  auto ctx = im.Context(store::method::kPutEnd);
-  grpc::Status gs = im.master->PutEnd(ctx.get(), end, &ended);
+  if (end.empty()) return result;
+  Result<std::vector<Status>> ended = im.master->PutEnd(end);
   for (size_t i = 0; i < keys.size(); ++i) {
     const int e = end_item_of_key[i];
     if (e < 0) continue;
@@ -1101,11 +1052,11 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
       result[i] = unread[i].WithContext("not stored");
       continue;
     }
-    if (!gs.ok() || ended.statuses_size() != end.items_size()) {
-      result[i] = store::FromGrpc(gs, "PutEnd");
+    if (!ended.ok()) {
+      result[i] = ended.status();
       continue;
     }
-    result[i] = FromProto(ended.statuses(e));
+    result[i] = (*ended)[e];
     if (!result[i].ok()) {
       // Say why the replicas failed, not only that the master revoked the object.
       for (size_t g = 0; g < groups.size(); ++g) {
@@ -1389,17 +1340,7 @@ Result<std::vector<bool>> StoreClient::BatchExists(std::span<const std::string> 
     }
     return all;
   }
-  rpc::KeysRequest req;
-  for (const auto& k : keys) req.add_keys(k);
-  rpc::ExistsReply reply;
-  auto ctx = impl_->Context(store::method::kExists);
-  grpc::Status gs = impl_->master->Exists(ctx.get(), req, &reply);
-  if (!gs.ok()) return store::FromGrpc(gs, "Exists");
-  if (reply.exists_size() != static_cast<int>(keys.size())) {
-    return Status::Protocol("Exists: reply has the wrong number of entries")
-        .WithOrigin(StatusOrigin::kMaster);
-  }
-  return std::vector<bool>(reply.exists().begin(), reply.exists().end());
+  return impl_->master->Exists(keys);
 }
 
 std::vector<Status> StoreClient::BatchRemove(std::span<const std::string> keys) {
@@ -1408,30 +1349,12 @@ std::vector<Status> StoreClient::BatchRemove(std::span<const std::string> keys) 
       return BatchRemove(keys.subspan(begin, count));
     });
   }
-  rpc::KeysRequest req;
-  for (const auto& k : keys) req.add_keys(k);
-  rpc::KeyStatusReply reply;
-  auto ctx = impl_->Context(store::method::kRemove);
-  grpc::Status gs = impl_->master->Remove(ctx.get(), req, &reply);
-  std::vector<Status> out(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) {
-    out[i] = (!gs.ok() || reply.statuses_size() != static_cast<int>(keys.size()))
-                 ? store::FromGrpc(gs, "Remove")
-                 : FromProto(reply.statuses(static_cast<int>(i)));
-  }
-  return out;
+  Result<std::vector<Status>> removed = impl_->master->Remove(keys);
+  if (!removed.ok()) return std::vector<Status>(keys.size(), removed.status());
+  return std::move(removed).value();
 }
 
-Status StoreClient::RemoveAll() {
-  rpc::Empty req;
-  rpc::Status reply;
-  auto ctx = impl_->Context(store::method::kRemoveAll);
-  store::RpcAuth::SignWith(ctx.get(), store::kAdminHeader, impl_->admin_key,
-                           store::method::kRemoveAll);
-  grpc::Status gs = impl_->master->RemoveAll(ctx.get(), req, &reply);
-  if (!gs.ok()) return store::FromGrpc(gs, "RemoveAll");
-  return FromProto(reply);
-}
+Status StoreClient::RemoveAll() { return impl_->master->RemoveAll(impl_->admin_key); }
 
 Status StoreClient::Put(std::string_view key, std::string_view value) {
   if (value.size() > kStagingBytes) {

@@ -35,7 +35,8 @@ struct KVBRIDGE_API StoreOptions {
   std::string master_address = "127.0.0.1:50051";
   // Replicas per object written by puts. KVBRIDGE_REPLICA_NUM.
   uint32_t replica_num = 1;
-  // Deadline of one control-plane call. KVBRIDGE_RPC_TIMEOUT_MS.
+  // Deadline of one control-plane call, its retries included (docs/store.md "Talking to the
+  // master"). KVBRIDGE_RPC_TIMEOUT_MS.
   uint32_t rpc_timeout_ms = 3000;
   // Deadline of the data transfers of one batch: a put's, and a get's over all its passes,
   // DRAM and SSD (each ReadSsd call's deadline is what is left of it).
@@ -156,7 +157,8 @@ struct KVBRIDGE_API NodeOptions {
   // Where the node's control service (kvbridge.rpc.Node) listens; port 0 picks one.
   // KVBRIDGE_NODE_RPC_LISTEN.
   std::string rpc_listen = "127.0.0.1:0";
-  // Deadline of one control-plane call. KVBRIDGE_RPC_TIMEOUT_MS.
+  // Deadline of one control-plane call, its retries included (docs/store.md "Talking to the
+  // master"). KVBRIDGE_RPC_TIMEOUT_MS.
   uint32_t rpc_timeout_ms = 3000;
   // Upper bound of Drain(). KVBRIDGE_DRAIN_TIMEOUT_MS.
   uint32_t drain_timeout_ms = 30000;
@@ -337,7 +339,8 @@ struct ClusterStatus {
 };
 
 // Asks a master for its view (what `kvbridge status` prints). `cluster_token`: the
-// cluster's, when it has one (KVBRIDGE_CLUSTER_TOKEN; else UNAUTHENTICATED).
+// cluster's, when it has one (KVBRIDGE_CLUSTER_TOKEN; else UNAUTHENTICATED). A master that is
+// unreachable (down, restarting) is asked again until timeout_ms has passed.
 KVBRIDGE_API Result<ClusterStatus> QueryClusterStatus(const std::string& master_address,
                                                       uint32_t timeout_ms = 3000,
                                                       const std::string& cluster_token = "");

@@ -1,0 +1,464 @@
+#include "store/master_client.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#include "util/logging.h"
+
+namespace kvbridge::store {
+
+namespace {
+
+using Clock = std::chrono::system_clock;
+
+rpc::NodeIdentity ToProto(const PeerId& id) {
+  rpc::NodeIdentity out;
+  out.set_node_id(id.node_id);
+  out.set_incarnation(id.incarnation);
+  return out;
+}
+
+PeerId FromProto(const rpc::NodeIdentity& id) { return PeerId{id.node_id(), id.incarnation()}; }
+
+std::shared_ptr<grpc::Channel> MasterChannel(const MasterClient::Options& o, const char* name) {
+  grpc::ChannelArguments args;
+  args.SetString("kvbridge.channel", name);  // distinct arguments: a connection of its own
+  // Only the waits between attempts are shortened. GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, which is
+  // also each connection attempt's timeout, stays at gRPC's 20 s: a handshake with a master
+  // on a loaded host can take longer than a short backoff.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
+              static_cast<int>(std::min(o.retry.max_reconnect_backoff_ms, 100u)));
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+              static_cast<int>(o.retry.max_reconnect_backoff_ms));
+  return NewChannel(o.address, args);
+}
+
+// The node's own answer to Describe at `rpc_address`, checked to be `expect`'s (STALE_PEER
+// otherwise, e.g. the node restarted) and to describe that node. Channels cached per address.
+Result<std::string> DescribeNode(const std::string& rpc_address, const RpcAuth& auth,
+                                 const PeerId& expect, uint32_t timeout_ms) {
+  if (rpc_address.empty()) {
+    return Status::PeerUnreachable("node " + expect.node_id + " published no control address");
+  }
+  static NodeStubCache stubs;
+  const std::shared_ptr<rpc::Node::Stub> stub = stubs.Get(rpc_address);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Clock::now() + std::chrono::milliseconds(timeout_ms));
+  auth.Sign(&ctx, method::kDescribe);
+  rpc::Empty req;
+  rpc::NodeDescriptor reply;
+  grpc::Status gs = stub->Describe(&ctx, req, &reply);
+  if (!gs.ok()) return FromGrpc(gs, "Describe", StatusOrigin::kStorageNode, rpc_address);
+  if (reply.node().node_id() != expect.node_id ||
+      reply.node().incarnation() != expect.incarnation) {
+    return Status::StalePeer(rpc_address + " is " + reply.node().node_id() + " incarnation " +
+                             std::to_string(reply.node().incarnation()) + ", not the expected " +
+                             expect.node_id + " incarnation " + std::to_string(expect.incarnation));
+  }
+  return reply.engine_descriptor();
+}
+
+}  // namespace
+
+MasterClient::MasterClient(Options options)
+    : options_(std::move(options)), auth_(options_.cluster_token, options_.auth_skew_ms) {
+  main_ = rpc::Master::NewStub(MasterChannel(options_, "master"));
+  if (options_.heartbeat_channel) {
+    heartbeat_ = rpc::Master::NewStub(MasterChannel(options_, "heartbeat"));
+  }
+}
+
+Status MasterClient::Failed(const grpc::Status& gs, std::string_view name) const {
+  return FromGrpc(gs, name, StatusOrigin::kMaster, options_.address);
+}
+
+Status MasterClient::Run(std::string_view name, std::string_view method, bool retryable,
+                         const std::function<grpc::Status(grpc::ClientContext*)>& attempt,
+                         const std::function<void(grpc::ClientContext*)>& sign,
+                         uint32_t extra_deadline_ms) {
+  const auto deadline =
+      Clock::now() +
+      std::chrono::milliseconds(uint64_t{options_.retry.rpc_timeout_ms} + extra_deadline_ms);
+  uint32_t backoff_ms = options_.retry.first_backoff_ms;
+  grpc::Status unavailable;  // the first UNAVAILABLE, once one was retried
+  for (int tries = 1;; ++tries) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(deadline);
+    // A retry waits for the channel to connect again, up to the deadline, rather than failing
+    // at once while it is down: the waiting call is what drives the reconnection (a blocking
+    // client polls its connections only while a call is in progress), so the call goes out as
+    // soon as the master is back instead of at gRPC's next background poll, 5 s later.
+    ctx.set_wait_for_ready(tries > 1);
+    auth_.Sign(&ctx, method);
+    if (sign) sign(&ctx);
+    attempts_.fetch_add(1, std::memory_order_relaxed);
+    const grpc::Status gs = attempt(&ctx);
+    if (gs.ok()) return Status::OK();
+    const bool retry = retryable && gs.error_code() == grpc::StatusCode::UNAVAILABLE &&
+                       Clock::now() + std::chrono::milliseconds(backoff_ms) < deadline;
+    if (!retry) {
+      // Still down at the deadline: say so (unreachable, and why), not only that it was late.
+      const bool down = tries > 1 && gs.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+      Status st = Failed(down ? unavailable : gs, name);
+      if (tries > 1) {
+        st = Status(st.code(), st.message() + " (" + std::to_string(tries) +
+                                   " attempts; the call's deadline is " +
+                                   std::to_string(options_.retry.rpc_timeout_ms) + " ms)")
+                 .WithOrigin(StatusOrigin::kMaster);
+      }
+      return st;
+    }
+    if (tries == 1) unavailable = gs;
+    std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
+    backoff_ms = std::min(2 * backoff_ms, options_.retry.max_backoff_ms);
+  }
+}
+
+struct MasterClient::PendingPutStart::State {
+  grpc::ClientContext ctx;
+  rpc::PutStartRequest req;
+  rpc::PutStartReply reply;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status gs;
+  const MasterClient* owner = nullptr;
+};
+
+MasterClient::PendingPutStart MasterClient::PutStart(std::span<const std::string> keys,
+                                                     std::span<const std::vector<uint64_t>> sizes,
+                                                     uint32_t replica_num,
+                                                     const std::string& client_node_id) {
+  PendingPutStart p;
+  auto s = std::make_shared<PendingPutStart::State>();
+  p.state_ = s;
+  s->owner = this;
+  s->req.set_replica_num(replica_num);
+  s->req.set_client_node_id(client_node_id);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    s->req.add_keys(keys[i]);
+    auto* sz = s->req.add_sizes();
+    for (uint64_t b : sizes[i]) sz->add_sizes(b);
+  }
+  s->ctx.set_deadline(Clock::now() + std::chrono::milliseconds(options_.retry.rpc_timeout_ms));
+  auth_.Sign(&s->ctx, method::kPutStart);
+  attempts_.fetch_add(1, std::memory_order_relaxed);
+  // The state lives until the callback ran, whether or not Wait() is called.
+  main_->async()->PutStart(&s->ctx, &s->req, &s->reply, [s](grpc::Status gs) {
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->gs = std::move(gs);
+    s->done = true;
+    s->cv.notify_one();
+  });
+  return p;
+}
+
+Result<rpc::PutStartReply> MasterClient::PendingPutStart::Wait() {
+  State& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mu);
+  s.cv.wait(lock, [&] { return s.done; });
+  if (!s.gs.ok() || s.reply.items_size() != s.req.keys_size()) {
+    return s.owner->Failed(s.gs, "PutStart");
+  }
+  return std::move(s.reply);
+}
+
+Result<std::vector<Status>> MasterClient::PutEnd(std::span<const PutEndItem> items) {
+  rpc::PutEndRequest req;
+  for (const PutEndItem& item : items) {
+    auto* e = req.add_items();
+    e->set_key(item.key);
+    e->set_version(item.version);
+    e->set_checksum(item.checksum);
+    for (bool ok : item.replica_ok) e->add_replica_ok(ok);
+  }
+  rpc::KeyStatusReply reply;
+  KVB_RETURN_IF_ERROR(Run("PutEnd", method::kPutEnd, false, [&](grpc::ClientContext* ctx) {
+    return main_->PutEnd(ctx, req, &reply);
+  }));
+  if (reply.statuses_size() != req.items_size()) return Failed(grpc::Status::OK, "PutEnd");
+  std::vector<Status> out;
+  out.reserve(items.size());
+  for (const auto& s : reply.statuses()) out.push_back(store::FromProto(s));
+  return out;
+}
+
+Result<rpc::GetReplicasReply> MasterClient::GetReplicas(std::span<const std::string> keys,
+                                                        const std::string& client_node_id,
+                                                        bool sizes_only) {
+  rpc::GetReplicasRequest req;
+  req.set_client_node_id(client_node_id);
+  req.set_sizes_only(sizes_only);
+  for (const auto& k : keys) req.add_keys(k);
+  rpc::GetReplicasReply reply;
+  KVB_RETURN_IF_ERROR(Run("GetReplicas", method::kGetReplicas, true, [&](grpc::ClientContext* ctx) {
+    reply.Clear();
+    return main_->GetReplicas(ctx, req, &reply);
+  }));
+  if (reply.items_size() != static_cast<int>(keys.size())) {
+    return Failed(grpc::Status::OK, "GetReplicas");
+  }
+  return reply;
+}
+
+Result<std::vector<bool>> MasterClient::Exists(std::span<const std::string> keys) {
+  rpc::KeysRequest req;
+  for (const auto& k : keys) req.add_keys(k);
+  rpc::ExistsReply reply;
+  KVB_RETURN_IF_ERROR(Run("Exists", method::kExists, true, [&](grpc::ClientContext* ctx) {
+    reply.Clear();
+    return main_->Exists(ctx, req, &reply);
+  }));
+  if (reply.exists_size() != static_cast<int>(keys.size())) {
+    return Status::Protocol("Exists: reply from the master " + options_.address +
+                            " has the wrong number of entries")
+        .WithOrigin(StatusOrigin::kMaster);
+  }
+  return std::vector<bool>(reply.exists().begin(), reply.exists().end());
+}
+
+Result<std::vector<Status>> MasterClient::Remove(std::span<const std::string> keys) {
+  rpc::KeysRequest req;
+  for (const auto& k : keys) req.add_keys(k);
+  rpc::KeyStatusReply reply;
+  KVB_RETURN_IF_ERROR(Run("Remove", method::kRemove, false, [&](grpc::ClientContext* ctx) {
+    return main_->Remove(ctx, req, &reply);
+  }));
+  if (reply.statuses_size() != static_cast<int>(keys.size())) {
+    return Failed(grpc::Status::OK, "Remove");
+  }
+  std::vector<Status> out;
+  out.reserve(keys.size());
+  for (const auto& s : reply.statuses()) out.push_back(store::FromProto(s));
+  return out;
+}
+
+Status MasterClient::RemoveAll(const CallKey& admin_key) {
+  rpc::Empty req;
+  rpc::Status reply;
+  KVB_RETURN_IF_ERROR(Run(
+      "RemoveAll", method::kRemoveAll, false,
+      [&](grpc::ClientContext* ctx) { return main_->RemoveAll(ctx, req, &reply); },
+      [&](grpc::ClientContext* ctx) {
+        RpcAuth::SignWith(ctx, kAdminHeader, admin_key, method::kRemoveAll);
+      }));
+  return store::FromProto(reply);
+}
+
+void MasterClient::ReportBadReplica(const BadReplica& bad) {
+  rpc::BadReplicaRequest req;
+  req.set_key(bad.key);
+  req.set_version(bad.version);
+  *req.mutable_node() = ToProto(bad.node);
+  req.set_segment_id(bad.segment_id);
+  req.set_offset(bad.offset);
+  req.set_node_unreachable(bad.node_unreachable);
+  rpc::Status ignored;
+  (void)Run("ReportBadReplica", method::kReportBadReplica, false,
+            [&](grpc::ClientContext* ctx) { return main_->ReportBadReplica(ctx, req, &ignored); });
+}
+
+Result<std::vector<NodeEntry>> MasterClient::NodeDescriptors(
+    std::span<const std::string> node_ids) {
+  rpc::NodeDescriptorsRequest req;
+  for (const auto& id : node_ids) req.add_node_ids(id);
+  rpc::NodeDescriptorsReply reply;
+  KVB_RETURN_IF_ERROR(
+      Run("GetNodeDescriptors", method::kGetNodeDescriptors, true, [&](grpc::ClientContext* ctx) {
+        reply.Clear();
+        return main_->GetNodeDescriptors(ctx, req, &reply);
+      }));
+  std::vector<NodeEntry> out;
+  out.reserve(reply.nodes_size());
+  for (auto& nd : *reply.mutable_nodes()) {
+    out.push_back({FromProto(nd.node()), std::move(*nd.mutable_engine_descriptor()),
+                   std::move(*nd.mutable_rpc_address())});
+  }
+  return out;
+}
+
+Result<ClusterStatus> MasterClient::Stats() {
+  rpc::Empty req;
+  rpc::StatsReply reply;
+  KVB_RETURN_IF_ERROR(Run("Stats", method::kStats, true, [&](grpc::ClientContext* ctx) {
+    reply.Clear();
+    return main_->Stats(ctx, req, &reply);
+  }));
+  ClusterStatus out;
+  for (const auto& n : reply.nodes()) {
+    NodeStatus ns;
+    ns.id = FromProto(n.node());
+    ns.state = n.state();
+    ns.capacity_bytes = n.capacity();
+    ns.used_bytes = n.used();
+    ns.replicas = n.replicas();
+    ns.ssd_capacity_bytes = n.ssd_capacity();
+    ns.ssd_used_bytes = n.ssd_used();
+    out.nodes.push_back(std::move(ns));
+  }
+  out.objects = reply.objects();
+  out.pending_puts = reply.pending();
+  out.stored_bytes = reply.bytes();
+  out.evictions_total = reply.evictions_total();
+  out.bad_replicas_total = reply.bad_replicas_total();
+  out.unreachable_reports_total = reply.unreachable_reports_total();
+  out.nodes_expired_total = reply.nodes_expired_total();
+  out.under_replicated = reply.under_replicated();
+  out.demotions_total = reply.demotions_total();
+  out.ssd_replicas = reply.ssd_replicas();
+  out.promotions_total = reply.promotions_total();
+  out.departed_copies = reply.departed_copies();
+  return out;
+}
+
+Result<rpc::RegisterNodeReply> MasterClient::Register(
+    const rpc::RegisterNodeRequest& head, const std::vector<rpc::InventoryRecord>& records,
+    bool on_heartbeat_channel) {
+  rpc::Master::Stub* stub = on_heartbeat_channel && heartbeat_ ? heartbeat_.get() : main_.get();
+  rpc::RegisterNodeReply reply;
+  // The master registers the node only once every record has arrived: a large inventory gets
+  // 1 ms more per 100 records (10 s per million) on top of the usual deadline.
+  const auto extra_ms = static_cast<uint32_t>(records.size() / 100);
+  Status st = Run(
+      "RegisterNode", method::kRegisterNodeStream, false,
+      [&](grpc::ClientContext* ctx) {
+        std::unique_ptr<grpc::ClientWriter<rpc::RegisterNodeRequest>> writer =
+            stub->RegisterNodeStream(ctx, &reply);
+        rpc::RegisterNodeRequest msg = head;
+        bool sent = false;
+        size_t bytes = 0;
+        for (const rpc::InventoryRecord& r : records) {
+          bytes += r.ByteSizeLong();
+          *msg.add_inventory() = r;
+          if (msg.inventory_size() >= static_cast<int>(kInventoryChunkRecords) ||
+              bytes >= kInventoryChunkBytes) {
+            if (!writer->Write(msg)) return writer->Finish();  // the stream broke: why
+            sent = true;
+            msg.Clear();
+            bytes = 0;
+          }
+        }
+        if ((!sent || msg.inventory_size() > 0) && !writer->Write(msg)) return writer->Finish();
+        writer->WritesDone();
+        return writer->Finish();
+      },
+      {}, extra_ms);
+  if (st.Is(StatusCode::kUnsupported)) {
+    // A master from before RegisterNodeStream: everything in one message (at most ~40 k
+    // records fit its 4 MiB limit).
+    rpc::RegisterNodeRequest req = head;
+    for (const auto& r : records) *req.add_inventory() = r;
+    reply.Clear();
+    st = Run("RegisterNode", method::kRegisterNode, false,
+             [&](grpc::ClientContext* ctx) { return stub->RegisterNode(ctx, req, &reply); });
+  }
+  if (!st.ok()) return st;
+  return reply;
+}
+
+Result<rpc::HeartbeatReply> MasterClient::Heartbeat(const PeerId& node, uint64_t frees_acked) {
+  rpc::HeartbeatRequest req;
+  *req.mutable_node() = ToProto(node);
+  req.set_frees_acked(frees_acked);
+  rpc::HeartbeatReply reply;
+  rpc::Master::Stub* stub = heartbeat_ ? heartbeat_.get() : main_.get();
+  KVB_RETURN_IF_ERROR(Run("Heartbeat", method::kHeartbeat, false, [&](grpc::ClientContext* ctx) {
+    return stub->Heartbeat(ctx, req, &reply);
+  }));
+  Status st = store::FromProto(reply.status());
+  if (!st.ok()) return st;
+  return reply;
+}
+
+Status MasterClient::TaskDone(const rpc::TaskDoneRequest& done, Status* answer) {
+  rpc::Status reply;
+  KVB_RETURN_IF_ERROR(Run("TaskDone", method::kTaskDone, false, [&](grpc::ClientContext* ctx) {
+    return main_->TaskDone(ctx, done, &reply);
+  }));
+  *answer = store::FromProto(reply);
+  return Status::OK();
+}
+
+Status MasterClient::DemoteDone(const rpc::DemoteDoneRequest& done, Status* answer) {
+  rpc::Status reply;
+  KVB_RETURN_IF_ERROR(Run("DemoteDone", method::kDemoteDone, false, [&](grpc::ClientContext* ctx) {
+    return main_->DemoteDone(ctx, done, &reply);
+  }));
+  *answer = store::FromProto(reply);
+  return Status::OK();
+}
+
+Status MasterClient::Drain(const PeerId& node, const CallKey& node_key) {
+  const rpc::NodeIdentity id = ToProto(node);
+  rpc::Status reply;
+  KVB_RETURN_IF_ERROR(Run(
+      "Drain", method::kDrain, false,
+      [&](grpc::ClientContext* ctx) { return main_->Drain(ctx, id, &reply); },
+      [&](grpc::ClientContext* ctx) {
+        RpcAuth::SignWith(ctx, kNodeHeader, node_key, method::kDrain);
+      }));
+  Status st = store::FromProto(reply);
+  return st.ok() ? st : st.WithContext("Drain");
+}
+
+Status MasterClient::Deregister(const PeerId& node, const CallKey& node_key) {
+  const rpc::NodeIdentity id = ToProto(node);
+  rpc::Status reply;
+  KVB_RETURN_IF_ERROR(Run(
+      "Deregister", method::kDeregister, false,
+      [&](grpc::ClientContext* ctx) { return main_->Deregister(ctx, id, &reply); },
+      [&](grpc::ClientContext* ctx) {
+        RpcAuth::SignWith(ctx, kNodeHeader, node_key, method::kDeregister);
+      }));
+  return store::FromProto(reply);
+}
+
+bool PeerDirectory::BackingOff(const PeerId& node) const {
+  return backoff_.WaitMs(ToProto(node)) != 0;
+}
+
+Result<std::string> PeerDirectory::Descriptor(const NodeEntry& listed) {
+  if (!direct_) return listed.engine_descriptor;
+  const rpc::NodeIdentity node = ToProto(listed.id);
+  if (const uint64_t wait = backoff_.WaitMs(node); wait != 0) {
+    return Status::PeerUnreachable("node " + listed.id.node_id +
+                                   " did not answer Describe recently; not asked again for " +
+                                   std::to_string(wait) + " ms");
+  }
+  Result<std::string> d =
+      DescribeNode(listed.rpc_address, master_->auth(), listed.id, master_->rpc_timeout_ms());
+  if (d.ok()) {
+    backoff_.Succeeded(node);
+  } else {
+    const uint32_t ms = backoff_.Failed(node);
+    KVB_LOG(WARN) << "cannot reach storage node " << listed.id.node_id
+                  << " directly: " << d.status().ToString() << "; not asked again for " << ms
+                  << " ms";
+  }
+  return d;
+}
+
+Result<std::vector<NodeEntry>> PeerDirectory::Lookup(std::span<const PeerId> nodes) {
+  std::vector<std::string> ids;
+  for (const PeerId& n : nodes) {
+    if (!BackingOff(n)) ids.push_back(n.node_id);  // its keys use other replicas meanwhile
+  }
+  if (ids.empty()) return std::vector<NodeEntry>{};
+  Result<std::vector<NodeEntry>> listed = master_->NodeDescriptors(ids);
+  if (!listed.ok()) return listed.status();
+  std::vector<NodeEntry> out;
+  out.reserve(listed->size());
+  for (NodeEntry& e : *listed) {
+    Result<std::string> d = Descriptor(e);
+    if (!d.ok()) continue;  // logged; skipped until the backoff passes
+    e.engine_descriptor = std::move(d).value();
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+}  // namespace kvbridge::store

@@ -1,0 +1,178 @@
+// MasterClient: a process's one way to call the master (kvbridge.rpc.Master), used by the store
+// client and the storage node. It owns the channels to the master (the main one and, for a
+// node, a heartbeat channel of its own), the cluster-token proof each call carries, the
+// per-call deadline and the retry policy, and the conversion between the generated messages
+// and kvbridge types; every failure names the RPC and the master's address, with the master as
+// its origin(). PeerDirectory, on top of it, is the one way to learn a storage node's engine
+// descriptor (from the master's directory, or from the node itself in "direct" discovery).
+// Internal to the store (csrc/store); both classes are thread-safe.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvbridge.grpc.pb.h"
+#include "kvbridge/engine.h"
+#include "kvbridge/status.h"
+#include "kvbridge/store.h"
+#include "store/master_state.h"  // the store's domain types (PutEndItem)
+#include "store/rpc_auth.h"
+#include "store/rpc_util.h"
+
+namespace kvbridge::store {
+
+// Retries of calls to the master, one policy for every caller. A call the policy marks
+// retryable (idempotent reads: GetReplicas, Exists, GetNodeDescriptors, Stats) that fails with
+// UNAVAILABLE (master down, restarting, connection lost) is sent again after first_backoff_ms
+// (doubling to max_backoff_ms), each retry waiting for the channel to reconnect, until its
+// total deadline: rpc_timeout_ms from the first attempt, the same bound a single attempt has.
+// A master still down then is PEER_UNREACHABLE with the first attempt's reason. Every other
+// code (a deadline, UNAUTHENTICATED, a refusal) ends the call at once. Calls that change state,
+// or that their caller repeats itself (Heartbeat; TaskDone and DemoteDone have their own
+// queue), are sent once and fail at once while the master is unreachable.
+struct MasterRetryPolicy {
+  uint32_t rpc_timeout_ms = 3000;  // total deadline of one call, all attempts together
+  uint32_t first_backoff_ms = 50;
+  uint32_t max_backoff_ms = 500;
+  // The channels' reconnection backoff (gRPC's default grows to 120 s): a master restarted on
+  // its address is reached again within about this much.
+  uint32_t max_reconnect_backoff_ms = 1000;
+};
+
+// A storage node as the master's directory lists it.
+struct NodeEntry {
+  PeerId id;
+  std::string engine_descriptor;
+  std::string rpc_address;  // its kvbridge.rpc.Node service
+};
+
+// A replica (or a node's copy) that failed its reader.
+struct BadReplica {
+  std::string key;
+  uint64_t version = 0;
+  PeerId node;
+  uint64_t segment_id = 0;
+  uint64_t offset = 0;
+  bool node_unreachable = false;  // the node as a whole failed the reader
+};
+
+class MasterClient {
+ public:
+  struct Options {
+    std::string address;  // the master's "host:port"
+    std::string cluster_token;
+    uint32_t auth_skew_ms = kDefaultAuthSkewMs;
+    MasterRetryPolicy retry;
+    // A second channel for Heartbeat (a storage node): a slow or stuck call on the main
+    // channel can never hold a heartbeat up behind it on one connection.
+    bool heartbeat_channel = false;
+  };
+  explicit MasterClient(Options options);
+
+  const std::string& address() const { return options_.address; }
+  const RpcAuth& auth() const { return auth_; }
+  uint32_t rpc_timeout_ms() const { return options_.retry.rpc_timeout_ms; }
+  // Attempts sent so far, every call and retry counted (tests check what was retried).
+  uint64_t attempts() const { return attempts_.load(std::memory_order_relaxed); }
+
+  // --- store client ---
+  // PutStart for keys whose buffers have these sizes, sent at once; Wait() gives the reply
+  // (one item per key; PROTOCOL error otherwise). Not retried.
+  class PendingPutStart {
+   public:
+    Result<rpc::PutStartReply> Wait();
+
+   private:
+    friend class MasterClient;
+    struct State;
+    std::shared_ptr<State> state_;
+  };
+  PendingPutStart PutStart(std::span<const std::string> keys,
+                           std::span<const std::vector<uint64_t>> sizes, uint32_t replica_num,
+                           const std::string& client_node_id);
+  // One status per item, in order. Not retried.
+  Result<std::vector<Status>> PutEnd(std::span<const PutEndItem> items);
+  // The master's replicas (and sizes, read leases) of each key, one item per key. Retried.
+  Result<rpc::GetReplicasReply> GetReplicas(std::span<const std::string> keys,
+                                            const std::string& client_node_id, bool sizes_only);
+  Result<std::vector<bool>> Exists(std::span<const std::string> keys);  // retried
+  Result<std::vector<Status>> Remove(std::span<const std::string> keys);
+  // Signed with `admin_key` too (StoreOptions::admin_token).
+  Status RemoveAll(const CallKey& admin_key);
+  // Best effort: the answer, or its absence, is ignored.
+  void ReportBadReplica(const BadReplica& bad);
+  // The directory's entries of these nodes (all live nodes for none). Retried.
+  Result<std::vector<NodeEntry>> NodeDescriptors(std::span<const std::string> node_ids);
+  Result<ClusterStatus> Stats();  // retried
+
+  // --- storage node ---
+  // One RegisterNodeStream call: `head`, then `records` in chunks (kInventoryChunkRecords /
+  // kInventoryChunkBytes), with 1 ms more deadline per 100 records; a master without the
+  // stream gets one RegisterNode. OK: the master's reply, whose status the caller checks.
+  // `on_heartbeat_channel`: a registration again from the heartbeat thread, which must not
+  // wait behind the main channel's calls.
+  Result<rpc::RegisterNodeReply> Register(const rpc::RegisterNodeRequest& head,
+                                          const std::vector<rpc::InventoryRecord>& records,
+                                          bool on_heartbeat_channel = false);
+  // On the heartbeat channel. The reply's status is the call's status.
+  Result<rpc::HeartbeatReply> Heartbeat(const PeerId& node, uint64_t frees_acked);
+  // The call's failure (the master may or may not have the report); on OK, *answer is the
+  // master's answer.
+  Status TaskDone(const rpc::TaskDoneRequest& done, Status* answer);
+  Status DemoteDone(const rpc::DemoteDoneRequest& done, Status* answer);
+  // Signed with `node_key` too (this registration's secret). The master's answer included.
+  Status Drain(const PeerId& node, const CallKey& node_key);
+  Status Deregister(const PeerId& node, const CallKey& node_key);
+
+ private:
+  // Runs `attempt(ctx)` under the policy: one context per attempt with the proof of `method`,
+  // `sign` (extra proofs) and the deadline left; retried if `retryable`. The failure as a
+  // Status naming `name` and the master's address.
+  Status Run(std::string_view name, std::string_view method, bool retryable,
+             const std::function<grpc::Status(grpc::ClientContext*)>& attempt,
+             const std::function<void(grpc::ClientContext*)>& sign = {},
+             uint32_t extra_deadline_ms = 0);
+  Status Failed(const grpc::Status& gs, std::string_view name) const;
+
+  const Options options_;
+  RpcAuth auth_;
+  std::unique_ptr<rpc::Master::Stub> main_;
+  std::unique_ptr<rpc::Master::Stub> heartbeat_;  // main_ when there is no heartbeat channel
+  std::atomic<uint64_t> attempts_{0};
+};
+
+// Where the engine descriptor of a storage node comes from (StoreOptions::peer_discovery,
+// NodeOptions::peer_discovery): "master", the master's directory entry (GetNodeDescriptors, or
+// the copy a replication task carries); "direct", the node's own answer to Describe, checked to
+// be the incarnation the master named. A node whose Describe failed is not asked again until a
+// backoff has passed (DescribeBackoff).
+class PeerDirectory {
+ public:
+  PeerDirectory(MasterClient* master, std::string peer_discovery)
+      : master_(master), direct_(peer_discovery == "direct") {}
+
+  // The entries of these node incarnations, with the descriptor to use; nodes backing off
+  // are left out (their keys use other replicas), as are nodes whose Describe failed (logged).
+  // A failed GetNodeDescriptors is the status.
+  Result<std::vector<NodeEntry>> Lookup(std::span<const PeerId> nodes);
+  // The descriptor to use for `listed` (an entry the master handed out, e.g. in a task).
+  Result<std::string> Descriptor(const NodeEntry& listed);
+  // Whether this incarnation is backing off after a failed Describe.
+  bool BackingOff(const PeerId& node) const;
+
+ private:
+  MasterClient* master_;
+  const bool direct_;
+  DescribeBackoff backoff_;
+};
+
+}  // namespace kvbridge::store
