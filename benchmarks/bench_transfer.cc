@@ -42,8 +42,8 @@ namespace {
 struct Args {
   std::string role = "initiator";
   bool quick = false;
-  int threads = 4;       // submitter threads (and raw-baseline connections)
-  int batch = 8;         // ops per batch
+  int threads = 4;  // submitter threads (and raw-baseline connections)
+  int batch = 8;    // ops per batch
   // Batches each submitter keeps in flight (Submit, then Wait for the oldest once `window` are
   // out): 1 is Transfer() one batch at a time; more keeps the wire busy between batches the way
   // an engine submitting per layer does, and as ucx_perftest keeps a window of puts.
@@ -381,9 +381,8 @@ int RunInitiator(const Args& a, const char* self_exe) {
                   << " us";
         if (!a.no_raw) std::cerr << " (raw " << r.gbps << " GB/s, p50 " << r.p50_us() << " us)";
         std::cerr << "\n";
-        rows.push_back(
-            {mode.name, name, block, mode.threads, mode.batch, mode.window, std::move(e),
-             std::move(r)});
+        rows.push_back({mode.name, name, block, mode.threads, mode.batch, mode.window, std::move(e),
+                        std::move(r)});
       }
     }
   }

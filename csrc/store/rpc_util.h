@@ -22,7 +22,6 @@
 
 namespace kvbridge::store {
 
-
 inline Status FromProto(const rpc::Status& s) { return Status::FromAbi(s.code(), s.message()); }
 
 inline void ToProto(const Status& s, rpc::Status* out) {

@@ -126,7 +126,8 @@ sdk::Result<RequestHandle*> Node::Post(Peer* peer, uint32_t opcode, uint64_t loc
 Outcome Node::Wait(RequestHandle* req, int wait_ms) {
   Outcome out;
   const auto start = std::chrono::steady_clock::now();
-  out.op_status.assign(req->req->ops.size(), KVB_IN_PROGRESS);
+  const RequestState& state = *req->req;  // the request's own op list (no ops table)
+  out.op_status.assign(state.ops.size(), KVB_IN_PROGRESS);
   for (;;) {
     const sdk::Status st = t_->Poll(req, out.op_status);
     out.ms =
