@@ -14,6 +14,8 @@
 #include <cstring>
 #include <vector>
 
+#include "socket_io.h"
+
 namespace kvbridge::nccl {
 namespace {
 
@@ -54,22 +56,10 @@ sdk::Status Bad(const std::string& what) {
   return sdk::Status(KVB_ERR_PROTOCOL, "nccl: malformed control frame: " + what);
 }
 
-// Waits until fd is ready for `events` or the deadline passes.
+constexpr std::string_view kControl = "nccl: control connection";
+
 sdk::Status WaitFd(int fd, short events, uint64_t deadline_ns, const sdk::Host& host) {
-  for (;;) {
-    const uint64_t now = host.NowNs();
-    if (now >= deadline_ns) {
-      return sdk::Status(KVB_ERR_PEER_UNREACHABLE, "nccl: control connection timed out");
-    }
-    pollfd p{fd, events, 0};
-    const int ms = static_cast<int>(std::min<uint64_t>((deadline_ns - now) / 1000000 + 1, 1000));
-    const int r = poll(&p, 1, ms);
-    if (r > 0) return sdk::Status();
-    if (r < 0 && errno != EINTR) {
-      return sdk::Status(KVB_ERR_PEER_UNREACHABLE,
-                         std::string("nccl: poll on the control connection: ") + strerror(errno));
-    }
-  }
+  return plugin::WaitFd(host, fd, events, deadline_ns, kControl);
 }
 
 }  // namespace
@@ -240,44 +230,11 @@ sdk::Result<int> ConnectTo(const ControlAddress& a, uint64_t deadline_ns, const 
 
 sdk::Status SendAll(int fd, const void* data, size_t len, uint64_t deadline_ns,
                     const sdk::Host& host) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (len > 0) {
-    const ssize_t w = send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w > 0) {
-      p += w;
-      len -= static_cast<size_t>(w);
-      continue;
-    }
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      if (sdk::Status st = WaitFd(fd, POLLOUT, deadline_ns, host); !st.ok()) return st;
-      continue;
-    }
-    return sdk::Status(KVB_ERR_PEER_UNREACHABLE,
-                       std::string("nccl: control connection send: ") + strerror(errno));
-  }
-  return sdk::Status();
+  return plugin::SendAll(host, fd, data, len, deadline_ns, kControl);
 }
 
 sdk::Status RecvAll(int fd, void* data, size_t len, uint64_t deadline_ns, const sdk::Host& host) {
-  auto* p = static_cast<uint8_t*>(data);
-  while (len > 0) {
-    const ssize_t r = recv(fd, p, len, MSG_DONTWAIT);
-    if (r > 0) {
-      p += r;
-      len -= static_cast<size_t>(r);
-      continue;
-    }
-    if (r == 0) return sdk::Status(KVB_ERR_PEER_UNREACHABLE, "nccl: control connection closed");
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      if (sdk::Status st = WaitFd(fd, POLLIN, deadline_ns, host); !st.ok()) return st;
-      continue;
-    }
-    return sdk::Status(KVB_ERR_PEER_UNREACHABLE,
-                       std::string("nccl: control connection recv: ") + strerror(errno));
-  }
-  return sdk::Status();
+  return plugin::RecvAll(host, fd, data, len, deadline_ns, kControl);
 }
 
 sdk::Result<sdk::AuthSession::Identity> Handshake(const sdk::Host& host, int fd, int32_t role,
@@ -285,32 +242,10 @@ sdk::Result<sdk::AuthSession::Identity> Handshake(const sdk::Host& host, int fd,
                                                   uint64_t deadline_ns) {
   auto session = host.BeginAuth(role, node_id, incarnation);
   if (!session.ok()) return session.status();
-  std::vector<uint8_t> in, out;
-  bool receive = role != KVB_AUTH_CLIENT;
-  for (;;) {
-    in.clear();
-    if (receive) {
-      for (;;) {
-        auto need = session->Need(in);
-        if (!need.ok()) return need.status();
-        if (*need <= in.size()) break;
-        const size_t have = in.size();
-        in.resize(*need);
-        if (sdk::Status st = RecvAll(fd, in.data() + have, *need - have, deadline_ns, host);
-            !st.ok()) {
-          return st;
-        }
-      }
-    }
-    receive = true;
-    const sdk::Status st = session->Step(in, &out);
-    if (!out.empty()) {
-      const sdk::Status sent = SendAll(fd, out.data(), out.size(), deadline_ns, host);
-      if (!sent.ok() && (st.ok() || st.code() == KVB_IN_PROGRESS)) return sent;
-    }
-    if (st.ok()) return session->Peer();
-    if (st.code() != KVB_IN_PROGRESS) return st;
-  }
+  const sdk::Status st =
+      plugin::CarryHandshake(host, fd, *session, role == KVB_AUTH_CLIENT, deadline_ns, kControl);
+  if (!st.ok()) return st;
+  return session->Peer();
 }
 
 }  // namespace kvbridge::nccl

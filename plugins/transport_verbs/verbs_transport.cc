@@ -16,6 +16,9 @@
 #include <cinttypes>
 #include <cstring>
 #include <random>
+#include <string_view>
+
+#include "socket_io.h"
 
 namespace kvbridge::verbs {
 
@@ -143,108 +146,24 @@ std::string Who(const std::string& node, uint64_t inc) {
   return node + " incarnation " + std::to_string(inc);
 }
 
-// Waits until fd is ready for `events` or the deadline (host clock) passes.
+// The side channel's socket I/O and handshake (plugins/common/socket_io.h), labelled.
+constexpr std::string_view kSideChannel = "side channel";
+
 bool WaitFd(const sdk::Host& h, int fd, short events, uint64_t deadline_ns) {
-  while (true) {
-    const uint64_t now = h.NowNs();
-    if (now >= deadline_ns) return false;
-    const int ms = static_cast<int>(std::min<uint64_t>((deadline_ns - now) / kMsNs + 1, 1000));
-    pollfd p{fd, events, 0};
-    const int r = poll(&p, 1, ms);
-    if (r > 0) return true;
-    if (r < 0 && errno != EINTR) return false;
-  }
+  return plugin::WaitFd(h, fd, events, deadline_ns, kSideChannel).ok();
 }
 
 sdk::Status SendAll(const sdk::Host& h, int fd, const uint8_t* p, size_t len, uint64_t deadline) {
-  while (len > 0) {
-    const ssize_t w = send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w > 0) {
-      p += w;
-      len -= static_cast<size_t>(w);
-      continue;
-    }
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      if (!WaitFd(h, fd, POLLOUT, deadline)) {
-        return sdk::Status(KVB_ERR_PEER_UNREACHABLE, "side channel: send timed out");
-      }
-      continue;
-    }
-    return sdk::Status(KVB_ERR_PEER_UNREACHABLE,
-                       std::string("side channel: send: ") + std::strerror(errno));
-  }
-  return {};
+  return plugin::SendAll(h, fd, p, len, deadline, kSideChannel);
 }
 
 sdk::Status RecvAll(const sdk::Host& h, int fd, uint8_t* p, size_t len, uint64_t deadline) {
-  while (len > 0) {
-    const ssize_t r = recv(fd, p, len, MSG_DONTWAIT);
-    if (r > 0) {
-      p += r;
-      len -= static_cast<size_t>(r);
-      continue;
-    }
-    if (r == 0) return sdk::Status(KVB_ERR_PEER_UNREACHABLE, "side channel: closed by the peer");
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      if (!WaitFd(h, fd, POLLIN, deadline)) {
-        return sdk::Status(KVB_ERR_PEER_UNREACHABLE, "side channel: receive timed out");
-      }
-      continue;
-    }
-    return sdk::Status(KVB_ERR_PEER_UNREACHABLE,
-                       std::string("side channel: recv: ") + std::strerror(errno));
-  }
-  return {};
+  return plugin::RecvAll(h, fd, p, len, deadline, kSideChannel);
 }
 
-// Receives between 1 and len bytes, waiting for the first until the deadline.
-sdk::Result<size_t> RecvSome(const sdk::Host& h, int fd, uint8_t* p, size_t len,
-                             uint64_t deadline) {
-  while (true) {
-    const ssize_t r = recv(fd, p, len, MSG_DONTWAIT);
-    if (r > 0) return static_cast<size_t>(r);
-    if (r == 0) return sdk::Status(KVB_ERR_PEER_UNREACHABLE, "side channel: closed by the peer");
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) {
-      return sdk::Status(KVB_ERR_PEER_UNREACHABLE,
-                         std::string("side channel: recv: ") + std::strerror(errno));
-    }
-    if (!WaitFd(h, fd, POLLIN, deadline)) {
-      return sdk::Status(KVB_ERR_PEER_UNREACHABLE, "side channel: receive timed out");
-    }
-  }
-}
-
-// Carries the host's handshake messages over the socket (client steps first, with no input).
 sdk::Status RunAuth(const sdk::Host& h, int fd, sdk::AuthSession& a, bool client,
                     uint64_t deadline) {
-  std::vector<uint8_t> in, out;
-  bool receive = !client;
-  while (true) {
-    if (receive) {
-      // Asks again after every partial read, so a bad magic is refused on its first bytes.
-      in.clear();
-      auto need = a.Need(sdk::Bytes(in));
-      while (need.ok() && *need > in.size()) {
-        const size_t have = in.size();
-        in.resize(*need);
-        auto got = RecvSome(h, fd, in.data() + have, *need - have, deadline);
-        if (!got.ok()) return got.status();
-        in.resize(have + *got);
-        need = a.Need(sdk::Bytes(in));
-      }
-      if (!need.ok()) return need.status();
-    }
-    const sdk::Status st = a.Step(receive ? sdk::Bytes(in) : sdk::Bytes(), &out);
-    receive = true;
-    if (!out.empty()) {
-      const sdk::Status sent = SendAll(h, fd, out.data(), out.size(), deadline);
-      if (!sent.ok() && (st.ok() || st.code() == KVB_IN_PROGRESS)) return sent;
-    }
-    if (st.code() != KVB_IN_PROGRESS) return st;
-  }
+  return plugin::CarryHandshake(h, fd, a, client, deadline, kSideChannel);
 }
 
 sdk::Status SendFrame(const sdk::Host& h, int fd, const Frame& f, uint64_t deadline) {
