@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The project's Markdown pages stand on their own: a page never repeats a top-level (#, ##)
-section (a merge or an edit that pasted a page into itself), never cites a path outside the
+section (a merge or an edit that pasted a page into itself), never links outside the
 repository, and every relative link points at a file that exists. Run by `make lint` over
 README.md, docs/ and every README under the tree; prints each problem as path:line: what, and
 exits 1 if there was any.
@@ -39,8 +39,6 @@ def check(path):
                 problems.append(f"{path}:{n}: heading {line!r} repeats line {seen[line]}")
             else:
                 seen[line] = n
-        if "../shared" in line:
-            problems.append(f"{path}:{n}: cites ../shared, which is not part of the repository")
         for target in LINK.findall(line):
             if re.match(r"^[a-z]+:", target) or target.startswith("#"):
                 continue

@@ -17,11 +17,15 @@
 #include <thread>
 #include <vector>
 
+#include "tests/common/raw_socket.h"
 #include "tests/nccl/fake_nccl.h"
 #include "tests/nccl/nccl_test_util.h"
 
 namespace kvbridge::nccl::test {
 namespace {
+
+using kvbridge::testing::ClosedWithin;
+using kvbridge::testing::ConnectLoopback;
 
 constexpr size_t kBytes = 1 << 16;
 
@@ -637,33 +641,6 @@ TEST_F(NcclAuth, WrongOrMissingTokenIsUnauthenticated) {
   EXPECT_TRUE(b_->LogContains("refused control connection")) << b_->Logs();
   // The right token still works.
   EXPECT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
-}
-
-int ConnectLoopback(uint16_t port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons(port);
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-// True when the peer closed fd within ms (reads and drops anything it sent first).
-bool ClosedWithin(int fd, int ms) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
-  char buf[256];
-  while (std::chrono::steady_clock::now() < until) {
-    pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, 50) > 0) {
-      const ssize_t n = recv(fd, buf, sizeof(buf), 0);
-      if (n <= 0) return true;
-    }
-  }
-  return false;
 }
 
 TEST_F(NcclAuth, MalformedFramesCloseTheConnectionAndTheListenerGoesOn) {

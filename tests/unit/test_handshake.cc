@@ -17,6 +17,7 @@
 #include "core/descriptor.h"
 #include "kvbridge/engine.h"
 #include "kvbridge/plugin/transport.h"
+#include "tests/common/raw_socket.h"
 #include "tests/common/test_util.h"
 #include "util/checksum.h"
 
@@ -35,18 +36,7 @@ std::unique_ptr<TransferEngine> WithHandshake(const std::string& node, const std
 }
 
 // A raw client connected to 127.0.0.1:port (-1 if it cannot connect).
-int Connect(uint16_t port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
+int Connect(uint16_t port) { return testing::ConnectLoopback(port); }
 
 uint16_t PortOf(const std::string& host_port) {
   return static_cast<uint16_t>(std::stoi(host_port.substr(host_port.rfind(':') + 1)));

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "core/host_services.h"
+#include "tests/common/raw_socket.h"
 #include "tests/verbs/loopback_fabric.h"
 #include "verbs_transport.h"
 #include "verbs_wire.h"
@@ -623,49 +624,23 @@ TEST_F(VerbsTransportTest, AWrongOrMissingClusterTokenIsUnauthenticatedAndMovesN
   EXPECT_EQ(remote, src);
 }
 
-int Dial(uint16_t port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons(port);
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-// True when the server closes the connection within 5 s (reads drain whatever it sent).
-bool ClosedByServer(int fd) {
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  char buf[2048];
-  while (std::chrono::steady_clock::now() < give_up) {
-    pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, 100) <= 0) continue;
-    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) return true;
-  }
-  return false;
-}
-
 TEST_F(VerbsTransportTest, MalformedSideChannelInputClosesThatConnectionAndTheListenerGoesOn) {
   auto a = Make({"node-a", 11, {"a0"}});
   auto b = Make({"node-b", 22, {"b0"}});
   ASSERT_TRUE(a && b);
 
   // Garbage instead of a handshake.
-  int fd = Dial(b->t->cm_port());
+  int fd = kvbridge::testing::ConnectLoopback(b->t->cm_port());
   ASSERT_GE(fd, 0);
   const char junk[] = "GET / HTTP/1.1\r\n\r\n";
   ASSERT_GT(send(fd, junk, sizeof(junk), 0), 0);
-  EXPECT_TRUE(ClosedByServer(fd));
+  EXPECT_TRUE(kvbridge::testing::ClosedWithin(fd, 5000));
   close(fd);
 
   // A proper handshake, then a frame of an unknown type.
   core::HostServices mallory_host({}, core::auth::Identity{"mallory", 5, ""});
   const sdk::Host mallory(mallory_host.table(), "verbs");
-  fd = Dial(b->t->cm_port());
+  fd = kvbridge::testing::ConnectLoopback(b->t->cm_port());
   ASSERT_GE(fd, 0);
   auto auth = mallory.BeginAuth(KVB_AUTH_CLIENT, "node-b", 22);
   ASSERT_TRUE(auth.ok());
@@ -688,7 +663,7 @@ TEST_F(VerbsTransportTest, MalformedSideChannelInputClosesThatConnectionAndTheLi
   if (!out.empty()) send(fd, out.data(), out.size(), 0);
   const uint8_t bad_frame[] = {2, 0, 0, 0, 7, 1};
   ASSERT_EQ(send(fd, bad_frame, sizeof(bad_frame), 0), static_cast<ssize_t>(sizeof(bad_frame)));
-  EXPECT_TRUE(ClosedByServer(fd));
+  EXPECT_TRUE(kvbridge::testing::ClosedWithin(fd, 5000));
   close(fd);
 
   EXPECT_TRUE(b->Logged("malformed handshake message")) << b->AllLogs();
@@ -716,7 +691,7 @@ TEST_F(VerbsTransportTest, ASilentSideChannelClientDelaysNoOtherAndExchangesAreB
   std::vector<uint8_t> src(4096, 8), remote(4096, 0);
   Register(*a, 1, src.data(), src.size());
   Register(*b, 9, remote.data(), remote.size());
-  const int silent = Dial(b->t->cm_port());
+  const int silent = kvbridge::testing::ConnectLoopback(b->t->cm_port());
   ASSERT_GE(silent, 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   Peer* peer = AddPeer(*a, *b);
@@ -732,7 +707,7 @@ TEST_F(VerbsTransportTest, ASilentSideChannelClientDelaysNoOtherAndExchangesAreB
   auto c = Make({"node-c", 33, {"c0"}, "", {{"verbs.max_handshakes", "1"}}});
   ASSERT_TRUE(c);
   Register(*c, 9, remote.data(), remote.size());
-  const int hog = Dial(c->t->cm_port());
+  const int hog = kvbridge::testing::ConnectLoopback(c->t->cm_port());
   ASSERT_GE(hog, 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   Peer* to_c = AddPeer(*a, *c);
