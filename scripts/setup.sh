@@ -13,6 +13,7 @@ PACKAGES=(
   clang-format
   libucx-dev ucx-utils
   libibverbs-dev librdmacm-dev
+  etcd-server libcivetweb-dev
 )
 
 missing=()
