@@ -7,6 +7,7 @@
 #include <thread>
 #include <utility>
 
+#include "store/master_ha.h"
 #include "util/logging.h"
 
 namespace kvbridge::store {
@@ -14,6 +15,9 @@ namespace kvbridge::store {
 namespace {
 
 using Clock = std::chrono::system_clock;
+
+// How long a retried call waits for the leader's channel before asking etcd again.
+constexpr uint32_t kLeaderAttemptMs = 1000;
 
 rpc::NodeIdentity ToProto(const PeerId& id) {
   rpc::NodeIdentity out;
@@ -24,7 +28,8 @@ rpc::NodeIdentity ToProto(const PeerId& id) {
 
 PeerId FromProto(const rpc::NodeIdentity& id) { return PeerId{id.node_id(), id.incarnation()}; }
 
-std::shared_ptr<grpc::Channel> MasterChannel(const MasterClient::Options& o, const char* name) {
+std::shared_ptr<grpc::Channel> MasterChannel(const MasterClient::Options& o,
+                                             const std::string& address, const char* name) {
   grpc::ChannelArguments args;
   args.SetString("kvbridge.channel", name);  // distinct arguments: a connection of its own
   // Only the waits between attempts are shortened. GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, which is
@@ -34,7 +39,7 @@ std::shared_ptr<grpc::Channel> MasterChannel(const MasterClient::Options& o, con
               static_cast<int>(std::min(o.retry.max_reconnect_backoff_ms, 100u)));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
               static_cast<int>(o.retry.max_reconnect_backoff_ms));
-  return NewChannel(o.address, args);
+  return NewChannel(address, args);
 }
 
 // The node's own answer to Describe at `rpc_address`, checked to be `expect`'s (STALE_PEER
@@ -66,28 +71,99 @@ Result<std::string> DescribeNode(const std::string& rpc_address, const RpcAuth& 
 
 MasterClient::MasterClient(Options options)
     : options_(std::move(options)), auth_(options_.cluster_token, options_.auth_skew_ms) {
-  main_ = rpc::Master::NewStub(MasterChannel(options_, "master"));
-  if (options_.heartbeat_channel) {
-    heartbeat_ = rpc::Master::NewStub(MasterChannel(options_, "heartbeat"));
+  if (IsEtcdAddress(options_.address)) {
+    auto etcd = ParseEtcdAddress(options_.address);
+    if (etcd.ok()) {
+      resolver_ = std::make_unique<LeaderResolver>(
+          std::move(etcd).value(), std::min<uint32_t>(1000, options_.retry.rpc_timeout_ms));
+    } else {
+      bad_address_ = etcd.status();
+    }
+    return;
   }
+  fixed_ = Connect(options_.address);
 }
 
-Status MasterClient::Failed(const grpc::Status& gs, std::string_view name) const {
-  return FromGrpc(gs, name, StatusOrigin::kMaster, options_.address);
+std::shared_ptr<const MasterClient::Channels> MasterClient::Connect(
+    const std::string& address) const {
+  auto ch = std::make_shared<Channels>();
+  ch->address = address;
+  ch->main = rpc::Master::NewStub(MasterChannel(options_, address, "master"));
+  if (options_.heartbeat_channel) {
+    ch->heartbeat = rpc::Master::NewStub(MasterChannel(options_, address, "heartbeat"));
+  }
+  return ch;
 }
 
-Status MasterClient::Run(std::string_view name, std::string_view method, bool retryable,
-                         const std::function<grpc::Status(grpc::ClientContext*)>& attempt,
-                         const std::function<void(grpc::ClientContext*)>& sign,
-                         uint32_t extra_deadline_ms) {
+Result<std::shared_ptr<const MasterClient::Channels>> MasterClient::Current() {
+  if (fixed_) return fixed_;
+  if (!bad_address_.ok()) return bad_address_;
+  auto leader = resolver_->Leader();
+  if (!leader.ok()) return leader.status();
+  std::lock_guard<std::mutex> lock(leader_mu_);
+  if (!leader_ || leader_->address != *leader) {
+    if (leader_) {
+      KVB_LOG(INFO) << "the master leader in " << resolver_->Describe() << " is now " << *leader
+                    << " (was " << leader_->address << ")";
+    }
+    leader_ = Connect(*leader);
+  }
+  return leader_;
+}
+
+void MasterClient::ForgetLeader(const std::string& address) const {
+  if (resolver_ && !address.empty()) resolver_->Forget(address);
+}
+
+std::string MasterClient::leader_address() {
+  auto ch = Current();
+  return ch.ok() ? (*ch)->address : std::string();
+}
+
+Status MasterClient::Failed(const grpc::Status& gs, std::string_view name,
+                            const std::string& address) const {
+  Status st =
+      FromGrpc(gs, name, StatusOrigin::kMaster, address.empty() ? options_.address : address);
+  if (!resolver_ || st.ok()) return st;
+  return Status(st.code(), st.message() + " (the leader elected in " + resolver_->Describe() + ")")
+      .WithOrigin(StatusOrigin::kMaster);
+}
+
+Status MasterClient::Run(
+    std::string_view name, std::string_view method, bool retryable,
+    const std::function<grpc::Status(grpc::ClientContext*, const Channels&)>& attempt,
+    const std::function<void(grpc::ClientContext*)>& sign, uint32_t extra_deadline_ms) {
   const auto deadline =
       Clock::now() +
       std::chrono::milliseconds(uint64_t{options_.retry.rpc_timeout_ms} + extra_deadline_ms);
   uint32_t backoff_ms = options_.retry.first_backoff_ms;
   grpc::Status unavailable;  // the first UNAVAILABLE, once one was retried
+  std::string address = options_.address;
   for (int tries = 1;; ++tries) {
+    // With "etcd://": the leader etcd names now. None (an election in progress, etcd down)
+    // counts as the master being unavailable.
+    auto ch = Current();
+    if (!ch.ok()) {
+      const grpc::Status gs(grpc::StatusCode::UNAVAILABLE, ch.status().message());
+      if (!(retryable && bad_address_.ok() &&
+            Clock::now() + std::chrono::milliseconds(backoff_ms) < deadline)) {
+        if (!bad_address_.ok()) return bad_address_;
+        return Status::PeerUnreachable(std::string(name) + ": " + ch.status().message())
+            .WithOrigin(StatusOrigin::kMaster);
+      }
+      if (tries == 1) unavailable = gs;
+      std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
+      backoff_ms = std::min(2 * backoff_ms, options_.retry.max_backoff_ms);
+      continue;
+    }
+    address = (*ch)->address;
     grpc::ClientContext ctx;
-    ctx.set_deadline(deadline);
+    // Following a leader: a retry waits for the leader's channel at most kLeaderAttemptMs, then
+    // asks etcd again, so a leader that died is left as soon as etcd names its successor.
+    const bool capped = resolver_ && retryable && tries > 1 &&
+                        Clock::now() + std::chrono::milliseconds(kLeaderAttemptMs) < deadline;
+    ctx.set_deadline(capped ? Clock::now() + std::chrono::milliseconds(kLeaderAttemptMs)
+                            : deadline);
     // A retry waits for the channel to connect again, up to the deadline, rather than failing
     // at once while it is down: the waiting call is what drives the reconnection (a blocking
     // client polls its connections only while a call is in progress), so the call goes out as
@@ -96,14 +172,21 @@ Status MasterClient::Run(std::string_view name, std::string_view method, bool re
     auth_.Sign(&ctx, method);
     if (sign) sign(&ctx);
     attempts_.fetch_add(1, std::memory_order_relaxed);
-    const grpc::Status gs = attempt(&ctx);
+    grpc::Status gs = attempt(&ctx, **ch);
     if (gs.ok()) return Status::OK();
+    if (capped && gs.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      gs = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "the leader " + address + " did not answer within " +
+                            std::to_string(kLeaderAttemptMs) + " ms");
+    }
+    // The leader may have changed: ask etcd again before the next call or retry.
+    if (resolver_ && gs.error_code() == grpc::StatusCode::UNAVAILABLE) resolver_->Forget(address);
     const bool retry = retryable && gs.error_code() == grpc::StatusCode::UNAVAILABLE &&
                        Clock::now() + std::chrono::milliseconds(backoff_ms) < deadline;
     if (!retry) {
       // Still down at the deadline: say so (unreachable, and why), not only that it was late.
       const bool down = tries > 1 && gs.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
-      Status st = Failed(down ? unavailable : gs, name);
+      Status st = Failed(down ? unavailable : gs, name, address);
       if (tries > 1) {
         st = Status(st.code(), st.message() + " (" + std::to_string(tries) +
                                    " attempts; the call's deadline is " +
@@ -127,6 +210,7 @@ struct MasterClient::PendingPutStart::State {
   bool done = false;
   grpc::Status gs;
   const MasterClient* owner = nullptr;
+  std::shared_ptr<const MasterClient::Channels> channels;  // the leader it was sent to
 };
 
 MasterClient::PendingPutStart MasterClient::PutStart(std::span<const std::string> keys,
@@ -146,9 +230,16 @@ MasterClient::PendingPutStart MasterClient::PutStart(std::span<const std::string
   }
   s->ctx.set_deadline(Clock::now() + std::chrono::milliseconds(options_.retry.rpc_timeout_ms));
   auth_.Sign(&s->ctx, method::kPutStart);
+  auto ch = Current();
+  if (!ch.ok()) {  // no leader known: fails as an unreachable master does
+    s->gs = grpc::Status(grpc::StatusCode::UNAVAILABLE, ch.status().message());
+    s->done = true;
+    return p;
+  }
+  s->channels = *ch;
   attempts_.fetch_add(1, std::memory_order_relaxed);
   // The state lives until the callback ran, whether or not Wait() is called.
-  main_->async()->PutStart(&s->ctx, &s->req, &s->reply, [s](grpc::Status gs) {
+  s->channels->main->async()->PutStart(&s->ctx, &s->req, &s->reply, [s](grpc::Status gs) {
     std::lock_guard<std::mutex> lock(s->mu);
     s->gs = std::move(gs);
     s->done = true;
@@ -162,7 +253,9 @@ Result<rpc::PutStartReply> MasterClient::PendingPutStart::Wait() {
   std::unique_lock<std::mutex> lock(s.mu);
   s.cv.wait(lock, [&] { return s.done; });
   if (!s.gs.ok() || s.reply.items_size() != s.req.keys_size()) {
-    return s.owner->Failed(s.gs, "PutStart");
+    const std::string address = s.channels ? s.channels->address : std::string();
+    if (s.gs.error_code() == grpc::StatusCode::UNAVAILABLE) s.owner->ForgetLeader(address);
+    return s.owner->Failed(s.gs, "PutStart", address);
   }
   return std::move(s.reply);
 }
@@ -177,9 +270,10 @@ Result<std::vector<Status>> MasterClient::PutEnd(std::span<const PutEndItem> ite
     for (bool ok : item.replica_ok) e->add_replica_ok(ok);
   }
   rpc::KeyStatusReply reply;
-  KVB_RETURN_IF_ERROR(Run("PutEnd", method::kPutEnd, false, [&](grpc::ClientContext* ctx) {
-    return main_->PutEnd(ctx, req, &reply);
-  }));
+  KVB_RETURN_IF_ERROR(
+      Run("PutEnd", method::kPutEnd, false, [&](grpc::ClientContext* ctx, const Channels& ch) {
+        return ch.main->PutEnd(ctx, req, &reply);
+      }));
   if (reply.statuses_size() != req.items_size()) return Failed(grpc::Status::OK, "PutEnd");
   std::vector<Status> out;
   out.reserve(items.size());
@@ -195,10 +289,11 @@ Result<rpc::GetReplicasReply> MasterClient::GetReplicas(std::span<const std::str
   req.set_sizes_only(sizes_only);
   for (const auto& k : keys) req.add_keys(k);
   rpc::GetReplicasReply reply;
-  KVB_RETURN_IF_ERROR(Run("GetReplicas", method::kGetReplicas, true, [&](grpc::ClientContext* ctx) {
-    reply.Clear();
-    return main_->GetReplicas(ctx, req, &reply);
-  }));
+  KVB_RETURN_IF_ERROR(Run("GetReplicas", method::kGetReplicas, true,
+                          [&](grpc::ClientContext* ctx, const Channels& ch) {
+                            reply.Clear();
+                            return ch.main->GetReplicas(ctx, req, &reply);
+                          }));
   if (reply.items_size() != static_cast<int>(keys.size())) {
     return Failed(grpc::Status::OK, "GetReplicas");
   }
@@ -209,10 +304,11 @@ Result<std::vector<bool>> MasterClient::Exists(std::span<const std::string> keys
   rpc::KeysRequest req;
   for (const auto& k : keys) req.add_keys(k);
   rpc::ExistsReply reply;
-  KVB_RETURN_IF_ERROR(Run("Exists", method::kExists, true, [&](grpc::ClientContext* ctx) {
-    reply.Clear();
-    return main_->Exists(ctx, req, &reply);
-  }));
+  KVB_RETURN_IF_ERROR(
+      Run("Exists", method::kExists, true, [&](grpc::ClientContext* ctx, const Channels& ch) {
+        reply.Clear();
+        return ch.main->Exists(ctx, req, &reply);
+      }));
   if (reply.exists_size() != static_cast<int>(keys.size())) {
     return Status::Protocol("Exists: reply from the master " + options_.address +
                             " has the wrong number of entries")
@@ -225,9 +321,10 @@ Result<std::vector<Status>> MasterClient::Remove(std::span<const std::string> ke
   rpc::KeysRequest req;
   for (const auto& k : keys) req.add_keys(k);
   rpc::KeyStatusReply reply;
-  KVB_RETURN_IF_ERROR(Run("Remove", method::kRemove, false, [&](grpc::ClientContext* ctx) {
-    return main_->Remove(ctx, req, &reply);
-  }));
+  KVB_RETURN_IF_ERROR(
+      Run("Remove", method::kRemove, false, [&](grpc::ClientContext* ctx, const Channels& ch) {
+        return ch.main->Remove(ctx, req, &reply);
+      }));
   if (reply.statuses_size() != static_cast<int>(keys.size())) {
     return Failed(grpc::Status::OK, "Remove");
   }
@@ -242,7 +339,9 @@ Status MasterClient::RemoveAll(const CallKey& admin_key) {
   rpc::Status reply;
   KVB_RETURN_IF_ERROR(Run(
       "RemoveAll", method::kRemoveAll, false,
-      [&](grpc::ClientContext* ctx) { return main_->RemoveAll(ctx, req, &reply); },
+      [&](grpc::ClientContext* ctx, const Channels& ch) {
+        return ch.main->RemoveAll(ctx, req, &reply);
+      },
       [&](grpc::ClientContext* ctx) {
         RpcAuth::SignWith(ctx, kAdminHeader, admin_key, method::kRemoveAll);
       }));
@@ -259,7 +358,9 @@ void MasterClient::ReportBadReplica(const BadReplica& bad) {
   req.set_node_unreachable(bad.node_unreachable);
   rpc::Status ignored;
   (void)Run("ReportBadReplica", method::kReportBadReplica, false,
-            [&](grpc::ClientContext* ctx) { return main_->ReportBadReplica(ctx, req, &ignored); });
+            [&](grpc::ClientContext* ctx, const Channels& ch) {
+              return ch.main->ReportBadReplica(ctx, req, &ignored);
+            });
 }
 
 Result<std::vector<NodeEntry>> MasterClient::NodeDescriptors(
@@ -267,11 +368,11 @@ Result<std::vector<NodeEntry>> MasterClient::NodeDescriptors(
   rpc::NodeDescriptorsRequest req;
   for (const auto& id : node_ids) req.add_node_ids(id);
   rpc::NodeDescriptorsReply reply;
-  KVB_RETURN_IF_ERROR(
-      Run("GetNodeDescriptors", method::kGetNodeDescriptors, true, [&](grpc::ClientContext* ctx) {
-        reply.Clear();
-        return main_->GetNodeDescriptors(ctx, req, &reply);
-      }));
+  KVB_RETURN_IF_ERROR(Run("GetNodeDescriptors", method::kGetNodeDescriptors, true,
+                          [&](grpc::ClientContext* ctx, const Channels& ch) {
+                            reply.Clear();
+                            return ch.main->GetNodeDescriptors(ctx, req, &reply);
+                          }));
   std::vector<NodeEntry> out;
   out.reserve(reply.nodes_size());
   for (auto& nd : *reply.mutable_nodes()) {
@@ -284,10 +385,11 @@ Result<std::vector<NodeEntry>> MasterClient::NodeDescriptors(
 Result<ClusterStatus> MasterClient::Stats() {
   rpc::Empty req;
   rpc::StatsReply reply;
-  KVB_RETURN_IF_ERROR(Run("Stats", method::kStats, true, [&](grpc::ClientContext* ctx) {
-    reply.Clear();
-    return main_->Stats(ctx, req, &reply);
-  }));
+  KVB_RETURN_IF_ERROR(
+      Run("Stats", method::kStats, true, [&](grpc::ClientContext* ctx, const Channels& ch) {
+        reply.Clear();
+        return ch.main->Stats(ctx, req, &reply);
+      }));
   ClusterStatus out;
   for (const auto& n : reply.nodes()) {
     NodeStatus ns;
@@ -318,16 +420,15 @@ Result<ClusterStatus> MasterClient::Stats() {
 Result<rpc::RegisterNodeReply> MasterClient::Register(
     const rpc::RegisterNodeRequest& head, const std::vector<rpc::InventoryRecord>& records,
     bool on_heartbeat_channel) {
-  rpc::Master::Stub* stub = on_heartbeat_channel && heartbeat_ ? heartbeat_.get() : main_.get();
   rpc::RegisterNodeReply reply;
   // The master registers the node only once every record has arrived: a large inventory gets
   // 1 ms more per 100 records (10 s per million) on top of the usual deadline.
   const auto extra_ms = static_cast<uint32_t>(records.size() / 100);
   Status st = Run(
       "RegisterNode", method::kRegisterNodeStream, false,
-      [&](grpc::ClientContext* ctx) {
+      [&](grpc::ClientContext* ctx, const Channels& ch) {
         std::unique_ptr<grpc::ClientWriter<rpc::RegisterNodeRequest>> writer =
-            stub->RegisterNodeStream(ctx, &reply);
+            ch.Pick(on_heartbeat_channel).RegisterNodeStream(ctx, &reply);
         rpc::RegisterNodeRequest msg = head;
         bool sent = false;
         size_t bytes = 0;
@@ -354,7 +455,9 @@ Result<rpc::RegisterNodeReply> MasterClient::Register(
     for (const auto& r : records) *req.add_inventory() = r;
     reply.Clear();
     st = Run("RegisterNode", method::kRegisterNode, false,
-             [&](grpc::ClientContext* ctx) { return stub->RegisterNode(ctx, req, &reply); });
+             [&](grpc::ClientContext* ctx, const Channels& ch) {
+               return ch.Pick(on_heartbeat_channel).RegisterNode(ctx, req, &reply);
+             });
   }
   if (!st.ok()) return st;
   return reply;
@@ -365,10 +468,10 @@ Result<rpc::HeartbeatReply> MasterClient::Heartbeat(const PeerId& node, uint64_t
   *req.mutable_node() = ToProto(node);
   req.set_frees_acked(frees_acked);
   rpc::HeartbeatReply reply;
-  rpc::Master::Stub* stub = heartbeat_ ? heartbeat_.get() : main_.get();
-  KVB_RETURN_IF_ERROR(Run("Heartbeat", method::kHeartbeat, false, [&](grpc::ClientContext* ctx) {
-    return stub->Heartbeat(ctx, req, &reply);
-  }));
+  KVB_RETURN_IF_ERROR(Run("Heartbeat", method::kHeartbeat, false,
+                          [&](grpc::ClientContext* ctx, const Channels& ch) {
+                            return ch.Pick(true).Heartbeat(ctx, req, &reply);
+                          }));
   Status st = store::FromProto(reply.status());
   if (!st.ok()) return st;
   return reply;
@@ -376,18 +479,20 @@ Result<rpc::HeartbeatReply> MasterClient::Heartbeat(const PeerId& node, uint64_t
 
 Status MasterClient::TaskDone(const rpc::TaskDoneRequest& done, Status* answer) {
   rpc::Status reply;
-  KVB_RETURN_IF_ERROR(Run("TaskDone", method::kTaskDone, false, [&](grpc::ClientContext* ctx) {
-    return main_->TaskDone(ctx, done, &reply);
-  }));
+  KVB_RETURN_IF_ERROR(
+      Run("TaskDone", method::kTaskDone, false, [&](grpc::ClientContext* ctx, const Channels& ch) {
+        return ch.main->TaskDone(ctx, done, &reply);
+      }));
   *answer = store::FromProto(reply);
   return Status::OK();
 }
 
 Status MasterClient::DemoteDone(const rpc::DemoteDoneRequest& done, Status* answer) {
   rpc::Status reply;
-  KVB_RETURN_IF_ERROR(Run("DemoteDone", method::kDemoteDone, false, [&](grpc::ClientContext* ctx) {
-    return main_->DemoteDone(ctx, done, &reply);
-  }));
+  KVB_RETURN_IF_ERROR(Run("DemoteDone", method::kDemoteDone, false,
+                          [&](grpc::ClientContext* ctx, const Channels& ch) {
+                            return ch.main->DemoteDone(ctx, done, &reply);
+                          }));
   *answer = store::FromProto(reply);
   return Status::OK();
 }
@@ -397,7 +502,7 @@ Status MasterClient::Drain(const PeerId& node, const CallKey& node_key) {
   rpc::Status reply;
   KVB_RETURN_IF_ERROR(Run(
       "Drain", method::kDrain, false,
-      [&](grpc::ClientContext* ctx) { return main_->Drain(ctx, id, &reply); },
+      [&](grpc::ClientContext* ctx, const Channels& ch) { return ch.main->Drain(ctx, id, &reply); },
       [&](grpc::ClientContext* ctx) {
         RpcAuth::SignWith(ctx, kNodeHeader, node_key, method::kDrain);
       }));
@@ -410,7 +515,9 @@ Status MasterClient::Deregister(const PeerId& node, const CallKey& node_key) {
   rpc::Status reply;
   KVB_RETURN_IF_ERROR(Run(
       "Deregister", method::kDeregister, false,
-      [&](grpc::ClientContext* ctx) { return main_->Deregister(ctx, id, &reply); },
+      [&](grpc::ClientContext* ctx, const Channels& ch) {
+        return ch.main->Deregister(ctx, id, &reply);
+      },
       [&](grpc::ClientContext* ctx) {
         RpcAuth::SignWith(ctx, kNodeHeader, node_key, method::kDeregister);
       }));

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -24,6 +25,7 @@
 #include "kvbridge/engine.h"
 #include "kvbridge/status.h"
 #include "kvbridge/store.h"
+#include "store/master_ha.h"
 #include "store/master_state.h"  // the store's domain types (PutEndItem)
 #include "store/rpc_auth.h"
 #include "store/rpc_util.h"
@@ -68,7 +70,9 @@ struct BadReplica {
 class MasterClient {
  public:
   struct Options {
-    std::string address;  // the master's "host:port"
+    // The master's "host:port", or "etcd://host:port[,...][/prefix]": the leader elected
+    // there (csrc/store/master_ha.h), asked again whenever a call finds it unavailable.
+    std::string address;
     std::string cluster_token;
     uint32_t auth_skew_ms = kDefaultAuthSkewMs;
     MasterRetryPolicy retry;
@@ -78,7 +82,13 @@ class MasterClient {
   };
   explicit MasterClient(Options options);
 
+  // As configured: a master's "host:port" or "etcd://..." (then leader_address() is the
+  // leader's, "" while none is known).
   const std::string& address() const { return options_.address; }
+  std::string leader_address();
+  // `address` failed as the leader (e.g. it answered with a replaced term): the next call
+  // asks etcd again. Nothing without an "etcd://" address.
+  void ForgetLeader(const std::string& address) const;
   const RpcAuth& auth() const { return auth_; }
   uint32_t rpc_timeout_ms() const { return options_.retry.rpc_timeout_ms; }
   // Attempts sent so far, every call and retry counted (tests check what was retried).
@@ -137,16 +147,34 @@ class MasterClient {
   // Runs `attempt(ctx)` under the policy: one context per attempt with the proof of `method`,
   // `sign` (extra proofs) and the deadline left; retried if `retryable`. The failure as a
   // Status naming `name` and the master's address.
+  // The stubs of one master address: the main channel and, for a node, the heartbeat one.
+  struct Channels {
+    std::string address;
+    std::unique_ptr<rpc::Master::Stub> main;
+    std::unique_ptr<rpc::Master::Stub> heartbeat;  // none: main carries heartbeats
+    rpc::Master::Stub& Pick(bool heartbeat_channel) const {
+      return heartbeat_channel && heartbeat ? *heartbeat : *main;
+    }
+  };
+  std::shared_ptr<const Channels> Connect(const std::string& address) const;
+  // The channels to call now: the fixed master's, or those of the leader etcd names.
+  Result<std::shared_ptr<const Channels>> Current();
+
   Status Run(std::string_view name, std::string_view method, bool retryable,
-             const std::function<grpc::Status(grpc::ClientContext*)>& attempt,
+             const std::function<grpc::Status(grpc::ClientContext*, const Channels&)>& attempt,
              const std::function<void(grpc::ClientContext*)>& sign = {},
              uint32_t extra_deadline_ms = 0);
-  Status Failed(const grpc::Status& gs, std::string_view name) const;
+  // `address`: the master that was called (empty: options().address).
+  Status Failed(const grpc::Status& gs, std::string_view name,
+                const std::string& address = {}) const;
 
   const Options options_;
   RpcAuth auth_;
-  std::unique_ptr<rpc::Master::Stub> main_;
-  std::unique_ptr<rpc::Master::Stub> heartbeat_;  // main_ when there is no heartbeat channel
+  std::shared_ptr<const Channels> fixed_;     // a master address
+  std::unique_ptr<LeaderResolver> resolver_;  // an "etcd://" address
+  Status bad_address_;                        // an "etcd://" address that does not parse
+  std::mutex leader_mu_;
+  std::shared_ptr<const Channels> leader_;  // the leader's, while etcd names it
   std::atomic<uint64_t> attempts_{0};
 };
 

@@ -19,6 +19,7 @@
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
 #include "store/master_client.h"
+#include "store/master_ha.h"
 #include "store/master_state.h"
 #include "store/rpc_auth.h"
 #include "store/rpc_util.h"
@@ -48,6 +49,10 @@ MasterOptions MasterOptions::FromEnv() {
   if (const char* v = std::getenv("KVBRIDGE_CLUSTER_TOKEN")) o.cluster_token = v;
   if (const char* v = std::getenv("KVBRIDGE_ADMIN_TOKEN")) o.admin_token = v;
   store::EnvUint("KVBRIDGE_RPC_AUTH_SKEW_MS", &o.rpc_auth_skew_ms);
+  if (const char* v = std::getenv("KVBRIDGE_MASTER_ETCD")) o.etcd = v;
+  if (const char* v = std::getenv("KVBRIDGE_MASTER_ADVERTISE")) o.advertise = v;
+  store::EnvUint("KVBRIDGE_HA_LEASE_MS", &o.ha_lease_ms);
+  store::EnvUint("KVBRIDGE_HA_TAKEOVER_WAIT_MS", &o.ha_takeover_wait_ms);
   for (auto [var, out] : {std::pair{"KVBRIDGE_HIGH_WATERMARK", &o.high_watermark},
                           std::pair{"KVBRIDGE_LOW_WATERMARK", &o.low_watermark},
                           std::pair{"KVBRIDGE_DEMOTE_HIGH_WATERMARK", &o.demote_high_watermark},
@@ -146,7 +151,12 @@ Status CheckDescriptor(const rpc::RegisterNodeRequest& req) {
 
 }  // namespace
 
-#define KVB_AUTH(ctx, method) KVB_RPC_AUTH(auth, ctx, method, "master")
+// Every handler first checks the caller's proof, then that this master may act (Gate).
+#define KVB_AUTH(ctx, method)                                                     \
+  do {                                                                            \
+    KVB_RPC_AUTH(auth, ctx, method, "master");                                    \
+    if (grpc::Status _kvb_gate = Gate(method); !_kvb_gate.ok()) return _kvb_gate; \
+  } while (0)
 
 // MasterOptions::faults: counters of calls still to be failed, each taken once.
 struct Faults {
@@ -185,6 +195,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   std::mutex secrets_mu;
   std::unordered_map<std::string, NodeSecret> node_secrets;
   Faults faults;
+  // Set when this master was elected in etcd (HaMaster): it acts only while the gate is valid,
+  // and answers clients only once the nodes listed in etcd have registered.
+  std::shared_ptr<store::LeaderGate> gate;
   std::unique_ptr<store::MasterState> state;
   std::unique_ptr<grpc::Server> server;
   std::string address;
@@ -200,6 +213,12 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   bool stopping = false;
   std::thread ticker;
 
+  // MasterServer::Start, and HaMaster's leader with the gate of its term and the first
+  // version its term may hand out.
+  static Result<std::unique_ptr<MasterServer>> Launch(const MasterOptions& options,
+                                                      std::shared_ptr<store::LeaderGate> gate,
+                                                      uint64_t first_version);
+
   ~Impl() override {
     {
       std::lock_guard<std::mutex> lock(tick_mu);
@@ -208,6 +227,34 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     tick_cv.notify_all();
     if (ticker.joinable()) ticker.join();
     if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  }
+
+  uint64_t term() const { return gate ? gate->epoch() : 0; }
+
+  // UNAVAILABLE once an elected master's lease may have run out (it was replaced, or is about
+  // to be: it must not act, and the caller finds the leader again), and for client calls while
+  // a new leader waits for the nodes listed in etcd (it does not know their objects yet).
+  grpc::Status Gate(std::string_view method) {
+    if (!gate) return grpc::Status::OK;
+    if (!gate->Valid()) {
+      return {grpc::StatusCode::UNAVAILABLE,
+              "the master at " + address +
+                  " is no longer the leader (its etcd lease may have run out); the leader is "
+                  "the one etcd names now"};
+    }
+    static constexpr std::string_view kWaitFor[] = {
+        store::method::kPutStart, store::method::kGetReplicas, store::method::kExists,
+        store::method::kRemove, store::method::kRemoveAll};
+    if (std::find(std::begin(kWaitFor), std::end(kWaitFor), method) == std::end(kWaitFor)) {
+      return grpc::Status::OK;
+    }
+    if (const size_t n = gate->Awaiting(); n > 0) {
+      return {grpc::StatusCode::UNAVAILABLE,
+              "the master at " + address + " took over as leader and waits for " +
+                  std::to_string(n) +
+                  " node(s) listed in etcd to register (it does not know their objects yet)"};
+    }
+    return grpc::Status::OK;
   }
 
   std::shared_ptr<rpc::Node::Stub> NodeStub(const std::string& endpoint) {
@@ -235,6 +282,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       auth->Sign(&call->ctx, store::method::kCommit);
       ToProto(c.node, call->req.mutable_node());
       for (const auto& r : c.records) ToProto(r, call->req.add_records());
+      call->req.set_term(term());
       Call* raw = call.get();
       calls.push_back(std::move(call));
       raw->stub = NodeStub(c.control_endpoint);
@@ -261,6 +309,10 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       tick_cv.wait_for(lock, std::chrono::milliseconds(period_ms), [&] { return stopping; });
       if (stopping) break;
       lock.unlock();
+      if (gate && !gate->Valid()) {  // replaced: expire nothing, schedule nothing
+        lock.lock();
+        continue;
+      }
       store::TickSummary s = state->Tick(util::MonoNs());
       if (s.paused_ms) {
         KVB_LOG(WARN) << "the master did not run for " << s.paused_ms
@@ -415,6 +467,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
                     << ", which is dropped: a restart, or someone holding the cluster token";
     }
     ToProto(Status::OK(), reply->mutable_status());
+    reply->set_term(term());
+    if (gate) gate->Registered(req->node().node_id());
     reply->set_node_secret(SecretFor(req->node()));
     reply->set_heartbeat_interval_ms(
         static_cast<uint32_t>(r.ok() ? r->heartbeat_interval_ms : options.node_ttl_ms / 3));
@@ -451,6 +505,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     state->Touch(FromProto(req->node()), util::MonoNs());
     auto r = state->Heartbeat(FromProto(req->node()), req->frees_acked(), util::MonoNs());
     ToProto(r.ok() ? Status::OK() : r.status(), reply->mutable_status());
+    reply->set_term(term());
     if (!r.ok()) return grpc::Status::OK;
     for (const auto& f : r->frees) ToProto(f, reply->add_frees());
     for (uint64_t seq : r->free_seqs) reply->add_free_seqs(seq);
@@ -600,9 +655,11 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     }
     store::PutEndPlan plan = state->BeginPutEnd(items, util::MonoNs());
     SendCommits(&plan.commits);
-    for (const Status& st : state->FinishPutEnd(plan, util::MonoNs())) {
-      ToProto(st, reply->add_statuses());
-    }
+    std::vector<Status> done = state->FinishPutEnd(plan, util::MonoNs());
+    // Replaced while committing: a successor may not know these objects, so none is
+    // acknowledged (the caller's put fails; the bytes at the nodes are freed later).
+    if (grpc::Status g = Gate(store::method::kPutEnd); !g.ok()) return g;
+    for (const Status& st : done) ToProto(st, reply->add_statuses());
     return grpc::Status::OK;
   }
 
@@ -724,6 +781,17 @@ MasterServer::~MasterServer() = default;
 const std::string& MasterServer::address() const { return impl_->address; }
 
 Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& options) {
+  return Impl::Launch(options, nullptr, 0);
+}
+
+Result<std::unique_ptr<MasterServer>> store::LaunchLeader(const MasterOptions& options,
+                                                          std::shared_ptr<LeaderGate> gate,
+                                                          uint64_t first_version) {
+  return MasterServer::Impl::Launch(options, std::move(gate), first_version);
+}
+
+Result<std::unique_ptr<MasterServer>> MasterServer::Impl::Launch(
+    const MasterOptions& options, std::shared_ptr<store::LeaderGate> gate, uint64_t first_version) {
   store::MasterConfig cfg;
   cfg.node_ttl_ms = options.node_ttl_ms;
   // The tick loop runs every min(200, ttl/6) ms (at least 20): a gap of three periods, and at
@@ -762,6 +830,9 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
                                                 .count());
   // Free sequence numbers likewise: a node's acknowledgement of the old master's frees is
   // below every number the new one hands out.
+  // An elected leader starts above every version its predecessors could have handed out
+  // (MasterElection keeps the floor in etcd), whatever the clocks of their hosts say.
+  cfg.first_version = std::max(cfg.first_version, first_version);
   cfg.first_free_seq = cfg.first_version;
   auto state = store::MasterState::Create(cfg);
   if (!state.ok()) return state.status().WithContext("master configuration");
@@ -772,6 +843,7 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& o
   impl->admin_required = !options.cluster_token.empty() || !options.admin_token.empty();
   impl->admin_key = store::CallKey(options.admin_token, store::kAdminKeyPurpose);
   impl->state = std::move(state).value();
+  impl->gate = std::move(gate);
   auto server = store::StartServer(options.listen, impl.get(), "master", &impl->address);
   if (!server.ok()) return server.status();
   impl->server = std::move(server).value();

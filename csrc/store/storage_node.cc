@@ -17,6 +17,7 @@
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
 #include "store/master_client.h"
+#include "store/master_ha.h"
 #include "store/rpc_auth.h"
 #include "store/rpc_util.h"
 #include "util/checksum.h"
@@ -53,6 +54,9 @@ using RangeKey = std::pair<uint64_t, uint64_t>;  // (segment id, offset)
 // node restarts (the DRAM pool's id is the engine's registration id, a small number).
 constexpr uint64_t kSsdSegment = 0x5353440000000001ull;  // "SSD" ...
 constexpr uint64_t kStagingAlign = 4096;
+// The lease of a node's etcd key: a node that died drops out of the list a new leader waits
+// for within this.
+constexpr uint32_t kMembershipTtlS = 3;
 
 uint64_t ObjectBytes(const rpc::InventoryRecord& r) {
   uint64_t n = 0;
@@ -123,6 +127,11 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   // Every call to the master; the heartbeat goes on a channel of its own (MasterClient).
   std::unique_ptr<store::MasterClient> master;
   uint32_t heartbeat_interval_ms = 1000;
+  // The highest master term seen (RegisterNodeReply.term): replies and commits of a lower one
+  // come from a master that was replaced, and are refused.
+  std::atomic<uint64_t> master_term{0};
+  // With an "etcd://" master: this node's key in etcd, which a new leader waits for.
+  std::unique_ptr<store::NodeMembership> membership;
   std::unique_ptr<store::PeerDirectory> directory;  // task destinations' descriptors
 
   mutable std::mutex mu;
@@ -310,6 +319,13 @@ StorageNode::Impl::~Impl() {
 grpc::Status StorageNode::Impl::Commit(grpc::ServerContext* ctx, const rpc::CommitRequest* req,
                                        rpc::Status* reply) {
   KVB_AUTH(ctx, store::method::kCommit);
+  if (const uint64_t seen = master_term.load(); req->term() < seen) {
+    store::ToProto(
+        Status::StalePeer("commit from a replaced master (term " + std::to_string(req->term()) +
+                          ", this node follows term " + std::to_string(seen) + ")"),
+        reply);
+    return grpc::Status::OK;
+  }
   if (req->node().node_id() != engine->self().node_id ||
       req->node().incarnation() != engine->self().incarnation) {
     store::ToProto(Status::StalePeer("commit meant for another incarnation"), reply);
@@ -361,6 +377,13 @@ Status StorageNode::Impl::Register(bool again) {
   const rpc::RegisterNodeReply& reply = *registered;
   Status st = store::FromProto(reply.status());
   if (!st.ok()) return st.WithContext("RegisterNode");
+  if (const uint64_t seen = master_term.load(); reply.term() < seen) {
+    master->ForgetLeader(master->leader_address());
+    return Status::Unavailable("RegisterNode answered by a replaced master (term " +
+                               std::to_string(reply.term()) + ", this node follows term " +
+                               std::to_string(seen) + ")");
+  }
+  master_term.store(reply.term());
   {
     std::lock_guard<std::mutex> lock(mu);
     registered_once = true;
@@ -480,6 +503,13 @@ void StorageNode::Impl::HeartbeatLoop() {
     // later than the master's.
     const auto sent_at = std::chrono::steady_clock::now();
     Result<rpc::HeartbeatReply> beat = master->Heartbeat(engine->self(), frees_acked);
+    if (beat.ok() && beat->term() < master_term.load()) {
+      // A replaced master answered (it was frozen and resumed): nothing it says is applied.
+      beat = Status::Unavailable("heartbeat answered by a replaced master (term " +
+                                 std::to_string(beat->term()) + ", this node follows term " +
+                                 std::to_string(master_term.load()) + ")");
+      master->ForgetLeader(master->leader_address());
+    }
     Status st = beat.status();
     const rpc::HeartbeatReply reply = beat.ok() ? std::move(beat).value() : rpc::HeartbeatReply();
     if (st.IsNotFound()) {
@@ -1215,6 +1245,7 @@ void StorageNode::Impl::Stop() {
     stopping = true;
   }
   cv.notify_all();
+  membership.reset();  // leaves the etcd list at once
   if (heartbeat_thread.joinable()) heartbeat_thread.join();
   if (task_thread.joinable()) task_thread.join();
   if (demote_thread.joinable()) demote_thread.join();
@@ -1331,6 +1362,19 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
   if (!reg.ok()) return reg;
   KVB_LOG(INFO) << "storage node " << impl->engine->self().ToString() << " registered "
                 << impl->pool_bytes << " bytes with " << options.master_address;
+  if (store::IsEtcdAddress(options.master_address)) {
+    // Listed in etcd for as long as this node lives (its lease), so that a newly elected
+    // leader knows to wait for it (csrc/store/master_ha.h).
+    auto etcd = store::ParseEtcdAddress(options.master_address);
+    if (etcd.ok()) {
+      char incarnation[17];
+      std::snprintf(incarnation, sizeof(incarnation), "%016llx",
+                    static_cast<unsigned long long>(impl->engine->self().incarnation));
+      impl->membership = std::make_unique<store::NodeMembership>(
+          std::move(etcd).value(), impl->engine->self().node_id,
+          std::string(incarnation) + " " + impl->rpc_address, kMembershipTtlS);
+    }
+  }
   Impl* raw = impl.get();
   impl->heartbeat_thread = std::thread([raw] { raw->HeartbeatLoop(); });
   impl->task_thread = std::thread([raw] { raw->TaskLoop(); });

@@ -1,6 +1,8 @@
 // `kvbridge`: the daemons and the operator's view of a cluster.
 //
 //   kvbridge master [--listen HOST:PORT] [--node-ttl-ms N] [--lease-ms N] [--config FILE]
+//                   [--etcd HOST:PORT,...[/PREFIX] [--advertise HOST:PORT] [--ha-lease-ms N]
+//                    [--ha-takeover-wait-ms N]]   (several masters, one leader elected in etcd)
 //   kvbridge node   [--master HOST:PORT] [--dram-bytes N] [--node-id ID] [--listen HOST:PORT,...]
 //                   [--rpc-listen HOST:PORT] [--drain-timeout-ms N] [--ssd-path DIR]
 //                   [--ssd-bytes N] [--config FILE]
@@ -34,7 +36,8 @@ int Usage(const char* why = nullptr) {
   std::fprintf(stderr,
                "usage:\n"
                "  kvbridge master [--listen HOST:PORT] [--node-ttl-ms N] [--lease-ms N]\n"
-               "                  [--config FILE]\n"
+               "                  [--etcd HOST:PORT,... [--advertise HOST:PORT]\n"
+               "                   [--ha-lease-ms N] [--ha-takeover-wait-ms N]] [--config FILE]\n"
                "  kvbridge node   [--master HOST:PORT] [--dram-bytes N] [--node-id ID]\n"
                "                  [--listen HOST:PORT,...] [--rpc-listen HOST:PORT]\n"
                "                  [--drain-timeout-ms N] [--ssd-path DIR] [--ssd-bytes N]\n"
@@ -146,12 +149,34 @@ sigset_t BlockStopSignals() {
   return set;
 }
 
+// An HA master: campaigns in etcd until a signal; leads when elected (HaMaster).
+int RunHaMaster(const MasterOptions& o) {
+  sigset_t stop = BlockStopSignals();
+  auto master = HaMaster::Start(o);
+  if (!master.ok()) {
+    std::fprintf(stderr, "kvbridge master: %s\n", master.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("kvbridge master campaigning in etcd %s as %s\n", o.etcd.c_str(),
+              o.advertise.empty() ? o.listen.c_str() : o.advertise.c_str());
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&stop, &sig);
+  std::fprintf(stderr, "kvbridge master: %s, stepping down\n", strsignal(sig));
+  return 0;
+}
+
 int RunMaster(const Flags& f) {
   MasterOptions o = MasterOptions::FromEnv();
   if (f.Has("listen")) o.listen = f.Get("listen");
-  if (!SetNumber(f, "node-ttl-ms", &o.node_ttl_ms) || !SetNumber(f, "lease-ms", &o.lease_ms)) {
+  if (f.Has("etcd")) o.etcd = f.Get("etcd");
+  if (f.Has("advertise")) o.advertise = f.Get("advertise");
+  if (!SetNumber(f, "node-ttl-ms", &o.node_ttl_ms) || !SetNumber(f, "lease-ms", &o.lease_ms) ||
+      !SetNumber(f, "ha-lease-ms", &o.ha_lease_ms) ||
+      !SetNumber(f, "ha-takeover-wait-ms", &o.ha_takeover_wait_ms)) {
     return 2;
   }
+  if (!o.etcd.empty()) return RunHaMaster(o);
   sigset_t stop = BlockStopSignals();
   auto master = MasterServer::Start(o);
   if (!master.ok()) {
@@ -290,7 +315,10 @@ int main(int argc, char** argv) {
   std::string why;
   bool ok;
   if (cmd == "master") {
-    ok = ParseFlags(argc, argv, 2, {"listen", "node-ttl-ms", "lease-ms", "config"}, {}, &f, &why);
+    ok = ParseFlags(argc, argv, 2,
+                    {"listen", "node-ttl-ms", "lease-ms", "config", "etcd", "advertise",
+                     "ha-lease-ms", "ha-takeover-wait-ms"},
+                    {}, &f, &why);
   } else if (cmd == "node") {
     ok = ParseFlags(argc, argv, 2,
                     {"master", "dram-bytes", "node-id", "listen", "rpc-listen", "drain-timeout-ms",

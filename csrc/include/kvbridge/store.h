@@ -31,7 +31,8 @@ struct BufferRef {
 };
 
 struct KVBRIDGE_API StoreOptions {
-  // The master's gRPC address. KVBRIDGE_MASTER.
+  // The master's gRPC address, or "etcd://host:port[,...][/prefix]": the leader elected in
+  // that etcd (HaMaster), followed across elections. KVBRIDGE_MASTER.
   std::string master_address = "127.0.0.1:50051";
   // Replicas per object written by puts. KVBRIDGE_REPLICA_NUM.
   uint32_t replica_num = 1;
@@ -148,7 +149,8 @@ class KVBRIDGE_API StoreClient {
 };
 
 struct KVBRIDGE_API NodeOptions {
-  // The master's gRPC address. KVBRIDGE_MASTER.
+  // The master's gRPC address, or "etcd://host:port[,...][/prefix]": the leader elected in
+  // that etcd (HaMaster), followed across elections. KVBRIDGE_MASTER.
   std::string master_address = "127.0.0.1:50051";
   // DRAM this node contributes to the pool. KVBRIDGE_NODE_DRAM_BYTES.
   uint64_t dram_bytes = 1ull << 30;
@@ -291,6 +293,23 @@ struct KVBRIDGE_API MasterOptions {
   // How far a call's proof may be from the master's wall clock (either way); it is good
   // once within it. KVBRIDGE_RPC_AUTH_SKEW_MS.
   uint32_t rpc_auth_skew_ms = 60000;
+  // High availability (HaMaster, docs/operations.md "High availability"): the etcd cluster in
+  // which masters elect a leader, "host:port[,host:port...]" or "etcd://host:port,.../prefix"
+  // (the prefix, default "kvbridge", separates kvbridge clusters sharing one etcd). Empty: a
+  // single master with no election (MasterServer). KVBRIDGE_MASTER_ETCD.
+  std::string etcd;
+  // The address clients and nodes are told to call while this master leads; empty: the
+  // address it listens on (which must then not be a wildcard). KVBRIDGE_MASTER_ADVERTISE.
+  std::string advertise;
+  // The leader's etcd lease: a leader that cannot renew it within this stops acting, and a
+  // standby takes over about this long after a leader died. etcd grants whole seconds, at
+  // least 2. KVBRIDGE_HA_LEASE_MS.
+  uint32_t ha_lease_ms = 3000;
+  // A new leader knows the objects of a node only once that node has registered with it (with
+  // its inventory). Until every node listed in etcd has, or this long, it answers client calls
+  // UNAVAILABLE (clients retry reads) rather than report a miss it cannot be sure of.
+  // KVBRIDGE_HA_TAKEOVER_WAIT_MS.
+  uint32_t ha_takeover_wait_ms = 5000;
   static MasterOptions FromEnv();
 };
 
@@ -306,6 +325,35 @@ class KVBRIDGE_API MasterServer {
 
  private:
   explicit MasterServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// A master in a group of masters that elect one leader in etcd (MasterOptions::etcd). Each
+// process campaigns; the one elected starts a MasterServer on options.listen and publishes
+// options.advertise; the others wait as standbys, watching the leader key, and the first to
+// see it gone takes over. A leader stops acting the moment its lease may have run out (on its
+// own monotonic clock, so a frozen leader resumed later refuses every call before it learns
+// it was replaced), stops its server, and campaigns again. Clients and nodes given
+// "etcd://..." as the master address follow the leader (docs/operations.md).
+class KVBRIDGE_API HaMaster {
+ public:
+  // INVALID_ARGUMENT for a bad etcd address, no advertise address with a wildcard listen, or
+  // an HA lease under 2 s. Returns at once; the election runs on a thread of its own.
+  static Result<std::unique_ptr<HaMaster>> Start(const MasterOptions& options);
+  // Steps down (removes its leader key and lease, so a standby takes over at once) and stops.
+  ~HaMaster();
+  bool is_leader() const;
+  // The leader's address as last seen in etcd ("" when none is known).
+  std::string leader() const;
+  // This process's term while it leads (0 otherwise): increases with each election.
+  uint64_t epoch() const;
+  // The address its server is bound to while leading ("" otherwise).
+  std::string address() const;
+
+  struct KVBRIDGE_HIDDEN Impl;  // not exported
+
+ private:
+  explicit HaMaster(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 
