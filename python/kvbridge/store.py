@@ -560,4 +560,23 @@ def cluster_status(master: str, timeout_ms: int = 3000,
     return _C.query_cluster_status(master, timeout_ms, cluster_token)
 
 
-__all__ = ["StoreClient", "Master", "Node", "Cluster", "GetResult", "cluster_status"]
+def client_stats_summary(stats: dict) -> dict:
+    """A StoreClient.stats() in a few flat integers, as the engine integrations report it
+    (SGLang's stats(), vLLM's KV connector stats): ``store_client_`` + get_hits,
+    get_hits_ssd, get_misses, get_keys (keys gets asked for: hit_rate is get_hits over it),
+    bytes_read, bytes_written, puts_stored, errors (keys failed, every call), and per call
+    kind (get, put, exists) ``<op>_calls`` and ``<op>_us`` (their wall time summed, in
+    microseconds). Integers so that sums over workers stay exact."""
+    ops = stats["ops"]
+    out = {f"store_client_{k}": stats[k] for k in (
+        "get_hits", "get_hits_ssd", "get_misses", "bytes_read", "bytes_written", "puts_stored")}
+    out["store_client_get_keys"] = ops["get"]["keys"]
+    out["store_client_errors"] = sum(n for o in ops.values() for n in o["errors"].values())
+    for op in ("get", "put", "exists"):
+        out[f"store_client_{op}_calls"] = ops[op]["calls"]
+        out[f"store_client_{op}_us"] = round(ops[op]["seconds_sum"] * 1e6)
+    return out
+
+
+__all__ = ["StoreClient", "Master", "Node", "Cluster", "GetResult", "cluster_status",
+           "client_stats_summary"]
