@@ -1448,6 +1448,8 @@ Status StoreClient::RemoveAll() { return impl_->master->RemoveAll(impl_->admin_k
 
 Status StoreClient::Put(std::string_view key, std::string_view value) {
   if (value.size() > kStagingBytes) {
+    impl_->counters.Error(StoreOp::kPut, StatusCode::kInvalidArgument);  // a put that failed
+    impl_->counters.Call(StoreOp::kPut, 1, store::ClientCounters::Clock::duration::zero());
     return Status::InvalidArgument("Put: value larger than the staging area (" +
                                    std::to_string(kStagingBytes) +
                                    " bytes); use BatchPutFrom on registered memory");

@@ -4,6 +4,7 @@ process (docs/python.md "Client statistics and metrics", docs/client-metrics.md)
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import socket
 import sys
@@ -97,8 +98,11 @@ def test_failed_keys_count_as_errors_by_code(cluster):
     store.register_buffer(small)
     got = store.batch_get_into(["err/a"], [small])  # buffers smaller than the object
     assert got[0].status.name == "INVALID_ARGUMENT"
+    with pytest.raises(errors.InvalidArgumentError, match="staging area"):
+        store.put("err/huge", bytes((64 << 20) + 1))  # refused before it reaches the master
     s = store.stats()
-    assert _op(s, "put")["errors"] == {"NOT_REGISTERED": 1} and s["puts_stored"] == 1
+    assert _op(s, "put")["errors"] == {"NOT_REGISTERED": 1, "INVALID_ARGUMENT": 1}
+    assert _op(s, "put")["calls"] == 2 and s["puts_stored"] == 1
     assert _op(s, "get")["errors"] == {"INVALID_ARGUMENT": 1}
     assert s["get_hits"] == s["get_misses"] == 0 and s["hit_rate"] == 0.0
 
@@ -146,7 +150,9 @@ def test_hits_by_tier(tmp_path):
 
 
 # -- the Prometheus endpoint -----------------------------------------------------------------
-prometheus_client = pytest.importorskip("prometheus_client")
+needs_prometheus = pytest.mark.skipif(
+    importlib.util.find_spec("prometheus_client") is None,
+    reason="prometheus_client is not installed (scripts/setup_venv.sh installs it)")
 
 
 def _scrape(port: int) -> dict:
@@ -166,6 +172,7 @@ def _busy_port():
     return s
 
 
+@needs_prometheus
 def test_scrape_equals_stats(cluster):
     import kvbridge.metrics
 
@@ -204,6 +211,7 @@ def test_scrape_equals_stats(cluster):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
 
 
+@needs_prometheus
 def test_metrics_listen_option_and_environment(cluster, monkeypatch):
     store = kvbridge.StoreClient(master=cluster.master_address, metrics_listen="127.0.0.1:0")
     try:
@@ -219,6 +227,7 @@ def test_metrics_listen_option_and_environment(cluster, monkeypatch):
         assert store.metrics_port is None
 
 
+@needs_prometheus
 def test_clients_on_one_address_share_the_endpoint(cluster):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -254,6 +263,7 @@ def test_bad_environment_value_names_the_variable(cluster, monkeypatch):
         kvbridge.StoreClient(master=cluster.master_address)
 
 
+@needs_prometheus
 def test_busy_port_is_a_clear_error(cluster):
     with _busy_port() as s:
         listen = f"127.0.0.1:{s.getsockname()[1]}"
