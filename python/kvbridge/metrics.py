@@ -66,6 +66,8 @@ def _sum_stats(all_stats: list[dict]) -> dict:
                 mine["errors"][code] = mine["errors"].get(code, 0) + n
             mine["seconds_buckets"] = [(le, a + b) for (le, a), (_, b) in
                                        zip(mine["seconds_buckets"], o["seconds_buckets"])]
+    asked = out["ops"]["get"]["keys"]
+    out["hit_rate"] = out["get_hits"] / asked if asked else 0.0
     return out
 
 

@@ -250,6 +250,32 @@ def test_clients_on_one_address_share_the_endpoint(cluster):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
 
 
+@needs_prometheus
+def test_collector_in_a_registry_of_ones_own(cluster):
+    """StoreCollector for an application that serves its own registry; with two clients,
+    their sums."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import kvbridge.metrics
+
+    a = cluster.client()
+    with kvbridge.StoreClient(master=cluster.master_address) as b:
+        registry = CollectorRegistry()
+        registry.register(kvbridge.metrics.StoreCollector(a, b))
+        a.put("own/a", b"a" * 10)
+        b.put("own/b", b"b" * 20)
+        assert b.get("own/a") == b"a" * 10
+        samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+                   for f in text_string_to_metric_families(generate_latest(registry).decode())
+                   for x in f.samples}
+        assert samples[("kvbridge_client_bytes_total", (("direction", "write"),))] == 30
+        assert samples[("kvbridge_client_bytes_total", (("direction", "read"),))] == 10
+        assert samples[("kvbridge_client_op_seconds_count", (("op", "put"),))] == 2
+        merged = kvbridge.metrics._sum_stats([a.stats(), b.stats()])
+        assert merged["hit_rate"] == 1.0 and merged["puts_stored"] == 2
+
+
 @pytest.mark.parametrize("listen", ["nohost:notaport", "127.0.0.1", ":9464", "h:70000"])
 def test_bad_metrics_listen_is_named(cluster, listen):
     with pytest.raises(errors.InvalidArgumentError, match=f"metrics_listen '{listen}'"):
