@@ -29,23 +29,26 @@ class ClientCounters {
     Add(o.latency_ns, static_cast<uint64_t>(std::max<int64_t>(ns, 0)));
     Add(o.latency_buckets[bucket], 1);
   }
-  // One key of `op` that failed with `code`.
+  // `keys` keys of `op` that failed with `code`.
   void Error(StoreOp op, StatusCode code, uint64_t keys = 1) {
     auto c = static_cast<int32_t>(code);
     if (c < 0 || c >= kCodes) c = static_cast<int32_t>(StatusCode::kInternal);  // not ours
     Add(ops_[static_cast<size_t>(op)].errors[c], keys);
   }
-  void GetHit(bool ssd, uint64_t bytes) {
-    Add(ssd ? get_hits_ssd_ : get_hits_dram_, 1);
+  // The outcomes of one call's keys, added once per call rather than per key: the counters
+  // are shared by every thread of the client.
+  void GetHits(uint64_t dram, uint64_t ssd, uint64_t bytes) {
+    Add(get_hits_dram_, dram);
+    Add(get_hits_ssd_, ssd);
     Add(bytes_read_, bytes);
   }
-  void GetMiss() { Add(get_misses_, 1); }
-  void PutStored(uint64_t bytes) {
-    Add(puts_stored_, 1);
+  void GetMisses(uint64_t keys) { Add(get_misses_, keys); }
+  void PutsStored(uint64_t keys, uint64_t bytes) {
+    Add(puts_stored_, keys);
     Add(bytes_written_, bytes);
   }
-  void PutExisting() { Add(puts_existing_, 1); }
-  void Removed() { Add(removes_, 1); }
+  void PutsExisting(uint64_t keys) { Add(puts_existing_, keys); }
+  void Removed(uint64_t keys) { Add(removes_, keys); }
 
   StoreClientStats Snapshot() const {
     StoreClientStats s;
@@ -97,7 +100,9 @@ class ClientCounters {
     std::array<Counter, kCodes> errors{};
   };
 
-  static void Add(Counter& c, uint64_t n) { c.fetch_add(n, std::memory_order_relaxed); }
+  static void Add(Counter& c, uint64_t n) {
+    if (n != 0) c.fetch_add(n, std::memory_order_relaxed);
+  }
   static uint64_t Load(const Counter& c) { return c.load(std::memory_order_relaxed); }
 
   std::array<Op, kStoreOpCount> ops_{};

@@ -996,11 +996,12 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   std::vector<size_t> group_of_op;
   std::vector<std::pair<size_t, int>> groups;  // (key index, replica index)
   std::vector<size_t> unread_groups;           // groups of keys whose bytes could not be read
+  uint64_t existing = 0;                       // keys stored already (counters)
   for (size_t i = 0; i < keys.size(); ++i) {
     const auto& item = started.items(static_cast<int>(i));
     Status st = FromProto(item.status());
     if (st.Is(StatusCode::kAlreadyExists)) {  // stored already: success, no rewrite
-      im.counters.PutExisting();
+      ++existing;
       continue;
     }
     if (!st.ok()) {
@@ -1056,8 +1057,10 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
     }
     end[end_item_of_key[i]].replica_ok.push_back(group_status[g].ok());
   }
+  im.counters.PutsExisting(existing);
   if (end.empty()) return result;
   Result<std::vector<Status>> ended = im.master->PutEnd(end);
+  uint64_t stored = 0, written = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
     const int e = end_item_of_key[i];
     if (e < 0) continue;
@@ -1071,7 +1074,8 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
     }
     result[i] = (*ended)[e];
     if (result[i].ok()) {
-      im.counters.PutStored(std::accumulate(sizes[i].begin(), sizes[i].end(), uint64_t{0}));
+      ++stored;
+      written += std::accumulate(sizes[i].begin(), sizes[i].end(), uint64_t{0});
     } else {
       // Say why the replicas failed, not only that the master revoked the object.
       for (size_t g = 0; g < groups.size(); ++g) {
@@ -1082,6 +1086,7 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
       }
     }
   }
+  im.counters.PutsStored(stored, written);
   // A node that failed a write as a whole (gone, frozen, replaced) is reported once, as gets
   // do: placed last for a while, so the next puts put their replicas elsewhere first instead
   // of each waiting out the same progress timeout until its TTL expires. Nothing is dropped.
@@ -1113,14 +1118,16 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
     std::span<const std::string> keys, std::span<const std::vector<BufferRef>> buffers) {
   const auto start = store::ClientCounters::Clock::now();
   std::vector<Result<uint64_t>> result = impl_->GetInto(keys, buffers);
+  uint64_t misses = 0;
   for (const Result<uint64_t>& r : result) {
     if (r.ok()) continue;  // a hit, counted by GetInto with its tier
     if (r.status().IsNotFound()) {
-      impl_->counters.GetMiss();
+      ++misses;
     } else {
       impl_->counters.Error(StoreOp::kGet, r.status().code());
     }
   }
+  impl_->counters.GetMisses(misses);
   impl_->counters.Call(StoreOp::kGet, keys.size(), store::ClientCounters::Clock::now() - start);
   return result;
 }
@@ -1203,6 +1210,7 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
   }
   Status peers_ok = im.EnsurePeers(nodes);
   if (!peers_ok.ok()) KVB_LOG(WARN) << "get: " << peers_ok.ToString();
+  uint64_t hits_dram = 0, hits_ssd = 0, hit_bytes = 0;  // counters, added once at the end
   // The transfers of the whole get, every pass, DRAM and SSD, end within transfer_deadline_ms
   // from here; a key still failing then keeps its last error.
   using Clock = std::chrono::steady_clock;
@@ -1331,7 +1339,8 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
         const uint64_t size =
             std::accumulate(item.sizes().begin(), item.sizes().end(), uint64_t{0});
         // Hedges read a replica of the tier of the one they stand in for.
-        im.counters.GetHit(item.replicas(next_replica[i]).tier() == kTierSsd, size);
+        ++(item.replicas(next_replica[i]).tier() == kTierSsd ? hits_ssd : hits_dram);
+        hit_bytes += size;
         result[i] = size;
         continue;
       }
@@ -1370,6 +1379,7 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
     }
     pending.swap(retry);
   }
+  im.counters.GetHits(hits_dram, hits_ssd, hit_bytes);
   return result;
 }
 
@@ -1415,13 +1425,15 @@ Result<std::vector<bool>> StoreClient::BatchExists(std::span<const std::string> 
 std::vector<Status> StoreClient::BatchRemove(std::span<const std::string> keys) {
   const auto start = store::ClientCounters::Clock::now();
   std::vector<Status> result = RemoveUncounted(*impl_, keys);
+  uint64_t removed = 0;
   for (const Status& st : result) {
     if (st.ok()) {
-      impl_->counters.Removed();
+      ++removed;
     } else {
       impl_->counters.Error(StoreOp::kRemove, st.code());
     }
   }
+  impl_->counters.Removed(removed);
   impl_->counters.Call(StoreOp::kRemove, keys.size(), store::ClientCounters::Clock::now() - start);
   return result;
 }
