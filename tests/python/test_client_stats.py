@@ -136,17 +136,23 @@ def test_hits_by_tier(tmp_path):
                 break
             last = now
             time.sleep(0.5)
-        tiers = [r.replicas[0].tier for r in store.batch_replicas(keys)]
-        assert tiers.count("SSD") > 0 and tiers.count("DRAM") > 0
+        # Demotion may still move a few meanwhile (nothing is promoted: promote_after_reads
+        # 0), so the SSD hits lie between the SSD replicas before and after the get.
+        def on_ssd() -> int:
+            return [r.replicas[0].tier for r in store.batch_replicas(keys)].count("SSD")
+
+        before = on_ssd()
+        assert 0 < before < n
         store.reset_stats()
         out = [bytearray(size) for _ in range(n)]
         for p in out:
             store.register_buffer(p)
         assert all(r.ok for r in store.batch_get_into(keys, out))
+        after = on_ssd()
         s = store.stats()
         assert s["get_hits"] == n and s["bytes_read"] == n * size
-        assert s["get_hits_ssd"] == tiers.count("SSD")
-        assert s["get_hits_dram"] == tiers.count("DRAM")
+        assert before <= s["get_hits_ssd"] <= after
+        assert s["get_hits_dram"] == n - s["get_hits_ssd"] > 0
 
 
 # -- the Prometheus endpoint -----------------------------------------------------------------
