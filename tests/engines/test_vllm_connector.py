@@ -717,6 +717,13 @@ def test_vllm_store_prefix_reuse_by_a_fresh_instance(scenario):
     assert st["store_blocks_invalid"] == 0
     pst = scenario["prefill_stats_before_stop"]
     assert pst["store_blocks_put"] > 0 and pst["store_put_failures"] == 0
+    # The store clients' own counters (docs/vllm.md "Counters"): what the worker read is
+    # what its client read; the prefill's client wrote its blocks.
+    assert st["store_client_bytes_read"] == st["store_bytes_get"]
+    assert st["store_client_get_hits"] >= 5 and st["store_client_get_calls"] >= 1
+    assert st["store_client_get_us"] > 0 and st["store_client_errors"] == 0
+    assert pst["store_client_puts_stored"] > 0
+    assert pst["store_client_bytes_written"] == pst["store_bytes_put"]
 
 
 def test_vllm_staged_through_host_pages(scenario):
