@@ -30,5 +30,5 @@ fi
 echo "setup_venv: installing $(basename "$reqs") into $venv (torch is a few GB the first time)"
 "$py" -m pip install --disable-pip-version-check --quiet --upgrade pip
 "$py" -m pip install --disable-pip-version-check --quiet -r "$reqs"
-"$py" -c 'import torch, pytest, pybind11; print("setup_venv: torch", torch.__version__, "pytest", pytest.__version__, "pybind11", pybind11.__version__)'
+"$py" -c 'import torch, pytest, pybind11, prometheus_client; print("setup_venv: torch", torch.__version__, "pytest", pytest.__version__, "pybind11", pybind11.__version__)'
 cp "$reqs" "$stamp"

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -235,6 +236,46 @@ py::dict ToPy(const ClusterStatus& cs) {
   return d;
 }
 
+// StoreClient.stats(): the counters as plain values (docs/python.md "Client statistics and
+// metrics" lists the keys); kvbridge.store adds what is derived from them (hit_rate).
+py::dict ToPy(const StoreClientStats& s) {
+  py::dict ops;
+  for (size_t i = 0; i < kStoreOpCount; ++i) {
+    const StoreOpStats& o = s.ops[i];
+    py::dict errors;
+    for (const auto& [code, n] : o.errors) errors[py::str(StatusCodeName(code))] = n;
+    // Cumulative (upper bound, calls), as Prometheus histograms count them.
+    py::list buckets;
+    uint64_t below = 0;
+    for (size_t b = 0; b < o.latency_buckets.size(); ++b) {
+      below += o.latency_buckets[b];
+      const double le = b < StoreOpStats::kLatencyBounds.size()
+                            ? StoreOpStats::kLatencyBounds[b]
+                            : std::numeric_limits<double>::infinity();
+      buckets.append(py::make_tuple(le, below));
+    }
+    py::dict d;
+    d["calls"] = o.calls;
+    d["keys"] = o.keys;
+    d["errors"] = errors;
+    d["seconds_sum"] = static_cast<double>(o.latency_ns) / 1e9;
+    d["seconds_buckets"] = buckets;
+    ops[StoreOpName(static_cast<StoreOp>(i))] = d;
+  }
+  py::dict d;
+  d["get_hits"] = s.get_hits();
+  d["get_hits_dram"] = s.get_hits_dram;
+  d["get_hits_ssd"] = s.get_hits_ssd;
+  d["get_misses"] = s.get_misses;
+  d["bytes_read"] = s.bytes_read;
+  d["puts_stored"] = s.puts_stored;
+  d["puts_existing"] = s.puts_existing;
+  d["bytes_written"] = s.bytes_written;
+  d["removes"] = s.removes;
+  d["ops"] = ops;
+  return d;
+}
+
 void BindOptions(py::module_& m) {
   py::class_<StoreOptions>(m, "StoreOptions")
       .def(py::init<>())
@@ -416,6 +457,14 @@ void BindClient(py::module_& m) {
            [](PyStoreClient& c) {
              NoGil([&] { c.With([](StoreClient& s) { ThrowIfError(s.RemoveAll()); }); });
            })
+      .def("stats",
+           [](PyStoreClient& c) {
+             StoreClientStats s =
+                 NoGil([&] { return c.With([](StoreClient& s) { return s.stats(); }); });
+             return ToPy(s);
+           })
+      .def("reset_stats",
+           [](PyStoreClient& c) { NoGil([&] { c.With([](StoreClient& s) { s.ResetStats(); }); }); })
       .def("put",
            [](PyStoreClient& c, const std::string& key, uintptr_t addr, uint64_t len) {
              std::string_view value(reinterpret_cast<const char*>(addr), len);

@@ -24,6 +24,7 @@
 #include "core/memory_kinds.h"
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
+#include "store/client_stats.h"
 #include "store/master_client.h"
 #include "store/rpc_auth.h"
 #include "store/rpc_util.h"
@@ -155,6 +156,15 @@ struct StoreClient::Impl {
 
   std::mutex staging_mu;  // one Put/Get at a time uses the staging area
   std::unique_ptr<char[]> staging;
+  store::ClientCounters counters;  // StoreClient::stats()
+
+  // BatchPutFrom and BatchGetInto without the counting of calls and per-key outcomes, which
+  // the public calls do once around them (these call themselves for slices and subsets).
+  // What only they see (which tier served a hit, whether a put wrote) they count themselves.
+  std::vector<Status> PutFrom(std::span<const std::string> keys,
+                              std::span<const std::vector<BufferRef>> buffers);
+  std::vector<Result<uint64_t>> GetInto(std::span<const std::string> keys,
+                                        std::span<const std::vector<BufferRef>> buffers);
 
   // OK when every buffer of one key lies inside a registered buffer (or the staging area);
   // else NOT_REGISTERED naming the first one that does not, so that key alone fails.
@@ -911,9 +921,9 @@ Status StoreClient::UnregisterBuffer(void* addr) {
   return impl_->engine->DeregisterMemory(seg);
 }
 
-std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
-                                              std::span<const std::vector<BufferRef>> buffers) {
-  Impl& im = *impl_;
+std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys,
+                                               std::span<const std::vector<BufferRef>> buffers) {
+  Impl& im = *this;
   std::vector<Status> result(keys.size());
   if (buffers.size() != keys.size()) {
     result.assign(keys.size(), Status::InvalidArgument("BatchPutFrom: one buffer list per key"));
@@ -921,12 +931,12 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   }
   if (keys.size() > store::kMaxKeysPerCall) {
     return BySlices<Status>(keys.size(), [&](size_t begin, size_t count) {
-      return BatchPutFrom(keys.subspan(begin, count), buffers.subspan(begin, count));
+      return PutFrom(keys.subspan(begin, count), buffers.subspan(begin, count));
     });
   }
   // A key whose memory is not registered fails alone; the others go on without it.
   if (auto subset = PreCheck(im, keys, buffers, &result)) {
-    std::vector<Status> sub = BatchPutFrom(subset->keys, subset->buffers);
+    std::vector<Status> sub = PutFrom(subset->keys, subset->buffers);
     for (size_t j = 0; j < sub.size(); ++j) result[subset->index[j]] = std::move(sub[j]);
     return result;
   }
@@ -986,10 +996,14 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
   std::vector<size_t> group_of_op;
   std::vector<std::pair<size_t, int>> groups;  // (key index, replica index)
   std::vector<size_t> unread_groups;           // groups of keys whose bytes could not be read
+  uint64_t existing = 0;                       // keys stored already (counters)
   for (size_t i = 0; i < keys.size(); ++i) {
     const auto& item = started.items(static_cast<int>(i));
     Status st = FromProto(item.status());
-    if (st.Is(StatusCode::kAlreadyExists)) continue;  // stored already: success, no rewrite
+    if (st.Is(StatusCode::kAlreadyExists)) {  // stored already: success, no rewrite
+      ++existing;
+      continue;
+    }
     if (!st.ok()) {
       result[i] = st;
       continue;
@@ -1043,8 +1057,10 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
     }
     end[end_item_of_key[i]].replica_ok.push_back(group_status[g].ok());
   }
+  im.counters.PutsExisting(existing);
   if (end.empty()) return result;
   Result<std::vector<Status>> ended = im.master->PutEnd(end);
+  uint64_t stored = 0, written = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
     const int e = end_item_of_key[i];
     if (e < 0) continue;
@@ -1057,7 +1073,10 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
       continue;
     }
     result[i] = (*ended)[e];
-    if (!result[i].ok()) {
+    if (result[i].ok()) {
+      ++stored;
+      written += std::accumulate(sizes[i].begin(), sizes[i].end(), uint64_t{0});
+    } else {
       // Say why the replicas failed, not only that the master revoked the object.
       for (size_t g = 0; g < groups.size(); ++g) {
         if (groups[g].first == i && !group_status[g].ok()) {
@@ -1067,6 +1086,7 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
       }
     }
   }
+  im.counters.PutsStored(stored, written);
   // A node that failed a write as a whole (gone, frozen, replaced) is reported once, as gets
   // do: placed last for a while, so the next puts put their replicas elsewhere first instead
   // of each waiting out the same progress timeout until its TTL expires. Nothing is dropped.
@@ -1080,6 +1100,35 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
       im.Report(keys[i], item.version(), loc, /*node_level=*/true);
     }
   }
+  return result;
+}
+
+std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
+                                              std::span<const std::vector<BufferRef>> buffers) {
+  const auto start = store::ClientCounters::Clock::now();
+  std::vector<Status> result = impl_->PutFrom(keys, buffers);
+  for (const Status& st : result) {
+    if (!st.ok()) impl_->counters.Error(StoreOp::kPut, st.code());
+  }
+  impl_->counters.Call(StoreOp::kPut, keys.size(), store::ClientCounters::Clock::now() - start);
+  return result;
+}
+
+std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
+    std::span<const std::string> keys, std::span<const std::vector<BufferRef>> buffers) {
+  const auto start = store::ClientCounters::Clock::now();
+  std::vector<Result<uint64_t>> result = impl_->GetInto(keys, buffers);
+  uint64_t misses = 0;
+  for (const Result<uint64_t>& r : result) {
+    if (r.ok()) continue;  // a hit, counted by GetInto with its tier
+    if (r.status().IsNotFound()) {
+      ++misses;
+    } else {
+      impl_->counters.Error(StoreOp::kGet, r.status().code());
+    }
+  }
+  impl_->counters.GetMisses(misses);
+  impl_->counters.Call(StoreOp::kGet, keys.size(), store::ClientCounters::Clock::now() - start);
   return result;
 }
 
@@ -1102,9 +1151,9 @@ std::vector<Result<std::vector<ReplicaInfo>>> StoreClient::BatchGetReplicaInfo(
   });
 }
 
-std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
+std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
     std::span<const std::string> keys, std::span<const std::vector<BufferRef>> buffers) {
-  Impl& im = *impl_;
+  Impl& im = *this;
   std::vector<Result<uint64_t>> result(keys.size(), Status::Internal("not attempted"));
   if (buffers.size() != keys.size()) {
     result.assign(keys.size(), Status::InvalidArgument("BatchGetInto: one buffer list per key"));
@@ -1112,11 +1161,11 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
   }
   if (keys.size() > store::kMaxKeysPerCall) {
     return BySlices<Result<uint64_t>>(keys.size(), [&](size_t begin, size_t count) {
-      return BatchGetInto(keys.subspan(begin, count), buffers.subspan(begin, count));
+      return GetInto(keys.subspan(begin, count), buffers.subspan(begin, count));
     });
   }
   if (auto subset = PreCheck(im, keys, buffers, &result)) {
-    auto sub = BatchGetInto(subset->keys, subset->buffers);
+    auto sub = GetInto(subset->keys, subset->buffers);
     for (size_t j = 0; j < sub.size(); ++j) result[subset->index[j]] = std::move(sub[j]);
     return result;
   }
@@ -1161,6 +1210,7 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
   }
   Status peers_ok = im.EnsurePeers(nodes);
   if (!peers_ok.ok()) KVB_LOG(WARN) << "get: " << peers_ok.ToString();
+  uint64_t hits_dram = 0, hits_ssd = 0, hit_bytes = 0;  // counters, added once at the end
   // The transfers of the whole get, every pass, DRAM and SSD, end within transfer_deadline_ms
   // from here; a key still failing then keeps its last error.
   using Clock = std::chrono::steady_clock;
@@ -1286,8 +1336,12 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
         }
       }
       if (st.ok()) {
-        result[i] = static_cast<uint64_t>(
-            std::accumulate(item.sizes().begin(), item.sizes().end(), uint64_t{0}));
+        const uint64_t size =
+            std::accumulate(item.sizes().begin(), item.sizes().end(), uint64_t{0});
+        // Hedges read a replica of the tier of the one they stand in for.
+        ++(item.replicas(next_replica[i]).tier() == kTierSsd ? hits_ssd : hits_dram);
+        hit_bytes += size;
+        result[i] = size;
         continue;
       }
       const auto& bad = item.replicas(next_replica[i]);
@@ -1325,39 +1379,89 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
     }
     pending.swap(retry);
   }
+  im.counters.GetHits(hits_dram, hits_ssd, hit_bytes);
   return result;
 }
 
-Result<std::vector<bool>> StoreClient::BatchExists(std::span<const std::string> keys) {
+namespace {
+
+Result<std::vector<bool>> ExistsUncounted(StoreClient::Impl& im,
+                                          std::span<const std::string> keys) {
   if (keys.size() > store::kMaxKeysPerCall) {
     std::vector<bool> all;
     all.reserve(keys.size());
     for (size_t begin = 0; begin < keys.size(); begin += store::kMaxKeysPerCall) {
-      Result<std::vector<bool>> part =
-          BatchExists(keys.subspan(begin, std::min(keys.size() - begin, store::kMaxKeysPerCall)));
+      Result<std::vector<bool>> part = ExistsUncounted(
+          im, keys.subspan(begin, std::min(keys.size() - begin, store::kMaxKeysPerCall)));
       if (!part.ok()) return part.status();
       all.insert(all.end(), part->begin(), part->end());
     }
     return all;
   }
-  return impl_->master->Exists(keys);
+  return im.master->Exists(keys);
+}
+
+std::vector<Status> RemoveUncounted(StoreClient::Impl& im, std::span<const std::string> keys) {
+  if (keys.size() > store::kMaxKeysPerCall) {
+    return BySlices<Status>(keys.size(), [&](size_t begin, size_t count) {
+      return RemoveUncounted(im, keys.subspan(begin, count));
+    });
+  }
+  Result<std::vector<Status>> removed = im.master->Remove(keys);
+  if (!removed.ok()) return std::vector<Status>(keys.size(), removed.status());
+  return std::move(removed).value();
+}
+
+}  // namespace
+
+Result<std::vector<bool>> StoreClient::BatchExists(std::span<const std::string> keys) {
+  const auto start = store::ClientCounters::Clock::now();
+  Result<std::vector<bool>> result = ExistsUncounted(*impl_, keys);
+  if (!result.ok()) impl_->counters.Error(StoreOp::kExists, result.status().code(), keys.size());
+  impl_->counters.Call(StoreOp::kExists, keys.size(), store::ClientCounters::Clock::now() - start);
+  return result;
 }
 
 std::vector<Status> StoreClient::BatchRemove(std::span<const std::string> keys) {
-  if (keys.size() > store::kMaxKeysPerCall) {
-    return BySlices<Status>(keys.size(), [&](size_t begin, size_t count) {
-      return BatchRemove(keys.subspan(begin, count));
-    });
+  const auto start = store::ClientCounters::Clock::now();
+  std::vector<Status> result = RemoveUncounted(*impl_, keys);
+  uint64_t removed = 0;
+  for (const Status& st : result) {
+    if (st.ok()) {
+      ++removed;
+    } else {
+      impl_->counters.Error(StoreOp::kRemove, st.code());
+    }
   }
-  Result<std::vector<Status>> removed = impl_->master->Remove(keys);
-  if (!removed.ok()) return std::vector<Status>(keys.size(), removed.status());
-  return std::move(removed).value();
+  impl_->counters.Removed(removed);
+  impl_->counters.Call(StoreOp::kRemove, keys.size(), store::ClientCounters::Clock::now() - start);
+  return result;
+}
+
+StoreClientStats StoreClient::stats() const { return impl_->counters.Snapshot(); }
+
+void StoreClient::ResetStats() { impl_->counters.Reset(); }
+
+const char* StoreOpName(StoreOp op) {
+  switch (op) {
+    case StoreOp::kGet:
+      return "get";
+    case StoreOp::kPut:
+      return "put";
+    case StoreOp::kRemove:
+      return "remove";
+    case StoreOp::kExists:
+      return "exists";
+  }
+  return "unknown";
 }
 
 Status StoreClient::RemoveAll() { return impl_->master->RemoveAll(impl_->admin_key); }
 
 Status StoreClient::Put(std::string_view key, std::string_view value) {
   if (value.size() > kStagingBytes) {
+    impl_->counters.Error(StoreOp::kPut, StatusCode::kInvalidArgument);  // a put that failed
+    impl_->counters.Call(StoreOp::kPut, 1, store::ClientCounters::Clock::duration::zero());
     return Status::InvalidArgument("Put: value larger than the staging area (" +
                                    std::to_string(kStagingBytes) +
                                    " bytes); use BatchPutFrom on registered memory");

@@ -8,8 +8,10 @@ Two jobs, one package (docs/python.md):
   :class:`Cluster` (``kvbridge.Cluster(nodes=3).client()``).
 
 ``kvbridge.ops`` (imported on first use; needs torch) holds the page gather/scatter kernels
-as torch ops for SGLang and vLLM layouts. Errors are :class:`kvbridge.errors.KvbError`
-subclasses named after the status code. Options are keywords mirroring ``KVBRIDGE_*``.
+as torch ops for SGLang and vLLM layouts. ``kvbridge.metrics`` (likewise; serving needs
+prometheus_client) serves a store client's stats() on a Prometheus endpoint. Errors are
+:class:`kvbridge.errors.KvbError` subclasses named after the status code. Options are
+keywords mirroring ``KVBRIDGE_*``.
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ __all__ = [
     "fetch_descriptor",
     "StoreClient", "Node", "Master", "Cluster", "GetResult", "Replica", "ReplicasResult",
     "cluster_status", "Status",
-    "StatusCode", "KvbError", "raise_if_error", "errors", "ops",
+    "StatusCode", "KvbError", "raise_if_error", "errors", "ops", "metrics",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    # kvbridge.ops imports torch (seconds); only when asked for.
-    if name == "ops":
-        return importlib.import_module("kvbridge.ops")
+    # kvbridge.ops imports torch (seconds); only when asked for, as kvbridge.metrics.
+    if name in ("ops", "metrics"):
+        return importlib.import_module(f"kvbridge.{name}")
     raise AttributeError(f"module 'kvbridge' has no attribute {name!r}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import operator
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -34,6 +35,7 @@ from kvbridge.engine import PeerId, raise_if_error
 from kvbridge.errors import InvalidArgumentError
 
 Key = Union[str, bytes]
+_METRICS_ENV = "KVBRIDGE_CLIENT_METRICS_LISTEN"  # kvbridge.metrics.ENV, without importing it
 
 
 def _key(k: Any, i: Optional[int] = None) -> Union[str, bytes]:
@@ -134,20 +136,39 @@ class StoreClient:
     """A store client. Options are keywords mirroring KVBRIDGE_*: master ("host:port"),
     replica_num, rpc_timeout_ms, store_transfer_deadline_ms, hedge_after_ms,
     hedge_bandwidth_mbps, plus the engine's (TransferEngine). verify_checksums is accepted and
-    ignored: every read is checked against the object's CRC-32C."""
+    ignored: every read is checked against the object's CRC-32C.
+
+    ``metrics_listen="HOST:PORT"`` (else KVBRIDGE_CLIENT_METRICS_LISTEN; empty: off) serves
+    the client's stats() on ``http://HOST:PORT/metrics`` for Prometheus (kvbridge.metrics,
+    which needs the prometheus_client package); the port bound is ``metrics_port``."""
 
     def __init__(self, **kwargs: Any):
         handle = kwargs.pop("_handle", None)
-        if handle is None:
+        listen, what = kwargs.pop("metrics_listen", None), "metrics_listen"
+        if listen is None:
+            listen, what = os.environ.get(_METRICS_ENV, ""), _METRICS_ENV
+        owned = handle is None
+        if owned:
             opts = options.store_options(kwargs)
             options.check_consumed(kwargs, "StoreClient",
-                                   options.STORE_FIELDS + options.ENGINE_FIELDS)
+                                   options.STORE_FIELDS + options.ENGINE_FIELDS
+                                   + ("metrics_listen",))
             handle = _C.StoreClient(opts)
         self._h = handle
         self._lock = threading.Lock()
         self._starts: list[int] = []  # registered buffers, sorted by address
         self._ends: dict[int, int] = {}
         self._keepalive: dict[int, Any] = {}
+        self.metrics_port: Optional[int] = None  # where stats() is served (metrics_listen)
+        if listen:
+            from kvbridge import metrics
+
+            try:
+                self.metrics_port = metrics.serve(self, listen, what)
+            except BaseException:
+                if owned:
+                    self._h.close()
+                raise
 
     # -- registration ----------------------------------------------------------------------
     def register_buffer(self, buf: Any) -> None:
@@ -348,9 +369,40 @@ class StoreClient:
         """One kvbridge.Status per key (NOT_FOUND for absent keys)."""
         return self._h.batch_remove([_key(k, i) for i, k in enumerate(keys)])
 
+    # -- statistics ------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """The client's counters since it was made (or since reset_stats()), per key unless
+        said otherwise (docs/python.md "Client statistics and metrics"):
+
+        - ``get_hits`` (= ``get_hits_dram`` + ``get_hits_ssd``, by the tier of the replica
+          that served the key), ``get_misses`` (NOT_FOUND), ``hit_rate`` (hits over the keys
+          gets asked for, failures included; 0.0 before any get), ``bytes_read``;
+        - ``puts_stored`` and ``bytes_written`` (object bytes, once per key whatever
+          replica_num), ``puts_existing`` (already stored: success, nothing written);
+        - ``removes``;
+        - ``ops``: for "get", "put", "remove", "exists": ``calls`` (a batch is one; put/get
+          are batches of one), ``keys``, ``errors`` ({status name: keys failed}; a get's
+          NOT_FOUND is a miss instead), ``seconds_sum`` and ``seconds_buckets`` (cumulative
+          (upper bound in seconds, calls) pairs, the last bound inf) of the calls' wall time.
+
+        Reading costs no lock; with calls in flight two fields can be a call apart."""
+        s = self._h.stats()
+        asked = s["ops"]["get"]["keys"]
+        s["hit_rate"] = s["get_hits"] / asked if asked else 0.0
+        return s
+
+    def reset_stats(self) -> None:
+        """Zeroes the counters (a Prometheus scrape sees a counter reset)."""
+        self._h.reset_stats()
+
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
-        """Closes the client (a Cluster's client closes with its cluster)."""
+        """Closes the client (a Cluster's client closes with its cluster) and stops serving
+        its metrics."""
+        metrics = sys.modules.get("kvbridge.metrics")  # not imported: nothing served
+        if metrics is not None:
+            metrics.stop(self)
+        self.metrics_port = None
         self._h.close()
 
     def __enter__(self) -> "StoreClient":
@@ -487,6 +539,8 @@ class Cluster:
         return cluster_status(self.master_address, timeout_ms, cluster_token=self._token)
 
     def close(self) -> None:
+        if self._client is not None:
+            self._client.close()  # its metrics endpoint; the native client closes with us
         self._h.close()
 
     def __enter__(self) -> "Cluster":
@@ -506,4 +560,23 @@ def cluster_status(master: str, timeout_ms: int = 3000,
     return _C.query_cluster_status(master, timeout_ms, cluster_token)
 
 
-__all__ = ["StoreClient", "Master", "Node", "Cluster", "GetResult", "cluster_status"]
+def client_stats_summary(stats: dict) -> dict:
+    """A StoreClient.stats() in a few flat integers, as the engine integrations report it
+    (SGLang's stats(), vLLM's KV connector stats): ``store_client_`` + get_hits,
+    get_hits_ssd, get_misses, get_keys (keys gets asked for: hit_rate is get_hits over it),
+    bytes_read, bytes_written, puts_stored, errors (keys failed, every call), and per call
+    kind (get, put, exists) ``<op>_calls`` and ``<op>_us`` (their wall time summed, in
+    microseconds). Integers so that sums over workers stay exact."""
+    ops = stats["ops"]
+    out = {f"store_client_{k}": stats[k] for k in (
+        "get_hits", "get_hits_ssd", "get_misses", "bytes_read", "bytes_written", "puts_stored")}
+    out["store_client_get_keys"] = ops["get"]["keys"]
+    out["store_client_errors"] = sum(n for o in ops.values() for n in o["errors"].values())
+    for op in ("get", "put", "exists"):
+        out[f"store_client_{op}_calls"] = ops[op]["calls"]
+        out[f"store_client_{op}_us"] = round(ops[op]["seconds_sum"] * 1e6)
+    return out
+
+
+__all__ = ["StoreClient", "Master", "Node", "Cluster", "GetResult", "cluster_status",
+           "client_stats_summary"]

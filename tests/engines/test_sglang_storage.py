@@ -168,6 +168,12 @@ def test_v1_round_trip_into_other_host_slots(master, backends, cluster, layout, 
     assert (s["get_hit_pages"], s["get_miss_pages"], s["set_ok_pages"]) == (6, 0, 6)
     assert s["get_bytes"] == 6 * sum(sizes) and s["set_bytes"] == 6 * sum(sizes)
     assert s["errors"] == 0
+    # The store client's own counters, per object (a page is objects_per_page of them).
+    assert s["store_client_get_hits"] == s["store_client_puts_stored"] == 6 * objects_per_page
+    assert s["store_client_bytes_read"] == s["store_client_bytes_written"] == 6 * sum(sizes)
+    assert s["store_client_get_misses"] == s["store_client_errors"] == 0
+    assert s["store_client_hit_rate"] == 1.0 and s["store_client_get_calls"] == 1
+    assert s["store_client_get_mean_seconds"] > 0 and s["store_client_put_mean_seconds"] > 0
 
 
 def test_batch_exists_counts_the_leading_run(master, backends):
@@ -372,6 +378,8 @@ def test_get_stats_is_what_sglang_collects(master, backends):
     assert m.backup_pgs == [4] and m.prefetch_pgs == [4]
     assert len(m.prefetch_bandwidth) == 1 and m.prefetch_bandwidth[0] > 0
     assert m.kvbridge["get_miss_pages"] == 1 and m.kvbridge["get_hit_pages"] == 4
+    hits, misses = m.kvbridge["store_client_get_hits"], m.kvbridge["store_client_get_misses"]
+    assert hits == 4 * misses and m.kvbridge["store_client_hit_rate"] == pytest.approx(0.8)
     assert b.get_stats().prefetch_pgs == []  # drained, as SGLang's collector expects
     try:
         from sglang.srt.observability.metrics_collector import StorageMetricsCollector

@@ -222,6 +222,34 @@ def test_counters(tmp_path):
     assert core.stats_path("/x/s-{rank}.json", 1) == "/x/s-1.json"
 
 
+def test_counters_carry_the_store_clients_own(tmp_path):
+    """A tracked store client's stats() are the store_client_* counters: their deltas, the
+    stats file, and the hit rate and mean call times vLLM's log shows (from the sums)."""
+    with kvbridge.Cluster(nodes=1, dram_bytes_per_node=16 << 20) as cluster:
+        store = cluster.client()
+        c = core.Counters()
+        c.track_store(store)
+        store.put("vllm-stats/a", b"a" * 100)
+        assert store.get("vllm-stats/a") == b"a" * 100
+        with pytest.raises(errors.NotFoundError):
+            store.get("vllm-stats/absent")
+        delta = c.take_delta()
+        assert delta["store_client_get_hits"] == 1 and delta["store_client_get_misses"] == 1
+        assert delta["store_client_get_keys"] == 2 and delta["store_client_get_calls"] == 2
+        assert delta["store_client_bytes_read"] == delta["store_client_bytes_written"] == 100
+        assert delta["store_client_puts_stored"] == 1 and delta["store_client_put_us"] > 0
+        assert c.take_delta() == {}  # nothing moved since
+        store.get("vllm-stats/a")
+        assert c.take_delta()["store_client_get_hits"] == 1
+        c.write(str(tmp_path / "s.json"))
+        assert json.loads((tmp_path / "s.json").read_text())["store_client_get_hits"] == 2
+    # Worker deltas are summed by vLLM; the derived values come from the sums.
+    derived = core.derived_stats({"store_client_get_hits": 3, "store_client_get_keys": 4,
+                                  "store_client_get_calls": 2, "store_client_get_us": 3000})
+    assert derived == {"store_client_hit_rate": 0.75, "store_client_get_mean_ms": 1.5}
+    assert core.derived_stats({}) == {}
+
+
 # ============================================================================================
 # The transport against real kvbridge engines in other processes
 # ============================================================================================
@@ -689,6 +717,13 @@ def test_vllm_store_prefix_reuse_by_a_fresh_instance(scenario):
     assert st["store_blocks_invalid"] == 0
     pst = scenario["prefill_stats_before_stop"]
     assert pst["store_blocks_put"] > 0 and pst["store_put_failures"] == 0
+    # The store clients' own counters (docs/vllm.md "Counters"): what the worker read is
+    # what its client read; the prefill's client wrote its blocks.
+    assert st["store_client_bytes_read"] == st["store_bytes_get"]
+    assert st["store_client_get_hits"] >= 5 and st["store_client_get_calls"] >= 1
+    assert st["store_client_get_us"] > 0 and st["store_client_errors"] == 0
+    assert pst["store_client_puts_stored"] > 0
+    assert pst["store_client_bytes_written"] == pst["store_bytes_put"]
 
 
 def test_vllm_staged_through_host_pages(scenario):

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
@@ -125,6 +126,78 @@ TEST(EmbeddedStore, UnregisteredMemoryFailsOnlyItsOwnKey) {
   ASSERT_TRUE(got[2].ok()) << got[2].status().ToString();
   EXPECT_EQ(std::memcmp(dst.data(), src.data(), kObject), 0);
   EXPECT_EQ(std::memcmp(dst.data() + kObject, src.data() + kObject, kObject), 0);
+}
+
+uint64_t Errors(const StoreOpStats& o, StatusCode code) {
+  for (const auto& [c, n] : o.errors) {
+    if (c == code) return n;
+  }
+  return 0;
+}
+
+// A call is counted once, however it is split: into slices of kMaxKeysPerCall keys, or around
+// its keys whose memory is not registered. Threads' counts add up exactly.
+TEST(EmbeddedStore, StatsCountEachCallOnceWithItsKeysBytesAndLatency) {
+  auto cluster = Must(EmbeddedCluster::Start(SmallCluster(2, 64u << 20, 1)));
+  StoreClient& c = cluster->client();
+  constexpr size_t kKeys = 4100;  // two slices
+  constexpr uint64_t kSmall = 256;
+  Buffer src(kKeys * kSmall), dst(kKeys * kSmall), loose(kSmall);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
+  std::vector<std::string> keys;
+  std::vector<std::vector<BufferRef>> in, out;
+  for (size_t i = 0; i < kKeys; ++i) {
+    keys.push_back("stats-" + std::to_string(i));
+    in.push_back({BufferRef{src.data() + i * kSmall, kSmall}});
+    out.push_back({BufferRef{dst.data() + i * kSmall, kSmall}});
+  }
+  in.back() = {BufferRef{loose.data(), kSmall}};  // NOT_REGISTERED, the others go on
+  std::vector<Status> put = c.BatchPutFrom(keys, in);
+  ASSERT_TRUE(put.front().ok()) << put.front().ToString();
+  ASSERT_TRUE(put.back().Is(StatusCode::kNotRegistered));
+  auto got = c.BatchGetInto(keys, out);  // the last key is absent: a miss
+  ASSERT_TRUE(got.front().ok());
+  ASSERT_TRUE(got.back().status().IsNotFound());
+
+  StoreClientStats s = c.stats();
+  const StoreOpStats& p = s.op(StoreOp::kPut);
+  const StoreOpStats& g = s.op(StoreOp::kGet);
+  EXPECT_EQ(p.calls, 1u);
+  EXPECT_EQ(p.keys, kKeys);
+  EXPECT_EQ(Errors(p, StatusCode::kNotRegistered), 1u);
+  EXPECT_EQ(s.puts_stored, kKeys - 1);
+  EXPECT_EQ(s.bytes_written, (kKeys - 1) * kSmall);
+  EXPECT_EQ(g.calls, 1u);
+  EXPECT_EQ(g.keys, kKeys);
+  EXPECT_TRUE(g.errors.empty());
+  EXPECT_EQ(s.get_hits(), kKeys - 1);
+  EXPECT_EQ(s.get_hits_dram, kKeys - 1);
+  EXPECT_EQ(s.get_misses, 1u);
+  EXPECT_EQ(s.bytes_read, (kKeys - 1) * kSmall);
+  for (const StoreOpStats* o : {&p, &g}) {
+    EXPECT_EQ(std::accumulate(o->latency_buckets.begin(), o->latency_buckets.end(), uint64_t{0}),
+              o->calls);
+    EXPECT_GT(o->latency_ns, 0u);
+  }
+
+  c.ResetStats();
+  constexpr int kThreads = 4, kGetsEach = 50;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kGetsEach; ++i) {
+        const size_t k = static_cast<size_t>(t * kGetsEach + i);
+        (void)c.BatchGetInto(std::span(&keys[k], 1), std::span(&out[k], 1));
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  s = c.stats();
+  EXPECT_EQ(s.op(StoreOp::kGet).calls, uint64_t{kThreads * kGetsEach});
+  EXPECT_EQ(s.get_hits(), uint64_t{kThreads * kGetsEach});
+  EXPECT_EQ(s.op(StoreOp::kPut).calls, 0u);
+  EXPECT_EQ(std::string(StoreOpName(StoreOp::kExists)), "exists");
 }
 
 TEST(EmbeddedStore, EvictionKeepsUsageUnderTheWatermarkAndSparesRecentlyReadObjects) {

@@ -9,11 +9,13 @@
 // Thread-safety: every method of every class here may be called concurrently.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvbridge/engine.h"
@@ -91,6 +93,57 @@ struct ReplicaInfo {
   uint64_t bytes = 0;  // the object's size
 };
 
+// The calls a StoreClient counts (StoreClientStats::ops): BatchGetInto (and Get), BatchPutFrom
+// (and Put), BatchRemove, BatchExists.
+enum class StoreOp : uint8_t { kGet = 0, kPut = 1, kRemove = 2, kExists = 3 };
+inline constexpr size_t kStoreOpCount = 4;
+
+// "get", "put", "remove", "exists".
+KVBRIDGE_API const char* StoreOpName(StoreOp op);
+
+// What one kind of call did (StoreClientStats::ops).
+struct StoreOpStats {
+  // Upper bounds, in seconds, of the latency buckets (the Prometheus defaults widened down to
+  // 100 us, where a batch of DRAM gets ends); a call slower than the last bound falls in the
+  // last bucket (+Inf).
+  static constexpr std::array<double, 16> kLatencyBounds = {
+      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+      0.05,   0.1,     0.25,   0.5,   1.0,    2.5,   5.0,  10.0};
+  static constexpr size_t kLatencyBuckets = kLatencyBounds.size() + 1;
+
+  uint64_t calls = 0;       // calls returned (a batch is one call; Put and Get are batches of one)
+  uint64_t keys = 0;        // keys those calls carried
+  uint64_t latency_ns = 0;  // their wall time, summed
+  // latency_buckets[b]: calls that took at most kLatencyBounds[b] (and more than the bound
+  // before it); the last: calls slower than every bound. Not cumulative.
+  std::array<uint64_t, kLatencyBuckets> latency_buckets{};
+  // Keys that failed, by status code, codes with a count only, in code order. A get's
+  // NOT_FOUND is a miss (StoreClientStats::get_misses), not an error; a remove's NOT_FOUND (no
+  // such key) is counted here. A call that failed as a whole (the master unreachable) fails
+  // each of its keys.
+  std::vector<std::pair<StatusCode, uint64_t>> errors;
+};
+
+// A StoreClient's counters since Create() or its last ResetStats() (StoreClient::stats()).
+struct StoreClientStats {
+  std::array<StoreOpStats, kStoreOpCount> ops;  // by StoreOp
+  // Keys a get read and verified, by the tier of the replica that served them (a hedged
+  // read's replica is of the same tier as the one it stands in for).
+  uint64_t get_hits_dram = 0;
+  uint64_t get_hits_ssd = 0;
+  uint64_t get_misses = 0;  // keys a get found absent (NOT_FOUND)
+  uint64_t bytes_read = 0;  // object bytes the hits returned
+  // Keys a put wrote, and their object bytes: once per key, whatever replica_num (the bytes
+  // sent are bytes_written x replicas).
+  uint64_t puts_stored = 0;
+  uint64_t bytes_written = 0;
+  uint64_t puts_existing = 0;  // keys a put found stored already (success; nothing written)
+  uint64_t removes = 0;        // keys removed
+
+  const StoreOpStats& op(StoreOp o) const { return ops[static_cast<size_t>(o)]; }
+  uint64_t get_hits() const { return get_hits_dram + get_hits_ssd; }
+};
+
 class KVBRIDGE_API StoreClient {
  public:
   static Result<std::unique_ptr<StoreClient>> Create(const StoreOptions& options);
@@ -138,6 +191,13 @@ class KVBRIDGE_API StoreClient {
   // client-wide staging area, so concurrent calls take turns; use the batch forms for speed).
   Status Put(std::string_view key, std::string_view value);
   Result<std::string> Get(std::string_view key);
+
+  // The client's counters (StoreClientStats). Counting is a few relaxed atomic additions per
+  // call; reading takes no lock and stops no call, so with calls in flight two fields of one
+  // snapshot can be a call apart.
+  StoreClientStats stats() const;
+  // Zeroes the counters (to a Prometheus scrape, a counter reset).
+  void ResetStats();
 
   TransferEngine& engine();
 

@@ -305,11 +305,15 @@ class _Session:
     """What one setup() built; closed as a whole by close()."""
 
     def __init__(self, master: str, node: Optional[Node], client: StoreClient,
-                 client_options: dict, staging: Optional[mmap.mmap]):
+                 client_options: dict, staging: Optional[mmap.mmap], metrics_listen: str = ""):
         self.master = master
         self.node = node
         self.client = client
         self._client_options = client_options
+        # enable_client_http_server: where every client of the session is served (one
+        # endpoint, their sums); "" when off.
+        self.metrics_listen = metrics_listen
+        _serve_metrics(client, metrics_listen)
         self._lock = threading.Lock()
         # Clients for puts with another replica_num (kvbridge's replica_num is per client).
         self._by_replicas: dict[int, StoreClient] = {1: client}
@@ -333,6 +337,7 @@ class _Session:
         opts = dict(self._client_options, replica_num=replica_num)
         opts["node_id"] = f"{opts['node_id']}-r{replica_num}"
         fresh = StoreClient(**opts)  # InvalidArgumentError for replica_num < 1
+        _serve_metrics(fresh, self.metrics_listen)
         with self._lock:
             closed = self._closed
             c = fresh if closed else self._by_replicas.setdefault(replica_num, fresh)
@@ -918,8 +923,23 @@ def _positional_setup(local_hostname: str, metadata_server: str, global_segment_
 _DEFAULTS = {"global_segment_size": 16 << 20, "local_buffer_size": 16 << 20, "protocol": "tcp",
              "rdma_devices": "", "master_server_addr": "127.0.0.1:50051",
              "enable_ssd_offload": False, "ssd_offload_path": ""}
-_IGNORED = {"metadata_server", "rdma_devices", "engine", "tenant_id",
-            "enable_client_http_server", "client_http_port", "ipc_socket_path"}
+_IGNORED = {"metadata_server", "rdma_devices", "engine", "tenant_id", "ipc_socket_path"}
+_METRICS = {"enable_client_http_server", "client_http_port"}
+
+
+def _serve_metrics(client: StoreClient, listen: str) -> None:
+    """Mooncake's client HTTP server: the client's stats on ``listen``'s /metrics
+    (kvbridge.metrics). As in Mooncake, a server that cannot start is a warning and the store
+    works on without it."""
+    if not listen:
+        return
+    from kvbridge import metrics
+
+    try:
+        metrics.serve(client, listen, "client_http_port")
+    except (KvbError, ImportError) as e:
+        _log.warning("client HTTP server on %s not started; continuing without it: %s",
+                     listen, e)
 
 
 def _flag(value: Any) -> bool:
@@ -931,7 +951,7 @@ def _flag(value: Any) -> bool:
 def _start(config: dict) -> _Session:
     """Starts the Node (when global_segment_size > 0) and the StoreClient; ValueError or a
     KvbError says why not."""
-    unknown = set(config) - set(_DEFAULTS) - _IGNORED - {"local_hostname"}
+    unknown = set(config) - set(_DEFAULTS) - _IGNORED - _METRICS - {"local_hostname"}
     if unknown:
         _log.warning("setup: ignoring unknown keys %s", ", ".join(sorted(unknown)))
     c = dict(_DEFAULTS, **{k: v for k, v in config.items() if v is not None})
@@ -945,6 +965,14 @@ def _start(config: dict) -> _Session:
                          "host:port (no etcd/redis/k8s HA addresses)")
     if master.rpartition(":")[2].isdigit() is False:
         raise ValueError(f"master_server_addr {master!r}: expected host:port")
+    metrics_listen = ""
+    if _flag(c.get("enable_client_http_server", False)):
+        port = c.get("client_http_port", 9300)
+        if isinstance(port, str) and port.strip().isdigit():
+            port = int(port)
+        if type(port) is not int or not 0 < port <= 65535:
+            raise ValueError(f"client_http_port {port!r}: expected a port, 1..65535")
+        metrics_listen = f"0.0.0.0:{port}"  # Mooncake's client server listens on every address
     host = _host_of(str(c["local_hostname"]))
     node_id = f"mooncake-{host}-{os.getpid()}-{next(_instances)}"
     engine: dict[str, Any] = {"node_id": node_id, "listen": f"{host}:0"}
@@ -967,7 +995,7 @@ def _start(config: dict) -> _Session:
     try:
         client = StoreClient(replica_num=1, **client_opts)
         staging = mmap.mmap(-1, staging_bytes) if staging_bytes > 0 else None
-        return _Session(master, node, client, client_opts, staging)
+        return _Session(master, node, client, client_opts, staging, metrics_listen)
     except BaseException:
         if node is not None:
             node.close()

@@ -502,7 +502,38 @@ COUNTERS = (
     "store_bytes_get",
     "store_blocks_invalid",  # blocks a store load could not fill (reported to vLLM)
     "store_lookup_hits",  # scheduler: blocks get_num_new_matched_tokens found in the store
+    # The store client's own counters (kvbridge.store.client_stats_summary), per key: what it
+    # read (hits, of which from an SSD replica, misses), wrote, failed, the keys gets asked
+    # for, and per call kind its calls and their summed wall time in microseconds.
+    "store_client_get_hits",
+    "store_client_get_hits_ssd",
+    "store_client_get_misses",
+    "store_client_bytes_read",
+    "store_client_bytes_written",
+    "store_client_puts_stored",
+    "store_client_errors",
+    "store_client_get_keys",
+    "store_client_get_calls",
+    "store_client_get_us",
+    "store_client_put_calls",
+    "store_client_put_us",
+    "store_client_exists_calls",
+    "store_client_exists_us",
 )
+
+
+def derived_stats(totals: dict) -> dict:
+    """What vLLM's log of the connector stats adds to the summed counters: the store
+    client's hit rate and mean call times (ms), where there were calls."""
+    out = {}
+    asked = totals.get("store_client_get_keys", 0)
+    if asked:
+        out["store_client_hit_rate"] = totals.get("store_client_get_hits", 0) / asked
+    for op in ("get", "put", "exists"):
+        calls = totals.get(f"store_client_{op}_calls", 0)
+        if calls:
+            out[f"store_client_{op}_mean_ms"] = totals.get(f"store_client_{op}_us", 0) / calls / 1e3
+    return out
 
 
 class Counters:
@@ -516,18 +547,43 @@ class Counters:
         self._reported = dict(self._total)
         self._written: Optional[dict] = None
         self._write_lock = threading.Lock()
+        # [store client, its last summary]: their sums are the store_client_* totals.
+        self._stores: list[list] = []
 
     def add(self, **kw: int) -> None:
         with self._lock:
             for k, v in kw.items():
                 self._total[k] += int(v)
 
+    def track_store(self, store: Any) -> None:
+        """Makes the store_client_* counters `store`'s (summed over the clients tracked),
+        read from its stats() whenever the counters are."""
+        with self._lock:
+            self._stores.append([store, {}])
+
+    def _read_stores(self) -> None:
+        """REQUIRES: self._lock held."""
+        from kvbridge.errors import KvbError
+        from kvbridge.store import client_stats_summary
+
+        sums: dict = {}
+        for entry in self._stores:
+            try:
+                entry[1] = client_stats_summary(entry[0].stats())
+            except KvbError:  # closed: its last totals stand
+                pass
+            for k, v in entry[1].items():
+                sums[k] = sums.get(k, 0) + v
+        self._total.update(sums)
+
     def snapshot(self) -> dict:
         with self._lock:
+            self._read_stores()
             return dict(self._total)
 
     def take_delta(self) -> dict:
         with self._lock:
+            self._read_stores()
             delta = {k: v - self._reported[k] for k, v in self._total.items()
                      if v != self._reported[k]}
             self._reported = dict(self._total)

@@ -37,7 +37,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 import kvbridge
-from kvbridge.errors import AlreadyExistsError
+from kvbridge.errors import AlreadyExistsError, KvbError
+from kvbridge.store import client_stats_summary
 
 logger = logging.getLogger(__name__)
 
@@ -327,6 +328,7 @@ class KvbridgeHiCacheStorage(HiCacheStorage):
         self.key_root = f"{s['namespace']}/{model.strip('-') or 'model'}/{self._shard_tag()}/"
         self.prefix: Optional[str] = None  # key_root + format + "/", set with the host pool
         self._stats = _Stats(bool(getattr(storage_config, "enable_storage_metrics", False)))
+        self._store_stats: Dict[str, int] = {}  # the store client's, as last read (stats())
         self._closed = False
         self._close_lock = threading.Lock()
         self._registered: List[Tuple[int, int]] = []
@@ -690,10 +692,27 @@ class KvbridgeHiCacheStorage(HiCacheStorage):
 
     def stats(self) -> Dict[str, Any]:
         """Cumulative counters: pages asked for, hit, missed, bytes, seconds per operation,
-        errors turned into misses (and the last one)."""
+        errors turned into misses (and the last one); and the store client's own
+        (``store_client_*``, kvbridge.store.client_stats_summary: keys hit, of which from
+        SSD, missed, bytes, failed keys, calls and their time), with its hit rate and mean
+        seconds per call. After close() the store client's last counters stand."""
         out = self._stats.snapshot()
         out.update(master=getattr(self, "master", ""), format=getattr(self, "format_tag", ""),
                    interface="v1" if self.interface_v1 else "generic")
+        store = getattr(self, "_store", None)
+        if store is not None:
+            try:
+                self._store_stats = client_stats_summary(store.stats())
+            except KvbError:  # closed
+                pass
+        c = self._store_stats
+        out.update(c)
+        asked = c.get("store_client_get_keys", 0)
+        out["store_client_hit_rate"] = c.get("store_client_get_hits", 0) / asked if asked else 0.0
+        for op in ("get", "put", "exists"):
+            calls = c.get(f"store_client_{op}_calls", 0)
+            out[f"store_client_{op}_mean_seconds"] = \
+                c.get(f"store_client_{op}_us", 0) / calls / 1e6 if calls else 0.0
         return out
 
     def get_stats(self):

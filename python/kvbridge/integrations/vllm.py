@@ -53,6 +53,7 @@ from kvbridge.integrations._vllm_core import (
     Settings,
     block_keys,
     chain_hashes,
+    derived_stats,
     key_prefix,
     kv_device,
     layout_of,
@@ -150,7 +151,8 @@ class KvbridgeHandshake(KVConnectorHandshakeMetadata):
 @dataclass
 class KvbridgeConnectorStats(KVConnectorStats):
     """Counters moved in an interval (kvbridge.integrations._vllm_core.COUNTERS), summed over
-    workers; vLLM logs them as "KV Transfer metrics"."""
+    workers, the store client's among them (store_client_*); vLLM logs them as "KV Transfer
+    metrics", with the store client's hit rate and mean call times derived from the sums."""
 
     def reset(self) -> None:
         self.data = {}
@@ -161,7 +163,9 @@ class KvbridgeConnectorStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict:
-        return dict(self.data)
+        out = dict(self.data)
+        out.update(derived_stats(self.data))
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -343,6 +347,7 @@ class _SchedulerSide:
         if self._store is None and time.monotonic() - self._store_failed_at > 5.0:
             try:
                 self._store = _store_client(self.s)
+                self.counters.track_store(self._store)
             except errors.KvbError as e:
                 self._store_failed_at = time.monotonic()
                 log.warning("kvbridge store at %s unavailable for lookups: %s", self.s.master, e)
@@ -623,6 +628,7 @@ class _WorkerSide:
             self.engine = kvbridge.TransferEngine(**kw)
         if self.store_save or self.store_load:
             self.store = _store_client(self.s)
+            self.counters.track_store(self.store)
         segs, where = self._register_kv(kv_caches, layout)
         if self.engine is not None:
             if self.producer and self.stager is None:

@@ -262,6 +262,55 @@ def test_health_check_and_close(impl, key):
     assert fresh.put(key("k3"), b"v") == INVALID_PARAMS
 
 
+def _http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_client_http_server_serves_prometheus_metrics(impl, store, key):
+    """setup(..., enable_client_http_server=True, client_http_port=P): the client's metrics
+    in Prometheus text on P's /metrics. The names are each implementation's own (kvbridge's:
+    docs/client-metrics.md)."""
+    if not impl.is_mooncake:
+        pytest.importorskip("prometheus_client")  # kvbridge.metrics serves through it
+    # A port out of range fails setup (Mooncake: INVALID_PARAMS; kvbridge: -1).
+    bad = impl.store_cls()
+    assert bad.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", impl.master,
+                     enable_client_http_server=True, client_http_port=0) < 0
+    impl.closers.append(bad.close)
+    port = free_port()  # a pure client; the module's store holds the segment
+    s = impl.store_cls()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", impl.master,
+                   enable_client_http_server=True, client_http_port=port) == 0
+    impl.closers.append(s.close)
+    assert s.put(key("m"), b"v" * 10) == 0
+    assert s.get(key("m")) == b"v" * 10
+    assert s.get(key("absent")) == b""
+    deadline = time.monotonic() + 10
+    while True:  # Mooncake starts its server asynchronously
+        try:
+            status, text = _http_get(f"http://127.0.0.1:{port}/metrics")
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    assert status == 200
+    assert "# TYPE" in text
+    if not impl.is_mooncake:
+        assert 'kvbridge_client_gets_total{result="hit"} 1.0' in text
+        assert 'kvbridge_client_gets_total{result="miss"} 1.0' in text
+        s.close()  # stops the endpoint
+        with pytest.raises(OSError):
+            _http_get(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
 def _host_allocator(impl: Impl) -> Any:
     if impl.is_mooncake:
         try:
