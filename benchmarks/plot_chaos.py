@@ -39,7 +39,8 @@ def main() -> int:
         color = COLORS.get(system, None)
         label = (f"{system}: {run['failed_ops']} failed ops, {run['stall_seconds']} s below "
                  "half throughput")
-        top.step(xs, tl["mb_per_s"], where="post", color=color, linewidth=1.2, label=label)
+        top.step(xs, tl["mb_per_s"], where="post", color=color, linewidth=1.2, label=label,
+                 zorder=3 if system == "kvbridge" else 2)
         # side by side within the bucket so both systems stay visible
         bottom.bar([x + step * (0.25 + 0.5 * i) for x in xs], tl["failed_ops"],
                    width=step * 0.5, color=color, label=system)
