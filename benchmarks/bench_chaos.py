@@ -108,6 +108,19 @@ SCENARIOS: dict[str, tuple[str, Callable]] = {
                     inject_master),
 }
 
+# What a reader needs to read a scenario's figures right.
+NOTES = {
+    "restart-holder": "kvbridge: the node comes back on the same data and RPC ports as a new "
+                      "incarnation. Mooncake: the storage process comes back under the same "
+                      "segment name (its store client port) with its transfer engine's "
+                      "listeners in the same pinned four-port range.",
+    "kill-master": "No master replication on either side: kvbridge's restarted master rebuilds "
+                   "its object table from the nodes' inventories and keeps re-registered nodes "
+                   "from taking new data for the late-write hold (docs/store.md); Mooncake's "
+                   "master keeps object metadata in memory only (no HA or OpLog configured), so "
+                   "keys stored before the restart are gone: its 'lost' count is that.",
+}
+
 
 # ------------------------------------------------------------------------------ processes
 
@@ -660,6 +673,7 @@ def main() -> int:
             r.pop("timeline", None)
         k, m = per.get("kvbridge", {}), per.get("mooncake", {})
         results[scenario] = {"description": SCENARIOS[scenario][0], "systems": per,
+                             "note": NOTES.get(scenario),
                              "timeline_png": png,
                              "stall_seconds_ratio": ratio(k.get("stall_seconds"),
                                                           m.get("stall_seconds"))}

@@ -44,12 +44,13 @@ def main() -> int:
         # side by side within the bucket so both systems stay visible
         bottom.bar([x + step * (0.25 + 0.5 * i) for x in xs], tl["failed_ops"],
                    width=step * 0.5, color=color, label=system)
-        for ev in run["events"]:
+        for j, ev in enumerate(run["events"]):
             for ax in (top, bottom):
                 ax.axvline(ev["t_s"], color=color, linestyle="--" if ev["t_s"] == doc["inject_s"]
                            else ":", linewidth=1.1)
             top.annotate(f"{system}: {ev['what']}", xy=(ev["t_s"], 1), xycoords=("data",
-                         "axes fraction"), xytext=(4, -12 - 12 * i), textcoords="offset points",
+                         "axes fraction"), xytext=(4, -12 - 11 * (i + 2 * j)),
+                         textcoords="offset points",
                          fontsize=7, color=color)
     top.set_ylabel("MB/s of puts + verified gets\n(per 100 ms bucket)")
     top.set_ylim(bottom=0)
