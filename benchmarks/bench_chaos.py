@@ -219,10 +219,14 @@ class KvbridgeCluster(Cluster):
         self.master_port = free_port()
         self.node_ports = [(free_port(), free_port()) for _ in range(NODES)]
         self.address = f"127.0.0.1:{self.master_port}"
-        self.start_master()
-        for i in range(NODES):
-            self.start_node(i)
-        self.wait_nodes(NODES, 30)
+        try:
+            self.start_master()
+            for i in range(NODES):
+                self.start_node(i)
+            self.wait_nodes(NODES, 30)
+        except BaseException:
+            self.close()
+            raise
 
     def start_master(self) -> None:
         self.master = Group([self.binary, "master", "--listen", self.address],
@@ -270,10 +274,14 @@ class MooncakeCluster(Cluster):
         rpc = free_port(15000, 17000 - 4 * NODES)
         self.node_ports = [(free_port(12300, 14300), rpc + 4 * i) for i in range(NODES)]
         self.address = f"127.0.0.1:{self.master_port}"
-        self.start_master()
-        for i in range(NODES):
-            self.start_node(i)
-            self.wait_ready(i)
+        try:
+            self.start_master()
+            for i in range(NODES):
+                self.start_node(i)
+                self.wait_ready(i)
+        except BaseException:
+            self.close()
+            raise
 
     def start_master(self) -> None:
         self.master = Group([self.binary, f"--rpc_port={self.master_port}",
@@ -627,6 +635,10 @@ def main() -> int:
         return run_workload(args.worker, args.master_addr, args.threads, args.rate, args.replicas,
                             args.window_keys, args.seed, args.out)
 
+    # SIGTERM and SIGINT (which a shell ignores in a background job) end the run through the
+    # finally blocks, so that no cluster outlives it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     scenarios = [s for s in args.scenario.split(",") if s]
     systems = [s for s in args.systems.split(",") if s]
     for s in scenarios:
