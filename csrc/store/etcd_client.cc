@@ -220,6 +220,26 @@ Result<bool> EtcdClient::PutIfUnchanged(const std::string& key, int64_t mod_revi
   return resp.succeeded();
 }
 
+Result<bool> EtcdClient::PutAllWhile(const std::string& guard, int64_t create_revision,
+                                     const std::vector<std::pair<std::string, std::string>>& kvs) {
+  pb::TxnRequest req;
+  pb::Compare* c = req.add_compare();
+  c->set_result(pb::Compare::EQUAL);
+  c->set_target(pb::Compare::CREATE);
+  c->set_key(guard);
+  c->set_create_revision(create_revision);
+  for (const auto& [k, v] : kvs) {
+    pb::PutRequest* put = req.add_success()->mutable_request_put();
+    put->set_key(k);
+    put->set_value(v);
+  }
+  pb::TxnResponse resp;
+  Status st = OnAnyMember(
+      "Txn", [&](Member& m, grpc::ClientContext* ctx) { return m.kv->Txn(ctx, req, &resp); });
+  if (!st.ok()) return st;
+  return resp.succeeded();
+}
+
 Status EtcdClient::DeleteIfCreatedAt(const std::string& key, int64_t create_revision) {
   pb::TxnRequest req;
   pb::Compare* c = req.add_compare();

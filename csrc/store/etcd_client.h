@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "etcd.grpc.pb.h"
@@ -77,6 +78,10 @@ class EtcdClient {
   // false: someone else changed it first.
   Result<bool> PutIfUnchanged(const std::string& key, int64_t mod_revision,
                               const std::string& value);
+  // Puts every (key, value) of `kvs` in one transaction, only while `guard` is the key created
+  // at `create_revision` (a leader writing under its own leader key). false: it is not.
+  Result<bool> PutAllWhile(const std::string& guard, int64_t create_revision,
+                           const std::vector<std::pair<std::string, std::string>>& kvs);
   // Deletes `key` only while it is the one created at `create_revision` (a leader stepping
   // down removes its own key, never a successor's).
   Status DeleteIfCreatedAt(const std::string& key, int64_t create_revision);

@@ -43,6 +43,44 @@ Result<EtcdAddress> ParseEtcdFor(std::string_view address, std::string_view what
   return parsed;
 }
 
+std::string EncodeInflight(const InflightMap& map) {
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(map.incarnation));
+  std::string out = buf;
+  for (const InflightMap::Segment& s : map.segments) {
+    std::snprintf(
+        buf, sizeof(buf), " %llu:%llu:%llx", static_cast<unsigned long long>(s.segment_id),
+        static_cast<unsigned long long>(s.chunk_bytes), static_cast<unsigned long long>(s.chunks));
+    out += buf;
+  }
+  return out;
+}
+
+Result<InflightMap> DecodeInflight(const std::string& node_id, const std::string& value) {
+  InflightMap map;
+  map.node_id = node_id;
+  const char* p = value.c_str();
+  int used = 0;
+  unsigned long long inc = 0;
+  if (std::sscanf(p, "%llx%n", &inc, &used) != 1) {
+    return Status::Protocol("in-flight map of node " + node_id + " is '" + value +
+                            "', not '<incarnation> <segment>:<chunk bytes>:<chunks>...'");
+  }
+  map.incarnation = inc;
+  p += used;
+  unsigned long long seg = 0, chunk = 0, chunks = 0;
+  while (std::sscanf(p, " %llu:%llu:%llx%n", &seg, &chunk, &chunks, &used) == 3) {
+    map.segments.push_back({seg, chunk, chunks});
+    p += used;
+  }
+  while (*p == ' ') ++p;
+  if (*p != '\0') {
+    return Status::Protocol("in-flight map of node " + node_id + " is '" + value +
+                            "', not '<incarnation> <segment>:<chunk bytes>:<chunks>...'");
+  }
+  return map;
+}
+
 // --- MasterElection ---
 
 MasterElection::MasterElection(Options options)
@@ -72,6 +110,7 @@ Result<uint64_t> MasterElection::NextEpoch() {
       return Status::Protocol("etcd key " + keys_.epoch + " holds '" + (*kv)->value +
                               "', not '<epoch> <first version>'");
     }
+    prev_epoch_ = prev_epoch;
     const uint64_t epoch = prev_epoch + 1;
     const uint64_t first = std::max<uint64_t>(WallUs(), prev_first + kVersionsPerTerm);
     auto put = etcd_.PutIfUnchanged(keys_.epoch, kv->has_value() ? (*kv)->mod_revision : 0,
@@ -131,6 +170,33 @@ std::shared_ptr<LeaderGate> MasterElection::Campaign(const std::function<bool()>
                         << members.status().ToString() << "); not waiting for any";
         }
         auto gate = std::make_shared<LeaderGate>(*epoch, nodes, options_.takeover_wait_ms);
+        // Where the predecessor's writers may still write. Without a complete list (first
+        // leader, or etcd did not answer) a node coming back waits as after a restart.
+        if (auto maps = etcd_.GetPrefix(keys_.inflight); maps.ok() && prev_epoch_ > 0) {
+          gate->inherited_authoritative = true;
+          for (const EtcdKv& kv : *maps) {
+            auto map = DecodeInflight(kv.key.substr(keys_.inflight.size()), kv.value);
+            if (!map.ok()) {
+              KVB_LOG(WARN) << "new leader: " << map.status().ToString()
+                            << "; nodes coming back wait as after a master restart";
+              gate->inherited_authoritative = false;
+              break;
+            }
+            gate->inherited.push_back(std::move(map).value());
+          }
+        }
+        const int64_t revision = leader_revision_;
+        gate->publish = [this, revision](const std::vector<InflightMap>& maps) -> Status {
+          std::vector<std::pair<std::string, std::string>> kvs;
+          for (const InflightMap& m : maps)
+            kvs.emplace_back(keys_.inflight + m.node_id, EncodeInflight(m));
+          auto ok = etcd_.PutAllWhile(keys_.leader, revision, kvs);
+          if (!ok.ok()) return ok.status();
+          if (!*ok)
+            return Status::StalePeer("the leader key " + keys_.leader +
+                                     " is no longer this master's");
+          return Status::OK();
+        };
         const uint64_t ttl_ns = util::MsToNs(uint64_t(lease->ttl_s) * 1000);
         gate->ExtendTo(t0 + ttl_ns - ttl_ns / 4);
         SetLeader(options_.advertise);

@@ -7,6 +7,9 @@
 //                          fences stale leaders at the nodes, and the floor of object versions.
 //   <prefix>/nodes/<id>    one key per storage node ("<incarnation hex> <rpc address>"), under
 //                          the node's own lease: the members a new leader waits for.
+//   <prefix>/inflight/<id> where the leader's writers may still write on that node
+//                          (InflightMap), written before the ranges are handed out: a new
+//                          leader keeps new data off those chunks only, not the whole node.
 //
 // Nothing per object lives in etcd: every acknowledged object is in the inventory of the
 // nodes holding it (a put is acknowledged only after its inventory commits), and a new leader
@@ -34,14 +37,18 @@
 #include "kvbridge/status.h"
 #include "kvbridge/store.h"
 #include "store/etcd_client.h"
+#include "store/master_state.h"
 #include "util/clock.h"
 
 namespace kvbridge::store {
 
 struct HaKeys {
   explicit HaKeys(const std::string& prefix)
-      : leader(prefix + "/leader"), epoch(prefix + "/epoch"), nodes(prefix + "/nodes/") {}
-  std::string leader, epoch, nodes;
+      : leader(prefix + "/leader"),
+        epoch(prefix + "/epoch"),
+        nodes(prefix + "/nodes/"),
+        inflight(prefix + "/inflight/") {}
+  std::string leader, epoch, nodes, inflight;
 };
 
 // Versions a leader hands out before every node has registered must exceed every version any
@@ -59,6 +66,13 @@ class LeaderGate {
         takeover_until_ns_(util::MonoNs() + takeover_wait_ms * 1000000) {}
 
   uint64_t epoch() const { return epoch_; }
+
+  // Where the predecessor's writers may still write (MasterConfig::inherited_inflight), and
+  // whether that list is complete (there was a predecessor that published).
+  std::vector<InflightMap> inherited;
+  bool inherited_authoritative = false;
+  // Writes this leader's maps to etcd, only while it holds the leader key.
+  std::function<Status(const std::vector<InflightMap>&)> publish;
   // The lease may still be valid: the leader renewed it less than its TTL (less a margin)
   // ago, measured from before the renewal was sent, on the monotonic clock (which runs on
   // while a process is stopped).
@@ -121,6 +135,7 @@ class MasterElection {
   int64_t lease_id_ = 0;
   int64_t lease_ttl_s_ = 0;
   int64_t leader_revision_ = 0;  // our leader key's create_revision while we lead
+  uint64_t prev_epoch_ = 0;      // the predecessor's epoch (0: this is the first leader)
   uint64_t first_version_ = 0;
   mutable std::mutex mu_;
   std::string leader_;
@@ -174,6 +189,11 @@ class NodeMembership {
 Result<std::unique_ptr<MasterServer>> LaunchLeader(const MasterOptions& options,
                                                    std::shared_ptr<LeaderGate> gate,
                                                    uint64_t first_version);
+
+// An InflightMap as stored in etcd: "<incarnation hex> <segment>:<chunk bytes>:<chunks hex>...".
+std::string EncodeInflight(const InflightMap& map);
+// The map of node `node_id` from its value; PROTOCOL naming the value if it does not parse.
+Result<InflightMap> DecodeInflight(const std::string& node_id, const std::string& value);
 
 // Splits "etcd://a,b/prefix" and names the failure after `what` (e.g. "KVBRIDGE_MASTER").
 Result<EtcdAddress> ParseEtcdFor(std::string_view address, std::string_view what);

@@ -315,6 +315,10 @@ Result<RegisterReply> MasterState::RegisterNode(const NodeRegistration& registra
   if (auto dep = m.departed.find(id.node_id);
       dep != m.departed.end() && dep->second.incarnation == id.incarnation) {
     n.no_alloc_before_ns = dep->second.reuse_after_ns;
+  } else if (registration.registered_before && m.cfg.inflight_authoritative) {
+    // An elected leader's predecessor published where its writers could still write: only
+    // those chunks wait (ReserveInherited, after the inventory is in), the rest takes data now.
+    n.no_alloc_before_ns = m.departed_dropped_reuse_after_ns;
   } else if (registration.registered_before) {
     // Its note may have been dropped by the caps (CapDeparted): wait as long as any dropped one.
     n.no_alloc_before_ns = std::max(m.cfg.restart_hold_until_ns, m.departed_dropped_reuse_after_ns);
@@ -323,6 +327,7 @@ Result<RegisterReply> MasterState::RegisterNode(const NodeRegistration& registra
     reply.no_alloc_ms = (n.no_alloc_before_ns - now_ns + kNsPerMs - 1) / kNsPerMs;
   }
   m.LoadInventory(n, inventory, now_ns, reply);
+  if (registration.registered_before && m.cfg.inflight_authoritative) m.ReserveInherited(n, now_ns);
   // Queued, and delivered (the first max_frees_per_reply in this reply, the rest with `more`)
   // until acknowledged: a lost reply loses none of them.
   std::vector<InventoryRecord> rejected;
@@ -450,6 +455,35 @@ void MasterState::Touch(const NodeIdentity& node, uint64_t now_ns) {
   auto& seen = m.live[node.node_id];
   if (seen.first != node.incarnation) seen = {node.incarnation, 0};
   seen.second = std::max(seen.second, now_ns);
+}
+
+// Keeps new data off the chunks of n that the predecessor leader published (its writers may
+// still be writing there) until restart_hold_until_ns: their free space is held, and stays in
+// this leader's own published map as long, for a successor should this leader die meanwhile.
+void MasterState::Impl::ReserveInherited(Node& n, uint64_t now_ns) {
+  if (now_ns >= cfg.restart_hold_until_ns) return;
+  for (const InflightMap& map : cfg.inherited_inflight) {
+    if (map.node_id != n.id().node_id || map.incarnation != n.id().incarnation) continue;
+    for (const InflightMap::Segment& ps : map.segments) {
+      auto it = n.segments.find(ps.segment_id);
+      if (it == n.segments.end() || it->second.info.tier != Tier::kDram || ps.chunk_bytes == 0) {
+        continue;
+      }
+      Segment& seg = it->second;
+      for (uint64_t c = 0; c < 64; ++c) {
+        if ((ps.chunks >> c & 1) == 0) continue;
+        for (const auto& [off, len] :
+             seg.alloc.ReserveFreeWithin(c * ps.chunk_bytes, ps.chunk_bytes)) {
+          held.push_back({&n, &seg, off, len, cfg.restart_hold_until_ns, std::nullopt});
+          n.held++;
+          for (uint64_t k = off / seg.chunk_bytes; k <= (off + len - 1) / seg.chunk_bytes && k < 64;
+               ++k) {
+            seg.chunk_until_ns[k] = std::max(seg.chunk_until_ns[k], cfg.restart_hold_until_ns);
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace kvbridge::store

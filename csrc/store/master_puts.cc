@@ -51,6 +51,7 @@ Result<PutAllocation> MasterState::Impl::AllocateObject(const PutItem& item, uin
       return Status::NoSpace("allocation failed on " + c.node->id().node_id);
     }
     offsets.push_back(*off);
+    MarkInflight(c.segment, *off, bytes, now_ns);
   }
   auto obj = std::make_unique<Object>();
   Object* o = obj.get();

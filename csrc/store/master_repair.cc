@@ -78,6 +78,7 @@ void MasterState::Impl::RepairOne(Object* o, uint64_t now_ns, TickSummary& summa
       blocked = true;
       break;
     }
+    MarkInflight(dest[0].segment, *off, o->bytes, now_ns);
     Task t;
     t.id = next_task_id++;
     t.key = o->key;

@@ -257,6 +257,24 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     return grpc::Status::OK;
   }
 
+  // An elected leader writes where its writers may still write to etcd before handing ranges
+  // out (docs/ha.md); calls serialize, so a shrinking map never overwrites a growing one.
+  std::mutex publish_mu;
+  Status PublishInflight(bool growth_only = true) {
+    if (!gate || !gate->publish) return Status::OK();
+    std::lock_guard<std::mutex> lock(publish_mu);
+    const uint64_t now = util::MonoNs();
+    std::vector<store::InflightMap> maps = state->InflightToPublish(now, growth_only);
+    if (maps.empty()) return Status::OK();
+    Status st = gate->publish(maps);
+    if (!st.ok()) {
+      return st.WithContext("publishing where writers may write (etcd " +
+                            std::to_string(maps.size()) + " node map(s))");
+    }
+    state->InflightPublished(maps, now);
+    return Status::OK();
+  }
+
   std::shared_ptr<rpc::Node::Stub> NodeStub(const std::string& endpoint) {
     return node_stubs.Get(endpoint);
   }
@@ -314,6 +332,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
         continue;
       }
       store::TickSummary s = state->Tick(util::MonoNs());
+      if (Status pub = PublishInflight(/*growth_only=*/false); !pub.ok()) {
+        KVB_LOG(WARN) << pub.ToString();
+      }
       if (s.paused_ms) {
         KVB_LOG(WARN) << "the master did not run for " << s.paused_ms
                       << " ms (frozen or paused); every node's TTL starts over";
@@ -504,6 +525,11 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     // Liveness first, under its own lock: never behind a data-plane call holding the table.
     state->Touch(FromProto(req->node()), util::MonoNs());
     auto r = state->Heartbeat(FromProto(req->node()), req->frees_acked(), util::MonoNs());
+    if (Status pub = PublishInflight(); r.ok() && !pub.ok()) {
+      // Its tasks and promotions are not handed out (they time out and are scheduled again);
+      // its frees come again in the next reply.
+      return {grpc::StatusCode::UNAVAILABLE, "Heartbeat: " + pub.ToString()};
+    }
     ToProto(r.ok() ? Status::OK() : r.status(), reply->mutable_status());
     reply->set_term(term());
     if (!r.ok()) return grpc::Status::OK;
@@ -627,6 +653,15 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     po.client_node_id = req->client_node_id();
     const uint64_t now = util::MonoNs();
     auto results = state->PutStart(items, po, now);
+    if (Status pub = PublishInflight(); !pub.ok()) {
+      // Nothing handed out may be written where a successor would not know to wait.
+      std::vector<store::KeyVersion> revoke;
+      for (size_t i = 0; i < results.size(); ++i) {
+        if (results[i].ok()) revoke.push_back({items[i].key, results[i]->version});
+      }
+      (void)state->PutRevoke(revoke, util::MonoNs());
+      return {grpc::StatusCode::UNAVAILABLE, "PutStart: " + pub.ToString()};
+    }
     for (auto& r : results) {
       auto* item = reply->add_items();
       if (!r.ok()) {
@@ -833,6 +868,16 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Impl::Launch(
   // An elected leader starts above every version its predecessors could have handed out
   // (MasterElection keeps the floor in etcd), whatever the clocks of their hosts say.
   cfg.first_version = std::max(cfg.first_version, first_version);
+  if (gate) {
+    // Publish where writers may still write before handing ranges out (docs/ha.md), so a
+    // successor holds back only those chunks; and hold back only what the predecessor published.
+    cfg.track_inflight = true;
+    cfg.inflight_window_ms =
+        std::max(uint64_t{options.put_timeout_ms}, 2 * uint64_t{options.task_timeout_ms}) +
+        cfg.late_write_margin_ms;
+    cfg.inherited_inflight = gate->inherited;
+    cfg.inflight_authoritative = gate->inherited_authoritative;
+  }
   cfg.first_free_seq = cfg.first_version;
   auto state = store::MasterState::Create(cfg);
   if (!state.ok()) return state.status().WithContext("master configuration");

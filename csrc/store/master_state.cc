@@ -358,6 +358,53 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
   return sum;
 }
 
+std::vector<InflightMap> MasterState::InflightToPublish(uint64_t now_ns, bool growth_only) const {
+  const Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  std::vector<InflightMap> out;
+  if (!m.cfg.track_inflight || (growth_only && !m.inflight_grown)) return out;
+  for (const auto& [id, n] : m.nodes) {
+    InflightMap map;
+    bool changed = false;
+    for (const auto& [sid, seg] : n.segments) {
+      if (seg.info.tier != Tier::kDram) continue;
+      uint64_t bits = 0;
+      for (size_t c = 0; c < seg.chunk_until_ns.size(); ++c) {
+        if (seg.chunk_until_ns[c] > now_ns) bits |= uint64_t{1} << c;
+      }
+      changed |= bits != seg.published_chunks;
+      map.segments.push_back({sid, seg.chunk_bytes, bits});
+    }
+    if (!changed) continue;
+    map.node_id = id;
+    map.incarnation = n.id().incarnation;
+    out.push_back(std::move(map));
+  }
+  return out;
+}
+
+void MasterState::InflightPublished(const std::vector<InflightMap>& maps, uint64_t now_ns) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  for (const InflightMap& map : maps) {
+    auto it = m.nodes.find(map.node_id);
+    if (it == m.nodes.end() || it->second.id().incarnation != map.incarnation) continue;
+    for (const InflightMap::Segment& ps : map.segments) {
+      auto seg = it->second.segments.find(ps.segment_id);
+      if (seg != it->second.segments.end()) seg->second.published_chunks = ps.chunks;
+    }
+  }
+  // Chunks marked meanwhile that these maps lack are still to publish.
+  m.inflight_grown = false;
+  for (const auto& [id, n] : m.nodes) {
+    for (const auto& [sid, seg] : n.segments) {
+      for (size_t c = 0; c < seg.chunk_until_ns.size(); ++c) {
+        m.inflight_grown |= seg.chunk_until_ns[c] > now_ns && (seg.published_chunks >> c & 1) == 0;
+      }
+    }
+  }
+}
+
 MasterStats MasterState::Stats() const {
   const Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);

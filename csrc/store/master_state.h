@@ -100,6 +100,21 @@ struct InventoryRecord {
   bool operator==(const InventoryRecord&) const = default;
 };
 
+// Where a leader's writers may still write on one node: per DRAM segment, a bitmap of chunks
+// (capacity / 64 each, at least 1 MiB, bit i = [i * chunk_bytes, (i + 1) * chunk_bytes)) that
+// hold a range handed out to a put, task or promotion within MasterConfig::inflight_window_ms.
+struct InflightMap {
+  std::string node_id;
+  uint64_t incarnation = 0;
+  struct Segment {
+    uint64_t segment_id = 0;
+    uint64_t chunk_bytes = 0;
+    uint64_t chunks = 0;
+    bool operator==(const Segment&) const = default;
+  };
+  std::vector<Segment> segments;
+};
+
 struct MasterConfig {
   // --- Membership ---
   // A node silent this long is DEAD. Nodes should heartbeat every node_ttl_ms / 3.
@@ -225,6 +240,20 @@ struct MasterConfig {
   // max(put_timeout_ms, 2 x task_timeout_ms, lease_ms) + late_write_margin_ms. 0 = no wait.
   // (A node this master dropped itself waits only for what it knew of: see RegisterNode.)
   uint64_t restart_hold_until_ns = 0;
+
+  // --- HA leaders (docs/ha.md "Takeover without a pause for puts") ---
+  // Track where writers this master hands ranges to may still write (InflightToPublish): an
+  // elected leader publishes that to etcd before handing the ranges out.
+  bool track_inflight = false;
+  // How long a handed-out range counts as written to: a writer's deadline plus the late-write
+  // margin, max(put_timeout_ms, 2 x task_timeout_ms) + late_write_margin_ms (the service).
+  uint64_t inflight_window_ms = 0;
+  // What the predecessor leader published, by node. With inflight_authoritative (there was a
+  // predecessor, and it published before handing out), a node registering again with
+  // registered_before keeps new data off only those chunks until restart_hold_until_ns, not
+  // off its whole DRAM.
+  std::vector<InflightMap> inherited_inflight;
+  bool inflight_authoritative = false;
 
   // Seed of the eviction sampler; 0 = random.
   uint64_t random_seed = 0;
@@ -590,6 +619,15 @@ class MasterState {
   // lease or writer deadline passed, evicts segments above the high watermark, schedules
   // re-replication and finishes drains. Call every few hundred milliseconds.
   TickSummary Tick(uint64_t now_ns);
+
+  // With MasterConfig::track_inflight: the nodes whose published map differs from what is in
+  // flight at now_ns (chunks handed out within inflight_window_ms, and chunks kept for a
+  // predecessor's writers). The caller publishes them, then reports it with
+  // InflightPublished; until then they are returned again. Callers serialize the two.
+  // growth_only: nothing unless a chunk was marked that the published maps lack (the cheap
+  // check of every PutStart; shrinking is left to the periodic call).
+  std::vector<InflightMap> InflightToPublish(uint64_t now_ns, bool growth_only = false) const;
+  void InflightPublished(const std::vector<InflightMap>& maps, uint64_t now_ns);
 
   // --- Inspection ---
   MasterStats Stats() const;

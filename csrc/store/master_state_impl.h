@@ -12,6 +12,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -49,10 +50,19 @@ struct MasterState::Impl {
   struct Object;
 
   struct Segment {
-    Segment(const SegmentInfo& i, uint64_t alignment) : info(i), alloc(i.capacity, alignment) {}
+    Segment(const SegmentInfo& i, uint64_t alignment)
+        : info(i),
+          alloc(i.capacity, alignment),
+          chunk_bytes(std::max<uint64_t>(
+              1 << 20, (i.capacity / 64 + alignment - 1) / alignment * alignment)) {}
     SegmentInfo info;
     util::RangeAllocator alloc;
     std::vector<Object*> residents;  // objects with a replica here (at most one each)
+    // MasterConfig::track_inflight (DRAM): when each chunk last had a range handed out to a
+    // writer (or is kept for a predecessor's writers until), and what was last published.
+    uint64_t chunk_bytes;
+    std::array<uint64_t, 64> chunk_until_ns{};
+    uint64_t published_chunks = 0;
   };
 
   struct Node {
@@ -417,6 +427,20 @@ struct MasterState::Impl {
   }
   void MakeRoom(uint64_t bytes, size_t count, std::string_view preferred, uint64_t now_ns);
 
+  // A range of `s` handed out to a writer at now_ns (MasterConfig::track_inflight): its chunks
+  // stay in the published map for inflight_window_ms.
+  void MarkInflight(Segment* s, uint64_t offset, uint64_t length, uint64_t now_ns) {
+    if (!cfg.track_inflight || s->info.tier != Tier::kDram || length == 0) return;
+    const uint64_t until = now_ns + MsToNs(cfg.inflight_window_ms);
+    for (uint64_t c = offset / s->chunk_bytes;
+         c <= (offset + length - 1) / s->chunk_bytes && c < 64; ++c) {
+      s->chunk_until_ns[c] = std::max(s->chunk_until_ns[c], until);
+      if ((s->published_chunks >> c & 1) == 0) inflight_grown = true;
+    }
+  }
+  // A chunk was marked that the published maps lack (InflightToPublish(growth_only)).
+  bool inflight_grown = false;
+
   // ----------------------------------------------------------- node lifecycle (master_nodes.cc)
 
   uint64_t ReuseHorizon(const Node* n) const;
@@ -424,6 +448,7 @@ struct MasterState::Impl {
   bool DrainDone(const Node& n, uint64_t now_ns) const;
   void CapDeparted();
   void ForgetDepartedCopies(std::string_view key);
+  void ReserveInherited(Node& n, uint64_t now_ns);
   void LoadInventory(Node& n, const std::vector<InventoryRecord>& inventory, uint64_t now_ns,
                      RegisterReply& reply);
 

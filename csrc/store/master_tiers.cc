@@ -97,6 +97,7 @@ void MasterState::Impl::MaybePromote(Object* o, Replica& r, uint64_t now_ns) {
   if (static_cast<double>(dram->alloc.used_bytes() + RoundUp(o->bytes)) > low) return;
   std::optional<uint64_t> off = dram->alloc.Allocate(o->bytes);
   if (!off) return;
+  MarkInflight(dram, *off, o->bytes, now_ns);
   r.demote_segment = dram;
   r.demote_offset = *off;
   r.demote_id = next_replica_id++;

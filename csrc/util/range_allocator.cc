@@ -1,5 +1,6 @@
 #include "util/range_allocator.h"
 
+#include <algorithm>
 #include <iterator>
 #include <limits>
 #include <stdexcept>
@@ -94,6 +95,24 @@ bool RangeAllocator::Reserve(uint64_t offset, uint64_t length) {
   allocated_.emplace(offset, need);
   used_ += need;
   return true;
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> RangeAllocator::ReserveFreeWithin(uint64_t offset,
+                                                                             uint64_t length) {
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  const uint64_t end = std::min(capacity_, offset + length);
+  auto it = free_by_offset_.upper_bound(offset);
+  if (it != free_by_offset_.begin()) it = std::prev(it);
+  // Collect first: Reserve changes the map.
+  std::vector<std::pair<uint64_t, uint64_t>> pieces;
+  for (; it != free_by_offset_.end() && it->first < end; ++it) {
+    const uint64_t from = std::max(it->first, offset), to = std::min(it->first + it->second, end);
+    if (from < to) pieces.emplace_back(from, to - from);
+  }
+  for (const auto& [from, len] : pieces) {
+    if (Reserve(from, len)) out.emplace_back(from, len);
+  }
+  return out;
 }
 
 uint64_t RangeAllocator::largest_free() const {

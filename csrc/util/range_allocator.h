@@ -14,6 +14,7 @@
 #include <optional>
 #include <set>
 #include <utility>
+#include <vector>
 
 namespace kvbridge::util {
 
@@ -31,6 +32,9 @@ class RangeAllocator {
   // Marks [offset, offset+length) allocated, as if Allocate had returned it. False (nothing
   // changes) if any byte of it is not free, it is misaligned, or it runs past capacity.
   bool Reserve(uint64_t offset, uint64_t length);
+  // Reserves every free byte of [offset, offset+length) (offset and length aligned), as
+  // allocations of their own; returns them (offset, length), to Free one by one later.
+  std::vector<std::pair<uint64_t, uint64_t>> ReserveFreeWithin(uint64_t offset, uint64_t length);
 
   uint64_t capacity() const { return capacity_; }
   uint64_t used_bytes() const { return used_; }

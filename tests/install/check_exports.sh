@@ -46,7 +46,8 @@ library_required='^kvbridge::TransferEngine::Create\('
 # Demangled names libkvbridge_store.so may export: kvbridge/store.h.
 store_allow=(
   '^kvbridge::(StoreOptions|NodeOptions|MasterOptions)::FromEnv\('
-  '^kvbridge::(StoreClient|StorageNode|MasterServer|EmbeddedCluster)::'
+  '^kvbridge::(StoreClient|StorageNode|MasterServer|HaMaster|EmbeddedCluster)::'
+  '^kvbridge::StoreOpName\('
   '^kvbridge::QueryClusterStatus\('
 )
 store_required='^kvbridge::StoreClient::'

@@ -23,6 +23,7 @@
 #include "kvbridge/store.h"
 #include "store/etcd_client.h"
 #include "store/master_client.h"
+#include "store/master_ha.h"
 #include "store/rpc_util.h"
 #include "tests/common/test_util.h"
 #include "tests/store/store_procs.h"
@@ -533,6 +534,21 @@ TEST(EtcdAddress, BadAddressesAreNamed) {
   o.listen = "127.0.0.1:5000";
   o.ha_lease_ms = 500;
   EXPECT_TRUE(HaMaster::Start(o).status().Is(StatusCode::kInvalidArgument));
+}
+
+// The in-flight maps as etcd keeps them: round trip, and a value that does not parse is named.
+TEST(EtcdAddress, InflightMapsRoundTripAndBadValuesAreNamed) {
+  store::InflightMap m;
+  m.node_id = "n0";
+  m.incarnation = 0xabcdef0123456789ull;
+  m.segments.push_back({7, 1 << 20, 0x8000000000000001ull});
+  m.segments.push_back({9, 4 << 20, 0});
+  auto back = Must(store::DecodeInflight("n0", store::EncodeInflight(m)));
+  EXPECT_EQ(back.incarnation, m.incarnation);
+  EXPECT_EQ(back.segments, m.segments);
+  auto bad = store::DecodeInflight("n1", "abc 7:1:x?");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("n1"), std::string::npos) << bad.status().ToString();
 }
 
 // No etcd to reach: a client's call fails within its deadline naming etcd, not hangs.
