@@ -6,6 +6,7 @@
 
 #include <civetweb.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -158,6 +159,49 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& listen,
   }
   impl->address = host + ":" + std::to_string(bound.port);
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
+}
+
+Result<std::unique_ptr<HttpServer>> StartEndpoint(const std::string& listen, bool best_effort,
+                                                  std::map<std::string, HttpRoute> routes,
+                                                  std::string bearer_token,
+                                                  const std::string& what) {
+  if (listen.empty()) return std::unique_ptr<HttpServer>();
+  auto server = HttpServer::Start(listen, std::move(routes), std::move(bearer_token));
+  if (server.ok()) {
+    KVB_LOG(INFO) << what << " serves /metrics and /health on http://" << server.value()->address();
+    return server;
+  }
+  if (!best_effort) return server.status().WithContext(what);
+  KVB_LOG(WARN) << what << " runs without its HTTP endpoint (/metrics, /health): "
+                << server.status().ToString()
+                << "; give another address with --metrics-listen (KVBRIDGE_METRICS_LISTEN)";
+  return std::unique_ptr<HttpServer>();
+}
+
+std::string JsonString(std::string_view s) {
+  std::string out = "\"";
+  for (char c : s) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out += buf;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
 }
 
 }  // namespace kvbridge::obs

@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "kvbridge/status.h"
 
@@ -49,5 +50,16 @@ class HttpServer {
   explicit HttpServer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// A daemon's endpoint: Start, except that with `best_effort` an address that cannot be bound
+// is logged as a warning naming `what` and the address, and null is returned (the daemon runs
+// without it). An empty `listen`: null, nothing started.
+Result<std::unique_ptr<HttpServer>> StartEndpoint(const std::string& listen, bool best_effort,
+                                                  std::map<std::string, HttpRoute> routes,
+                                                  std::string bearer_token,
+                                                  const std::string& what);
+
+// `s` as a JSON string literal, quotes included.
+std::string JsonString(std::string_view s);
 
 }  // namespace kvbridge::obs
