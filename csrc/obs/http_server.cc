@@ -148,7 +148,8 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string& listen,
   impl->ctx = mg_start2(&init, &error);
   if (impl->ctx == nullptr) {
     return Status::Unavailable("cannot serve HTTP on " + listen + ": " +
-                               (error_text[0] ? error_text : "address in use or not of this host"));
+                               (error_text[0] ? std::string(error_text) + " (" : "(") +
+                               "address in use, or not an address of this host)");
   }
   mg_server_port bound;
   std::memset(&bound, 0, sizeof(bound));
