@@ -284,7 +284,8 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   std::atomic<uint64_t> ssd_read_requests{0};
   std::atomic<uint64_t> ssd_read_objects{0};
   std::atomic<uint64_t> ssd_read_batches{0};
-  std::atomic<uint64_t> ssd_served_bytes{0};  // bytes ReadSsd wrote to clients
+  std::atomic<uint64_t> ssd_served_bytes{0};   // bytes ReadSsd wrote to clients
+  std::atomic<uint64_t> ssd_demoted_bytes{0};  // bytes demotions wrote to the SSD tier
   std::mutex clients_mu;
   std::map<std::pair<std::string, uint64_t>, std::chrono::steady_clock::time_point> checked_clients;
 
@@ -919,6 +920,7 @@ Status StorageNode::Impl::Demote(const rpc::Demotion& d) {
   kvb_iovec_t iov{pool + src.offset(), bytes};
   Status st = ssd->PutMeta(src.key(), {&iov, 1}, meta);
   if (!st.ok()) return st.WithContext("SSD tier: SSD write");
+  ssd_demoted_bytes.fetch_add(bytes, std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(mu);
   inventory[{kSsdSegment, d.dest().offset()}] = d.dest();
   ssd_keys[src.key()] = d.dest().offset();
@@ -1295,6 +1297,9 @@ void StorageNode::Impl::Collect(obs::MetricWriter& w) {
             ssd_read_requests.load(std::memory_order_relaxed));
   w.Counter("kvbridge_node_ssd_read_objects_total", "Objects ReadSsd calls asked for.", {},
             ssd_read_objects.load(std::memory_order_relaxed));
+  w.Counter("kvbridge_node_ssd_demoted_bytes_total",
+            "Bytes demotions copied from the DRAM pool to the SSD tier.", {},
+            ssd_demoted_bytes.load(std::memory_order_relaxed));
   w.Counter("kvbridge_node_ssd_served_bytes_total",
             "Bytes read from the SSD tier and written to clients.", {},
             ssd_served_bytes.load(std::memory_order_relaxed));

@@ -223,6 +223,31 @@ TEST_F(StoreObs, GrpcHealthServing) {
   EXPECT_EQ(HealthCheck(node_rpc_, "kvbridge.rpc.Node", &why), 1) << why;
 }
 
+TEST_F(StoreObs, StatusWatchRedrawsUntilStopped) {
+  StartMasterAndNode("obs-watch-node");
+  auto watch = ChildProcess::Start(
+      {testing::KvbridgeBin(), "status", "--master", master_addr_, "--watch", "--interval", "0.2"});
+  ASSERT_TRUE(watch);
+  std::string out;  // what it printed in 2.5 s, while it keeps running
+  for (const auto until = Clock::now() + std::chrono::milliseconds(2500); Clock::now() < until;) {
+    out += watch->ReadLine(500) + "\n";
+  }
+  watch->Kill();
+  size_t tables = 0;
+  for (size_t at = out.find("obs-watch-node"); at != std::string::npos;
+       at = out.find("obs-watch-node", at + 1)) {
+    ++tables;
+  }
+  EXPECT_GE(tables, 3u) << out;
+  EXPECT_NE(out.find("every 0.2s"), std::string::npos) << out;
+  auto lone = ChildProcess::Start({"/bin/sh", "-c",
+                                   "exec " + testing::KvbridgeBin() + " status --master " +
+                                       master_addr_ + " --interval 1 2>&1"});
+  ASSERT_TRUE(lone);
+  EXPECT_NE(lone->ReadAll(10000).find("--interval goes with --watch"), std::string::npos);
+  EXPECT_EQ(lone->Wait(10000), 2);
+}
+
 // Every metric docs/grafana/kvbridge.json queries is one the daemons expose (a renamed metric
 // must not leave an empty panel behind), and every panel has a query.
 TEST_F(StoreObs, GrafanaDashboardUsesOnlyExposedMetrics) {
