@@ -4,12 +4,19 @@
 // not, in Debian 12) and small (docs/operations.md).
 #include "obs/http_server.h"
 
+#include <arpa/inet.h>
 #include <civetweb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "util/logging.h"
 
@@ -99,8 +106,40 @@ int OnLog(const mg_connection*, const char* message) {
 
 HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
+namespace {
+
+// Opens and at once closes a connection to the server's port: wakes civetweb's accept loop,
+// which otherwise notices mg_stop only at the end of its 2 s poll. The worker that gets the
+// connection reads its end at once.
+void Poke(const std::string& host, int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+  if (fd < 0) return;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, host == "0.0.0.0" ? "127.0.0.1" : host.c_str(), &a.sin_addr) == 1) {
+    (void)connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  }
+  close(fd);
+}
+
+}  // namespace
+
 HttpServer::~HttpServer() {
-  if (impl_ && impl_->ctx) mg_stop(impl_->ctx);
+  if (!impl_ || !impl_->ctx) return;
+  std::atomic<bool> stopped{false};
+  std::thread stopper([&] {
+    mg_stop(impl_->ctx);
+    stopped = true;
+  });
+  const size_t colon = impl_->address.rfind(':');
+  const std::string host = impl_->address.substr(0, colon);
+  const int port = std::atoi(impl_->address.c_str() + colon + 1);
+  while (!stopped) {
+    Poke(host, port);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  stopper.join();
 }
 
 const std::string& HttpServer::address() const { return impl_->address; }

@@ -300,6 +300,15 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   uint64_t start_ns = 0;
   std::unique_ptr<obs::HttpServer> http;  // null: no endpoint
   std::string metrics_address;
+  // Node ids this node's engine sent data to (task destinations, ReadSsd clients), whose
+  // paths' breakers /metrics reports; at most kMaxPeersReported, the first ones seen.
+  static constexpr size_t kMaxPeersReported = 256;
+  std::mutex peers_mu;
+  std::set<std::string> peers_seen;
+  void NotePeer(const std::string& node_id) {
+    std::lock_guard<std::mutex> lock(peers_mu);
+    if (peers_seen.size() < kMaxPeersReported) peers_seen.insert(node_id);
+  }
   void SetUpMetrics();
   void Collect(obs::MetricWriter& w);
   obs::HttpResponse Health();  // client identity -> when the directory said it is no node
@@ -673,6 +682,7 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& b
       continue;
     }
     dest_ids[i] = dest->node_id;
+    NotePeer(dest->node_id);
     if (!deadline || batch[i].deadline < *deadline) deadline = batch[i].deadline;
     ops.push_back(TransferOp{OpCode::kWrite, local, src.length(), dest_ids[i],
                              task.dest().segment_id(), task.dest().offset()});
@@ -1087,6 +1097,7 @@ grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::Rea
     KVB_LOG(WARN) << "refused ReadSsd from " << ctx->peer() << ": " << client.status().ToString();
     return done(client.status().WithContext("client descriptor"));
   }
+  NotePeer(client->node_id);
   if (ssd == nullptr) return done(Status::NotFound("this node has no SSD tier"));
   // The objects asked for: `items`, or the single object of the request's own fields.
   const bool batch = req->items_size() > 0;
@@ -1303,6 +1314,27 @@ void StorageNode::Impl::Collect(obs::MetricWriter& w) {
   w.Counter("kvbridge_node_ssd_served_bytes_total",
             "Bytes read from the SSD tier and written to clients.", {},
             ssd_served_bytes.load(std::memory_order_relaxed));
+  std::vector<std::string> peers;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu);
+    peers.assign(peers_seen.begin(), peers_seen.end());
+  }
+  for (const std::string& peer : peers) {
+    std::optional<PeerHealth> h = engine->GetPeerHealth(peer);
+    if (!h) continue;  // forgotten by the engine
+    for (const PathHealth& p : h->paths) {
+      const obs::Labels l = {{"peer", peer}, {"transport", p.transport}};
+      w.Gauge("kvbridge_node_peer_breaker_state",
+              "Breaker of a path to a peer this node sent data to: 0 closed, 1 half-open, 2 open.",
+              l,
+              p.breaker == BreakerState::kClosed     ? 0
+              : p.breaker == BreakerState::kHalfOpen ? 1
+                                                     : 2);
+      w.Counter("kvbridge_node_peer_ops_failed_total",
+                "Transfer ops to a peer that failed on a path (failed over or not).", l,
+                p.ops_failed);
+    }
+  }
   for (const char* name : {"tcp", "ucx", "verbs", "nccl"}) {
     Result<TransportStats> t = engine->GetTransportStats(name);
     if (!t.ok()) continue;  // not loaded, or reports no stats

@@ -157,6 +157,68 @@ TEST_F(StoreObs, MetricsMoveWithPutsAndGets) {
   EXPECT_NE(j.body.find("\"kind\": \"registered\""), std::string::npos) << j.body;
 }
 
+// A node lost: the master counts the expiry and lists it among its events, and the survivors'
+// metrics show the re-replication they ran and the breakers of the paths they copied over.
+TEST_F(StoreObs, NodeLossShowsInMetricsAndEvents) {
+  StartMasterAndNode("obs-repair-0");
+  std::vector<std::unique_ptr<ChildProcess>> more;
+  std::vector<uint16_t> http = {node_http_};
+  for (int i = 1; i < 3; ++i) {
+    http.push_back(FreePort());
+    more.push_back(testing::StartNode(
+        master_addr_, "obs-repair-" + std::to_string(i),
+        {"--dram-bytes", std::to_string(kNodeBytes), "--metrics-listen", Loopback(http.back())}));
+    ASSERT_TRUE(more.back());
+  }
+  ASSERT_TRUE(testing::WaitForActiveNodes(master_addr_, 3));
+  StoreOptions so;
+  so.master_address = master_addr_;
+  so.replica_num = 2;
+  so.engine.node_id = "obs-repair-client";
+  so.engine.transports = {"tcp"};
+  auto client = Must(StoreClient::Create(so));
+  for (int i = 0; i < 20; ++i) {
+    ASSERT_TRUE(client->Put("repair" + std::to_string(i), std::string(8192, 'r')).ok());
+  }
+  more[1]->Kill();  // obs-repair-2: silent from now on
+  auto master_metrics = [&] { return ParseSamples(HttpGet(master_http_, "/metrics").body); };
+  const auto until = Clock::now() + std::chrono::seconds(30);
+  auto m = master_metrics();
+  while ((m["kvbridge_master_nodes_expired_total"] < 1 ||
+          m["kvbridge_master_under_replicated_objects"] > 0 ||
+          m["kvbridge_master_replication_tasks_in_flight"] > 0) &&
+         Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    m = master_metrics();
+  }
+  EXPECT_EQ(m["kvbridge_master_nodes_expired_total"], 1);
+  EXPECT_EQ(m["kvbridge_master_nodes{state=\"ACTIVE\"}"], 2);
+  EXPECT_EQ(m["kvbridge_master_nodes{state=\"DEAD\"}"], 1);
+  EXPECT_EQ(m["kvbridge_master_under_replicated_objects"], 0);
+  EXPECT_EQ(m.count("kvbridge_master_node_replicas{node=\"obs-repair-2\"}"), 0u);
+  EXPECT_EQ(m["kvbridge_master_node_replicas{node=\"obs-repair-0\"}"] +
+                m["kvbridge_master_node_replicas{node=\"obs-repair-1\"}"],
+            40);
+  const std::string events = HttpGet(master_http_, "/status.json").body;
+  EXPECT_NE(events.find("node obs-repair-2#"), std::string::npos) << events;
+  EXPECT_NE(events.find("\"kind\": \"expired\""), std::string::npos) << events;
+  // The copies were made by the survivors, over tcp to each other.
+  double tasks = 0;
+  size_t breakers = 0;
+  for (int i = 0; i < 2; ++i) {
+    auto n = ParseSamples(HttpGet(http[i], "/metrics").body);
+    tasks += n["kvbridge_node_replication_tasks_total{result=\"ok\"}"];
+    const std::string other = "obs-repair-" + std::to_string(1 - i);
+    auto it = n.find("kvbridge_node_peer_breaker_state{peer=\"" + other + "\",transport=\"tcp\"}");
+    if (it != n.end()) {
+      ++breakers;
+      EXPECT_EQ(it->second, 0) << "the path to " << other << " is not closed";
+    }
+  }
+  EXPECT_GE(tasks, 1);
+  EXPECT_GE(breakers, 1u);
+}
+
 TEST_F(StoreObs, HealthSaysWhyANodeLostItsMaster) {
   StartMasterAndNode("obs-health-node");
   HttpReply mh = HttpGet(master_http_, "/health");
