@@ -254,6 +254,24 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   std::mutex events_mu;
   std::deque<Event> events;
   uint64_t start_ns = 0;
+  // MasterState::Stats() walks the whole table: scrapes and status pages (every 2 s, per open
+  // browser) share one walk a second.
+  struct StatsSnapshot {
+    store::MasterStats stats;
+    uint64_t taken_ns = 0;  // heartbeat ages are counted to here
+  };
+  std::mutex stats_mu;
+  std::shared_ptr<const StatsSnapshot> stats;
+  std::shared_ptr<const StatsSnapshot> RecentStats() {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    if (!stats || util::MonoNs() - stats->taken_ns > 1000000000ull) {
+      auto fresh = std::make_shared<StatsSnapshot>();
+      fresh->stats = state->Stats();
+      fresh->taken_ns = util::MonoNs();
+      stats = std::move(fresh);
+    }
+    return stats;
+  }
   std::unique_ptr<obs::HttpServer> http;  // null: no endpoint
   std::string metrics_address;
 
@@ -300,8 +318,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
 
   // Everything the state machine already counts, read at scrape time.
   void Collect(obs::MetricWriter& w) {
-    const store::MasterStats s = state->Stats();
-    const uint64_t now = util::MonoNs();
+    const std::shared_ptr<const StatsSnapshot> snapshot = RecentStats();
+    const store::MasterStats& s = snapshot->stats;
+    const uint64_t now = snapshot->taken_ns;
     auto gauge = [&](const char* name, const char* help, double v, const obs::Labels& l = {}) {
       w.Gauge(name, help, l, v);
     };
@@ -311,7 +330,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     gauge("kvbridge_master_is_leader", "1 when this master leads the cluster, else 0.",
           is_leader.load() ? 1 : 0);
     gauge("kvbridge_master_uptime_seconds", "Seconds since the master started.",
-          (now - start_ns) / 1e9);
+          (util::MonoNs() - start_ns) / 1e9);
     gauge("kvbridge_master_objects", "Complete objects.", s.objects);
     gauge("kvbridge_master_stored_bytes", "Logical bytes of complete objects.", s.bytes);
     gauge("kvbridge_master_replica_bytes", "Bytes of all complete replicas.", s.replica_bytes);
@@ -378,11 +397,12 @@ struct MasterServer::Impl final : public rpc::Master::Service {
 
   // GET /status.json: what the status page shows.
   std::string StatusJson() {
-    const store::MasterStats s = state->Stats();
-    const uint64_t now = util::MonoNs();
+    const std::shared_ptr<const StatsSnapshot> snapshot = RecentStats();
+    const store::MasterStats& s = snapshot->stats;
+    const uint64_t now = snapshot->taken_ns;
     std::string j = "{\"master\": " + obs::JsonString(address);
     j += ", \"is_leader\": " + std::string(is_leader.load() ? "true" : "false");
-    j += ", \"uptime_s\": " + std::to_string((now - start_ns) / 1000000000);
+    j += ", \"uptime_s\": " + std::to_string((util::MonoNs() - start_ns) / 1000000000);
     auto num = [&](const char* k, uint64_t v) {
       j += ", \"" + std::string(k) + "\": " + std::to_string(v);
     };
