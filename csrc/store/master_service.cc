@@ -342,6 +342,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     gauge("kvbridge_master_under_replicated_objects",
           "Objects with fewer complete replicas than asked for, queued for re-replication.",
           s.under_replicated);
+    gauge("kvbridge_master_under_replicated_oldest_age_seconds",
+          "Seconds the longest-waiting under-replicated object has waited; 0 when none waits.",
+          s.oldest_repair_ns && now > s.oldest_repair_ns ? (now - s.oldest_repair_ns) / 1e9 : 0);
     gauge("kvbridge_master_replication_tasks_in_flight",
           "Re-replication tasks handed to nodes and not yet reported.", s.tasks_in_flight);
     gauge("kvbridge_master_demotions_in_flight",

@@ -195,6 +195,7 @@ TEST_F(StoreObs, NodeLossShowsInMetricsAndEvents) {
   EXPECT_EQ(m["kvbridge_master_nodes{state=\"ACTIVE\"}"], 2);
   EXPECT_EQ(m["kvbridge_master_nodes{state=\"DEAD\"}"], 1);
   EXPECT_EQ(m["kvbridge_master_under_replicated_objects"], 0);
+  EXPECT_EQ(m["kvbridge_master_under_replicated_oldest_age_seconds"], 0);
   EXPECT_EQ(m.count("kvbridge_master_node_replicas{node=\"obs-repair-2\"}"), 0u);
   EXPECT_EQ(m["kvbridge_master_node_replicas{node=\"obs-repair-0\"}"] +
                 m["kvbridge_master_node_replicas{node=\"obs-repair-1\"}"],
