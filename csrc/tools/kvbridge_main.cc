@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -24,6 +25,7 @@
 #include <iostream>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kvbridge/store.h"
@@ -332,7 +334,7 @@ int RunStatus(const Flags& f) {
     std::fflush(stdout);
     PrintStatus(f, master, so);
     std::fflush(stdout);
-    usleep(static_cast<useconds_t>(interval_s * 1e6));
+    std::this_thread::sleep_for(std::chrono::duration<double>(interval_s));
   }
 }
 

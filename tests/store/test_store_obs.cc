@@ -382,6 +382,25 @@ TEST(StoreObsInProcess, EmbeddedMasterServesNoHttpUnlessAsked) {
   EXPECT_EQ(without->metrics_address(), "");
 }
 
+// A metrics token of its own replaces the cluster token on the endpoint (scrapers need not hold
+// the secret that opens the store).
+TEST(StoreObsInProcess, MetricsTokenReplacesTheClusterTokenOnTheEndpoint) {
+  MasterOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "127.0.0.1:0";
+  o.cluster_token = "cluster-secret";
+  o.metrics_token = "scrape-only";
+  auto master = Must(MasterServer::Start(o));
+  const uint16_t port = testing::PortOf(master->metrics_address());
+  EXPECT_EQ(HttpGet(port, "/metrics", "Bearer scrape-only").status, 200);
+  EXPECT_EQ(HttpGet(port, "/metrics", "Bearer cluster-secret").status, 401);
+  EXPECT_EQ(HttpGet(port, "/metrics").status, 401);
+  EXPECT_EQ(HttpGet(port, "/health").status, 200);
+  HttpReply page = HttpGet(port, "/");
+  EXPECT_EQ(page.status, 200);  // the page holds no data; its script asks for the token
+  EXPECT_NE(page.body.find("status.json"), std::string::npos);
+}
+
 TEST(StoreObsInProcess, LeaderHookReachesHealthAndMetrics) {
   MasterOptions o;
   o.listen = "127.0.0.1:0";
