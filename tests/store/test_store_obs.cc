@@ -3,11 +3,14 @@
 // service, and the master's status page rendered by a headless Chromium (skipped without one).
 // In-process masters check what the daemons cannot show: the leader hook and that an embedded
 // master serves no HTTP unless asked.
+#include <arpa/inet.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -254,6 +257,34 @@ TEST_F(StoreObs, ExplicitBusyMetricsAddressIsAStartupError) {
   const std::string said = second->ReadAll(20000);
   EXPECT_EQ(second->Wait(20000), 1) << said;
   EXPECT_NE(said.find("cannot serve HTTP on " + Loopback(master_http_)), std::string::npos) << said;
+}
+
+// The default port (0.0.0.0:9480) taken, by this test or by anyone on the host: the master
+// says so and serves without its endpoint.
+TEST_F(StoreObs, BusyDefaultPortIsAWarning) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = htons(9480);
+  // Fails when someone else holds it already, which is as good.
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) (void)listen(fd, 1);
+  unsetenv("KVBRIDGE_METRICS_LISTEN");
+  auto p = ChildProcess::Start(
+      {"/bin/sh", "-c",
+       "exec " + testing::KvbridgeBin() + " master --listen " + master_addr_ + " 2>&1"});
+  ASSERT_TRUE(p);
+  std::string said;
+  for (int i = 0; i < 5 && said.find("listening on") == std::string::npos; ++i) {
+    said += p->ReadLine(20000) + "\n";
+  }
+  close(fd);
+  EXPECT_NE(said.find("master runs without its HTTP endpoint"), std::string::npos) << said;
+  EXPECT_NE(said.find("0.0.0.0:9480"), std::string::npos) << said;
+  EXPECT_NE(said.find("kvbridge master listening on " + master_addr_ + "\n"), std::string::npos)
+      << said;
+  EXPECT_GE(testing::ActiveNodes(master_addr_), 0);  // it serves
 }
 
 TEST_F(StoreObs, TokenGuardsMetricsButNotHealth) {
