@@ -84,7 +84,9 @@ def check_build_dependencies():
         raise MissingDependency(f"Python.h for {sys.executable} ({python_h})",
                                 f"python{sys.version_info[0]}-dev")
     headers = (("google/protobuf/message.h", "the protobuf headers", "libprotobuf-dev"),
-               ("openssl/evp.h", "the OpenSSL headers", "libssl-dev"))
+               ("openssl/evp.h", "the OpenSSL headers", "libssl-dev"),
+               ("civetweb.h", "the civetweb headers (the daemons' HTTP endpoint)",
+                "libcivetweb-dev"))
     for header, what, package in headers:
         if not _find_header(header):
             raise MissingDependency(f"{what} ({header})", package)

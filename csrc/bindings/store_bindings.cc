@@ -305,6 +305,9 @@ void BindOptions(py::module_& m) {
       .def_readwrite("node_ssd_staging_bytes", &NodeOptions::ssd_staging_bytes)
       .def_readwrite("peer_discovery", &NodeOptions::peer_discovery)
       .def_readwrite("rpc_auth_skew_ms", &NodeOptions::rpc_auth_skew_ms)
+      .def_readwrite("metrics_listen", &NodeOptions::metrics_listen)
+      .def_readwrite("metrics_listen_best_effort", &NodeOptions::metrics_listen_best_effort)
+      .def_readwrite("metrics_token", &NodeOptions::metrics_token)
       .def_readwrite("engine", &NodeOptions::engine);
   py::class_<MasterOptions>(m, "MasterOptions")
       .def(py::init<>())
@@ -323,7 +326,10 @@ void BindOptions(py::module_& m) {
       .def_readwrite("rpc_timeout_ms", &MasterOptions::rpc_timeout_ms)
       .def_readwrite("cluster_token", &MasterOptions::cluster_token)
       .def_readwrite("admin_token", &MasterOptions::admin_token)
-      .def_readwrite("rpc_auth_skew_ms", &MasterOptions::rpc_auth_skew_ms);
+      .def_readwrite("rpc_auth_skew_ms", &MasterOptions::rpc_auth_skew_ms)
+      .def_readwrite("metrics_listen", &MasterOptions::metrics_listen)
+      .def_readwrite("metrics_listen_best_effort", &MasterOptions::metrics_listen_best_effort)
+      .def_readwrite("metrics_token", &MasterOptions::metrics_token);
   py::class_<EmbeddedClusterOptions>(m, "ClusterOptions")
       .def(py::init<>())
       .def_readwrite("nodes", &EmbeddedClusterOptions::nodes)
@@ -485,8 +491,12 @@ void BindServers(py::module_& m) {
            }),
            py::arg("options"))
       .def("close", [](MasterHandle& h) { NoGil([&] { h.Close(); }); })
-      .def("address", [](MasterHandle& h) {
-        return NoGil([&] { return h.With([](MasterServer& s) { return s.address(); }); });
+      .def("address",
+           [](MasterHandle& h) {
+             return NoGil([&] { return h.With([](MasterServer& s) { return s.address(); }); });
+           })
+      .def("metrics_address", [](MasterHandle& h) {
+        return NoGil([&] { return h.With([](MasterServer& s) { return s.metrics_address(); }); });
       });
 
   py::class_<NodeHandle, std::shared_ptr<NodeHandle>>(m, "Node")
@@ -511,8 +521,12 @@ void BindServers(py::module_& m) {
                  NoGil([&] { return h.With([](StorageNode& n) { return n.ssd_status(); }); });
              return bindings::ToPy(st);
            })
-      .def("object_count", [](NodeHandle& h) {
-        return NoGil([&] { return h.With([](StorageNode& n) { return n.object_count(); }); });
+      .def("object_count",
+           [](NodeHandle& h) {
+             return NoGil([&] { return h.With([](StorageNode& n) { return n.object_count(); }); });
+           })
+      .def("metrics_address", [](NodeHandle& h) {
+        return NoGil([&] { return h.With([](StorageNode& n) { return n.metrics_address(); }); });
       });
 
   py::class_<ClusterHandle, std::shared_ptr<ClusterHandle>>(m, "Cluster")

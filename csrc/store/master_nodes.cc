@@ -259,7 +259,7 @@ void MasterState::Impl::LoadInventory(Node& n, const std::vector<InventoryRecord
       o = obj.get();
       objects.emplace(rec.key, std::move(obj));
       // Let the other nodes re-register before judging the replica count.
-      MarkRepair(o, now_ns + MsToNs(cfg.node_ttl_ms));
+      MarkRepair(o, now_ns, MsToNs(cfg.node_ttl_ms));
     }
     o->target = std::max(o->target, target);
     AddReplica(o, &n, seg, rec.offset, ReplicaState::kComplete, rec.replica_id).record_on_node =

@@ -25,7 +25,7 @@ void MasterState::Impl::FailTask(std::map<uint64_t, Task>::iterator it, uint64_t
   if (std::find(o->failed_dests.begin(), o->failed_dests.end(), dest) == o->failed_dests.end()) {
     o->failed_dests.push_back(dest);
   }
-  MarkRepair(o, now_ns + MsToNs(cfg.repair_backoff_ms));
+  MarkRepair(o, now_ns, MsToNs(cfg.repair_backoff_ms));
 }
 
 // A COMPLETE replica to copy from: a DRAINING node's first (that is what drain means), then

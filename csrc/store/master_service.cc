@@ -4,11 +4,13 @@
 // in parallel, then finish. A ticker thread drives time (node expiry, revokes, eviction,
 // re-replication, drains).
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
 
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -18,6 +20,9 @@
 #include "core/descriptor.h"
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
+#include "obs/http_server.h"
+#include "obs/metrics.h"
+#include "obs/status_page.h"
 #include "store/master_client.h"
 #include "store/master_ha.h"
 #include "store/master_state.h"
@@ -53,6 +58,10 @@ MasterOptions MasterOptions::FromEnv() {
   if (const char* v = std::getenv("KVBRIDGE_MASTER_ADVERTISE")) o.advertise = v;
   store::EnvUint("KVBRIDGE_HA_LEASE_MS", &o.ha_lease_ms);
   store::EnvUint("KVBRIDGE_HA_TAKEOVER_WAIT_MS", &o.ha_takeover_wait_ms);
+  if (const char* v = std::getenv("KVBRIDGE_METRICS_LISTEN")) {
+    o.metrics_listen = std::string_view(v) == "off" ? "" : v;
+  }
+  if (const char* v = std::getenv("KVBRIDGE_METRICS_TOKEN")) o.metrics_token = v;
   for (auto [var, out] : {std::pair{"KVBRIDGE_HIGH_WATERMARK", &o.high_watermark},
                           std::pair{"KVBRIDGE_LOW_WATERMARK", &o.low_watermark},
                           std::pair{"KVBRIDGE_DEMOTE_HIGH_WATERMARK", &o.demote_high_watermark},
@@ -116,6 +125,27 @@ void ToProto(const store::InventoryRecord& r, rpc::InventoryRecord* out) {
   out->set_offset(r.offset);
   out->set_replica_num(r.replica_num);
   out->set_replica_id(r.replica_id);
+}
+
+// Observes how long a handler ran, in seconds, when it returns.
+class Timed {
+ public:
+  explicit Timed(obs::Histogram* h) : h_(h), start_(std::chrono::steady_clock::now()) {}
+  ~Timed() {
+    h_->Observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
+  }
+  Timed(const Timed&) = delete;
+  Timed& operator=(const Timed&) = delete;
+
+ private:
+  obs::Histogram* h_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+int64_t UnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
 }
 
 grpc::Status Done(const Status& st, rpc::Status* reply) {
@@ -218,8 +248,53 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   static Result<std::unique_ptr<MasterServer>> Launch(const MasterOptions& options,
                                                       std::shared_ptr<store::LeaderGate> gate,
                                                       uint64_t first_version);
+  // --- observability (docs/operations.md) ---
+  obs::Registry metrics;
+  struct RpcMetrics {
+    obs::Histogram* seconds = nullptr;  // per call
+    obs::Counter* keys = nullptr;       // keys asked for, over all calls
+  };
+  RpcMetrics put_start_metrics, put_end_metrics, get_metrics, remove_metrics;
+  // GetReplicas keys by what they found: a DRAM replica, SSD replicas only, nothing.
+  obs::Counter* get_dram = nullptr;
+  obs::Counter* get_ssd = nullptr;
+  obs::Counter* get_miss = nullptr;
+  std::atomic<bool> is_leader{true};
+  std::mutex leader_mu;
+  std::string not_leader_why;  // under leader_mu
+  // The last kMaxEvents membership and repair events, for the status page.
+  struct Event {
+    int64_t unix_ms = 0;
+    std::string kind;
+    std::string text;
+  };
+  static constexpr size_t kMaxEvents = 200;
+  std::mutex events_mu;
+  std::deque<Event> events;
+  uint64_t start_ns = 0;
+  // MasterState::Stats() walks the whole table: scrapes and status pages (every 2 s, per open
+  // browser) share one walk a second.
+  struct StatsSnapshot {
+    store::MasterStats stats;
+    uint64_t taken_ns = 0;  // heartbeat ages are counted to here
+  };
+  std::mutex stats_mu;
+  std::shared_ptr<const StatsSnapshot> stats;
+  std::shared_ptr<const StatsSnapshot> RecentStats() {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    if (!stats || util::MonoNs() - stats->taken_ns > 1000000000ull) {
+      auto fresh = std::make_shared<StatsSnapshot>();
+      fresh->stats = state->Stats();
+      fresh->taken_ns = util::MonoNs();
+      stats = std::move(fresh);
+    }
+    return stats;
+  }
+  std::unique_ptr<obs::HttpServer> http;  // null: no endpoint
+  std::string metrics_address;
 
   ~Impl() override {
+    http.reset();  // its handlers read the state and the server
     {
       std::lock_guard<std::mutex> lock(tick_mu);
       stopping = true;
@@ -273,6 +348,198 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     }
     state->InflightPublished(maps, now);
     return Status::OK();
+  }
+
+  void AddEvent(std::string kind, std::string text) {
+    std::lock_guard<std::mutex> lock(events_mu);
+    events.push_back({UnixMs(), std::move(kind), std::move(text)});
+    if (events.size() > kMaxEvents) events.pop_front();
+  }
+
+  RpcMetrics MetricsOf(const std::string& method, const std::string& op) {
+    RpcMetrics m;
+    m.seconds = metrics.Histogram("kvbridge_master_rpc_duration_seconds",
+                                  "Time the master took to answer a client call, by method.",
+                                  {{"method", method}});
+    m.keys = metrics.Counter("kvbridge_master_keys_total",
+                             "Keys asked for by client calls, by operation.", {{"op", op}});
+    return m;
+  }
+
+  void SetUpMetrics() {
+    put_start_metrics = MetricsOf("PutStart", "put");
+    put_end_metrics = MetricsOf("PutEnd", "put_end");
+    get_metrics = MetricsOf("GetReplicas", "get");
+    remove_metrics = MetricsOf("Remove", "remove");
+    const std::string get_help =
+        "Keys of GetReplicas calls (gets, not size queries) by what they found: a DRAM replica, "
+        "SSD replicas only, or none.";
+    get_dram = metrics.Counter("kvbridge_master_get_keys_total", get_help, {{"result", "dram"}});
+    get_ssd = metrics.Counter("kvbridge_master_get_keys_total", get_help, {{"result", "ssd"}});
+    get_miss = metrics.Counter("kvbridge_master_get_keys_total", get_help, {{"result", "miss"}});
+    metrics.AddCollector([this](obs::MetricWriter& w) { Collect(w); });
+  }
+
+  // Everything the state machine already counts, read at scrape time.
+  void Collect(obs::MetricWriter& w) {
+    const std::shared_ptr<const StatsSnapshot> snapshot = RecentStats();
+    const store::MasterStats& s = snapshot->stats;
+    const uint64_t now = snapshot->taken_ns;
+    auto gauge = [&](const char* name, const char* help, double v, const obs::Labels& l = {}) {
+      w.Gauge(name, help, l, v);
+    };
+    auto counter = [&](const char* name, const char* help, double v) {
+      w.Counter(name, help, {}, v);
+    };
+    gauge("kvbridge_master_is_leader", "1 when this master leads the cluster, else 0.",
+          is_leader.load() ? 1 : 0);
+    gauge("kvbridge_master_uptime_seconds", "Seconds since the master started.",
+          (util::MonoNs() - start_ns) / 1e9);
+    gauge("kvbridge_master_objects", "Complete objects.", s.objects);
+    gauge("kvbridge_master_stored_bytes", "Logical bytes of complete objects.", s.bytes);
+    gauge("kvbridge_master_replica_bytes", "Bytes of all complete replicas.", s.replica_bytes);
+    gauge("kvbridge_master_held_bytes",
+          "Space of dropped replicas waiting for a read lease or a late writer to run out.",
+          s.held_bytes);
+    gauge("kvbridge_master_pending_puts", "Objects being written (PENDING or COMMITTING).",
+          s.pending);
+    gauge("kvbridge_master_under_replicated_objects",
+          "Objects with fewer complete replicas than asked for, queued for re-replication.",
+          s.under_replicated);
+    gauge("kvbridge_master_under_replicated_oldest_age_seconds",
+          "Seconds the longest-waiting under-replicated object has waited; 0 when none waits.",
+          s.oldest_repair_ns && now > s.oldest_repair_ns ? (now - s.oldest_repair_ns) / 1e9 : 0);
+    gauge("kvbridge_master_replication_tasks_in_flight",
+          "Re-replication tasks handed to nodes and not yet reported.", s.tasks_in_flight);
+    gauge("kvbridge_master_demotions_in_flight",
+          "DRAM to SSD (and back) moves handed to nodes and not yet reported.",
+          s.demotions_in_flight);
+    gauge("kvbridge_master_ssd_replicas", "Complete replicas on SSD tiers.", s.ssd_replicas);
+    gauge("kvbridge_master_departed_copies",
+          "Copies remembered for nodes that left, until they come back or are forgotten.",
+          s.departed_copies);
+    counter("kvbridge_master_evictions_total", "Objects evicted to make room.", s.evictions_total);
+    counter("kvbridge_master_put_revokes_total", "Puts revoked for not ending in time.",
+            s.revokes_total);
+    counter("kvbridge_master_nodes_expired_total", "Nodes declared dead (silent past the TTL).",
+            s.nodes_expired_total);
+    counter("kvbridge_master_bad_replicas_total",
+            "Replicas dropped because a reader found them damaged or missing.",
+            s.bad_replicas_total);
+    counter("kvbridge_master_unreachable_reports_total",
+            "Reads that could not reach a node (its replicas kept).", s.unreachable_reports_total);
+    counter("kvbridge_master_demotions_total", "Replicas moved from DRAM to an SSD tier.",
+            s.demotions_total);
+    counter("kvbridge_master_promotions_total",
+            "Replicas moved from SSD back to DRAM after repeated reads.", s.promotions_total);
+    std::map<std::string, int> by_state = {{"ACTIVE", 0}, {"DRAINING", 0}, {"DEAD", 0}};
+    for (const store::NodeStats& n : s.nodes) {
+      const std::string state_name = store::NodeStateName(n.state);
+      ++by_state[state_name];
+      if (n.state == store::NodeState::kDead) continue;
+      const std::string& id = n.identity.node_id;
+      const char* cap_help = "Capacity a node contributes, by tier.";
+      const char* used_help = "Bytes allocated on a node (replicas and held ranges), by tier.";
+      gauge("kvbridge_master_node_capacity_bytes", cap_help, n.capacity,
+            {{"node", id}, {"tier", "dram"}});
+      gauge("kvbridge_master_node_used_bytes", used_help, n.used, {{"node", id}, {"tier", "dram"}});
+      if (n.ssd_capacity > 0) {
+        gauge("kvbridge_master_node_capacity_bytes", cap_help, n.ssd_capacity,
+              {{"node", id}, {"tier", "ssd"}});
+        gauge("kvbridge_master_node_used_bytes", used_help, n.ssd_used,
+              {{"node", id}, {"tier", "ssd"}});
+      }
+      gauge("kvbridge_master_node_replicas", "Replicas a node holds.", n.replicas, {{"node", id}});
+      gauge(
+          "kvbridge_master_node_heartbeat_age_seconds",
+          "Seconds since the master last heard from a node.",
+          n.last_heartbeat_ns && now > n.last_heartbeat_ns ? (now - n.last_heartbeat_ns) / 1e9 : 0,
+          {{"node", id}});
+    }
+    for (const auto& [state_name, count] : by_state) {
+      gauge("kvbridge_master_nodes", "Nodes by state (DEAD: the most recent ones remembered).",
+            count, {{"state", state_name}});
+    }
+  }
+
+  // GET /status.json: what the status page shows.
+  std::string StatusJson() {
+    const std::shared_ptr<const StatsSnapshot> snapshot = RecentStats();
+    const store::MasterStats& s = snapshot->stats;
+    const uint64_t now = snapshot->taken_ns;
+    std::string j = "{\"master\": " + obs::JsonString(address);
+    j += ", \"is_leader\": " + std::string(is_leader.load() ? "true" : "false");
+    j += ", \"uptime_s\": " + std::to_string((util::MonoNs() - start_ns) / 1000000000);
+    auto num = [&](const char* k, uint64_t v) {
+      j += ", \"" + std::string(k) + "\": " + std::to_string(v);
+    };
+    num("objects", s.objects);
+    num("stored_bytes", s.bytes);
+    num("replica_bytes", s.replica_bytes);
+    num("pending_puts", s.pending);
+    num("under_replicated", s.under_replicated);
+    num("tasks_in_flight", s.tasks_in_flight);
+    num("ssd_replicas", s.ssd_replicas);
+    num("evictions_total", s.evictions_total);
+    num("bad_replicas_total", s.bad_replicas_total);
+    num("nodes_expired_total", s.nodes_expired_total);
+    num("demotions_total", s.demotions_total);
+    num("promotions_total", s.promotions_total);
+    j += ", \"nodes\": [";
+    for (size_t i = 0; i < s.nodes.size(); ++i) {
+      const store::NodeStats& n = s.nodes[i];
+      char inc[24];
+      std::snprintf(inc, sizeof(inc), "%016llx",
+                    static_cast<unsigned long long>(n.identity.incarnation));
+      j += std::string(i ? ", " : "") + "{\"node_id\": " + obs::JsonString(n.identity.node_id) +
+           ", \"incarnation\": \"" + inc + "\", \"state\": \"" + store::NodeStateName(n.state) +
+           "\", \"dram_capacity\": " + std::to_string(n.capacity) +
+           ", \"dram_used\": " + std::to_string(n.used) +
+           ", \"ssd_capacity\": " + std::to_string(n.ssd_capacity) +
+           ", \"ssd_used\": " + std::to_string(n.ssd_used) +
+           ", \"replicas\": " + std::to_string(n.replicas) + ", \"heartbeat_age_ms\": " +
+           std::to_string(n.state != store::NodeState::kDead && now > n.last_heartbeat_ns
+                              ? (now - n.last_heartbeat_ns) / 1000000
+                              : 0) +
+           "}";
+    }
+    j += "], \"events\": [";
+    {
+      std::lock_guard<std::mutex> lock(events_mu);
+      bool first = true;
+      for (auto it = events.rbegin(); it != events.rend(); ++it) {  // newest first
+        j += std::string(first ? "" : ", ") + "{\"unix_ms\": " + std::to_string(it->unix_ms) +
+             ", \"kind\": " + obs::JsonString(it->kind) +
+             ", \"text\": " + obs::JsonString(it->text) + "}";
+        first = false;
+      }
+    }
+    return j + "]}\n";
+  }
+
+  obs::HttpResponse Health() {
+    if (is_leader.load()) return {200, "text/plain; charset=utf-8", "ok\n"};
+    std::lock_guard<std::mutex> lock(leader_mu);
+    return {503, "text/plain; charset=utf-8",
+            "not serving: this master is not the leader" +
+                (not_leader_why.empty() ? std::string() : ": " + not_leader_why) + "\n"};
+  }
+
+  std::map<std::string, obs::HttpRoute> Routes() {
+    std::map<std::string, obs::HttpRoute> r;
+    r["/metrics"] = {[this] {
+      return obs::HttpResponse{200, obs::kExpositionContentType, metrics.Render()};
+    }};
+    r["/health"] = {[this] { return Health(); }, /*is_public=*/true};
+    r["/status.json"] = {[this] {
+      return obs::HttpResponse{200, "application/json", StatusJson()};
+    }};
+    // The page holds no data (it asks /status.json, with the token when one is needed).
+    r["/"] = {[] {
+                return obs::HttpResponse{200, "text/html; charset=utf-8", obs::kStatusPageHtml};
+              },
+              /*is_public=*/true};
+    return r;
   }
 
   std::shared_ptr<rpc::Node::Stub> NodeStub(const std::string& endpoint) {
@@ -331,9 +598,24 @@ struct MasterServer::Impl final : public rpc::Master::Service {
         lock.lock();
         continue;
       }
-      store::TickSummary s = state->Tick(util::MonoNs());
+      const uint64_t tick_ns = util::MonoNs();
+      store::TickSummary s = state->Tick(tick_ns);
       if (Status pub = PublishInflight(/*growth_only=*/false); !pub.ok()) {
         KVB_LOG(WARN) << pub.ToString();
+      }
+      if (s.nodes_expired) {
+        for (const store::NodeStats& n : state->Stats().nodes) {
+          if (n.state == store::NodeState::kDead && n.last_heartbeat_ns >= tick_ns) {
+            AddEvent("expired", "node " + store::ToString(n.identity) +
+                                    " expired: no heartbeat within the TTL");
+          }
+        }
+      }
+      if (s.drains_finished) {
+        AddEvent("drained", std::to_string(s.drains_finished) + " node drain(s) finished");
+      }
+      if (s.paused_ms) {
+        AddEvent("paused", "the master did not run for " + std::to_string(s.paused_ms) + " ms");
       }
       if (s.paused_ms) {
         KVB_LOG(WARN) << "the master did not run for " << s.paused_ms
@@ -497,6 +779,10 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       for (const auto& f : r->frees) ToProto(f, reply->add_frees());
       for (uint64_t seq : r->free_seqs) reply->add_free_seqs(seq);
       reply->set_more(r->more);
+      AddEvent(replaced ? "restarted" : "registered",
+               "node " + store::ToString(reg.identity) +
+                   (replaced ? " registered again (restart)" : " registered") + " with " +
+                   std::to_string(r->records_accepted) + " inventory records");
       KVB_LOG(INFO) << "node " << store::ToString(reg.identity) << " registered ("
                     << r->records_accepted << " inventory records accepted, "
                     << inventory.size() - std::min(inventory.size(), r->records_accepted)
@@ -619,6 +905,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     KVB_AUTH(ctx, store::method::kDrain);
     if (grpc::Status a = Authorize(*ctx, store::method::kDrain, req); !a.ok()) return a;
     KVB_LOG(INFO) << "node " << req->node_id() << " asked to drain";
+    AddEvent("draining", "node " + req->node_id() + " asked to drain");
     return Done(state->StartDrain(FromProto(*req), util::MonoNs()), reply);
   }
 
@@ -627,6 +914,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     KVB_AUTH(ctx, store::method::kDeregister);
     if (grpc::Status a = Authorize(*ctx, store::method::kDeregister, req); !a.ok()) return a;
     Status st = state->Deregister(FromProto(*req), util::MonoNs());
+    if (st.ok()) AddEvent("deregistered", "node " + req->node_id() + " left the cluster");
     if (st.ok() && admin_required) {
       std::lock_guard<std::mutex> lock(secrets_mu);
       auto it = node_secrets.find(req->node_id());
@@ -641,6 +929,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   grpc::Status PutStart(grpc::ServerContext* ctx, const rpc::PutStartRequest* req,
                         rpc::PutStartReply* reply) override {
     KVB_AUTH(ctx, store::method::kPutStart);
+    Timed timed(put_start_metrics.seconds);
+    put_start_metrics.keys->Inc(req->keys_size());
     std::vector<store::PutItem> items(req->keys_size());
     for (int i = 0; i < req->keys_size(); ++i) {
       items[i].key = req->keys(i);
@@ -680,6 +970,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   grpc::Status PutEnd(grpc::ServerContext* ctx, const rpc::PutEndRequest* req,
                       rpc::KeyStatusReply* reply) override {
     KVB_AUTH(ctx, store::method::kPutEnd);
+    Timed timed(put_end_metrics.seconds);
+    put_end_metrics.keys->Inc(req->items_size());
     std::vector<store::PutEndItem> items(req->items_size());
     for (int i = 0; i < req->items_size(); ++i) {
       const auto& in = req->items(i);
@@ -712,10 +1004,24 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   grpc::Status GetReplicas(grpc::ServerContext* ctx, const rpc::GetReplicasRequest* req,
                            rpc::GetReplicasReply* reply) override {
     KVB_AUTH(ctx, store::method::kGetReplicas);
+    Timed timed(get_metrics.seconds);
+    get_metrics.keys->Inc(req->keys_size());
     std::vector<std::string> keys(req->keys().begin(), req->keys().end());
     const uint64_t now = util::MonoNs();
     for (auto& r : state->GetReplicas(keys, req->client_node_id(), now, req->sizes_only())) {
       auto* item = reply->add_items();
+      if (!req->sizes_only()) {
+        if (!r.ok() || r->replicas.empty()) {
+          get_miss->Inc();
+        } else if (std::any_of(r->replicas.begin(), r->replicas.end(),
+                               [](const store::ReplicaLocation& l) {
+                                 return l.tier != store::Tier::kSsd;
+                               })) {
+          get_dram->Inc();
+        } else {
+          get_ssd->Inc();
+        }
+      }
       if (!r.ok()) {
         ToProto(r.status(), item->mutable_status());
         continue;
@@ -742,6 +1048,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   grpc::Status Remove(grpc::ServerContext* ctx, const rpc::KeysRequest* req,
                       rpc::KeyStatusReply* reply) override {
     KVB_AUTH(ctx, store::method::kRemove);
+    Timed timed(remove_metrics.seconds);
+    remove_metrics.keys->Inc(req->keys_size());
     const uint64_t now = util::MonoNs();
     for (const auto& k : req->keys()) ToProto(state->Remove(k, now), reply->add_statuses());
     return grpc::Status::OK;
@@ -752,6 +1060,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     if (grpc::Status a = Authorize(*ctx, store::method::kRemoveAll, nullptr); !a.ok()) return a;
     const size_t n = state->RemoveAll(util::MonoNs());
     KVB_LOG(INFO) << "RemoveAll removed " << n << " objects";
+    AddEvent("remove_all", "RemoveAll removed " + std::to_string(n) + " objects");
     return Done(Status::OK(), reply);
   }
 
@@ -761,9 +1070,14 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     if (req->node_unreachable()) {
       return Done(state->ReportUnreachableNode(FromProto(req->node()), util::MonoNs()), reply);
     }
-    return Done(state->ReportBadReplica(req->key(), req->version(), FromProto(req->node()),
-                                        util::MonoNs(), req->segment_id(), req->offset()),
-                reply);
+    const Status st = state->ReportBadReplica(req->key(), req->version(), FromProto(req->node()),
+                                              util::MonoNs(), req->segment_id(), req->offset());
+    if (st.ok()) {
+      AddEvent("bad_replica", "a replica (" + std::to_string(req->key().size()) +
+                                  "-byte key) on node " + req->node().node_id() +
+                                  " reported bad by a reader was dropped");
+    }
+    return Done(st, reply);
   }
 
   grpc::Status GetNodeDescriptors(grpc::ServerContext* ctx, const rpc::NodeDescriptorsRequest* req,
@@ -814,6 +1128,24 @@ MasterServer::MasterServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 MasterServer::~MasterServer() = default;
 
 const std::string& MasterServer::address() const { return impl_->address; }
+
+const std::string& MasterServer::metrics_address() const { return impl_->metrics_address; }
+
+void MasterServer::SetLeader(bool is_leader, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->leader_mu);
+    impl_->not_leader_why = is_leader ? "" : why;
+  }
+  if (impl_->is_leader.exchange(is_leader) != is_leader) {
+    impl_->AddEvent(is_leader ? "leader" : "not_leader",
+                    is_leader ? "this master leads the cluster"
+                              : "this master stopped leading" + (why.empty() ? "" : ": " + why));
+  }
+  if (grpc::HealthCheckServiceInterface* h = impl_->server->GetHealthCheckService()) {
+    h->SetServingStatus(rpc::Master::service_full_name(), is_leader);
+    h->SetServingStatus("", is_leader);
+  }
+}
 
 Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& options) {
   return Impl::Launch(options, nullptr, 0);
@@ -893,6 +1225,17 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Impl::Launch(
   if (!server.ok()) return server.status();
   impl->server = std::move(server).value();
   impl->auth->WarnIfDisabled("master's control plane", impl->address);
+  if (grpc::HealthCheckServiceInterface* h = impl->server->GetHealthCheckService()) {
+    h->SetServingStatus(rpc::Master::service_full_name(), true);
+  }
+  impl->start_ns = util::MonoNs();
+  impl->SetUpMetrics();
+  auto http = obs::StartEndpoint(
+      options.metrics_listen, options.metrics_listen_best_effort, impl->Routes(),
+      options.metrics_token.empty() ? options.cluster_token : options.metrics_token, "master");
+  if (!http.ok()) return http.status();
+  impl->http = std::move(http).value();
+  if (impl->http) impl->metrics_address = impl->http->address();
   Impl* raw = impl.get();
   impl->ticker = std::thread([raw] { raw->TickLoop(); });
   return std::unique_ptr<MasterServer>(new MasterServer(std::move(impl)));

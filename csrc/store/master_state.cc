@@ -441,6 +441,12 @@ MasterStats MasterState::Stats() const {
   for (const Impl::Held& h : m.held) st.held_bytes += m.RoundUp(h.length);
   st.tasks_in_flight = m.tasks.size();
   st.under_replicated = m.repair_keys.size();
+  for (const std::string& key : m.repair_keys) {
+    auto it = m.objects.find(key);
+    if (it == m.objects.end()) continue;  // dropped at the next pass
+    const uint64_t since = it->second->repair_since_ns;
+    if (st.oldest_repair_ns == 0 || since < st.oldest_repair_ns) st.oldest_repair_ns = since;
+  }
   st.next_version = m.next_version;
   st.directory_version = m.directory_version;
   st.evictions_total = m.evictions_total;

@@ -392,7 +392,8 @@ struct MasterStats {
   uint64_t replica_bytes = 0;    // bytes of all their COMPLETE replicas
   uint64_t held_bytes = 0;       // space of dropped replicas waiting for a lease or a writer
   size_t tasks_in_flight = 0;
-  size_t under_replicated = 0;  // objects queued for re-replication
+  size_t under_replicated = 0;    // objects queued for re-replication
+  uint64_t oldest_repair_ns = 0;  // when the one queued longest was queued; 0: none queued
   uint64_t next_version = 0;
   uint64_t directory_version = 0;  // bumped on every membership change
   uint64_t evictions_total = 0;

@@ -124,6 +124,7 @@ struct MasterState::Impl {
     uint64_t last_access_ns = 0;
     uint32_t ssd_reads = 0;  // reads served from an SSD replica since the last promotion
     uint64_t repair_not_before_ns = 0;
+    uint64_t repair_since_ns = 0;           // when it last joined repair_keys
     std::vector<std::string> failed_dests;  // node ids whose copy failed lately
   };
 
@@ -368,9 +369,10 @@ struct MasterState::Impl {
     return false;
   }
 
-  void MarkRepair(Object* o, uint64_t not_before_ns) {
-    repair_keys.insert(o->key);
-    o->repair_not_before_ns = not_before_ns;
+  // Queues `o` for the repair pass, to be looked at `delay_ns` from now_ns.
+  void MarkRepair(Object* o, uint64_t now_ns, uint64_t delay_ns = 0) {
+    if (repair_keys.insert(o->key).second) o->repair_since_ns = now_ns;
+    o->repair_not_before_ns = now_ns + delay_ns;
   }
 
   // Fewer COMPLETE replicas on ACTIVE nodes than the target, or any on a DRAINING node.

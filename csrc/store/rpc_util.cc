@@ -1,5 +1,7 @@
 #include "store/rpc_util.h"
 
+#include <grpcpp/health_check_service_interface.h>
+
 #include <algorithm>
 #include <charconv>
 #include <chrono>
@@ -123,6 +125,9 @@ size_t NodeStubCache::size() const {
 
 Result<std::unique_ptr<grpc::Server>> StartServer(const std::string& listen, grpc::Service* service,
                                                   std::string_view what, std::string* address) {
+  // grpc.health.v1.Health on every server (docs/operations.md): the overall status ("") is
+  // SERVING once started; the master and the node set their own service's status.
+  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
@@ -135,6 +140,9 @@ Result<std::unique_ptr<grpc::Server>> StartServer(const std::string& listen, grp
                                " (address in use or malformed?)");
   }
   *address = listen.substr(0, listen.rfind(':')) + ":" + std::to_string(port);
+  if (grpc::HealthCheckServiceInterface* h = server->GetHealthCheckService()) {
+    h->SetServingStatus(true);
+  }
   return server;
 }
 

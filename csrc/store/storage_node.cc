@@ -1,4 +1,5 @@
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
 
 #include <algorithm>
 #include <atomic>
@@ -16,6 +17,8 @@
 #include "core/storage_instance.h"
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
+#include "obs/http_server.h"
+#include "obs/metrics.h"
 #include "store/master_client.h"
 #include "store/master_ha.h"
 #include "store/rpc_auth.h"
@@ -43,6 +46,10 @@ NodeOptions NodeOptions::FromEnv() {
   if (const char* v = std::getenv("KVBRIDGE_PEER_DISCOVERY")) o.peer_discovery = v;
   store::EnvUint("KVBRIDGE_RPC_AUTH_SKEW_MS", &o.rpc_auth_skew_ms);
   if (const char* v = std::getenv("KVBRIDGE_NODE_FAULTS")) o.faults = v;
+  if (const char* v = std::getenv("KVBRIDGE_METRICS_LISTEN")) {
+    o.metrics_listen = std::string_view(v) == "off" ? "" : v;
+  }
+  if (const char* v = std::getenv("KVBRIDGE_METRICS_TOKEN")) o.metrics_token = v;
   return o;
 }
 
@@ -126,7 +133,7 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   store::CallKey node_key;
   // Every call to the master; the heartbeat goes on a channel of its own (MasterClient).
   std::unique_ptr<store::MasterClient> master;
-  uint32_t heartbeat_interval_ms = 1000;
+  std::atomic<uint32_t> heartbeat_interval_ms{1000};  // read by /health
   // The highest master term seen (RegisterNodeReply.term): replies and commits of a lower one
   // come from a master that was replaced, and are refused.
   std::atomic<uint64_t> master_term{0};
@@ -286,9 +293,34 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   std::atomic<uint64_t> ssd_read_requests{0};
   std::atomic<uint64_t> ssd_read_objects{0};
   std::atomic<uint64_t> ssd_read_batches{0};
+  std::atomic<uint64_t> ssd_served_bytes{0};   // bytes ReadSsd wrote to clients
+  std::atomic<uint64_t> ssd_demoted_bytes{0};  // bytes demotions wrote to the SSD tier
   std::mutex clients_mu;
-  std::map<std::pair<std::string, uint64_t>, std::chrono::steady_clock::time_point>
-      checked_clients;  // client identity -> when the directory said it is no node
+  std::map<std::pair<std::string, uint64_t>, std::chrono::steady_clock::time_point> checked_clients;
+
+  // --- observability (docs/operations.md) ---
+  obs::Registry metrics;
+  obs::Counter* heartbeat_failures = nullptr;
+  obs::Counter* tasks_ok = nullptr;      // re-replication tasks reported done
+  obs::Counter* tasks_failed = nullptr;  // and reported failed
+  // util::MonoNs() of the last registration or heartbeat the master answered OK.
+  std::atomic<uint64_t> last_contact_ns{0};
+  std::string last_contact_error;  // why the last heartbeat failed; empty when it did not (mu)
+  uint64_t start_ns = 0;
+  std::unique_ptr<obs::HttpServer> http;  // null: no endpoint
+  std::string metrics_address;
+  // Node ids this node's engine sent data to (task destinations, ReadSsd clients), whose
+  // paths' breakers /metrics reports; at most kMaxPeersReported, the first ones seen.
+  static constexpr size_t kMaxPeersReported = 256;
+  std::mutex peers_mu;
+  std::set<std::string> peers_seen;
+  void NotePeer(const std::string& node_id) {
+    std::lock_guard<std::mutex> lock(peers_mu);
+    if (peers_seen.size() < kMaxPeersReported) peers_seen.insert(node_id);
+  }
+  void SetUpMetrics();
+  void Collect(obs::MetricWriter& w);
+  obs::HttpResponse Health();  // client identity -> when the directory said it is no node
   void FreeStaging(Staged& s);
 
   grpc::Status Commit(grpc::ServerContext*, const rpc::CommitRequest* req,
@@ -387,7 +419,9 @@ Status StorageNode::Impl::Register(bool again) {
   {
     std::lock_guard<std::mutex> lock(mu);
     registered_once = true;
+    last_contact_error.clear();
   }
+  last_contact_ns.store(util::MonoNs());
   if (reply.heartbeat_interval_ms() > 0) heartbeat_interval_ms = reply.heartbeat_interval_ms();
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -395,7 +429,7 @@ Status StorageNode::Impl::Register(bool again) {
   }
   // Demotions are handed out in heartbeat replies: a node with an SSD tier asks often, so DRAM
   // pressure turns into SSD writes within a fraction of a second.
-  if (ssd != nullptr) heartbeat_interval_ms = std::min<uint32_t>(heartbeat_interval_ms, 200);
+  if (ssd != nullptr) heartbeat_interval_ms = std::min<uint32_t>(heartbeat_interval_ms.load(), 200);
   ApplyFrees(reply.frees(), reply.free_seqs());
   if (reply.more()) {
     std::lock_guard<std::mutex> lock(mu);
@@ -493,7 +527,7 @@ void StorageNode::Impl::DropSsdObjectLocked(const std::string& key, uint64_t rep
 void StorageNode::Impl::HeartbeatLoop() {
   std::unique_lock<std::mutex> lock(mu);
   while (!stopping) {
-    cv.wait_for(lock, std::chrono::milliseconds(heartbeat_interval_ms),
+    cv.wait_for(lock, std::chrono::milliseconds(heartbeat_interval_ms.load()),
                 [&] { return stopping || heartbeat_now; });
     if (stopping) break;
     heartbeat_now = false;
@@ -515,9 +549,13 @@ void StorageNode::Impl::HeartbeatLoop() {
     if (st.IsNotFound()) {
       // The master does not know us (it restarted): register again with our inventory.
       Status reg = Register(/*again=*/true);
-      if (!reg.ok())
+      if (!reg.ok()) {
         KVB_LOG(WARN) << "re-registration failed: " << reg.ToString();
-      else
+        heartbeat_failures->Inc();
+        std::lock_guard<std::mutex> relock(mu);
+        last_contact_error =
+            "the master lost track of this node, and registering again failed: " + reg.ToString();
+      } else
         KVB_LOG(INFO) << "re-registered with the master after it lost track of this node";
     } else if (st.IsStalePeer()) {
       KVB_LOG(ERROR) << "the master knows another incarnation of node " << engine->self().node_id
@@ -529,9 +567,16 @@ void StorageNode::Impl::HeartbeatLoop() {
     } else if (!st.ok()) {
       KVB_LOG(WARN) << "heartbeat: " << st.ToString();
     } else {
+      last_contact_ns.store(util::MonoNs());
       ApplyFrees(reply.frees(), reply.free_seqs());
     }
+    if (!st.ok() && !st.IsNotFound()) heartbeat_failures->Inc();
     lock.lock();
+    if (st.ok()) {
+      last_contact_error.clear();
+    } else if (!st.IsNotFound()) {
+      last_contact_error = st.ToString();
+    }
     if (st.ok()) {
       for (const auto& t : reply.tasks()) {
         tasks.push_back({t, sent_at + std::chrono::milliseconds(t.timeout_ms())});
@@ -667,6 +712,7 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& b
       continue;
     }
     dest_ids[i] = dest->node_id;
+    NotePeer(dest->node_id);
     if (!deadline || batch[i].deadline < *deadline) deadline = batch[i].deadline;
     ops.push_back(TransferOp{OpCode::kWrite, local, src.length(), dest_ids[i],
                              task.dest().segment_id(), task.dest().offset()});
@@ -704,6 +750,7 @@ void StorageNode::Impl::ReportBadCopy(const std::string& key, uint64_t version, 
 bool StorageNode::Impl::ReportTask(const rpc::TaskDoneRequest& done) {
   Status answer;
   Status call = master->TaskDone(done, &answer);
+  if (call.ok()) (done.status().code() == KVB_OK ? tasks_ok : tasks_failed)->Inc();
   if (!call.ok()) {
     KVB_LOG(WARN) << call.ToString() << " (task " << done.task_id() << "; asking again)";
   }
@@ -913,6 +960,7 @@ Status StorageNode::Impl::Demote(const rpc::Demotion& d) {
   kvb_iovec_t iov{pool + src.offset(), bytes};
   Status st = ssd->PutMeta(src.key(), {&iov, 1}, meta);
   if (!st.ok()) return st.WithContext("SSD tier: SSD write");
+  ssd_demoted_bytes.fetch_add(bytes, std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(mu);
   inventory[{kSsdSegment, d.dest().offset()}] = d.dest();
   ssd_keys[src.key()] = d.dest().offset();
@@ -1079,6 +1127,7 @@ grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::Rea
     KVB_LOG(WARN) << "refused ReadSsd from " << ctx->peer() << ": " << client.status().ToString();
     return done(client.status().WithContext("client descriptor"));
   }
+  NotePeer(client->node_id);
   if (ssd == nullptr) return done(Status::NotFound("this node has no SSD tier"));
   // The objects asked for: `items`, or the single object of the request's own fields.
   const bool batch = req->items_size() > 0;
@@ -1189,6 +1238,7 @@ grpc::Status StorageNode::Impl::ReadSsd(grpc::ServerContext* ctx, const rpc::Rea
       Status& is = item_status[item_of_op[k]];
       // Not the replica's fault: the client must not report it (UNAVAILABLE is not reported).
       if (!st.ok() && is.ok()) is = Status::Unavailable("writing to the client: " + st.ToString());
+      if (st.ok()) ssd_served_bytes.fetch_add(ops[k].length, std::memory_order_relaxed);
     }
   }
   if (!batch) {
@@ -1238,7 +1288,132 @@ Status StorageNode::Impl::CheckReadClient(const rpc::NodeIdentity& client) {
   return Status::OK();
 }
 
+void StorageNode::Impl::SetUpMetrics() {
+  heartbeat_failures =
+      metrics.Counter("kvbridge_node_heartbeat_failures_total",
+                      "Heartbeats to the master that failed (unreachable, refused, timed out).");
+  const std::string task_help = "Re-replication tasks this node ran and reported, by result.";
+  tasks_ok =
+      metrics.Counter("kvbridge_node_replication_tasks_total", task_help, {{"result", "ok"}});
+  tasks_failed =
+      metrics.Counter("kvbridge_node_replication_tasks_total", task_help, {{"result", "failed"}});
+  metrics.AddCollector([this](obs::MetricWriter& w) { Collect(w); });
+}
+
+void StorageNode::Impl::Collect(obs::MetricWriter& w) {
+  uint64_t used[2] = {0, 0}, objects[2] = {0, 0};
+  bool is_draining;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& [k, r] : inventory) {
+      const int t = k.first == kSsdSegment ? 1 : 0;
+      used[t] += ObjectBytes(r);
+      ++objects[t];
+    }
+    is_draining = draining;
+  }
+  const uint64_t now = util::MonoNs();
+  const char* tiers[2] = {"dram", "ssd"};
+  const uint64_t capacity[2] = {pool_bytes, ssd != nullptr ? options.ssd_bytes : 0};
+  for (int t = 0; t < 2; ++t) {
+    if (t == 1 && ssd == nullptr) continue;
+    w.Gauge("kvbridge_node_capacity_bytes", "Capacity of a tier of this node.",
+            {{"tier", tiers[t]}}, capacity[t]);
+    w.Gauge("kvbridge_node_used_bytes", "Bytes of the objects this node holds, by tier.",
+            {{"tier", tiers[t]}}, used[t]);
+    w.Gauge("kvbridge_node_objects", "Objects (replicas) this node holds, by tier.",
+            {{"tier", tiers[t]}}, objects[t]);
+  }
+  const uint64_t contact = last_contact_ns.load();
+  w.Gauge("kvbridge_node_heartbeat_age_seconds",
+          "Seconds since the master last answered this node's heartbeat or registration.", {},
+          contact && now > contact ? (now - contact) / 1e9 : 0);
+  w.Gauge("kvbridge_node_registered",
+          "1 while the node is registered with a master and heartbeating (what /health says).", {},
+          Health().status == 200 ? 1 : 0);
+  w.Gauge("kvbridge_node_draining", "1 once the node was asked to drain.", {}, is_draining);
+  w.Gauge("kvbridge_node_uptime_seconds", "Seconds since the node started.", {},
+          (now - start_ns) / 1e9);
+  w.Counter("kvbridge_node_ssd_read_requests_total", "ReadSsd calls answered.", {},
+            ssd_read_requests.load(std::memory_order_relaxed));
+  w.Counter("kvbridge_node_ssd_read_objects_total", "Objects ReadSsd calls asked for.", {},
+            ssd_read_objects.load(std::memory_order_relaxed));
+  w.Counter("kvbridge_node_ssd_demoted_bytes_total",
+            "Bytes demotions copied from the DRAM pool to the SSD tier.", {},
+            ssd_demoted_bytes.load(std::memory_order_relaxed));
+  w.Counter("kvbridge_node_ssd_served_bytes_total",
+            "Bytes read from the SSD tier and written to clients.", {},
+            ssd_served_bytes.load(std::memory_order_relaxed));
+  std::vector<std::string> peers;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu);
+    peers.assign(peers_seen.begin(), peers_seen.end());
+  }
+  for (const std::string& peer : peers) {
+    std::optional<PeerHealth> h = engine->GetPeerHealth(peer);
+    if (!h) continue;  // forgotten by the engine
+    for (const PathHealth& p : h->paths) {
+      const obs::Labels l = {{"peer", peer}, {"transport", p.transport}};
+      w.Gauge("kvbridge_node_peer_breaker_state",
+              "Breaker of a path to a peer this node sent data to: 0 closed, 1 half-open, 2 open.",
+              l,
+              p.breaker == BreakerState::kClosed     ? 0
+              : p.breaker == BreakerState::kHalfOpen ? 1
+                                                     : 2);
+      w.Counter("kvbridge_node_peer_ops_failed_total",
+                "Transfer ops to a peer that failed on a path (failed over or not).", l,
+                p.ops_failed);
+    }
+  }
+  for (const char* name : {"tcp", "ucx", "verbs", "nccl"}) {
+    Result<TransportStats> t = engine->GetTransportStats(name);
+    if (!t.ok()) continue;  // not loaded, or reports no stats
+    const obs::Labels l = {{"transport", name}};
+    w.Counter("kvbridge_node_transport_bytes_total",
+              "Bytes this node's engine moved over a transport, by direction.",
+              {{"transport", name}, {"direction", "written"}}, t->bytes_written);
+    w.Counter("kvbridge_node_transport_bytes_total",
+              "Bytes this node's engine moved over a transport, by direction.",
+              {{"transport", name}, {"direction", "read"}}, t->bytes_read);
+    w.Counter("kvbridge_node_transport_frames_rejected_total",
+              "Frames a transport refused (malformed, unauthenticated, out of bounds).", l,
+              t->frames_rejected);
+    w.Gauge("kvbridge_node_transport_connections", "Open connections of a transport.", l,
+            t->connections_open);
+    w.Gauge("kvbridge_node_transport_queued_bytes", "Bytes queued on a transport to be sent.", l,
+            t->queued_bytes);
+  }
+}
+
+obs::HttpResponse StorageNode::Impl::Health() {
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (stopping) {
+      why = "the node is stopping";
+    } else if (superseded) {
+      why = "another incarnation of node " + engine->self().node_id + " took its place";
+    } else if (drained) {
+      why = "the node is drained";
+    } else if (!last_contact_error.empty()) {
+      why = "not registered with the master at " + options.master_address +
+            ": the last heartbeat failed: " + last_contact_error;
+    }
+  }
+  // A heartbeat stuck in its retries says nothing yet: silence past what the master allows
+  // (three intervals) is already death to it.
+  const uint64_t contact = last_contact_ns.load(), now = util::MonoNs();
+  const uint64_t silence_ms = now > contact ? (now - contact) / 1000000 : 0;
+  if (why.empty() && silence_ms > 3ull * heartbeat_interval_ms + 1000) {
+    why = "not registered with the master at " + options.master_address + ": no answer to a " +
+          "heartbeat for " + std::to_string(silence_ms) + " ms";
+  }
+  if (why.empty()) return {200, "text/plain; charset=utf-8", "ok\n"};
+  return {503, "text/plain; charset=utf-8", "not serving: " + why + "\n"};
+}
+
 void StorageNode::Impl::Stop() {
+  http.reset();  // its handlers read what Stop tears down
   {
     std::lock_guard<std::mutex> lock(mu);
     if (stopping) return;
@@ -1271,6 +1446,8 @@ StorageNode::~StorageNode() {
 const PeerId& StorageNode::id() const { return impl_->engine->self(); }
 
 Status StorageNode::ssd_status() const { return impl_->ssd_status; }
+
+const std::string& StorageNode::metrics_address() const { return impl_->metrics_address; }
 
 StorageNodeStats StorageNode::stats() const {
   StorageNodeStats s;
@@ -1375,7 +1552,24 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
           std::string(incarnation) + " " + impl->rpc_address, kMembershipTtlS);
     }
   }
+  if (grpc::HealthCheckServiceInterface* h = impl->server->GetHealthCheckService()) {
+    h->SetServingStatus(rpc::Node::service_full_name(), true);
+  }
+  impl->start_ns = util::MonoNs();
+  impl->SetUpMetrics();
+  std::map<std::string, obs::HttpRoute> routes;
   Impl* raw = impl.get();
+  routes["/metrics"] = {[raw] {
+    return obs::HttpResponse{200, obs::kExpositionContentType, raw->metrics.Render()};
+  }};
+  routes["/health"] = {[raw] { return raw->Health(); }, /*is_public=*/true};
+  auto http = obs::StartEndpoint(
+      options.metrics_listen, options.metrics_listen_best_effort, std::move(routes),
+      options.metrics_token.empty() ? options.engine.cluster_token : options.metrics_token,
+      "storage node " + impl->engine->self().node_id);
+  if (!http.ok()) return http.status();
+  impl->http = std::move(http).value();
+  if (impl->http) impl->metrics_address = impl->http->address();
   impl->heartbeat_thread = std::thread([raw] { raw->HeartbeatLoop(); });
   impl->task_thread = std::thread([raw] { raw->TaskLoop(); });
   if (impl->ssd != nullptr) {

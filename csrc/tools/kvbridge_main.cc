@@ -1,28 +1,33 @@
 // `kvbridge`: the daemons and the operator's view of a cluster.
 //
-//   kvbridge master [--listen HOST:PORT] [--node-ttl-ms N] [--lease-ms N] [--config FILE]
+//   kvbridge master [--listen HOST:PORT] [--node-ttl-ms N] [--lease-ms N]
+//                   [--metrics-listen HOST:PORT|off] [--config FILE]
 //                   [--etcd HOST:PORT,...[/PREFIX] [--advertise HOST:PORT] [--ha-lease-ms N]
 //                    [--ha-takeover-wait-ms N]]   (several masters, one leader elected in etcd)
 //   kvbridge node   [--master HOST:PORT] [--dram-bytes N] [--node-id ID] [--listen HOST:PORT,...]
 //                   [--rpc-listen HOST:PORT] [--drain-timeout-ms N] [--ssd-path DIR]
-//                   [--ssd-bytes N] [--config FILE]
-//   kvbridge status [--master HOST:PORT] [--json]
+//                   [--ssd-bytes N] [--metrics-listen HOST:PORT|off] [--config FILE]
+//   kvbridge status [--master HOST:PORT] [--json] [--watch [--interval S]]
 //
 // Settings come from, strongest first: flags, KVBRIDGE_* environment variables, the config file
 // (lines `key = value`; a key `x_y` stands for KVBRIDGE_X_Y), built-in defaults.
 // A node drains on SIGTERM (its objects move elsewhere first) and stops at once on SIGINT.
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kvbridge/store.h"
@@ -36,15 +41,18 @@ int Usage(const char* why = nullptr) {
   std::fprintf(stderr,
                "usage:\n"
                "  kvbridge master [--listen HOST:PORT] [--node-ttl-ms N] [--lease-ms N]\n"
+               "                  [--metrics-listen HOST:PORT|off] [--config FILE]\n"
                "                  [--etcd HOST:PORT,... [--advertise HOST:PORT]\n"
-               "                   [--ha-lease-ms N] [--ha-takeover-wait-ms N]] [--config FILE]\n"
+               "                   [--ha-lease-ms N] [--ha-takeover-wait-ms N]]\n"
                "  kvbridge node   [--master HOST:PORT] [--dram-bytes N] [--node-id ID]\n"
                "                  [--listen HOST:PORT,...] [--rpc-listen HOST:PORT]\n"
                "                  [--drain-timeout-ms N] [--ssd-path DIR] [--ssd-bytes N]\n"
-               "                  [--config FILE]\n"
-               "  kvbridge status [--master HOST:PORT] [--json]\n"
+               "                  [--metrics-listen HOST:PORT|off] [--config FILE]\n"
+               "  kvbridge status [--master HOST:PORT] [--json] [--watch [--interval S]]\n"
                "Every flag has a KVBRIDGE_* variable (docs/configuration.md). A node drains on\n"
-               "SIGTERM and stops at once on SIGINT.\n");
+               "SIGTERM and stops at once on SIGINT. The master serves /metrics, /health and a\n"
+               "status page on 0.0.0.0:9480, a node /metrics and /health on 0.0.0.0:9481, unless\n"
+               "--metrics-listen says otherwise (docs/operations.md).\n");
   return 2;
 }
 
@@ -139,6 +147,19 @@ bool SetNumber(const Flags& f, const std::string& flag, T* out) {
   return true;
 }
 
+// The daemons' HTTP endpoint (docs/operations.md): the flag, else KVBRIDGE_METRICS_LISTEN (read
+// by FromEnv into *listen), else `default_listen`, which, unlike an address asked for, may be
+// busy (several nodes on one host): the daemon then warns and runs without it.
+void SetMetricsListen(const Flags& f, const char* default_listen, std::string* listen,
+                      bool* best_effort) {
+  if (f.Has("metrics-listen")) {
+    *listen = f.Get("metrics-listen") == "off" ? "" : f.Get("metrics-listen");
+  } else if (std::getenv("KVBRIDGE_METRICS_LISTEN") == nullptr) {
+    *listen = default_listen;
+    *best_effort = true;
+  }
+}
+
 // Blocks SIGTERM/SIGINT in every thread (call before starting any) and waits for one.
 sigset_t BlockStopSignals() {
   sigset_t set;
@@ -176,6 +197,7 @@ int RunMaster(const Flags& f) {
       !SetNumber(f, "ha-takeover-wait-ms", &o.ha_takeover_wait_ms)) {
     return 2;
   }
+  SetMetricsListen(f, "0.0.0.0:9480", &o.metrics_listen, &o.metrics_listen_best_effort);
   if (!o.etcd.empty()) return RunHaMaster(o);
   sigset_t stop = BlockStopSignals();
   auto master = MasterServer::Start(o);
@@ -183,7 +205,9 @@ int RunMaster(const Flags& f) {
     std::fprintf(stderr, "kvbridge master: %s\n", master.status().ToString().c_str());
     return 1;
   }
-  std::printf("kvbridge master listening on %s\n", master.value()->address().c_str());
+  const std::string& http = master.value()->metrics_address();
+  std::printf("kvbridge master listening on %s%s%s\n", master.value()->address().c_str(),
+              http.empty() ? "" : ", status page and /metrics on http://", http.c_str());
   std::fflush(stdout);
   int sig = 0;
   sigwait(&stop, &sig);
@@ -202,6 +226,7 @@ int RunNode(const Flags& f) {
       !SetNumber(f, "drain-timeout-ms", &o.drain_timeout_ms)) {
     return 2;
   }
+  SetMetricsListen(f, "0.0.0.0:9481", &o.metrics_listen, &o.metrics_listen_best_effort);
   sigset_t stop = BlockStopSignals();
   auto node = StorageNode::Start(o);
   if (!node.ok()) {
@@ -209,11 +234,13 @@ int RunNode(const Flags& f) {
     return 1;
   }
   const Status ssd = node.value()->ssd_status();
-  std::printf("kvbridge node %s serving %llu bytes, master %s%s%s\n",
+  const std::string& http = node.value()->metrics_address();
+  std::printf("kvbridge node %s serving %llu bytes, master %s%s%s%s%s\n",
               node.value()->id().ToString().c_str(), (unsigned long long)o.dram_bytes,
               o.master_address.c_str(),
               ssd.ok() ? ", SSD tier at " : (o.ssd_path.empty() ? "" : ", no SSD tier: "),
-              ssd.ok() ? o.ssd_path.c_str() : (o.ssd_path.empty() ? "" : ssd.ToString().c_str()));
+              ssd.ok() ? o.ssd_path.c_str() : (o.ssd_path.empty() ? "" : ssd.ToString().c_str()),
+              http.empty() ? "" : ", /metrics on http://", http.c_str());
   std::fflush(stdout);
   int sig = 0;
   sigwait(&stop, &sig);
@@ -238,9 +265,8 @@ std::string Bytes(uint64_t b) {
   return buf;
 }
 
-int RunStatus(const Flags& f) {
-  StoreOptions so = StoreOptions::FromEnv();
-  const std::string master = f.Has("master") ? f.Get("master") : so.master_address;
+// One answer of `kvbridge status`; 1 when the master did not answer.
+int PrintStatus(const Flags& f, const std::string& master, const StoreOptions& so) {
   // The token from the environment or the config file, never a flag (argv is public).
   auto st = QueryClusterStatus(master, so.rpc_timeout_ms, so.engine.cluster_token);
   if (!st.ok()) {
@@ -302,6 +328,42 @@ int RunStatus(const Flags& f) {
   return 0;
 }
 
+int RunStatus(const Flags& f) {
+  StoreOptions so = StoreOptions::FromEnv();
+  const std::string master = f.Has("master") ? f.Get("master") : so.master_address;
+  if (!f.Has("watch")) {
+    if (f.Has("interval")) return Usage("--interval goes with --watch");
+    return PrintStatus(f, master, so);
+  }
+  double interval_s = 2;
+  if (f.Has("interval")) {
+    char* end = nullptr;
+    const std::string v = f.Get("interval");
+    interval_s = std::strtod(v.c_str(), &end);
+    if (v.empty() || *end != '\0' || !(interval_s >= 0.1)) {
+      std::fprintf(stderr, "kvbridge status: --interval: '%s' is not a number of seconds >= 0.1\n",
+                   v.c_str());
+      return 2;
+    }
+  }
+  // Until interrupted: the screen cleared and redrawn (on a terminal), or one answer after the
+  // other (piped). A master that does not answer is said and asked again.
+  const bool tty = isatty(STDOUT_FILENO);
+  for (;;) {
+    if (tty) std::printf("\033[H\033[2J");
+    time_t now = time(nullptr);
+    char when[32];
+    std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S", std::localtime(&now));
+    if (!f.Has("json")) {
+      std::printf("every %gs, %s (Ctrl-C to stop)\n", interval_s, when);
+    }
+    std::fflush(stdout);
+    PrintStatus(f, master, so);
+    std::fflush(stdout);
+    std::this_thread::sleep_for(std::chrono::duration<double>(interval_s));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -316,16 +378,16 @@ int main(int argc, char** argv) {
   bool ok;
   if (cmd == "master") {
     ok = ParseFlags(argc, argv, 2,
-                    {"listen", "node-ttl-ms", "lease-ms", "config", "etcd", "advertise",
-                     "ha-lease-ms", "ha-takeover-wait-ms"},
+                    {"listen", "node-ttl-ms", "lease-ms", "metrics-listen", "config", "etcd",
+                     "advertise", "ha-lease-ms", "ha-takeover-wait-ms"},
                     {}, &f, &why);
   } else if (cmd == "node") {
     ok = ParseFlags(argc, argv, 2,
                     {"master", "dram-bytes", "node-id", "listen", "rpc-listen", "drain-timeout-ms",
-                     "ssd-path", "ssd-bytes", "config"},
+                     "ssd-path", "ssd-bytes", "metrics-listen", "config"},
                     {}, &f, &why);
   } else if (cmd == "status") {
-    ok = ParseFlags(argc, argv, 2, {"master", "config"}, {"json"}, &f, &why);
+    ok = ParseFlags(argc, argv, 2, {"master", "interval", "config"}, {"json", "watch"}, &f, &why);
   } else {
     return Usage(("unknown command '" + cmd + "'").c_str());
   }

@@ -2,7 +2,7 @@
 
     kvbridge master --listen 0.0.0.0:50051
     kvbridge node --master 10.0.0.1:50051 --dram-bytes 64G --listen 10.0.0.2:0
-    kvbridge status --master 10.0.0.1:50051 [--json]
+    kvbridge status --master 10.0.0.1:50051 [--json] [--watch [--interval S]]
     kvbridge bench [--master ADDR] [--pages 2048] [--page-kib 64] [--json]
 
 Options not given as flags come from the KVBRIDGE_* variables, then the defaults
@@ -62,15 +62,29 @@ def _wait_for_signal(on_first: Optional[Callable[[], None]] = None) -> int:
     return got[0]
 
 
+def _metrics_listen(args: argparse.Namespace, default: str, kw: dict[str, Any]) -> None:
+    """The daemons' HTTP endpoint: --metrics-listen, else KVBRIDGE_METRICS_LISTEN, else
+    `default`, which may be busy (several nodes on one host): then a warning, no endpoint."""
+    if args.metrics_listen is not None:
+        kw["metrics_listen"] = "" if args.metrics_listen == "off" else args.metrics_listen
+    elif "KVBRIDGE_METRICS_LISTEN" not in os.environ:
+        kw["metrics_listen"] = default
+        kw["metrics_listen_best_effort"] = True
+
+
 def cmd_master(args: argparse.Namespace) -> int:
     import kvbridge
 
     kw = {k: v for k, v in (("master_listen", args.listen), ("node_ttl_ms", args.node_ttl_ms),
                            ("lease_ms", args.lease_ms), ("min_replicas", args.min_replicas))
           if v is not None}
+    _metrics_listen(args, "0.0.0.0:9480", kw)
     master = kvbridge.Master(**kw)
-    _emit(args, f"kvbridge master listening on {master.address} (Ctrl-C or SIGTERM stops)",
-          event="ready", role="master", address=master.address)
+    http = master.metrics_address
+    _emit(args, f"kvbridge master listening on {master.address}"
+          + (f", status page and /metrics on http://{http}" if http else "")
+          + " (Ctrl-C or SIGTERM stops)",
+          event="ready", role="master", address=master.address, metrics_address=http)
     _wait_for_signal()
     master.close()
     _emit(args, "kvbridge master stopped", event="stopped", role="master")
@@ -87,6 +101,7 @@ def cmd_node(args: argparse.Namespace) -> int:
                         ("node_ssd_path", args.ssd_path), ("node_ssd_bytes", args.ssd_bytes)):
         if value is not None:
             kw[name] = value
+    _metrics_listen(args, "0.0.0.0:9481", kw)
     node = kvbridge.Node(**kw)
     node_id, inc = node.id
     ssd = node.ssd_status
@@ -95,7 +110,8 @@ def cmd_node(args: argparse.Namespace) -> int:
                 + ("" if ssd.name == "NOT_FOUND" else f" ({ssd.name}: {ssd.message})"))
     _emit(args, f"kvbridge node {node_id} ({inc:#018x}) serving, {ssd_text}; SIGTERM drains, a "
           "second signal stops at once", event="ready", role="node", node_id=node_id,
-          incarnation=inc, ssd=ssd.ok, ssd_error="" if ssd.ok else ssd.message)
+          incarnation=inc, ssd=ssd.ok, ssd_error="" if ssd.ok else ssd.message,
+          metrics_address=node.metrics_address)
     _wait_for_signal()
     _emit(args, f"draining {node.object_count} objects", event="draining",
           objects=node.object_count)
@@ -119,6 +135,34 @@ def _human(n: float) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.interval is not None and not args.watch:
+        build_parser().error("--interval goes with --watch")
+    if not args.watch:
+        return _print_status(args)
+    interval = 2.0 if args.interval is None else args.interval
+    if interval < 0.1:
+        build_parser().error("--interval must be >= 0.1 seconds")
+    from kvbridge.errors import KvbError
+
+    tty = sys.stdout.isatty()
+    try:
+        while True:
+            if tty:
+                print("\033[H\033[2J", end="")
+            if not args.json:
+                print(f"every {interval:g}s, {time.strftime('%Y-%m-%d %H:%M:%S')} "
+                      "(Ctrl-C to stop)")
+            try:
+                _print_status(args)
+            except KvbError as e:  # said, and asked again
+                print(f"kvbridge status: {e}", file=sys.stderr)
+            sys.stdout.flush()
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _print_status(args: argparse.Namespace) -> int:
     import kvbridge
 
     st = kvbridge.cluster_status(args.master, args.timeout_ms)
@@ -240,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--node-ttl-ms", type=int, help="a node silent this long is dead")
     m.add_argument("--lease-ms", type=int, help="read lease granted to gets")
     m.add_argument("--min-replicas", type=int, help="replicas a put needs to count")
+    m.add_argument("--metrics-listen", help="host:port of /metrics, /health and the status page, "
+                   "or off (KVBRIDGE_METRICS_LISTEN; default 0.0.0.0:9480)")
     m.set_defaults(func=cmd_master)
 
     n = add("node", "run a storage node; SIGTERM drains it gracefully")
@@ -250,12 +296,16 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--drain-timeout-ms", type=int, help="upper bound of the drain on SIGTERM")
     n.add_argument("--ssd-path", help="directory of this node's SSD tier (KVBRIDGE_NODE_SSD_PATH)")
     n.add_argument("--ssd-bytes", type=parse_size, help="capacity of the SSD tier, e.g. 500G")
+    n.add_argument("--metrics-listen", help="host:port of /metrics and /health, or off "
+                   "(KVBRIDGE_METRICS_LISTEN; default 0.0.0.0:9481)")
     n.set_defaults(func=cmd_node)
 
     s = add("status", "print a master's view of the cluster")
     s.add_argument("--master", default=os.environ.get("KVBRIDGE_MASTER", "127.0.0.1:50051"),
                    help="the master's host:port (default $KVBRIDGE_MASTER or 127.0.0.1:50051)")
     s.add_argument("--timeout-ms", type=int, default=3000)
+    s.add_argument("--watch", action="store_true", help="redraw every --interval seconds")
+    s.add_argument("--interval", type=float, help="seconds between refreshes (default 2)")
     s.set_defaults(func=cmd_status)
 
     b = add("bench", "time batch puts and gets of KV pages (embedded cluster by default)")

@@ -26,17 +26,20 @@ ENGINE_FIELDS = (
     "path_failover", "path_failover_writes", "failover_min_budget_ms",
 )
 # Options that are booleans; every other bool is refused (True is not a number of ms).
-BOOL_FIELDS = ("verify_checksums", "path_failover", "path_failover_writes")
+BOOL_FIELDS = ("verify_checksums", "path_failover", "path_failover_writes",
+               "metrics_listen_best_effort")
 STORE_FIELDS = ("master", "replica_num", "rpc_timeout_ms", "store_transfer_deadline_ms",
                 "verify_checksums", "hedge_after_ms", "hedge_bandwidth_mbps", "peer_discovery",
                 "admin_token")
 NODE_FIELDS = ("master", "node_dram_bytes", "node_storage_plugin", "node_rpc_listen",
                "rpc_timeout_ms", "drain_timeout_ms", "node_ssd_path", "node_ssd_bytes",
-               "node_ssd_plugin", "node_ssd_staging_bytes", "peer_discovery", "rpc_auth_skew_ms")
+               "node_ssd_plugin", "node_ssd_staging_bytes", "peer_discovery", "rpc_auth_skew_ms",
+               "metrics_listen", "metrics_listen_best_effort", "metrics_token")
 MASTER_FIELDS = ("master_listen", "node_ttl_ms", "lease_ms", "put_timeout_ms", "min_replicas",
                  "high_watermark", "low_watermark", "demote_high_watermark",
                  "demote_low_watermark", "promote_after_reads", "drain_timeout_ms",
-                 "rpc_timeout_ms", "admin_token", "rpc_auth_skew_ms")
+                 "rpc_timeout_ms", "admin_token", "rpc_auth_skew_ms", "metrics_listen",
+                 "metrics_listen_best_effort", "metrics_token")
 # A Master alone takes the cluster token as a master option; in a Cluster it is the engines'
 # (cluster_token among ENGINE_FIELDS), which the embedded master uses too.
 MASTER_ONLY_FIELDS = ("cluster_token",)

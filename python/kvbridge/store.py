@@ -415,7 +415,8 @@ class StoreClient:
 class Master:
     """The store's control plane in this process. Options: master_listen ("host:port", port 0
     picks one), node_ttl_ms, lease_ms, put_timeout_ms, min_replicas, high_watermark,
-    low_watermark, drain_timeout_ms, rpc_timeout_ms."""
+    low_watermark, drain_timeout_ms, rpc_timeout_ms, metrics_listen ("host:port" of the HTTP
+    endpoint: /metrics, /health, the status page; none unless given), metrics_token."""
 
     def __init__(self, **kwargs: Any):
         opts = options.master_options(kwargs, alone=True)
@@ -428,6 +429,11 @@ class Master:
     def address(self) -> str:
         """"host:port" with the port actually bound."""
         return self._h.address()
+
+    @property
+    def metrics_address(self) -> str:
+        """"host:port" of the HTTP endpoint (/metrics, /health, the status page); "" if none."""
+        return self._h.metrics_address()
 
     def status(self, timeout_ms: int = 3000) -> dict:
         return cluster_status(self.address, timeout_ms, cluster_token=self._token)
@@ -446,7 +452,9 @@ class Node:
     """A storage node: contributes DRAM to the pool of the master at ``master``. Options:
     master, node_dram_bytes, node_storage_plugin, node_rpc_listen, rpc_timeout_ms,
     drain_timeout_ms, node_ssd_path (an SSD tier; "" = none), node_ssd_bytes,
-    node_ssd_plugin, node_ssd_staging_bytes, plus the engine's (node_id, listen, ...)."""
+    node_ssd_plugin, node_ssd_staging_bytes, metrics_listen ("host:port" of the HTTP endpoint:
+    /metrics, /health; none unless given), metrics_token, plus the engine's (node_id, listen,
+    ...)."""
 
     def __init__(self, **kwargs: Any):
         opts = options.node_options(kwargs)
@@ -456,6 +464,11 @@ class Node:
     @property
     def id(self) -> PeerId:
         return PeerId(*self._h.id())
+
+    @property
+    def metrics_address(self) -> str:
+        """"host:port" of the HTTP endpoint (/metrics, /health); "" if none."""
+        return self._h.metrics_address()
 
     @property
     def object_count(self) -> int:

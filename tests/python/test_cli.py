@@ -106,3 +106,57 @@ def test_bench_on_an_embedded_cluster_prints_text():
     assert r.returncode == 0, r.stderr
     assert "put:" in r.stdout and "get:" in r.stdout and "0 failed" in r.stdout
     assert "[" not in r.stderr  # no progress bar when stderr is not a terminal
+
+
+def _http_get(port: int, path: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_daemons_serve_metrics_and_status_watches(daemons):
+    """--metrics-listen on the console script's daemons; `status --watch --interval` redraws."""
+    port, http_port, node_http = free_port(), free_port(), free_port()
+    master = kvb_daemon("master", "--listen", f"127.0.0.1:{port}", "--metrics-listen",
+                        f"127.0.0.1:{http_port}", "--json")
+    daemons.append(master)
+    ready = json.loads(read_line(master))
+    assert ready["metrics_address"] == f"127.0.0.1:{http_port}"
+    node = kvb_daemon("node", "--master", ready["address"], "--dram-bytes", "32M", "--node-id",
+                      "cli-obs-node", "--metrics-listen", f"127.0.0.1:{node_http}", "--json")
+    daemons.append(node)
+    assert json.loads(read_line(node))["metrics_address"] == f"127.0.0.1:{node_http}"
+    assert _http_get(http_port, "/health") == (200, "ok\n")
+    assert _http_get(node_http, "/health") == (200, "ok\n")
+    status, body = _http_get(http_port, "/metrics")
+    assert status == 200 and 'kvbridge_master_nodes{state="ACTIVE"} 1' in body
+    # An address given explicitly that is taken: a startup error naming it.
+    busy = kvb("master", "--listen", f"127.0.0.1:{free_port()}", "--metrics-listen",
+               f"127.0.0.1:{http_port}", timeout=30)
+    assert busy.returncode == 1 and f"cannot serve HTTP on 127.0.0.1:{http_port}" in busy.stderr
+    # --watch: the table again and again until stopped.
+    watch = subprocess.Popen([sys.executable, "-m", "kvbridge", "status", "--master",
+                              ready["address"], "--watch", "--interval", "0.2"],
+                             env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    time.sleep(3)
+    watch.send_signal(signal.SIGINT)
+    out, _ = watch.communicate(timeout=10)
+    assert out.count("cli-obs-node") >= 2, out
+    r = kvb("status", "--master", ready["address"], "--interval", "1")
+    assert r.returncode == 2 and "--interval goes with --watch" in r.stderr
+
+
+def test_embedded_master_serves_no_http_unless_asked():
+    import kvbridge
+
+    with kvbridge.Master(master_listen="127.0.0.1:0") as m:
+        assert m.metrics_address == ""
+    with kvbridge.Master(master_listen="127.0.0.1:0", metrics_listen="127.0.0.1:0") as m:
+        port = int(m.metrics_address.rsplit(":", 1)[1])
+        assert _http_get(port, "/health") == (200, "ok\n")

@@ -247,6 +247,18 @@ struct KVBRIDGE_API NodeOptions {
   //                  deadline from the master has passed).
   // An unknown name or a bad value makes Start fail naming it. KVBRIDGE_NODE_FAULTS.
   std::string faults;
+  // --- HTTP endpoint: /metrics, /health (docs/operations.md) ---
+  // "HOST:PORT" of the node's HTTP endpoint; empty: none (the default of an in-process node;
+  // the `kvbridge node` daemon serves 0.0.0.0:9481 unless told otherwise). An address that
+  // cannot be bound makes Start fail naming it, unless metrics_listen_best_effort.
+  // KVBRIDGE_METRICS_LISTEN ("off": none).
+  std::string metrics_listen;
+  // An address that cannot be bound is a warning and the node runs without the endpoint (what
+  // the daemons do with their default port: several nodes on one host).
+  bool metrics_listen_best_effort = false;
+  // The bearer token the endpoint asks for (all but /health); empty: the cluster token
+  // (engine.cluster_token), if any. KVBRIDGE_METRICS_TOKEN.
+  std::string metrics_token;
   EngineOptions engine;
   static NodeOptions FromEnv();
 };
@@ -281,6 +293,8 @@ class KVBRIDGE_API StorageNode {
   // (the node then serves its DRAM pool only).
   Status ssd_status() const;
   StorageNodeStats stats() const;
+  // The HTTP endpoint's "host:port" (port bound); empty when it has none.
+  const std::string& metrics_address() const;
 
   struct KVBRIDGE_HIDDEN Impl;  // not exported
 
@@ -370,6 +384,17 @@ struct KVBRIDGE_API MasterOptions {
   // UNAVAILABLE (clients retry reads) rather than report a miss it cannot be sure of.
   // KVBRIDGE_HA_TAKEOVER_WAIT_MS.
   uint32_t ha_takeover_wait_ms = 5000;
+  // --- HTTP endpoint: /metrics, /health, the status page (docs/operations.md) ---
+  // "HOST:PORT" of the master's HTTP endpoint; empty: none (the default of an in-process
+  // master; the `kvbridge master` daemon serves 0.0.0.0:9480 unless told otherwise). An address
+  // that cannot be bound makes Start fail naming it, unless metrics_listen_best_effort.
+  // KVBRIDGE_METRICS_LISTEN ("off": none).
+  std::string metrics_listen;
+  // An address that cannot be bound is a warning and the master runs without the endpoint.
+  bool metrics_listen_best_effort = false;
+  // The bearer token the endpoint asks for (all but /health and the page itself); empty: the
+  // cluster token, if any. KVBRIDGE_METRICS_TOKEN.
+  std::string metrics_token;
   static MasterOptions FromEnv();
 };
 
@@ -380,6 +405,12 @@ class KVBRIDGE_API MasterServer {
   ~MasterServer();
   // "host:port" with the port actually bound.
   const std::string& address() const;
+  // The HTTP endpoint's "host:port" (port bound); empty when it has none.
+  const std::string& metrics_address() const;
+  // Whether this master leads its cluster (true from Start). A master that does not answers
+  // /health 503 naming `why`, its gRPC health NOT_SERVING, and kvbridge_master_is_leader 0:
+  // the hook for a replicated control plane.
+  void SetLeader(bool is_leader, const std::string& why = "");
 
   struct KVBRIDGE_HIDDEN Impl;  // not exported
 

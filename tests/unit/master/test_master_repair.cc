@@ -73,6 +73,40 @@ TEST(MasterRepair, DeadNodeReplicasAreDroppedAndRestored) {
   ExpectConsistent(c);
 }
 
+// How long re-replication has been waiting (kvbridge_master_under_replicated_oldest_age_seconds):
+// from the expiry that queued the object, through its task, to its completion.
+TEST(MasterRepair, StatsSayWhenTheOldestRepairWasQueued) {
+  Cluster c;
+  c.AddNode("n0", {1 << 20});
+  c.AddNode("n1", {1 << 20});
+  c.AddNode("n2", {1 << 20});
+  ASSERT_TRUE(c.Put("two", 4096, 2, "n0").ok());
+  EXPECT_EQ(c.m().Stats().oldest_repair_ns, 0u);
+  c.nodes.erase("n0");
+  for (int i = 0; i < 3; ++i) {
+    c.now += 1000 * kMs;
+    c.HeartbeatAll();
+  }
+  ASSERT_EQ(c.m().Tick(c.now).nodes_expired, 1u);
+  const uint64_t queued = c.now;
+  EXPECT_EQ(c.m().Stats().under_replicated, 1u);
+  EXPECT_EQ(c.m().Stats().oldest_repair_ns, queued);
+  c.now += 500 * kMs;
+  c.HeartbeatAll();
+  ReplicationTask task;
+  for (auto& [id, n] : c.nodes) {
+    if (!n.tasks.empty()) task = n.tasks[0];
+    n.tasks.clear();
+  }
+  ASSERT_NE(task.task_id, 0u);
+  c.m().Tick(c.now);
+  EXPECT_EQ(c.m().Stats().oldest_repair_ns, queued);  // still waiting for its copy
+  ASSERT_TRUE(c.RunTask(task).ok());
+  c.m().Tick(c.now);
+  EXPECT_EQ(c.m().Stats().under_replicated, 0u);
+  EXPECT_EQ(c.m().Stats().oldest_repair_ns, 0u);
+}
+
 TEST(MasterRepair, FailedTaskIsRetriedLaterElsewhere) {
   MasterConfig cfg;
   cfg.repair_backoff_ms = 1000;
