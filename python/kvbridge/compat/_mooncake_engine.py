@@ -342,13 +342,15 @@ class TransferEngine:
 
     def transfer_submit_write(self, target_hostname: str, buffer: int, peer_buffer_address: int,
                               length: int, transport_hint: str = "") -> int:
-        """A batch id, or a negative code."""
+        """A batch id, or 0 on failure, Mooncake's sentinel: callers check ``batch_id != 0``
+        before ``transfer_check_status``, so a negative code would pass for a batch id."""
         try:
             return self._engine().submit_raw(self._ops(target_hostname, [buffer],
                                                    [peer_buffer_address], [length],
                                                    TransferOpcode.WRITE))
         except errors.KvbError as e:
-            return _code(e)
+            log.warning("submit to %s failed: %s", target_hostname, e)
+            return 0
 
     def transfer_check_status(self, batch_id: int) -> int:
         """1 completed, 0 in progress, -1 failed, -2 timed out."""

@@ -165,6 +165,21 @@ def test_failures_return_negative_codes_quickly(pair):
     assert client.unregister_memory(cbuf.addr + 4096) != 0
 
 
+def test_a_failed_submit_returns_the_zero_sentinel(pair):
+    # Mooncake's callers check `batch_id != 0` before transfer_check_status; a negative code
+    # would pass that check and be polled as if it were a batch.
+    impl, server, session, sbuf, client, cbuf = pair
+    dead = f"127.0.0.1:{_free_port()}"
+    assert client.transfer_submit_write(dead, cbuf.addr, sbuf.addr, 4096) == 0
+    assert client.batch_transfer_async_write(dead, [cbuf.addr], [sbuf.addr], [4096]) == 0
+    tid = client.transfer_submit_write(session, cbuf.addr, sbuf.addr, 4096)  # still works
+    assert tid != 0
+    deadline = time.monotonic() + 10
+    while (status := client.transfer_check_status(tid)) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert status == 1
+
+
 def test_managed_buffers_and_raw_bytes(pair):
     _, server, session, sbuf, client, cbuf = pair
     addr = client.allocate_managed_buffer(1 << 16)
