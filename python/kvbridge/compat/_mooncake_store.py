@@ -35,18 +35,31 @@ import ipaddress
 import itertools
 import logging
 import mmap
+import operator
 import os
 import socket
 import threading
 from typing import Any, Optional, Sequence
 
 from kvbridge import _buffers
+from kvbridge.compat import _mooncake_names
+from kvbridge.compat._mooncake_names import (  # noqa: F401 (re-exported: __all__)
+    BufferLease, BufferLeaseView, BufferPool, EngramStore, EngramStoreConfig,
+    MooncakeDistributedNoFRegister, MooncakeNotSupportedError, ObjectDataType, ParallelAxis,
+    QueryTaskResponse, ReadTarget, RegisteredBufferLease, RegisteredBufferLeaseView,
+    RegisteredBufferPool, SoftPinAction, TaskStatus, TaskType, TensorParallelism,
+    bind_to_numa_node, get_alloc_func_addr, get_free_func_addr, not_supported)
 from kvbridge.errors import KvbError, UnavailableError
 from kvbridge.store import Node, StoreClient, cluster_status
 
+# Every public name of Mooncake's mooncake.store (wheel 0.3.13.post1), plus kvbridge's
+# ErrorCode and mooncake_code. The drop-in's mooncake.store exports exactly these.
 __all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ErrorCode", "mooncake_code",
            "ReplicaStatus", "ReplicaDescriptor", "MemoryDescriptor", "DiskDescriptor",
-           "Descriptor", "MooncakeHostMemAllocator"]
+           "Descriptor", "MooncakeHostMemAllocator", "BufferHandle",
+           *_mooncake_names.__all__, *"""UNDEFINED INITIALIZED COMPLETE REMOVED PENDING
+           PROCESSING FAILED SUCCESS REPLICA_COPY REPLICA_MOVE UNKNOWN KVCACHE TENSOR WEIGHT
+           SAMPLE ACTIVATION GRADIENT OPTIMIZER_STATE METADATA GENERAL""".split()]
 
 _log = logging.getLogger("kvbridge.compat.mooncake")
 
@@ -128,6 +141,17 @@ class ReplicaStatus(enum.IntEnum):
         return f"ReplicaStatus.{self.name}"
 
 
+# Module-level enum values, as Mooncake's module has them (where two enums share a name,
+# TaskStatus's wins there too: FAILED and PROCESSING).
+UNDEFINED, INITIALIZED, COMPLETE, REMOVED = (ReplicaStatus.UNDEFINED, ReplicaStatus.INITIALIZED,
+                                             ReplicaStatus.COMPLETE, ReplicaStatus.REMOVED)
+PENDING, PROCESSING, FAILED, SUCCESS = (TaskStatus.PENDING, TaskStatus.PROCESSING,
+                                        TaskStatus.FAILED, TaskStatus.SUCCESS)
+REPLICA_COPY, REPLICA_MOVE = TaskType.REPLICA_COPY, TaskType.REPLICA_MOVE
+(UNKNOWN, KVCACHE, TENSOR, WEIGHT, SAMPLE, ACTIVATION, GRADIENT, OPTIMIZER_STATE, METADATA,
+ GENERAL) = tuple(ObjectDataType)
+
+
 class Descriptor:
     """Where a memory replica lies. Mooncake gives the holder's virtual address and its transfer
     endpoint; kvbridge gives the replica's offset in the holding node's pool segment and that
@@ -192,35 +216,121 @@ class ReplicaDescriptor:
 
 
 class ReplicateConfig:
-    """Mooncake's put options. kvbridge honours ``replica_num`` (replicas on distinct nodes);
-    the other fields are kept so that code setting them runs, and are ignored."""
+    """Mooncake's put options, with Mooncake's fields, defaults and checks (a value of the
+    wrong type, or an int outside 0..2**64-1, raises TypeError as pybind11 does). kvbridge
+    honours ``replica_num`` (replicas on distinct nodes); the other fields are kept so that code
+    setting them runs, and are ignored. Unlike Mooncake's, the constructor also takes the
+    fields as keywords: ``ReplicateConfig(replica_num=2)``."""
 
-    __slots__ = ("replica_num", "with_soft_pin", "with_hard_pin", "soft_pin_action",
-                 "soft_pin_ttl_ms", "preferred_segment", "preferred_segments",
-                 "preferred_nof_segments", "prefer_alloc_in_same_node", "nof_replica_num",
-                 "dfs_replica_num", "group_ids", "data_type")
+    __slots__ = ("replica_num", "nof_replica_num", "dfs_replica_num", "soft_pin_action",
+                 "soft_pin_ttl_ms", "with_hard_pin", "preferred_segment", "preferred_segments",
+                 "preferred_nof_segments", "prefer_alloc_in_same_node", "group_ids", "data_type")
 
-    def __init__(self, replica_num: int = 1, **fields: Any):
-        self.replica_num = replica_num
-        self.with_soft_pin = False
-        self.with_hard_pin = False
-        self.soft_pin_action = None
-        self.soft_pin_ttl_ms = 0
-        self.preferred_segment = ""
-        self.preferred_segments: list = []
-        self.preferred_nof_segments: list = []
-        self.prefer_alloc_in_same_node = False
+    def __init__(self, **fields: Any):
+        self.replica_num = 1
         self.nof_replica_num = 0
         self.dfs_replica_num = 0
-        self.group_ids: list = []
-        self.data_type = None
+        self.soft_pin_action = SoftPinAction.PRESERVE
+        self.soft_pin_ttl_ms = None  # None: the master's default TTL
+        self.with_hard_pin = False
+        self.preferred_segment = ""
+        self.preferred_segments = []
+        self.preferred_nof_segments = []
+        self.prefer_alloc_in_same_node = False
+        self.group_ids = None
+        self.data_type = ObjectDataType.UNKNOWN
         for name, value in fields.items():
             if name not in self.__slots__:
                 raise TypeError(f"ReplicateConfig: unknown field {name!r}")
             setattr(self, name, value)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        check = _CONFIG_FIELDS.get(name)
+        if check is None:
+            raise AttributeError(f"'ReplicateConfig' object has no attribute {name!r}")
+        object.__setattr__(self, name, check(name, value))
+
+    def __str__(self) -> str:
+        def names(v: list) -> str:
+            return "[" + ", ".join(v) + "]"
+
+        parts = [f"replica_num: {self.replica_num}", f"nof_replica_num: {self.nof_replica_num}",
+                 f"dfs_replica_num: {self.dfs_replica_num}",
+                 f"soft_pin_action: {self.soft_pin_action.name}",
+                 "soft_pin_ttl_ms: " + ("default" if self.soft_pin_ttl_ms is None
+                                        else str(self.soft_pin_ttl_ms)),
+                 f"with_hard_pin: {int(self.with_hard_pin)}",
+                 f"preferred_segments: {names(self.preferred_segments)}"]
+        if self.preferred_segment:
+            parts.append(f"preferred_segment (deprecated): {self.preferred_segment}")
+        parts += [f"preferred_nof_segments: {names(self.preferred_nof_segments)}",
+                  f"prefer_alloc_in_same_node: {int(self.prefer_alloc_in_same_node)}",
+                  f"data_type: {self.data_type.name}"]
+        if self.group_ids is not None:
+            parts.append(f"group_ids: {names(self.group_ids)}")
+        return "ReplicateConfig: { " + ", ".join(parts) + " }"
+
     def __repr__(self) -> str:
         return f"ReplicateConfig(replica_num={self.replica_num})"
+
+
+def _field_error(name: str, expected: str, value: Any) -> TypeError:
+    return TypeError(f"ReplicateConfig.{name}: expected {expected}, got {value!r}")
+
+
+def _uint64(name: str, value: Any) -> int:
+    # pybind11 takes an int (or a bool, or anything with __index__), never a float or a str.
+    if isinstance(value, (float, str, bytes)) or not hasattr(value, "__index__"):
+        raise _field_error(name, "an int", value)
+    n = operator.index(value)
+    if not 0 <= n < 1 << 64:
+        raise _field_error(name, "an int in 0..2**64-1", value)
+    return n
+
+
+def _optional_uint64(name: str, value: Any) -> Optional[int]:
+    return None if value is None else _uint64(name, value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    # pybind11's bool: None and numbers convert, anything else is refused.
+    if value is None or isinstance(value, (bool, int, float)):
+        return bool(value)
+    raise _field_error(name, "a bool", value)
+
+
+def _str(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _field_error(name, "a str", value)
+    return value
+
+
+def _str_list(name: str, value: Any) -> list:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or \
+            not all(isinstance(v, str) for v in value):
+        raise _field_error(name, "a list of str", value)
+    return list(value)
+
+
+def _optional_str_list(name: str, value: Any) -> Optional[list]:
+    return None if value is None else _str_list(name, value)
+
+
+def _member_of(enum_cls: type) -> Any:
+    def check(name: str, value: Any) -> Any:
+        if not isinstance(value, enum_cls):
+            raise _field_error(name, f"a {enum_cls.__name__}", value)
+        return value
+    return check
+
+
+_CONFIG_FIELDS = {
+    "replica_num": _uint64, "nof_replica_num": _uint64, "dfs_replica_num": _uint64,
+    "soft_pin_action": _member_of(SoftPinAction), "soft_pin_ttl_ms": _optional_uint64,
+    "with_hard_pin": _bool, "preferred_segment": _str, "preferred_segments": _str_list,
+    "preferred_nof_segments": _str_list, "prefer_alloc_in_same_node": _bool,
+    "group_ids": _optional_str_list, "data_type": _member_of(ObjectDataType),
+}
 
 
 def _replica_num(config: Any) -> int:
@@ -1052,6 +1162,25 @@ def _get_copy(client: StoreClient, key: Any, ranges: list) -> int:
         ctypes.memmove(p, base + at, take)
         at += take
     return len(data)
+
+
+class BufferHandle(bytearray):
+    """An object's bytes as ``get_buffer``/``batch_get_buffer`` return them: Mooncake's
+    ``ptr()`` and ``size()``, and the buffer protocol (``memoryview(handle)``). Here it is a
+    bytearray that cannot be resized, so the bytes stay at ``ptr()`` while the handle lives."""
+
+    def __init__(self, data: Any = b"") -> None:
+        super().__init__(data)
+        # An export of the bytearray's memory: while it lives, the bytearray cannot be
+        # resized, so the address below stays valid.
+        self._pin = (ctypes.c_char * len(self)).from_buffer(self) if len(self) else None
+        self._address = ctypes.addressof(self._pin) if self._pin is not None else 0
+
+    def ptr(self) -> int:
+        return self._address
+
+    def size(self) -> int:
+        return len(self)
 
 
 class MooncakeHostMemAllocator:

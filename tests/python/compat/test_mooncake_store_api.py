@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import itertools
 import os
 import signal
@@ -721,6 +722,51 @@ def test_replicate_config(impl, store, key):
     assert many == (0 if impl.is_mooncake else NO_AVAILABLE_HANDLE)
 
 
+def test_replicate_config_defaults_and_checks(impl):
+    config = impl.config_cls()
+    store_module = sys.modules[impl.store_cls.__module__]
+    assert config.replica_num == 1 and config.nof_replica_num == 0
+    assert config.dfs_replica_num == 0
+    assert config.soft_pin_action == store_module.SoftPinAction.PRESERVE
+    assert config.soft_pin_ttl_ms is None  # the master's default
+    assert config.with_hard_pin is False and config.prefer_alloc_in_same_node is False
+    assert config.preferred_segment == "" and config.preferred_segments == []
+    assert config.preferred_nof_segments == [] and config.group_ids is None
+    assert config.data_type == store_module.ObjectDataType.UNKNOWN
+    assert not hasattr(config, "with_soft_pin") and not hasattr(config, "session_ids")
+    assert str(config) == (
+        "ReplicateConfig: { replica_num: 1, nof_replica_num: 0, dfs_replica_num: 0, "
+        "soft_pin_action: PRESERVE, soft_pin_ttl_ms: default, with_hard_pin: 0, "
+        "preferred_segments: [], preferred_nof_segments: [], prefer_alloc_in_same_node: 0, "
+        "data_type: UNKNOWN }")
+    config.soft_pin_action = store_module.SoftPinAction.ENABLE
+    config.soft_pin_ttl_ms = (1 << 64) - 1
+    config.soft_pin_ttl_ms = None
+    config.soft_pin_ttl_ms = 5000
+    config.with_hard_pin = 1
+    config.group_ids = ["g"]
+    config.preferred_segment = "seg"
+    config.data_type = store_module.ObjectDataType.KVCACHE
+    assert str(config) == (
+        "ReplicateConfig: { replica_num: 1, nof_replica_num: 0, dfs_replica_num: 0, "
+        "soft_pin_action: ENABLE, soft_pin_ttl_ms: 5000, with_hard_pin: 1, "
+        "preferred_segments: [], preferred_segment (deprecated): seg, "
+        "preferred_nof_segments: [], prefer_alloc_in_same_node: 0, data_type: KVCACHE, "
+        "group_ids: [g] }")
+    refused = [("soft_pin_ttl_ms", -1), ("soft_pin_ttl_ms", 1 << 64), ("soft_pin_ttl_ms", 1.5),
+               ("soft_pin_ttl_ms", "5"), ("replica_num", -1), ("replica_num", None),
+               ("replica_num", 2.0), ("soft_pin_action", 1), ("soft_pin_action", None),
+               ("data_type", 1), ("group_ids", [1]), ("group_ids", "g"),
+               ("preferred_segment", None), ("preferred_segments", "ab"),
+               ("with_hard_pin", "yes"), ("nof_replica_num", -1)]
+    for field_name, value in refused:
+        with pytest.raises(TypeError):
+            setattr(config, field_name, value)
+    assert config.soft_pin_ttl_ms == 5000 and config.group_ids == ["g"]  # unchanged
+    with pytest.raises(AttributeError):
+        config.with_soft_pin = True  # not a field of Mooncake's
+
+
 def test_replica_descriptors(impl, store, key):
     """get_replica_desc / batch_get_replica_desc, as vLLM's store connector reads them for tier
     logging: a list per key of memory replicas, absent keys left out."""
@@ -873,3 +919,90 @@ def test_error_numbers_follow_the_failed_side():
     assert mooncake_code("IO_ERROR", "storage_node") == TRANSFER_FAIL
     assert mooncake_code("NOT_FOUND", "master") == OBJECT_NOT_FOUND
     assert mooncake_code("NO_SPACE", "master") == NO_AVAILABLE_HANDLE
+
+
+# -- the module's names ----------------------------------------------------------------------
+# Every public name of mooncake.store in the wheel (0.3.13.post1); in .venv-mooncake the test
+# below checks this list against the wheel itself.
+MOONCAKE_STORE_NAMES = sorted("""
+ACTIVATION BufferHandle BufferLease BufferLeaseView BufferPool COMPLETE Descriptor
+DiskDescriptor EngramStore EngramStoreConfig FAILED GENERAL GRADIENT INITIALIZED KVCACHE
+METADATA MemoryDescriptor MooncakeDistributedNoFRegister MooncakeDistributedStore
+MooncakeHostMemAllocator OPTIMIZER_STATE ObjectDataType PENDING PROCESSING ParallelAxis
+QueryTaskResponse REMOVED REPLICA_COPY REPLICA_MOVE ReadTarget RegisteredBufferLease
+RegisteredBufferLeaseView RegisteredBufferPool ReplicaDescriptor ReplicaStatus ReplicateConfig
+SAMPLE SUCCESS SoftPinAction TENSOR TaskStatus TaskType TensorParallelism UNDEFINED UNKNOWN
+WEIGHT bind_to_numa_node get_alloc_func_addr get_free_func_addr""".split())
+ENUMS = ["ReplicaStatus", "SoftPinAction", "TaskStatus", "TaskType", "ObjectDataType"]
+
+
+def _public(module: Any) -> list:
+    return sorted(n for n in dir(module) if not n.startswith("_"))
+
+
+def _dropin_store_module() -> Any:
+    """dropin/mooncake/mooncake/store.py, loaded under another name (it imports only
+    kvbridge), so that it can sit next to the real wheel."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "kvbridge_dropin_mooncake_store",
+        Path(__file__).resolve().parents[3] / "dropin" / "mooncake" / "mooncake" / "store.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_public_name_of_mooncake_store_is_exported():
+    import kvbridge.compat.mooncake as compat
+
+    dropin = _dropin_store_module()
+    for module in (compat, dropin):
+        missing = [n for n in MOONCAKE_STORE_NAMES if not hasattr(module, n)]
+        assert not missing, f"{module.__name__} lacks {missing}"
+        assert set(MOONCAKE_STORE_NAMES) <= set(module.__all__)
+    for name in ENUMS:  # printed as pybind11 prints them
+        assert all(str(m) == f"{name}.{m.name}" for m in getattr(compat, name))
+    # Module-level enum values are the enums' members (TaskStatus's where two share a name).
+    assert compat.FAILED is compat.TaskStatus.FAILED
+    assert compat.COMPLETE is compat.ReplicaStatus.COMPLETE
+    try:
+        import mooncake.store as real
+    except ImportError:
+        return
+    assert _public(real) == MOONCAKE_STORE_NAMES, "the wheel's names changed: update the list"
+    for name in ENUMS:
+        assert {n: int(m) for n, m in getattr(real, name).__members__.items()} == \
+            {m.name: int(m) for m in getattr(compat, name)}
+    for name in MOONCAKE_STORE_NAMES:
+        value = getattr(real, name)
+        if type(value).__name__ in ENUMS:  # a module-level enum value
+            mine = getattr(compat, name)
+            assert (type(mine).__name__, mine.name, int(mine)) == \
+                (type(value).__name__, value.name, int(value)), name
+    # Data holders: the same fields with the same defaults.
+    for name in ("QueryTaskResponse", "ParallelAxis", "TensorParallelism", "ReadTarget",
+                 "EngramStoreConfig"):
+        theirs, mine = getattr(real, name)(), getattr(compat, name)()
+        fields = _public(theirs)
+        assert fields == _public(mine), name
+        for f in fields:
+            a, b = getattr(theirs, f), getattr(mine, f)
+            assert (str(a), int(a)) == (str(b), int(b)) if isinstance(b, enum.Enum) else a == b, \
+                f"{name}.{f}: {a!r} != {b!r}"
+
+
+def test_names_kvbridge_cannot_honour_fail_with_a_named_error():
+    import kvbridge.compat.mooncake as compat
+    from kvbridge.errors import UnsupportedError
+
+    calls = [lambda: compat.BufferPool(None), lambda: compat.RegisteredBufferPool(None),
+             lambda: compat.BufferLease(), lambda: compat.BufferLeaseView(),
+             lambda: compat.EngramStore(0, compat.EngramStoreConfig()),
+             lambda: compat.MooncakeDistributedNoFRegister(),
+             lambda: compat.bind_to_numa_node(0), compat.get_alloc_func_addr,
+             compat.get_free_func_addr]
+    for call in calls:
+        with pytest.raises(compat.MooncakeNotSupportedError, match="docs/mooncake.md") as e:
+            call()
+        assert isinstance(e.value, UnsupportedError) and isinstance(e.value, NotImplementedError)
