@@ -34,9 +34,11 @@ import enum
 import ipaddress
 import itertools
 import logging
+import math
 import mmap
 import operator
 import os
+import re
 import socket
 import threading
 from typing import Any, Optional, Sequence
@@ -516,6 +518,9 @@ class MooncakeDistributedStore:
                 return 0
         try:
             session = _start(config)
+        except _InvalidSize as e:
+            _log.error("setup failed: %s", e)
+            return int(ErrorCode.INVALID_PARAMS)  # as Mooncake answers a size it cannot read
         except (KvbError, ValueError, OSError) as e:
             _log.error("setup failed: %s", e)
             return -1
@@ -1058,6 +1063,42 @@ def _flag(value: Any) -> bool:
     return bool(value)
 
 
+class _InvalidSize(ValueError):
+    pass
+
+
+# A size as Mooncake's setup reads it from a dict: a number (C's strtod: decimal, a fraction,
+# an exponent or hex), optional blanks, an optional unit of powers of 1024 (k, kb, m, mb, g, gb,
+# t, tb, b), any case, blanks around; the bytes are the whole part. "16MB", "16 MB", "1gb",
+# "1.5GB" and "0x1000" are sizes; "16MiB", "-1MB" and "1_000" are not.
+_SIZE = re.compile(r"\s*(\+?(?:0x(?:[0-9a-f]+\.?[0-9a-f]*|\.[0-9a-f]+)(?:p[+-]?\d+)?"
+                   r"|(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?))\s*(kb|mb|gb|tb|k|m|g|t|b)?\s*",
+                   re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "g": 1 << 30, "gb": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
+
+
+def _size(config: dict, key: str) -> int:
+    """config[key] as bytes: an int, a float (its whole part) or a size string (_SIZE)."""
+    value = config[key]
+    if isinstance(value, bool):
+        raise _InvalidSize(f"{key} {value!r}: expected a size")
+    if isinstance(value, (int, float)):
+        number, unit = float(value) if isinstance(value, float) else value, ""
+    elif isinstance(value, str) and (m := _SIZE.fullmatch(value)):
+        text, unit = m.group(1).lstrip("+"), (m.group(2) or "").lower()
+        number = float.fromhex(text) if text.lower().startswith("0x") else float(text)
+    else:
+        raise _InvalidSize(f"{key} {value!r}: expected a size such as 16777216, \"16MB\" or "
+                           "\"1 gb\"")
+    if isinstance(number, float) and not math.isfinite(number):
+        raise _InvalidSize(f"{key} {value!r}: expected a size")
+    size = int(number * _UNITS[unit]) if isinstance(number, float) else number * _UNITS[unit]
+    if size < 0:
+        raise _InvalidSize(f"{key} {value!r}: must be >= 0")
+    return size
+
+
 def _start(config: dict) -> _Session:
     """Starts the Node (when global_segment_size > 0) and the StoreClient; ValueError or a
     KvbError says why not."""
@@ -1065,8 +1106,8 @@ def _start(config: dict) -> _Session:
     if unknown:
         _log.warning("setup: ignoring unknown keys %s", ", ".join(sorted(unknown)))
     c = dict(_DEFAULTS, **{k: v for k, v in config.items() if v is not None})
-    segment_bytes = int(c["global_segment_size"])
-    staging_bytes = int(c["local_buffer_size"])
+    segment_bytes = _size(c, "global_segment_size")
+    staging_bytes = _size(c, "local_buffer_size")
     if segment_bytes < 0 or staging_bytes < 0:
         raise ValueError("global_segment_size and local_buffer_size must be >= 0")
     master = str(c["master_server_addr"]).strip()

@@ -227,6 +227,36 @@ def test_setup_without_a_master_fails(impl):
     assert store.health_check() == 1
 
 
+def test_setup_dict_takes_size_strings(impl, key):
+    """Mooncake's dict form reads sizes as numbers with an optional unit of powers of 1024
+    ("16MB", "16 MB", "1gb"); one it cannot read fails setup with INVALID_PARAMS."""
+    store = impl.store_cls()
+    config = {"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+              "global_segment_size": "16MB", "local_buffer_size": "16 mb", "protocol": "tcp",
+              "master_server_addr": impl.master}
+    assert store.setup(config) == 0
+    impl.closers.append(store.close)
+    assert store.put_batch([key("a"), key("b")], [b"x" * 1000, b"y"]) == 0  # the local buffer
+    assert store.get_batch([key("a"), key("b")]) == [b"x" * 1000, b"y"]
+    for bad in ("16MiB", "-16MB", "16 XB", "1_000", "", True):
+        assert impl.store_cls().setup(dict(config, global_segment_size=bad)) == INVALID_PARAMS
+
+
+def test_size_strings_read_as_mooncake_reads_them():
+    # The strings were checked against the real wheel's setup (0.3.13.post1).
+    from kvbridge.compat._mooncake_store import _InvalidSize, _size
+
+    sizes = {"16MB": 16 << 20, "16 MB": 16 << 20, "1gb": 1 << 30, "16M": 16 << 20,
+             "16k": 16 << 10, "16 kb": 16 << 10, "1tb": 1 << 40, "16B": 16, "1024": 1024,
+             "  16MB  ": 16 << 20, "1.5GB": 3 << 29, ".5GB": 1 << 29, "32\tMB": 32 << 20,
+             "+32MB": 32 << 20, "0x2000000": 32 << 20, "040000000": 40000000, "3.2e7": 32000000,
+             "33554432.7": 32 << 20, 16.5: 16, 7: 7}
+    assert {v: _size({"k": v}, "k") for v in sizes} == sizes
+    for bad in ("16MiB", "16 mib", "abc", "", "-16MB", "16XB", "32_000_000", "inf", True):
+        with pytest.raises(_InvalidSize):
+            _size({"k": bad}, "k")
+
+
 _AFTER_CLOSE = """
 import sys
 from mooncake.store import MooncakeDistributedStore
