@@ -422,6 +422,7 @@ class _Session:
         self.node = node
         self.client = client
         self._client_options = client_options
+        self.node_id = client_options["node_id"]  # the node's and the main client's
         # enable_client_http_server: where every client of the session is served (one
         # endpoint, their sums); "" when off.
         self.metrics_listen = metrics_listen
@@ -848,6 +849,109 @@ class MooncakeDistributedStore:
             return _code_of(e, master_call=True)
         return max(before - after, 0)
 
+    def batch_replica_clear(self, keys: list, segment_name: str = "") -> list:
+        """Drops the keys' replicas, all of them (``segment_name=""``) or those on one segment
+        (``get_hostname()`` of the store holding it): the keys cleared. kvbridge's master keeps
+        or drops an object's replicas as a whole, so with a segment a key is cleared only when
+        every replica of it lies there (the object goes, as in Mooncake when its last replica
+        does); a key with replicas elsewhere too is left alone (logged) and not listed. Mooncake
+        skips keys under a read lease; kvbridge clears at once, as its ``remove`` does."""
+        _check_keys(keys)
+        if not isinstance(segment_name, str):
+            raise TypeError(f"segment_name: expected str, got {type(segment_name).__name__}")
+        s = self._session
+        if s is None or not keys:
+            return []
+        keys = list(keys)
+        if segment_name:
+            try:
+                found = s.client.batch_replicas(keys)
+            except KvbError as e:
+                _log.warning("batch_replica_clear: %s", e)
+                return []
+            whole, mixed = [], []
+            for k, res in zip(keys, found):
+                held = {str(r.node_id) for r in res.replicas} if res.ok else set()
+                if held == {segment_name}:
+                    whole.append(k)
+                elif segment_name in held:
+                    mixed.append(k)
+            if mixed:
+                _log.warning("batch_replica_clear: %d key(s) also have replicas off %s and "
+                             "are left alone (kvbridge drops an object's replicas only as a "
+                             "whole), e.g. %r", len(mixed), segment_name, mixed[0])
+            keys = whole
+        codes = self.batch_remove(keys) if keys else []
+        return [k for k, code in zip(keys, codes) if code == 0]
+
+    def get_hostname(self) -> str:
+        """The name of this store's segment: what ``transport_endpoint`` says for a replica
+        held here (``get_replica_desc``). kvbridge's is the node id, not Mooncake's
+        ``host:port``; "" before setup and after close."""
+        s = self._session
+        return s.node_id if s is not None else ""
+
+    # -- reads into Python buffers and byte ranges ----------------------------------------
+    def get_buffer(self, key: str) -> Optional["BufferHandle"]:
+        """The object's bytes in a BufferHandle; None when it cannot be read."""
+        _check_key(key)
+        data = self.get(key)
+        return BufferHandle(data) if data else None
+
+    def batch_get_buffer(self, keys: list) -> list:
+        """A BufferHandle per key, None for a key that cannot be read."""
+        _check_keys(keys)
+        return [BufferHandle(v) if v else None for v in self.get_batch(list(keys))]
+
+    def get_into_ranges(self, buffer_ptrs: list, all_keys: list, all_dst_offsets: list,
+                        all_src_offsets: list, all_sizes: list) -> list:
+        """Copies byte ranges of objects into buffers: for buffer ``i``, key ``j`` and range
+        ``k``, ``all_sizes[i][j][k]`` bytes from offset ``all_src_offsets[i][j][k]`` of object
+        ``all_keys[i][j]`` to ``buffer_ptrs[i] + all_dst_offsets[i][j][k]``. The same shape
+        back: bytes copied per range, or an error (INVALID_PARAMS for a range past the object's
+        end or lists of different lengths; the object's error, e.g. OBJECT_NOT_FOUND, for every
+        range of a key that cannot be read). Each object is read once, whole."""
+        _check_ints("buffer_ptrs", buffer_ptrs)
+        for keys in all_keys:
+            _check_keys(keys)
+        for what, nested in (("all_dst_offsets", all_dst_offsets),
+                             ("all_src_offsets", all_src_offsets), ("all_sizes", all_sizes)):
+            for per_buffer in nested:
+                for per_key in per_buffer:
+                    _check_ints(what, per_key)
+        invalid = int(ErrorCode.INVALID_PARAMS)
+        s = self._session
+        n = len(buffer_ptrs)
+        if s is None or any(len(x) != n for x in (all_keys, all_dst_offsets, all_src_offsets,
+                                                    all_sizes)):
+            return [[[invalid]] for _ in range(n)]
+        objects: dict = {}  # key -> bytes, or an error code
+        for keys in all_keys:
+            for k in keys:
+                if k not in objects:
+                    try:
+                        objects[k] = s.client.get(k)
+                    except KvbError as e:
+                        objects[k] = _code_of(e)
+        out = []
+        for ptr, keys, dsts, srcs, sizes in zip(buffer_ptrs, all_keys, all_dst_offsets,
+                                                all_src_offsets, all_sizes):
+            if not len(dsts) == len(srcs) == len(sizes) == len(keys):
+                out.append([[invalid] for _ in keys])
+                continue
+            per_buffer = []
+            for k, key_dsts, key_srcs, key_sizes in zip(keys, dsts, srcs, sizes):
+                data = objects[k]
+                if not len(key_dsts) == len(key_srcs) == len(key_sizes):
+                    per_buffer.append([invalid] * len(key_dsts))
+                elif isinstance(data, int):
+                    per_buffer.append([data] * len(key_dsts))
+                else:
+                    per_buffer.append([_copy_range(data, ptr, d, o, m)
+                                       for d, o, m in zip(key_dsts, key_srcs, key_sizes)])
+            out.append(per_buffer)
+        return out
+
     # -- internals -------------------------------------------------------------------------
     def _sizes(self, s: _Session, keys: list) -> list:
         try:
@@ -1203,6 +1307,16 @@ def _get_copy(client: StoreClient, key: Any, ranges: list) -> int:
         ctypes.memmove(p, base + at, take)
         at += take
     return len(data)
+
+
+def _copy_range(data: bytes, ptr: int, dst: int, src: int, size: int) -> int:
+    """One range of get_into_ranges: bytes copied, or INVALID_PARAMS."""
+    if ptr <= 0 or dst < 0 or src < 0 or size < 0 or src + size > len(data):
+        return int(ErrorCode.INVALID_PARAMS)
+    if size:
+        base = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+        ctypes.memmove(ptr + dst, base + src, size)
+    return size
 
 
 class BufferHandle(bytearray):

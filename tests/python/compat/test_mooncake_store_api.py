@@ -688,6 +688,112 @@ def test_unregistered_memory_works_through_a_copy(store, key):
     assert read(base + 2000, 1000) == read(base + 4000, 1000) == pattern(1000, 5)
 
 
+# -- reads into Python buffers and byte ranges ------------------------------------------------
+def test_get_buffer_and_batch_get_buffer(store, key):
+    data = pattern(10240, 3)
+    assert store.put(key("a"), data) == 0 and store.put(key("b"), b"hello") == 0
+    handles = store.batch_get_buffer([key("a"), key("missing"), key("b")])
+    assert handles[1] is None and len(handles) == 3
+    for h, want in ((handles[0], data), (handles[2], b"hello")):
+        assert h.size() == len(want)
+        assert ctypes.string_at(h.ptr(), h.size()) == want
+        assert bytes(memoryview(h)) == want  # the buffer protocol
+    assert store.batch_get_buffer([]) == []
+    assert bytes(memoryview(store.get_buffer(key("b")))) == b"hello"
+    assert store.get_buffer(key("missing")) is None
+
+
+def test_get_into_ranges(impl, store, arena, key):
+    data = pattern(10240, 4)
+    assert store.put(key("a"), data) == 0 and store.put(key("b"), b"hello") == 0
+    buf = arena.alloc(4096)
+    got = store.get_into_ranges([buf], [[key("a"), key("b")]], [[[0, 100], [200]]],
+                                [[[10, 20], [1]]], [[[5, 7], [3]]])
+    assert got == [[[5, 7], [3]]]
+    assert read(buf, 5) == data[10:15] and read(buf + 100, 7) == data[20:27]
+    assert read(buf + 200, 3) == b"ell"
+    # A range past the object's end, lists of different lengths, buffers and key lists of
+    # different lengths: INVALID_PARAMS; a zero-length range copies nothing.
+    assert store.get_into_ranges([buf], [[key("a")]], [[[0]]], [[[10230]]], [[[100]]]) == \
+        [[[INVALID_PARAMS]]]
+    assert store.get_into_ranges([buf], [[key("a")]], [[[0]]], [[[0]]], [[[0]]]) == [[[0]]]
+    assert store.get_into_ranges([buf], [[key("a")]], [[[0, 1]]], [[[0]]], [[[1]]]) == \
+        [[[INVALID_PARAMS] * 2]]
+    assert store.get_into_ranges([buf], [[key("a")], [key("b")]], [[[0]], [[0]]],
+                                 [[[0]], [[0]]], [[[1]], [[1]]]) == [[[INVALID_PARAMS]]]
+    assert store.get_into_ranges([], [], [], [], []) == []
+    # A missing key fails its own ranges only.
+    other = arena.alloc(64)
+    got = store.get_into_ranges([other], [[key("a"), key("missing")]], [[[0], [32]]],
+                                [[[0], [0]]], [[[16], [4]]])
+    assert got == [[[16], [OBJECT_NOT_FOUND]]] and read(other, 16) == data[:16]
+    # Memory never registered: Mooncake refuses it with INVALID_PARAMS for every range of the
+    # buffer; kvbridge copies into it, as its other reads into unregistered memory do.
+    mem = ctypes.create_string_buffer(64)
+    got = store.get_into_ranges([ctypes.addressof(mem)], [[key("a"), key("b")]], [[[0], [32]]],
+                                [[[0], [0]]], [[[16], [5]]])
+    if impl.is_mooncake:
+        assert got == [[[INVALID_PARAMS], [INVALID_PARAMS]]] and mem.raw[:16] == bytes(16)
+    else:
+        assert got == [[[16], [5]]] and mem.raw[:16] == data[:16] and mem.raw[32:37] == b"hello"
+
+
+def test_get_hostname_names_this_stores_segment(impl, key, tmp_path):
+    """get_hostname() names this store's segment, as batch_replica_clear takes it: Mooncake's
+    host:port, kvbridge's node id (which kvbridge's replica descriptors give as their
+    transport_endpoint; Mooncake's give its transfer engine's address there)."""
+    impl, stop = _start(impl.name, tmp_path)  # a cluster of its own: two segments
+    try:
+        holder, other = impl.new_store(), impl.new_store(segment_bytes=16 << 20)
+        name = holder.get_hostname()
+        assert isinstance(name, str) and name and other.get_hostname() not in ("", name)
+        if impl.is_mooncake:
+            assert name.startswith("127.0.0.1:")
+        keys = [key(str(i)) for i in range(8)]
+        assert holder.put_batch(keys, [b"v"] * 8) == 0
+        endpoints = {}
+        if not impl.is_mooncake:  # Mooncake's query leases the object: no clearing for 2 s
+            endpoints = {k: holder.get_replica_desc(k)[0].get_memory_descriptor()
+                         .buffer_descriptor.transport_endpoint for k in keys}
+        # Clearing a segment clears the keys whose replica lies there, and only those.
+        # (Asking Mooncake whether a key exists leases it too: nothing is asked in between.)
+        here = holder.batch_replica_clear(keys, name)
+        there = holder.batch_replica_clear(keys, other.get_hostname())
+        assert sorted(here + there) == sorted(keys)
+        assert holder.batch_is_exist(keys) == [0] * 8
+        # A key with a replica on each segment: Mooncake drops the one on the named segment and
+        # keeps the object; kvbridge's master drops replicas only as a whole, so it leaves the
+        # key alone and does not list it.
+        both = key("both")
+        assert holder.put(both, b"w", impl.replicate(2)) == 0
+        assert holder.batch_replica_clear([both], name) == ([both] if impl.is_mooncake else [])
+        assert holder.get(both) == b"w"
+        if not impl.is_mooncake:
+            assert here == [k for k in keys if endpoints[k] == name]
+            assert impl.store_cls().get_hostname() == ""  # not set up
+    finally:
+        stop()
+
+
+def test_batch_replica_clear(impl, store, key):
+    keys = [key("a"), key("b"), key("c")]
+    assert store.put_batch(keys, [b"1", b"2", b"3"]) == 0
+    assert store.get(keys[2]) == b"3"  # a read: Mooncake leases the object for 2 s here
+    cleared = store.batch_replica_clear([keys[0], key("missing"), keys[1], keys[2]])
+    if impl.is_mooncake:
+        # Mooncake clears only objects whose read lease has expired.
+        assert cleared == keys[:2]
+        time.sleep(MOONCAKE_LEASE_MS / 1000 + 0.5)
+        assert store.batch_replica_clear([keys[2]]) == [keys[2]]
+    else:
+        assert cleared == keys  # kvbridge clears at once, as its remove does
+    assert store.batch_is_exist(keys) == [0, 0, 0]
+    assert store.batch_replica_clear([]) == []
+    assert store.put(key("d"), b"4") == 0
+    assert store.batch_replica_clear([key("d")], "no-such-segment") == []
+    assert store.is_exist(key("d")) == 1
+
+
 # -- existence and removal -------------------------------------------------------------------
 def test_is_exist_and_batch_is_exist(store, key):
     assert store.put(key("a"), b"1") == 0 and store.put(key("c"), b"3") == 0
