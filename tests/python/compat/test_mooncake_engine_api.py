@@ -311,3 +311,43 @@ def test_frozen_peer_fails_the_batch_in_seconds_and_is_reached_again(impl):
         peer.wait()
         if hasattr(client, "close"):
             client.close()
+
+
+# Every public method of the wheel's TransferEngine (0.3.13.post1, the non-CUDA build); in
+# .venv-mooncake the test checks this list against the wheel itself.
+MOONCAKE_ENGINE_METHODS = sorted("""
+allocate_managed_buffer batch_register_memory batch_transfer_async batch_transfer_async_read
+batch_transfer_async_write batch_transfer_sync batch_transfer_sync_read
+batch_transfer_sync_write batch_unregister_memory free_managed_buffer
+get_batch_transfer_status get_engine get_engine_ptr get_first_buffer_address
+get_local_topology get_notifies get_rpc_port initialize initialize_ext read_bytes_from_buffer
+register_memory send_probe transfer_check_status transfer_submit_write transfer_sync
+transfer_sync_read transfer_sync_write unregister_memory warmup_efa_segment
+write_bytes_to_buffer""".split())
+
+
+def test_every_engine_method_is_in_the_docs_table():
+    import re
+    from pathlib import Path
+
+    from kvbridge.compat.mooncake import TransferEngine
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "mooncake.md").read_text()
+    body = text[text.index("## TransferEngine"):text.index("**Return codes**")]
+    table = {}
+    for line in body.splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) >= 4 and cells[1].startswith("`"):
+            for name in re.findall(r"`([a-z_][a-z0-9_]*)[`(]", cells[1]):
+                table[name] = cells[2]
+    missing = [m for m in MOONCAKE_ENGINE_METHODS if m not in table]
+    assert not missing, f"docs/mooncake.md's TransferEngine table lacks {missing}"
+    for method in MOONCAKE_ENGINE_METHODS:
+        # yes and stubs answer; no and not yet are absent (AttributeError).
+        assert hasattr(TransferEngine, method) == (table[method] in ("yes", "stubs")), method
+    try:
+        real = importlib.import_module("mooncake.engine").TransferEngine
+    except ImportError:
+        return
+    public = sorted(m for m in dir(real) if not m.startswith("_") and m != "TransferOpcode")
+    assert public == MOONCAKE_ENGINE_METHODS, "the wheel's methods changed: update the list"

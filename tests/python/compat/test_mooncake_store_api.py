@@ -1142,3 +1142,70 @@ def test_names_kvbridge_cannot_honour_fail_with_a_named_error():
         with pytest.raises(compat.MooncakeNotSupportedError, match="docs/mooncake.md") as e:
             call()
         assert isinstance(e.value, UnsupportedError) and isinstance(e.value, NotImplementedError)
+
+
+# -- the methods table in docs/mooncake.md ---------------------------------------------------
+# Every public method of the wheel's MooncakeDistributedStore (0.3.13.post1); in .venv-mooncake
+# the test checks this list against the wheel itself.
+MOONCAKE_STORE_METHODS = sorted("""
+alloc_from_mem_pool allocate_and_mount_segment batch_get_buffer batch_get_into
+batch_get_into_multi_buffer_ranges batch_get_into_multi_buffers batch_get_replica_desc
+batch_get_session_end batch_get_session_start batch_get_tensor batch_get_tensor_into
+batch_get_tensor_into_cuda batch_get_tensor_with_parallelism
+batch_get_tensor_with_parallelism_into batch_get_tensor_with_tp batch_get_tensor_with_tp_into
+batch_is_exist batch_pub_tensor batch_pub_tensor_with_tp batch_put_from
+batch_put_from_multi_buffer_ranges batch_put_from_multi_buffers batch_put_session_end
+batch_put_session_revoke batch_put_session_start batch_put_tensor batch_put_tensor_from
+batch_put_tensor_with_parallelism batch_put_tensor_with_parallelism_from
+batch_put_tensor_with_tp batch_put_tensor_with_tp_from batch_remove batch_replica_clear
+batch_upsert_from batch_upsert_pub_tensor batch_upsert_tensor batch_upsert_tensor_from
+batch_upsert_tensor_with_parallelism batch_upsert_tensor_with_parallelism_from close
+create_copy_task create_move_task get get_batch get_buffer get_hostname get_into
+get_into_ranges get_offload_rpc_read_count get_replica_desc get_size get_tensor
+get_tensor_into get_tensor_into_cuda get_tensor_with_parallelism
+get_tensor_with_parallelism_into get_tensor_with_tp get_tensor_with_tp_into health_check
+init_all is_exist load_tensor_from_safetensor mount_segment pub_tensor pub_tensor_with_tp put
+put_batch put_from put_from_with_metadata put_parts put_tensor put_tensor_from
+put_tensor_with_parallelism put_tensor_with_parallelism_from put_tensor_with_tp
+put_tensor_with_tp_from query_task register_buffer remove remove_all remove_by_regex
+save_tensor_to_safetensor setup setup_dummy unmount_and_free_segment
+unmount_local_disk_segment unmount_segment unregister_buffer upsert upsert_batch upsert_from
+upsert_parts upsert_pub_tensor upsert_tensor upsert_tensor_from upsert_tensor_with_parallelism
+upsert_tensor_with_parallelism_from""".split())
+
+
+def _docs_table(section: str) -> dict:
+    """{method: status} from the table under ``section`` in docs/mooncake.md: every
+    backquoted name in a row's first cell (``name(...)`` or ``name``) gets the row's status."""
+    import re
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "mooncake.md").read_text()
+    body = text[text.index(section):]
+    body = body[:body.index("\n#", len(section))]
+    table = {}
+    for line in body.splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) < 4 or not cells[1].startswith(("`", "the ", "soft")):
+            continue
+        for name in re.findall(r"`([a-z_][a-z0-9_]*)[`(]", cells[1]):
+            table[name] = cells[2]
+    return table
+
+
+def test_every_store_method_is_in_the_docs_table():
+    from kvbridge.compat.mooncake import MooncakeDistributedStore
+
+    table = _docs_table("### Methods (Mooncake 0.3.13.post1)")
+    missing = [m for m in MOONCAKE_STORE_METHODS if m not in table]
+    assert not missing, f"docs/mooncake.md's store table lacks {missing}"
+    for method in MOONCAKE_STORE_METHODS:
+        status = table[method]
+        assert status in ("yes", "not yet", "no"), (method, status)
+        # yes: present; not yet: absent (hasattr says so); no: present, raising the named error.
+        assert hasattr(MooncakeDistributedStore, method) == (status != "not yet"), method
+    try:
+        from mooncake.store import MooncakeDistributedStore as Real
+    except ImportError:
+        return
+    assert [m for m in _public(Real) if not m.startswith("_")] == MOONCAKE_STORE_METHODS, \
+        "the wheel's methods changed: update the list and docs/mooncake.md"
