@@ -351,3 +351,52 @@ def test_every_engine_method_is_in_the_docs_table():
         return
     public = sorted(m for m in dir(real) if not m.startswith("_") and m != "TransferOpcode")
     assert public == MOONCAKE_ENGINE_METHODS, "the wheel's methods changed: update the list"
+
+
+# Every public name of mooncake.engine in the wheel (0.3.13.post1, non-CUDA); in
+# .venv-mooncake the test checks this list against the wheel itself.
+MOONCAKE_ENGINE_NAMES = sorted("""
+CoroRPCInterface InnerTransferEngine Read ReceivedData ReceivedTensor RpcInterface SUPPORT_CUDA
+SUPPORT_EFA SUPPORT_HIP SUPPORT_INTRA_NVLINK SUPPORT_MNNVL SUPPORT_MUSA SharedSegment
+TransferEngine TransferNotify TransferOpcode Write create_rpc_client create_rpc_server""".split())
+
+
+def _dropin_engine_module():
+    """dropin/mooncake/mooncake/engine.py under another name (it imports only kvbridge)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "kvbridge_dropin_mooncake_engine",
+        Path(__file__).resolve().parents[3] / "dropin" / "mooncake" / "mooncake" / "engine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_public_name_of_mooncake_engine_is_exported():
+    import kvbridge.compat.mooncake as compat
+
+    for module in (compat, _dropin_engine_module()):
+        missing = [n for n in MOONCAKE_ENGINE_NAMES if not hasattr(module, n)]
+        assert not missing, f"{module.__name__} lacks {missing}"
+        assert set(MOONCAKE_ENGINE_NAMES) <= set(module.__all__)
+    opcode = compat.TransferOpcode
+    assert (compat.Read, compat.Write) == (opcode.Read, opcode.Write) == (0, 1)
+    assert compat.TransferEngine.TransferOpcode is opcode
+    assert opcode.READ is opcode.Read and opcode.WRITE is opcode.Write  # kvbridge's spellings
+    assert compat.SharedSegment.supported() is False
+    for call in (compat.RpcInterface, compat.CoroRPCInterface, compat.create_rpc_client,
+                 compat.create_rpc_server, compat.ReceivedData, compat.ReceivedTensor,
+                 compat.InnerTransferEngine, lambda: compat.SharedSegment.create("s", 1, 1, 0)):
+        with pytest.raises(compat.MooncakeNotSupportedError, match="docs/mooncake.md"):
+            call()
+    try:
+        real = importlib.import_module("mooncake.engine")
+    except ImportError:
+        return
+    assert sorted(n for n in dir(real) if not n.startswith("_")) == MOONCAKE_ENGINE_NAMES
+    assert {n: int(m) for n, m in real.TransferOpcode.__members__.items()} == \
+        {"Read": 0, "Write": 1}
+    for flag in (n for n in MOONCAKE_ENGINE_NAMES if n.startswith("SUPPORT_")):
+        assert getattr(real, flag) is False and getattr(compat, flag) is False, flag
