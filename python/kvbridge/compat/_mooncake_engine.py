@@ -213,7 +213,9 @@ class TransferEngine:
         return self._eng
 
     # -- registration ------------------------------------------------------------------------
-    def register_memory(self, buffer_addr: int, capacity: int) -> int:
+    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
+        """0 or a negative code. ``location`` (Mooncake's ``"cpu:0"``, ``"cuda:1"`` or ``"*"``
+        to detect) is accepted and not needed: kvbridge always detects what the memory is."""
         try:
             # Mooncake takes raw pointers to host or GPU memory alike: registered as what they
             # are (CUDA device memory the driver knows, else host memory).
@@ -240,11 +242,11 @@ class TransferEngine:
         return 0
 
     def batch_register_memory(self, buffer_addresses: Sequence[int],
-                              capacities: Sequence[int]) -> int:
+                              capacities: Sequence[int], location: str = "*") -> int:
         if len(buffer_addresses) != len(capacities):
             return ERR_INVALID_ARGUMENT
         for a, c in zip(buffer_addresses, capacities):
-            rc = self.register_memory(a, c)
+            rc = self.register_memory(a, c, location)
             if rc != 0:
                 return rc
         return 0
