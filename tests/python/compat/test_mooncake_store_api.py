@@ -842,6 +842,8 @@ def test_remove_all(store, key):
 def test_replicate_config(impl, store, key):
     assert store.put(key("one"), b"1", impl.replicate(1)) == 0
     assert store.get(key("one")) == b"1"
+    assert store.put(key("zero"), b"0", impl.replicate(0)) == INVALID_PARAMS  # no replica
+    assert store.is_exist(key("zero")) == 0
     if not impl.is_mooncake:
         from kvbridge.compat.mooncake import ReplicateConfig
 
