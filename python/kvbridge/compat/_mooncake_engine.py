@@ -29,8 +29,17 @@ from typing import Any, Optional, Sequence
 import kvbridge
 from kvbridge import _buffers, errors
 from kvbridge._native import _C
+from kvbridge.compat._mooncake_names import not_supported
 
 log = logging.getLogger("kvbridge.compat.mooncake")
+
+# Every public name of Mooncake's mooncake.engine (wheel 0.3.13.post1). The drop-in's
+# mooncake.engine exports exactly these.
+__all__ = ["TransferEngine", "TransferOpcode", "TransferNotify", "Read", "Write",
+           "SUPPORT_CUDA", "SUPPORT_EFA", "SUPPORT_HIP", "SUPPORT_INTRA_NVLINK", "SUPPORT_MNNVL",
+           "SUPPORT_MUSA", "RpcInterface", "CoroRPCInterface", "create_rpc_client",
+           "create_rpc_server", "ReceivedData", "ReceivedTensor", "InnerTransferEngine",
+           "SharedSegment"]
 
 # mooncake-transfer-engine/include/error.h
 ERR_INVALID_ARGUMENT = -1
@@ -68,8 +77,72 @@ def _code(e: Any) -> int:
 
 
 class TransferOpcode(enum.IntEnum):
+    """Mooncake's member names are ``Read`` and ``Write``; ``READ`` and ``WRITE`` are the
+    same members."""
+
+    Read = 0
+    Write = 1
     READ = 0
     WRITE = 1
+
+
+# Module-level values, as Mooncake's module has them.
+Read, Write = TransferOpcode.Read, TransferOpcode.Write
+# What Mooncake's build was compiled with; kvbridge's compat engine moves host memory only
+# (no *_on_cuda calls, no EFA, HIP, MUSA or NVLink transports).
+SUPPORT_CUDA = SUPPORT_EFA = SUPPORT_HIP = SUPPORT_INTRA_NVLINK = SUPPORT_MNNVL = \
+    SUPPORT_MUSA = False
+
+
+class RpcInterface:
+    """Mooncake's RPC channel between engine processes (send_data, send_tensor)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        not_supported(type(self).__name__, "kvbridge has no RPC channel for data or tensors; "
+                      "move bytes with the transfer calls")
+
+
+class CoroRPCInterface(RpcInterface):
+    pass
+
+
+def create_rpc_client(local_rank: int = 0, world_size: int = 1) -> RpcInterface:
+    return RpcInterface()
+
+
+def create_rpc_server(local_rank: int = 0, world_size: int = 1) -> RpcInterface:
+    return RpcInterface()
+
+
+class ReceivedData:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        not_supported("ReceivedData", "it comes from RpcInterface, which kvbridge has not")
+
+
+class ReceivedTensor:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        not_supported("ReceivedTensor", "it comes from RpcInterface, which kvbridge has not")
+
+
+class InnerTransferEngine:
+    """Mooncake's native engine type; kvbridge's is ``TransferEngine.get_engine()``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        not_supported("InnerTransferEngine", "kvbridge's engine behind a TransferEngine is "
+                      "TransferEngine.get_engine()")
+
+
+class SharedSegment:
+    """Mooncake's memory shared across processes of one host."""
+
+    @staticmethod
+    def supported() -> bool:
+        return False  # what code probes before create()
+
+    @staticmethod
+    def create(*args: Any, **kwargs: Any) -> Any:
+        not_supported("SharedSegment.create", "kvbridge shares no segments between processes; "
+                      "register each process's memory with register_memory")
 
 
 class TransferNotify:
@@ -82,6 +155,8 @@ class TransferNotify:
 
 class TransferEngine:
     """``mooncake.engine.TransferEngine`` on kvbridge (docs/mooncake.md)."""
+
+    TransferOpcode = TransferOpcode
 
     def __init__(self) -> None:
         self._eng: Optional[kvbridge.TransferEngine] = None
@@ -138,7 +213,9 @@ class TransferEngine:
         return self._eng
 
     # -- registration ------------------------------------------------------------------------
-    def register_memory(self, buffer_addr: int, capacity: int) -> int:
+    def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
+        """0 or a negative code. ``location`` (Mooncake's ``"cpu:0"``, ``"cuda:1"`` or ``"*"``
+        to detect) is accepted and not needed: kvbridge always detects what the memory is."""
         try:
             # Mooncake takes raw pointers to host or GPU memory alike: registered as what they
             # are (CUDA device memory the driver knows, else host memory).
@@ -165,11 +242,11 @@ class TransferEngine:
         return 0
 
     def batch_register_memory(self, buffer_addresses: Sequence[int],
-                              capacities: Sequence[int]) -> int:
+                              capacities: Sequence[int], location: str = "*") -> int:
         if len(buffer_addresses) != len(capacities):
             return ERR_INVALID_ARGUMENT
         for a, c in zip(buffer_addresses, capacities):
-            rc = self.register_memory(a, c)
+            rc = self.register_memory(a, c, location)
             if rc != 0:
                 return rc
         return 0
@@ -342,13 +419,15 @@ class TransferEngine:
 
     def transfer_submit_write(self, target_hostname: str, buffer: int, peer_buffer_address: int,
                               length: int, transport_hint: str = "") -> int:
-        """A batch id, or a negative code."""
+        """A batch id, or 0 on failure, Mooncake's sentinel: callers check ``batch_id != 0``
+        before ``transfer_check_status``, so a negative code would pass for a batch id."""
         try:
             return self._engine().submit_raw(self._ops(target_hostname, [buffer],
                                                    [peer_buffer_address], [length],
                                                    TransferOpcode.WRITE))
         except errors.KvbError as e:
-            return _code(e)
+            log.warning("submit to %s failed: %s", target_hostname, e)
+            return 0
 
     def transfer_check_status(self, batch_id: int) -> int:
         """1 completed, 0 in progress, -1 failed, -2 timed out."""

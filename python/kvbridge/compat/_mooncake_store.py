@@ -34,19 +34,34 @@ import enum
 import ipaddress
 import itertools
 import logging
+import math
 import mmap
+import operator
 import os
+import re
 import socket
 import threading
 from typing import Any, Optional, Sequence
 
 from kvbridge import _buffers
+from kvbridge.compat import _mooncake_names
+from kvbridge.compat._mooncake_names import (  # noqa: F401 (re-exported: __all__)
+    BufferLease, BufferLeaseView, BufferPool, EngramStore, EngramStoreConfig,
+    MooncakeDistributedNoFRegister, MooncakeNotSupportedError, ObjectDataType, ParallelAxis,
+    QueryTaskResponse, ReadTarget, RegisteredBufferLease, RegisteredBufferLeaseView,
+    RegisteredBufferPool, SoftPinAction, TaskStatus, TaskType, TensorParallelism,
+    bind_to_numa_node, get_alloc_func_addr, get_free_func_addr, not_supported)
 from kvbridge.errors import KvbError, UnavailableError
 from kvbridge.store import Node, StoreClient, cluster_status
 
+# Every public name of Mooncake's mooncake.store (wheel 0.3.13.post1), plus kvbridge's
+# ErrorCode and mooncake_code. The drop-in's mooncake.store exports exactly these.
 __all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ErrorCode", "mooncake_code",
            "ReplicaStatus", "ReplicaDescriptor", "MemoryDescriptor", "DiskDescriptor",
-           "Descriptor", "MooncakeHostMemAllocator"]
+           "Descriptor", "MooncakeHostMemAllocator", "BufferHandle",
+           *_mooncake_names.__all__, *"""UNDEFINED INITIALIZED COMPLETE REMOVED PENDING
+           PROCESSING FAILED SUCCESS REPLICA_COPY REPLICA_MOVE UNKNOWN KVCACHE TENSOR WEIGHT
+           SAMPLE ACTIVATION GRADIENT OPTIMIZER_STATE METADATA GENERAL""".split()]
 
 _log = logging.getLogger("kvbridge.compat.mooncake")
 
@@ -128,6 +143,17 @@ class ReplicaStatus(enum.IntEnum):
         return f"ReplicaStatus.{self.name}"
 
 
+# Module-level enum values, as Mooncake's module has them (where two enums share a name,
+# TaskStatus's wins there too: FAILED and PROCESSING).
+UNDEFINED, INITIALIZED, COMPLETE, REMOVED = (ReplicaStatus.UNDEFINED, ReplicaStatus.INITIALIZED,
+                                             ReplicaStatus.COMPLETE, ReplicaStatus.REMOVED)
+PENDING, PROCESSING, FAILED, SUCCESS = (TaskStatus.PENDING, TaskStatus.PROCESSING,
+                                        TaskStatus.FAILED, TaskStatus.SUCCESS)
+REPLICA_COPY, REPLICA_MOVE = TaskType.REPLICA_COPY, TaskType.REPLICA_MOVE
+(UNKNOWN, KVCACHE, TENSOR, WEIGHT, SAMPLE, ACTIVATION, GRADIENT, OPTIMIZER_STATE, METADATA,
+ GENERAL) = tuple(ObjectDataType)
+
+
 class Descriptor:
     """Where a memory replica lies. Mooncake gives the holder's virtual address and its transfer
     endpoint; kvbridge gives the replica's offset in the holding node's pool segment and that
@@ -192,35 +218,121 @@ class ReplicaDescriptor:
 
 
 class ReplicateConfig:
-    """Mooncake's put options. kvbridge honours ``replica_num`` (replicas on distinct nodes);
-    the other fields are kept so that code setting them runs, and are ignored."""
+    """Mooncake's put options, with Mooncake's fields, defaults and checks (a value of the
+    wrong type, or an int outside 0..2**64-1, raises TypeError as pybind11 does). kvbridge
+    honours ``replica_num`` (replicas on distinct nodes); the other fields are kept so that code
+    setting them runs, and are ignored. Unlike Mooncake's, the constructor also takes the
+    fields as keywords: ``ReplicateConfig(replica_num=2)``."""
 
-    __slots__ = ("replica_num", "with_soft_pin", "with_hard_pin", "soft_pin_action",
-                 "soft_pin_ttl_ms", "preferred_segment", "preferred_segments",
-                 "preferred_nof_segments", "prefer_alloc_in_same_node", "nof_replica_num",
-                 "dfs_replica_num", "group_ids", "data_type")
+    __slots__ = ("replica_num", "nof_replica_num", "dfs_replica_num", "soft_pin_action",
+                 "soft_pin_ttl_ms", "with_hard_pin", "preferred_segment", "preferred_segments",
+                 "preferred_nof_segments", "prefer_alloc_in_same_node", "group_ids", "data_type")
 
-    def __init__(self, replica_num: int = 1, **fields: Any):
-        self.replica_num = replica_num
-        self.with_soft_pin = False
-        self.with_hard_pin = False
-        self.soft_pin_action = None
-        self.soft_pin_ttl_ms = 0
-        self.preferred_segment = ""
-        self.preferred_segments: list = []
-        self.preferred_nof_segments: list = []
-        self.prefer_alloc_in_same_node = False
+    def __init__(self, **fields: Any):
+        self.replica_num = 1
         self.nof_replica_num = 0
         self.dfs_replica_num = 0
-        self.group_ids: list = []
-        self.data_type = None
+        self.soft_pin_action = SoftPinAction.PRESERVE
+        self.soft_pin_ttl_ms = None  # None: the master's default TTL
+        self.with_hard_pin = False
+        self.preferred_segment = ""
+        self.preferred_segments = []
+        self.preferred_nof_segments = []
+        self.prefer_alloc_in_same_node = False
+        self.group_ids = None
+        self.data_type = ObjectDataType.UNKNOWN
         for name, value in fields.items():
             if name not in self.__slots__:
                 raise TypeError(f"ReplicateConfig: unknown field {name!r}")
             setattr(self, name, value)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        check = _CONFIG_FIELDS.get(name)
+        if check is None:
+            raise AttributeError(f"'ReplicateConfig' object has no attribute {name!r}")
+        object.__setattr__(self, name, check(name, value))
+
+    def __str__(self) -> str:
+        def names(v: list) -> str:
+            return "[" + ", ".join(v) + "]"
+
+        parts = [f"replica_num: {self.replica_num}", f"nof_replica_num: {self.nof_replica_num}",
+                 f"dfs_replica_num: {self.dfs_replica_num}",
+                 f"soft_pin_action: {self.soft_pin_action.name}",
+                 "soft_pin_ttl_ms: " + ("default" if self.soft_pin_ttl_ms is None
+                                        else str(self.soft_pin_ttl_ms)),
+                 f"with_hard_pin: {int(self.with_hard_pin)}",
+                 f"preferred_segments: {names(self.preferred_segments)}"]
+        if self.preferred_segment:
+            parts.append(f"preferred_segment (deprecated): {self.preferred_segment}")
+        parts += [f"preferred_nof_segments: {names(self.preferred_nof_segments)}",
+                  f"prefer_alloc_in_same_node: {int(self.prefer_alloc_in_same_node)}",
+                  f"data_type: {self.data_type.name}"]
+        if self.group_ids is not None:
+            parts.append(f"group_ids: {names(self.group_ids)}")
+        return "ReplicateConfig: { " + ", ".join(parts) + " }"
+
     def __repr__(self) -> str:
         return f"ReplicateConfig(replica_num={self.replica_num})"
+
+
+def _field_error(name: str, expected: str, value: Any) -> TypeError:
+    return TypeError(f"ReplicateConfig.{name}: expected {expected}, got {value!r}")
+
+
+def _uint64(name: str, value: Any) -> int:
+    # pybind11 takes an int (or a bool, or anything with __index__), never a float or a str.
+    if isinstance(value, (float, str, bytes)) or not hasattr(value, "__index__"):
+        raise _field_error(name, "an int", value)
+    n = operator.index(value)
+    if not 0 <= n < 1 << 64:
+        raise _field_error(name, "an int in 0..2**64-1", value)
+    return n
+
+
+def _optional_uint64(name: str, value: Any) -> Optional[int]:
+    return None if value is None else _uint64(name, value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    # pybind11's bool: None and numbers convert, anything else is refused.
+    if value is None or isinstance(value, (bool, int, float)):
+        return bool(value)
+    raise _field_error(name, "a bool", value)
+
+
+def _str(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _field_error(name, "a str", value)
+    return value
+
+
+def _str_list(name: str, value: Any) -> list:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or \
+            not all(isinstance(v, str) for v in value):
+        raise _field_error(name, "a list of str", value)
+    return list(value)
+
+
+def _optional_str_list(name: str, value: Any) -> Optional[list]:
+    return None if value is None else _str_list(name, value)
+
+
+def _member_of(enum_cls: type) -> Any:
+    def check(name: str, value: Any) -> Any:
+        if not isinstance(value, enum_cls):
+            raise _field_error(name, f"a {enum_cls.__name__}", value)
+        return value
+    return check
+
+
+_CONFIG_FIELDS = {
+    "replica_num": _uint64, "nof_replica_num": _uint64, "dfs_replica_num": _uint64,
+    "soft_pin_action": _member_of(SoftPinAction), "soft_pin_ttl_ms": _optional_uint64,
+    "with_hard_pin": _bool, "preferred_segment": _str, "preferred_segments": _str_list,
+    "preferred_nof_segments": _str_list, "prefer_alloc_in_same_node": _bool,
+    "group_ids": _optional_str_list, "data_type": _member_of(ObjectDataType),
+}
 
 
 def _replica_num(config: Any) -> int:
@@ -310,6 +422,7 @@ class _Session:
         self.node = node
         self.client = client
         self._client_options = client_options
+        self.node_id = client_options["node_id"]  # the node's and the main client's
         # enable_client_http_server: where every client of the session is served (one
         # endpoint, their sums); "" when off.
         self.metrics_listen = metrics_listen
@@ -406,6 +519,9 @@ class MooncakeDistributedStore:
                 return 0
         try:
             session = _start(config)
+        except _InvalidSize as e:
+            _log.error("setup failed: %s", e)
+            return int(ErrorCode.INVALID_PARAMS)  # as Mooncake answers a size it cannot read
         except (KvbError, ValueError, OSError) as e:
             _log.error("setup failed: %s", e)
             return -1
@@ -733,6 +849,109 @@ class MooncakeDistributedStore:
             return _code_of(e, master_call=True)
         return max(before - after, 0)
 
+    def batch_replica_clear(self, keys: list, segment_name: str = "") -> list:
+        """Drops the keys' replicas, all of them (``segment_name=""``) or those on one segment
+        (``get_hostname()`` of the store holding it): the keys cleared. kvbridge's master keeps
+        or drops an object's replicas as a whole, so with a segment a key is cleared only when
+        every replica of it lies there (the object goes, as in Mooncake when its last replica
+        does); a key with replicas elsewhere too is left alone (logged) and not listed. Mooncake
+        skips keys under a read lease; kvbridge clears at once, as its ``remove`` does."""
+        _check_keys(keys)
+        if not isinstance(segment_name, str):
+            raise TypeError(f"segment_name: expected str, got {type(segment_name).__name__}")
+        s = self._session
+        if s is None or not keys:
+            return []
+        keys = list(keys)
+        if segment_name:
+            try:
+                found = s.client.batch_replicas(keys)
+            except KvbError as e:
+                _log.warning("batch_replica_clear: %s", e)
+                return []
+            whole, mixed = [], []
+            for k, res in zip(keys, found):
+                held = {str(r.node_id) for r in res.replicas} if res.ok else set()
+                if held == {segment_name}:
+                    whole.append(k)
+                elif segment_name in held:
+                    mixed.append(k)
+            if mixed:
+                _log.warning("batch_replica_clear: %d key(s) also have replicas off %s and "
+                             "are left alone (kvbridge drops an object's replicas only as a "
+                             "whole), e.g. %r", len(mixed), segment_name, mixed[0])
+            keys = whole
+        codes = self.batch_remove(keys) if keys else []
+        return [k for k, code in zip(keys, codes) if code == 0]
+
+    def get_hostname(self) -> str:
+        """The name of this store's segment: what ``transport_endpoint`` says for a replica
+        held here (``get_replica_desc``). kvbridge's is the node id, not Mooncake's
+        ``host:port``; "" before setup and after close."""
+        s = self._session
+        return s.node_id if s is not None else ""
+
+    # -- reads into Python buffers and byte ranges ----------------------------------------
+    def get_buffer(self, key: str) -> Optional["BufferHandle"]:
+        """The object's bytes in a BufferHandle; None when it cannot be read."""
+        _check_key(key)
+        data = self.get(key)
+        return BufferHandle(data) if data else None
+
+    def batch_get_buffer(self, keys: list) -> list:
+        """A BufferHandle per key, None for a key that cannot be read."""
+        _check_keys(keys)
+        return [BufferHandle(v) if v else None for v in self.get_batch(list(keys))]
+
+    def get_into_ranges(self, buffer_ptrs: list, all_keys: list, all_dst_offsets: list,
+                        all_src_offsets: list, all_sizes: list) -> list:
+        """Copies byte ranges of objects into buffers: for buffer ``i``, key ``j`` and range
+        ``k``, ``all_sizes[i][j][k]`` bytes from offset ``all_src_offsets[i][j][k]`` of object
+        ``all_keys[i][j]`` to ``buffer_ptrs[i] + all_dst_offsets[i][j][k]``. The same shape
+        back: bytes copied per range, or an error (INVALID_PARAMS for a range past the object's
+        end or lists of different lengths; the object's error, e.g. OBJECT_NOT_FOUND, for every
+        range of a key that cannot be read). Each object is read once, whole."""
+        _check_ints("buffer_ptrs", buffer_ptrs)
+        for keys in all_keys:
+            _check_keys(keys)
+        for what, nested in (("all_dst_offsets", all_dst_offsets),
+                             ("all_src_offsets", all_src_offsets), ("all_sizes", all_sizes)):
+            for per_buffer in nested:
+                for per_key in per_buffer:
+                    _check_ints(what, per_key)
+        invalid = int(ErrorCode.INVALID_PARAMS)
+        s = self._session
+        n = len(buffer_ptrs)
+        if s is None or any(len(x) != n for x in (all_keys, all_dst_offsets, all_src_offsets,
+                                                    all_sizes)):
+            return [[[invalid]] for _ in range(n)]
+        objects: dict = {}  # key -> bytes, or an error code
+        for keys in all_keys:
+            for k in keys:
+                if k not in objects:
+                    try:
+                        objects[k] = s.client.get(k)
+                    except KvbError as e:
+                        objects[k] = _code_of(e)
+        out = []
+        for ptr, keys, dsts, srcs, sizes in zip(buffer_ptrs, all_keys, all_dst_offsets,
+                                                all_src_offsets, all_sizes):
+            if not len(dsts) == len(srcs) == len(sizes) == len(keys):
+                out.append([[invalid] for _ in keys])
+                continue
+            per_buffer = []
+            for k, key_dsts, key_srcs, key_sizes in zip(keys, dsts, srcs, sizes):
+                data = objects[k]
+                if not len(key_dsts) == len(key_srcs) == len(key_sizes):
+                    per_buffer.append([invalid] * len(key_dsts))
+                elif isinstance(data, int):
+                    per_buffer.append([data] * len(key_dsts))
+                else:
+                    per_buffer.append([_copy_range(data, ptr, d, o, m)
+                                       for d, o, m in zip(key_dsts, key_srcs, key_sizes)])
+            out.append(per_buffer)
+        return out
+
     # -- internals -------------------------------------------------------------------------
     def _sizes(self, s: _Session, keys: list) -> list:
         try:
@@ -948,6 +1167,42 @@ def _flag(value: Any) -> bool:
     return bool(value)
 
 
+class _InvalidSize(ValueError):
+    pass
+
+
+# A size as Mooncake's setup reads it from a dict: a number (C's strtod: decimal, a fraction,
+# an exponent or hex), optional blanks, an optional unit of powers of 1024 (k, kb, m, mb, g, gb,
+# t, tb, b), any case, blanks around; the bytes are the whole part. "16MB", "16 MB", "1gb",
+# "1.5GB" and "0x1000" are sizes; "16MiB", "-1MB" and "1_000" are not.
+_SIZE = re.compile(r"\s*(\+?(?:0x(?:[0-9a-f]+\.?[0-9a-f]*|\.[0-9a-f]+)(?:p[+-]?\d+)?"
+                   r"|(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?))\s*(kb|mb|gb|tb|k|m|g|t|b)?\s*",
+                   re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "g": 1 << 30, "gb": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
+
+
+def _size(config: dict, key: str) -> int:
+    """config[key] as bytes: an int, a float (its whole part) or a size string (_SIZE)."""
+    value = config[key]
+    if isinstance(value, bool):
+        raise _InvalidSize(f"{key} {value!r}: expected a size")
+    if isinstance(value, (int, float)):
+        number, unit = float(value) if isinstance(value, float) else value, ""
+    elif isinstance(value, str) and (m := _SIZE.fullmatch(value)):
+        text, unit = m.group(1).lstrip("+"), (m.group(2) or "").lower()
+        number = float.fromhex(text) if text.lower().startswith("0x") else float(text)
+    else:
+        raise _InvalidSize(f"{key} {value!r}: expected a size such as 16777216, \"16MB\" or "
+                           "\"1 gb\"")
+    if isinstance(number, float) and not math.isfinite(number):
+        raise _InvalidSize(f"{key} {value!r}: expected a size")
+    size = int(number * _UNITS[unit]) if isinstance(number, float) else number * _UNITS[unit]
+    if size < 0:
+        raise _InvalidSize(f"{key} {value!r}: must be >= 0")
+    return size
+
+
 def _start(config: dict) -> _Session:
     """Starts the Node (when global_segment_size > 0) and the StoreClient; ValueError or a
     KvbError says why not."""
@@ -955,8 +1210,8 @@ def _start(config: dict) -> _Session:
     if unknown:
         _log.warning("setup: ignoring unknown keys %s", ", ".join(sorted(unknown)))
     c = dict(_DEFAULTS, **{k: v for k, v in config.items() if v is not None})
-    segment_bytes = int(c["global_segment_size"])
-    staging_bytes = int(c["local_buffer_size"])
+    segment_bytes = _size(c, "global_segment_size")
+    staging_bytes = _size(c, "local_buffer_size")
     if segment_bytes < 0 or staging_bytes < 0:
         raise ValueError("global_segment_size and local_buffer_size must be >= 0")
     master = str(c["master_server_addr"]).strip()
@@ -1052,6 +1307,35 @@ def _get_copy(client: StoreClient, key: Any, ranges: list) -> int:
         ctypes.memmove(p, base + at, take)
         at += take
     return len(data)
+
+
+def _copy_range(data: bytes, ptr: int, dst: int, src: int, size: int) -> int:
+    """One range of get_into_ranges: bytes copied, or INVALID_PARAMS."""
+    if ptr <= 0 or dst < 0 or src < 0 or size < 0 or src + size > len(data):
+        return int(ErrorCode.INVALID_PARAMS)
+    if size:
+        base = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+        ctypes.memmove(ptr + dst, base + src, size)
+    return size
+
+
+class BufferHandle(bytearray):
+    """An object's bytes as ``get_buffer``/``batch_get_buffer`` return them: Mooncake's
+    ``ptr()`` and ``size()``, and the buffer protocol (``memoryview(handle)``). Here it is a
+    bytearray that cannot be resized, so the bytes stay at ``ptr()`` while the handle lives."""
+
+    def __init__(self, data: Any = b"") -> None:
+        super().__init__(data)
+        # An export of the bytearray's memory: while it lives, the bytearray cannot be
+        # resized, so the address below stays valid.
+        self._pin = (ctypes.c_char * len(self)).from_buffer(self) if len(self) else None
+        self._address = ctypes.addressof(self._pin) if self._pin is not None else 0
+
+    def ptr(self) -> int:
+        return self._address
+
+    def size(self) -> int:
+        return len(self)
 
 
 class MooncakeHostMemAllocator:

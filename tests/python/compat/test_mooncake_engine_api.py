@@ -122,6 +122,47 @@ def test_batch_sync_and_async(pair):
     assert status == 1
 
 
+def _opcodes(impl: str):
+    module = importlib.import_module(
+        "mooncake.engine" if impl == "mooncake" else "kvbridge.compat.mooncake")
+    return module.TransferOpcode.Read, module.TransferOpcode.Write
+
+
+def test_the_other_calls_of_the_engine(pair):
+    """The calls the other tests leave out, as Mooncake's callers make them: initialize_ext,
+    registration in batches with a location, transfer_sync / batch_transfer_sync /
+    batch_transfer_async with an opcode, send_probe, get_local_topology, get_notifies."""
+    impl, server, session, sbuf, client, cbuf = pair
+    read_op, write_op = _opcodes(impl)
+    ext = _engine_class(impl)()
+    assert ext.initialize_ext("127.0.0.1", "P2PHANDSHAKE", "tcp", "", "p2p") == 0
+    a, b = Buf(65536, 7), Buf(65536, 9)
+    assert ext.batch_register_memory([a.addr, b.addr], [a.n, b.n], "cpu:0") == 0
+    assert ext.send_probe(session) == 0
+    assert client.send_probe(f"127.0.0.1:{ext.get_rpc_port()}") == 0
+    assert client.send_probe(f"127.0.0.1:{_free_port()}") != 0  # nobody there
+    assert ext.transfer_sync(session, a.addr, sbuf.addr + 4096, 4096, write_op) == 0
+    assert sbuf.bytes(4096, 4096) == bytes([7]) * 4096
+    assert ext.transfer_sync(session, b.addr, sbuf.addr + 4096, 4096, read_op) == 0
+    assert b.bytes(0, 4096) == bytes([7]) * 4096
+    assert ext.batch_transfer_sync(session, [a.addr, a.addr + 8192], [sbuf.addr + 16384,
+                                   sbuf.addr + 24576], [8192, 8192], write_op) == 0
+    assert sbuf.bytes(16384, 16384) == bytes([7]) * 16384
+    sbuf.fill(40960, b"async!" * 100)
+    bid = ext.batch_transfer_async(session, [b.addr + 8192], [sbuf.addr + 40960], [600],
+                                   read_op)
+    rid = ext.batch_transfer_async_read(session, [b.addr + 16384], [sbuf.addr + 40960], [600])
+    assert bid != 0 and rid != 0
+    assert ext.get_batch_transfer_status([bid, rid]) == 0
+    assert b.bytes(8192, 600) == b.bytes(16384, 600) == b"async!" * 100
+    assert isinstance(ext.get_local_topology(), str)  # kvbridge: "{}" (no NICs to list)
+    assert ext.get_notifies() == []
+    assert ext.batch_unregister_memory([a.addr, b.addr]) == 0
+    assert ext.unregister_memory(a.addr) != 0  # gone
+    if hasattr(ext, "close"):
+        ext.close()
+
+
 def test_batch_arguments_as_lists_or_tuples_and_memory_registered_later(pair):
     # kvbridge reads lists of plain ints natively and everything else through its general
     # path: both must move the same bytes and fail the same inputs.
@@ -163,6 +204,21 @@ def test_failures_return_negative_codes_quickly(pair):
     assert time.monotonic() - t < 10
     # Unregistering what was never registered.
     assert client.unregister_memory(cbuf.addr + 4096) != 0
+
+
+def test_a_failed_submit_returns_the_zero_sentinel(pair):
+    # Mooncake's callers check `batch_id != 0` before transfer_check_status; a negative code
+    # would pass that check and be polled as if it were a batch.
+    impl, server, session, sbuf, client, cbuf = pair
+    dead = f"127.0.0.1:{_free_port()}"
+    assert client.transfer_submit_write(dead, cbuf.addr, sbuf.addr, 4096) == 0
+    assert client.batch_transfer_async_write(dead, [cbuf.addr], [sbuf.addr], [4096]) == 0
+    tid = client.transfer_submit_write(session, cbuf.addr, sbuf.addr, 4096)  # still works
+    assert tid != 0
+    deadline = time.monotonic() + 10
+    while (status := client.transfer_check_status(tid)) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert status == 1
 
 
 def test_managed_buffers_and_raw_bytes(pair):
@@ -296,3 +352,105 @@ def test_frozen_peer_fails_the_batch_in_seconds_and_is_reached_again(impl):
         peer.wait()
         if hasattr(client, "close"):
             client.close()
+
+
+# Every public method of the wheel's TransferEngine (0.3.13.post1, the non-CUDA build); in
+# .venv-mooncake the test checks this list against the wheel itself.
+MOONCAKE_ENGINE_METHODS = sorted("""
+allocate_managed_buffer batch_register_memory batch_transfer_async batch_transfer_async_read
+batch_transfer_async_write batch_transfer_sync batch_transfer_sync_read
+batch_transfer_sync_write batch_unregister_memory free_managed_buffer
+get_batch_transfer_status get_engine get_engine_ptr get_first_buffer_address
+get_local_topology get_notifies get_rpc_port initialize initialize_ext read_bytes_from_buffer
+register_memory send_probe transfer_check_status transfer_submit_write transfer_sync
+transfer_sync_read transfer_sync_write unregister_memory warmup_efa_segment
+write_bytes_to_buffer""".split())
+
+
+def test_every_engine_method_is_in_the_docs_table():
+    import re
+    from pathlib import Path
+
+    from kvbridge.compat.mooncake import TransferEngine
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "mooncake.md").read_text()
+    body = text[text.index("## TransferEngine"):text.index("**Return codes**")]
+    table = {}
+    for line in body.splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) >= 4 and cells[1].startswith("`"):
+            for name in re.findall(r"`([a-z_][a-z0-9_]*)[`(]", cells[1]):
+                table[name] = cells[2]
+    missing = [m for m in MOONCAKE_ENGINE_METHODS if m not in table]
+    assert not missing, f"docs/mooncake.md's TransferEngine table lacks {missing}"
+    for method in MOONCAKE_ENGINE_METHODS:
+        # yes and stubs answer; no and not yet are absent (AttributeError).
+        assert hasattr(TransferEngine, method) == (table[method] in ("yes", "stubs")), method
+    try:
+        real = importlib.import_module("mooncake.engine").TransferEngine
+    except ImportError:
+        return
+    public = sorted(m for m in dir(real) if not m.startswith("_") and m != "TransferOpcode")
+    assert public == MOONCAKE_ENGINE_METHODS, "the wheel's methods changed: update the list"
+
+
+# Every public name of mooncake.engine in the wheel (0.3.13.post1, non-CUDA); in
+# .venv-mooncake the test checks this list against the wheel itself.
+MOONCAKE_ENGINE_NAMES = sorted("""
+CoroRPCInterface InnerTransferEngine Read ReceivedData ReceivedTensor RpcInterface SUPPORT_CUDA
+SUPPORT_EFA SUPPORT_HIP SUPPORT_INTRA_NVLINK SUPPORT_MNNVL SUPPORT_MUSA SharedSegment
+TransferEngine TransferNotify TransferOpcode Write create_rpc_client create_rpc_server""".split())
+
+
+def _dropin_engine_module():
+    """dropin/mooncake/mooncake/engine.py under another name (it imports only kvbridge)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "kvbridge_dropin_mooncake_engine",
+        Path(__file__).resolve().parents[3] / "dropin" / "mooncake" / "mooncake" / "engine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_public_name_of_mooncake_engine_is_exported():
+    import kvbridge.compat.mooncake as compat
+
+    for module in (compat, _dropin_engine_module()):
+        missing = [n for n in MOONCAKE_ENGINE_NAMES if not hasattr(module, n)]
+        assert not missing, f"{module.__name__} lacks {missing}"
+        assert set(MOONCAKE_ENGINE_NAMES) <= set(module.__all__)
+    opcode = compat.TransferOpcode
+    assert (compat.Read, compat.Write) == (opcode.Read, opcode.Write) == (0, 1)
+    assert compat.TransferEngine.TransferOpcode is opcode
+    assert opcode.READ is opcode.Read and opcode.WRITE is opcode.Write  # kvbridge's spellings
+    assert compat.SharedSegment.supported() is False
+    for call in (compat.RpcInterface, compat.CoroRPCInterface, compat.create_rpc_client,
+                 compat.create_rpc_server, compat.ReceivedData, compat.ReceivedTensor,
+                 compat.InnerTransferEngine, lambda: compat.SharedSegment.create("s", 1, 1, 0)):
+        with pytest.raises(compat.MooncakeNotSupportedError, match="docs/mooncake.md"):
+            call()
+    try:
+        real = importlib.import_module("mooncake.engine")
+    except ImportError:
+        return
+    assert sorted(n for n in dir(real) if not n.startswith("_")) == MOONCAKE_ENGINE_NAMES
+    assert {n: int(m) for n, m in real.TransferOpcode.__members__.items()} == \
+        {"Read": 0, "Write": 1}
+    for flag in (n for n in MOONCAKE_ENGINE_NAMES if n.startswith("SUPPORT_")):
+        assert getattr(real, flag) is False and getattr(compat, flag) is False, flag
+
+
+def test_every_engine_method_that_answers_is_called_in_this_suite():
+    """The suite runs against both implementations, so a call made here is compared."""
+    import re
+    from pathlib import Path
+
+    from kvbridge.compat.mooncake import TransferEngine
+
+    source = Path(__file__).read_text()
+    answered = [m for m in MOONCAKE_ENGINE_METHODS if hasattr(TransferEngine, m)]
+    uncalled = [m for m in answered if not re.search(rf"\.{m}\(", source)]
+    assert not uncalled, f"no test calls {uncalled}"
