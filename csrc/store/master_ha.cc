@@ -7,6 +7,8 @@
 #include <thread>
 #include <utility>
 
+#include "obs/http_server.h"
+#include "obs/metrics.h"
 #include "util/logging.h"
 
 namespace kvbridge::store {
@@ -370,13 +372,56 @@ struct HaMaster::Impl {
   mutable std::mutex mu;
   std::unique_ptr<MasterServer> server;  // while leading
   std::shared_ptr<store::LeaderGate> gate;
+  // While not leading, the HTTP endpoint (options.metrics_listen) says so: /health 503 naming
+  // the leader, /metrics kvbridge_master_is_leader 0. The leader's MasterServer serves the
+  // same address while it leads.
+  std::unique_ptr<obs::HttpServer> standby_http;
   std::thread thread;
+
+  std::map<std::string, obs::HttpRoute> StandbyRoutes() {
+    std::map<std::string, obs::HttpRoute> r;
+    r["/health"] = {[this] {
+                      const std::string leader = election->leader();
+                      return obs::HttpResponse{
+                          503, "text/plain; charset=utf-8",
+                          "not serving: this master is a standby; the leader is " +
+                              (leader.empty() ? std::string("not known yet") : leader) + "\n"};
+                    },
+                    /*is_public=*/true};
+    r["/metrics"] = {[] {
+      return obs::HttpResponse{
+          200, obs::kExpositionContentType,
+          "# HELP kvbridge_master_is_leader 1 when this master leads the cluster, else 0.\n"
+          "# TYPE kvbridge_master_is_leader gauge\nkvbridge_master_is_leader 0\n"};
+    }};
+    r["/status.json"] = {[this] {
+      return obs::HttpResponse{
+          200, "application/json",
+          "{\"is_leader\": false, \"leader\": " + obs::JsonString(election->leader()) + "}\n"};
+    }};
+    return r;
+  }
+
+  void ServeStandby() {
+    if (options.metrics_listen.empty() || standby_http) return;
+    auto http = obs::StartEndpoint(
+        options.metrics_listen, options.metrics_listen_best_effort, StandbyRoutes(),
+        options.metrics_token.empty() ? options.cluster_token : options.metrics_token,
+        "standby master");
+    if (http.ok()) {
+      standby_http = std::move(http).value();
+    } else {
+      KVB_LOG(WARN) << "standby master: " << http.status().ToString();
+    }
+  }
 
   void Run() {
     const auto stop = [this] { return stopping.load(); };
     while (!stopping.load()) {
+      ServeStandby();
       std::shared_ptr<store::LeaderGate> g = election->Campaign(stop);
       if (!g) break;
+      standby_http.reset();  // the leader's server takes the address over
       auto started = store::LaunchLeader(options, g, election->first_version());
       if (!started.ok()) {
         KVB_LOG(ERROR) << "elected, but the master cannot start: " << started.status().ToString()

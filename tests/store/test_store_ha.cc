@@ -25,6 +25,7 @@
 #include "store/master_client.h"
 #include "store/master_ha.h"
 #include "store/rpc_util.h"
+#include "tests/common/http_get.h"
 #include "tests/common/test_util.h"
 #include "tests/store/store_procs.h"
 
@@ -153,6 +154,7 @@ class StoreHa : public ::testing::Test {
     etcd_address_ = "etcd://" + etcd_.Joined() + "/" + prefix_;
     for (int i = 0; i < 3; ++i) {
       master_ports_.push_back(testing::FreePort());
+      http_ports_.push_back(testing::FreePort());
       masters_.push_back(nullptr);
       StartMaster(i);
     }
@@ -184,10 +186,11 @@ class StoreHa : public ::testing::Test {
 
   void StartMaster(int i) {
     const std::string listen = "127.0.0.1:" + std::to_string(master_ports_[i]);
-    masters_[i] = ChildProcess::Start({testing::KvbridgeBin(), "master", "--listen", listen,
-                                       "--etcd", etcd_.Joined() + "/" + prefix_, "--ha-lease-ms",
-                                       std::to_string(kHaLeaseMs), "--ha-takeover-wait-ms", "5000",
-                                       "--node-ttl-ms", "1000", "--lease-ms", "200"});
+    masters_[i] = ChildProcess::Start(
+        {testing::KvbridgeBin(), "master", "--listen", listen, "--etcd",
+         etcd_.Joined() + "/" + prefix_, "--ha-lease-ms", std::to_string(kHaLeaseMs),
+         "--ha-takeover-wait-ms", "5000", "--node-ttl-ms", "1000", "--lease-ms", "200",
+         "--metrics-listen", "127.0.0.1:" + std::to_string(http_ports_[i])});
     const std::string line = masters_[i]->ReadLine(10000);
     ASSERT_NE(line.find("campaigning"), std::string::npos) << "master said: " << line;
   }
@@ -350,7 +353,7 @@ class StoreHa : public ::testing::Test {
   const std::string prefix_ = "kvbha";
   EtcdCluster etcd_{3};
   std::string etcd_address_;
-  std::vector<uint16_t> master_ports_;
+  std::vector<uint16_t> master_ports_, http_ports_;
   std::vector<std::unique_ptr<ChildProcess>> masters_;
   std::vector<std::unique_ptr<ChildProcess>> nodes_;
   std::unique_ptr<StoreClient> client_;
@@ -471,6 +474,38 @@ TEST_F(StoreHa, NodesRefuseCommitsOfAReplacedLeader) {
   EXPECT_EQ(reply.code(), KVB_ERR_STALE_PEER) << reply.message();
   EXPECT_NE(reply.message().find("replaced master"), std::string::npos) << reply.message();
   EXPECT_EQ(describe(), before) << "the stale commit reached the inventory";
+}
+
+// Every master's /health says what it is: the leader 200, each standby 503 naming the leader;
+// after the leader dies, the new one says 200 and its metrics say it leads.
+TEST_F(StoreHa, HealthSaysWhoLeads) {
+  const std::string leader = WaitForLeader("", 1000);
+  const int li = MasterIndex(leader);
+  ASSERT_GE(li, 0);
+  for (int i = 0; i < 3; ++i) {
+    testing::HttpReply h = testing::HttpGet(http_ports_[i], "/health");
+    if (i == li) {
+      EXPECT_EQ(h.status, 200) << h.body;
+    } else {
+      EXPECT_EQ(h.status, 503) << h.body;
+      EXPECT_NE(h.body.find("standby; the leader is " + leader), std::string::npos) << h.body;
+      auto m = testing::ParseSamples(testing::HttpGet(http_ports_[i], "/metrics").body);
+      EXPECT_EQ(m["kvbridge_master_is_leader"], 0);
+    }
+  }
+  masters_[li]->Kill();
+  const std::string next = WaitForLeader(leader, 15000);
+  const int ni = MasterIndex(next);
+  ASSERT_GE(ni, 0);
+  // The new leader's server takes its endpoint over from its standby one.
+  int status = 0;
+  for (int t = 0; t < 50 && status != 200; ++t) {
+    status = testing::HttpGet(http_ports_[ni], "/health").status;
+    if (status != 200) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(status, 200);
+  auto m = testing::ParseSamples(testing::HttpGet(http_ports_[ni], "/metrics").body);
+  EXPECT_EQ(m["kvbridge_master_is_leader"], 1);
 }
 
 // One etcd member killed (the first one, which every client asks first): the leader keeps its
