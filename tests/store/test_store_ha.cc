@@ -476,6 +476,39 @@ TEST_F(StoreHa, NodesRefuseCommitsOfAReplacedLeader) {
   EXPECT_EQ(describe(), before) << "the stale commit reached the inventory";
 }
 
+// SIGTERM of the leader (an upgrade): it steps down at once, a standby takes over well within
+// the lease a dead leader would cost, and puts go on.
+TEST_F(StoreHa, SigtermedLeaderHandsOverAtOnce) {
+  const std::string old_leader = WaitForLeader("", 1000);
+  const int old = MasterIndex(old_leader);
+  ASSERT_GE(old, 0);
+  Load load;
+  std::thread driver([&] { RunLoad(&load); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const double stopped_at = SecondsSince(load.start);
+  const auto t0 = Clock::now();
+  masters_[old]->Signal(SIGTERM);
+  const std::string next = WaitForLeader(old_leader, 10000);
+  const double handover_s = SecondsSince(t0);
+  ASSERT_FALSE(next.empty());
+  EXPECT_EQ(masters_[old]->Wait(5000), 0) << "the old leader did not exit cleanly";
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  while (Clock::now() < until && PutsResumeAfter(load, stopped_at) < 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  load.stop = true;
+  driver.join();
+  std::printf(
+      "leader SIGTERMed: %s took over after %.2f s, puts resumed after %.2f s; puts %d ok "
+      "/ %d failed, gets %d ok / %d failed\n",
+      next.c_str(), handover_s, PutsResumeAfter(load, stopped_at), load.puts_ok.load(),
+      load.puts_failed.load(), load.gets_ok.load(), load.gets_failed.load());
+  EXPECT_LT(handover_s, 1.5) << "the leader did not step down: a standby waited for its lease";
+  EXPECT_EQ(load.gets_failed.load(), 0) << load.first_get_error;
+  std::string why;
+  EXPECT_EQ(VerifyAll(load.acked, &why), 0) << why;
+}
+
 // Every master's /health says what it is: the leader 200, each standby 503 naming the leader;
 // after the leader dies, the new one says 200 and its metrics say it leads.
 TEST_F(StoreHa, HealthSaysWhoLeads) {
