@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -104,8 +105,9 @@ SCENARIOS: dict[str, tuple[str, Callable]] = {
     "drain-holder": ("graceful removal of a storage process: SIGTERM (kvbridge: the node drains "
                      "its objects to the others and leaves; Mooncake: the process closes its "
                      "store, which unmounts its segment, and exits)", inject_drain),
-    "kill-master": ("kill -9 of the master, restarted on the same port after the down time",
-                    inject_master),
+    "kill-master": ("kill -9 of the master, restarted on the same port after the down time "
+                    "(kvbridge: the leader of two masters electing one in etcd, when etcd is "
+                    "installed; the restarted one comes back as a standby)", inject_master),
 }
 
 # What a reader needs to read a scenario's figures right.
@@ -114,11 +116,13 @@ NOTES = {
                       "incarnation. Mooncake: the storage process comes back under the same "
                       "segment name (its store client port) with its transfer engine's "
                       "listeners in the same pinned four-port range.",
-    "kill-master": "No master replication on either side: kvbridge's restarted master rebuilds "
-                   "its object table from the nodes' inventories and keeps re-registered nodes "
-                   "from taking new data for the late-write hold (docs/store.md); Mooncake's "
-                   "master keeps object metadata in memory only (no HA or OpLog configured), so "
-                   "keys stored before the restart are gone: its 'lost' count is that.",
+    "kill-master": "kvbridge runs two masters electing a leader in etcd (docs/ha.md): the "
+                   "standby takes over after the leader's 2 s lease, rebuilds the object table "
+                   "from the nodes' inventories and holds back only the chunks the old leader "
+                   "published as being written (without etcd: one master restarted in place, "
+                   "which holds every node back for the late-write hold). Mooncake's master "
+                   "keeps object metadata in memory only (no HA or OpLog configured), so keys "
+                   "stored before the restart are gone: its 'lost' count is that.",
 }
 
 
@@ -206,8 +210,15 @@ class Cluster:
                 g.kill()
 
 
+ETCD = shutil.which("etcd") or ""
+HA_MASTERS = 2
+
+
 class KvbridgeCluster(Cluster):
-    """`kvbridge master` and `kvbridge node` daemons from the build tree."""
+    """`kvbridge master` and `kvbridge node` daemons from the build tree. With etcd installed
+    (Debian etcd-server) the masters are HA_MASTERS of them electing a leader in a one-member
+    etcd (docs/ha.md), and clients and nodes are given "etcd://...": fail_master kills the
+    leader. Without etcd, one master, killed and restarted on its port."""
 
     system = "kvbridge"
 
@@ -216,11 +227,32 @@ class KvbridgeCluster(Cluster):
         self.binary = os.path.join(build, "bin", "kvbridge")
         if not os.access(self.binary, os.X_OK):
             raise RuntimeError(f"{self.binary} is not built (make build)")
-        self.master_port = free_port()
+        self.ha = bool(ETCD)
+        self.master_ports = [free_port() for _ in range(HA_MASTERS if self.ha else 1)]
+        self.http_ports = [free_port() for _ in self.master_ports]
+        self.masters: list = [None] * len(self.master_ports)
+        self.master_port = self.master_ports[0]
         self.node_ports = [(free_port(), free_port()) for _ in range(NODES)]
-        self.address = f"127.0.0.1:{self.master_port}"
+        self.etcd: Optional[Group] = None
         try:
-            self.start_master()
+            if self.ha:
+                client, peer = free_port(), free_port()
+                shutil.rmtree(os.path.join(logdir, "etcd-data"), ignore_errors=True)
+                self.etcd = Group([ETCD, "--name", "chaos", "--data-dir",
+                                   os.path.join(logdir, "etcd-data"),
+                                   "--listen-client-urls", f"http://127.0.0.1:{client}",
+                                   "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                                   "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                                   "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                                   "--initial-cluster", f"chaos=http://127.0.0.1:{peer}",
+                                   "--logger=zap", "--log-level=error"],
+                                  os.path.join(logdir, "etcd.log"))
+                wait_port(client, 15, "etcd")
+                self.address = f"etcd://127.0.0.1:{client}/chaos"
+            else:
+                self.address = f"127.0.0.1:{self.master_port}"
+            for m in range(len(self.masters)):
+                self.start_master(m)
             for i in range(NODES):
                 self.start_node(i)
             self.wait_nodes(NODES, 30)
@@ -228,10 +260,48 @@ class KvbridgeCluster(Cluster):
             self.close()
             raise
 
-    def start_master(self) -> None:
-        self.master = Group([self.binary, "master", "--listen", self.address],
-                            os.path.join(self.logdir, "master.log"))
-        wait_port(self.master_port, 15, "kvbridge master")
+    def start_master(self, m: int = 0, wait: bool = True) -> None:
+        listen = f"127.0.0.1:{self.master_ports[m]}"
+        argv = [self.binary, "master", "--listen", listen, "--metrics-listen",
+                f"127.0.0.1:{self.http_ports[m]}"]
+        if self.ha:
+            argv += ["--etcd", self.address[len("etcd://"):], "--ha-lease-ms", "2000"]
+        self.masters[m] = Group(argv, os.path.join(self.logdir, f"master{m}.log"))
+        self.master = self.masters[0]
+        if wait and (not self.ha or m == 0):
+            # An HA master listens once elected: after etcd is ready, which can take seconds.
+            wait_port(self.master_ports[m], 30 if self.ha else 15, "kvbridge master")
+
+    def fail_master(self, down_s: float) -> list:
+        if not self.ha:
+            return super().fail_master(down_s)
+        m = self.leader_index()
+        self.masters[m].kill()
+        time.sleep(down_s)
+        self.start_master(m, wait=False)  # a standby now: it listens only if elected
+        return [(0.0, f"master leader killed (kill -9; {HA_MASTERS} masters, etcd)"),
+                (down_s, "killed master restarted (a standby now)")]
+
+    def leader_index(self) -> int:
+        """The master whose /health says it serves (standbys answer 503)."""
+        import urllib.error
+        import urllib.request
+        for m, port in enumerate(self.http_ports):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return m
+            except (urllib.error.URLError, OSError):
+                continue
+        raise RuntimeError("kvbridge: no master says it leads (see the master logs)")
+
+    def close(self) -> None:
+        for g in self.masters[1:]:
+            if g is not None:
+                g.kill()
+        super().close()
+        if self.etcd is not None:
+            self.etcd.kill()
 
     def start_node(self, i: int) -> None:
         data, rpc = self.node_ports[i]

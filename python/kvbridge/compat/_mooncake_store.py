@@ -1215,10 +1215,14 @@ def _start(config: dict) -> _Session:
     if segment_bytes < 0 or staging_bytes < 0:
         raise ValueError("global_segment_size and local_buffer_size must be >= 0")
     master = str(c["master_server_addr"]).strip()
-    if "://" in master or ";" in master:
+    if master.startswith("etcd://"):
+        # HA masters elected in etcd (docs/ha.md); Mooncake separates etcd endpoints with ';'.
+        master = master.replace(";", ",")
+    elif "://" in master or ";" in master:
         raise ValueError(f"master_server_addr {master!r}: kvbridge takes one master as "
-                         "host:port (no etcd/redis/k8s HA addresses)")
-    if master.rpartition(":")[2].isdigit() is False:
+                         "host:port, or etcd://host:port[,...] for HA masters (no redis/k8s "
+                         "addresses)")
+    elif master.rpartition(":")[2].isdigit() is False:
         raise ValueError(f"master_server_addr {master!r}: expected host:port")
     metrics_listen = ""
     if _flag(c.get("enable_client_http_server", False)):
