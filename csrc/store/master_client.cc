@@ -64,15 +64,6 @@ ReplicaLocation FromProto(const rpc::ReplicaLocation& r) {
           static_cast<Tier>(r.tier())};
 }
 
-void ToProto(const ReplicaLocation& r, rpc::ReplicaLocation* out) {
-  out->mutable_node()->set_node_id(r.node.node_id);
-  out->mutable_node()->set_incarnation(r.node.incarnation);
-  out->set_segment_id(r.segment_id);
-  out->set_offset(r.offset);
-  out->set_length(r.length);
-  out->set_tier(static_cast<uint32_t>(r.tier));
-}
-
 std::vector<InventoryRecord> FromProto(
     const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& records) {
   std::vector<InventoryRecord> out;
