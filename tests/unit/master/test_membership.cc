@@ -3,8 +3,11 @@
 // (test_master_nodes.cc).
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <map>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "store/membership.h"
@@ -169,6 +172,42 @@ TEST(Membership, DrainingAndLeaving) {
   EXPECT_EQ(Kinds(m.TakeEvents()),
             (std::vector<Seen>{{Kind::kDraining, {"a", 1}}, {Kind::kLeft, {"a", 1}}}));
   EXPECT_EQ(m.Directory({}).nodes.size(), 1u);
+}
+
+// Touch takes no lock of the caller's: heartbeat threads record liveness while the caller holds
+// its own lock around Expire throughout, and every record counts.
+TEST(Membership, TouchNeedsNotTheCallersLock) {
+  constexpr int kNodes = 4;
+  Membership m(Ttl(3000));
+  for (int i = 0; i < kNodes; ++i) m.Join(Reg("n" + std::to_string(i)), 0);
+  std::mutex callers_lock;  // what MasterState's `mu` is to it
+  std::atomic<uint64_t> now_ms{0};
+  std::atomic<bool> stop{false};
+  std::vector<std::atomic<uint64_t>> touched_ms(kNodes);
+  std::vector<std::thread> beats;
+  for (int i = 0; i < kNodes; ++i) {
+    beats.emplace_back([&, i] {
+      while (!stop.load()) {
+        const uint64_t t = now_ms.load();
+        m.Touch({"n" + std::to_string(i), 1}, t * kMs);
+        touched_ms[i].store(t);
+      }
+    });
+  }
+  {
+    std::lock_guard<std::mutex> lock(callers_lock);
+    for (uint64_t t = 1000; t <= 20000; t += 1000) {
+      now_ms.store(t);
+      for (int i = 0; i < kNodes; ++i) {
+        while (touched_ms[i].load() < t) std::this_thread::yield();
+      }
+      EXPECT_TRUE(m.Expire((t + 2999) * kMs).expired.empty()) << t;
+    }
+  }
+  stop.store(true);
+  for (auto& b : beats) b.join();
+  EXPECT_EQ(m.members().size(), static_cast<size_t>(kNodes));
+  EXPECT_EQ(m.Expire(23000 * kMs).expired.size(), static_cast<size_t>(kNodes));
 }
 
 // A consumer that applies the events in order always ends with the same members as the
