@@ -1,5 +1,7 @@
 #include "store/master_client.h"
 
+#include <google/protobuf/arena.h>
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -27,6 +29,56 @@ rpc::NodeIdentity ToProto(const PeerId& id) {
 }
 
 PeerId FromProto(const rpc::NodeIdentity& id) { return PeerId{id.node_id(), id.incarnation()}; }
+
+// The retry policy (master_client.h), one row per method of kvbridge.rpc.Master a MasterClient
+// calls: retried are the idempotent reads only. Heartbeat is repeated by its caller, TaskDone
+// and DemoteDone by the node's own queue of unanswered reports.
+struct MethodPolicy {
+  std::string_view method;
+  bool retryable;
+};
+constexpr MethodPolicy kMasterMethods[] = {
+    {method::kPutStart, false},
+    {method::kPutEnd, false},
+    {method::kGetReplicas, true},
+    {method::kExists, true},
+    {method::kRemove, false},
+    {method::kRemoveAll, false},
+    {method::kReportBadReplica, false},
+    {method::kGetNodeDescriptors, true},
+    {method::kStats, true},
+    {method::kRegisterNodeStream, false},
+    {method::kRegisterNode, false},
+    {method::kHeartbeat, false},
+    {method::kTaskDone, false},
+    {method::kDemoteDone, false},
+    {method::kDrain, false},
+    {method::kDeregister, false},
+};
+
+ReplicaLocation FromProto(const rpc::ReplicaLocation& r) {
+  return {{r.node().node_id(), r.node().incarnation()},
+          r.segment_id(),
+          r.offset(),
+          r.length(),
+          static_cast<Tier>(r.tier())};
+}
+
+std::vector<InventoryRecord> FromProto(
+    const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& records) {
+  std::vector<InventoryRecord> out;
+  out.reserve(records.size());
+  for (const rpc::InventoryRecord& r : records) out.push_back(RecordFromProto(r));
+  return out;
+}
+
+NodeTask FromProto(const rpc::ReplicationTask& t) {
+  return {t.task_id(),           t.key(),
+          t.version(),           t.checksum(),
+          FromProto(t.source()), FromProto(t.dest()),
+          t.dest_descriptor(),   t.dest_rpc_address(),
+          t.timeout_ms()};
+}
 
 std::shared_ptr<grpc::Channel> MasterChannel(const MasterClient::Options& o,
                                              const std::string& address, const char* name) {
@@ -68,6 +120,32 @@ Result<std::string> DescribeNode(const std::string& rpc_address, const RpcAuth& 
 }
 
 }  // namespace
+
+InventoryRecord RecordFromProto(const rpc::InventoryRecord& r) {
+  return {r.key(),         r.version(),    {r.sizes().begin(), r.sizes().end()},
+          r.checksum(),    r.segment_id(), r.offset(),
+          r.replica_num(), r.replica_id()};
+}
+
+rpc::InventoryRecord RecordToProto(const InventoryRecord& r) {
+  rpc::InventoryRecord out;
+  out.set_key(r.key);
+  out.set_version(r.version);
+  for (uint64_t s : r.sizes) out.add_sizes(s);
+  out.set_checksum(r.checksum);
+  out.set_segment_id(r.segment_id);
+  out.set_offset(r.offset);
+  out.set_replica_num(r.replica_num);
+  out.set_replica_id(r.replica_id);
+  return out;
+}
+
+bool MasterClient::Retryable(std::string_view method) {
+  for (const MethodPolicy& m : kMasterMethods) {
+    if (m.method == method) return m.retryable;
+  }
+  return false;  // a method missing from the table is sent once
+}
 
 MasterClient::MasterClient(Options options)
     : options_(std::move(options)), auth_(options_.cluster_token, options_.auth_skew_ms) {
@@ -130,9 +208,10 @@ Status MasterClient::Failed(const grpc::Status& gs, std::string_view name,
 }
 
 Status MasterClient::Run(
-    std::string_view name, std::string_view method, bool retryable,
+    std::string_view name, std::string_view method,
     const std::function<grpc::Status(grpc::ClientContext*, const Channels&)>& attempt,
     const std::function<void(grpc::ClientContext*)>& sign, uint32_t extra_deadline_ms) {
+  const bool retryable = Retryable(method);
   const auto deadline =
       Clock::now() +
       std::chrono::milliseconds(uint64_t{options_.retry.rpc_timeout_ms} + extra_deadline_ms);
@@ -248,7 +327,7 @@ MasterClient::PendingPutStart MasterClient::PutStart(std::span<const std::string
   return p;
 }
 
-Result<rpc::PutStartReply> MasterClient::PendingPutStart::Wait() {
+Result<std::vector<PutGrant>> MasterClient::PendingPutStart::Wait() {
   State& s = *state_;
   std::unique_lock<std::mutex> lock(s.mu);
   s.cv.wait(lock, [&] { return s.done; });
@@ -257,7 +336,17 @@ Result<rpc::PutStartReply> MasterClient::PendingPutStart::Wait() {
     if (s.gs.error_code() == grpc::StatusCode::UNAVAILABLE) s.owner->ForgetLeader(address);
     return s.owner->Failed(s.gs, "PutStart", address);
   }
-  return std::move(s.reply);
+  std::vector<PutGrant> out(s.reply.items_size());
+  for (int i = 0; i < s.reply.items_size(); ++i) {
+    const rpc::PutStartItem& item = s.reply.items(i);
+    PutGrant& g = out[i];
+    g.status = store::FromProto(item.status());
+    g.version = item.version();
+    g.replicas.reserve(item.replicas_size());
+    for (const auto& r : item.replicas()) g.replicas.push_back(FromProto(r));
+    g.deadline_ms = item.deadline_ms();
+  }
+  return out;
 }
 
 Result<std::vector<Status>> MasterClient::PutEnd(std::span<const PutEndItem> items) {
@@ -271,7 +360,7 @@ Result<std::vector<Status>> MasterClient::PutEnd(std::span<const PutEndItem> ite
   }
   rpc::KeyStatusReply reply;
   KVB_RETURN_IF_ERROR(
-      Run("PutEnd", method::kPutEnd, false, [&](grpc::ClientContext* ctx, const Channels& ch) {
+      Run("PutEnd", method::kPutEnd, [&](grpc::ClientContext* ctx, const Channels& ch) {
         return ch.main->PutEnd(ctx, req, &reply);
       }));
   if (reply.statuses_size() != req.items_size()) return Failed(grpc::Status::OK, "PutEnd");
@@ -281,23 +370,43 @@ Result<std::vector<Status>> MasterClient::PutEnd(std::span<const PutEndItem> ite
   return out;
 }
 
-Result<rpc::GetReplicasReply> MasterClient::GetReplicas(std::span<const std::string> keys,
-                                                        const std::string& client_node_id,
-                                                        bool sizes_only) {
+Result<std::vector<ReadGrant>> MasterClient::GetReplicas(std::span<const std::string> keys,
+                                                         const std::string& client_node_id,
+                                                         bool sizes_only) {
   rpc::GetReplicasRequest req;
   req.set_client_node_id(client_node_id);
   req.set_sizes_only(sizes_only);
   for (const auto& k : keys) req.add_keys(k);
-  rpc::GetReplicasReply reply;
-  KVB_RETURN_IF_ERROR(Run("GetReplicas", method::kGetReplicas, true,
-                          [&](grpc::ClientContext* ctx, const Channels& ch) {
-                            reply.Clear();
-                            return ch.main->GetReplicas(ctx, req, &reply);
-                          }));
+  // The reply holds a message per key and per replica, and a node id string per replica:
+  // about a thousand allocations for 128 keys at two replicas. An arena makes them a few
+  // blocks, freed at once after the conversion.
+  google::protobuf::ArenaOptions arena_options;
+  arena_options.start_block_size = 32 << 10;
+  arena_options.max_block_size = 256 << 10;
+  google::protobuf::Arena arena(arena_options);
+  rpc::GetReplicasReply& reply =
+      *google::protobuf::Arena::CreateMessage<rpc::GetReplicasReply>(&arena);
+  KVB_RETURN_IF_ERROR(
+      Run("GetReplicas", method::kGetReplicas, [&](grpc::ClientContext* ctx, const Channels& ch) {
+        reply.Clear();
+        return ch.main->GetReplicas(ctx, req, &reply);
+      }));
   if (reply.items_size() != static_cast<int>(keys.size())) {
     return Failed(grpc::Status::OK, "GetReplicas");
   }
-  return reply;
+  std::vector<ReadGrant> out(keys.size());
+  for (int i = 0; i < reply.items_size(); ++i) {
+    const rpc::GetItem& item = reply.items(i);
+    ReadGrant& g = out[i];
+    g.status = store::FromProto(item.status());
+    g.version = item.version();
+    g.sizes.assign(item.sizes().begin(), item.sizes().end());
+    g.checksum = item.checksum();
+    g.replicas.reserve(item.replicas_size());
+    for (const auto& r : item.replicas()) g.replicas.push_back(FromProto(r));
+    g.lease_ms = item.lease_ms();
+  }
+  return out;
 }
 
 Result<std::vector<bool>> MasterClient::Exists(std::span<const std::string> keys) {
@@ -305,7 +414,7 @@ Result<std::vector<bool>> MasterClient::Exists(std::span<const std::string> keys
   for (const auto& k : keys) req.add_keys(k);
   rpc::ExistsReply reply;
   KVB_RETURN_IF_ERROR(
-      Run("Exists", method::kExists, true, [&](grpc::ClientContext* ctx, const Channels& ch) {
+      Run("Exists", method::kExists, [&](grpc::ClientContext* ctx, const Channels& ch) {
         reply.Clear();
         return ch.main->Exists(ctx, req, &reply);
       }));
@@ -322,7 +431,7 @@ Result<std::vector<Status>> MasterClient::Remove(std::span<const std::string> ke
   for (const auto& k : keys) req.add_keys(k);
   rpc::KeyStatusReply reply;
   KVB_RETURN_IF_ERROR(
-      Run("Remove", method::kRemove, false, [&](grpc::ClientContext* ctx, const Channels& ch) {
+      Run("Remove", method::kRemove, [&](grpc::ClientContext* ctx, const Channels& ch) {
         return ch.main->Remove(ctx, req, &reply);
       }));
   if (reply.statuses_size() != static_cast<int>(keys.size())) {
@@ -338,7 +447,7 @@ Status MasterClient::RemoveAll(const CallKey& admin_key) {
   rpc::Empty req;
   rpc::Status reply;
   KVB_RETURN_IF_ERROR(Run(
-      "RemoveAll", method::kRemoveAll, false,
+      "RemoveAll", method::kRemoveAll,
       [&](grpc::ClientContext* ctx, const Channels& ch) {
         return ch.main->RemoveAll(ctx, req, &reply);
       },
@@ -357,7 +466,7 @@ void MasterClient::ReportBadReplica(const BadReplica& bad) {
   req.set_offset(bad.offset);
   req.set_node_unreachable(bad.node_unreachable);
   rpc::Status ignored;
-  (void)Run("ReportBadReplica", method::kReportBadReplica, false,
+  (void)Run("ReportBadReplica", method::kReportBadReplica,
             [&](grpc::ClientContext* ctx, const Channels& ch) {
               return ch.main->ReportBadReplica(ctx, req, &ignored);
             });
@@ -368,7 +477,7 @@ Result<std::vector<NodeEntry>> MasterClient::NodeDescriptors(
   rpc::NodeDescriptorsRequest req;
   for (const auto& id : node_ids) req.add_node_ids(id);
   rpc::NodeDescriptorsReply reply;
-  KVB_RETURN_IF_ERROR(Run("GetNodeDescriptors", method::kGetNodeDescriptors, true,
+  KVB_RETURN_IF_ERROR(Run("GetNodeDescriptors", method::kGetNodeDescriptors,
                           [&](grpc::ClientContext* ctx, const Channels& ch) {
                             reply.Clear();
                             return ch.main->GetNodeDescriptors(ctx, req, &reply);
@@ -386,7 +495,7 @@ Result<ClusterStatus> MasterClient::Stats() {
   rpc::Empty req;
   rpc::StatsReply reply;
   KVB_RETURN_IF_ERROR(
-      Run("Stats", method::kStats, true, [&](grpc::ClientContext* ctx, const Channels& ch) {
+      Run("Stats", method::kStats, [&](grpc::ClientContext* ctx, const Channels& ch) {
         reply.Clear();
         return ch.main->Stats(ctx, req, &reply);
       }));
@@ -417,24 +526,38 @@ Result<ClusterStatus> MasterClient::Stats() {
   return out;
 }
 
-Result<rpc::RegisterNodeReply> MasterClient::Register(
-    const rpc::RegisterNodeRequest& head, const std::vector<rpc::InventoryRecord>& records,
-    bool on_heartbeat_channel) {
+Result<NodeRegistered> MasterClient::Register(const NodeRegistration& registration,
+                                              const std::vector<InventoryRecord>& records,
+                                              bool on_heartbeat_channel) {
+  rpc::RegisterNodeRequest head;  // everything but the inventory, which goes in chunks
+  *head.mutable_node() =
+      ToProto(PeerId{registration.identity.node_id, registration.identity.incarnation});
+  head.set_engine_descriptor(registration.engine_descriptor);
+  head.set_rpc_address(registration.control_endpoint);
+  for (const SegmentInfo& seg : registration.segments) {
+    auto* s = head.add_segments();
+    s->set_segment_id(seg.segment_id);
+    s->set_capacity(seg.capacity);
+    s->set_tier(static_cast<uint32_t>(seg.tier));
+  }
+  head.set_draining(registration.draining);
+  head.set_registered_before(registration.registered_before);
   rpc::RegisterNodeReply reply;
   // The master registers the node only once every record has arrived: a large inventory gets
   // 1 ms more per 100 records (10 s per million) on top of the usual deadline.
   const auto extra_ms = static_cast<uint32_t>(records.size() / 100);
   Status st = Run(
-      "RegisterNode", method::kRegisterNodeStream, false,
+      "RegisterNode", method::kRegisterNodeStream,
       [&](grpc::ClientContext* ctx, const Channels& ch) {
         std::unique_ptr<grpc::ClientWriter<rpc::RegisterNodeRequest>> writer =
             ch.Pick(on_heartbeat_channel).RegisterNodeStream(ctx, &reply);
         rpc::RegisterNodeRequest msg = head;
         bool sent = false;
         size_t bytes = 0;
-        for (const rpc::InventoryRecord& r : records) {
-          bytes += r.ByteSizeLong();
-          *msg.add_inventory() = r;
+        for (const InventoryRecord& r : records) {
+          rpc::InventoryRecord* added = msg.add_inventory();
+          *added = RecordToProto(r);
+          bytes += added->ByteSizeLong();
           if (msg.inventory_size() >= static_cast<int>(kInventoryChunkRecords) ||
               bytes >= kInventoryChunkBytes) {
             if (!writer->Write(msg)) return writer->Finish();  // the stream broke: why
@@ -452,47 +575,79 @@ Result<rpc::RegisterNodeReply> MasterClient::Register(
     // A master from before RegisterNodeStream: everything in one message (at most ~40 k
     // records fit its 4 MiB limit).
     rpc::RegisterNodeRequest req = head;
-    for (const auto& r : records) *req.add_inventory() = r;
+    for (const InventoryRecord& r : records) *req.add_inventory() = RecordToProto(r);
     reply.Clear();
-    st = Run("RegisterNode", method::kRegisterNode, false,
+    st = Run("RegisterNode", method::kRegisterNode,
              [&](grpc::ClientContext* ctx, const Channels& ch) {
                return ch.Pick(on_heartbeat_channel).RegisterNode(ctx, req, &reply);
              });
   }
   if (!st.ok()) return st;
-  return reply;
+  if (Status refused = store::FromProto(reply.status()); !refused.ok()) {
+    return refused.WithContext("RegisterNode");
+  }
+  NodeRegistered out;
+  out.frees = FromProto(reply.frees());
+  out.free_seqs.assign(reply.free_seqs().begin(), reply.free_seqs().end());
+  out.more = reply.more();
+  out.heartbeat_interval_ms = reply.heartbeat_interval_ms();
+  out.node_secret = reply.node_secret();
+  out.term = reply.term();
+  return out;
 }
 
-Result<rpc::HeartbeatReply> MasterClient::Heartbeat(const PeerId& node, uint64_t frees_acked) {
+Result<HeartbeatAnswer> MasterClient::Heartbeat(const PeerId& node, uint64_t frees_acked) {
   rpc::HeartbeatRequest req;
   *req.mutable_node() = ToProto(node);
   req.set_frees_acked(frees_acked);
   rpc::HeartbeatReply reply;
-  KVB_RETURN_IF_ERROR(Run("Heartbeat", method::kHeartbeat, false,
-                          [&](grpc::ClientContext* ctx, const Channels& ch) {
-                            return ch.Pick(true).Heartbeat(ctx, req, &reply);
-                          }));
+  KVB_RETURN_IF_ERROR(
+      Run("Heartbeat", method::kHeartbeat, [&](grpc::ClientContext* ctx, const Channels& ch) {
+        return ch.Pick(true).Heartbeat(ctx, req, &reply);
+      }));
   Status st = store::FromProto(reply.status());
   if (!st.ok()) return st;
-  return reply;
+  HeartbeatAnswer out;
+  out.frees = FromProto(reply.frees());
+  out.free_seqs.assign(reply.free_seqs().begin(), reply.free_seqs().end());
+  out.tasks.reserve(reply.tasks_size());
+  for (const rpc::ReplicationTask& t : reply.tasks()) out.tasks.push_back(FromProto(t));
+  out.moves.reserve(reply.demotions_size());
+  for (const rpc::Demotion& d : reply.demotions()) {
+    out.moves.push_back({RecordFromProto(d.source()), RecordFromProto(d.dest()), d.timeout_ms()});
+  }
+  out.drained = reply.drained();
+  out.more = reply.more();
+  out.term = reply.term();
+  return out;
 }
 
-Status MasterClient::TaskDone(const rpc::TaskDoneRequest& done, Status* answer) {
+Status MasterClient::TaskDone(const TaskReport& done, Status* answer) {
+  rpc::TaskDoneRequest req;
+  *req.mutable_node() = ToProto(done.node);
+  req.set_task_id(done.task_id);
+  store::ToProto(done.status, req.mutable_status());
   rpc::Status reply;
   KVB_RETURN_IF_ERROR(
-      Run("TaskDone", method::kTaskDone, false, [&](grpc::ClientContext* ctx, const Channels& ch) {
-        return ch.main->TaskDone(ctx, done, &reply);
+      Run("TaskDone", method::kTaskDone, [&](grpc::ClientContext* ctx, const Channels& ch) {
+        return ch.main->TaskDone(ctx, req, &reply);
       }));
   *answer = store::FromProto(reply);
   return Status::OK();
 }
 
-Status MasterClient::DemoteDone(const rpc::DemoteDoneRequest& done, Status* answer) {
+Status MasterClient::DemoteDone(const MoveReport& done, Status* answer) {
+  rpc::DemoteDoneRequest req;
+  *req.mutable_node() = ToProto(done.node);
+  req.set_key(done.key);
+  req.set_version(done.version);
+  req.set_dest_replica_id(done.dest_replica_id);
+  store::ToProto(done.status, req.mutable_status());
   rpc::Status reply;
-  KVB_RETURN_IF_ERROR(Run("DemoteDone", method::kDemoteDone, false,
-                          [&](grpc::ClientContext* ctx, const Channels& ch) {
-                            return ch.main->DemoteDone(ctx, done, &reply);
-                          }));
+  KVB_RETURN_IF_ERROR(
+      Run("DemoteDone", method::kDemoteDone, [&](grpc::ClientContext* ctx, const Channels& ch) {
+        return ch.main->DemoteDone(ctx, req, &reply);
+      }));
   *answer = store::FromProto(reply);
   return Status::OK();
 }
@@ -501,7 +656,7 @@ Status MasterClient::Drain(const PeerId& node, const CallKey& node_key) {
   const rpc::NodeIdentity id = ToProto(node);
   rpc::Status reply;
   KVB_RETURN_IF_ERROR(Run(
-      "Drain", method::kDrain, false,
+      "Drain", method::kDrain,
       [&](grpc::ClientContext* ctx, const Channels& ch) { return ch.main->Drain(ctx, id, &reply); },
       [&](grpc::ClientContext* ctx) {
         RpcAuth::SignWith(ctx, kNodeHeader, node_key, method::kDrain);
@@ -514,7 +669,7 @@ Status MasterClient::Deregister(const PeerId& node, const CallKey& node_key) {
   const rpc::NodeIdentity id = ToProto(node);
   rpc::Status reply;
   KVB_RETURN_IF_ERROR(Run(
-      "Deregister", method::kDeregister, false,
+      "Deregister", method::kDeregister,
       [&](grpc::ClientContext* ctx, const Channels& ch) {
         return ch.main->Deregister(ctx, id, &reply);
       },

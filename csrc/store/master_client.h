@@ -26,14 +26,16 @@
 #include "kvbridge/status.h"
 #include "kvbridge/store.h"
 #include "store/master_ha.h"
-#include "store/master_state.h"  // the store's domain types (PutEndItem)
+#include "store/master_state.h"  // the store's domain types (PutEndItem, InventoryRecord)
+#include "store/master_types.h"
 #include "store/rpc_auth.h"
 #include "store/rpc_util.h"
 
 namespace kvbridge::store {
 
-// Retries of calls to the master, one policy for every caller. A call the policy marks
-// retryable (idempotent reads: GetReplicas, Exists, GetNodeDescriptors, Stats) that fails with
+// Retries of calls to the master, one policy for every caller, decided per method by one table
+// (kMasterMethods in master_client.cc, MasterClient::Retryable). A retryable call (the
+// idempotent reads: GetReplicas, Exists, GetNodeDescriptors, Stats) that fails with
 // UNAVAILABLE (master down, restarting, connection lost) is sent again after first_backoff_ms
 // (doubling to max_backoff_ms), each retry waiting for the channel to reconnect, until its
 // total deadline: rpc_timeout_ms from the first attempt, the same bound a single attempt has.
@@ -67,6 +69,12 @@ struct BadReplica {
   bool node_unreachable = false;  // the node as a whole failed the reader
 };
 
+// A storage node keeps its records in the Node service's wire form (rpc::InventoryRecord: what
+// the master's Commit sends and what its SSD objects carry as metadata); these convert at its
+// boundary with MasterClient, which takes and gives InventoryRecord.
+InventoryRecord RecordFromProto(const rpc::InventoryRecord& r);
+rpc::InventoryRecord RecordToProto(const InventoryRecord& r);
+
 class MasterClient {
  public:
   struct Options {
@@ -91,15 +99,20 @@ class MasterClient {
   void ForgetLeader(const std::string& address) const;
   const RpcAuth& auth() const { return auth_; }
   uint32_t rpc_timeout_ms() const { return options_.retry.rpc_timeout_ms; }
+  // Whether calls of `method` (a store::method name) are retried under MasterRetryPolicy: the
+  // one table in master_client.cc, which lists every method this client calls. A method not in
+  // it is sent once.
+  static bool Retryable(std::string_view method);
   // Attempts sent so far, every call and retry counted (tests check what was retried).
   uint64_t attempts() const { return attempts_.load(std::memory_order_relaxed); }
 
   // --- store client ---
-  // PutStart for keys whose buffers have these sizes, sent at once; Wait() gives the reply
-  // (one item per key; PROTOCOL error otherwise). Not retried.
+  // PutStart for keys whose buffers have these sizes, sent at once; Wait() gives the answer
+  // (one grant per key; PROTOCOL error otherwise). Not retried.
   class PendingPutStart {
    public:
-    Result<rpc::PutStartReply> Wait();
+    // One grant per key, in order.
+    Result<std::vector<PutGrant>> Wait();
 
    private:
     friend class MasterClient;
@@ -111,9 +124,9 @@ class MasterClient {
                            const std::string& client_node_id);
   // One status per item, in order. Not retried.
   Result<std::vector<Status>> PutEnd(std::span<const PutEndItem> items);
-  // The master's replicas (and sizes, read leases) of each key, one item per key. Retried.
-  Result<rpc::GetReplicasReply> GetReplicas(std::span<const std::string> keys,
-                                            const std::string& client_node_id, bool sizes_only);
+  // The master's replicas (and sizes, read leases) of each key, one grant per key. Retried.
+  Result<std::vector<ReadGrant>> GetReplicas(std::span<const std::string> keys,
+                                             const std::string& client_node_id, bool sizes_only);
   Result<std::vector<bool>> Exists(std::span<const std::string> keys);  // retried
   Result<std::vector<Status>> Remove(std::span<const std::string> keys);
   // Signed with `admin_key` too (StoreOptions::admin_token).
@@ -125,28 +138,26 @@ class MasterClient {
   Result<ClusterStatus> Stats();  // retried
 
   // --- storage node ---
-  // One RegisterNodeStream call: `head`, then `records` in chunks (kInventoryChunkRecords /
-  // kInventoryChunkBytes), with 1 ms more deadline per 100 records; a master without the
-  // stream gets one RegisterNode. OK: the master's reply, whose status the caller checks.
-  // `on_heartbeat_channel`: a registration again from the heartbeat thread, which must not
-  // wait behind the main channel's calls.
-  Result<rpc::RegisterNodeReply> Register(const rpc::RegisterNodeRequest& head,
-                                          const std::vector<rpc::InventoryRecord>& records,
-                                          bool on_heartbeat_channel = false);
-  // On the heartbeat channel. The reply's status is the call's status.
-  Result<rpc::HeartbeatReply> Heartbeat(const PeerId& node, uint64_t frees_acked);
+  // One RegisterNodeStream call: `registration`, then `records` in chunks
+  // (kInventoryChunkRecords / kInventoryChunkBytes), with 1 ms more deadline per 100 records;
+  // a master without the stream gets one RegisterNode. The master's refusal is the status
+  // (with "RegisterNode" as context). `on_heartbeat_channel`: a registration again from the
+  // heartbeat thread, which must not wait behind the main channel's calls.
+  Result<NodeRegistered> Register(const NodeRegistration& registration,
+                                  const std::vector<InventoryRecord>& records,
+                                  bool on_heartbeat_channel = false);
+  // On the heartbeat channel. The master's status is the call's status (NOT_FOUND: register
+  // again; STALE_PEER: superseded).
+  Result<HeartbeatAnswer> Heartbeat(const PeerId& node, uint64_t frees_acked);
   // The call's failure (the master may or may not have the report); on OK, *answer is the
   // master's answer.
-  Status TaskDone(const rpc::TaskDoneRequest& done, Status* answer);
-  Status DemoteDone(const rpc::DemoteDoneRequest& done, Status* answer);
+  Status TaskDone(const TaskReport& done, Status* answer);
+  Status DemoteDone(const MoveReport& done, Status* answer);
   // Signed with `node_key` too (this registration's secret). The master's answer included.
   Status Drain(const PeerId& node, const CallKey& node_key);
   Status Deregister(const PeerId& node, const CallKey& node_key);
 
  private:
-  // Runs `attempt(ctx)` under the policy: one context per attempt with the proof of `method`,
-  // `sign` (extra proofs) and the deadline left; retried if `retryable`. The failure as a
-  // Status naming `name` and the master's address.
   // The stubs of one master address: the main channel and, for a node, the heartbeat one.
   struct Channels {
     std::string address;
@@ -160,7 +171,10 @@ class MasterClient {
   // The channels to call now: the fixed master's, or those of the leader etcd names.
   Result<std::shared_ptr<const Channels>> Current();
 
-  Status Run(std::string_view name, std::string_view method, bool retryable,
+  // Runs `attempt(ctx)` under the policy: one context per attempt with the proof of `method`,
+  // `sign` (extra proofs) and the deadline left; retried if Retryable(method). The failure as
+  // a Status naming `name` and the master's address.
+  Status Run(std::string_view name, std::string_view method,
              const std::function<grpc::Status(grpc::ClientContext*, const Channels&)>& attempt,
              const std::function<void(grpc::ClientContext*)>& sign = {},
              uint32_t extra_deadline_ms = 0);

@@ -1,8 +1,8 @@
-// The master's node table (MasterState::Impl, store/master_state_impl.h): registration with an
-// inventory (LoadInventory rebuilds objects from it after a master restart), heartbeats and the
-// liveness records (Touch) that Tick folds in, frees delivered until acknowledged, drain,
-// deregistration and dropping a node (DropNode), the notes kept on departed nodes (Departed,
-// CapDeparted), and the node directory.
+// The master's node table (MasterState::Impl, store/master_state_impl.h): what it does when
+// membership (store/membership.h: joins, leases, leaving, the directory) changes
+// (ApplyMemberEvents), registration with an inventory (LoadInventory rebuilds objects from it
+// after a master restart), heartbeats, frees delivered until acknowledged, drain, dropping a
+// node (DropNode), and the notes kept on departed nodes (Departed, CapDeparted).
 #include <algorithm>
 #include <memory>
 #include <mutex>
@@ -119,8 +119,49 @@ void MasterState::Impl::DropNode(Node* n, uint64_t now_ns, bool expired) {
     if (dead_nodes.size() > kDeadNodesKept) dead_nodes.pop_back();
     ++nodes_expired_total;
   }
-  nodes.erase(n->id().node_id);
-  ++directory_version;
+  const std::string id = n->id().node_id;  // (n is the entry erased)
+  nodes.erase(id);
+}
+
+// Membership changed (Join, SetDraining, Leave, Expire): the node table follows, event by
+// event in order. Called under `mu` right after each change, so that a node is in `nodes`
+// exactly while it is a member.
+void MasterState::Impl::ApplyMemberEvents(uint64_t now_ns) {
+  for (const MemberEvent& ev : members.TakeEvents()) {
+    switch (ev.kind) {
+      case MemberEvent::Kind::kJoined: {
+        const Membership::Member* member = members.Find(ev.node);
+        if (member == nullptr) break;  // gone again by a later event
+        Node& n = nodes[ev.node.node_id];
+        n.identity = ev.node;
+        n.state = member->state;
+        if (n.state == NodeState::kDraining) {
+          n.drain_deadline_ns = now_ns + MsToNs(cfg.drain_timeout_ms);
+        }
+        for (const SegmentInfo& s : member->registration.segments) {
+          n.segments.try_emplace(s.segment_id, s, cfg.alignment);
+        }
+        break;
+      }
+      case MemberEvent::Kind::kDraining: {
+        Node* n = FindNodeExact(ev.node);
+        if (n == nullptr) break;
+        n->state = NodeState::kDraining;
+        n->drain_deadline_ns = now_ns + MsToNs(cfg.drain_timeout_ms);
+        for (auto& [sid, s] : n->segments) {
+          for (Object* o : s.residents) MarkRepair(o, now_ns);
+        }
+        break;
+      }
+      case MemberEvent::Kind::kLeft:
+      case MemberEvent::Kind::kReplaced:
+      case MemberEvent::Kind::kExpired:
+        if (Node* n = FindNodeExact(ev.node)) {
+          DropNode(n, now_ns, /*expired=*/ev.kind == MemberEvent::Kind::kExpired);
+        }
+        break;
+    }
+  }
 }
 
 bool MasterState::Impl::DrainDone(const Node& n, uint64_t now_ns) const {
@@ -289,23 +330,13 @@ Result<RegisterReply> MasterState::RegisterNode(const NodeRegistration& registra
     }
   }
   std::lock_guard<std::mutex> lock(m.mu);
-  if (auto it = m.nodes.find(id.node_id); it != m.nodes.end()) {
-    if (it->second.id().incarnation == id.incarnation) {
-      return Status::AlreadyExists(ToString(id) + " is registered already");
-    }
-    m.DropNode(&it->second, now_ns, /*expired=*/false);  // superseded by a new incarnation
+  // A new incarnation of a registered id replaces it: the old one is dropped as if dead
+  // (kReplaced), then the new one gets its node entry (kJoined).
+  if (m.members.Join(registration, now_ns).kind == Membership::JoinKind::kAgain) {
+    return Status::AlreadyExists(ToString(id) + " is registered already");
   }
-  Impl::Node& n = m.nodes[id.node_id];
-  n.reg = registration;
-  n.last_seen_ns = now_ns;
-  if (registration.draining) {
-    n.state = NodeState::kDraining;
-    n.drain_deadline_ns = now_ns + MsToNs(m.cfg.drain_timeout_ms);
-  }
-  for (const SegmentInfo& s : registration.segments) {
-    n.segments.try_emplace(s.segment_id, s, m.cfg.alignment);
-  }
-  ++m.directory_version;
+  m.ApplyMemberEvents(now_ns);
+  Impl::Node& n = m.nodes.at(id.node_id);
   RegisterReply reply;
   reply.heartbeat_interval_ms = std::max<uint64_t>(1, m.cfg.node_ttl_ms / 3);
   // The same incarnation coming back (it expired, or the master restarted): writers and readers
@@ -352,7 +383,7 @@ Result<NodeCommands> MasterState::Heartbeat(const NodeIdentity& node, uint64_t f
   Status st;
   Impl::Node* n = m.FindNode(node, &st);
   if (!n) return st;
-  n->last_seen_ns = std::max(n->last_seen_ns, now_ns);
+  m.members.KeepAlive(node, now_ns);
   NodeCommands cmds;
   cmds.more = m.TakeFrees(n, frees_acked, &cmds.frees, &cmds.free_seqs);
   while (!n->task_queue.empty() && cmds.tasks.size() < m.cfg.max_tasks_per_reply) {
@@ -407,12 +438,8 @@ Status MasterState::StartDrain(const NodeIdentity& node, uint64_t now_ns) {
   Impl::Node* n = m.FindNode(node, &st);
   if (!n) return st;
   if (n->state == NodeState::kDraining) return Status::OK();
-  n->state = NodeState::kDraining;
-  n->drain_deadline_ns = now_ns + MsToNs(m.cfg.drain_timeout_ms);
-  ++m.directory_version;
-  for (auto& [sid, s] : n->segments) {
-    for (Impl::Object* o : s.residents) m.MarkRepair(o, now_ns);
-  }
+  m.members.SetDraining(node, now_ns);
+  m.ApplyMemberEvents(now_ns);  // its data is moved off
   return Status::OK();
 }
 
@@ -422,39 +449,22 @@ Status MasterState::Deregister(const NodeIdentity& node, uint64_t now_ns) {
   Status st;
   Impl::Node* n = m.FindNode(node, &st);
   if (!n) return st;
-  m.DropNode(n, now_ns, /*expired=*/false);
+  m.members.Leave(node, now_ns);
+  m.ApplyMemberEvents(now_ns);  // dropped, as a death without the TTL wait
   return Status::OK();
 }
 
 NodeDirectory MasterState::GetNodeDirectory(const std::vector<std::string>& node_ids) const {
   const Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
-  NodeDirectory dir;
-  dir.directory_version = m.directory_version;
-  auto add = [&](const Impl::Node& n) {
-    dir.nodes.push_back({n.id(), n.state, n.reg.engine_descriptor, n.reg.control_endpoint});
-  };
-  if (node_ids.empty()) {
-    for (const auto& [id, n] : m.nodes) add(n);
-  } else {
-    for (const std::string& id : node_ids) {
-      if (auto it = m.nodes.find(id); it != m.nodes.end()) add(it->second);
-    }
-  }
-  return dir;
+  return m.members.Directory(node_ids);
 }
 
-size_t MasterState::liveness_records() const {
-  std::lock_guard<std::mutex> lock(impl_->live_mu);
-  return impl_->live.size();
-}
+size_t MasterState::liveness_records() const { return impl_->members.live_records(); }
 
+// Without `mu`: Membership::Touch takes only its own lock.
 void MasterState::Touch(const NodeIdentity& node, uint64_t now_ns) {
-  Impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.live_mu);
-  auto& seen = m.live[node.node_id];
-  if (seen.first != node.incarnation) seen = {node.incarnation, 0};
-  seen.second = std::max(seen.second, now_ns);
+  impl_->members.Touch(node, now_ns);
 }
 
 // Keeps new data off the chunks of n that the predecessor leader published (its writers may

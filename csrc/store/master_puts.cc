@@ -132,7 +132,7 @@ Status MasterState::Impl::BeginPutEndOne(const PutEndItem& item, uint64_t now_ns
     if (inserted) {
       NodeCommit c;
       c.node = r.node->id();
-      c.control_endpoint = r.node->reg.control_endpoint;
+      c.control_endpoint = Registration(*r.node).control_endpoint;
       plan.commits.push_back(std::move(c));
     }
     plan.commits[it->second].records.push_back(Record(*o, r));

@@ -119,8 +119,8 @@ ReplicationTask MasterState::Impl::TaskView(const Task& t) const {
   v.source = {t.source->id(), t.source_segment, t.source_offset, o.bytes,
               t.source->segments.at(t.source_segment).info.tier};
   v.dest = Location(o, dest);
-  v.dest_descriptor = t.dest->reg.engine_descriptor;
-  v.dest_control_endpoint = t.dest->reg.control_endpoint;
+  v.dest_descriptor = Registration(*t.dest).engine_descriptor;
+  v.dest_control_endpoint = Registration(*t.dest).control_endpoint;
   v.deadline_ns = t.deadline_ns;
   return v;
 }
@@ -204,7 +204,7 @@ Result<TaskCommitPlan> MasterState::TaskDone(uint64_t task_id, const NodeIdentit
   t.deadline_ns = now_ns + MsToNs(m.cfg.task_timeout_ms);
   NodeCommit c;
   c.node = t.dest->id();
-  c.control_endpoint = t.dest->reg.control_endpoint;
+  c.control_endpoint = m.Registration(*t.dest).control_endpoint;
   c.records.push_back(m.Record(*o, r));
   plan.commits.push_back(std::move(c));
   return plan;

@@ -228,7 +228,6 @@ MasterState::~MasterState() = default;
 Result<std::unique_ptr<MasterState>> MasterState::Create(const MasterConfig& config) {
   KVB_RETURN_IF_ERROR(config.Validate());
   auto impl = std::make_unique<Impl>(config);
-  impl->last_tick_ns = config.start_ns;
   return std::unique_ptr<MasterState>(new MasterState(std::move(impl)));
 }
 
@@ -239,46 +238,18 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
   std::lock_guard<std::mutex> lock(m.mu);
   TickSummary sum;
 
-  // Silent nodes. Heartbeats that arrived while this lock was busy were recorded by Touch().
-  const uint64_t ttl = MsToNs(m.cfg.node_ttl_ms);
-  {
-    std::lock_guard<std::mutex> live_lock(m.live_mu);
-    for (auto& [id, n] : m.nodes) {
-      auto it = m.live.find(id);
-      if (it != m.live.end() && it->second.first == n.id().incarnation) {
-        n.last_seen_ns = std::max(n.last_seen_ns, it->second.second);
-      }
-    }
-    // Records of ids that are not registered nodes (any caller can send a heartbeat naming
-    // anything) are dropped here: the map stays as large as the node table between ticks' worth
-    // of heartbeats.
-    for (auto it = m.live.begin(); it != m.live.end();) {
-      it = m.nodes.count(it->first) == 0 ? m.live.erase(it) : std::next(it);
-    }
-  }
-  if (m.last_tick_ns != 0 && now_ns > m.last_tick_ns) {
-    sum.since_last_tick_ms = (now_ns - m.last_tick_ns) / MsToNs(1);
-  }
-  if (m.cfg.pause_threshold_ms != 0 && m.last_tick_ns != 0 && now_ns > m.last_tick_ns &&
-      now_ns - m.last_tick_ns > MsToNs(m.cfg.pause_threshold_ms)) {
-    sum.paused_ms = (now_ns - m.last_tick_ns) / MsToNs(1);
-    for (auto& [id, n] : m.nodes) n.last_seen_ns = std::max(n.last_seen_ns, now_ns);
-  }
-  m.last_tick_ns = std::max(m.last_tick_ns, now_ns);
-  std::vector<Impl::Node*> dead;
-  for (auto& [id, n] : m.nodes) {
-    if (now_ns >= n.last_seen_ns && now_ns - n.last_seen_ns >= ttl) {
-      dead.push_back(&n);
-      sum.expired_silence_ms =
-          std::max<uint64_t>(sum.expired_silence_ms, (now_ns - n.last_seen_ns) / MsToNs(1));
-    }
-  }
+  // Silent nodes (heartbeats that arrived while this lock was busy were recorded by Touch):
+  // membership expires them, and each is dropped as its kExpired event is applied.
+  const Membership::Expiry expiry = m.members.Expire(now_ns);
+  sum.since_last_tick_ms = expiry.since_last_ms;
+  sum.paused_ms = expiry.paused_ms;
+  sum.expired_silence_ms = expiry.longest_silence_ms;
   std::erase_if(m.departed, [&](const auto& d) {
     return now_ns >= d.second.since_ns &&
            now_ns - d.second.since_ns >= MsToNs(m.cfg.departed_ttl_ms);
   });
-  for (Impl::Node* n : dead) m.DropNode(n, now_ns, /*expired=*/true);
-  sum.nodes_expired = dead.size();
+  m.ApplyMemberEvents(now_ns);
+  sum.nodes_expired = expiry.expired.size();
 
   // Overdue puts (also those whose put end stalled in its commit phase).
   std::vector<Impl::Object*> overdue;
@@ -415,7 +386,7 @@ MasterStats MasterState::Stats() const {
     ns.state = n.state;
     ns.drained = n.drained;
     ns.replicas = n.replicas;
-    ns.last_heartbeat_ns = n.last_seen_ns;
+    ns.last_heartbeat_ns = m.members.Find(n.id())->last_seen_ns;
     for (const auto& [sid, s] : n.segments) {
       if (s.info.tier == Tier::kDram) {
         ns.capacity += s.info.capacity;
@@ -448,7 +419,7 @@ MasterStats MasterState::Stats() const {
     if (st.oldest_repair_ns == 0 || since < st.oldest_repair_ns) st.oldest_repair_ns = since;
   }
   st.next_version = m.next_version;
-  st.directory_version = m.directory_version;
+  st.directory_version = m.members.version();
   st.evictions_total = m.evictions_total;
   st.revokes_total = m.revokes_total;
   st.nodes_expired_total = m.nodes_expired_total;
@@ -512,6 +483,18 @@ Status MasterState::CheckInvariants() const {
   const Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   auto fail = [](const std::string& what) { return Status::Internal("invariant: " + what); };
+  // The node table follows membership: the same identities, in the same state.
+  if (m.nodes.size() != m.members.members().size()) {
+    return fail(Num(m.nodes.size()) + " nodes but " + Num(m.members.members().size()) + " members");
+  }
+  for (const auto& [id, n] : m.nodes) {
+    const Membership::Member* member = m.members.Find(n.id());
+    if (member == nullptr) return fail(ToString(n.id()) + " is a node but not a member");
+    if (member->state != n.state) {
+      return fail(ToString(n.id()) + " is " + NodeStateName(n.state) + " but its member is " +
+                  NodeStateName(member->state));
+    }
+  }
   for (const auto& [id, n] : m.nodes) {
     size_t replicas = 0, held = 0, source_tasks = 0;
     for (const auto& [sid, s] : n.segments) {

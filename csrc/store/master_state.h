@@ -2,7 +2,9 @@
 // leases, eviction, re-replication and drain — with no network, no threads and no clock of its
 // own. Every method takes `now_ns` (util::MonoNs() in production, anything in tests) and does
 // no I/O; the gRPC service (MasterServer) is a thin shell around it. Callers read the clock just
-// before each call; small reorderings of now_ns between threads are tolerated.
+// before each call; small reorderings of now_ns between threads are tolerated. Who is in the
+// cluster (joins, leases, leaving, the directory) is kept by a Membership (store/membership.h)
+// inside it, whose events the object table follows.
 //
 // Where the master must talk to nodes before it may answer (committing inventory records after
 // a put or a re-replication), the operation is split in two: Begin... returns a plan naming the

@@ -4,7 +4,9 @@
 // that defines them (with their comments there):
 //   master_state.cc      Create, Tick, Stats, Snapshot, CheckInvariants; replica bookkeeping
 //   master_placement.cc  placement of new replicas and eviction
-//   master_nodes.cc      the node table: registration, heartbeats, drain, departure, directory
+//   master_nodes.cc      the node table: registration, heartbeats, drain, departure, and the
+//                        reactions to membership's events (who is a member, their leases and
+//                        the directory are store/membership.h's)
 //   master_tiers.cc      the SSD tier: demotions, promotions, DemoteDone
 //   master_repair.cc     re-replication tasks, TaskDone/FinishTask, bad-replica reports
 //   master_puts.cc       puts (PutStart/PutEnd/PutRevoke), GetReplicas, Exists, Remove
@@ -29,6 +31,7 @@
 #include <vector>
 
 #include "store/master_state.h"
+#include "store/membership.h"
 #include "util/range_allocator.h"
 
 namespace kvbridge::store {
@@ -65,10 +68,14 @@ struct MasterState::Impl {
     uint64_t published_chunks = 0;
   };
 
+  // What the master keeps per member (Membership) for its objects. A node exists exactly while
+  // its identity is a member: created by its kJoined event, dropped by the event that ends it
+  // (ApplyMemberEvents, under the same lock as the membership change).
   struct Node {
-    NodeRegistration reg;
+    NodeIdentity identity;
+    // As membership's events said (kJoined, kDraining): read by placement and repair on every
+    // call, so kept here rather than looked up.
     NodeState state = NodeState::kActive;
-    uint64_t last_seen_ns = 0;
     uint64_t drain_deadline_ns = 0;
     bool drained = false;
     std::map<uint64_t, Segment> segments;
@@ -87,7 +94,7 @@ struct MasterState::Impl {
     std::deque<std::pair<std::string, uint64_t>> demote_queue;  // (key, demote_id) to hand out
     double reads = 0;        // decaying count of reads handed out (load)
     double bad_reports = 0;  // decaying count of bad-replica reports (health)
-    const NodeIdentity& id() const { return reg.identity; }
+    const NodeIdentity& id() const { return identity; }
   };
 
   struct Replica {
@@ -157,7 +164,8 @@ struct MasterState::Impl {
       : cfg(c),
         rng(c.random_seed != 0 ? c.random_seed : std::random_device{}()),
         next_version(std::max<uint64_t>(1, c.first_version)),
-        next_free_seq(std::max<uint64_t>(1, c.first_free_seq)) {}
+        next_free_seq(std::max<uint64_t>(1, c.first_free_seq)),
+        members(MembershipOptions{c.node_ttl_ms, c.pause_threshold_ms, c.start_ns}) {}
 
   MasterConfig cfg;
   std::mt19937_64 rng;
@@ -236,9 +244,7 @@ struct MasterState::Impl {
   uint64_t next_replica_id = 1;
   uint64_t next_free_seq;
   uint64_t next_task_id = RandomTaskIdBase();
-  uint64_t directory_version = 1;
   uint64_t last_decay_ns = 0;
-  uint64_t last_tick_ns = 0;
   uint64_t evictions_total = 0;
   uint64_t revokes_total = 0;
   uint64_t nodes_expired_total = 0;
@@ -246,11 +252,10 @@ struct MasterState::Impl {
   uint64_t unreachable_reports_total = 0;
   uint64_t demotions_total = 0;
   uint64_t promotions_total = 0;
-  // Heartbeat arrivals recorded without `mu` (Touch), so liveness never waits behind data-plane
-  // work holding `mu`; Tick folds them in. node id -> (incarnation, last seen). Lock order:
-  // mu, then live_mu.
-  std::mutex live_mu;
-  std::unordered_map<std::string, std::pair<uint64_t, uint64_t>> live;
+  // Who is in the cluster, their leases and the directory. Under `mu`, except Touch, which
+  // records heartbeats under a lock of its own so that liveness never waits behind data-plane
+  // work holding `mu` (Tick folds them in through Expire).
+  Membership members;
 
   // ---------------------------------------------------------------- small helpers
 
@@ -297,6 +302,11 @@ struct MasterState::Impl {
       return nullptr;
     }
     return &it->second;
+  }
+
+  // A live node's registration (its descriptor, control endpoint), from membership.
+  const NodeRegistration& Registration(const Node& n) const {
+    return members.Find(n.id())->registration;
   }
 
   Node* FindNodeExact(const NodeIdentity& id) {
@@ -446,6 +456,7 @@ struct MasterState::Impl {
   // ----------------------------------------------------------- node lifecycle (master_nodes.cc)
 
   uint64_t ReuseHorizon(const Node* n) const;
+  void ApplyMemberEvents(uint64_t now_ns);
   void DropNode(Node* n, uint64_t now_ns, bool expired);
   bool DrainDone(const Node& n, uint64_t now_ns) const;
   void CapDeparted();

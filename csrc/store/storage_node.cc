@@ -147,7 +147,7 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   // Tasks to run, each with its deadline: the master's, counted from before the heartbeat
   // that brought it was sent, so it is never later than the master's own.
   struct QueuedTask {
-    rpc::ReplicationTask task;
+    store::NodeTask task;
     std::chrono::steady_clock::time_point deadline;
   };
   std::deque<QueuedTask> tasks;
@@ -241,15 +241,15 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   }
   // With the master; `again`: from the heartbeat thread, on its channel.
   Status Register(bool again = false);
-  void ApplyFrees(const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& frees,
-                  const google::protobuf::RepeatedField<uint64_t>& seqs);
+  void ApplyFrees(const std::vector<store::InventoryRecord>& frees,
+                  const std::vector<uint64_t>& seqs);
   void HeartbeatLoop();
   void TaskLoop();
   // Copies a batch of tasks' replicas with one engine batch; one status per task. SSD sources
   // are staged within a budget (ssd_staging_bytes): the staging area, or one object larger
   // than it; a task over it is not run and (*deferred)[i] set, for the next batch.
   std::vector<Status> RunTasks(const std::vector<QueuedTask>& batch, std::vector<bool>* deferred);
-  bool ReportTask(const rpc::TaskDoneRequest& done);
+  bool ReportTask(const store::TaskReport& done);
   // Tells the master this node's copy at (segment_id, offset) is bad or gone; best effort.
   void ReportBadCopy(const std::string& key, uint64_t version, uint64_t segment_id,
                      uint64_t offset);
@@ -263,7 +263,7 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   // Reports a finished move and acts on the answer (drops the copy when it is not wanted).
   // False when no answer came (the call failed on the way): the master may or may not have
   // applied it, so the caller asks again later; DemoteDone is idempotent.
-  bool ReportMove(const rpc::Demotion& d, const rpc::DemoteDoneRequest& done, bool made);
+  bool ReportMove(const rpc::Demotion& d, const store::MoveReport& done, bool made);
   Status Demote(const rpc::Demotion& d);
   Status Promote(const rpc::Demotion& d);
   void DropSsdObject(const std::string& key, uint64_t replica_id);        // record + plugin object
@@ -379,59 +379,49 @@ grpc::Status StorageNode::Impl::Commit(grpc::ServerContext* ctx, const rpc::Comm
 }
 
 Status StorageNode::Impl::Register(bool again) {
-  rpc::RegisterNodeRequest req;  // everything but the inventory, which goes in chunks
-  std::vector<rpc::InventoryRecord> records;
-  *req.mutable_node() = Identity();
-  req.set_engine_descriptor(engine->LocalDescriptor());
-  req.set_rpc_address(rpc_address);
-  auto* seg = req.add_segments();
-  seg->set_segment_id(segment);
-  seg->set_capacity(pool_bytes);
-  seg->set_tier(1);
-  if (ssd != nullptr) {
-    auto* s2 = req.add_segments();
-    s2->set_segment_id(kSsdSegment);
-    s2->set_capacity(options.ssd_bytes);
-    s2->set_tier(2);
-  }
+  store::NodeRegistration reg;
+  std::vector<store::InventoryRecord> records;
+  reg.identity = {engine->self().node_id, engine->self().incarnation};
+  reg.engine_descriptor = engine->LocalDescriptor();
+  reg.control_endpoint = rpc_address;
+  reg.segments.push_back({segment, pool_bytes, store::Tier::kDram});
+  if (ssd != nullptr) reg.segments.push_back({kSsdSegment, options.ssd_bytes, store::Tier::kSsd});
   {
     std::lock_guard<std::mutex> lock(mu);
-    req.set_draining(draining);
-    req.set_registered_before(registered_once);
+    reg.draining = draining;
+    reg.registered_before = registered_once;
     for (const auto& [k, r] : inventory) {
       // A free still on its way to the disk: the master dropped that record already.
       if (k.first == kSsdSegment && ssd_freeing.count({r.key(), r.replica_id()}) != 0) continue;
-      records.push_back(r);
+      records.push_back(store::RecordFromProto(r));
     }
   }
-  Result<rpc::RegisterNodeReply> registered = master->Register(req, records, again);
+  Result<store::NodeRegistered> registered = master->Register(reg, records, again);
   if (!registered.ok()) return registered.status();
-  const rpc::RegisterNodeReply& reply = *registered;
-  Status st = store::FromProto(reply.status());
-  if (!st.ok()) return st.WithContext("RegisterNode");
-  if (const uint64_t seen = master_term.load(); reply.term() < seen) {
+  const store::NodeRegistered& reply = *registered;
+  if (const uint64_t seen = master_term.load(); reply.term < seen) {
     master->ForgetLeader(master->leader_address());
     return Status::Unavailable("RegisterNode answered by a replaced master (term " +
-                               std::to_string(reply.term()) + ", this node follows term " +
+                               std::to_string(reply.term) + ", this node follows term " +
                                std::to_string(seen) + ")");
   }
-  master_term.store(reply.term());
+  master_term.store(reply.term);
   {
     std::lock_guard<std::mutex> lock(mu);
     registered_once = true;
     last_contact_error.clear();
   }
   last_contact_ns.store(util::MonoNs());
-  if (reply.heartbeat_interval_ms() > 0) heartbeat_interval_ms = reply.heartbeat_interval_ms();
+  if (reply.heartbeat_interval_ms > 0) heartbeat_interval_ms = reply.heartbeat_interval_ms;
   {
     std::lock_guard<std::mutex> lock(mu);
-    node_key = store::CallKey(reply.node_secret(), store::kNodeKeyPurpose);
+    node_key = store::CallKey(reply.node_secret, store::kNodeKeyPurpose);
   }
   // Demotions are handed out in heartbeat replies: a node with an SSD tier asks often, so DRAM
   // pressure turns into SSD writes within a fraction of a second.
   if (ssd != nullptr) heartbeat_interval_ms = std::min<uint32_t>(heartbeat_interval_ms.load(), 200);
-  ApplyFrees(reply.frees(), reply.free_seqs());
-  if (reply.more()) {
+  ApplyFrees(reply.frees, reply.free_seqs);
+  if (reply.more) {
     std::lock_guard<std::mutex> lock(mu);
     heartbeat_now = true;  // the rest of the frees come in heartbeat replies
   }
@@ -439,28 +429,27 @@ Status StorageNode::Impl::Register(bool again) {
 }
 
 // Runs on the heartbeat thread: memory only. SSD frees go to free_thread.
-void StorageNode::Impl::ApplyFrees(
-    const google::protobuf::RepeatedPtrField<rpc::InventoryRecord>& frees,
-    const google::protobuf::RepeatedField<uint64_t>& seqs) {
+void StorageNode::Impl::ApplyFrees(const std::vector<store::InventoryRecord>& frees,
+                                   const std::vector<uint64_t>& seqs) {
   std::lock_guard<std::mutex> lock(mu);
   bool queued = false;
-  for (int i = 0; i < frees.size(); ++i) {
-    const auto& f = frees[i];
+  for (size_t i = 0; i < frees.size(); ++i) {
+    const store::InventoryRecord& f = frees[i];
     const uint64_t seq = i < seqs.size() ? seqs[i] : 0;
     if (seq != 0 && seq <= frees_received) continue;  // sent again before our ack arrived
     frees_received = std::max(frees_received, seq);
-    if (f.segment_id() == kSsdSegment) {
+    if (f.segment_id == kSsdSegment) {
       if (ssd == nullptr) continue;  // no tier: nothing of it here
-      ssd_frees.push_back({f.key(), f.replica_id(), seq});
-      ssd_freeing.emplace(f.key(), f.replica_id());
+      ssd_frees.push_back({f.key, f.replica_id, seq});
+      ssd_freeing.emplace(f.key, f.replica_id);
       if (seq != 0) frees_unapplied.insert(seq);
       queued = true;
       continue;
     }
     // Only the exact record: the range may already hold a newer object whose commit
     // overtook this free.
-    auto it = inventory.find({f.segment_id(), f.offset()});
-    if (it != inventory.end() && it->second.replica_id() == f.replica_id()) inventory.erase(it);
+    auto it = inventory.find({f.segment_id, f.offset});
+    if (it != inventory.end() && it->second.replica_id() == f.replica_id) inventory.erase(it);
   }
   if (queued) cv.notify_all();
 }
@@ -536,16 +525,17 @@ void StorageNode::Impl::HeartbeatLoop() {
     // Deadlines in the reply count from when the master answered: from here they are never
     // later than the master's.
     const auto sent_at = std::chrono::steady_clock::now();
-    Result<rpc::HeartbeatReply> beat = master->Heartbeat(engine->self(), frees_acked);
-    if (beat.ok() && beat->term() < master_term.load()) {
+    Result<store::HeartbeatAnswer> beat = master->Heartbeat(engine->self(), frees_acked);
+    if (beat.ok() && beat->term < master_term.load()) {
       // A replaced master answered (it was frozen and resumed): nothing it says is applied.
       beat = Status::Unavailable("heartbeat answered by a replaced master (term " +
-                                 std::to_string(beat->term()) + ", this node follows term " +
+                                 std::to_string(beat->term) + ", this node follows term " +
                                  std::to_string(master_term.load()) + ")");
       master->ForgetLeader(master->leader_address());
     }
     Status st = beat.status();
-    const rpc::HeartbeatReply reply = beat.ok() ? std::move(beat).value() : rpc::HeartbeatReply();
+    const store::HeartbeatAnswer reply =
+        beat.ok() ? std::move(beat).value() : store::HeartbeatAnswer();
     if (st.IsNotFound()) {
       // The master does not know us (it restarted): register again with our inventory.
       Status reg = Register(/*again=*/true);
@@ -568,7 +558,7 @@ void StorageNode::Impl::HeartbeatLoop() {
       KVB_LOG(WARN) << "heartbeat: " << st.ToString();
     } else {
       last_contact_ns.store(util::MonoNs());
-      ApplyFrees(reply.frees(), reply.free_seqs());
+      ApplyFrees(reply.frees, reply.free_seqs);
     }
     if (!st.ok() && !st.IsNotFound()) heartbeat_failures->Inc();
     lock.lock();
@@ -578,18 +568,23 @@ void StorageNode::Impl::HeartbeatLoop() {
       last_contact_error = st.ToString();
     }
     if (st.ok()) {
-      for (const auto& t : reply.tasks()) {
-        tasks.push_back({t, sent_at + std::chrono::milliseconds(t.timeout_ms())});
+      for (const store::NodeTask& t : reply.tasks) {
+        tasks.push_back({t, sent_at + std::chrono::milliseconds(t.timeout_ms)});
       }
-      for (const auto& d : reply.demotions()) {
-        demotions.emplace_back(d, sent_at + std::chrono::milliseconds(d.timeout_ms()));
+      for (const store::NodeMove& m : reply.moves) {
+        // Kept in the Node service's form: its records go into the inventory as they are.
+        rpc::Demotion d;
+        *d.mutable_source() = store::RecordToProto(m.source);
+        *d.mutable_dest() = store::RecordToProto(m.dest);
+        d.set_timeout_ms(m.timeout_ms);
+        demotions.emplace_back(std::move(d), sent_at + std::chrono::milliseconds(m.timeout_ms));
       }
-      if (reply.drained()) drained = true;
-      if (reply.more()) {
+      if (reply.drained) drained = true;
+      if (reply.more) {
         // The master holds more for us than one reply carries: ask at once if this reply
         // moved anything forward; frees still on their way to the SSD would only come again,
         // so then free_thread asks once it has applied them.
-        if (FreesAcked() > frees_acked || reply.tasks_size() > 0 || reply.demotions_size() > 0) {
+        if (FreesAcked() > frees_acked || !reply.tasks.empty() || !reply.moves.empty()) {
           heartbeat_now = true;
         } else {
           more_after_frees = true;
@@ -626,7 +621,7 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& b
   // tasks), and not at all while it is backing off (PeerDirectory).
   std::map<std::pair<std::string, uint64_t>, Result<std::string>> described;
   for (size_t i = 0; i < batch.size(); ++i) {
-    const rpc::ReplicationTask& task = batch[i].task;
+    const store::NodeTask& task = batch[i].task;
     // Past its deadline the master has given the destination range up: write nothing there.
     if (Clock::now() >= batch[i].deadline) {
       result[i] = Status::DeadlineExceeded("task reached the node past its deadline; not run");
@@ -634,13 +629,12 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& b
     }
     std::string descriptor;
     {
-      const rpc::NodeIdentity& dn = task.dest().node();
-      auto d = described.find({dn.node_id(), dn.incarnation()});
+      const store::NodeIdentity& dn = task.dest.node;
+      auto d = described.find({dn.node_id, dn.incarnation});
       if (d == described.end()) {
-        const store::NodeEntry listed{PeerId{dn.node_id(), dn.incarnation()},
-                                      task.dest_descriptor(), task.dest_rpc_address()};
-        d = described
-                .emplace(std::pair{dn.node_id(), dn.incarnation()}, directory->Descriptor(listed))
+        const store::NodeEntry listed{PeerId{dn.node_id, dn.incarnation}, task.dest_descriptor,
+                                      task.dest_rpc_address};
+        d = described.emplace(std::pair{dn.node_id, dn.incarnation}, directory->Descriptor(listed))
                 .first;
       }
       if (!d->second.ok()) {
@@ -651,7 +645,7 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& b
     }
     // The destination must be the node the master named: a descriptor naming another
     // process (or moving a known one) would send the copy there.
-    const PeerId named{task.dest().node().node_id(), task.dest().node().incarnation()};
+    const PeerId named{task.dest.node.node_id, task.dest.node.incarnation};
     AddPeerOptions expect;
     expect.expect = &named;
     Result<PeerId> dest = engine->AddPeer(descriptor, expect);
@@ -659,18 +653,18 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& b
       result[i] = dest.status().WithContext("destination descriptor");
       continue;
     }
-    const auto& src = task.source();
+    const store::ReplicaLocation& src = task.source;
     char* local = nullptr;
-    if (ssd != nullptr && src.segment_id() == kSsdSegment) {
+    if (ssd != nullptr && src.segment_id == kSsdSegment) {
       // An SSD replica: read it into staging first, then write from there.
       rpc::InventoryRecord rec;
       {
         std::lock_guard<std::mutex> lock(mu);
-        auto it = inventory.find({kSsdSegment, src.offset()});
+        auto it = inventory.find({kSsdSegment, src.offset});
         if (it != inventory.end()) rec = it->second;
       }
-      if (rec.key() != task.key() || rec.version() != task.version() ||
-          ObjectBytes(rec) != src.length()) {
+      if (rec.key() != task.key || rec.version() != task.version ||
+          ObjectBytes(rec) != src.length) {
         result[i] = Status::NotFound("task source is not on this node's SSD tier");
         continue;
       }
@@ -693,29 +687,29 @@ std::vector<Status> StorageNode::Impl::RunTasks(const std::vector<QueuedTask>& b
       staged_large = large;
       local = got.value()->data;
       staged.push_back(std::move(got).value());
-    } else if (src.segment_id() != segment || src.offset() > pool_bytes ||
-               src.length() > pool_bytes - src.offset()) {
+    } else if (src.segment_id != segment || src.offset > pool_bytes ||
+               src.length > pool_bytes - src.offset) {
       result[i] = Status::OutOfBounds("task source range is not inside this node's pool");
       continue;
     } else {
-      local = pool + src.offset();
+      local = pool + src.offset;
       // A damaged DRAM source is reported, not spread: the copy would pass for good at the
       // destination until a reader checked it, and might be the last one left by then.
-      if (util::Crc32c(local, src.length()) != task.checksum()) {
+      if (util::Crc32c(local, src.length) != task.checksum) {
         result[i] = Status::IoError("task source does not match the object's checksum; not copied");
-        ReportBadCopy(task.key(), task.version(), src.segment_id(), src.offset());
+        ReportBadCopy(task.key, task.version, src.segment_id, src.offset);
         continue;
       }
     }
-    if (src.length() != task.dest().length()) {
+    if (src.length != task.dest.length) {
       result[i] = Status::InvalidArgument("task source and destination lengths differ");
       continue;
     }
     dest_ids[i] = dest->node_id;
     NotePeer(dest->node_id);
     if (!deadline || batch[i].deadline < *deadline) deadline = batch[i].deadline;
-    ops.push_back(TransferOp{OpCode::kWrite, local, src.length(), dest_ids[i],
-                             task.dest().segment_id(), task.dest().offset()});
+    ops.push_back(TransferOp{OpCode::kWrite, local, src.length, dest_ids[i], task.dest.segment_id,
+                             task.dest.offset});
     task_of_op.push_back(i);
   }
   if (ops.empty()) return result;
@@ -747,12 +741,12 @@ void StorageNode::Impl::ReportBadCopy(const std::string& key, uint64_t version, 
 }
 
 // False when no answer came (the call failed on the way): ask again later.
-bool StorageNode::Impl::ReportTask(const rpc::TaskDoneRequest& done) {
+bool StorageNode::Impl::ReportTask(const store::TaskReport& done) {
   Status answer;
   Status call = master->TaskDone(done, &answer);
-  if (call.ok()) (done.status().code() == KVB_OK ? tasks_ok : tasks_failed)->Inc();
+  if (call.ok()) (done.status.ok() ? tasks_ok : tasks_failed)->Inc();
   if (!call.ok()) {
-    KVB_LOG(WARN) << call.ToString() << " (task " << done.task_id() << "; asking again)";
+    KVB_LOG(WARN) << call.ToString() << " (task " << done.task_id << "; asking again)";
   }
   // Any answer settles it (NOT_FOUND: the first report arrived, or the master gave the task up).
   return call.ok();
@@ -761,7 +755,7 @@ bool StorageNode::Impl::ReportTask(const rpc::TaskDoneRequest& done) {
 void StorageNode::Impl::TaskLoop() {
   // A TaskDone without an answer is asked again; the master would otherwise give the task up
   // only at its deadline (task_timeout_ms) and copy the object once more.
-  Unanswered<rpc::TaskDoneRequest> unanswered;
+  Unanswered<store::TaskReport> unanswered;
   std::unique_lock<std::mutex> lock(mu);
   for (;;) {
     auto work = [&] { return stopping || !tasks.empty(); };
@@ -773,7 +767,7 @@ void StorageNode::Impl::TaskLoop() {
     if (stopping) return;
     if (tasks.empty()) {  // only retries are due
       lock.unlock();
-      unanswered.RetryDue([&](const rpc::TaskDoneRequest& d) { return ReportTask(d); });
+      unanswered.RetryDue([&](const store::TaskReport& d) { return ReportTask(d); });
       lock.lock();
       continue;
     }
@@ -795,13 +789,10 @@ void StorageNode::Impl::TaskLoop() {
         later.push_back(std::move(batch[i]));
         continue;
       }
-      rpc::TaskDoneRequest done;
-      *done.mutable_node() = Identity();
-      done.set_task_id(batch[i].task.task_id());
-      store::ToProto(statuses[i], done.mutable_status());
+      store::TaskReport done{engine->self(), batch[i].task.task_id, statuses[i]};
       if (!ReportTask(done)) unanswered.Add(std::move(done));
     }
-    unanswered.RetryDue([&](const rpc::TaskDoneRequest& d) { return ReportTask(d); });
+    unanswered.RetryDue([&](const store::TaskReport& d) { return ReportTask(d); });
     lock.lock();
     tasks.insert(tasks.begin(), std::make_move_iterator(later.begin()),
                  std::make_move_iterator(later.end()));
@@ -997,7 +988,7 @@ Status StorageNode::Impl::Promote(const rpc::Demotion& d) {
   return Status::OK();
 }
 
-bool StorageNode::Impl::ReportMove(const rpc::Demotion& d, const rpc::DemoteDoneRequest& done,
+bool StorageNode::Impl::ReportMove(const rpc::Demotion& d, const store::MoveReport& done,
                                    bool made) {
   Status answer;
   if (Status call = master->DemoteDone(done, &answer); !call.ok()) {
@@ -1031,7 +1022,7 @@ void StorageNode::Impl::DemoteLoop() {
   // Until answered, a copy made stays: if the master applied the move, it lists that copy.
   struct Move {
     rpc::Demotion d;
-    rpc::DemoteDoneRequest done;
+    store::MoveReport done;
     bool made = false;
   };
   Unanswered<Move> unanswered;
@@ -1083,12 +1074,8 @@ void StorageNode::Impl::DemoteLoop() {
       Status st = std::chrono::steady_clock::now() >= deadline
                       ? Status::DeadlineExceeded("move arrived past its deadline; not done")
                       : Demote(d);
-      rpc::DemoteDoneRequest done;
-      *done.mutable_node() = Identity();
-      done.set_key(d.source().key());
-      done.set_version(d.source().version());
-      done.set_dest_replica_id(d.dest().replica_id());
-      store::ToProto(st, done.mutable_status());
+      const store::MoveReport done{engine->self(), d.source().key(), d.source().version(),
+                                   d.dest().replica_id(), st};
       if (!ReportMove(d, done, st.ok())) unanswered.Add({d, done, st.ok()});
     }
     unanswered.RetryDue([&](const Move& m) { return ReportMove(m.d, m.done, m.made); });

@@ -1,4 +1,3 @@
-#include <google/protobuf/arena.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -64,7 +63,6 @@ constexpr uint64_t kStagingBytes = 64ull << 20;
 constexpr uint64_t kBounceBytes = 8ull << 20;
 
 // Where one key's bytes go: the object's byte range [obj_off, obj_off+len) maps to local memory.
-constexpr uint32_t kTierSsd = 2;  // ReplicaLocation.tier of a replica on an SSD tier
 
 struct Piece {
   uint64_t obj_off;
@@ -235,9 +233,10 @@ struct StoreClient::Impl {
     }
   }
   // The master's replicas (and sizes, read leases) of each key; a failed call is a Status.
-  Status GetReplicas(std::span<const std::string> keys, rpc::GetReplicasReply* got,
+  Status GetReplicas(std::span<const std::string> keys, std::vector<store::ReadGrant>* got,
                      bool sizes_only = false) {
-    Result<rpc::GetReplicasReply> r = master->GetReplicas(keys, engine->self().node_id, sizes_only);
+    Result<std::vector<store::ReadGrant>> r =
+        master->GetReplicas(keys, engine->self().node_id, sizes_only);
     if (!r.ok()) return r.status();
     *got = std::move(r).value();
     return Status::OK();
@@ -253,15 +252,14 @@ struct StoreClient::Impl {
     }
     std::vector<Result<T>> result(keys.size(), Status::Internal("not attempted"));
     if (keys.empty()) return result;
-    rpc::GetReplicasReply got;
+    std::vector<store::ReadGrant> got;
     if (Status st = GetReplicas(keys, &got, /*sizes_only=*/true); !st.ok()) {
       result.assign(keys.size(), st);
       return result;
     }
     for (size_t i = 0; i < keys.size(); ++i) {
-      const auto& item = got.items(static_cast<int>(i));
-      Status st = FromProto(item.status());
-      result[i] = st.ok() ? Result<T>(fn(item)) : Result<T>(std::move(st));
+      const store::ReadGrant& item = got[i];
+      result[i] = item.status.ok() ? Result<T>(fn(item)) : Result<T>(item.status);
     }
     return result;
   }
@@ -269,7 +267,7 @@ struct StoreClient::Impl {
   std::shared_ptr<rpc::Node::Stub> NodeStub(const std::string& node_id, Status* why);
   // One SSD read: the replica to read and where the key's bytes go.
   struct SsdTarget {
-    const rpc::ReplicaLocation* loc = nullptr;
+    const store::ReplicaLocation* loc = nullptr;
     const std::string* key = nullptr;
     uint64_t version = 0;
     const std::vector<Piece>* pieces = nullptr;
@@ -289,16 +287,16 @@ struct StoreClient::Impl {
   // Makes sure the engine knows the current incarnation of every node named.
   Status EnsurePeers(const std::set<std::pair<std::string, uint64_t>>& nodes);
   // Whether the engine knows this incarnation of the node (EnsurePeers added it).
-  bool Knows(const rpc::NodeIdentity& node) {
+  bool Knows(const store::NodeIdentity& node) {
     std::lock_guard<std::mutex> lock(peers_mu);
-    auto it = peers.find(node.node_id());
-    return it != peers.end() && it->second == node.incarnation();
+    auto it = peers.find(node.node_id);
+    return it != peers.end() && it->second == node.incarnation;
   }
   // Tells the master a replica (node_level: its whole node) failed this client; best effort.
-  void Report(const std::string& key, uint64_t version, const rpc::ReplicaLocation& loc,
+  void Report(const std::string& key, uint64_t version, const store::ReplicaLocation& loc,
               bool node_level) {
-    master->ReportBadReplica({key, version, PeerId{loc.node().node_id(), loc.node().incarnation()},
-                              loc.segment_id(), loc.offset(), node_level});
+    master->ReportBadReplica({key, version, PeerId{loc.node.node_id, loc.node.incarnation},
+                              loc.segment_id, loc.offset, node_level});
   }
   // One transfer pass, bounded by deadline_ms (0: transfer_deadline_ms); fills ok[i] per
   // group of ops.
@@ -387,6 +385,11 @@ std::shared_ptr<rpc::Node::Stub> StoreClient::Impl::NodeStub(const std::string& 
 
 namespace {
 
+// A get walks a key's replicas with an int index (-1: none yet).
+int Count(const std::vector<store::ReplicaLocation>& replicas) {
+  return static_cast<int>(replicas.size());
+}
+
 // A failure of the node as a whole (gone, frozen, replaced), not of one replica or our memory.
 bool NodeLevel(const Status& st) {
   return st.IsPeerUnreachable() || st.IsStalePeer() || st.Is(StatusCode::kProgressTimeout) ||
@@ -445,7 +448,7 @@ void StoreClient::Impl::RunSsd(const std::vector<std::pair<size_t, SsdTarget>>& 
   auto send = [&](const std::vector<std::pair<size_t, SsdTarget>>& batch, bool hedge) {
     std::vector<Call*> out;
     for (const auto& [g, t] : batch) {
-      const std::string& node = t.loc->node().node_id();
+      const std::string& node = t.loc->node.node_id;
       Call* c = nullptr;
       for (Call* o : out) {
         if (o->node == node) c = o;
@@ -455,7 +458,8 @@ void StoreClient::Impl::RunSsd(const std::vector<std::pair<size_t, SsdTarget>>& 
         c = calls.back().get();
         c->node = node;
         c->hedge = hedge;
-        *c->req.mutable_node() = t.loc->node();
+        c->req.mutable_node()->set_node_id(t.loc->node.node_id);
+        c->req.mutable_node()->set_incarnation(t.loc->node.incarnation);
         c->req.set_client_descriptor(descriptor);
         c->req.mutable_client()->set_node_id(engine->self().node_id);
         c->req.mutable_client()->set_incarnation(engine->self().incarnation);
@@ -948,7 +952,7 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   // allocates: for 128 x 64 KiB pages the CRC takes about as long as the PutStart round trip
   // (0.6 ms each), and overlapping them took 3-16% off a put batch (docs/performance.md). The
   // bytes of CUDA buffers are copied to host memory for it then too (Impl::Checksums).
-  rpc::PutStartReply started;
+  std::vector<store::PutGrant> started;
   std::vector<uint32_t> checksums;
   std::vector<Status> unread;  // per key: why its bytes could not be read for the checksum
   std::vector<std::vector<Piece>> pieces(keys.size());
@@ -967,7 +971,7 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
       of_key[i] = &pieces[i];
     }
     im.Checksums(of_key, &checksums, &unread);
-    Result<rpc::PutStartReply> reply = pending.Wait();
+    Result<std::vector<store::PutGrant>> reply = pending.Wait();
     if (!reply.ok()) {
       result.assign(keys.size(), reply.status());
       return result;
@@ -980,10 +984,10 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   // sending then could land on them (docs/store.md "Late writes").
   std::set<std::pair<std::string, uint64_t>> nodes;
   std::optional<std::chrono::steady_clock::time_point> write_deadline;
-  for (const auto& item : started.items()) {
-    for (const auto& r : item.replicas()) nodes.emplace(r.node().node_id(), r.node().incarnation());
-    if (item.status().code() == 0 && item.replicas_size() > 0) {
-      const auto d = put_base + std::chrono::milliseconds(item.deadline_ms());
+  for (const store::PutGrant& item : started) {
+    for (const auto& r : item.replicas) nodes.emplace(r.node.node_id, r.node.incarnation);
+    if (item.status.ok() && !item.replicas.empty()) {
+      const auto d = put_base + std::chrono::milliseconds(item.deadline_ms);
       if (!write_deadline || d < *write_deadline) write_deadline = d;
     }
   }
@@ -994,12 +998,12 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   }
   std::vector<TransferOp> ops;
   std::vector<size_t> group_of_op;
-  std::vector<std::pair<size_t, int>> groups;  // (key index, replica index)
-  std::vector<size_t> unread_groups;           // groups of keys whose bytes could not be read
-  uint64_t existing = 0;                       // keys stored already (counters)
+  std::vector<std::pair<size_t, size_t>> groups;  // (key index, replica index)
+  std::vector<size_t> unread_groups;              // groups of keys whose bytes could not be read
+  uint64_t existing = 0;                          // keys stored already (counters)
   for (size_t i = 0; i < keys.size(); ++i) {
-    const auto& item = started.items(static_cast<int>(i));
-    Status st = FromProto(item.status());
+    const store::PutGrant& item = started[i];
+    const Status& st = item.status;
     if (st.Is(StatusCode::kAlreadyExists)) {  // stored already: success, no rewrite
       ++existing;
       continue;
@@ -1011,18 +1015,18 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
     // No checksum, no write: its replicas go to PutEnd as failed, so that the master drops the
     // object at once (nothing stored, nothing half-written).
     if (!unread[i].ok()) {
-      for (int r = 0; r < item.replicas_size(); ++r) {
+      for (size_t r = 0; r < item.replicas.size(); ++r) {
         groups.emplace_back(i, r);
         unread_groups.push_back(groups.size() - 1);
       }
       continue;
     }
-    for (int r = 0; r < item.replicas_size(); ++r) {
-      const auto& loc = item.replicas(r);
+    for (size_t r = 0; r < item.replicas.size(); ++r) {
+      const store::ReplicaLocation& loc = item.replicas[r];
       groups.emplace_back(i, r);
       for (const auto& p : pieces[i]) {
-        ops.push_back(TransferOp{OpCode::kWrite, p.local, p.len, loc.node().node_id(),
-                                 loc.segment_id(), loc.offset() + p.obj_off});
+        ops.push_back(TransferOp{OpCode::kWrite, p.local, p.len, loc.node.node_id, loc.segment_id,
+                                 loc.offset + p.obj_off});
         group_of_op.push_back(groups.size() - 1);
       }
     }
@@ -1053,7 +1057,7 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
     const auto [i, r] = groups[g];
     if (end_item_of_key[i] < 0) {
       end_item_of_key[i] = static_cast<int>(end.size());
-      end.push_back({keys[i], started.items(static_cast<int>(i)).version(), {}, checksums[i]});
+      end.push_back({keys[i], started[i].version, {}, checksums[i]});
     }
     end[end_item_of_key[i]].replica_ok.push_back(group_status[g].ok());
   }
@@ -1094,10 +1098,10 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   for (size_t g = 0; sent && g < groups.size(); ++g) {
     if (group_status[g].ok() || !NodeLevel(group_status[g])) continue;
     const auto [i, r] = groups[g];
-    const auto& item = started.items(static_cast<int>(i));
-    const auto& loc = item.replicas(r);
-    if (im.Knows(loc.node()) && reported.insert(loc.node().node_id()).second) {
-      im.Report(keys[i], item.version(), loc, /*node_level=*/true);
+    const store::PutGrant& item = started[i];
+    const store::ReplicaLocation& loc = item.replicas[r];
+    if (im.Knows(loc.node) && reported.insert(loc.node.node_id).second) {
+      im.Report(keys[i], item.version, loc, /*node_level=*/true);
     }
   }
   return result;
@@ -1133,19 +1137,19 @@ std::vector<Result<uint64_t>> StoreClient::BatchGetInto(
 }
 
 std::vector<Result<uint64_t>> StoreClient::BatchGetSize(std::span<const std::string> keys) {
-  return impl_->FromSizeQuery<uint64_t>(keys, [](const rpc::GetItem& item) {
-    return std::accumulate(item.sizes().begin(), item.sizes().end(), uint64_t{0});
+  return impl_->FromSizeQuery<uint64_t>(keys, [](const store::ReadGrant& item) {
+    return std::accumulate(item.sizes.begin(), item.sizes.end(), uint64_t{0});
   });
 }
 
 std::vector<Result<std::vector<ReplicaInfo>>> StoreClient::BatchGetReplicaInfo(
     std::span<const std::string> keys) {
-  return impl_->FromSizeQuery<std::vector<ReplicaInfo>>(keys, [](const rpc::GetItem& item) {
+  return impl_->FromSizeQuery<std::vector<ReplicaInfo>>(keys, [](const store::ReadGrant& item) {
     std::vector<ReplicaInfo> out;
-    out.reserve(item.replicas_size());
-    for (const auto& r : item.replicas()) {
-      out.push_back({PeerId{r.node().node_id(), r.node().incarnation()}, r.tier() == 2,
-                     r.segment_id(), r.offset(), r.length()});
+    out.reserve(item.replicas.size());
+    for (const auto& r : item.replicas) {
+      out.push_back({PeerId{r.node.node_id, r.node.incarnation}, r.tier == store::Tier::kSsd,
+                     r.segment_id, r.offset, r.length});
     }
     return out;
   });
@@ -1169,15 +1173,7 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
     for (size_t j = 0; j < sub.size(); ++j) result[subset->index[j]] = std::move(sub[j]);
     return result;
   }
-  // The reply holds a message per key and per replica, and a node id string per replica:
-  // about a thousand allocations for 128 keys at two replicas, parsed and freed on the
-  // caller's thread while it waits. An arena makes them a few blocks, freed at once.
-  google::protobuf::ArenaOptions arena_options;
-  arena_options.start_block_size = 32 << 10;
-  arena_options.max_block_size = 256 << 10;
-  google::protobuf::Arena arena(arena_options);
-  rpc::GetReplicasReply& got =
-      *google::protobuf::Arena::CreateMessage<rpc::GetReplicasReply>(&arena);
+  std::vector<store::ReadGrant> got;
   if (Status st = im.GetReplicas(keys, &got); !st.ok()) {
     result.assign(keys.size(), st);
     return result;
@@ -1187,25 +1183,24 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
   std::vector<size_t> pending;
   std::set<std::pair<std::string, uint64_t>> nodes;
   for (size_t i = 0; i < keys.size(); ++i) {
-    const auto& item = got.items(static_cast<int>(i));
-    Status st = FromProto(item.status());
-    if (!st.ok()) {
-      result[i] = st;
+    const store::ReadGrant& item = got[i];
+    if (!item.status.ok()) {
+      result[i] = item.status;
       continue;
     }
     uint64_t total = 0;
-    for (uint64_t s : item.sizes()) total += s;
+    for (uint64_t s : item.sizes) total += s;
     if (!MapPieces(total, buffers[i], &pieces[i])) {
       result[i] = Status::InvalidArgument("buffers hold fewer bytes than the object's " +
                                           std::to_string(total));
       continue;
     }
     im.MarkDevices(&pieces[i]);
-    if (item.replicas_size() == 0) {
+    if (item.replicas.empty()) {
       result[i] = Status::NotFound("object has no readable replica");
       continue;
     }
-    for (const auto& r : item.replicas()) nodes.emplace(r.node().node_id(), r.node().incarnation());
+    for (const auto& r : item.replicas) nodes.emplace(r.node.node_id, r.node.incarnation);
     pending.push_back(i);
   }
   Status peers_ok = im.EnsurePeers(nodes);
@@ -1225,15 +1220,15 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
     std::vector<std::pair<size_t, Impl::SsdTarget>> from_ssd;  // groups whose replica is on SSD
     for (size_t g = 0; g < pending.size(); ++g) {
       const size_t i = pending[g];
-      const auto& item = got.items(static_cast<int>(i));
-      const auto& loc = item.replicas(next_replica[i]);
-      if (loc.tier() == kTierSsd) {
-        from_ssd.emplace_back(g, Impl::SsdTarget{&loc, &keys[i], item.version(), &pieces[i]});
+      const store::ReadGrant& item = got[i];
+      const store::ReplicaLocation& loc = item.replicas[next_replica[i]];
+      if (loc.tier == store::Tier::kSsd) {
+        from_ssd.emplace_back(g, Impl::SsdTarget{&loc, &keys[i], item.version, &pieces[i]});
         continue;
       }
       for (const auto& p : pieces[i]) {
-        ops.push_back(TransferOp{OpCode::kRead, p.local, p.len, loc.node().node_id(),
-                                 loc.segment_id(), loc.offset() + p.obj_off});
+        ops.push_back(TransferOp{OpCode::kRead, p.local, p.len, loc.node.node_id, loc.segment_id,
+                                 loc.offset + p.obj_off});
         group_of_op.push_back(g);
       }
     }
@@ -1249,13 +1244,13 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
     if (!from_ssd.empty()) {
       auto ssd_alternative = [&](size_t g, std::string_view avoid, Impl::SsdTarget* out) {
         const size_t i = pending[g];
-        const auto& item = got.items(static_cast<int>(i));
-        for (int r = std::max(next_replica[i], hedged_from[g]) + 1; r < item.replicas_size(); ++r) {
-          const auto& loc = item.replicas(r);
-          if (loc.tier() != kTierSsd || loc.node().node_id() == avoid || !im.Knows(loc.node())) {
+        const store::ReadGrant& item = got[i];
+        for (int r = std::max(next_replica[i], hedged_from[g]) + 1; r < Count(item.replicas); ++r) {
+          const store::ReplicaLocation& loc = item.replicas[r];
+          if (loc.tier != store::Tier::kSsd || loc.node.node_id == avoid || !im.Knows(loc.node)) {
             continue;
           }
-          *out = Impl::SsdTarget{&loc, &keys[i], item.version(), &pieces[i]};
+          *out = Impl::SsdTarget{&loc, &keys[i], item.version, &pieces[i]};
           hedged_from[g] = r;
           return true;
         }
@@ -1272,15 +1267,15 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
       // Another complete DRAM replica of group g's key, after the one this pass reads.
       auto alternative = [&](size_t g, std::string_view avoid, std::vector<TransferOp>* out) {
         const size_t i = pending[g];
-        const auto& item = got.items(static_cast<int>(i));
-        for (int r = next_replica[i] + 1; r < item.replicas_size(); ++r) {
-          const auto& loc = item.replicas(r);
-          if (loc.tier() == kTierSsd || loc.node().node_id() == avoid || !im.Knows(loc.node())) {
+        const store::ReadGrant& item = got[i];
+        for (int r = next_replica[i] + 1; r < Count(item.replicas); ++r) {
+          const store::ReplicaLocation& loc = item.replicas[r];
+          if (loc.tier == store::Tier::kSsd || loc.node.node_id == avoid || !im.Knows(loc.node)) {
             continue;
           }
           for (const auto& p : pieces[i]) {
-            out->push_back(TransferOp{OpCode::kRead, p.local, p.len, loc.node().node_id(),
-                                      loc.segment_id(), loc.offset() + p.obj_off});
+            out->push_back(TransferOp{OpCode::kRead, p.local, p.len, loc.node.node_id,
+                                      loc.segment_id, loc.offset + p.obj_off});
           }
           hedged_from[g] = r;
           return true;
@@ -1297,15 +1292,15 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
     }
     std::vector<size_t> retry;
     std::set<std::string> reported_nodes;
-    auto report = [&](size_t i, const rpc::ReplicaLocation& bad, bool node_level) {
-      im.Report(keys[i], got.items(static_cast<int>(i)).version(), bad, node_level);
+    auto report = [&](size_t i, const store::ReplicaLocation& bad, bool node_level) {
+      im.Report(keys[i], got[i].version, bad, node_level);
     };
     // A node so late that other replicas served all it was asked for is reported like one
     // that is unreachable: placed last for a while, nothing dropped.
     for (size_t g : late) {
       const size_t i = pending[g];
-      const auto& slow = got.items(static_cast<int>(i)).replicas(next_replica[i]);
-      if (reported_nodes.insert(slow.node().node_id()).second) report(i, slow, true);
+      const store::ReplicaLocation& slow = got[i].replicas[next_replica[i]];
+      if (reported_nodes.insert(slow.node.node_id).second) report(i, slow, true);
     }
     // Every byte handed to the caller is checked, lease or not, DRAM or SSD: a lease keeps
     // the master from reusing the range, but not a late writer, a node that lost track of its
@@ -1321,7 +1316,7 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
     size_t checked = 0;  // the next entry of crcs/unread
     for (size_t g = 0; g < pending.size(); ++g) {
       const size_t i = pending[g];
-      const auto& item = got.items(static_cast<int>(i));
+      const store::ReadGrant& item = got[i];
       Status st = group_status[g];
       bool mismatch = false;
       bool local_copy_failed = false;  // our copy of the key's CUDA buffers for the checksum
@@ -1330,21 +1325,20 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
         if (!unread[c].ok()) {
           st = unread[c];
           local_copy_failed = true;
-        } else if (crcs[c] != item.checksum()) {
+        } else if (crcs[c] != item.checksum) {
           st = Status::IoError("checksum mismatch: the replica's bytes are not the object's");
           mismatch = true;
         }
       }
       if (st.ok()) {
-        const uint64_t size =
-            std::accumulate(item.sizes().begin(), item.sizes().end(), uint64_t{0});
+        const uint64_t size = std::accumulate(item.sizes.begin(), item.sizes.end(), uint64_t{0});
         // Hedges read a replica of the tier of the one they stand in for.
-        ++(item.replicas(next_replica[i]).tier() == kTierSsd ? hits_ssd : hits_dram);
+        ++(item.replicas[next_replica[i]].tier == store::Tier::kSsd ? hits_ssd : hits_dram);
         hit_bytes += size;
         result[i] = size;
         continue;
       }
-      const auto& bad = item.replicas(next_replica[i]);
+      const store::ReplicaLocation& bad = item.replicas[next_replica[i]];
       // A node that is gone, frozen or replaced fails every key it holds; the master learns
       // that from its heartbeats (TTL) or re-registration, and one report per key would only
       // delay this get: one report per node and pass marks it suspect (placed last until it
@@ -1357,7 +1351,7 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
       // another replica would meet the same device: the key fails with it, nothing reported.
       if (local_copy_failed) {
         result[i] =
-            st.WithContext("checking the bytes read from the replica on " + bad.node().node_id());
+            st.WithContext("checking the bytes read from the replica on " + bad.node.node_id);
         continue;
       }
       // Says nothing about the replica (a busy node, our own memory, a node that could not
@@ -1367,15 +1361,15 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
       // as the node's: it is not held against the replica either.
       const bool not_the_replica =
           st.Is(StatusCode::kBackpressure) || st.Is(StatusCode::kNotRegistered) ||
-          st.Is(StatusCode::kUnavailable) || !im.Knows(bad.node()) ||
+          st.Is(StatusCode::kUnavailable) || !im.Knows(bad.node) ||
           (st.Is(StatusCode::kIoError) && !mismatch && OnDevice(pieces[i]));
-      if (!not_the_replica && (!node_level || reported_nodes.insert(bad.node().node_id()).second)) {
+      if (!not_the_replica && (!node_level || reported_nodes.insert(bad.node.node_id).second)) {
         report(i, bad, node_level);
       }
-      result[i] = st.WithContext("replica on " + bad.node().node_id());
+      result[i] = st.WithContext("replica on " + bad.node.node_id);
       // A failed key whose hedge was sent failed there too: the next pass skips that replica.
       next_replica[i] = std::max(next_replica[i], hedged_from[g]) + 1;
-      if (next_replica[i] < item.replicas_size()) retry.push_back(i);
+      if (next_replica[i] < Count(item.replicas)) retry.push_back(i);
     }
     pending.swap(retry);
   }

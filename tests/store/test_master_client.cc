@@ -140,6 +140,20 @@ TEST_F(MasterClientTest, WrongTokenIsRefusedAndNotRetried) {
   EXPECT_TRUE(Client(3000, token)->Exists(keys_).ok());
 }
 
+// The retry policy is one table: the idempotent reads are retried, nothing that changes state.
+TEST(MasterRetryTable, RetriesTheIdempotentReadsOnly) {
+  using store::MasterClient;
+  namespace m = store::method;
+  for (auto read : {m::kGetReplicas, m::kExists, m::kGetNodeDescriptors, m::kStats}) {
+    EXPECT_TRUE(MasterClient::Retryable(read)) << read;
+  }
+  for (auto once : {m::kPutStart, m::kPutEnd, m::kRemove, m::kRemoveAll, m::kReportBadReplica,
+                    m::kRegisterNode, m::kRegisterNodeStream, m::kHeartbeat, m::kTaskDone,
+                    m::kDemoteDone, m::kDrain, m::kDeregister, m::kCommit}) {
+    EXPECT_FALSE(MasterClient::Retryable(once)) << once;
+  }
+}
+
 // A node's MasterClient sends heartbeats on a TCP connection of its own (so a slow call on
 // the main channel cannot hold one up behind it): one call on each channel makes two
 // connections to the master. Heartbeats are not retried by the client (the node's heartbeat
@@ -150,7 +164,7 @@ TEST_F(MasterClientTest, HeartbeatHasItsOwnConnection) {
   const PeerId node{"not-registered", 42};
   ASSERT_TRUE(client->Exists(keys_).ok());
   // An unknown node: the master answers NOT_FOUND (a node would register again).
-  Result<rpc::HeartbeatReply> beat = client->Heartbeat(node, 0);
+  Result<store::HeartbeatAnswer> beat = client->Heartbeat(node, 0);
   EXPECT_TRUE(beat.status().IsNotFound()) << beat.status().ToString();
   EXPECT_EQ(testing::CountSocketsToPort(port_).established, 2)
       << "the heartbeat shares the main channel's connection";
