@@ -120,7 +120,9 @@ NOTES = {
                    "standby takes over after the leader's 2 s lease, rebuilds the object table "
                    "from the nodes' inventories and holds back only the chunks the old leader "
                    "published as being written (without etcd: one master restarted in place, "
-                   "which holds every node back for the late-write hold). Mooncake's master "
+                   "which holds every node back for the late-write hold); its clients get an 8 s "
+                   "call deadline (KVBRIDGE_RPC_TIMEOUT_MS), as docs/ha.md asks of HA clients. "
+                   "Mooncake's master "
                    "keeps object metadata in memory only (no HA or OpLog configured), so keys "
                    "stored before the restart are gone: its 'lost' count is that.",
 }
@@ -602,6 +604,10 @@ def run_one(system: str, scenario: str, t: Timing, args, logdir: str) -> dict:
     else:
         cluster = MooncakeCluster(logdir, segment)
     env = dict(os.environ)
+    if getattr(cluster, "ha", False):
+        # As docs/ha.md asks of HA clients: a call's deadline above the leader's lease plus a
+        # couple of seconds, so reads and puts ride through an election.
+        env.setdefault("KVBRIDGE_RPC_TIMEOUT_MS", "8000")
     clients = []
     try:
         for w in range(args.clients):

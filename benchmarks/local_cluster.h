@@ -204,13 +204,15 @@ class LocalCluster {
       *why = "master did not start (said '" + line + "'; see " + LogPath("master") + ")";
       return false;
     }
+    // "listening on HOST:PORT[, status page and /metrics on http://...]"
     address_ = line.substr(at + tag.size());
+    address_ = address_.substr(0, address_.find(','));
     for (int i = 0; i < c.nodes; ++i) {
       const std::string id = NodeId(i);
-      auto node =
-          Daemon::Start({c.kvbridge_bin, "node", "--master", address_, "--node-id", id,
-                         "--dram-bytes", std::to_string(c.dram_bytes), "--listen", "127.0.0.1:0"},
-                        LogPath(id), why);
+      auto node = Daemon::Start(
+          {c.kvbridge_bin, "node", "--master", address_, "--node-id", id, "--dram-bytes",
+           std::to_string(c.dram_bytes), "--listen", "127.0.0.1:0", "--metrics-listen", "off"},
+          LogPath(id), why);
       if (!node) return false;
       const std::string l = node->ReadLine(20000);
       if (l.find("serving") == std::string::npos) {

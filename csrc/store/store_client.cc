@@ -1107,10 +1107,44 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   return result;
 }
 
+namespace {
+
+// The master could not be reached for the put (down, restarting, an election in progress):
+// nothing of it was acknowledged, so the whole put may go again.
+bool MasterUnavailable(const Status& st) {
+  return st.origin() == StatusOrigin::kMaster &&
+         (st.Is(StatusCode::kUnavailable) || st.Is(StatusCode::kPeerUnreachable));
+}
+
+}  // namespace
+
 std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
                                               std::span<const std::vector<BufferRef>> buffers) {
   const auto start = store::ClientCounters::Clock::now();
   std::vector<Status> result = impl_->PutFrom(keys, buffers);
+  // Keys whose put failed only because the master was unavailable are put again, whole (a new
+  // PutStart: a new version, the same bytes), until rpc_timeout_ms from the call's start: a
+  // put rides through a master restart or an HA election (docs/ha.md) as a read does.
+  const auto until = start + std::chrono::milliseconds(impl_->options.rpc_timeout_ms);
+  for (uint32_t backoff_ms = 100;; backoff_ms = std::min<uint32_t>(2 * backoff_ms, 500)) {
+    std::vector<size_t> again;
+    for (size_t i = 0; i < result.size(); ++i) {
+      if (MasterUnavailable(result[i])) again.push_back(i);
+    }
+    if (again.empty() || buffers.size() != keys.size() ||
+        store::ClientCounters::Clock::now() + std::chrono::milliseconds(backoff_ms) >= until) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
+    std::vector<std::string> k;
+    std::vector<std::vector<BufferRef>> b;
+    for (size_t i : again) {
+      k.push_back(keys[i]);
+      b.push_back(buffers[i]);
+    }
+    std::vector<Status> retried = impl_->PutFrom(k, b);
+    for (size_t j = 0; j < again.size(); ++j) result[again[j]] = std::move(retried[j]);
+  }
   for (const Status& st : result) {
     if (!st.ok()) impl_->counters.Error(StoreOp::kPut, st.code());
   }
