@@ -330,6 +330,17 @@ class StoreHa : public ::testing::Test {
     return failed;
   }
 
+  // How every failure test ends: no get failed, every acknowledged object (seeded, and put
+  // under the load) reads back with its bytes, and all three nodes serve.
+  void ExpectNothingLost(const std::vector<uint64_t>& seeded, Load& load) {
+    EXPECT_EQ(load.gets_failed.load(), 0) << load.first_get_error;
+    std::vector<uint64_t> all = seeded;
+    all.insert(all.end(), load.acked.begin(), load.acked.end());
+    std::string why;
+    EXPECT_EQ(VerifyAll(all, &why), 0) << "lost or wrong acknowledged objects, first: " << why;
+    EXPECT_EQ(testing::ActiveNodes(etcd_address_), 3);
+  }
+
   // Seconds from `t` until the first fully acknowledged put batch after it (-1: none).
   static double PutsResumeAfter(Load& load, double t) {
     std::lock_guard<std::mutex> lock(load.mu);
@@ -392,12 +403,7 @@ TEST_F(StoreHa, KilledLeaderIsReplacedWithoutLosingAnAcknowledgedObject) {
       load.puts_failed.load(), load.gets_ok.load(), load.gets_failed.load());
   EXPECT_GT(resumed_s, 0) << "puts never resumed";
   std::printf("first put error: %s\n", load.first_put_error.c_str());
-  EXPECT_EQ(load.gets_failed.load(), 0) << load.first_get_error;
-  std::vector<uint64_t> all = seeded;
-  all.insert(all.end(), load.acked.begin(), load.acked.end());
-  std::string why;
-  EXPECT_EQ(VerifyAll(all, &why), 0) << "lost or wrong acknowledged objects, first: " << why;
-  EXPECT_EQ(testing::ActiveNodes(etcd_address_), 3);
+  ExpectNothingLost(seeded, load);
 }
 
 // SIGSTOP of the leader: it loses its lease while frozen, a standby takes over, and once
@@ -433,12 +439,7 @@ TEST_F(StoreHa, FrozenLeaderIsReplacedAndNeverActsAgain) {
   std::printf("frozen leader: puts %d ok / %d failed, gets %d ok / %d failed\n",
               load.puts_ok.load(), load.puts_failed.load(), load.gets_ok.load(),
               load.gets_failed.load());
-  EXPECT_EQ(load.gets_failed.load(), 0) << load.first_get_error;
-  std::vector<uint64_t> all = seeded;
-  all.insert(all.end(), load.acked.begin(), load.acked.end());
-  std::string why;
-  EXPECT_EQ(VerifyAll(all, &why), 0) << "lost or wrong acknowledged objects, first: " << why;
-  EXPECT_EQ(testing::ActiveNodes(etcd_address_), 3);
+  ExpectNothingLost(seeded, load);
 }
 
 // The nodes follow the leader's term: a commit (or a reply) carrying an older term, as a
