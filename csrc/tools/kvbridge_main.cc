@@ -264,6 +264,9 @@ bool SetNumber(const Flags& f, const std::string& flag, T* out) {
 bool SetSize(const Flags& f, const std::string& flag, uint64_t* out) {
   if (!f.Has(flag)) return true;
   const std::string s = f.Get(flag);
+  if (!s.empty() && s.find_first_not_of("0123456789") == std::string::npos) {
+    return SetNumber(f, flag, out);  // exact, beyond a double's 53 bits
+  }
   char* end = nullptr;
   const double number = std::strtod(s.c_str(), &end);
   std::string unit(end);
