@@ -271,3 +271,23 @@ def test_master_takes_the_master_keywords_and_sends_ha_to_the_daemon():
         assert m.address.startswith("127.0.0.1:")
     with pytest.raises(InvalidArgumentError, match="kvbridge master --etcd"):
         kvbridge.Master(master_listen="127.0.0.1:0", master_etcd="127.0.0.1:2379")
+
+
+@pytest.mark.parametrize("cls,var,attr,bad", [
+    ("EngineOptions", "KVBRIDGE_DEADLINE_MS", "deadline_ms", "10s"),
+    ("EngineOptions", "KVBRIDGE_PATH_FAILOVER", "path_failover", "yes"),
+    ("MasterOptions", "KVBRIDGE_NODE_TTL_MS", "node_ttl_ms", "4294967296"),
+    ("MasterOptions", "KVBRIDGE_HIGH_WATERMARK", "high_watermark", "90%"),
+    ("NodeOptions", "KVBRIDGE_NODE_DRAM_BYTES", "node_dram_bytes", "64G"),
+    ("StoreOptions", "KVBRIDGE_REPLICA_NUM", "replica_num", "-1"),
+])
+def test_a_malformed_value_is_ignored_with_a_warning_naming_it(cls, var, attr, bad):
+    env = {k: v for k, v in python_env().items() if not k.startswith("KVBRIDGE_")}
+    env[var] = bad
+    code = (f"from kvbridge._native import _C\n"
+            f"print(getattr(_C.{cls}.from_env(), {attr!r}) == getattr(_C.{cls}(), {attr!r}))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "True"  # the default kept
+    assert f"ignoring {var}='{bad}'" in r.stderr
