@@ -9,7 +9,8 @@
 // Settings come from, strongest first: flags, KVBRIDGE_* environment variables, the config file
 // (lines `key = value`; a key `x_y` stands for KVBRIDGE_X_Y), built-in defaults
 // (docs/configuration.md; tests/python/test_option_drift.py holds the flags to that table).
-// A node drains on SIGTERM (its objects move elsewhere first) and stops at once on SIGINT.
+// A node drains on SIGTERM (its objects move elsewhere first) and stops at once on SIGINT or on
+// a second signal during the drain (exit status 128 + the signal).
 // Exit status: 0 ok, 1 a kvbridge error (startup, or a master that did not answer), 2 bad usage.
 #include <signal.h>
 #include <unistd.h>
@@ -80,8 +81,8 @@ const std::vector<Command>& Commands() {
         kJsonFlag,
         kHelpFlag}},
       {"node",
-       "runs a storage node; SIGTERM drains it (its objects move to other nodes), SIGINT stops it "
-       "at once",
+       "runs a storage node; SIGTERM drains it (its objects move to other nodes), SIGINT or a "
+       "second signal stops it at once",
        {{"master", "HOST:PORT", "the master, or etcd://HOST:PORT,...[/PREFIX] (KVBRIDGE_MASTER)"},
         {"dram-bytes", "SIZE", "DRAM contributed, e.g. 64G (KVBRIDGE_NODE_DRAM_BYTES)"},
         {"node-id", "ID", "this node's id (KVBRIDGE_NODE_ID; default <host>-<pid>)"},
@@ -431,6 +432,14 @@ int RunNode(const Flags& f) {
       std::printf("{\"event\": \"draining\", \"role\": \"node\", \"objects\": %zu}\n", objects);
       std::fflush(stdout);
     }
+    // A second signal during the drain stops at once.
+    std::thread([stop] {
+      int again = 0;
+      sigwait(&stop, &again);
+      std::fprintf(stderr, "kvbridge node: %s during the drain, stopping at once\n",
+                   strsignal(again));
+      _exit(128 + again);
+    }).detach();
     Status st = node.value()->Drain();
     result = st.ok() ? "drained" : "drain incomplete: " + st.ToString();
   }

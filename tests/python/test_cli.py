@@ -182,3 +182,22 @@ def test_embedded_master_serves_no_http_unless_asked():
     with kvbridge.Master(master_listen="127.0.0.1:0", metrics_listen="127.0.0.1:0") as m:
         port = int(m.metrics_address.rsplit(":", 1)[1])
         assert _http_get(port, "/health") == (200, "ok\n")
+
+
+def test_a_second_signal_stops_a_draining_node_at_once(daemons):
+    """A drain that cannot finish (its master is gone) is cut short by SIGINT."""
+    master = kvb_daemon("master", "--listen", f"127.0.0.1:{free_port()}", "--metrics-listen",
+                        "off", "--json")
+    daemons.append(master)
+    addr = json.loads(read_line(master))["address"]
+    node = kvb_daemon("node", "--master", addr, "--dram-bytes", "16M", "--node-id", "cli-cut",
+                      "--drain-timeout-ms", "60000", "--metrics-listen", "off", "--json")
+    daemons.append(node)
+    assert json.loads(read_line(node))["event"] == "ready"
+    master.kill()
+    master.wait()
+    node.send_signal(signal.SIGTERM)
+    assert json.loads(read_line(node))["event"] == "draining"
+    node.send_signal(signal.SIGINT)
+    assert node.wait(timeout=10) == 128 + signal.SIGINT
+    assert b"during the drain, stopping at once" in node.stderr.read()
