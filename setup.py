@@ -2,12 +2,14 @@
 
 `pip install .` runs this: CMake configures a build directory (KVBRIDGE_BUILD_DIR, default
 build-py/<python ABI>/ in the source tree; ccache makes rebuilds cheap), builds the target
-kvbridge_python (which pulls in libkvbridge, libkvbridge_store, the kernels and the plugins),
-then `cmake --install --component python` lays them into the wheel's kvbridge/ directory:
+kvbridge_python (which pulls in libkvbridge, libkvbridge_store, the kernels, the plugins and
+the daemon program), then `cmake --install --component python` lays them into the wheel's
+kvbridge/ directory:
 
     kvbridge/_C.<abi>.so  kvbridge/libkvbridge.so  kvbridge/libkvbridge_store.so
     kvbridge/plugins/libkvb_transport_tcp.so  kvbridge/plugins/libkvb_transport_nccl.so
     kvbridge/plugins/libkvb_storage_dram.so   kvbridge/plugins/libkvb_storage_ssd.so
+    kvbridge/bin/kvbridge   (the daemon `kvbridge master|node|status` runs, python/kvbridge/cli.py)
 
 All with $ORIGIN rpaths, so the plugin loader finds the plugins next to the library with no
 environment variable. The extension does not link torch, so one build serves venvs with

@@ -17,9 +17,12 @@ include(CMakePackageConfigHelpers)
 set(KVBRIDGE_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/kvbridge)
 set(KVBRIDGE_INSTALL_PLUGINDIR ${CMAKE_INSTALL_LIBDIR}/kvbridge/plugins)
 
-# The installed libraries and the CLI find their siblings through $ORIGIN.
+# The installed libraries and the CLI find their siblings through $ORIGIN: the CLI in
+# <prefix>/bin reaches <prefix>/lib, and in a wheel (kvbridge/bin/kvbridge, component python)
+# the package directory kvbridge/ that holds the libraries.
 set_target_properties(kvbridge kvbridge_store PROPERTIES INSTALL_RPATH "$ORIGIN")
-set_target_properties(kvbridge_cli PROPERTIES INSTALL_RPATH "$ORIGIN/../${CMAKE_INSTALL_LIBDIR}")
+set_target_properties(kvbridge_cli PROPERTIES
+                      INSTALL_RPATH "$ORIGIN/../${CMAKE_INSTALL_LIBDIR};$ORIGIN/..")
 
 install(TARGETS kvbridge kvbridge_store kvbridge_plugin_abi
   EXPORT kvbridgeTargets

@@ -74,6 +74,29 @@ PY
 }
 use_check "$check/venv/bin/python"
 "${clean_env[@]}" "$check/venv/bin/kvbridge" bench --pages 64 --page-kib 16 --json
+# master, node and status are the daemon program shipped in the wheel (kvbridge/bin/kvbridge):
+# its flags, and a master and a node from the installed package alone.
+"${clean_env[@]}" "$check/venv/bin/kvbridge" master --help | grep -q -- "--min-replicas"
+"${clean_env[@]}" "$check/venv/bin/python" - "$check/venv/bin/kvbridge" <<'PY'
+import json, signal, subprocess, sys
+kvbridge = sys.argv[1]
+def start(*args):
+    p = subprocess.Popen([kvbridge, *args, "--metrics-listen", "off", "--json"],
+                         stdout=subprocess.PIPE, text=True)
+    ready = json.loads(p.stdout.readline())
+    assert ready["event"] == "ready", ready
+    return p, ready
+master, ready = start("master", "--listen", "127.0.0.1:0")
+node, _ = start("node", "--master", ready["address"], "--dram-bytes", "32M", "--node-id", "pip-node")
+status = json.loads(subprocess.run([kvbridge, "status", "--master", ready["address"], "--json"],
+                                   capture_output=True, text=True, check=True).stdout)
+assert [n["node_id"] for n in status["nodes"]] == ["pip-node"], status
+node.send_signal(signal.SIGTERM)  # drains, then stops
+assert node.wait(60) == 0
+master.send_signal(signal.SIGINT)
+assert master.wait(30) == 0
+print("check_pip_install: kvbridge master, node and status from the wheel's daemon: OK")
+PY
 echo "check_pip_install: the kvbridge command works"
 
 engines="$here/.venv-engines"

@@ -29,6 +29,7 @@
 #include "store/rpc_auth.h"
 #include "store/rpc_util.h"
 #include "util/clock.h"
+#include "util/env.h"
 #include "util/logging.h"
 
 namespace kvbridge {
@@ -37,45 +38,36 @@ using store::FromProto;
 using store::ToProto;
 
 MasterOptions MasterOptions::FromEnv() {
+  using util::EnvNumber;
+  using util::EnvString;
   MasterOptions o;
-  if (const char* v = std::getenv("KVBRIDGE_MASTER_LISTEN")) o.listen = v;
-  store::EnvUint("KVBRIDGE_NODE_TTL_MS", &o.node_ttl_ms);
-  store::EnvUint("KVBRIDGE_LEASE_MS", &o.lease_ms);
-  store::EnvUint("KVBRIDGE_PUT_TIMEOUT_MS", &o.put_timeout_ms);
-  store::EnvUint("KVBRIDGE_MIN_REPLICAS", &o.min_replicas);
-  store::EnvUint("KVBRIDGE_DRAIN_TIMEOUT_MS", &o.drain_timeout_ms);
-  store::EnvUint("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
-  store::EnvUint("KVBRIDGE_TASK_TIMEOUT_MS", &o.task_timeout_ms);
-  store::EnvUint64("KVBRIDGE_DEPARTED_NODE_TTL_MS", &o.departed_node_ttl_ms);
-  store::EnvUint64("KVBRIDGE_MAX_DEPARTED_NODES", &o.max_departed_nodes);
-  store::EnvUint64("KVBRIDGE_MAX_DEPARTED_COPIES", &o.max_departed_copies);
-  store::EnvUint("KVBRIDGE_PROMOTE_AFTER_READS", &o.promote_after_reads);
-  if (const char* v = std::getenv("KVBRIDGE_MASTER_FAULTS")) o.faults = v;
-  if (const char* v = std::getenv("KVBRIDGE_CLUSTER_TOKEN")) o.cluster_token = v;
-  if (const char* v = std::getenv("KVBRIDGE_ADMIN_TOKEN")) o.admin_token = v;
-  store::EnvUint("KVBRIDGE_RPC_AUTH_SKEW_MS", &o.rpc_auth_skew_ms);
-  if (const char* v = std::getenv("KVBRIDGE_MASTER_ETCD")) o.etcd = v;
-  if (const char* v = std::getenv("KVBRIDGE_MASTER_ADVERTISE")) o.advertise = v;
-  store::EnvUint("KVBRIDGE_HA_LEASE_MS", &o.ha_lease_ms);
-  store::EnvUint("KVBRIDGE_HA_TAKEOVER_WAIT_MS", &o.ha_takeover_wait_ms);
-  if (const char* v = std::getenv("KVBRIDGE_METRICS_LISTEN")) {
-    o.metrics_listen = std::string_view(v) == "off" ? "" : v;
-  }
-  if (const char* v = std::getenv("KVBRIDGE_METRICS_TOKEN")) o.metrics_token = v;
-  for (auto [var, out] : {std::pair{"KVBRIDGE_HIGH_WATERMARK", &o.high_watermark},
-                          std::pair{"KVBRIDGE_LOW_WATERMARK", &o.low_watermark},
-                          std::pair{"KVBRIDGE_DEMOTE_HIGH_WATERMARK", &o.demote_high_watermark},
-                          std::pair{"KVBRIDGE_DEMOTE_LOW_WATERMARK", &o.demote_low_watermark}}) {
-    if (const char* v = std::getenv(var)) {
-      char* end = nullptr;
-      double d = std::strtod(v, &end);
-      if (end != v && *end == '\0') {
-        *out = d;
-      } else {
-        KVB_LOG(WARN) << "ignoring " << var << "='" << v << "': not a number";
-      }
-    }
-  }
+  EnvString("KVBRIDGE_MASTER_LISTEN", &o.listen);
+  EnvNumber("KVBRIDGE_NODE_TTL_MS", &o.node_ttl_ms);
+  EnvNumber("KVBRIDGE_LEASE_MS", &o.lease_ms);
+  EnvNumber("KVBRIDGE_PUT_TIMEOUT_MS", &o.put_timeout_ms);
+  EnvNumber("KVBRIDGE_MIN_REPLICAS", &o.min_replicas);
+  EnvNumber("KVBRIDGE_HIGH_WATERMARK", &o.high_watermark);
+  EnvNumber("KVBRIDGE_LOW_WATERMARK", &o.low_watermark);
+  EnvNumber("KVBRIDGE_DEMOTE_HIGH_WATERMARK", &o.demote_high_watermark);
+  EnvNumber("KVBRIDGE_DEMOTE_LOW_WATERMARK", &o.demote_low_watermark);
+  EnvNumber("KVBRIDGE_PROMOTE_AFTER_READS", &o.promote_after_reads);
+  EnvNumber("KVBRIDGE_DRAIN_TIMEOUT_MS", &o.drain_timeout_ms);
+  EnvNumber("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
+  EnvNumber("KVBRIDGE_TASK_TIMEOUT_MS", &o.task_timeout_ms);
+  EnvNumber("KVBRIDGE_DEPARTED_NODE_TTL_MS", &o.departed_node_ttl_ms);
+  EnvNumber("KVBRIDGE_MAX_DEPARTED_NODES", &o.max_departed_nodes);
+  EnvNumber("KVBRIDGE_MAX_DEPARTED_COPIES", &o.max_departed_copies);
+  EnvString("KVBRIDGE_MASTER_FAULTS", &o.faults);
+  EnvString("KVBRIDGE_CLUSTER_TOKEN", &o.cluster_token);
+  EnvString("KVBRIDGE_ADMIN_TOKEN", &o.admin_token);
+  EnvNumber("KVBRIDGE_RPC_AUTH_SKEW_MS", &o.rpc_auth_skew_ms);
+  EnvString("KVBRIDGE_MASTER_ETCD", &o.etcd);
+  EnvString("KVBRIDGE_MASTER_ADVERTISE", &o.advertise);
+  EnvNumber("KVBRIDGE_HA_LEASE_MS", &o.ha_lease_ms);
+  EnvNumber("KVBRIDGE_HA_TAKEOVER_WAIT_MS", &o.ha_takeover_wait_ms);
+  EnvString("KVBRIDGE_METRICS_LISTEN", &o.metrics_listen);
+  if (o.metrics_listen == "off") o.metrics_listen.clear();
+  EnvString("KVBRIDGE_METRICS_TOKEN", &o.metrics_token);
   return o;
 }
 

@@ -3,7 +3,6 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cstdlib>
 #include <map>
@@ -146,20 +145,6 @@ Result<std::unique_ptr<grpc::Server>> StartServer(const std::string& listen, grp
   return server;
 }
 
-template <typename T>
-static void EnvNumber(const char* var, T* out) {
-  const char* v = std::getenv(var);
-  if (v == nullptr) return;
-  std::string_view s(v);
-  T value{};
-  auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
-  if (s.empty() || ec != std::errc() || ptr != s.data() + s.size()) {
-    KVB_LOG(WARN) << "ignoring " << var << "='" << s << "': not an unsigned number";
-    return;
-  }
-  *out = value;
-}
-
 Status ParseFaults(const std::string& spec, std::string_view what,
                    std::initializer_list<std::pair<const char*, std::atomic<uint32_t>*>> known) {
   size_t start = 0;
@@ -202,8 +187,5 @@ bool TakeFault(std::atomic<uint32_t>* left) {
   if (n > 0) KVB_LOG(WARN) << "fault injection: failing a call (" << n - 1 << " more to fail)";
   return n > 0;
 }
-
-void EnvUint(const char* var, uint32_t* out) { EnvNumber(var, out); }
-void EnvUint64(const char* var, uint64_t* out) { EnvNumber(var, out); }
 
 }  // namespace kvbridge::store

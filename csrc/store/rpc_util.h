@@ -118,8 +118,4 @@ Status ParseFaults(const std::string& spec, std::string_view what,
 // True (and one fewer left) when the next call is to fail.
 bool TakeFault(std::atomic<uint32_t>* left);
 
-// Reads an unsigned 32-bit environment variable; ignores (with a warning) malformed values.
-void EnvUint(const char* var, uint32_t* out);
-void EnvUint64(const char* var, uint64_t* out);
-
 }  // namespace kvbridge::store

@@ -25,31 +25,33 @@
 #include "store/rpc_util.h"
 #include "util/checksum.h"
 #include "util/clock.h"
+#include "util/env.h"
 #include "util/logging.h"
 #include "util/range_allocator.h"
 
 namespace kvbridge {
 
 NodeOptions NodeOptions::FromEnv() {
+  using util::EnvNumber;
+  using util::EnvString;
   NodeOptions o;
   o.engine = EngineOptions::FromEnv();
-  if (const char* v = std::getenv("KVBRIDGE_MASTER")) o.master_address = v;
-  if (const char* v = std::getenv("KVBRIDGE_NODE_STORAGE_PLUGIN")) o.storage_plugin = v;
-  if (const char* v = std::getenv("KVBRIDGE_NODE_RPC_LISTEN")) o.rpc_listen = v;
-  store::EnvUint64("KVBRIDGE_NODE_DRAM_BYTES", &o.dram_bytes);
-  store::EnvUint("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
-  store::EnvUint("KVBRIDGE_DRAIN_TIMEOUT_MS", &o.drain_timeout_ms);
-  if (const char* v = std::getenv("KVBRIDGE_NODE_SSD_PATH")) o.ssd_path = v;
-  if (const char* v = std::getenv("KVBRIDGE_NODE_SSD_PLUGIN")) o.ssd_plugin = v;
-  store::EnvUint64("KVBRIDGE_NODE_SSD_BYTES", &o.ssd_bytes);
-  store::EnvUint64("KVBRIDGE_NODE_SSD_STAGING_BYTES", &o.ssd_staging_bytes);
-  if (const char* v = std::getenv("KVBRIDGE_PEER_DISCOVERY")) o.peer_discovery = v;
-  store::EnvUint("KVBRIDGE_RPC_AUTH_SKEW_MS", &o.rpc_auth_skew_ms);
-  if (const char* v = std::getenv("KVBRIDGE_NODE_FAULTS")) o.faults = v;
-  if (const char* v = std::getenv("KVBRIDGE_METRICS_LISTEN")) {
-    o.metrics_listen = std::string_view(v) == "off" ? "" : v;
-  }
-  if (const char* v = std::getenv("KVBRIDGE_METRICS_TOKEN")) o.metrics_token = v;
+  EnvString("KVBRIDGE_MASTER", &o.master_address);
+  EnvString("KVBRIDGE_NODE_STORAGE_PLUGIN", &o.storage_plugin);
+  EnvString("KVBRIDGE_NODE_RPC_LISTEN", &o.rpc_listen);
+  EnvNumber("KVBRIDGE_NODE_DRAM_BYTES", &o.dram_bytes);
+  EnvNumber("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
+  EnvNumber("KVBRIDGE_DRAIN_TIMEOUT_MS", &o.drain_timeout_ms);
+  EnvString("KVBRIDGE_NODE_SSD_PATH", &o.ssd_path);
+  EnvString("KVBRIDGE_NODE_SSD_PLUGIN", &o.ssd_plugin);
+  EnvNumber("KVBRIDGE_NODE_SSD_BYTES", &o.ssd_bytes);
+  EnvNumber("KVBRIDGE_NODE_SSD_STAGING_BYTES", &o.ssd_staging_bytes);
+  EnvString("KVBRIDGE_PEER_DISCOVERY", &o.peer_discovery);
+  EnvNumber("KVBRIDGE_RPC_AUTH_SKEW_MS", &o.rpc_auth_skew_ms);
+  EnvString("KVBRIDGE_NODE_FAULTS", &o.faults);
+  EnvString("KVBRIDGE_METRICS_LISTEN", &o.metrics_listen);
+  if (o.metrics_listen == "off") o.metrics_listen.clear();
+  EnvString("KVBRIDGE_METRICS_TOKEN", &o.metrics_token);
   return o;
 }
 

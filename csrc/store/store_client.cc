@@ -28,6 +28,7 @@
 #include "store/rpc_auth.h"
 #include "store/rpc_util.h"
 #include "util/checksum.h"
+#include "util/env.h"
 #include "util/logging.h"
 
 namespace kvbridge {
@@ -36,18 +37,20 @@ using store::FromProto;
 using store::ToProto;
 
 StoreOptions StoreOptions::FromEnv() {
+  using util::EnvNumber;
+  using util::EnvString;
   StoreOptions o;
   o.engine = EngineOptions::FromEnv();
-  if (const char* v = std::getenv("KVBRIDGE_MASTER")) o.master_address = v;
-  store::EnvUint("KVBRIDGE_REPLICA_NUM", &o.replica_num);
-  store::EnvUint("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
-  store::EnvUint("KVBRIDGE_STORE_TRANSFER_DEADLINE_MS", &o.transfer_deadline_ms);
+  EnvString("KVBRIDGE_MASTER", &o.master_address);
+  EnvNumber("KVBRIDGE_REPLICA_NUM", &o.replica_num);
+  EnvNumber("KVBRIDGE_RPC_TIMEOUT_MS", &o.rpc_timeout_ms);
+  EnvNumber("KVBRIDGE_STORE_TRANSFER_DEADLINE_MS", &o.transfer_deadline_ms);
   // KVBRIDGE_VERIFY_CHECKSUMS is still accepted and ignored: every read is verified.
-  store::EnvUint("KVBRIDGE_HEDGE_AFTER_MS", &o.hedge_after_ms);
-  store::EnvUint("KVBRIDGE_HEDGE_BANDWIDTH_MBPS", &o.hedge_bandwidth_mbps);
-  if (const char* v = std::getenv("KVBRIDGE_PEER_DISCOVERY")) o.peer_discovery = v;
-  if (const char* v = std::getenv("KVBRIDGE_ADMIN_TOKEN")) o.admin_token = v;
-  if (const char* v = std::getenv("KVBRIDGE_CLIENT_FAULTS")) o.faults = v;
+  EnvNumber("KVBRIDGE_HEDGE_AFTER_MS", &o.hedge_after_ms);
+  EnvNumber("KVBRIDGE_HEDGE_BANDWIDTH_MBPS", &o.hedge_bandwidth_mbps);
+  EnvString("KVBRIDGE_PEER_DISCOVERY", &o.peer_discovery);
+  EnvString("KVBRIDGE_ADMIN_TOKEN", &o.admin_token);
+  EnvString("KVBRIDGE_CLIENT_FAULTS", &o.faults);
   return o;
 }
 

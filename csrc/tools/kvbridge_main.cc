@@ -1,17 +1,17 @@
 // `kvbridge`: the daemons and the operator's view of a cluster.
 //
-//   kvbridge master [--listen HOST:PORT] [--node-ttl-ms N] [--lease-ms N]
-//                   [--metrics-listen HOST:PORT|off] [--config FILE]
-//                   [--etcd HOST:PORT,...[/PREFIX] [--advertise HOST:PORT] [--ha-lease-ms N]
-//                    [--ha-takeover-wait-ms N]]   (several masters, one leader elected in etcd)
-//   kvbridge node   [--master HOST:PORT] [--dram-bytes N] [--node-id ID] [--listen HOST:PORT,...]
-//                   [--rpc-listen HOST:PORT] [--drain-timeout-ms N] [--ssd-path DIR]
-//                   [--ssd-bytes N] [--metrics-listen HOST:PORT|off] [--config FILE]
-//   kvbridge status [--master HOST:PORT] [--json] [--watch [--interval S]]
+//   kvbridge master [flags]   the store's master (several with --etcd: one leader elected)
+//   kvbridge node   [flags]   a storage node
+//   kvbridge status [flags]   a master's view of the cluster
+//   kvbridge COMMAND --help   that command's flags, each with its KVBRIDGE_* variable
 //
+// The Python package's `kvbridge` console script runs this program for these commands.
 // Settings come from, strongest first: flags, KVBRIDGE_* environment variables, the config file
-// (lines `key = value`; a key `x_y` stands for KVBRIDGE_X_Y), built-in defaults.
-// A node drains on SIGTERM (its objects move elsewhere first) and stops at once on SIGINT.
+// (lines `key = value`; a key `x_y` stands for KVBRIDGE_X_Y), built-in defaults
+// (docs/configuration.md; tests/python/test_option_drift.py holds the flags to that table).
+// A node drains on SIGTERM (its objects move elsewhere first) and stops at once on SIGINT or on
+// a second signal during the drain (exit status 128 + the signal).
+// Exit status: 0 ok, 1 a kvbridge error (startup, or a master that did not answer), 2 bad usage.
 #include <signal.h>
 #include <unistd.h>
 
@@ -19,12 +19,14 @@
 #include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <string>
 #include <thread>
@@ -36,24 +38,136 @@ using namespace kvbridge;
 
 namespace {
 
-int Usage(const char* why = nullptr) {
+// One flag of a command: `--name VALUE`, or `--name` alone when `value` is null.
+struct FlagSpec {
+  const char* name;
+  const char* value;
+  const char* help;
+};
+
+struct Command {
+  const char* name;
+  const char* summary;
+  std::vector<FlagSpec> flags;
+};
+
+const FlagSpec kConfigFlag{"config", "FILE",
+                           "read `key = value` lines (node_ttl_ms = 3000 is KVBRIDGE_NODE_TTL_MS); "
+                           "flags and variables win"};
+const FlagSpec kJsonFlag{"json", nullptr, "machine-readable output: one JSON object per line"};
+const FlagSpec kHelpFlag{"help", nullptr, "print this and exit"};
+
+const std::vector<Command>& Commands() {
+  static const std::vector<Command> commands = {
+      {"master",
+       "runs the store's master until SIGINT/SIGTERM; with --etcd, one of several masters that "
+       "elect a leader",
+       {{"listen", "HOST:PORT", "gRPC address; port 0 picks one (KVBRIDGE_MASTER_LISTEN)"},
+        {"node-ttl-ms", "N", "a node silent this long is dead (KVBRIDGE_NODE_TTL_MS)"},
+        {"lease-ms", "N", "read lease of a get (KVBRIDGE_LEASE_MS)"},
+        {"min-replicas", "N",
+         "replicas that must be written for a put to count (KVBRIDGE_MIN_REPLICAS)"},
+        {"metrics-listen", "HOST:PORT|off",
+         "/metrics, /health and the status page (KVBRIDGE_METRICS_LISTEN; default 0.0.0.0:9480)"},
+        {"etcd", "HOST:PORT,...[/PREFIX]",
+         "elect a leader among masters in this etcd (KVBRIDGE_MASTER_ETCD)"},
+        {"advertise", "HOST:PORT",
+         "the address published while leading (KVBRIDGE_MASTER_ADVERTISE; default --listen)"},
+        {"ha-lease-ms", "N", "the leader's etcd lease (KVBRIDGE_HA_LEASE_MS)"},
+        {"ha-takeover-wait-ms", "N",
+         "a new leader waits this long at most for the nodes to register "
+         "(KVBRIDGE_HA_TAKEOVER_WAIT_MS)"},
+        kConfigFlag,
+        kJsonFlag,
+        kHelpFlag}},
+      {"node",
+       "runs a storage node; SIGTERM drains it (its objects move to other nodes), SIGINT or a "
+       "second signal stops it at once",
+       {{"master", "HOST:PORT", "the master, or etcd://HOST:PORT,...[/PREFIX] (KVBRIDGE_MASTER)"},
+        {"dram-bytes", "SIZE", "DRAM contributed, e.g. 64G (KVBRIDGE_NODE_DRAM_BYTES)"},
+        {"node-id", "ID", "this node's id (KVBRIDGE_NODE_ID; default <host>-<pid>)"},
+        {"listen", "HOST:PORT,...", "data-plane endpoints, one per NIC (KVBRIDGE_LISTEN)"},
+        {"rpc-listen", "HOST:PORT", "the node's control service (KVBRIDGE_NODE_RPC_LISTEN)"},
+        {"drain-timeout-ms", "N",
+         "upper bound of the drain on SIGTERM (KVBRIDGE_DRAIN_TIMEOUT_MS)"},
+        {"ssd-path", "DIR", "directory of the SSD tier (KVBRIDGE_NODE_SSD_PATH; default none)"},
+        {"ssd-bytes", "SIZE", "capacity of the SSD tier, e.g. 500G (KVBRIDGE_NODE_SSD_BYTES)"},
+        {"metrics-listen", "HOST:PORT|off",
+         "/metrics and /health (KVBRIDGE_METRICS_LISTEN; default 0.0.0.0:9481)"},
+        kConfigFlag,
+        kJsonFlag,
+        kHelpFlag}},
+      {"status",
+       "prints a master's view of the cluster",
+       {{"master", "HOST:PORT", "the master (KVBRIDGE_MASTER)"},
+        {"timeout-ms", "N", "deadline of the call (KVBRIDGE_RPC_TIMEOUT_MS)"},
+        {"watch", nullptr, "redraw every --interval seconds until interrupted"},
+        {"interval", "S", "seconds between redraws (default 2)"},
+        kConfigFlag,
+        kJsonFlag,
+        kHelpFlag}},
+  };
+  return commands;
+}
+
+const Command* FindCommand(const std::string& name) {
+  for (const Command& c : Commands()) {
+    if (name == c.name) return &c;
+  }
+  return nullptr;
+}
+
+void PrintCommandHelp(FILE* out, const Command& c) {
+  std::fprintf(out, "usage: kvbridge %s [flags]\n%s.\n\nflags:\n", c.name, c.summary);
+  for (const FlagSpec& f : c.flags) {
+    std::string left = std::string("--") + f.name + (f.value ? std::string(" ") + f.value : "");
+    std::fprintf(out, "  %-32s %s\n", left.c_str(), f.help);
+  }
+}
+
+int Usage(const char* why = nullptr, const Command* cmd = nullptr) {
   if (why) std::fprintf(stderr, "kvbridge: %s\n\n", why);
+  if (cmd) {
+    PrintCommandHelp(stderr, *cmd);
+    return 2;
+  }
+  std::fprintf(stderr, "usage: kvbridge COMMAND [flags]\n\ncommands:\n");
+  for (const Command& c : Commands()) std::fprintf(stderr, "  %-8s %s\n", c.name, c.summary);
   std::fprintf(stderr,
-               "usage:\n"
-               "  kvbridge master [--listen HOST:PORT] [--node-ttl-ms N] [--lease-ms N]\n"
-               "                  [--metrics-listen HOST:PORT|off] [--config FILE]\n"
-               "                  [--etcd HOST:PORT,... [--advertise HOST:PORT]\n"
-               "                   [--ha-lease-ms N] [--ha-takeover-wait-ms N]]\n"
-               "  kvbridge node   [--master HOST:PORT] [--dram-bytes N] [--node-id ID]\n"
-               "                  [--listen HOST:PORT,...] [--rpc-listen HOST:PORT]\n"
-               "                  [--drain-timeout-ms N] [--ssd-path DIR] [--ssd-bytes N]\n"
-               "                  [--metrics-listen HOST:PORT|off] [--config FILE]\n"
-               "  kvbridge status [--master HOST:PORT] [--json] [--watch [--interval S]]\n"
-               "Every flag has a KVBRIDGE_* variable (docs/configuration.md). A node drains on\n"
-               "SIGTERM and stops at once on SIGINT. The master serves /metrics, /health and a\n"
-               "status page on 0.0.0.0:9480, a node /metrics and /health on 0.0.0.0:9481, unless\n"
-               "--metrics-listen says otherwise (docs/operations.md).\n");
+               "\n`kvbridge COMMAND --help` lists a command's flags. Every flag has a KVBRIDGE_* "
+               "variable\n(docs/configuration.md).\n");
   return 2;
+}
+
+// A JSON string literal of `s`.
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
+// A failure of a command: its name and message on stderr, and with --json also as
+// {"error": NAME, "code": N, "message": ...} on stdout.
+int Fail(bool json, const char* command, const Status& st) {
+  if (json) {
+    std::printf("{\"error\": %s, \"code\": %d, \"message\": %s}\n",
+                JsonString(StatusCodeName(st.code())).c_str(), static_cast<int>(st.code()),
+                JsonString(st.message()).c_str());
+    std::fflush(stdout);
+  }
+  std::fprintf(stderr, "kvbridge %s: %s\n", command, st.ToString().c_str());
+  return 1;
 }
 
 // Loads `key = value` lines into the environment without overriding variables already set.
@@ -101,49 +215,80 @@ struct Flags {
   }
 };
 
-bool ParseFlags(int argc, char** argv, int first, const std::vector<std::string>& with_value,
-                const std::vector<std::string>& booleans, Flags* out, std::string* why) {
+bool ParseFlags(int argc, char** argv, int first, const Command& cmd, Flags* out,
+                std::string* why) {
   for (int i = first; i < argc; ++i) {
     std::string a = argv[i];
+    if (a == "-h") a = "--help";
     if (a.rfind("--", 0) != 0) {
       *why = "unexpected argument '" + a + "'";
       return false;
     }
     a = a.substr(2);
-    if (std::find(booleans.begin(), booleans.end(), a) != booleans.end()) {
-      out->values[a] = "1";
-    } else if (std::find(with_value.begin(), with_value.end(), a) != with_value.end()) {
-      if (i + 1 >= argc) {
-        *why = "--" + a + " needs a value";
-        return false;
-      }
-      out->values[a] = argv[++i];
-    } else {
+    auto spec = std::find_if(cmd.flags.begin(), cmd.flags.end(),
+                             [&](const FlagSpec& f) { return a == f.name; });
+    if (spec == cmd.flags.end()) {
       *why = "unknown flag --" + a;
       return false;
     }
+    if (spec->value == nullptr) {
+      out->values[a] = "1";
+      continue;
+    }
+    if (i + 1 >= argc) {
+      *why = "--" + a + " needs a value";
+      return false;
+    }
+    out->values[a] = argv[++i];
   }
-  return true;
-}
-
-bool ToUint64(const std::string& flag, const std::string& s, uint64_t* out) {
-  char* end = nullptr;
-  errno = 0;
-  unsigned long long v = std::strtoull(s.c_str(), &end, 10);
-  if (s.empty() || *end != '\0' || errno != 0) {
-    std::fprintf(stderr, "kvbridge: --%s: '%s' is not a number\n", flag.c_str(), s.c_str());
-    return false;
-  }
-  *out = v;
   return true;
 }
 
 template <typename T>
 bool SetNumber(const Flags& f, const std::string& flag, T* out) {
   if (!f.Has(flag)) return true;
-  uint64_t v;
-  if (!ToUint64(flag, f.Get(flag), &v)) return false;
+  const std::string s = f.Get(flag);
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(s.c_str(), &end, 10);
+  if (s.empty() || !std::isdigit(static_cast<unsigned char>(s[0])) || *end != '\0' || errno != 0 ||
+      v > std::numeric_limits<T>::max()) {
+    std::fprintf(stderr, "kvbridge: --%s: '%s' is not a number from 0 to %llu\n", flag.c_str(),
+                 s.c_str(), static_cast<unsigned long long>(std::numeric_limits<T>::max()));
+    return false;
+  }
   *out = static_cast<T>(v);
+  return true;
+}
+
+// A byte count: "1073741824", "512M", "64G", "1.5GiB" (K, M, G, T: powers of 1024).
+bool SetSize(const Flags& f, const std::string& flag, uint64_t* out) {
+  if (!f.Has(flag)) return true;
+  const std::string s = f.Get(flag);
+  if (!s.empty() && s.find_first_not_of("0123456789") == std::string::npos) {
+    return SetNumber(f, flag, out);  // exact, beyond a double's 53 bits
+  }
+  char* end = nullptr;
+  const double number = std::strtod(s.c_str(), &end);
+  std::string unit(end);
+  for (char& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  const std::string units = "KMGT";
+  double scale = 1;
+  size_t rest = 0;
+  if (!unit.empty() && units.find(unit[0]) != std::string::npos) {
+    scale = std::ldexp(1.0, 10 * static_cast<int>(units.find(unit[0]) + 1));
+    rest = 1;
+  }
+  const std::string suffix = unit.substr(rest);
+  const bool ok = end != s.c_str() && std::isdigit(static_cast<unsigned char>(s[0])) &&
+                  (suffix.empty() || suffix == "B" || (rest == 1 && suffix == "IB")) &&
+                  number * scale < 18446744073709551616.0;
+  if (!ok) {
+    std::fprintf(stderr, "kvbridge: --%s: not a size: '%s' (e.g. 512M, 64G)\n", flag.c_str(),
+                 s.c_str());
+    return false;
+  }
+  *out = static_cast<uint64_t>(number * scale);
   return true;
 }
 
@@ -170,85 +315,136 @@ sigset_t BlockStopSignals() {
   return set;
 }
 
+// Stop lines: text on stderr, and with --json {"event": "stopped", ...} on stdout.
+void Stopped(bool json, const char* role, const std::string& text, const std::string& result) {
+  std::fprintf(stderr, "kvbridge %s: %s\n", role, text.c_str());
+  if (json) {
+    std::printf("{\"event\": \"stopped\", \"role\": \"%s\", \"result\": %s}\n", role,
+                JsonString(result).c_str());
+    std::fflush(stdout);
+  }
+}
+
 // An HA master: campaigns in etcd until a signal; leads when elected (HaMaster).
-int RunHaMaster(const MasterOptions& o) {
+int RunHaMaster(const MasterOptions& o, bool json) {
   sigset_t stop = BlockStopSignals();
   auto master = HaMaster::Start(o);
-  if (!master.ok()) {
-    std::fprintf(stderr, "kvbridge master: %s\n", master.status().ToString().c_str());
-    return 1;
+  if (!master.ok()) return Fail(json, "master", master.status());
+  const std::string& advertise = o.advertise.empty() ? o.listen : o.advertise;
+  if (json) {
+    std::printf(
+        "{\"event\": \"campaigning\", \"role\": \"master\", \"etcd\": %s, "
+        "\"advertise\": %s}\n",
+        JsonString(o.etcd).c_str(), JsonString(advertise).c_str());
+  } else {
+    std::printf("kvbridge master campaigning in etcd %s as %s\n", o.etcd.c_str(),
+                advertise.c_str());
   }
-  std::printf("kvbridge master campaigning in etcd %s as %s\n", o.etcd.c_str(),
-              o.advertise.empty() ? o.listen.c_str() : o.advertise.c_str());
   std::fflush(stdout);
   int sig = 0;
   sigwait(&stop, &sig);
-  std::fprintf(stderr, "kvbridge master: %s, stepping down\n", strsignal(sig));
+  master.value().reset();
+  Stopped(json, "master", std::string(strsignal(sig)) + ", stepped down", "stopped");
   return 0;
 }
 
 int RunMaster(const Flags& f) {
+  const bool json = f.Has("json");
   MasterOptions o = MasterOptions::FromEnv();
   if (f.Has("listen")) o.listen = f.Get("listen");
   if (f.Has("etcd")) o.etcd = f.Get("etcd");
   if (f.Has("advertise")) o.advertise = f.Get("advertise");
   if (!SetNumber(f, "node-ttl-ms", &o.node_ttl_ms) || !SetNumber(f, "lease-ms", &o.lease_ms) ||
+      !SetNumber(f, "min-replicas", &o.min_replicas) ||
       !SetNumber(f, "ha-lease-ms", &o.ha_lease_ms) ||
       !SetNumber(f, "ha-takeover-wait-ms", &o.ha_takeover_wait_ms)) {
     return 2;
   }
   SetMetricsListen(f, "0.0.0.0:9480", &o.metrics_listen, &o.metrics_listen_best_effort);
-  if (!o.etcd.empty()) return RunHaMaster(o);
+  if (!o.etcd.empty()) return RunHaMaster(o, json);
   sigset_t stop = BlockStopSignals();
   auto master = MasterServer::Start(o);
-  if (!master.ok()) {
-    std::fprintf(stderr, "kvbridge master: %s\n", master.status().ToString().c_str());
-    return 1;
-  }
+  if (!master.ok()) return Fail(json, "master", master.status());
+  const std::string& address = master.value()->address();
   const std::string& http = master.value()->metrics_address();
-  std::printf("kvbridge master listening on %s%s%s\n", master.value()->address().c_str(),
-              http.empty() ? "" : ", status page and /metrics on http://", http.c_str());
+  if (json) {
+    std::printf(
+        "{\"event\": \"ready\", \"role\": \"master\", \"address\": %s, "
+        "\"metrics_address\": %s}\n",
+        JsonString(address).c_str(), JsonString(http).c_str());
+  } else {
+    std::printf("kvbridge master listening on %s%s%s\n", address.c_str(),
+                http.empty() ? "" : ", status page and /metrics on http://", http.c_str());
+  }
   std::fflush(stdout);
   int sig = 0;
   sigwait(&stop, &sig);
-  std::fprintf(stderr, "kvbridge master: %s, stopping\n", strsignal(sig));
+  master.value().reset();
+  Stopped(json, "master", std::string(strsignal(sig)) + ", stopped", "stopped");
   return 0;
 }
 
 int RunNode(const Flags& f) {
+  const bool json = f.Has("json");
   NodeOptions o = NodeOptions::FromEnv();
   if (f.Has("master")) o.master_address = f.Get("master");
   if (f.Has("node-id")) o.engine.node_id = f.Get("node-id");
   if (f.Has("listen")) o.engine.listen = f.Get("listen");
   if (f.Has("rpc-listen")) o.rpc_listen = f.Get("rpc-listen");
   if (f.Has("ssd-path")) o.ssd_path = f.Get("ssd-path");
-  if (!SetNumber(f, "dram-bytes", &o.dram_bytes) || !SetNumber(f, "ssd-bytes", &o.ssd_bytes) ||
+  if (!SetSize(f, "dram-bytes", &o.dram_bytes) || !SetSize(f, "ssd-bytes", &o.ssd_bytes) ||
       !SetNumber(f, "drain-timeout-ms", &o.drain_timeout_ms)) {
     return 2;
   }
   SetMetricsListen(f, "0.0.0.0:9481", &o.metrics_listen, &o.metrics_listen_best_effort);
   sigset_t stop = BlockStopSignals();
   auto node = StorageNode::Start(o);
-  if (!node.ok()) {
-    std::fprintf(stderr, "kvbridge node: %s\n", node.status().ToString().c_str());
-    return 1;
-  }
+  if (!node.ok()) return Fail(json, "node", node.status());
+  const PeerId id = node.value()->id();
   const Status ssd = node.value()->ssd_status();
   const std::string& http = node.value()->metrics_address();
-  std::printf("kvbridge node %s serving %llu bytes, master %s%s%s%s%s\n",
-              node.value()->id().ToString().c_str(), (unsigned long long)o.dram_bytes,
-              o.master_address.c_str(),
-              ssd.ok() ? ", SSD tier at " : (o.ssd_path.empty() ? "" : ", no SSD tier: "),
-              ssd.ok() ? o.ssd_path.c_str() : (o.ssd_path.empty() ? "" : ssd.ToString().c_str()),
-              http.empty() ? "" : ", /metrics on http://", http.c_str());
+  if (json) {
+    std::printf(
+        "{\"event\": \"ready\", \"role\": \"node\", \"node_id\": %s, \"incarnation\": "
+        "%llu, \"dram_bytes\": %llu, \"master\": %s, \"ssd\": %s, \"ssd_error\": %s, "
+        "\"metrics_address\": %s}\n",
+        JsonString(id.node_id).c_str(), (unsigned long long)id.incarnation,
+        (unsigned long long)o.dram_bytes, JsonString(o.master_address).c_str(),
+        ssd.ok() ? "true" : "false",
+        JsonString(ssd.ok() || o.ssd_path.empty() ? "" : ssd.ToString()).c_str(),
+        JsonString(http).c_str());
+  } else {
+    std::printf("kvbridge node %s serving %llu bytes, master %s%s%s%s%s\n", id.ToString().c_str(),
+                (unsigned long long)o.dram_bytes, o.master_address.c_str(),
+                ssd.ok() ? ", SSD tier at " : (o.ssd_path.empty() ? "" : ", no SSD tier: "),
+                ssd.ok() ? o.ssd_path.c_str() : (o.ssd_path.empty() ? "" : ssd.ToString().c_str()),
+                http.empty() ? "" : ", /metrics on http://", http.c_str());
+  }
   std::fflush(stdout);
   int sig = 0;
   sigwait(&stop, &sig);
+  std::string result = "stopped without draining (SIGINT)";
   if (sig == SIGTERM) {
-    std::fprintf(stderr, "kvbridge node: SIGTERM, draining (up to %u ms)\n", o.drain_timeout_ms);
+    const size_t objects = node.value()->object_count();
+    std::fprintf(stderr, "kvbridge node: SIGTERM, draining %zu objects (up to %u ms)\n", objects,
+                 o.drain_timeout_ms);
+    if (json) {
+      std::printf("{\"event\": \"draining\", \"role\": \"node\", \"objects\": %zu}\n", objects);
+      std::fflush(stdout);
+    }
+    // A second signal during the drain stops at once.
+    std::thread([stop] {
+      int again = 0;
+      sigwait(&stop, &again);
+      std::fprintf(stderr, "kvbridge node: %s during the drain, stopping at once\n",
+                   strsignal(again));
+      _exit(128 + again);
+    }).detach();
     Status st = node.value()->Drain();
-    std::fprintf(stderr, "kvbridge node: drain %s\n", st.ok() ? "complete" : st.ToString().c_str());
+    result = st.ok() ? "drained" : "drain incomplete: " + st.ToString();
   }
+  node.value().reset();
+  Stopped(json, "node", id.node_id + " " + result, result);
   return 0;
 }
 
@@ -269,10 +465,7 @@ std::string Bytes(uint64_t b) {
 int PrintStatus(const Flags& f, const std::string& master, const StoreOptions& so) {
   // The token from the environment or the config file, never a flag (argv is public).
   auto st = QueryClusterStatus(master, so.rpc_timeout_ms, so.engine.cluster_token);
-  if (!st.ok()) {
-    std::fprintf(stderr, "kvbridge status: %s\n", st.status().ToString().c_str());
-    return 1;
-  }
+  if (!st.ok()) return Fail(f.Has("json"), "status", st.status());
   const ClusterStatus& c = st.value();
   if (f.Has("json")) {
     std::printf(
@@ -331,8 +524,9 @@ int PrintStatus(const Flags& f, const std::string& master, const StoreOptions& s
 int RunStatus(const Flags& f) {
   StoreOptions so = StoreOptions::FromEnv();
   const std::string master = f.Has("master") ? f.Get("master") : so.master_address;
+  if (!SetNumber(f, "timeout-ms", &so.rpc_timeout_ms)) return 2;
   if (!f.Has("watch")) {
-    if (f.Has("interval")) return Usage("--interval goes with --watch");
+    if (f.Has("interval")) return Usage("--interval goes with --watch", FindCommand("status"));
     return PrintStatus(f, master, so);
   }
   double interval_s = 2;
@@ -368,32 +562,23 @@ int RunStatus(const Flags& f) {
 
 int main(int argc, char** argv) {
   if (argc < 2) return Usage();
-  const std::string cmd = argv[1];
-  if (cmd == "-h" || cmd == "--help" || cmd == "help") {
+  const std::string name = argv[1];
+  if (name == "-h" || name == "--help" || name == "help") {
     Usage();
     return 0;
   }
+  const Command* cmd = FindCommand(name);
+  if (cmd == nullptr) return Usage(("unknown command '" + name + "'").c_str());
   Flags f;
   std::string why;
-  bool ok;
-  if (cmd == "master") {
-    ok = ParseFlags(argc, argv, 2,
-                    {"listen", "node-ttl-ms", "lease-ms", "metrics-listen", "config", "etcd",
-                     "advertise", "ha-lease-ms", "ha-takeover-wait-ms"},
-                    {}, &f, &why);
-  } else if (cmd == "node") {
-    ok = ParseFlags(argc, argv, 2,
-                    {"master", "dram-bytes", "node-id", "listen", "rpc-listen", "drain-timeout-ms",
-                     "ssd-path", "ssd-bytes", "metrics-listen", "config"},
-                    {}, &f, &why);
-  } else if (cmd == "status") {
-    ok = ParseFlags(argc, argv, 2, {"master", "interval", "config"}, {"json", "watch"}, &f, &why);
-  } else {
-    return Usage(("unknown command '" + cmd + "'").c_str());
+  if (!ParseFlags(argc, argv, 2, *cmd, &f, &why)) return Usage(why.c_str(), cmd);
+  // After the parse: `--help` with other flags also says whether they are known.
+  if (f.Has("help")) {
+    PrintCommandHelp(stdout, *cmd);
+    return 0;
   }
-  if (!ok) return Usage(why.c_str());
   if (f.Has("config") && !LoadConfigFile(f.Get("config"))) return 2;
-  if (cmd == "master") return RunMaster(f);
-  if (cmd == "node") return RunNode(f);
+  if (name == "master") return RunMaster(f);
+  if (name == "node") return RunNode(f);
   return RunStatus(f);
 }

@@ -30,19 +30,24 @@ BOOL_FIELDS = ("verify_checksums", "path_failover", "path_failover_writes",
                "metrics_listen_best_effort")
 STORE_FIELDS = ("master", "replica_num", "rpc_timeout_ms", "store_transfer_deadline_ms",
                 "verify_checksums", "hedge_after_ms", "hedge_bandwidth_mbps", "peer_discovery",
-                "admin_token")
+                "admin_token", "client_faults")
 NODE_FIELDS = ("master", "node_dram_bytes", "node_storage_plugin", "node_rpc_listen",
                "rpc_timeout_ms", "drain_timeout_ms", "node_ssd_path", "node_ssd_bytes",
                "node_ssd_plugin", "node_ssd_staging_bytes", "peer_discovery", "rpc_auth_skew_ms",
-               "metrics_listen", "metrics_listen_best_effort", "metrics_token")
+               "metrics_listen", "metrics_listen_best_effort", "metrics_token", "node_faults")
 MASTER_FIELDS = ("master_listen", "node_ttl_ms", "lease_ms", "put_timeout_ms", "min_replicas",
                  "high_watermark", "low_watermark", "demote_high_watermark",
                  "demote_low_watermark", "promote_after_reads", "drain_timeout_ms",
-                 "rpc_timeout_ms", "admin_token", "rpc_auth_skew_ms", "metrics_listen",
-                 "metrics_listen_best_effort", "metrics_token")
+                 "rpc_timeout_ms", "task_timeout_ms", "departed_node_ttl_ms",
+                 "max_departed_nodes", "max_departed_copies", "master_faults", "admin_token",
+                 "rpc_auth_skew_ms", "metrics_listen", "metrics_listen_best_effort",
+                 "metrics_token")
 # A Master alone takes the cluster token as a master option; in a Cluster it is the engines'
-# (cluster_token among ENGINE_FIELDS), which the embedded master uses too.
-MASTER_ONLY_FIELDS = ("cluster_token",)
+# (cluster_token among ENGINE_FIELDS), which the embedded master uses too. The HA options too:
+# a master of several electing a leader in etcd is the daemon (`kvbridge master --etcd ...`),
+# and a Master given master_etcd says so (docs/ha.md).
+MASTER_ONLY_FIELDS = ("cluster_token", "master_etcd", "master_advertise", "ha_lease_ms",
+                      "ha_takeover_wait_ms")
 
 
 def _set(obj: Any, name: str, value: Any) -> None:

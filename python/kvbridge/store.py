@@ -415,13 +415,19 @@ class StoreClient:
 class Master:
     """The store's control plane in this process. Options: master_listen ("host:port", port 0
     picks one), node_ttl_ms, lease_ms, put_timeout_ms, min_replicas, high_watermark,
-    low_watermark, drain_timeout_ms, rpc_timeout_ms, metrics_listen ("host:port" of the HTTP
-    endpoint: /metrics, /health, the status page; none unless given), metrics_token."""
+    low_watermark, drain_timeout_ms, rpc_timeout_ms, task_timeout_ms, metrics_listen
+    ("host:port" of the HTTP endpoint: /metrics, /health, the status page; none unless given),
+    metrics_token, ... (options.MASTER_FIELDS, docs/configuration.md)."""
 
     def __init__(self, **kwargs: Any):
         opts = options.master_options(kwargs, alone=True)
         options.check_consumed(kwargs, "Master",
                                options.MASTER_FIELDS + options.MASTER_ONLY_FIELDS)
+        if opts.master_etcd:
+            raise InvalidArgumentError(
+                f"master_etcd={opts.master_etcd!r} (or KVBRIDGE_MASTER_ETCD): a master of "
+                "several electing a leader in etcd runs as the daemon, `kvbridge master --etcd "
+                "...` (docs/ha.md); Master is a single master")
         self._token = opts.cluster_token
         self._h = _C.Master(opts)
 

@@ -1,4 +1,5 @@
-"""The `kvbridge` console command as real processes (python -m kvbridge == the entry point)."""
+"""The `kvbridge` console command as real processes (python -m kvbridge == the entry point):
+master, node and status are the daemon program it execs (build/bin/kvbridge here)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -38,10 +40,30 @@ def test_help_and_bad_usage():
     assert r.returncode == 0
     for sub in ("master", "node", "status", "bench"):
         assert sub in r.stdout
+    # master, node and status are the daemon's: its help lists its flags.
+    r = kvb("master", "--help")
+    assert r.returncode == 0 and "--min-replicas N" in r.stdout and "--config FILE" in r.stdout
     r = kvb("node", "--dram-bytes", "lots")
     assert r.returncode == 2 and "not a size" in r.stderr
+    r = kvb("node", "--no-such-flag", "1")
+    assert r.returncode == 2 and "unknown flag --no-such-flag" in r.stderr
+    r = kvb("master", "--node-ttl-ms", "4294967296")
+    assert r.returncode == 2 and "is not a number" in r.stderr
     r = kvb("bench", "--pages", "0")
     assert r.returncode == 2 and "--pages must be >= 1" in r.stderr
+
+
+def test_daemon_program_missing_is_named(tmp_path):
+    """A package with no daemon program next to it (and no build tree around it) says so."""
+    import kvbridge.cli
+
+    pkg = tmp_path / "site" / "kvbridge"
+    pkg.mkdir(parents=True)
+    (pkg / "cli.py").write_text(Path(kvbridge.cli.__file__).read_text())
+    r = subprocess.run([sys.executable, str(pkg / "cli.py"), "master"], capture_output=True,
+                       text=True, timeout=60, env=python_env())
+    assert r.returncode == 1
+    assert "daemon program is missing" in r.stderr and str(pkg / "bin" / "kvbridge") in r.stderr
 
 
 def test_status_of_absent_master_is_a_named_error():
@@ -96,7 +118,7 @@ def test_master_nodes_status_bench_and_drain(daemons):
     # What node a held is remembered for when it comes back (one count, printed in both forms).
     assert isinstance(st["departed_copies"], int) and st["departed_copies"] >= 0
     text = kvb("status", "--master", addr).stdout
-    assert f"copies remembered for nodes that left {st['departed_copies']}" in text
+    assert f"copies remembered for nodes that left: {st['departed_copies']}" in text
     master.send_signal(signal.SIGINT)
     assert master.wait(timeout=15) == 0
 
@@ -160,3 +182,22 @@ def test_embedded_master_serves_no_http_unless_asked():
     with kvbridge.Master(master_listen="127.0.0.1:0", metrics_listen="127.0.0.1:0") as m:
         port = int(m.metrics_address.rsplit(":", 1)[1])
         assert _http_get(port, "/health") == (200, "ok\n")
+
+
+def test_a_second_signal_stops_a_draining_node_at_once(daemons):
+    """A drain that cannot finish (its master is gone) is cut short by SIGINT."""
+    master = kvb_daemon("master", "--listen", f"127.0.0.1:{free_port()}", "--metrics-listen",
+                        "off", "--json")
+    daemons.append(master)
+    addr = json.loads(read_line(master))["address"]
+    node = kvb_daemon("node", "--master", addr, "--dram-bytes", "16M", "--node-id", "cli-cut",
+                      "--drain-timeout-ms", "60000", "--metrics-listen", "off", "--json")
+    daemons.append(node)
+    assert json.loads(read_line(node))["event"] == "ready"
+    master.kill()
+    master.wait()
+    node.send_signal(signal.SIGTERM)
+    assert json.loads(read_line(node))["event"] == "draining"
+    node.send_signal(signal.SIGINT)
+    assert node.wait(timeout=10) == 128 + signal.SIGINT
+    assert b"during the drain, stopping at once" in node.stderr.read()
