@@ -372,57 +372,71 @@ struct HaMaster::Impl {
   mutable std::mutex mu;
   std::unique_ptr<MasterServer> server;  // while leading
   std::shared_ptr<store::LeaderGate> gate;
-  // While not leading, the HTTP endpoint (options.metrics_listen) says so: /health 503 naming
-  // the leader, /metrics kvbridge_master_is_leader 0. The leader's MasterServer serves the
-  // same address while it leads.
-  std::unique_ptr<obs::HttpServer> standby_http;
+  // The HTTP endpoint (options.metrics_listen), one for the process's life: while this master
+  // leads it serves the leader's routes (the MasterServer runs without an endpoint of its own,
+  // so no address changes hands at an election); otherwise it says so: /health 503 naming
+  // the leader, /metrics kvbridge_master_is_leader 0.
+  std::unique_ptr<obs::HttpServer> http;
+  std::map<std::string, obs::HttpRoute> leader_routes;  // under mu, while leading
   std::thread thread;
 
-  std::map<std::string, obs::HttpRoute> StandbyRoutes() {
+  // Route `path` to the leader's handler while leading, else to `standby`.
+  obs::HttpRoute Route(const std::string& path, obs::HttpRoute standby) {
+    auto fallback = standby.handler;
+    standby.handler = [this, path, fallback] {
+      {
+        // Held while the leader's handler runs: its server is stopped only after its routes
+        // were dropped under this lock.
+        std::lock_guard<std::mutex> lock(mu);
+        auto it = leader_routes.find(path);
+        if (it != leader_routes.end()) return it->second.handler();
+      }
+      return fallback();
+    };
+    return standby;
+  }
+
+  std::map<std::string, obs::HttpRoute> Routes() {
     std::map<std::string, obs::HttpRoute> r;
-    r["/health"] = {[this] {
+    r["/health"] = Route(
+        "/health", {[this] {
                       const std::string leader = election->leader();
                       return obs::HttpResponse{
                           503, "text/plain; charset=utf-8",
                           "not serving: this master is a standby; the leader is " +
                               (leader.empty() ? std::string("not known yet") : leader) + "\n"};
                     },
-                    /*is_public=*/true};
-    r["/metrics"] = {[] {
-      return obs::HttpResponse{
-          200, obs::kExpositionContentType,
-          "# HELP kvbridge_master_is_leader 1 when this master leads the cluster, else 0.\n"
-          "# TYPE kvbridge_master_is_leader gauge\nkvbridge_master_is_leader 0\n"};
-    }};
-    r["/status.json"] = {[this] {
-      return obs::HttpResponse{
-          200, "application/json",
-          "{\"is_leader\": false, \"leader\": " + obs::JsonString(election->leader()) + "}\n"};
-    }};
+                    /*is_public=*/true});
+    r["/metrics"] = Route("/metrics", {[] {
+                            return obs::HttpResponse{
+                                200, obs::kExpositionContentType,
+                                "# HELP kvbridge_master_is_leader 1 when this master leads the "
+                                "cluster, else 0.\n# TYPE kvbridge_master_is_leader gauge\n"
+                                "kvbridge_master_is_leader 0\n"};
+                          }});
+    r["/status.json"] = Route(
+        "/status.json", {[this] {
+          return obs::HttpResponse{
+              200, "application/json",
+              "{\"is_leader\": false, \"leader\": " + obs::JsonString(election->leader()) + "}\n"};
+        }});
+    r["/"] = Route("/", {[this] {
+                           return obs::HttpResponse{200, "text/plain; charset=utf-8",
+                                                    "kvbridge master (standby); the leader is " +
+                                                        election->leader() + "\n"};
+                         },
+                         /*is_public=*/true});
     return r;
-  }
-
-  void ServeStandby() {
-    if (options.metrics_listen.empty() || standby_http) return;
-    auto http = obs::StartEndpoint(
-        options.metrics_listen, options.metrics_listen_best_effort, StandbyRoutes(),
-        options.metrics_token.empty() ? options.cluster_token : options.metrics_token,
-        "standby master");
-    if (http.ok()) {
-      standby_http = std::move(http).value();
-    } else {
-      KVB_LOG(WARN) << "standby master: " << http.status().ToString();
-    }
   }
 
   void Run() {
     const auto stop = [this] { return stopping.load(); };
     while (!stopping.load()) {
-      ServeStandby();
       std::shared_ptr<store::LeaderGate> g = election->Campaign(stop);
       if (!g) break;
-      standby_http.reset();  // the leader's server takes the address over
-      auto started = store::LaunchLeader(options, g, election->first_version());
+      MasterOptions leader_options = options;
+      leader_options.metrics_listen.clear();  // served by this process's endpoint (Routes)
+      auto started = store::LaunchLeader(leader_options, g, election->first_version());
       if (!started.ok()) {
         KVB_LOG(ERROR) << "elected, but the master cannot start: " << started.status().ToString()
                        << "; stepping down";
@@ -434,6 +448,7 @@ struct HaMaster::Impl {
         std::lock_guard<std::mutex> lock(mu);
         server = std::move(started).value();
         gate = g;
+        leader_routes = store::LeaderRoutes(*server);
       }
       const Status why = election->KeepLeading(g.get(), stop);
       std::unique_ptr<MasterServer> old;
@@ -441,6 +456,7 @@ struct HaMaster::Impl {
         std::lock_guard<std::mutex> lock(mu);
         old = std::move(server);
         gate.reset();
+        leader_routes.clear();
       }
       if (!why.Is(StatusCode::kCancelled)) {
         KVB_LOG(WARN) << "master at " << options.advertise << " stops leading: " << why.ToString()
@@ -488,6 +504,11 @@ Result<std::unique_ptr<HaMaster>> HaMaster::Start(const MasterOptions& options) 
   eo.takeover_wait_ms = options.ha_takeover_wait_ms;
   eo.call_timeout_ms = std::max<uint32_t>(200, options.ha_lease_ms / 4);
   impl->election = std::make_unique<store::MasterElection>(std::move(eo));
+  auto http = obs::StartEndpoint(
+      options.metrics_listen, options.metrics_listen_best_effort, impl->Routes(),
+      options.metrics_token.empty() ? options.cluster_token : options.metrics_token, "master");
+  if (!http.ok()) return http.status();
+  impl->http = std::move(http).value();
   Impl* raw = impl.get();
   impl->thread = std::thread([raw] { raw->Run(); });
   return std::unique_ptr<HaMaster>(new HaMaster(std::move(impl)));

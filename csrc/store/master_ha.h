@@ -26,6 +26,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -36,6 +37,7 @@
 
 #include "kvbridge/status.h"
 #include "kvbridge/store.h"
+#include "obs/http_server.h"
 #include "store/etcd_client.h"
 #include "store/master_state.h"
 #include "util/clock.h"
@@ -194,6 +196,10 @@ Result<std::unique_ptr<MasterServer>> LaunchLeader(const MasterOptions& options,
 std::string EncodeInflight(const InflightMap& map);
 // The map of node `node_id` from its value; PROTOCOL naming the value if it does not parse.
 Result<InflightMap> DecodeInflight(const std::string& node_id, const std::string& value);
+
+// The HTTP routes of a running MasterServer (/metrics, /health, /, /status.json), for HaMaster's
+// own endpoint to serve while that server leads (master_service.cc).
+std::map<std::string, obs::HttpRoute> LeaderRoutes(MasterServer& server);
 
 // Splits "etcd://a,b/prefix" and names the failure after `what` (e.g. "KVBRIDGE_MASTER").
 Result<EtcdAddress> ParseEtcdFor(std::string_view address, std::string_view what);

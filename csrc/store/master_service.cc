@@ -517,6 +517,10 @@ struct MasterServer::Impl final : public rpc::Master::Service {
                 (not_leader_why.empty() ? std::string() : ": " + not_leader_why) + "\n"};
   }
 
+  static std::map<std::string, obs::HttpRoute> RoutesOf(MasterServer& s) {
+    return s.impl_->Routes();
+  }
+
   std::map<std::string, obs::HttpRoute> Routes() {
     std::map<std::string, obs::HttpRoute> r;
     r["/metrics"] = {[this] {
@@ -1141,6 +1145,10 @@ void MasterServer::SetLeader(bool is_leader, const std::string& why) {
 
 Result<std::unique_ptr<MasterServer>> MasterServer::Start(const MasterOptions& options) {
   return Impl::Launch(options, nullptr, 0);
+}
+
+std::map<std::string, obs::HttpRoute> store::LeaderRoutes(MasterServer& server) {
+  return MasterServer::Impl::RoutesOf(server);
 }
 
 Result<std::unique_ptr<MasterServer>> store::LaunchLeader(const MasterOptions& options,

@@ -24,6 +24,7 @@
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
 #include "store/client_stats.h"
+#include "store/etcd_client.h"
 #include "store/master_client.h"
 #include "store/rpc_auth.h"
 #include "store/rpc_util.h"
@@ -1125,11 +1126,13 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
                                               std::span<const std::vector<BufferRef>> buffers) {
   const auto start = store::ClientCounters::Clock::now();
   std::vector<Status> result = impl_->PutFrom(keys, buffers);
-  // Keys whose put failed only because the master was unavailable are put again, whole (a new
-  // PutStart: a new version, the same bytes), until rpc_timeout_ms from the call's start: a
-  // put rides through a master restart or an HA election (docs/ha.md) as a read does.
+  // With HA masters ("etcd://"), keys whose put failed only because no master answered are
+  // put again, whole (a new PutStart: a new version, the same bytes), until rpc_timeout_ms
+  // from the call's start: a put rides through an election (docs/ha.md) as a read does. A
+  // single master that is down fails puts at once, as before (nothing elects a successor).
   const auto until = start + std::chrono::milliseconds(impl_->options.rpc_timeout_ms);
-  for (uint32_t backoff_ms = 100;; backoff_ms = std::min<uint32_t>(2 * backoff_ms, 500)) {
+  const bool ha = store::IsEtcdAddress(impl_->options.master_address);
+  for (uint32_t backoff_ms = 100; ha; backoff_ms = std::min<uint32_t>(2 * backoff_ms, 500)) {
     std::vector<size_t> again;
     for (size_t i = 0; i < result.size(); ++i) {
       if (MasterUnavailable(result[i])) again.push_back(i);
