@@ -407,6 +407,16 @@ void BindClient(py::module_& m) {
              });
              return ToPy(st);
            })
+      .def("batch_upsert_from",
+           [](PyStoreClient& c, const std::vector<std::string>& keys,
+              const std::vector<PyBuffers>& buffers) {
+             CheckSameLength(keys.size(), buffers.size());
+             auto bufs = ToBuffers(buffers);
+             auto st = NoGil([&] {
+               return c.With([&](StoreClient& s) { return s.BatchUpsertFrom(keys, bufs); });
+             });
+             return ToPy(st);
+           })
       .def("batch_get_into",
            [](PyStoreClient& c, const std::vector<std::string>& keys,
               const std::vector<PyBuffers>& buffers) {
@@ -420,6 +430,13 @@ void BindClient(py::module_& m) {
            PtrBatchCall(
                /*unique_keys=*/true,
                [](StoreClient& s, const PtrBatch& b) { return s.BatchPutFrom(b.keys, b.buffers); },
+               [](const std::vector<Status>& st) -> py::object { return Failures(st); }))
+      .def("batch_upsert_from_ptrs",
+           PtrBatchCall(
+               /*unique_keys=*/true,
+               [](StoreClient& s, const PtrBatch& b) {
+                 return s.BatchUpsertFrom(b.keys, b.buffers);
+               },
                [](const std::vector<Status>& st) -> py::object { return Failures(st); }))
       .def("batch_get_into_ptrs",
            PtrBatchCall(
@@ -486,6 +503,11 @@ void BindClient(py::module_& m) {
            [](PyStoreClient& c, const std::string& key, uintptr_t addr, uint64_t len) {
              std::string_view value(reinterpret_cast<const char*>(addr), len);
              NoGil([&] { c.With([&](StoreClient& s) { ThrowIfError(s.Put(key, value)); }); });
+           })
+      .def("upsert",
+           [](PyStoreClient& c, const std::string& key, uintptr_t addr, uint64_t len) {
+             std::string_view value(reinterpret_cast<const char*>(addr), len);
+             NoGil([&] { c.With([&](StoreClient& s) { ThrowIfError(s.Upsert(key, value)); }); });
            })
       .def("get", [](PyStoreClient& c, const std::string& key) {
         std::string v =

@@ -295,13 +295,15 @@ struct MasterClient::PendingPutStart::State {
 MasterClient::PendingPutStart MasterClient::PutStart(std::span<const std::string> keys,
                                                      std::span<const std::vector<uint64_t>> sizes,
                                                      uint32_t replica_num,
-                                                     const std::string& client_node_id) {
+                                                     const std::string& client_node_id,
+                                                     bool overwrite) {
   PendingPutStart p;
   auto s = std::make_shared<PendingPutStart::State>();
   p.state_ = s;
   s->owner = this;
   s->req.set_replica_num(replica_num);
   s->req.set_client_node_id(client_node_id);
+  s->req.set_overwrite(overwrite);
   for (size_t i = 0; i < keys.size(); ++i) {
     s->req.add_keys(keys[i]);
     auto* sz = s->req.add_sizes();

@@ -119,9 +119,10 @@ class MasterClient {
     struct State;
     std::shared_ptr<State> state_;
   };
+  // overwrite: new versions of existing keys (PutOptions::overwrite).
   PendingPutStart PutStart(std::span<const std::string> keys,
                            std::span<const std::vector<uint64_t>> sizes, uint32_t replica_num,
-                           const std::string& client_node_id);
+                           const std::string& client_node_id, bool overwrite = false);
   // One status per item, in order. Not retried.
   Result<std::vector<Status>> PutEnd(std::span<const PutEndItem> items);
   // The master's replicas (and sizes, read leases) of each key, one grant per key. Retried.

@@ -259,7 +259,9 @@ void MasterState::Impl::LoadInventory(Node& n, const std::vector<InventoryRecord
     const InventoryRecord& rec = inventory[i];
     Segment* seg = &n.segments.at(rec.segment_id);
     const uint32_t target = std::clamp<uint32_t>(rec.replica_num, 1, cfg.max_replicas);
-    Object* o = FindObject(rec.key);
+    // An overwrite in flight of this version is not complete: its record is refused, as a
+    // pending put's is.
+    Object* o = FindPut(rec.key, rec.version);
     bool accept;
     if (!o) {
       accept = true;

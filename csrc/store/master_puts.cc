@@ -80,7 +80,7 @@ Result<PutAllocation> MasterState::Impl::AllocateObject(const PutItem& item, uin
 Status MasterState::Impl::BeginPutEndOne(const PutEndItem& item, uint64_t now_ns, PutEndPlan& plan,
                                          std::map<std::string, size_t>& commit_index) {
   KVB_RETURN_IF_ERROR(CheckKey(item.key));
-  Object* o = FindObject(item.key);
+  Object* o = FindPut(item.key, item.version);
   if (!o) return Status::NotFound("no such object: never put, revoked or timed out");
   if (o->version != item.version) {
     return Status::NotFound("version " + Num(item.version) + " is gone; the key now has " +
@@ -143,7 +143,7 @@ Status MasterState::Impl::BeginPutEndOne(const PutEndItem& item, uint64_t now_ns
 Status MasterState::Impl::FinishPutEndOne(const KeyVersion& kv,
                                           const std::vector<CommitEntry>& entries,
                                           uint64_t now_ns) {
-  Object* o = FindObject(kv.key);
+  Object* o = FindPut(kv.key, kv.version);
   if (!o || o->version != kv.version || o->state != ObjectState::kCommitting) {
     for (const CommitEntry& e : entries) {
       if (e.commit->ok) QueueFreeIfRegistered(e.commit->node, *e.record);
@@ -183,6 +183,7 @@ Status MasterState::Impl::FinishPutEndOne(const KeyVersion& kv,
     return Status::Unavailable(Num(complete) + " replicas committed; min_replicas is " +
                                Num(cfg.min_replicas) + "; put revoked");
   }
+  if (o->key != kv.key) SwapInOverwrite(o, now_ns);
   o->state = ObjectState::kComplete;
   o->put_layout.clear();
   o->put_deadline_ns = 0;
@@ -190,6 +191,23 @@ Status MasterState::Impl::FinishPutEndOne(const KeyVersion& kv,
   pending_keys.erase(o->key);
   if (NeedsRepair(*o)) MarkRepair(o, now_ns);
   return Status::OK();
+}
+
+// An overwrite's new version `w` (under its OverwriteKey) takes the key's place in the table in
+// one step: readers asking from now on get its replicas. The old version leaves as a removed
+// object does: its ranges are held until the read leases granted on it end (a reader that got
+// them before keeps reading the old bytes), then freed on the nodes.
+void MasterState::Impl::SwapInOverwrite(Object* w, uint64_t now_ns) {
+  const std::string table_key = w->key;
+  const std::string key(PublicKey(table_key));
+  auto it = objects.find(table_key);
+  std::unique_ptr<Object> owned = std::move(it->second);
+  objects.erase(it);
+  pending_keys.erase(table_key);
+  repair_keys.erase(table_key);
+  if (Object* old = FindObject(key)) EraseObject(old, now_ns);
+  w->key = key;
+  objects.emplace(key, std::move(owned));
 }
 
 // ------------------------------------------------------------------ MasterState
@@ -225,20 +243,31 @@ std::vector<Result<PutAllocation>> MasterState::PutStart(const std::vector<PutIt
     if (st.ok() && seen[item.key] > 1) {
       st = Status::InvalidArgument("key appears " + Num(seen[item.key]) + " times in the batch");
     }
-    if (st.ok()) {
-      if (const Impl::Object* o = m.FindObject(item.key)) {
-        st = Status::AlreadyExists(o->state == ObjectState::kComplete
-                                       ? "object exists (version " + Num(o->version) + ")"
-                                       : "object is being written (version " + Num(o->version) +
-                                             ")");
-      }
+    const Impl::Object* o = st.ok() ? m.FindObject(item.key) : nullptr;
+    const Impl::Object* w = st.ok() ? m.FindObject(Impl::OverwriteKey(item.key)) : nullptr;
+    if (!st.ok()) {
+    } else if (options.overwrite && (w || (o && o->state != ObjectState::kComplete))) {
+      // One new version at a time: the caller tries again once this one ended or timed out.
+      st = Status::Unavailable((w ? "an overwrite" : "a put") +
+                               std::string(" of this key is in progress (version ") +
+                               Num((w ? w : o)->version) + ")");
+    } else if (!options.overwrite && (o || w)) {
+      st = Status::AlreadyExists(o && o->state == ObjectState::kComplete
+                                     ? "object exists (version " + Num(o->version) + ")"
+                                     : "object is being written (version " +
+                                           Num((o ? o : w)->version) + ")");
     }
     if (!st.ok()) {
       out.push_back(std::move(st));
       continue;
     }
     if (!m.departed.empty()) m.ForgetDepartedCopies(item.key);  // a new version from here on
-    out.push_back(m.AllocateObject(item, bytes, options, now_ns));
+    if (o) {  // an overwrite of a complete object: written beside it
+      out.push_back(
+          m.AllocateObject({Impl::OverwriteKey(item.key), item.sizes}, bytes, options, now_ns));
+    } else {
+      out.push_back(m.AllocateObject(item, bytes, options, now_ns));
+    }
   }
   return out;
 }
@@ -285,7 +314,7 @@ std::vector<Status> MasterState::PutRevoke(const std::vector<KeyVersion>& items,
   out.reserve(items.size());
   for (const KeyVersion& kv : items) {
     Status st = m.CheckKey(kv.key);
-    Impl::Object* o = st.ok() ? m.FindObject(kv.key) : nullptr;
+    Impl::Object* o = st.ok() ? m.FindPut(kv.key, kv.version) : nullptr;
     if (!st.ok()) {
     } else if (!o || o->version != kv.version) {
       st = Status::NotFound("no pending put of this key and version");

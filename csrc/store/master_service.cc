@@ -937,6 +937,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     store::PutOptions po;
     po.replica_num = req->replica_num();
     po.client_node_id = req->client_node_id();
+    po.overwrite = req->overwrite();
     const uint64_t now = util::MonoNs();
     auto results = state->PutStart(items, po, now);
     if (Status pub = PublishInflight(); !pub.ok()) {

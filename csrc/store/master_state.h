@@ -315,6 +315,11 @@ struct PutOptions {
   bool pinned = false;
   // When it names an ACTIVE node with room, one replica goes there (local writes are cheapest).
   std::string client_node_id;
+  // Put a new version of a key that exists (an upsert). The new version is written alongside
+  // the old one, which readers keep getting until its put end; then it replaces the old one in
+  // one step, and the old replicas are freed when the read leases granted on them end. A key
+  // that is absent is put as without it.
+  bool overwrite = false;
 };
 
 struct PutAllocation {
@@ -546,6 +551,9 @@ class MasterState {
   // Per item: INVALID_ARGUMENT (what is wrong), ALREADY_EXISTS (the key is complete or being
   // written: the caller writes nothing and treats it as success), NO_SPACE (not enough ACTIVE
   // nodes with room, even after eviction; nothing stays allocated), or the allocation.
+  // With options.overwrite, a complete key is not ALREADY_EXISTS: its new version is allocated
+  // beside it (PutOptions::overwrite); a key being written (by a put or another overwrite) is
+  // UNAVAILABLE, and the caller may try again once that put has ended or timed out.
   std::vector<Result<PutAllocation>> PutStart(const std::vector<PutItem>& items,
                                               const PutOptions& options, uint64_t now_ns);
   // Phase one of put end. Failed replicas are freed at once; a put left with fewer than
@@ -554,13 +562,15 @@ class MasterState {
   // UNAVAILABLE (another put end is in flight, or revoked here); OK = awaiting FinishPutEnd.
   PutEndPlan BeginPutEnd(const std::vector<PutEndItem>& items, uint64_t now_ns);
   // Phase two, after the caller sent plan.commits and set their `ok`. Per item, in order: OK
-  // (COMPLETE: at least min_replicas replicas written and committed; the others freed), the
+  // (COMPLETE: at least min_replicas replicas written and committed; the others freed; an
+  // overwrite's version replaces the key's old one, whose space is held until its read lease
+  // ends), the
   // early status, UNAVAILABLE (too few replicas committed: revoked, key absent), or NOT_FOUND
   // (revoked in between: put timeout, node death or a newer version).
   std::vector<Status> FinishPutEnd(const PutEndPlan& plan, uint64_t now_ns);
-  // Revokes PENDING puts: all space freed, key absent. Per item OK, INVALID_ARGUMENT,
-  // NOT_FOUND (absent or another version), ALREADY_EXISTS (complete: use Remove), UNAVAILABLE
-  // (its put end is in flight).
+  // Revokes PENDING puts: all space freed, key absent (an overwrite's old version stays). Per item
+  // OK, INVALID_ARGUMENT, NOT_FOUND (absent or another version), ALREADY_EXISTS (complete: use
+  // Remove), UNAVAILABLE (its put end is in flight).
   std::vector<Status> PutRevoke(const std::vector<KeyVersion>& items, uint64_t now_ns);
   // Per key: INVALID_ARGUMENT, NOT_FOUND (absent or not complete), or the replicas under a read
   // lease of lease_ms from now. Counts as an access for eviction (and SSD promotion) unless

@@ -263,6 +263,9 @@ struct MasterState::Impl {
 
   Status CheckKey(std::string_view key) const {
     if (key.empty()) return Status::InvalidArgument("key is empty");
+    if (key.front() == '\0') {
+      return Status::InvalidArgument("key begins with a NUL byte (reserved for the master)");
+    }
     if (key.size() > cfg.max_key_bytes) {
       return Status::InvalidArgument("key is " + Num(key.size()) + " bytes; max_key_bytes is " +
                                      Num(cfg.max_key_bytes));
@@ -320,6 +323,27 @@ struct MasterState::Impl {
     return it == objects.end() ? nullptr : it->second.get();
   }
 
+  // An overwrite in flight (PutOptions::overwrite) is an object of its own in the table, under
+  // its key behind this prefix, until its put end swaps it in under the key: every rule for
+  // pending puts (deadlines, node deaths, revokes) applies to it unchanged while the old
+  // version stays readable. CheckKey refuses keys that begin with a NUL byte, so no caller's
+  // key can be one of these; the records nodes keep name the key itself (Record).
+  static constexpr std::string_view kOverwritePrefix{"\0overwrite\0", 11};
+  static std::string OverwriteKey(std::string_view key) {
+    return std::string(kOverwritePrefix) + std::string(key);
+  }
+  static std::string_view PublicKey(std::string_view table_key) {
+    return table_key.starts_with(kOverwritePrefix) ? table_key.substr(kOverwritePrefix.size())
+                                                   : table_key;
+  }
+  // The object a put end or revoke of (key, version) is about: the key's overwrite in flight
+  // when it has that version, else the key's object (whatever its version).
+  Object* FindPut(std::string_view key, uint64_t version) {
+    Object* o = FindObject(key);
+    Object* w = FindObject(OverwriteKey(key));
+    return w && (!o || w->version == version) ? w : o;
+  }
+
   static int ReplicaOn(const Object& o, const Node* n) {
     for (size_t i = 0; i < o.replicas.size(); ++i) {
       if (o.replicas[i].node == n) return static_cast<int>(i);
@@ -345,8 +369,8 @@ struct MasterState::Impl {
   }
 
   InventoryRecord Record(const Object& o, const Replica& r) const {
-    return {o.key,    o.version, o.sizes,     o.checksum, r.segment->info.segment_id,
-            r.offset, o.target,  r.replica_id};
+    return {std::string(PublicKey(o.key)), o.version, o.sizes,  o.checksum,
+            r.segment->info.segment_id,    r.offset,  o.target, r.replica_id};
   }
 
   // For a record a commit may have left on a node, unless it is (again) a live replica's: a
@@ -354,7 +378,7 @@ struct MasterState::Impl {
   void QueueFreeIfRegistered(const NodeIdentity& id, const InventoryRecord& rec) {
     Node* n = FindNodeExact(id);
     if (!n) return;
-    if (const Object* o = FindObject(rec.key); o && o->version == rec.version) {
+    if (const Object* o = FindPut(rec.key, rec.version); o && o->version == rec.version) {
       for (const Replica& r : o->replicas) {
         if (r.replica_id == rec.replica_id) return;
       }
@@ -491,6 +515,7 @@ struct MasterState::Impl {
   };
   Status FinishPutEndOne(const KeyVersion& kv, const std::vector<CommitEntry>& entries,
                          uint64_t now_ns);
+  void SwapInOverwrite(Object* w, uint64_t now_ns);
 };
 
 }  // namespace kvbridge::store

@@ -163,8 +163,16 @@ struct StoreClient::Impl {
   // BatchPutFrom and BatchGetInto without the counting of calls and per-key outcomes, which
   // the public calls do once around them (these call themselves for slices and subsets).
   // What only they see (which tier served a hit, whether a put wrote) they count themselves.
+  // overwrite: new versions of keys that exist (BatchUpsertFrom). `busy`, when given, is set for
+  // each key refused because a put of it was in flight (an overwrite waits for it).
   std::vector<Status> PutFrom(std::span<const std::string> keys,
-                              std::span<const std::vector<BufferRef>> buffers);
+                              std::span<const std::vector<BufferRef>> buffers,
+                              bool overwrite = false, std::vector<bool>* busy = nullptr);
+  // BatchPutFrom and BatchUpsertFrom: PutFrom, counted, with its retries.
+  std::vector<Status> PutCall(std::span<const std::string> keys,
+                              std::span<const std::vector<BufferRef>> buffers, bool overwrite);
+  // Put and Upsert: one key through the staging area.
+  Status PutStaged(std::string_view key, std::string_view value, bool overwrite);
   std::vector<Result<uint64_t>> GetInto(std::span<const std::string> keys,
                                         std::span<const std::vector<BufferRef>> buffers);
 
@@ -930,22 +938,33 @@ Status StoreClient::UnregisterBuffer(void* addr) {
 }
 
 std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys,
-                                               std::span<const std::vector<BufferRef>> buffers) {
+                                               std::span<const std::vector<BufferRef>> buffers,
+                                               bool overwrite, std::vector<bool>* busy) {
   Impl& im = *this;
   std::vector<Status> result(keys.size());
+  if (busy) busy->assign(keys.size(), false);
   if (buffers.size() != keys.size()) {
     result.assign(keys.size(), Status::InvalidArgument("BatchPutFrom: one buffer list per key"));
     return result;
   }
   if (keys.size() > store::kMaxKeysPerCall) {
+    std::vector<bool> slice_busy;
     return BySlices<Status>(keys.size(), [&](size_t begin, size_t count) {
-      return PutFrom(keys.subspan(begin, count), buffers.subspan(begin, count));
+      std::vector<Status> r = PutFrom(keys.subspan(begin, count), buffers.subspan(begin, count),
+                                      overwrite, busy ? &slice_busy : nullptr);
+      for (size_t j = 0; busy && j < count; ++j) (*busy)[begin + j] = slice_busy[j];
+      return r;
     });
   }
   // A key whose memory is not registered fails alone; the others go on without it.
   if (auto subset = PreCheck(im, keys, buffers, &result)) {
-    std::vector<Status> sub = PutFrom(subset->keys, subset->buffers);
-    for (size_t j = 0; j < sub.size(); ++j) result[subset->index[j]] = std::move(sub[j]);
+    std::vector<bool> sub_busy;
+    std::vector<Status> sub =
+        PutFrom(subset->keys, subset->buffers, overwrite, busy ? &sub_busy : nullptr);
+    for (size_t j = 0; j < sub.size(); ++j) {
+      result[subset->index[j]] = std::move(sub[j]);
+      if (busy) (*busy)[subset->index[j]] = sub_busy[j];
+    }
     return result;
   }
   std::vector<std::vector<uint64_t>> sizes(keys.size());
@@ -964,8 +983,8 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   // no later here than there.
   const auto put_base = std::chrono::steady_clock::now();
   {
-    store::MasterClient::PendingPutStart pending =
-        im.master->PutStart(keys, sizes, im.options.replica_num, im.engine->self().node_id);
+    store::MasterClient::PendingPutStart pending = im.master->PutStart(
+        keys, sizes, im.options.replica_num, im.engine->self().node_id, overwrite);
     std::vector<const std::vector<Piece>*> of_key(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
       uint64_t total = 0;
@@ -1014,6 +1033,7 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
     }
     if (!st.ok()) {
       result[i] = st;
+      if (busy && overwrite && st.Is(StatusCode::kUnavailable)) (*busy)[i] = true;
       continue;
     }
     // No checksum, no write: its replicas go to PutEnd as failed, so that the master drops the
@@ -1124,18 +1144,32 @@ bool MasterUnavailable(const Status& st) {
 
 std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
                                               std::span<const std::vector<BufferRef>> buffers) {
+  return impl_->PutCall(keys, buffers, /*overwrite=*/false);
+}
+
+std::vector<Status> StoreClient::BatchUpsertFrom(std::span<const std::string> keys,
+                                                 std::span<const std::vector<BufferRef>> buffers) {
+  return impl_->PutCall(keys, buffers, /*overwrite=*/true);
+}
+
+std::vector<Status> StoreClient::Impl::PutCall(std::span<const std::string> keys,
+                                               std::span<const std::vector<BufferRef>> buffers,
+                                               bool overwrite) {
   const auto start = store::ClientCounters::Clock::now();
-  std::vector<Status> result = impl_->PutFrom(keys, buffers);
-  // With HA masters ("etcd://"), keys whose put failed only because no master answered are
-  // put again, whole (a new PutStart: a new version, the same bytes), until rpc_timeout_ms
-  // from the call's start: a put rides through an election (docs/ha.md) as a read does. A
-  // single master that is down fails puts at once, as before (nothing elects a successor).
-  const auto until = start + std::chrono::milliseconds(impl_->options.rpc_timeout_ms);
-  const bool ha = store::IsEtcdAddress(impl_->options.master_address);
-  for (uint32_t backoff_ms = 100; ha; backoff_ms = std::min<uint32_t>(2 * backoff_ms, 500)) {
+  std::vector<bool> busy;
+  std::vector<Status> result = PutFrom(keys, buffers, overwrite, &busy);
+  // Overwrites the master refused while another put of their key was in flight are put again
+  // (concurrent upserts of a key take turns, the last to start wins); and with HA masters
+  // ("etcd://"), so are keys whose put failed only because no master answered: put again, whole
+  // (a new PutStart: a new version, the same bytes), so a put rides through an election
+  // (docs/ha.md) as a read does. A single master that is down fails puts at once. Both until
+  // rpc_timeout_ms from the call's start.
+  const auto until = start + std::chrono::milliseconds(options.rpc_timeout_ms);
+  const bool ha = store::IsEtcdAddress(options.master_address);
+  for (uint32_t backoff_ms = 100;; backoff_ms = std::min<uint32_t>(2 * backoff_ms, 500)) {
     std::vector<size_t> again;
     for (size_t i = 0; i < result.size(); ++i) {
-      if (MasterUnavailable(result[i])) again.push_back(i);
+      if ((ha && MasterUnavailable(result[i])) || busy[i]) again.push_back(i);
     }
     if (again.empty() || buffers.size() != keys.size() ||
         store::ClientCounters::Clock::now() + std::chrono::milliseconds(backoff_ms) >= until) {
@@ -1148,13 +1182,17 @@ std::vector<Status> StoreClient::BatchPutFrom(std::span<const std::string> keys,
       k.push_back(keys[i]);
       b.push_back(buffers[i]);
     }
-    std::vector<Status> retried = impl_->PutFrom(k, b);
-    for (size_t j = 0; j < again.size(); ++j) result[again[j]] = std::move(retried[j]);
+    std::vector<bool> retried_busy;
+    std::vector<Status> retried = PutFrom(k, b, overwrite, &retried_busy);
+    for (size_t j = 0; j < again.size(); ++j) {
+      result[again[j]] = std::move(retried[j]);
+      busy[again[j]] = retried_busy[j];
+    }
   }
   for (const Status& st : result) {
-    if (!st.ok()) impl_->counters.Error(StoreOp::kPut, st.code());
+    if (!st.ok()) counters.Error(StoreOp::kPut, st.code());
   }
-  impl_->counters.Call(StoreOp::kPut, keys.size(), store::ClientCounters::Clock::now() - start);
+  counters.Call(StoreOp::kPut, keys.size(), store::ClientCounters::Clock::now() - start);
   return result;
 }
 
@@ -1493,18 +1531,27 @@ const char* StoreOpName(StoreOp op) {
 Status StoreClient::RemoveAll() { return impl_->master->RemoveAll(impl_->admin_key); }
 
 Status StoreClient::Put(std::string_view key, std::string_view value) {
+  return impl_->PutStaged(key, value, /*overwrite=*/false);
+}
+
+Status StoreClient::Upsert(std::string_view key, std::string_view value) {
+  return impl_->PutStaged(key, value, /*overwrite=*/true);
+}
+
+Status StoreClient::Impl::PutStaged(std::string_view key, std::string_view value, bool overwrite) {
+  const char* name = overwrite ? "Upsert" : "Put";
   if (value.size() > kStagingBytes) {
-    impl_->counters.Error(StoreOp::kPut, StatusCode::kInvalidArgument);  // a put that failed
-    impl_->counters.Call(StoreOp::kPut, 1, store::ClientCounters::Clock::duration::zero());
-    return Status::InvalidArgument("Put: value larger than the staging area (" +
-                                   std::to_string(kStagingBytes) +
-                                   " bytes); use BatchPutFrom on registered memory");
+    counters.Error(StoreOp::kPut, StatusCode::kInvalidArgument);  // a put that failed
+    counters.Call(StoreOp::kPut, 1, store::ClientCounters::Clock::duration::zero());
+    return Status::InvalidArgument(std::string(name) + ": value larger than the staging area (" +
+                                   std::to_string(kStagingBytes) + " bytes); use Batch" + name +
+                                   "From on registered memory");
   }
-  std::lock_guard<std::mutex> lock(impl_->staging_mu);
-  std::memcpy(impl_->staging.get(), value.data(), value.size());
+  std::lock_guard<std::mutex> lock(staging_mu);
+  std::memcpy(staging.get(), value.data(), value.size());
   std::string k(key);
-  std::vector<std::vector<BufferRef>> bufs = {{BufferRef{impl_->staging.get(), value.size()}}};
-  return BatchPutFrom(std::span(&k, 1), bufs)[0];
+  std::vector<std::vector<BufferRef>> bufs = {{BufferRef{staging.get(), value.size()}}};
+  return PutCall(std::span(&k, 1), bufs, overwrite)[0];
 }
 
 Result<std::string> StoreClient::Get(std::string_view key) {

@@ -203,13 +203,27 @@ class StoreClient:
         """Stores buf's bytes under key. An existing key succeeds without rewriting.
         A CUDA tensor outside the registered buffers is copied to host memory first (register
         it, or the pool it lies in, to skip that copy)."""
+        self._put_one(key, buf, "put")
+
+    def upsert(self, key: Key, buf: Any) -> None:
+        """put that replaces an existing key: the new bytes replace the old for every reader
+        at once when the put ends, and a reader that got the old version keeps reading it
+        until its read lease ends (docs/store.md "Overwrites"). A failed upsert leaves the old
+        version. Concurrent upserts of a key take turns (the last to start wins); one that
+        waited past rpc_timeout_ms raises UnavailableError."""
+        self._put_one(key, buf, "upsert")
+
+    def _put_one(self, key: Key, buf: Any, what: str) -> None:
         key = _key(key)
-        r = _buffers.region(buf, writable=False, what="put")
+        r = _buffers.region(buf, writable=False, what=what)
         if r.kind == _buffers.CUDA and not self._registered(r):
             buf = _buffers.host_bytes_of(buf)
-            r = _buffers.region(buf, writable=False, what="put")
+            r = _buffers.region(buf, writable=False, what=what)
         if self._registered(r):
-            raise_if_error(self._h.batch_put_from([key], [[(r.address, r.length)]])[0])
+            batch = self._h.batch_upsert_from if what == "upsert" else self._h.batch_put_from
+            raise_if_error(batch([key], [[(r.address, r.length)]])[0])
+        elif what == "upsert":
+            self._h.upsert(key, r.address, r.length)
         else:
             self._h.put(key, r.address, r.length)
 
@@ -282,6 +296,12 @@ class StoreClient:
         ks, bufs = self._batch_regions(keys, buffers, False, "batch_put_from")
         return self._h.batch_put_from(ks, bufs)
 
+    def batch_upsert_from(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list:
+        """batch_put_from that replaces existing keys, each as upsert does. One
+        kvbridge.Status per key."""
+        ks, bufs = self._batch_regions(keys, buffers, False, "batch_upsert_from")
+        return self._h.batch_upsert_from(ks, bufs)
+
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Any]) -> list[GetResult]:
         """Reads each key into its registered buffer(s), filled in order. One GetResult
         (status, size) per key: NOT_FOUND, INVALID_ARGUMENT (buffers too small), ..."""
@@ -305,6 +325,16 @@ class StoreClient:
         statuses = self.batch_put_from(keys, _ptr_pairs(keys, addresses, lengths))
         return {i: st for i, st in enumerate(statuses) if not st.ok}
 
+    def batch_upsert_from_ptrs(self, keys: Sequence[Key], addresses: Sequence[Any],
+                               lengths: Sequence[Any]) -> dict:
+        """batch_put_from_ptrs that replaces existing keys, each as upsert does. Returns the
+        failed keys only: {index: kvbridge.Status}."""
+        failed = self._try_upsert_from_ptrs(keys, addresses, lengths, _multi(addresses))
+        if failed is not None:
+            return failed
+        statuses = self.batch_upsert_from(keys, _ptr_pairs(keys, addresses, lengths))
+        return {i: st for i, st in enumerate(statuses) if not st.ok}
+
     def batch_get_into_ptrs(self, keys: Sequence[Key], addresses: Sequence[Any],
                             lengths: Sequence[Any]) -> tuple[list[int], dict]:
         """batch_get_into for keys[i] read into ``lengths[i]`` bytes at ``addresses[i]``
@@ -324,6 +354,11 @@ class StoreClient:
         a list of ints), or None when it does not take the lists: the caller then takes its
         general path (the Mooncake layer has its own)."""
         return self._h.batch_put_from_ptrs(keys, addresses, lengths, multi)
+
+    def _try_upsert_from_ptrs(self, keys: Any, addresses: Any, lengths: Any,
+                              multi: bool) -> Optional[dict]:
+        """As _try_put_from_ptrs, for batch_upsert_from_ptrs."""
+        return self._h.batch_upsert_from_ptrs(keys, addresses, lengths, multi)
 
     def _try_get_into_ptrs(self, keys: Any, addresses: Any, lengths: Any,
                            multi: bool) -> Optional[tuple]:

@@ -96,6 +96,47 @@ TEST(EmbeddedStore, RoundTripInOneProcess) {
   EXPECT_EQ(s.nodes.size(), 2u);
 }
 
+TEST(EmbeddedStore, UpsertReplacesTheValueAndConcurrentUpsertsTakeTurns) {
+  auto cluster = Must(EmbeddedCluster::Start(SmallCluster(2, 32u << 20, 2)));
+  StoreClient& c = cluster->client();
+  ASSERT_TRUE(c.Put("k", "first").ok());
+  ASSERT_TRUE(c.Put("k", "ignored").ok());  // a put leaves an existing key alone
+  EXPECT_EQ(Must(c.Get("k")), "first");
+  ASSERT_TRUE(c.Upsert("k", "second, longer").ok());
+  EXPECT_EQ(Must(c.Get("k")), "second, longer");
+  ASSERT_TRUE(c.Upsert("absent", "put").ok());
+  EXPECT_EQ(Must(c.Get("absent")), "put");
+
+  Buffer src(2 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  src.Fill(7, 0, kObject);
+  std::vector<std::string> keys = {"k", "absent"};
+  std::vector<std::vector<BufferRef>> bufs = {{BufferRef{src.data(), 100}},
+                                              {BufferRef{src.data(), kObject}}};
+  for (const Status& st : c.BatchUpsertFrom(keys, bufs)) ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(Must(c.Get("k")), std::string(reinterpret_cast<const char*>(src.data()), 100));
+  EXPECT_EQ(Must(c.Get("absent")).size(), kObject);
+
+  // Upserts of one key from several threads all succeed (each waits for the one in flight),
+  // and the key ends up holding one of their values, whole.
+  std::vector<std::thread> writers;
+  std::atomic<int> failed{0};
+  for (int t = 0; t < 4; ++t) {
+    writers.emplace_back([&, t] {
+      for (int i = 0; i < 5; ++i) {
+        if (!c.Upsert("contended", std::string(1000, static_cast<char>('a' + t))).ok()) ++failed;
+      }
+    });
+  }
+  for (auto& w : writers) w.join();
+  EXPECT_EQ(failed.load(), 0);
+  const std::string v = Must(c.Get("contended"));
+  ASSERT_EQ(v.size(), 1000u);
+  EXPECT_EQ(v, std::string(1000, v[0]));
+  ClusterStatus s = Must(QueryClusterStatus(cluster->master_address()));
+  EXPECT_EQ(s.objects, 3u);
+}
+
 TEST(EmbeddedStore, UnregisteredMemoryFailsOnlyItsOwnKey) {
   auto cluster = Must(EmbeddedCluster::Start(SmallCluster(2, 32u << 20, 1)));
   Buffer src(4 * kObject), dst(4 * kObject), loose(kObject);

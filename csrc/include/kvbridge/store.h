@@ -94,7 +94,7 @@ struct ReplicaInfo {
 };
 
 // The calls a StoreClient counts (StoreClientStats::ops): BatchGetInto (and Get), BatchPutFrom
-// (and Put), BatchRemove, BatchExists.
+// (and Put, BatchUpsertFrom, Upsert), BatchRemove, BatchExists.
 enum class StoreOp : uint8_t { kGet = 0, kPut = 1, kRemove = 2, kExists = 3 };
 inline constexpr size_t kStoreOpCount = 4;
 
@@ -167,6 +167,15 @@ class KVBRIDGE_API StoreClient {
   // the checksum failed: nothing is stored), or the transfer error of its replicas.
   std::vector<Status> BatchPutFrom(std::span<const std::string> keys,
                                    std::span<const std::vector<BufferRef>> buffers);
+  // BatchPutFrom that replaces keys that exist (an upsert). A key's new version is written
+  // beside the old one, and at the end of its put replaces it for every reader at once; a
+  // reader that got the old version keeps reading its bytes until its read lease ends, and
+  // only then is the old space freed (docs/store.md "Overwrites"). A failed upsert leaves the
+  // old version. While another put of the key is in flight the upsert waits for it (up to
+  // rpc_timeout_ms, then UNAVAILABLE): of concurrent upserts of a key the last one to start
+  // wins. An absent key is put. Per key as BatchPutFrom, UNAVAILABLE added.
+  std::vector<Status> BatchUpsertFrom(std::span<const std::string> keys,
+                                      std::span<const std::vector<BufferRef>> buffers);
   // Reads each key's object into its buffers, filled in order. Per key: the object's size, or
   // NOT_FOUND, INVALID_ARGUMENT (buffers smaller than the object), IO_ERROR (a copy of its CUDA
   // buffers for the checksum failed), or the error of the last replica tried. Replicas are
@@ -190,6 +199,7 @@ class KVBRIDGE_API StoreClient {
   // Convenience forms over unregistered memory (one staging copy each way, through one
   // client-wide staging area, so concurrent calls take turns; use the batch forms for speed).
   Status Put(std::string_view key, std::string_view value);
+  Status Upsert(std::string_view key, std::string_view value);
   Result<std::string> Get(std::string_view key);
 
   // The client's counters (StoreClientStats). Counting is a few relaxed atomic additions per

@@ -380,6 +380,24 @@ def _split_duplicates(keys: Sequence[Any]) -> tuple[list[int], list[int]]:
     return first, repeats
 
 
+def _put_rounds(keys: Sequence[Any], upsert: bool) -> list[list[int]]:
+    """The batches a put of these keys goes in, in order, none with a key twice (kvbridge
+    refuses that). A put: first occurrences, then the repeats, which find the key existing
+    (success, not written). An upsert: the n-th occurrences in round n, so that of a key given
+    twice the last value stays, as in Mooncake."""
+    if not upsert:
+        return list(_split_duplicates(keys))
+    seen: dict = {}
+    rounds: list[list[int]] = []
+    for i, k in enumerate(keys):
+        n = seen.get(k, 0)
+        seen[k] = n + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append(i)
+    return rounds or [[]]
+
+
 def _host_of(local_hostname: str) -> str:
     """An address to listen on for Mooncake's local_hostname ("host" or "host:port")."""
     host = local_hostname.strip()
@@ -581,6 +599,14 @@ class MooncakeDistributedStore:
     # -- plain values ----------------------------------------------------------------------
     def put(self, key: str, value: Any, config: Any = None) -> int:
         """Stores value's bytes. An existing key succeeds and keeps its bytes. 0 or an error."""
+        return self._put_value(key, value, config, upsert=False)
+
+    def upsert(self, key: str, value: Any, config: Any = None) -> int:
+        """put that replaces an existing key's bytes: readers see the old bytes or the new,
+        never a mix (StoreClient.upsert). 0 or an error."""
+        return self._put_value(key, value, config, upsert=True)
+
+    def _put_value(self, key: str, value: Any, config: Any, upsert: bool) -> int:
         _check_key(key)
         view = _bytes_view(value, "value")
         n = _replica_num(config)
@@ -588,7 +614,8 @@ class MooncakeDistributedStore:
         if s is None:
             return int(ErrorCode.INVALID_PARAMS)
         try:
-            s.client_for(n).put(key, view)
+            client = s.client_for(n)
+            (client.upsert if upsert else client.put)(key, view)
             return 0
         except KvbError as e:
             return _code_of(e)
@@ -597,6 +624,11 @@ class MooncakeDistributedStore:
         """Stores the parts' bytes, concatenated, as one object."""
         _check_key(key)
         return self.put(key, b"".join(_bytes_view(p, "parts") for p in parts), config)
+
+    def upsert_parts(self, key: str, *parts: Any, config: Any = None) -> int:
+        """upsert of the parts' bytes, concatenated, as one object."""
+        _check_key(key)
+        return self.upsert(key, b"".join(_bytes_view(p, "parts") for p in parts), config)
 
     def get(self, key: str) -> bytes:
         """The object's bytes; b"" when it cannot be read (missing key or failure)."""
@@ -612,6 +644,14 @@ class MooncakeDistributedStore:
     def put_batch(self, keys: list, values: list, config: Any = None) -> int:
         """Stores each key's value. 0 when all succeeded, else the first key's error; a
         length mismatch or an empty value fails the whole call (INVALID_PARAMS) up front."""
+        return self._put_values(keys, values, config, upsert=False)
+
+    def upsert_batch(self, keys: list, values: list, config: Any = None) -> int:
+        """put_batch that replaces existing keys, each as upsert does; of a key given twice
+        the last value stays."""
+        return self._put_values(keys, values, config, upsert=True)
+
+    def _put_values(self, keys: list, values: list, config: Any, upsert: bool) -> int:
         _check_keys(keys)
         views = [_bytes_view(v, "values") for v in values]
         n = _replica_num(config)
@@ -623,10 +663,9 @@ class MooncakeDistributedStore:
         except KvbError as e:
             return _code_of(e)
         results = [0] * len(keys)
-        first, repeats = _split_duplicates(keys)
-        for group in (first, repeats):
+        for group in _put_rounds(keys, upsert):
             for i, code in zip(group, self._staged_put(s, client, [keys[i] for i in group],
-                                                        [views[i] for i in group])):
+                                                        [views[i] for i in group], upsert)):
                 results[i] = code
         return next((c for c in results if c != 0), 0)
 
@@ -659,6 +698,14 @@ class MooncakeDistributedStore:
     # -- zero-copy forms (raw addresses) ---------------------------------------------------
     def put_from(self, key: str, buffer_ptr: int, size: int, config: Any = None) -> int:
         """Stores [buffer_ptr, buffer_ptr + size). Zero-copy when registered. 0 or an error."""
+        return self._put_range(key, buffer_ptr, size, config, upsert=False)
+
+    def upsert_from(self, key: str, buffer_ptr: int, size: int, config: Any = None) -> int:
+        """put_from that replaces an existing key, as upsert does. 0 or an error."""
+        return self._put_range(key, buffer_ptr, size, config, upsert=True)
+
+    def _put_range(self, key: str, buffer_ptr: int, size: int, config: Any,
+                   upsert: bool) -> int:
         _check_key(key)
         _check_ints("buffer_ptr/size", (buffer_ptr, size))
         n = _replica_num(config)
@@ -666,7 +713,8 @@ class MooncakeDistributedStore:
         if s is None or buffer_ptr <= 0 or size <= 0:
             return int(ErrorCode.INVALID_PARAMS)
         try:
-            s.client_for(n).put(key, (buffer_ptr, size))
+            client = s.client_for(n)
+            (client.upsert if upsert else client.put)(key, (buffer_ptr, size))
             return 0
         except KvbError as e:
             return _code_of(e)
@@ -696,6 +744,21 @@ class MooncakeDistributedStore:
         if len(buffer_ptrs) != len(keys) or len(sizes) != len(keys):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         return self._batch_put(keys, [[(p, n)] for p, n in zip(buffer_ptrs, sizes)], config)
+
+    def batch_upsert_from(self, keys: list, buffer_ptrs: list, sizes: list,
+                          config: Any = None) -> list:
+        """batch_put_from that replaces existing keys, each as upsert does; of a key given
+        twice the last buffer stays. One result per key: 0 or an error."""
+        fast = self._put_from_ptrs(keys, buffer_ptrs, sizes, config, upsert=True)
+        if fast is not None:
+            return fast
+        _check_keys(keys)
+        _check_ints("buffer_ptrs", buffer_ptrs)
+        _check_ints("sizes", sizes)
+        if len(buffer_ptrs) != len(keys) or len(sizes) != len(keys):
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        return self._batch_put(keys, [[(p, n)] for p, n in zip(buffer_ptrs, sizes)], config,
+                               upsert=True)
 
     def batch_get_into(self, keys: list, buffer_ptrs: list, sizes: list) -> list:
         """Reads each key into one buffer. One result per key: bytes read or an error."""
@@ -961,7 +1024,7 @@ class MooncakeDistributedStore:
         return [r.size if r.ok else _code_of(r.status, master_call=True) for r in results]
 
     def _staged_put(self, s: _Session, client: StoreClient, keys: list,
-                    views: list) -> list:
+                    views: list, upsert: bool = False) -> list:
         """Puts through the registered staging area, in as few batches as it allows; values
         larger than the area go alone through kvbridge's own staging copy."""
         results = [0] * len(keys)
@@ -976,7 +1039,8 @@ class MooncakeDistributedStore:
                 for i, off in chunk:
                     s.staging[off:off + len(views[i])] = views[i]
                 try:
-                    st = client.batch_put_from(
+                    batch = client.batch_upsert_from if upsert else client.batch_put_from
+                    st = batch(
                         [keys[i] for i, _ in chunk],
                         [(s.staging_address + off, len(views[i])) for i, off in chunk])
                     for (i, _), status in zip(chunk, st):
@@ -988,7 +1052,7 @@ class MooncakeDistributedStore:
         for i, v in enumerate(views):
             if len(v) > capacity:
                 try:
-                    client.put(keys[i], v)
+                    (client.upsert if upsert else client.put)(keys[i], v)
                 except KvbError as e:
                     results[i] = _code_of(e)
                 continue
@@ -1021,7 +1085,7 @@ class MooncakeDistributedStore:
     # arguments (other types, a zero pointer or size, a key twice in a put, no session), and
     # the general path below then decides, with Mooncake's errors.
     def _put_from_ptrs(self, keys: Any, ptrs: Any, sizes: Any, config: Any,
-                       multi: bool = False) -> Optional[list]:
+                       multi: bool = False, upsert: bool = False) -> Optional[list]:
         s = self._session
         if s is None:
             return None
@@ -1030,7 +1094,10 @@ class MooncakeDistributedStore:
         except (KvbError, TypeError):
             return None
         try:
-            failed = client._try_put_from_ptrs(keys, ptrs, sizes, multi)
+            if upsert:
+                failed = client._try_upsert_from_ptrs(keys, ptrs, sizes, multi)
+            else:
+                failed = client._try_put_from_ptrs(keys, ptrs, sizes, multi)
         except KvbError as e:
             return [_code_of(e)] * len(keys)
         if failed is None:
@@ -1038,7 +1105,8 @@ class MooncakeDistributedStore:
         results = [0] * len(keys)
         for i, st in failed.items():
             if st.name == "NOT_REGISTERED":  # Mooncake accepts any memory: copy it once
-                results[i] = _put_copy(client, keys[i], _ranges(ptrs[i], sizes[i], multi))
+                results[i] = _put_copy(client, keys[i], _ranges(ptrs[i], sizes[i], multi),
+                                       upsert)
             else:
                 results[i] = _code_of(st)
         return results
@@ -1062,7 +1130,7 @@ class MooncakeDistributedStore:
                 results[i] = _code_of(st)
         return results
 
-    def _batch_put(self, keys: list, bufs: list, config: Any) -> list:
+    def _batch_put(self, keys: list, bufs: list, config: Any, upsert: bool = False) -> list:
         _check_keys(keys)
         n = _replica_num(config)
         s = self._session
@@ -1074,20 +1142,20 @@ class MooncakeDistributedStore:
             return [_code_of(e)] * len(keys)
         results = [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         valid = [i for i, b in enumerate(bufs) if _valid_ranges(b)]
-        first, repeats = _split_duplicates([keys[i] for i in valid])
-        for group in (first, repeats):
+        batch = client.batch_upsert_from if upsert else client.batch_put_from
+        for group in _put_rounds([keys[i] for i in valid], upsert):
             idx = [valid[j] for j in group]
             if not idx:
                 continue
             try:
-                statuses = client.batch_put_from([keys[i] for i in idx], [bufs[i] for i in idx])
+                statuses = batch([keys[i] for i in idx], [bufs[i] for i in idx])
             except KvbError as e:
                 for i in idx:
                     results[i] = _code_of(e)
                 continue
             for i, st in zip(idx, statuses):
                 if st.name == "NOT_REGISTERED":  # Mooncake accepts any memory: copy it once
-                    results[i] = _put_copy(client, keys[i], bufs[i])
+                    results[i] = _put_copy(client, keys[i], bufs[i], upsert)
                 else:
                     results[i] = _code_of(st)
         return results
@@ -1284,11 +1352,11 @@ def _ranges(ptrs: Any, sizes: Any, multi: bool) -> list:
     return list(zip(ptrs, sizes)) if multi else [(ptrs, sizes)]
 
 
-def _put_copy(client: StoreClient, key: Any, ranges: list) -> int:
+def _put_copy(client: StoreClient, key: Any, ranges: list, upsert: bool = False) -> int:
     """Puts unregistered memory through one copy (Mooncake's TCP path accepts any memory)."""
     data = b"".join(ctypes.string_at(p, n) for p, n in ranges)
     try:
-        client.put(key, data)
+        (client.upsert if upsert else client.put)(key, data)
         return 0
     except KvbError as e:
         return _code_of(e)
