@@ -735,21 +735,17 @@ class MooncakeDistributedStore:
     def batch_put_from(self, keys: list, buffer_ptrs: list, sizes: list,
                        config: Any = None) -> list:
         """Stores each key from one buffer. One result per key: 0 or an error."""
-        fast = self._put_from_ptrs(keys, buffer_ptrs, sizes, config)
-        if fast is not None:
-            return fast
-        _check_keys(keys)
-        _check_ints("buffer_ptrs", buffer_ptrs)
-        _check_ints("sizes", sizes)
-        if len(buffer_ptrs) != len(keys) or len(sizes) != len(keys):
-            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
-        return self._batch_put(keys, [[(p, n)] for p, n in zip(buffer_ptrs, sizes)], config)
+        return self._batch_put_from(keys, buffer_ptrs, sizes, config, upsert=False)
 
     def batch_upsert_from(self, keys: list, buffer_ptrs: list, sizes: list,
                           config: Any = None) -> list:
         """batch_put_from that replaces existing keys, each as upsert does; of a key given
         twice the last buffer stays. One result per key: 0 or an error."""
-        fast = self._put_from_ptrs(keys, buffer_ptrs, sizes, config, upsert=True)
+        return self._batch_put_from(keys, buffer_ptrs, sizes, config, upsert=True)
+
+    def _batch_put_from(self, keys: list, buffer_ptrs: list, sizes: list, config: Any,
+                        upsert: bool) -> list:
+        fast = self._put_from_ptrs(keys, buffer_ptrs, sizes, config, upsert=upsert)
         if fast is not None:
             return fast
         _check_keys(keys)
@@ -758,7 +754,7 @@ class MooncakeDistributedStore:
         if len(buffer_ptrs) != len(keys) or len(sizes) != len(keys):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         return self._batch_put(keys, [[(p, n)] for p, n in zip(buffer_ptrs, sizes)], config,
-                               upsert=True)
+                               upsert=upsert)
 
     def batch_get_into(self, keys: list, buffer_ptrs: list, sizes: list) -> list:
         """Reads each key into one buffer. One result per key: bytes read or an error."""
