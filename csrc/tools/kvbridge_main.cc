@@ -561,6 +561,10 @@ int RunStatus(const Flags& f) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Stopped by SIGINT/SIGTERM whatever it inherited: a shell starts background jobs with SIGINT
+  // ignored, and an ignored signal never reaches sigwait or ends `status --watch`.
+  signal(SIGINT, SIG_DFL);
+  signal(SIGTERM, SIG_DFL);
   if (argc < 2) return Usage();
   const std::string name = argv[1];
   if (name == "-h" || name == "--help" || name == "help") {
