@@ -282,6 +282,7 @@ Result<int64_t> EtcdClient::KeepAlive(int64_t lease_id) {
     }
     stream->WritesDone();
     ctx->TryCancel();  // the answer is in; do not wait for etcd to close the stream
+    (void)stream->Finish();  // CANCELLED at once; a sync stream must be finished
     return grpc::Status::OK;
   });
   if (!st.ok()) return st;
