@@ -281,7 +281,7 @@ Result<int64_t> EtcdClient::KeepAlive(int64_t lease_id) {
       return s.ok() ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "keep-alive stream closed") : s;
     }
     stream->WritesDone();
-    ctx->TryCancel();  // the answer is in; do not wait for etcd to close the stream
+    ctx->TryCancel();        // the answer is in; do not wait for etcd to close the stream
     (void)stream->Finish();  // CANCELLED at once; a sync stream must be finished
     return grpc::Status::OK;
   });
