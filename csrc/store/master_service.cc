@@ -955,7 +955,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
         ToProto(r.status(), item->mutable_status());
         continue;
       }
-      ToProto(Status::OK(), item->mutable_status());
+      // OK is the absent status (code 0): no message per key.
       item->set_version(r->version);
       for (const auto& loc : r->replicas) ToProto(loc, item->add_replicas());
       item->set_deadline_ms(
@@ -1023,7 +1023,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
         ToProto(r.status(), item->mutable_status());
         continue;
       }
-      ToProto(Status::OK(), item->mutable_status());
+      // OK is the absent status (code 0): no message per key.
       item->set_version(r->version);
       for (uint64_t s : r->sizes) item->add_sizes(s);
       item->set_checksum(r->checksum);
