@@ -477,11 +477,13 @@ def profile(mode: str, size: int, op: str, impl: str, seconds: float, segment: i
         it = stored = 1
         t0 = tick = time.perf_counter()
         n_tick = 0
+        emptied = False  # this second included an (untimed) remove_all
         while True:
             now = time.perf_counter()
             if now - tick >= 1.0:
-                print(f"  {n_tick / (now - tick):10.1f} obj/s", file=sys.stderr)
-                tick, n_tick = now, 0
+                note = "  (the pool was emptied in this second)" if emptied else ""
+                print(f"  {n_tick / (now - tick):10.1f} obj/s{note}", file=sys.stderr)
+                tick, n_tick, emptied = now, 0, False
             if now - t0 >= seconds:
                 break
             if op == "batch_get_into":
@@ -492,7 +494,7 @@ def profile(mode: str, size: int, op: str, impl: str, seconds: float, segment: i
             else:
                 if stored >= max_iters:
                     st.client.remove_all()
-                    stored = 0
+                    stored, emptied = 0, True
                 ks = [f"{prefix}-{it % 0x100000:05x}{i:04x}" for i in range(keys_n)]
                 t = time.perf_counter()
                 res = st.client.batch_put_from(ks, ptr_src, sizes, config)
