@@ -84,15 +84,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_master(impl: str) -> None:
-    """kvbridge's master in a process of its own (Mooncake's is its mooncake_master binary)."""
-    import kvbridge
-    m = kvbridge.Master(master_listen="127.0.0.1:0", lease_ms=200)
-    print(m.address, flush=True)
-    sys.stdin.readline()
-    m.close()
-
-
 def serve_storage(impl: str, master: str, segment: int) -> None:
     """A storage process: contributes `segment` bytes to the pool, serves until stdin closes."""
     cls, _ = store_class(impl)
@@ -105,9 +96,18 @@ def serve_storage(impl: str, master: str, segment: int) -> None:
 
 def start_master(impl: str):
     if impl == "kvbridge":
-        p = subprocess.Popen([sys.executable, __file__, "--master", impl], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        return p.stdout.readline().strip(), p
+        # The daemon a deployment runs (`kvbridge master`, as Mooncake's side runs its
+        # mooncake_master binary), not a Master inside a Python process: it runs on the
+        # daemon's allocator (docs/performance.md "The daemons' allocator").
+        p = subprocess.Popen([sys.executable, "-m", "kvbridge", "master", "--listen",
+                              f"127.0.0.1:{free_port()}", "--lease-ms", "200",
+                              "--metrics-listen", "off", "--json"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+        ready = json.loads(p.stdout.readline())
+        print(f"kvbridge master daemon on {ready['address']}, allocator "
+              f"{ready.get('allocator', '?')}", file=sys.stderr)
+        return ready["address"], p
     import mooncake
     binary = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
     port = free_port()
@@ -338,7 +338,7 @@ class StoreUnderTest:
             self.client = None
         for n in self.nodes:
             stop(n)
-        stop(self.mproc, grace=20 if self.impl == "kvbridge" else 0)
+        stop(self.mproc, grace=0)  # both masters stop on SIGTERM; neither reads stdin
 
 
 def store_row(fields: dict, obj_bytes: int, lat: list[float], ok: int, failed: int) -> dict:
@@ -747,7 +747,6 @@ def main() -> int:
                     "a flame graph (.svg), collapsed stacks (.txt) or speedscope JSON (.json)")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--serve-raw", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--master", help=argparse.SUPPRESS)
     ap.add_argument("--storage", help=argparse.SUPPRESS)
     ap.add_argument("--master-addr", help=argparse.SUPPRESS)
     ap.add_argument("--bytes", type=int, default=0, help=argparse.SUPPRESS)
@@ -757,9 +756,6 @@ def main() -> int:
         return 0
     if args.serve_raw:
         serve_raw(args.bytes)
-        return 0
-    if args.master:
-        serve_master(args.master)
         return 0
     if args.storage:
         serve_storage(args.storage, args.master_addr, args.bytes)
