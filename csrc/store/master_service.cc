@@ -95,30 +95,6 @@ void ToProto(const store::ReplicaLocation& r, rpc::ReplicaLocation* out) {
   out->set_tier(static_cast<uint32_t>(r.tier));
 }
 
-store::InventoryRecord FromProto(const rpc::InventoryRecord& r) {
-  store::InventoryRecord out;
-  out.key = r.key();
-  out.version = r.version();
-  out.sizes.assign(r.sizes().begin(), r.sizes().end());
-  out.checksum = r.checksum();
-  out.segment_id = r.segment_id();
-  out.offset = r.offset();
-  out.replica_num = r.replica_num();
-  out.replica_id = r.replica_id();
-  return out;
-}
-
-void ToProto(const store::InventoryRecord& r, rpc::InventoryRecord* out) {
-  out->set_key(r.key);
-  out->set_version(r.version);
-  for (uint64_t s : r.sizes) out->add_sizes(s);
-  out->set_checksum(r.checksum);
-  out->set_segment_id(r.segment_id);
-  out->set_offset(r.offset);
-  out->set_replica_num(r.replica_num);
-  out->set_replica_id(r.replica_id);
-}
-
 // Observes how long a handler ran, in seconds, when it returns.
 class Timed {
  public:
@@ -572,7 +548,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
                              std::chrono::milliseconds(options.rpc_timeout_ms));
       auth->Sign(&call->ctx, store::method::kCommit);
       ToProto(c.node, call->req.mutable_node());
-      for (const auto& r : c.records) ToProto(r, call->req.add_records());
+      for (const auto& r : c.records) *call->req.add_records() = store::RecordToProto(r);
       call->req.set_term(term());
       Call* raw = call.get();
       calls.push_back(std::move(call));
@@ -704,7 +680,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     KVB_AUTH(ctx, store::method::kRegisterNode);
     std::vector<store::InventoryRecord> inventory;
     inventory.reserve(req->inventory_size());
-    for (const auto& r : req->inventory()) inventory.push_back(FromProto(r));
+    for (const auto& r : req->inventory()) inventory.push_back(store::RecordFromProto(r));
     return Register(ctx, *req, inventory, reply);
   }
 
@@ -721,12 +697,12 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     }
     std::vector<store::InventoryRecord> inventory;
     inventory.reserve(head.inventory_size());
-    for (const auto& r : head.inventory()) inventory.push_back(FromProto(r));
+    for (const auto& r : head.inventory()) inventory.push_back(store::RecordFromProto(r));
     head.clear_inventory();
     size_t chunks = 1;
     while (stream->Read(&chunk)) {
       ++chunks;
-      for (const auto& r : chunk.inventory()) inventory.push_back(FromProto(r));
+      for (const auto& r : chunk.inventory()) inventory.push_back(store::RecordFromProto(r));
     }
     if (ctx->IsCancelled()) {
       return {grpc::StatusCode::CANCELLED, "RegisterNodeStream: the node gave up"};
@@ -782,7 +758,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     reply->set_heartbeat_interval_ms(
         static_cast<uint32_t>(r.ok() ? r->heartbeat_interval_ms : options.node_ttl_ms / 3));
     if (r.ok()) {
-      for (const auto& f : r->frees) ToProto(f, reply->add_frees());
+      for (const auto& f : r->frees) *reply->add_frees() = store::RecordToProto(f);
       for (uint64_t seq : r->free_seqs) reply->add_free_seqs(seq);
       reply->set_more(r->more);
       AddEvent(replaced ? "restarted" : "registered",
@@ -801,7 +777,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       }
     } else if (auto queued = state->UnackedFrees(reg.identity); queued.ok()) {
       // Registered already: the first reply was lost, maybe with frees. They are still queued.
-      for (const auto& f : queued->frees) ToProto(f, reply->add_frees());
+      for (const auto& f : queued->frees) *reply->add_frees() = store::RecordToProto(f);
       for (uint64_t seq : queued->free_seqs) reply->add_free_seqs(seq);
       reply->set_more(queued->more);
     }
@@ -825,7 +801,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     ToProto(r.ok() ? Status::OK() : r.status(), reply->mutable_status());
     reply->set_term(term());
     if (!r.ok()) return grpc::Status::OK;
-    for (const auto& f : r->frees) ToProto(f, reply->add_frees());
+    for (const auto& f : r->frees) *reply->add_frees() = store::RecordToProto(f);
     for (uint64_t seq : r->free_seqs) reply->add_free_seqs(seq);
     const uint64_t now = util::MonoNs();
     for (const auto& t : r->tasks) {
@@ -843,8 +819,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     }
     for (const auto& d : r->demotions) {
       auto* out = reply->add_demotions();
-      ToProto(d.source, out->mutable_source());
-      ToProto(d.dest, out->mutable_dest());
+      *out->mutable_source() = store::RecordToProto(d.source);
+      *out->mutable_dest() = store::RecordToProto(d.dest);
       out->set_timeout_ms(
           static_cast<uint32_t>(d.deadline_ns > now ? (d.deadline_ns - now) / 1000000 : 0));
     }
