@@ -9,16 +9,18 @@
 //   - the master's RSS (/proc/<pid>/status VmRSS) and (RSS - RSS of the empty master) / objects;
 //   - the node's RSS likewise: its DRAM pool is faulted in at start (KVBRIDGE_DRAM_PREFAULT), so
 //     the growth over the empty node is its inventory (records of what it holds), not data;
-//   - put and get rates in objects/s over a fixed sample: the last --sample-batches batches of
-//     the step's fill are timed apart (puts of fresh keys), and as many batches of keys drawn
-//     at random (fixed seed) from all stored ones are read back and checked (each object
-//     carries its key id);
+//   - put and get rates in objects/s over a fixed sample, each the median of three timings
+//     (the machine is shared, so one timing alone moves a lot): the last 3 x --sample-batches
+//     batches of the step's fill are timed apart in three slices (puts of fresh keys), and
+//     --sample-batches batches of keys drawn at random (fixed seed) from all stored ones are
+//     read back and checked (each object carries its key id) three times over;
 //   - the master's own object count (its status), which must equal the number put.
 // Headline: the master's bytes per object at the largest step, against the goal (300 B: the
 // headline's baseline, ratio = goal / value, so >= 1 meets it), and the put and get rates at the
 // last step over those at the first (flat: about 1).
 //
 // Progress goes to stderr; the last stdout line is one JSON object (docs/benchmarks.md).
+#include <algorithm>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -89,12 +91,18 @@ int Run(const Args& a) {
       return 2;
     }
   }
+  constexpr int kTimings = 3;  // per rate, median taken
   const uint64_t sample_keys = uint64_t(a.sample_batches) * a.batch;
-  if (a.steps.front() < sample_keys) {
-    std::fprintf(stderr, "master-scale: the first step is smaller than the sample (%" PRIu64 ")\n",
-                 sample_keys);
+  if (a.steps.front() < kTimings * sample_keys) {
+    std::fprintf(stderr,
+                 "master-scale: the first step is smaller than the put sample (%" PRIu64 ")\n",
+                 kTimings * sample_keys);
     return 2;
   }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
   const uint64_t obj = (a.object_bytes + 63) / 64 * 64;
   // The pool: the largest step at most 70% full, so no put ever evicts (the default eviction
   // watermark is 90%).
@@ -189,13 +197,16 @@ int Run(const Args& a) {
 
   // sample_batches batches of random stored ids, checked; returns (seconds, failures).
   std::mt19937_64 rng(22);
-  auto get_sample = [&](uint64_t stored) {
+  auto draw_sample = [&](uint64_t stored) {
     std::vector<std::vector<uint64_t>> ids(a.sample_batches);
     std::uniform_int_distribution<uint64_t> pick(0, stored - 1);
     for (auto& v : ids) {
       v.resize(a.batch);
       for (auto& id : v) id = pick(rng);
     }
+    return ids;
+  };
+  auto get_sample = [&](const std::vector<std::vector<uint64_t>>& ids) {
     std::atomic<size_t> next{0};
     std::atomic<uint64_t> failed{0};
     const auto t0 = Clock::now();
@@ -229,16 +240,26 @@ int Run(const Args& a) {
     s.objects = target;
     std::fprintf(stderr, "master-scale: filling to %" PRIu64 " objects...\n", target);
     const auto t0 = Clock::now();
-    auto [fill_s, fill_failed] = put_range(stored, target - sample_keys);
-    auto [put_s, put_failed] = put_range(target - sample_keys, target);
+    const uint64_t sample_first = target - kTimings * sample_keys;
+    s.failures += put_range(stored, sample_first).second;
+    std::vector<double> put_rates, get_rates;
+    for (int i = 0; i < kTimings; ++i) {
+      auto [put_s, put_failed] =
+          put_range(sample_first + i * sample_keys, sample_first + (i + 1) * sample_keys);
+      put_rates.push_back(sample_keys / put_s);
+      s.failures += put_failed;
+    }
     s.fill_seconds = SecondsSince(t0);
-    (void)fill_s;
     s.fill_rate = (target - stored) / s.fill_seconds;
-    s.put_rate = sample_keys / put_s;
+    s.put_rate = median(put_rates);
     stored = target;
-    auto [get_s, get_failed] = get_sample(stored);
-    s.get_rate = sample_keys / get_s;
-    s.failures = fill_failed + put_failed + get_failed;
+    const auto ids = draw_sample(stored);
+    for (int i = 0; i < kTimings; ++i) {
+      auto [get_s, get_failed] = get_sample(ids);
+      get_rates.push_back(sample_keys / get_s);
+      s.failures += get_failed;
+    }
+    s.get_rate = median(get_rates);
     failures += s.failures;
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     s.master_rss = RssBytes(master_pid);
@@ -309,6 +330,7 @@ int Run(const Args& a) {
       .Field("object_bytes", a.object_bytes)
       .Field("batch_keys", a.batch)
       .Field("sample_keys", sample_keys)
+      .Field("timings_per_rate", kTimings)
       .Field("threads", a.threads)
       .Field("node_dram_bytes", cc.dram_bytes)
       .Field("empty_master_rss_bytes", master_rss0)
@@ -332,7 +354,8 @@ int main(int argc, char** argv) {
   f.UInt64List("steps", &a.steps, "object counts to fill to, increasing (default 1000000,5000000)");
   f.Int("threads", &a.threads, "client threads", 1);
   f.Int("batch", &a.batch, "keys per batch", 1);
-  f.Int("sample-batches", &a.sample_batches, "batches timed for the put and get rates", 1);
+  f.Int("sample-batches", &a.sample_batches,
+        "batches per timing of the put and get rates (three timings each, median)", 1);
   f.UInt64("object-bytes", &a.object_bytes, "bytes per object (at least 16)", 16);
   f.String("bin", &a.bin_dir, "directory holding the `kvbridge` program");
   f.String("logs", &a.log_dir, "where the daemons' logs go");
