@@ -295,7 +295,6 @@ void MasterState::Impl::LoadInventory(Node& n, const std::vector<InventoryRecord
     if (!o) {
       o = Object::New(rec.key, rec.sizes);
       o->version = rec.version;
-      o->bytes = bytes[i];
       o->checksum = rec.checksum;
       o->state = ObjectState::kComplete;
       o->target = target;

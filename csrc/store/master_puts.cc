@@ -57,7 +57,6 @@ Result<PutAllocation> MasterState::Impl::AllocateObject(const PutItem& item, uin
   }
   Object* o = Object::New(item.key, item.sizes);
   o->version = next_version++;
-  o->bytes = bytes;
   o->state = ObjectState::kPending;
   o->target = options.replica_num;
   o->pinned = options.pinned;

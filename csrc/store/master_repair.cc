@@ -67,18 +67,18 @@ void MasterState::Impl::RepairOne(Object* o, uint64_t now_ns, TickSummary& summa
     const Replica* src = ChooseSource(*o);
     if (!src) break;  // sources busy: next tick
     const std::vector<std::string>* failed = o->extra ? &o->extra->failed_dests : nullptr;
-    std::vector<Choice> dest = ChooseNodes(now_ns, o->bytes, 1, o, failed, {}, true);
+    std::vector<Choice> dest = ChooseNodes(now_ns, o->bytes(), 1, o, failed, {}, true);
     if (dest.empty() && failed && !failed->empty()) {
       o->extra->failed_dests.clear();  // no other choice: retry the ones that failed
-      dest = ChooseNodes(now_ns, o->bytes, 1, o, nullptr, {}, true);
+      dest = ChooseNodes(now_ns, o->bytes(), 1, o, nullptr, {}, true);
     }
     std::optional<uint64_t> off;
-    if (!dest.empty()) off = dest[0].segment->alloc.Allocate(o->bytes);
+    if (!dest.empty()) off = dest[0].segment->alloc.Allocate(o->bytes());
     if (!off) {
       blocked = true;
       break;
     }
-    MarkInflight(dest[0].segment, *off, o->bytes, now_ns);
+    MarkInflight(dest[0].segment, *off, o->bytes(), now_ns);
     Task t;
     t.id = next_task_id++;
     t.key = o->key();
@@ -116,7 +116,7 @@ ReplicationTask MasterState::Impl::TaskView(const Task& t) const {
   v.key = t.key;
   v.version = t.version;
   v.checksum = o.checksum;
-  v.source = {t.source->id(), t.source_segment, t.source_offset, o.bytes,
+  v.source = {t.source->id(), t.source_segment, t.source_offset, o.bytes(),
               t.source->segments.at(t.source_segment).info.tier};
   v.dest = Location(o, dest);
   v.dest_descriptor = Registration(*t.dest).engine_descriptor;

@@ -148,7 +148,7 @@ void MasterState::Impl::Unreside(Object* o, Replica& r) {
 }
 
 void MasterState::Impl::DetachReplica(Object* o, size_t idx) {
-  CancelDemotion(o->replicas[idx], o->bytes);
+  CancelDemotion(o->replicas[idx], o->bytes());
   Replica& r = o->replicas[idx];
   Unreside(o, r);
   r.node->replicas--;
@@ -188,10 +188,10 @@ void MasterState::Impl::ReleaseReplica(Object* o, size_t idx, uint64_t now_ns,
   if (r.record_on_node) rec = Record(*o, r);
   DetachReplica(o, idx);
   if (hold_until_ns > now_ns) {
-    held.push_back({r.node, r.segment, r.offset, o->bytes, hold_until_ns, std::move(rec)});
+    held.push_back({r.node, r.segment, r.offset, o->bytes(), hold_until_ns, std::move(rec)});
     r.node->held++;
   } else {
-    FreeRange(r.node, r.segment, r.offset, o->bytes, rec);
+    FreeRange(r.node, r.segment, r.offset, o->bytes(), rec);
   }
 }
 
@@ -408,8 +408,8 @@ MasterStats MasterState::Stats() const {
   for (const Impl::Object* o : m.objects) {
     if (o->state != ObjectState::kComplete) continue;
     ++st.objects;
-    st.bytes += o->bytes;
-    st.replica_bytes += o->bytes * Impl::CompleteReplicas(*o);
+    st.bytes += o->bytes();
+    st.replica_bytes += o->bytes() * Impl::CompleteReplicas(*o);
   }
   st.pending = m.pending_keys.size();
   for (const Impl::Held& h : m.held) st.held_bytes += m.RoundUp(h.length);
@@ -456,8 +456,9 @@ MasterSnapshot MasterState::Snapshot() const {
       so.replicas.push_back({m.Location(*o, r), r.state, r.task_id, r.replica_id, std::nullopt});
       if (r.demote_id != 0) {
         const Impl::Move& mv = m.MoveOf(r);
-        so.replicas.back().demote_to = ReplicaLocation{r.node->id(), mv.segment->info.segment_id,
-                                                       mv.offset, o->bytes, mv.segment->info.tier};
+        so.replicas.back().demote_to =
+            ReplicaLocation{r.node->id(), mv.segment->info.segment_id, mv.offset, o->bytes(),
+                            mv.segment->info.tier};
       }
     }
     snap.objects.push_back(std::move(so));
@@ -517,12 +518,12 @@ Status MasterState::CheckInvariants() const {
           return fail(std::string(o->key()) + ": resident index of its replica on " + id +
                       " is wrong");
         }
-        if (!s.alloc.IsAllocated(r.offset, o->bytes)) {
+        if (!s.alloc.IsAllocated(r.offset, o->bytes())) {
           return fail(std::string(o->key()) + ": replica on " + id + " at " + Num(r.offset) +
                       " does not match an allocation");
         }
-        ranges.emplace_back(r.offset, m.RoundUp(o->bytes));
-        used += m.RoundUp(o->bytes);
+        ranges.emplace_back(r.offset, m.RoundUp(o->bytes()));
+        used += m.RoundUp(o->bytes());
         ++allocs;
       }
       for (const auto& [sid2, s2] : n.segments) {
@@ -530,12 +531,12 @@ Status MasterState::CheckInvariants() const {
           const Impl::Replica& r = o->replicas[Impl::ReplicaOn(*o, &n)];
           if (r.demote_id == 0 || m.MoveOf(r).segment != &s) continue;
           const uint64_t offset = m.MoveOf(r).offset;
-          if (!s.alloc.IsAllocated(offset, o->bytes)) {
+          if (!s.alloc.IsAllocated(offset, o->bytes())) {
             return fail(std::string(o->key()) + ": demotion range on " + id + " is not allocated");
           }
-          ranges.emplace_back(offset, m.RoundUp(o->bytes));
+          ranges.emplace_back(offset, m.RoundUp(o->bytes()));
           ++moves_seen;
-          used += m.RoundUp(o->bytes);
+          used += m.RoundUp(o->bytes());
           ++allocs;
         }
       }

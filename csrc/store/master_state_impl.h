@@ -28,6 +28,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -119,6 +120,52 @@ struct MasterState::Impl {
     bool record_on_node = false;  // a commit was sent: dropping it must tell the node
   };
 
+  static_assert(std::is_trivially_copyable_v<Replica>);
+
+  // An object's replicas: a heap array grown one at a time (an object has one to a few, and
+  // they change rarely), 16 bytes in the record where a std::vector took 24. The subset of
+  // std::vector's interface the master uses, with its rules: growing may move the replicas.
+  class ReplicaList {
+   public:
+    ReplicaList() = default;
+    ~ReplicaList() { delete[] data_; }
+    ReplicaList(const ReplicaList&) = delete;
+    ReplicaList& operator=(const ReplicaList&) = delete;
+    size_t size() const { return size_; }
+    bool empty() const { return size_ == 0; }
+    Replica& operator[](size_t i) { return data_[i]; }
+    const Replica& operator[](size_t i) const { return data_[i]; }
+    Replica& back() { return data_[size_ - 1]; }
+    Replica* begin() { return data_; }
+    Replica* end() { return data_ + size_; }
+    const Replica* begin() const { return data_; }
+    const Replica* end() const { return data_ + size_; }
+    void push_back(const Replica& r) {
+      if (size_ == capacity_) Reallocate(size_ + 1);
+      data_[size_++] = r;
+    }
+    void reserve(size_t n) {
+      if (n > capacity_) Reallocate(n);
+    }
+    Replica* erase(Replica* pos) {
+      std::copy(pos + 1, end(), pos);
+      --size_;
+      return pos;
+    }
+
+   private:
+    void Reallocate(size_t capacity) {
+      auto* d = new Replica[capacity];
+      std::copy(begin(), end(), d);
+      delete[] data_;
+      data_ = d;
+      capacity_ = static_cast<uint32_t>(capacity);
+    }
+    Replica* data_ = nullptr;
+    uint32_t size_ = 0;
+    uint32_t capacity_ = 0;
+  };
+
   // A pending move of a replica (Replica::demote_id): its new range is allocated (not a
   // resident until DemoteDone), issued once handed to the node, with the node's deadline.
   struct Move {
@@ -187,11 +234,17 @@ struct MasterState::Impl {
       }
     }
 
+    // The object's size: its buffers' sum (what each replica's range holds, rounded up).
+    uint64_t bytes() const {
+      uint64_t b = 0;
+      for (uint64_t s : sizes()) b += s;
+      return b;
+    }
+
     uint64_t version = 0;
-    uint64_t bytes = 0;
     uint64_t lease_expiry_ns = 0;
     uint64_t last_access_ns = 0;
-    std::vector<Replica> replicas;
+    ReplicaList replicas;
     std::unique_ptr<ObjectExtra> extra;
     uint32_t checksum = 0;
     uint32_t ssd_reads = 0;  // reads served from an SSD replica since the last promotion
@@ -484,7 +537,7 @@ struct MasterState::Impl {
   }
 
   ReplicaLocation Location(const Object& o, const Replica& r) const {
-    return {r.node->id(), r.segment->info.segment_id, r.offset, o.bytes, r.segment->info.tier};
+    return {r.node->id(), r.segment->info.segment_id, r.offset, o.bytes(), r.segment->info.tier};
   }
 
   InventoryRecord Record(const Object& o, const Replica& r) const {

@@ -36,7 +36,7 @@ void MasterState::Impl::ScheduleDemotions(uint64_t now_ns, TickSummary& sum) {
       const double cap = static_cast<double>(s.info.capacity);
       uint64_t leaving = 0;
       for (Object* o : s.residents) {
-        if (o->replicas[ReplicaOn(*o, &n)].demote_id != 0) leaving += RoundUp(o->bytes);
+        if (o->replicas[ReplicaOn(*o, &n)].demote_id != 0) leaving += RoundUp(o->bytes());
       }
       const uint64_t used = s.alloc.used_bytes() - std::min(leaving, s.alloc.used_bytes());
       if (static_cast<double>(used) <= cfg.demote_high_watermark * cap) continue;
@@ -61,13 +61,13 @@ void MasterState::Impl::ScheduleDemotions(uint64_t now_ns, TickSummary& sum) {
       });
       for (Object* o : cands) {
         if (want == 0 || n.demotions >= cfg.max_demotions_per_node) break;
-        std::optional<uint64_t> off = ssd->alloc.Allocate(o->bytes);
+        std::optional<uint64_t> off = ssd->alloc.Allocate(o->bytes());
         if (!off) break;  // the SSD is full of objects that cannot go yet
         Replica& r = o->replicas[ReplicaOn(*o, &n)];
         StartMove(r, ssd, *off);
         n.demotions++;
         n.demote_queue.emplace_back(o->key(), r.demote_id);
-        want -= std::min(want, RoundUp(o->bytes));
+        want -= std::min(want, RoundUp(o->bytes()));
         ++sum.demotions_scheduled;
       }
     }
@@ -88,13 +88,13 @@ void MasterState::Impl::MaybePromote(Object* o, Replica& r, uint64_t now_ns) {
   for (const Replica& rr : o->replicas) {
     if (rr.state != ReplicaState::kComplete) return;  // a copy is in flight
   }
-  Segment* dram = FitSegment(n, o->bytes, false);
+  Segment* dram = FitSegment(n, o->bytes(), false);
   if (!dram) return;
   const double low = cfg.demote_low_watermark * static_cast<double>(dram->info.capacity);
-  if (static_cast<double>(dram->alloc.used_bytes() + RoundUp(o->bytes)) > low) return;
-  std::optional<uint64_t> off = dram->alloc.Allocate(o->bytes);
+  if (static_cast<double>(dram->alloc.used_bytes() + RoundUp(o->bytes())) > low) return;
+  std::optional<uint64_t> off = dram->alloc.Allocate(o->bytes());
   if (!off) return;
-  MarkInflight(dram, *off, o->bytes, now_ns);
+  MarkInflight(dram, *off, o->bytes(), now_ns);
   StartMove(r, dram, *off);
   n.demotions++;
   n.demote_queue.emplace_back(o->key(), r.demote_id);
@@ -109,7 +109,7 @@ void MasterState::Impl::ExpireDemotions(uint64_t now_ns, TickSummary& sum) {
       for (Object* o : s.residents) {
         Replica& r = o->replicas[ReplicaOn(*o, &n)];
         if (r.demote_id != 0 && MoveOf(r).issued && MoveOf(r).deadline_ns <= now_ns) {
-          CancelDemotion(r, o->bytes);
+          CancelDemotion(r, o->bytes());
           ++sum.demotions_timed_out;
         }
       }
@@ -145,7 +145,7 @@ Status MasterState::DemoteDone(const NodeIdentity& node, std::string_view key, u
   }
   Impl::Replica& r = o->replicas[idx];
   if (!ok) {
-    m.CancelDemotion(r, o->bytes, /*may_hold=*/false);
+    m.CancelDemotion(r, o->bytes(), /*may_hold=*/false);
     n->demote_not_before_ns = now_ns + MsToNs(m.cfg.repair_backoff_ms);
     return Status::OK();
   }
@@ -171,10 +171,10 @@ Status MasterState::DemoteDone(const NodeIdentity& node, std::string_view key, u
   }
   if (o->lease_expiry_ns > now_ns) {
     m.held.push_back(
-        {n, old_segment, old_offset, o->bytes, o->lease_expiry_ns, std::move(old_record)});
+        {n, old_segment, old_offset, o->bytes(), o->lease_expiry_ns, std::move(old_record)});
     n->held++;
   } else {
-    m.FreeRange(n, old_segment, old_offset, o->bytes, old_record);
+    m.FreeRange(n, old_segment, old_offset, o->bytes(), old_record);
   }
   return Status::OK();
 }
