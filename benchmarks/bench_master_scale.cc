@@ -14,6 +14,9 @@
 //     batches of the step's fill are timed apart in three slices (puts of fresh keys), and
 //     --sample-batches batches of keys drawn at random (fixed seed) from all stored ones are
 //     read back and checked (each object carries its key id) three times over;
+//   - the master's CPU time per object put and got over those samples (/proc/<pid>/stat, all its
+//     threads): what the rates cannot show on a shared machine, whether the
+//     master's own work per operation grows with its table;
 //   - the master's own object count (its status), which must equal the number put.
 // Headline: the master's bytes per object at the largest step, against the goal (300 B: the
 // headline's baseline, ratio = goal / value, so >= 1 meets it), and the put and get rates at the
@@ -25,7 +28,9 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -71,12 +76,33 @@ uint64_t RssBytes(pid_t pid) {
   return 0;
 }
 
+// CPU time of a process so far (all its threads, those that ended too), in ns: utime + stime of
+// /proc/<pid>/stat, in clock ticks (10 ms); 0 if unreadable. Unlike a rate, it does not move
+// with what else runs on the machine, so it tells a master that slows with its table from a
+// busy VM.
+uint64_t CpuNs(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const size_t paren = stat.rfind(')');  // the command name may hold spaces
+  if (paren == std::string::npos) return 0;
+  std::istringstream in(stat.substr(paren + 2));
+  std::string field;
+  uint64_t utime = 0, stime = 0;
+  // After the name: state is field 3; utime and stime are fields 14 and 15.
+  for (int i = 3; i <= 15 && in >> field; ++i) {
+    if (i == 14) utime = std::strtoull(field.c_str(), nullptr, 10);
+    if (i == 15) stime = std::strtoull(field.c_str(), nullptr, 10);
+  }
+  return (utime + stime) * (1000000000ull / static_cast<uint64_t>(sysconf(_SC_CLK_TCK)));
+}
+
 struct Step {
   uint64_t objects = 0;
   uint64_t master_objects = 0;  // as the master's status says
   uint64_t master_rss = 0, node_rss = 0;
   double fill_seconds = 0, fill_rate = 0;
   double put_rate = 0, get_rate = 0;
+  double master_put_cpu_us = 0, master_get_cpu_us = 0;  // master CPU per object put / got
   uint64_t failures = 0;
 };
 
@@ -243,6 +269,7 @@ int Run(const Args& a) {
     const uint64_t sample_first = target - kTimings * sample_keys;
     s.failures += put_range(stored, sample_first).second;
     std::vector<double> put_rates, get_rates;
+    uint64_t cpu0 = CpuNs(master_pid);
     for (int i = 0; i < kTimings; ++i) {
       auto [put_s, put_failed] =
           put_range(sample_first + i * sample_keys, sample_first + (i + 1) * sample_keys);
@@ -252,14 +279,17 @@ int Run(const Args& a) {
     s.fill_seconds = SecondsSince(t0);
     s.fill_rate = (target - stored) / s.fill_seconds;
     s.put_rate = median(put_rates);
+    s.master_put_cpu_us = (CpuNs(master_pid) - cpu0) / 1e3 / (kTimings * sample_keys);
     stored = target;
     const auto ids = draw_sample(stored);
+    cpu0 = CpuNs(master_pid);
     for (int i = 0; i < kTimings; ++i) {
       auto [get_s, get_failed] = get_sample(ids);
       get_rates.push_back(sample_keys / get_s);
       s.failures += get_failed;
     }
     s.get_rate = median(get_rates);
+    s.master_get_cpu_us = (CpuNs(master_pid) - cpu0) / 1e3 / (kTimings * sample_keys);
     failures += s.failures;
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     s.master_rss = RssBytes(master_pid);
@@ -268,13 +298,14 @@ int Run(const Args& a) {
         QueryClusterStatus(cluster.master_address(), 10000, EngineOptions::FromEnv().cluster_token);
     s.master_objects = view.ok() ? view->objects : 0;
     if (s.master_objects != target) ++failures;
-    std::fprintf(stderr,
-                 "master-scale: %" PRIu64 " objects (master says %" PRIu64
-                 "): master %.1f B/object (RSS %.1f MiB), node %.1f B/object; fill %.0f/s, "
-                 "put %.0f/s, get %.0f/s, %" PRIu64 " failed\n",
-                 target, s.master_objects, double(s.master_rss - master_rss0) / target,
-                 s.master_rss / 1048576.0, (double(s.node_rss) - double(node_rss0)) / target,
-                 s.fill_rate, s.put_rate, s.get_rate, s.failures);
+    std::fprintf(
+        stderr,
+        "master-scale: %" PRIu64 " objects (master says %" PRIu64
+        "): master %.1f B/object (RSS %.1f MiB), node %.1f B/object; fill %.0f/s, "
+        "put %.0f/s, get %.0f/s (master CPU %.2f / %.2f us per object), %" PRIu64 " failed\n",
+        target, s.master_objects, double(s.master_rss - master_rss0) / target,
+        s.master_rss / 1048576.0, (double(s.node_rss) - double(node_rss0)) / target, s.fill_rate,
+        s.put_rate, s.get_rate, s.master_put_cpu_us, s.master_get_cpu_us, s.failures);
     steps.push_back(s);
   }
   for (auto& w : workers) {
@@ -301,6 +332,8 @@ int Run(const Args& a) {
         .Field("fill_seconds", s.fill_seconds, 1)
         .Field("put_objects_per_s", s.put_rate, 0)
         .Field("get_objects_per_s", s.get_rate, 0)
+        .Field("master_cpu_us_per_put", s.master_put_cpu_us, 3)
+        .Field("master_cpu_us_per_get", s.master_get_cpu_us, 3)
         .Field("failures", s.failures)
         .EndObject();
   }
@@ -325,6 +358,10 @@ int Run(const Args& a) {
       .Field("node_bytes_per_object", per_object(last.node_rss, node_rss0, last.objects), 1)
       .Field("put_rate_last_over_first", bl::Ratio(last.put_rate, first.put_rate), 3)
       .Field("get_rate_last_over_first", bl::Ratio(last.get_rate, first.get_rate), 3)
+      .Field("master_cpu_per_put_last_over_first",
+             bl::Ratio(last.master_put_cpu_us, first.master_put_cpu_us), 3)
+      .Field("master_cpu_per_get_last_over_first",
+             bl::Ratio(last.master_get_cpu_us, first.master_get_cpu_us), 3)
       .EndObject()
       .Field("key_bytes", uint64_t{kKeyBytes})
       .Field("object_bytes", a.object_bytes)
