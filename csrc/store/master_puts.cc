@@ -203,7 +203,7 @@ Status MasterState::Impl::FinishPutEndOne(const KeyVersion& kv,
 void MasterState::Impl::SwapInOverwrite(Object* w, uint64_t now_ns) {
   const std::string table_key(w->key());
   const std::string key(PublicKey(table_key));
-  objects.erase(objects.find(table_key));
+  RemoveFromTable(w);
   pending_keys.erase(table_key);
   UnmarkRepair(w);
   if (Object* old = FindObject(key)) EraseObject(old, now_ns);
@@ -245,7 +245,7 @@ std::vector<Result<PutAllocation>> MasterState::PutStart(const std::vector<PutIt
       st = Status::InvalidArgument("key appears " + Num(seen[item.key]) + " times in the batch");
     }
     const Impl::Object* o = st.ok() ? m.FindObject(item.key) : nullptr;
-    const Impl::Object* w = st.ok() ? m.FindObject(Impl::OverwriteKey(item.key)) : nullptr;
+    const Impl::Object* w = st.ok() ? m.FindOverwrite(item.key) : nullptr;
     if (!st.ok()) {
     } else if (options.overwrite && (w || (o && o->state != ObjectState::kComplete))) {
       // One new version at a time: the caller tries again once this one ended or timed out.

@@ -214,7 +214,7 @@ void MasterState::Impl::EraseObject(Object* o, uint64_t now_ns) {
   while (!o->replicas.empty()) DropReplica(o, o->replicas.size() - 1, now_ns);
   if (auto p = pending_keys.find(o->key()); p != pending_keys.end()) pending_keys.erase(p);
   if (auto r = repair_keys.find(o->key()); r != repair_keys.end()) repair_keys.erase(r);
-  objects.erase(objects.find(o->key()));
+  RemoveFromTable(o);
   Object::Delete(o);
 }
 
@@ -606,6 +606,11 @@ Status MasterState::CheckInvariants() const {
     }
   }
   if (pending != m.pending_keys.size()) return fail("pending index is off");
+  size_t overwrites = 0;
+  for (const Impl::Object* o : m.objects) {
+    overwrites += o->key().starts_with(Impl::kOverwritePrefix);
+  }
+  if (overwrites != m.overwrites_in_table) return fail("overwrite count is off");
   for (const auto& [tid, t] : m.tasks) {
     const Impl::Object* o = m.FindObject(t.key);
     if (!o || o->version != t.version || Impl::ReplicaWithTask(*o, tid) < 0) {

@@ -479,8 +479,17 @@ struct MasterState::Impl {
   // Puts a new record in the table. REQUIRES: no record has its key.
   Object* InsertObject(Object* o) {
     objects.insert(o);
+    overwrites_in_table += o->key().starts_with(kOverwritePrefix);
     return o;
   }
+  // Takes a record out of the table (the caller deletes or re-inserts it).
+  void RemoveFromTable(Object* o) {
+    objects.erase(objects.find(o->key()));
+    overwrites_in_table -= o->key().starts_with(kOverwritePrefix);
+  }
+  // Records under an overwrite key (kOverwritePrefix): while there are none, a put need not
+  // build and look up the overwrite key of every key it is given (FindOverwrite).
+  size_t overwrites_in_table = 0;
 
   // An overwrite in flight (PutOptions::overwrite) is an object of its own in the table, under
   // its key behind this prefix, until its put end swaps it in under the key: every rule for
@@ -497,9 +506,12 @@ struct MasterState::Impl {
   }
   // The object a put end or revoke of (key, version) is about: the key's overwrite in flight
   // when it has that version, else the key's object (whatever its version).
+  Object* FindOverwrite(std::string_view key) const {
+    return overwrites_in_table == 0 ? nullptr : FindObject(OverwriteKey(key));
+  }
   Object* FindPut(std::string_view key, uint64_t version) {
     Object* o = FindObject(key);
-    Object* w = FindObject(OverwriteKey(key));
+    Object* w = FindOverwrite(key);
     return w && (!o || w->version == version) ? w : o;
   }
 
