@@ -14,6 +14,7 @@ PACKAGES=(
   libucx-dev ucx-utils
   libibverbs-dev librdmacm-dev
   etcd-server libcivetweb-dev
+  libtcmalloc-minimal4  # the daemons' allocator (csrc/tools/CMakeLists.txt)
   chromium  # renders the master's status page in StoreObs.StatusPageRendersNodesInChromium
 )
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Creates the reference system's venv (.venv-mooncake at the repository root, git-ignored) with
-# the real Mooncake wheel pinned in python/requirements-mooncake.txt, plus pytest. The compat
-# suite (scripts/test_mooncake_compat.sh) runs there with PYTHONPATH=build/python, so kvbridge
-# and Mooncake are tested side by side in one interpreter.
+# the real Mooncake wheel pinned in python/requirements-mooncake.txt, plus pytest and py-spy
+# (benchmarks/run vs-mooncake --py-spy). The compat suite (scripts/test_mooncake_compat.sh) runs
+# there with PYTHONPATH=build/python, so kvbridge and Mooncake are tested side by side in one
+# interpreter.
 #
 # Mooncake is optional for the project: when it cannot be installed or imported here (no PyPI,
 # a system library missing and no root to install it), this prints the reason and exits 1, and

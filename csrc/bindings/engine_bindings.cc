@@ -164,6 +164,7 @@ void BindEngine(py::module_& m) {
       .def_readwrite("path_failover", &EngineOptions::path_failover)
       .def_readwrite("path_failover_writes", &EngineOptions::path_failover_writes)
       .def_readwrite("failover_min_budget_ms", &EngineOptions::failover_min_budget_ms)
+      .def_readwrite("local_copy", &EngineOptions::local_copy)
       .def_readwrite("plugin_config", &EngineOptions::plugin_config);
 
   py::class_<EngineHandle, std::shared_ptr<EngineHandle>>(m, "TransferEngine")
@@ -288,6 +289,7 @@ void BindEngine(py::module_& m) {
              d["consecutive_failures"] = ph->consecutive_failures;
              d["fast_failed_ops"] = ph->fast_failed_ops;
              d["stale"] = ph->stale;
+             d["local_copy_ops"] = ph->local_copy_ops;
              py::list paths;
              for (const PathHealth& p : ph->paths) {
                py::dict pd;

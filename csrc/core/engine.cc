@@ -7,11 +7,13 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <random>
 #include <set>
 #include <shared_mutex>
+#include <span>
 #include <tuple>
 #include <unordered_map>
 
@@ -83,7 +85,8 @@ struct PeerRecord {
   std::vector<std::unique_ptr<Path>> paths;    // in local preference order
   std::shared_ptr<const SegmentMap> segments;  // replaced wholesale on update (under peers_mu)
   std::atomic<bool> stale{false};
-  std::atomic<uint64_t> fast_failed{0};  // ops refused because no path's breaker admitted
+  std::atomic<uint64_t> fast_failed{0};   // ops refused because no path's breaker admitted
+  std::atomic<uint64_t> local_copied{0};  // ops done by a memory copy (an engine of this process)
 
   explicit PeerRecord(PeerId pid) : id(std::move(pid)) {}
 };
@@ -250,7 +253,84 @@ struct TransferEngine::Impl {
   void SweepFinished();
   // block: wait until final or until_ns (0 = no limit); else return at once.
   std::optional<BatchResult> PollOrWait(BatchId id, bool block, uint64_t until_ns = 0);
+
+  // The engines of this process by incarnation (local_copy). An engine is listed once created
+  // and unlisted first thing when destroyed; a copy into or out of one holds the list's lock
+  // shared, so the engine outlives it.
+  static std::shared_mutex& ProcessMu();
+  static std::unordered_map<uint64_t, Impl*>& ProcessEngines();
+  // When `peer` is an engine of this process (same node id and incarnation, same cluster
+  // token): the ops of `indices` on host memory at both ends are copied now, their status set
+  // (OK, or NOT_REGISTERED / OUT_OF_BOUNDS against the peer's live registrations). Returns the
+  // ops left for a transport (all of them when the peer is not in this process).
+  std::vector<uint32_t> CopyInProcess(Batch& b, PeerRecord& peer, std::span<const TransferOp> ops,
+                                      std::vector<uint32_t> indices,
+                                      const std::vector<uint32_t>& local_kind);
 };
+
+std::shared_mutex& TransferEngine::Impl::ProcessMu() {
+  static auto* mu = new std::shared_mutex;  // never destroyed: engines may outlive statics
+  return *mu;
+}
+
+std::unordered_map<uint64_t, TransferEngine::Impl*>& TransferEngine::Impl::ProcessEngines() {
+  static auto* engines = new std::unordered_map<uint64_t, Impl*>;
+  return *engines;
+}
+
+std::vector<uint32_t> TransferEngine::Impl::CopyInProcess(Batch& b, PeerRecord& peer,
+                                                          std::span<const TransferOp> ops,
+                                                          std::vector<uint32_t> indices,
+                                                          const std::vector<uint32_t>& local_kind) {
+  std::shared_lock<std::shared_mutex> list_lock(ProcessMu());
+  auto eit = ProcessEngines().find(peer.id.incarnation);
+  if (eit == ProcessEngines().end() || eit->second == this) return indices;
+  const Impl& target = *eit->second;
+  // A token mismatch goes through the transport, which refuses it the way any peer would.
+  if (target.self.node_id != peer.id.node_id ||
+      target.options.cluster_token != options.cluster_token) {
+    return indices;
+  }
+  // Held through the copies: the peer's DeregisterMemory erases a region under the exclusive
+  // lock (and holds nothing else then), so no region is freed under a copy.
+  std::shared_lock<std::shared_mutex> regions_lock(target.regions_mu);
+  std::vector<uint32_t> rest;
+  const LocalRegion* r = nullptr;
+  for (uint32_t i : indices) {
+    const TransferOp& op = ops[i];
+    if (r == nullptr || r->id != op.remote_segment) {
+      r = nullptr;
+      for (const auto& [addr, region] : target.regions) {
+        if (region.id == op.remote_segment) r = &region;
+      }
+    }
+    if (r == nullptr) {
+      b.op_status[i] = Status::NotRegistered("peer " + peer.id.ToString() + " has no segment " +
+                                             std::to_string(op.remote_segment) + " (deregistered)");
+      continue;
+    }
+    if (r->kind != MemoryKind::kHost || local_kind[i] != static_cast<uint32_t>(MemoryKind::kHost)) {
+      rest.push_back(i);  // device memory: a transport (or its bounce) moves it
+      continue;
+    }
+    if (op.remote_offset > r->length || op.length > r->length - op.remote_offset) {
+      b.op_status[i] = Status::OutOfBounds(
+          "op " + std::to_string(i) + ": [" + std::to_string(op.remote_offset) + ", +" +
+          std::to_string(op.length) + ") is outside segment " + std::to_string(op.remote_segment) +
+          " of " + std::to_string(r->length) + " bytes");
+      continue;
+    }
+    auto* remote = reinterpret_cast<char*>(r->addr + op.remote_offset);
+    if (op.opcode == OpCode::kWrite) {
+      std::memcpy(remote, op.local_addr, op.length);
+    } else {
+      std::memcpy(op.local_addr, remote, op.length);
+    }
+    b.op_status[i] = Status::OK();
+    peer.local_copied.fetch_add(1, std::memory_order_relaxed);
+  }
+  return rest;
+}
 
 TransferEngine::Impl::~Impl() {
   handshake.reset();
@@ -645,8 +725,14 @@ std::optional<BatchResult> TransferEngine::Impl::PollOrWait(BatchId id, bool blo
 
 TransferEngine::TransferEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 TransferEngine::~TransferEngine() {
+  if (!impl_) return;
+  {
+    // Waits for copies into or out of this engine's memory by engines of this process.
+    std::unique_lock<std::shared_mutex> lock(Impl::ProcessMu());
+    Impl::ProcessEngines().erase(impl_->self.incarnation);
+  }
   // The handshake thread calls LocalDescriptor(): stop it while impl_ is whole.
-  if (impl_) impl_->handshake.reset();
+  impl_->handshake.reset();
 }
 
 Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptions& options) {
@@ -715,6 +801,10 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptio
     if (!hs.ok()) return hs.status().WithContext("handshake service");
     engine->impl_->handshake = std::move(hs).value();
     KVB_LOG(INFO) << "handshake service on " << engine->impl_->handshake->address();
+  }
+  {
+    std::unique_lock<std::shared_mutex> lock(Impl::ProcessMu());
+    Impl::ProcessEngines()[engine->impl_->self.incarnation] = engine->impl_.get();
   }
   return engine;
 }
@@ -1161,6 +1251,10 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
                                  "AddPeer() its new descriptor"));
       continue;
     }
+    if (im.options.local_copy) {
+      indices = im.CopyInProcess(*batch, *peer, ops, std::move(indices), local_kind);
+      if (indices.empty()) continue;
+    }
     // The paths as path choice sees them, breakers read once for the whole group.
     const std::string peer_name_full = peer->id.ToString();
     std::vector<core::PathView> views(peer->paths.size());
@@ -1287,6 +1381,7 @@ std::optional<PeerHealth> TransferEngine::GetPeerHealth(std::string_view node_id
     h.consecutive_failures = h.paths[0].consecutive_failures;
   }
   h.fast_failed_ops = peer->fast_failed.load();
+  h.local_copy_ops = peer->local_copied.load();
   h.stale = peer->stale.load();
   return h;
 }

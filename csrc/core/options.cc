@@ -26,6 +26,7 @@ EngineOptions EngineOptions::FromEnv() {
   EnvBool("KVBRIDGE_PATH_FAILOVER", &o.path_failover);
   EnvBool("KVBRIDGE_PATH_FAILOVER_WRITES", &o.path_failover_writes);
   EnvNumber("KVBRIDGE_FAILOVER_MIN_BUDGET_MS", &o.failover_min_budget_ms);
+  EnvBool("KVBRIDGE_LOCAL_COPY", &o.local_copy);
   EnvNumber("KVBRIDGE_MAX_OPS_PER_BATCH", &o.max_ops_per_batch);
   EnvNumber("KVBRIDGE_MAX_INFLIGHT_BATCHES", &o.max_inflight_batches);
   EnvNumber("KVBRIDGE_MAX_UNPOLLED_BATCHES", &o.max_unpolled_batches);

@@ -111,6 +111,7 @@ void MasterState::Impl::DropNode(Node* n, uint64_t now_ns, bool expired) {
   }
   gone.Seal();
   CapDeparted();
+  RebuildDepartedFilter();
   std::erase_if(held, [n](const Held& h) { return h.node == n; });
   if (expired) {
     NodeStats dead;
@@ -203,8 +204,41 @@ void MasterState::Impl::CapDeparted() {
 
 // A new put or a remove of `key`: no copy of an older version a departed node holds may come
 // back with it.
+namespace {
+// The filter's two bit positions of a key hash (of `bits`, a power of two).
+std::pair<uint64_t, uint64_t> FilterBits(uint64_t h, uint64_t bits) {
+  const uint64_t second = (h >> 32 | h << 32) * 0x9E3779B97F4A7C15ull;
+  return {h & (bits - 1), second >> 7 & (bits - 1)};
+}
+}  // namespace
+
+void MasterState::Impl::RebuildDepartedFilter() {
+  uint64_t copies = 0;
+  for (const auto& [id, d] : departed) copies += d.copies.size();
+  departed_filter.clear();
+  if (copies == 0) return;
+  uint64_t bits = 64;
+  while (bits < copies * 16) bits <<= 1;
+  departed_filter.assign(bits / 64, 0);
+  for (const auto& [id, d] : departed) {
+    for (const DepartedCopy& c : d.copies) {
+      const auto [a, b] = FilterBits(c.key_hash, bits);
+      departed_filter[a / 64] |= uint64_t{1} << (a % 64);
+      departed_filter[b / 64] |= uint64_t{1} << (b % 64);
+    }
+  }
+}
+
+bool MasterState::Impl::MayBeDeparted(uint64_t key_hash) const {
+  if (departed_filter.empty()) return false;
+  const auto [a, b] = FilterBits(key_hash, departed_filter.size() * 64);
+  return (departed_filter[a / 64] >> (a % 64) & 1) != 0 &&
+         (departed_filter[b / 64] >> (b % 64) & 1) != 0;
+}
+
 void MasterState::Impl::ForgetDepartedCopies(std::string_view key) {
   const uint64_t h = Departed::KeyHash(key);
+  if (!MayBeDeparted(h)) return;
   for (auto& [id, d] : departed) d.Forget(h);
 }
 
@@ -366,7 +400,9 @@ Result<RegisterReply> MasterState::RegisterNode(const NodeRegistration& registra
   rejected.swap(reply.frees);
   for (const InventoryRecord& rec : rejected) m.QueueFree(&n, rec);
   reply.more = m.TakeFrees(&n, 0, &reply.frees, &reply.free_seqs);
-  m.departed.erase(id.node_id);  // used up: what it holds now is in the table or freed
+  if (m.departed.erase(id.node_id) > 0) {  // used up: what it holds now is in the table or freed
+    m.RebuildDepartedFilter();
+  }
   if (n.state == NodeState::kDraining) {
     for (auto& [sid, s] : n.segments) {
       for (Impl::Object* o : s.residents) {

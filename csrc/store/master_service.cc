@@ -186,8 +186,9 @@ struct Faults {
   std::atomic<uint32_t> demote_done_lose_reply{0};
   std::atomic<uint32_t> task_done_lose_request{0};
   std::atomic<uint32_t> task_done_lose_reply{0};
-  std::atomic<uint32_t> heartbeat_lose_reply{0};  // counts only replies that carry frees
-  std::atomic<uint32_t> register_lose_reply{0};   // counts only registrations with an inventory
+  std::atomic<uint32_t> heartbeat_lose_reply{0};   // counts only replies that carry frees
+  std::atomic<uint32_t> register_lose_reply{0};    // counts only registrations with an inventory
+  std::atomic<uint32_t> inflight_publish_fail{0};  // counts only publishes with maps to write
 
   Status Parse(const std::string& spec) {
     return store::ParseFaults(spec, "MasterOptions::faults",
@@ -196,7 +197,8 @@ struct Faults {
                                {"task_done_lose_request", &task_done_lose_request},
                                {"task_done_lose_reply", &task_done_lose_reply},
                                {"heartbeat_lose_reply", &heartbeat_lose_reply},
-                               {"register_lose_reply", &register_lose_reply}});
+                               {"register_lose_reply", &register_lose_reply},
+                               {"inflight_publish_fail", &inflight_publish_fail}});
   }
   static bool Take(std::atomic<uint32_t>* left) { return store::TakeFault(left); }
 };
@@ -251,6 +253,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   obs::Counter* get_dram = nullptr;
   obs::Counter* get_ssd = nullptr;
   obs::Counter* get_miss = nullptr;
+  obs::Counter* publish_failures = nullptr;  // in-flight map writes to etcd that failed
   std::atomic<bool> is_leader{true};
   std::mutex leader_mu;
   std::string not_leader_why;  // under leader_mu
@@ -333,8 +336,11 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     const uint64_t now = util::MonoNs();
     std::vector<store::InflightMap> maps = state->InflightToPublish(now, growth_only);
     if (maps.empty()) return Status::OK();
-    Status st = gate->publish(maps);
+    Status st = faults.Take(&faults.inflight_publish_fail)
+                    ? Status::Unavailable("fault injection: inflight_publish_fail")
+                    : gate->publish(maps);
     if (!st.ok()) {
+      publish_failures->Inc();
       return st.WithContext("publishing where writers may write (etcd " +
                             std::to_string(maps.size()) + " node map(s))");
     }
@@ -369,6 +375,10 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     get_dram = metrics.Counter("kvbridge_master_get_keys_total", get_help, {{"result", "dram"}});
     get_ssd = metrics.Counter("kvbridge_master_get_keys_total", get_help, {{"result", "ssd"}});
     get_miss = metrics.Counter("kvbridge_master_get_keys_total", get_help, {{"result", "miss"}});
+    publish_failures = metrics.Counter(
+        "kvbridge_master_inflight_publish_failures_total",
+        "HA leader: writes of the in-flight maps to etcd that failed; each failed the PutStart "
+        "(revoked, UNAVAILABLE) or heartbeat reply that needed it.");
     metrics.AddCollector([this](obs::MetricWriter& w) { Collect(w); });
   }
 
@@ -955,7 +965,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
         ToProto(r.status(), item->mutable_status());
         continue;
       }
-      ToProto(Status::OK(), item->mutable_status());
+      // OK is the absent status (code 0): no message per key.
       item->set_version(r->version);
       for (const auto& loc : r->replicas) ToProto(loc, item->add_replicas());
       item->set_deadline_ms(
@@ -1023,7 +1033,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
         ToProto(r.status(), item->mutable_status());
         continue;
       }
-      ToProto(Status::OK(), item->mutable_status());
+      // OK is the absent status (code 0): no message per key.
       item->set_version(r->version);
       for (uint64_t s : r->sizes) item->add_sizes(s);
       item->set_checksum(r->checksum);

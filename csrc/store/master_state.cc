@@ -242,10 +242,11 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
   sum.since_last_tick_ms = expiry.since_last_ms;
   sum.paused_ms = expiry.paused_ms;
   sum.expired_silence_ms = expiry.longest_silence_ms;
-  std::erase_if(m.departed, [&](const auto& d) {
+  const size_t notes_expired = std::erase_if(m.departed, [&](const auto& d) {
     return now_ns >= d.second.since_ns &&
            now_ns - d.second.since_ns >= MsToNs(m.cfg.departed_ttl_ms);
   });
+  if (notes_expired > 0) m.RebuildDepartedFilter();
   m.ApplyMemberEvents(now_ns);
   sum.nodes_expired = expiry.expired.size();
 
@@ -497,6 +498,14 @@ Status MasterState::CheckInvariants() const {
     if (member->state != n.state) {
       return fail(ToString(n.id()) + " is " + NodeStateName(n.state) + " but its member is " +
                   NodeStateName(member->state));
+    }
+  }
+  // The departed filter has every departed copy (a miss would let a put skip the copy it must
+  // forget, and an old version come back with its node).
+  for (const auto& [id, d] : m.departed) {
+    for (const Impl::DepartedCopy& c : d.copies) {
+      if (!m.MayBeDeparted(c.key_hash))
+        return fail("a copy of departed " + id + " is not in the filter");
     }
   }
   size_t moves_seen = 0;  // pending moves found on replicas

@@ -390,6 +390,14 @@ struct MasterState::Impl {
     static uint64_t KeyHash(std::string_view key) { return std::hash<std::string_view>{}(key); }
   };
   std::unordered_map<std::string, Departed> departed;
+  // The key hashes of every departed copy as a Bloom filter (two bits of 16 per copy): a put
+  // or remove of a key no departed node holds, nearly every one, skips the per-node searches,
+  // which cost a put batch ~10 us per key with a dozen departed nodes of 50 k copies each.
+  // Rebuilt whenever copies are added (DropNode) and when notes are dropped; a bit left by a
+  // dropped note only costs a search. Empty: no departed copy.
+  std::vector<uint64_t> departed_filter;
+  void RebuildDepartedFilter();
+  bool MayBeDeparted(uint64_t key_hash) const;
   // Notes dropped before their time by the caps (CapDeparted), and the latest reuse_after_ns
   // among them: a node coming back without its note waits at least that long.
   uint64_t departed_dropped_total = 0;

@@ -12,6 +12,7 @@
 // A node drains on SIGTERM (its objects move elsewhere first) and stops at once on SIGINT or on
 // a second signal during the drain (exit status 128 + the signal).
 // Exit status: 0 ok, 1 a kvbridge error (startup, or a master that did not answer), 2 bad usage.
+#include <dlfcn.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -325,6 +326,12 @@ void Stopped(bool json, const char* role, const std::string& text, const std::st
   }
 }
 
+// The allocator this process runs on: "tcmalloc" when the build linked it (csrc/tools/
+// CMakeLists.txt, KVBRIDGE_DAEMON_ALLOCATOR), found by its own entry point, else "system".
+const char* AllocatorName() {
+  return dlsym(RTLD_DEFAULT, "tc_malloc") != nullptr ? "tcmalloc" : "system";
+}
+
 // An HA master: campaigns in etcd until a signal; leads when elected (HaMaster).
 int RunHaMaster(const MasterOptions& o, bool json) {
   sigset_t stop = BlockStopSignals();
@@ -334,8 +341,8 @@ int RunHaMaster(const MasterOptions& o, bool json) {
   if (json) {
     std::printf(
         "{\"event\": \"campaigning\", \"role\": \"master\", \"etcd\": %s, "
-        "\"advertise\": %s}\n",
-        JsonString(o.etcd).c_str(), JsonString(advertise).c_str());
+        "\"advertise\": %s, \"allocator\": \"%s\"}\n",
+        JsonString(o.etcd).c_str(), JsonString(advertise).c_str(), AllocatorName());
   } else {
     std::printf("kvbridge master campaigning in etcd %s as %s\n", o.etcd.c_str(),
                 advertise.c_str());
@@ -370,8 +377,8 @@ int RunMaster(const Flags& f) {
   if (json) {
     std::printf(
         "{\"event\": \"ready\", \"role\": \"master\", \"address\": %s, "
-        "\"metrics_address\": %s}\n",
-        JsonString(address).c_str(), JsonString(http).c_str());
+        "\"metrics_address\": %s, \"allocator\": \"%s\"}\n",
+        JsonString(address).c_str(), JsonString(http).c_str(), AllocatorName());
   } else {
     std::printf("kvbridge master listening on %s%s%s\n", address.c_str(),
                 http.empty() ? "" : ", status page and /metrics on http://", http.c_str());
@@ -407,12 +414,12 @@ int RunNode(const Flags& f) {
     std::printf(
         "{\"event\": \"ready\", \"role\": \"node\", \"node_id\": %s, \"incarnation\": "
         "%llu, \"dram_bytes\": %llu, \"master\": %s, \"ssd\": %s, \"ssd_error\": %s, "
-        "\"metrics_address\": %s}\n",
+        "\"metrics_address\": %s, \"allocator\": \"%s\"}\n",
         JsonString(id.node_id).c_str(), (unsigned long long)id.incarnation,
         (unsigned long long)o.dram_bytes, JsonString(o.master_address).c_str(),
         ssd.ok() ? "true" : "false",
         JsonString(ssd.ok() || o.ssd_path.empty() ? "" : ssd.ToString()).c_str(),
-        JsonString(http).c_str());
+        JsonString(http).c_str(), AllocatorName());
   } else {
     std::printf("kvbridge node %s serving %llu bytes, master %s%s%s%s%s\n", id.ToString().c_str(),
                 (unsigned long long)o.dram_bytes, o.master_address.c_str(),

@@ -23,10 +23,10 @@ ENGINE_FIELDS = (
     "deadline_ms",
     "progress_timeout_ms", "breaker_failures", "breaker_backoff_ms", "breaker_max_backoff_ms",
     "max_ops_per_batch", "max_inflight_batches", "max_unpolled_batches",
-    "path_failover", "path_failover_writes", "failover_min_budget_ms",
+    "path_failover", "path_failover_writes", "failover_min_budget_ms", "local_copy",
 )
 # Options that are booleans; every other bool is refused (True is not a number of ms).
-BOOL_FIELDS = ("verify_checksums", "path_failover", "path_failover_writes",
+BOOL_FIELDS = ("verify_checksums", "path_failover", "path_failover_writes", "local_copy",
                "metrics_listen_best_effort")
 STORE_FIELDS = ("master", "replica_num", "rpc_timeout_ms", "store_transfer_deadline_ms",
                 "verify_checksums", "hedge_after_ms", "hedge_bandwidth_mbps", "peer_discovery",

@@ -53,6 +53,8 @@ EngineOptions LoopbackOptions(const std::string& transport, const std::string& n
   o.transports = {transport};
   o.listen = "127.0.0.1:0";
   o.plugin_path = KVBRIDGE_TEST_PLUGIN_BUILD_DIR;
+  // These engines test their transport: peers in this process go through it too.
+  o.local_copy = false;
   return o;
 }
 

@@ -603,7 +603,7 @@ TEST_F(TcpDevice, PeerDestroyedMidTransfer) {
 // WRITE from device memory: while slice k is on the wire, the copy of slice k+1 is already
 // queued and running. The copy of slice k+1 is queued before the copy of slice k ends (so before
 // slice k can be sent), and slice k's bytes land in the peer's memory before the copy of slice
-// k+1 ends (copies take 20 ms each here).
+// k+1 ends (copies take 60 ms each here).
 TEST_F(TcpDevice, WriteStagingOverlapsCopiesWithTheWire) {
   Start({{"tcp.lanes_per_peer", "1"}});
   const size_t n = 6;
@@ -629,7 +629,7 @@ TEST_F(TcpDevice, WriteStagingOverlapsCopiesWithTheWire) {
     }
   });
   Fake().clear_copy_log();
-  Fake().set_latency_us(20 * 1000);
+  Fake().set_latency_us(60 * 1000);  // the watcher sees each slice land, even under load
   const Status st = Xfer(OpCode::kWrite, local.data(), cap, seg, 0);
   stop.store(true);
   watch.join();
@@ -659,7 +659,7 @@ TEST_F(TcpDevice, ReadStagingOverlapsCopiesWithTheWire) {
   Connect();
   remote.Fill(21);
   Fake().clear_copy_log();
-  Fake().set_latency_us(20 * 1000);
+  Fake().set_latency_us(60 * 1000);  // long enough for the next slice to arrive under load
   const Status st = Xfer(OpCode::kRead, local.data(), cap, seg, 0);
   ASSERT_TRUE(st.ok()) << st.ToString();
   ASSERT_EQ(std::memcmp(local.view(), remote.data(), cap), 0);
@@ -684,7 +684,7 @@ TEST_F(TcpDevice, ServerStagingOverlapsCopiesWithTheWire) {
   Connect();
   local.Fill(33);
   Fake().clear_copy_log();
-  Fake().set_latency_us(20 * 1000);
+  Fake().set_latency_us(60 * 1000);  // long enough for the next slice to arrive under load
   const Status st = Xfer(OpCode::kWrite, local.data(), cap, seg, 0);
   ASSERT_TRUE(st.ok()) << st.ToString();
   ASSERT_EQ(std::memcmp(remote.view(), local.data(), cap), 0);

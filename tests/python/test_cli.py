@@ -80,6 +80,9 @@ def test_master_nodes_status_bench_and_drain(daemons):
     daemons.append(master)
     ready = json.loads(read_line(master))
     assert ready["event"] == "ready" and ready["address"] == f"127.0.0.1:{port}"
+    # The allocator it names is the one mapped into it (tcmalloc when the build linked it).
+    maps = Path(f"/proc/{master.pid}/maps").read_text()
+    assert ready["allocator"] == ("tcmalloc" if "libtcmalloc" in maps else "system")
     addr = ready["address"]
     for name in ("cli-node-a", "cli-node-b"):
         node = kvb_daemon("node", "--master", addr, "--dram-bytes", "48M", "--node-id", name,

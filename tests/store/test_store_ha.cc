@@ -580,6 +580,36 @@ TEST_F(StoreHa, WholeControlPlaneRestartLosesNothing) {
   EXPECT_EQ(VerifyAll(seeded, &why), 0) << why;
 }
 
+// Every master starts with its next three writes of the in-flight maps failing, as when etcd
+// does not answer in time (KVBRIDGE_MASTER_FAULTS=inflight_publish_fail=3).
+class StoreHaPublishFaults : public StoreHa {
+ protected:
+  void SetUp() override {
+    setenv("KVBRIDGE_MASTER_FAULTS", "inflight_publish_fail=3", 1);
+    StoreHa::SetUp();
+    unsetenv("KVBRIDGE_MASTER_FAULTS");
+  }
+};
+
+// A PutStart whose in-flight map could not be written to etcd hands nothing out: it is revoked
+// and answered UNAVAILABLE, the client (HA masters) puts the batch again, and once a write goes
+// through every object is stored once, nothing is left pending, and all read back.
+TEST_F(StoreHaPublishFaults, AFailedInflightPublishHandsNothingOut) {
+  const std::string leader = WaitForLeader("", 1000);
+  const int li = MasterIndex(leader);
+  ASSERT_GE(li, 0);
+  std::vector<uint64_t> seeded = Seed(64);
+  ASSERT_EQ(seeded.size(), 64u) << "a put failed: the client did not ride through the refusal";
+  auto m = testing::ParseSamples(testing::HttpGet(http_ports_[li], "/metrics").body);
+  EXPECT_EQ(m["kvbridge_master_inflight_publish_failures_total"], 3)
+      << "the injected publish failures did not all happen";
+  const ClusterStatus st = Must(QueryClusterStatus(etcd_address_));
+  EXPECT_EQ(st.objects, 64u);
+  EXPECT_EQ(st.pending_puts, 0u) << "a refused PutStart left a put pending";
+  std::string why;
+  EXPECT_EQ(VerifyAll(seeded, &why), 0) << why;
+}
+
 // Bad addresses are refused with errors that say what is wrong.
 TEST(EtcdAddress, BadAddressesAreNamed) {
   EXPECT_TRUE(store::ParseEtcdAddress("etcd://").status().Is(StatusCode::kInvalidArgument));

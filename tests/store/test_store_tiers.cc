@@ -92,10 +92,14 @@ std::vector<Status> Put(StoreClient& c, Buffer& arena, size_t first, size_t n) {
   return c.BatchPutFrom(keys, bufs);
 }
 
-// Puts objects [0, n) in batches of `batch`, pausing `pause_ms` after each (demotion runs in
-// the background; at these paces a writer never outruns it). Returns the failed puts, the
-// first one's error in *why.
-int PutPaced(StoreClient& c, Buffer& src, size_t n, size_t batch, int pause_ms, std::string* why) {
+// Puts objects [0, n) in batches of `batch`, pausing `pause_ms` after each, then waiting (up to
+// 30 s) until demotion, which runs in the background, has brought every node's DRAM back under
+// the demote high watermark: a writer never outruns it, however slow a loaded machine makes the
+// disk side (a fixed pace alone let eviction drop objects under load). `master` empty: the fixed
+// pace alone, for tests where demotion cannot bring DRAM down (a full SSD, moves the master
+// never applies). Returns the failed puts, the first one's error in *why.
+int PutPaced(StoreClient& c, const std::string& master, Buffer& src, size_t n, size_t batch,
+             int pause_ms, std::string* why) {
   int failed = 0;
   for (size_t first = 0; first < n; first += batch) {
     for (const Status& st : Put(c, src, first, batch)) {
@@ -103,6 +107,15 @@ int PutPaced(StoreClient& c, Buffer& src, size_t n, size_t batch, int pause_ms, 
       if (failed++ == 0) *why = st.ToString();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!master.empty() && std::chrono::steady_clock::now() < until) {
+      const ClusterStatus s = Must(QueryClusterStatus(master));
+      const bool over = std::any_of(s.nodes.begin(), s.nodes.end(), [](const NodeStatus& node) {
+        return node.used_bytes * 4 > node.capacity_bytes * 3;  // above 0.75, the default
+      });
+      if (!over) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
   }
   return failed;
 }
@@ -155,7 +168,7 @@ TEST_P(StoreTiers, DramPressureDemotesToSsdAndEveryObjectStaysReadable) {
   ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
   {
     std::string why;
-    ASSERT_EQ(PutPaced(c, src, 160, 16, 400, &why), 0) << why;
+    ASSERT_EQ(PutPaced(c, cluster->master_address(), src, 160, 16, 400, &why), 0) << why;
   }
   ClusterStatus s = Settle(cluster->master_address(), 10);
   EXPECT_EQ(s.objects, 160u);
@@ -189,7 +202,7 @@ void StopANodeOfATieredCluster(const EmbeddedClusterOptions& o) {
   ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
   {
     std::string why;
-    ASSERT_EQ(PutPaced(c, src, 80, 8, 400, &why), 0) << why;
+    ASSERT_EQ(PutPaced(c, cluster->master_address(), src, 80, 8, 400, &why), 0) << why;
   }
   ClusterStatus s = Settle(cluster->master_address(), 10);
   ASSERT_GT(s.ssd_replicas, 0u);
@@ -244,7 +257,7 @@ TEST_P(StoreTiers, UnknownPeerDiscoveryModeIsANamedError) {
 ClusterStatus FillOneTieredNode(EmbeddedCluster& cluster, StoreClient& c, Buffer& src) {
   {
     std::string why;
-    EXPECT_EQ(PutPaced(c, src, 48, 4, 300, &why), 0) << why;
+    EXPECT_EQ(PutPaced(c, cluster.master_address(), src, 48, 4, 300, &why), 0) << why;
   }
   return Settle(cluster.master_address(), 10);
 }
@@ -466,7 +479,7 @@ TEST_P(StoreTiers, FrozenSsdHolderCostsABatchGetAtMostItsDeadline) {
   ASSERT_TRUE(client->RegisterBuffer(dst.data(), dst.size()).ok());
   {
     std::string why;
-    ASSERT_EQ(PutPaced(*client, src, 200, 16, 300, &why), 0) << why;
+    ASSERT_EQ(PutPaced(*client, master, src, 200, 16, 300, &why), 0) << why;
   }
   Settle(master, 15);
   // The keys with both replicas on SSD, on the two nodes.
@@ -533,7 +546,7 @@ TEST_P(StoreTiers, TaskBatchesStageLargeSsdObjectsOneAtATime) {
   ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
   {
     std::string why;
-    ASSERT_EQ(PutPaced(c, src, 120, 8, 400, &why), 0) << why;
+    ASSERT_EQ(PutPaced(c, cluster->master_address(), src, 120, 8, 400, &why), 0) << why;
   }
   ClusterStatus s = Settle(cluster->master_address(), 10);
   ASSERT_GT(s.ssd_replicas, 40u);
@@ -799,7 +812,7 @@ TEST_P(StoreTiers, FullSsdFileSystemKeepsObjectsInDram) {
   ASSERT_TRUE(c.RegisterBuffer(dst.data(), dst.size()).ok());
   {
     std::string why;
-    ASSERT_EQ(PutPaced(c, src, 56, 4, 200, &why), 0) << why;
+    ASSERT_EQ(PutPaced(c, "", src, 56, 4, 200, &why), 0) << why;
   }
   ClusterStatus s = Settle(cluster->master_address(), 6);
   // Some went to SSD before it filled; the rest stayed in DRAM; nothing was lost to the
@@ -854,7 +867,7 @@ TEST_P(StoreTiers, DaemonsWithSeveralEndpointsDemoteServeAndSurviveKill9) {
   ASSERT_TRUE(client->RegisterBuffer(dst.data(), dst.size()).ok());
   {
     std::string why;
-    ASSERT_EQ(PutPaced(*client, src, 96, 8, 300, &why), 0) << why;
+    ASSERT_EQ(PutPaced(*client, master, src, 96, 8, 300, &why), 0) << why;
   }
   ClusterStatus before = Settle(master, 10);
   ASSERT_EQ(before.evictions_total, 0u);
@@ -945,7 +958,7 @@ TEST_P(StoreTiers, MasterRestartWithMovesUnansweredLosesNothing) {
   constexpr size_t kObjects = 26;
   {
     std::string why;
-    ASSERT_EQ(PutPaced(*client, src, kObjects, 2, 100, &why), 0) << why;
+    ASSERT_EQ(PutPaced(*client, "", src, kObjects, 2, 100, &why), 0) << why;
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // moves made, none answered
   ClusterStatus lost = Must(QueryClusterStatus(master));

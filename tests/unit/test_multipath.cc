@@ -218,6 +218,7 @@ EngineOptions TwoPathOptions(const std::string& node_id) {
   o.breaker_failures = 3;
   o.breaker_backoff_ms = 5000;  // an open breaker stays open for the test's length
   o.breaker_max_backoff_ms = 5000;
+  o.local_copy = false;  // the paths are under test, for peers in this process too
   return o;
 }
 

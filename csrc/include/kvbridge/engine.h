@@ -118,8 +118,10 @@ struct PeerHealth {
   std::string transport;                         // the preferred path's transport (paths[0])
   BreakerState breaker = BreakerState::kClosed;  // paths[0]'s breaker
   uint32_t consecutive_failures = 0;             // paths[0]'s
-  uint64_t fast_failed_ops = 0;   // ops refused without touching the network (every breaker open)
-  bool stale = false;             // a handshake found another incarnation at its address
+  uint64_t fast_failed_ops = 0;  // ops refused without touching the network (every breaker open)
+  bool stale = false;            // a handshake found another incarnation at its address
+  // Ops done by a memory copy because the peer is an engine of this process (local_copy).
+  uint64_t local_copy_ops = 0;
   std::vector<PathHealth> paths;  // one per transport both sides speak, in preference order
 };
 

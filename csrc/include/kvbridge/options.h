@@ -75,6 +75,15 @@ struct KVBRIDGE_API EngineOptions {
   // less, the ops end with their path's error. KVBRIDGE_FAILOVER_MIN_BUDGET_MS.
   uint32_t failover_min_budget_ms = 5;
 
+  // --- Peers in the same process (docs/transfer-engine.md "Peers in the same process") ---
+  // Ops to a peer that is another engine of this process (same node id and incarnation, same
+  // cluster token), on host memory at both ends, are done with a memory copy inside Submit:
+  // no socket, no transport, and the peer's live registration is checked (a deregistered
+  // segment is NOT_REGISTERED, bounds OUT_OF_BOUNDS) just as its transport would. Off, such
+  // ops go through a transport like any other peer's (what the transport tests want).
+  // KVBRIDGE_LOCAL_COPY (0 or 1).
+  bool local_copy = true;
+
   // --- Bounds (what one process keeps for batches; docs/transfer-engine.md "Batches") ---
   // Most ops one Submit takes; more is INVALID_ARGUMENT naming this limit.
   // KVBRIDGE_MAX_OPS_PER_BATCH.
