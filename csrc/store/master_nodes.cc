@@ -32,8 +32,11 @@ uint64_t MasterState::Impl::ReuseHorizon(const Node* n) const {
     for (const Object* o : s.residents) {
       const Replica& r = o->replicas[ReplicaOn(*o, n)];
       h = std::max(h, HoldUntil(*o, r));
-      if (r.demote_segment && r.demote_issued && r.demote_segment->info.tier == Tier::kDram) {
-        h = std::max(h, r.demote_deadline_ns + MsToNs(cfg.task_timeout_ms));
+      if (r.demote_id != 0) {
+        const Move& mv = MoveOf(r);
+        if (mv.issued && mv.segment->info.tier == Tier::kDram) {
+          h = std::max(h, mv.deadline_ns + MsToNs(cfg.task_timeout_ms));
+        }
       }
     }
   }
@@ -83,7 +86,7 @@ void MasterState::Impl::DropNode(Node* n, uint64_t now_ns, bool expired) {
     const size_t idx = ReplicaOn(*o, n);
     const bool recorded = o->replicas[idx].record_on_node;
     const uint64_t version = o->version;
-    const uint64_t key_hash = Departed::KeyHash(o->key);
+    const uint64_t key_hash = Departed::KeyHash(o->key());
     DetachReplica(o, idx);
     bool left_with_it = false;
     if (o->state == ObjectState::kComplete) {
@@ -310,7 +313,7 @@ void MasterState::Impl::LoadInventory(Node& n, const std::vector<InventoryRecord
       size_t active = 0;
       for (const Replica& r : o->replicas) active += r.node->state == NodeState::kActive;
       // A draining node's copy is kept until the drain has moved it.
-      accept = o->state == ObjectState::kComplete && o->sizes == rec.sizes &&
+      accept = o->state == ObjectState::kComplete && std::ranges::equal(o->sizes(), rec.sizes) &&
                o->checksum == rec.checksum && ReplicaOn(*o, &n) < 0 &&
                (n.state == NodeState::kDraining || active < std::max(o->target, target));
     } else {
@@ -319,22 +322,18 @@ void MasterState::Impl::LoadInventory(Node& n, const std::vector<InventoryRecord
       accept = true;
     }
     if (!accept) {
-      seg->alloc.Free(rec.offset);
+      seg->alloc.Free(rec.offset, bytes[i]);
       reply.frees.push_back(rec);
       continue;
     }
     if (!o) {
-      auto obj = std::make_unique<Object>();
-      obj->key = rec.key;
-      obj->version = rec.version;
-      obj->sizes = rec.sizes;
-      obj->bytes = bytes[i];
-      obj->checksum = rec.checksum;
-      obj->state = ObjectState::kComplete;
-      obj->target = target;
-      obj->last_access_ns = now_ns;
-      o = obj.get();
-      objects.emplace(rec.key, std::move(obj));
+      o = Object::New(rec.key, rec.sizes);
+      o->version = rec.version;
+      o->checksum = rec.checksum;
+      o->state = ObjectState::kComplete;
+      o->target = target;
+      o->last_access_ns = now_ns;
+      InsertObject(o);
       // Let the other nodes re-register before judging the replica count.
       MarkRepair(o, now_ns, MsToNs(cfg.node_ttl_ms));
     }
@@ -407,7 +406,7 @@ Result<RegisterReply> MasterState::RegisterNode(const NodeRegistration& registra
   if (n.state == NodeState::kDraining) {
     for (auto& [sid, s] : n.segments) {
       for (Impl::Object* o : s.residents) {
-        if (!m.repair_keys.count(o->key)) m.MarkRepair(o, now_ns);
+        if (!m.repair_keys.contains(o->key())) m.MarkRepair(o, now_ns);
       }
     }
   }
@@ -440,16 +439,17 @@ Result<NodeCommands> MasterState::Heartbeat(const NodeIdentity& node, uint64_t f
     const int idx = o ? Impl::ReplicaOn(*o, n) : -1;
     if (idx < 0) continue;
     Impl::Replica& r = o->replicas[idx];
-    if (r.demote_id != demote_id || r.demote_segment == nullptr || r.demote_issued) continue;
-    r.demote_issued = true;
-    r.demote_deadline_ns = now_ns + MsToNs(m.cfg.task_timeout_ms);
+    if (r.demote_id == 0 || r.demote_id != demote_id || m.MoveOf(r).issued) continue;
+    Impl::Move& mv = m.MoveOf(r);
+    mv.issued = true;
+    mv.deadline_ns = now_ns + MsToNs(m.cfg.task_timeout_ms);
     Demotion d;
     d.source = m.Record(*o, r);
     d.dest = d.source;
-    d.dest.segment_id = r.demote_segment->info.segment_id;
-    d.dest.offset = r.demote_offset;
+    d.dest.segment_id = mv.segment->info.segment_id;
+    d.dest.offset = mv.offset;
     d.dest.replica_id = r.demote_id;
-    d.deadline_ns = r.demote_deadline_ns;
+    d.deadline_ns = mv.deadline_ns;
     cmds.demotions.push_back(std::move(d));
   }
   // (Stale entries left in a queue make `more` true once too many: the next reply skips them.)

@@ -47,33 +47,31 @@ Result<PutAllocation> MasterState::Impl::AllocateObject(const PutItem& item, uin
   for (const Choice& c : picks) {
     std::optional<uint64_t> off = c.segment->alloc.Allocate(bytes);
     if (!off) {
-      for (size_t i = 0; i < offsets.size(); ++i) picks[i].segment->alloc.Free(offsets[i]);
+      for (size_t i = 0; i < offsets.size(); ++i) {
+        picks[i].segment->alloc.Free(offsets[i], bytes);
+      }
       return Status::NoSpace("allocation failed on " + c.node->id().node_id);
     }
     offsets.push_back(*off);
     MarkInflight(c.segment, *off, bytes, now_ns);
   }
-  auto obj = std::make_unique<Object>();
-  Object* o = obj.get();
-  o->key = item.key;
+  Object* o = Object::New(item.key, item.sizes);
   o->version = next_version++;
-  o->sizes = item.sizes;
-  o->bytes = bytes;
   o->state = ObjectState::kPending;
   o->target = options.replica_num;
   o->pinned = options.pinned;
-  o->put_deadline_ns = now_ns + MsToNs(cfg.put_timeout_ms);
+  o->Extra().put_deadline_ns = now_ns + MsToNs(cfg.put_timeout_ms);
   o->last_access_ns = now_ns;
-  objects.emplace(item.key, std::move(obj));
+  InsertObject(o);
   pending_keys.insert(item.key);
   PutAllocation a;
   a.version = o->version;
-  a.deadline_ns = o->put_deadline_ns;
+  a.deadline_ns = o->put_deadline_ns();
   for (size_t i = 0; i < picks.size(); ++i) {
     Replica& r = AddReplica(o, picks[i].node, picks[i].segment, offsets[i], ReplicaState::kWriting);
     a.replicas.push_back(Location(*o, r));
   }
-  o->put_layout = a.replicas;
+  o->Extra().put_layout = a.replicas;
   return a;
 }
 
@@ -90,13 +88,15 @@ Status MasterState::Impl::BeginPutEndOne(const PutEndItem& item, uint64_t now_ns
   if (o->state == ObjectState::kCommitting) {
     return Status::Unavailable("another put end of this version is in flight");
   }
-  if (item.replica_ok.size() != o->put_layout.size()) {
+  // A PENDING object has its put layout (set by AllocateObject, dropped when complete).
+  const std::vector<ReplicaLocation>& layout = o->Extra().put_layout;
+  if (item.replica_ok.size() != layout.size()) {
     return Status::InvalidArgument(Num(item.replica_ok.size()) + " replica flags for " +
-                                   Num(o->put_layout.size()) + " replicas");
+                                   Num(layout.size()) + " replicas");
   }
   size_t written = 0;
-  for (size_t i = 0; i < o->put_layout.size(); ++i) {
-    const ReplicaLocation& want = o->put_layout[i];
+  for (size_t i = 0; i < layout.size(); ++i) {
+    const ReplicaLocation& want = layout[i];
     int idx = -1;
     for (size_t j = 0; j < o->replicas.size(); ++j) {
       const Replica& r = o->replicas[j];
@@ -116,7 +116,7 @@ Status MasterState::Impl::BeginPutEndOne(const PutEndItem& item, uint64_t now_ns
     ++written;
   }
   if (written < cfg.min_replicas) {
-    const size_t total = o->put_layout.size();
+    const size_t total = layout.size();
     EraseObject(o, now_ns);
     ++revokes_total;
     return Status::Unavailable(Num(written) + " of " + Num(total) +
@@ -125,7 +125,7 @@ Status MasterState::Impl::BeginPutEndOne(const PutEndItem& item, uint64_t now_ns
   }
   o->checksum = item.checksum;
   o->state = ObjectState::kCommitting;
-  o->put_deadline_ns = now_ns + MsToNs(cfg.put_timeout_ms);
+  o->Extra().put_deadline_ns = now_ns + MsToNs(cfg.put_timeout_ms);
   for (const Replica& r : o->replicas) {
     if (r.state != ReplicaState::kCommitting) continue;
     auto [it, inserted] = commit_index.try_emplace(r.node->id().node_id, plan.commits.size());
@@ -183,12 +183,15 @@ Status MasterState::Impl::FinishPutEndOne(const KeyVersion& kv,
     return Status::Unavailable(Num(complete) + " replicas committed; min_replicas is " +
                                Num(cfg.min_replicas) + "; put revoked");
   }
-  if (o->key != kv.key) SwapInOverwrite(o, now_ns);
+  if (o->key() != kv.key) SwapInOverwrite(o, now_ns);
   o->state = ObjectState::kComplete;
-  o->put_layout.clear();
-  o->put_deadline_ns = 0;
+  if (o->extra) {
+    o->extra->put_layout = {};  // its memory too
+    o->extra->put_deadline_ns = 0;
+    o->TrimExtra();
+  }
   o->last_access_ns = now_ns;
-  pending_keys.erase(o->key);
+  if (auto p = pending_keys.find(o->key()); p != pending_keys.end()) pending_keys.erase(p);
   if (NeedsRepair(*o)) MarkRepair(o, now_ns);
   return Status::OK();
 }
@@ -198,16 +201,14 @@ Status MasterState::Impl::FinishPutEndOne(const KeyVersion& kv,
 // object does: its ranges are held until the read leases granted on it end (a reader that got
 // them before keeps reading the old bytes), then freed on the nodes.
 void MasterState::Impl::SwapInOverwrite(Object* w, uint64_t now_ns) {
-  const std::string table_key = w->key;
+  const std::string table_key(w->key());
   const std::string key(PublicKey(table_key));
-  auto it = objects.find(table_key);
-  std::unique_ptr<Object> owned = std::move(it->second);
-  objects.erase(it);
+  RemoveFromTable(w);
   pending_keys.erase(table_key);
-  repair_keys.erase(table_key);
+  UnmarkRepair(w);
   if (Object* old = FindObject(key)) EraseObject(old, now_ns);
-  w->key = key;
-  objects.emplace(key, std::move(owned));
+  w->DropKeyPrefix(table_key.size() - key.size());
+  InsertObject(w);
 }
 
 // ------------------------------------------------------------------ MasterState
@@ -244,7 +245,7 @@ std::vector<Result<PutAllocation>> MasterState::PutStart(const std::vector<PutIt
       st = Status::InvalidArgument("key appears " + Num(seen[item.key]) + " times in the batch");
     }
     const Impl::Object* o = st.ok() ? m.FindObject(item.key) : nullptr;
-    const Impl::Object* w = st.ok() ? m.FindObject(Impl::OverwriteKey(item.key)) : nullptr;
+    const Impl::Object* w = st.ok() ? m.FindOverwrite(item.key) : nullptr;
     if (!st.ok()) {
     } else if (options.overwrite && (w || (o && o->state != ObjectState::kComplete))) {
       // One new version at a time: the caller tries again once this one ended or timed out.
@@ -372,7 +373,7 @@ std::vector<Result<ReplicaSet>> MasterState::GetReplicas(const std::vector<std::
     }
     ReplicaSet rs;
     rs.version = o->version;
-    rs.sizes = o->sizes;
+    rs.sizes = o->SizesVector();
     rs.checksum = o->checksum;
     rs.lease_expiry_ns = o->lease_expiry_ns;
     for (const Impl::Replica* r : reps) rs.replicas.push_back(m.Location(*o, *r));
@@ -387,8 +388,8 @@ std::vector<bool> MasterState::Exists(const std::vector<std::string>& keys) cons
   std::vector<bool> out;
   out.reserve(keys.size());
   for (const std::string& key : keys) {
-    auto it = m.objects.find(key);
-    out.push_back(it != m.objects.end() && it->second->state == ObjectState::kComplete);
+    const Impl::Object* o = m.FindObject(key);
+    out.push_back(o && o->state == ObjectState::kComplete);
   }
   return out;
 }
@@ -411,8 +412,8 @@ size_t MasterState::RemoveAll(uint64_t now_ns) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   std::vector<Impl::Object*> victims;
-  for (auto& [key, o] : m.objects) {
-    if (o->state == ObjectState::kComplete) victims.push_back(o.get());
+  for (Impl::Object* o : m.objects) {
+    if (o->state == ObjectState::kComplete) victims.push_back(o);
   }
   for (Impl::Object* o : victims) m.EraseObject(o, now_ns);
   for (auto& [id, d] : m.departed) {

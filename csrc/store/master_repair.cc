@@ -22,9 +22,8 @@ void MasterState::Impl::FailTask(std::map<uint64_t, Task>::iterator it, uint64_t
   const std::string dest = it->second.dest->id().node_id;
   EraseTask(it);
   ReleaseReplica(o, idx, now_ns, hold);
-  if (std::find(o->failed_dests.begin(), o->failed_dests.end(), dest) == o->failed_dests.end()) {
-    o->failed_dests.push_back(dest);
-  }
+  std::vector<std::string>& failed = o->Extra().failed_dests;
+  if (std::find(failed.begin(), failed.end(), dest) == failed.end()) failed.push_back(dest);
   MarkRepair(o, now_ns, MsToNs(cfg.repair_backoff_ms));
 }
 
@@ -36,7 +35,7 @@ const MasterState::Impl::Replica* MasterState::Impl::ChooseSource(const Object& 
     if (r.state != ReplicaState::kComplete) continue;
     if (r.node->source_tasks >= cfg.max_tasks_per_node) continue;
     // A replica being demoted may leave its range before a task's copy ends.
-    if (r.demote_segment != nullptr) continue;
+    if (r.demote_id != 0) continue;
     if (!best) {
       best = &r;
       continue;
@@ -67,21 +66,22 @@ void MasterState::Impl::RepairOne(Object* o, uint64_t now_ns, TickSummary& summa
   while (active + inflight < o->target) {
     const Replica* src = ChooseSource(*o);
     if (!src) break;  // sources busy: next tick
-    std::vector<Choice> dest = ChooseNodes(now_ns, o->bytes, 1, o, &o->failed_dests, {}, true);
-    if (dest.empty() && !o->failed_dests.empty()) {
-      o->failed_dests.clear();  // no other choice: retry the ones that failed
-      dest = ChooseNodes(now_ns, o->bytes, 1, o, nullptr, {}, true);
+    const std::vector<std::string>* failed = o->extra ? &o->extra->failed_dests : nullptr;
+    std::vector<Choice> dest = ChooseNodes(now_ns, o->bytes(), 1, o, failed, {}, true);
+    if (dest.empty() && failed && !failed->empty()) {
+      o->extra->failed_dests.clear();  // no other choice: retry the ones that failed
+      dest = ChooseNodes(now_ns, o->bytes(), 1, o, nullptr, {}, true);
     }
     std::optional<uint64_t> off;
-    if (!dest.empty()) off = dest[0].segment->alloc.Allocate(o->bytes);
+    if (!dest.empty()) off = dest[0].segment->alloc.Allocate(o->bytes());
     if (!off) {
       blocked = true;
       break;
     }
-    MarkInflight(dest[0].segment, *off, o->bytes, now_ns);
+    MarkInflight(dest[0].segment, *off, o->bytes(), now_ns);
     Task t;
     t.id = next_task_id++;
-    t.key = o->key;
+    t.key = o->key();
     t.version = o->version;
     t.source = src->node;
     t.source_segment = src->segment->info.segment_id;
@@ -102,21 +102,21 @@ void MasterState::Impl::RepairOne(Object* o, uint64_t now_ns, TickSummary& summa
     draining = 0;
   }
   if (inflight == 0 && draining == 0 && active >= o->target) {
-    repair_keys.erase(o->key);
+    UnmarkRepair(o);
   } else if (inflight == 0) {
-    o->repair_not_before_ns = now_ns + MsToNs(cfg.repair_backoff_ms);
+    o->Extra().repair_not_before_ns = now_ns + MsToNs(cfg.repair_backoff_ms);
   }
 }
 
 ReplicationTask MasterState::Impl::TaskView(const Task& t) const {
-  const Object& o = *objects.at(t.key);
+  const Object& o = *FindObject(t.key);
   const Replica& dest = o.replicas[ReplicaWithTask(o, t.id)];
   ReplicationTask v;
   v.task_id = t.id;
   v.key = t.key;
   v.version = t.version;
   v.checksum = o.checksum;
-  v.source = {t.source->id(), t.source_segment, t.source_offset, o.bytes,
+  v.source = {t.source->id(), t.source_segment, t.source_offset, o.bytes(),
               t.source->segments.at(t.source_segment).info.tier};
   v.dest = Location(o, dest);
   v.dest_descriptor = Registration(*t.dest).engine_descriptor;
@@ -148,9 +148,9 @@ Status MasterState::ReportBadReplica(std::string_view key, uint64_t version,
   }
   n->bad_reports += 1;
   ++m.bad_replicas_total;
-  if (std::find(o->failed_dests.begin(), o->failed_dests.end(), node.node_id) ==
-      o->failed_dests.end()) {
-    o->failed_dests.push_back(node.node_id);  // not the first choice for its new copy
+  std::vector<std::string>& failed = o->Extra().failed_dests;
+  if (std::find(failed.begin(), failed.end(), node.node_id) == failed.end()) {
+    failed.push_back(node.node_id);  // not the first choice for its new copy
   }
   // Copies reading from the bad replica are cancelled (their destinations freed later).
   std::vector<uint64_t> cancel;
@@ -231,7 +231,10 @@ Status MasterState::FinishTask(const TaskCommitPlan& plan, uint64_t now_ns) {
   r.state = ReplicaState::kComplete;
   r.task_id = 0;
   m.EraseTask(it);
-  o->failed_dests.clear();
+  if (o->extra) {
+    o->extra->failed_dests.clear();
+    o->TrimExtra();
+  }
   if (m.NeedsRepair(*o)) m.MarkRepair(o, now_ns);
   return Status::OK();
 }

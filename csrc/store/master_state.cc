@@ -93,7 +93,7 @@ MasterState::Impl::Replica& MasterState::Impl::AddReplica(Object* o, Node* n, Se
   r.offset = offset;
   r.replica_id = replica_id != 0 ? replica_id : next_replica_id++;
   r.state = state;
-  r.resident_index = s->residents.size();
+  r.resident_index = static_cast<uint32_t>(s->residents.size());
   s->residents.push_back(o);
   n->replicas++;
   o->replicas.push_back(r);
@@ -107,20 +107,18 @@ MasterState::Impl::Replica& MasterState::Impl::AddReplica(Object* o, Node* n, Se
 // An issued move whose target is DRAM (a promotion) may still be written by its node until
 // its deadline: that range is held until then, never reused earlier. (An SSD target is the
 // plugin's business: the node deletes its copy when DemoteDone answers NOT_FOUND.)
-void MasterState::Impl::CancelDemotion(Replica& r, uint64_t length) {
-  if (r.demote_segment == nullptr) return;
-  if (r.demote_issued && r.demote_segment->info.tier == Tier::kDram && length > 0) {
-    held.push_back({r.node, r.demote_segment, r.demote_offset, length,
-                    r.demote_deadline_ns + MsToNs(cfg.task_timeout_ms), std::nullopt});
+// `length` is the object's; may_hold = false frees the range at once in any case.
+void MasterState::Impl::CancelDemotion(Replica& r, uint64_t length, bool may_hold) {
+  if (r.demote_id == 0) return;
+  const Move mv = MoveOf(r);
+  if (mv.issued && mv.segment->info.tier == Tier::kDram && may_hold) {
+    held.push_back({r.node, mv.segment, mv.offset, length,
+                    mv.deadline_ns + MsToNs(cfg.task_timeout_ms), std::nullopt});
     r.node->held++;
   } else {
-    r.demote_segment->alloc.Free(r.demote_offset);
+    mv.segment->alloc.Free(mv.offset, length);
   }
-  r.demote_segment = nullptr;
-  r.demote_offset = 0;
-  r.demote_id = 0;
-  r.demote_issued = false;
-  r.demote_deadline_ns = 0;
+  EndMove(r);
   r.node->demotions--;
 }
 
@@ -142,7 +140,7 @@ void MasterState::Impl::Unreside(Object* o, Replica& r) {
   if (moved != o) {
     for (Replica& mr : moved->replicas) {
       if (mr.segment == r.segment) {
-        mr.resident_index = i;
+        mr.resident_index = static_cast<uint32_t>(i);
         break;
       }
     }
@@ -150,7 +148,7 @@ void MasterState::Impl::Unreside(Object* o, Replica& r) {
 }
 
 void MasterState::Impl::DetachReplica(Object* o, size_t idx) {
-  CancelDemotion(o->replicas[idx], o->bytes);
+  CancelDemotion(o->replicas[idx], o->bytes());
   Replica& r = o->replicas[idx];
   Unreside(o, r);
   r.node->replicas--;
@@ -166,7 +164,7 @@ uint64_t MasterState::Impl::HoldUntil(const Object& o, const Replica& r) const {
   const uint64_t margin = MsToNs(cfg.late_write_margin_ms);
   uint64_t h = 0;
   if (r.state == ReplicaState::kComplete) h = o.lease_expiry_ns;
-  if (r.state == ReplicaState::kWriting) h = std::max(h, o.put_deadline_ns + margin);
+  if (r.state == ReplicaState::kWriting) h = std::max(h, o.put_deadline_ns() + margin);
   if (r.state == ReplicaState::kCopying && r.task_id != 0) {
     auto t = tasks.find(r.task_id);
     if (t != tasks.end() && t->second.state == TaskState::kIssued) {
@@ -176,9 +174,9 @@ uint64_t MasterState::Impl::HoldUntil(const Object& o, const Replica& r) const {
   return h;
 }
 
-void MasterState::Impl::FreeRange(Node* n, Segment* s, uint64_t offset,
+void MasterState::Impl::FreeRange(Node* n, Segment* s, uint64_t offset, uint64_t length,
                                   const std::optional<InventoryRecord>& rec) {
-  s->alloc.Free(offset);
+  s->alloc.Free(offset, length);
   if (rec) QueueFree(n, *rec);
 }
 
@@ -190,10 +188,10 @@ void MasterState::Impl::ReleaseReplica(Object* o, size_t idx, uint64_t now_ns,
   if (r.record_on_node) rec = Record(*o, r);
   DetachReplica(o, idx);
   if (hold_until_ns > now_ns) {
-    held.push_back({r.node, r.segment, r.offset, o->bytes, hold_until_ns, std::move(rec)});
+    held.push_back({r.node, r.segment, r.offset, o->bytes(), hold_until_ns, std::move(rec)});
     r.node->held++;
   } else {
-    FreeRange(r.node, r.segment, r.offset, rec);
+    FreeRange(r.node, r.segment, r.offset, o->bytes(), rec);
   }
 }
 
@@ -214,10 +212,10 @@ void MasterState::Impl::DropReplica(Object* o, size_t idx, uint64_t now_ns) {
 
 void MasterState::Impl::EraseObject(Object* o, uint64_t now_ns) {
   while (!o->replicas.empty()) DropReplica(o, o->replicas.size() - 1, now_ns);
-  const std::string key = o->key;
-  pending_keys.erase(key);
-  repair_keys.erase(key);
-  objects.erase(key);
+  if (auto p = pending_keys.find(o->key()); p != pending_keys.end()) pending_keys.erase(p);
+  if (auto r = repair_keys.find(o->key()); r != repair_keys.end()) repair_keys.erase(r);
+  RemoveFromTable(o);
+  Object::Delete(o);
 }
 
 // ------------------------------------------------------------------ MasterState
@@ -256,7 +254,7 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
   std::vector<Impl::Object*> overdue;
   for (const std::string& key : m.pending_keys) {
     Impl::Object* o = m.FindObject(key);
-    if (o->put_deadline_ns <= now_ns) overdue.push_back(o);
+    if (o->put_deadline_ns() <= now_ns) overdue.push_back(o);
   }
   for (Impl::Object* o : overdue) m.EraseObject(o, now_ns);
   sum.puts_revoked = overdue.size();
@@ -273,7 +271,7 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
   // Held space whose lease or writer deadline passed.
   std::erase_if(m.held, [&](const Impl::Held& h) {
     if (h.release_at_ns > now_ns) return false;
-    m.FreeRange(h.node, h.segment, h.offset, h.record);
+    m.FreeRange(h.node, h.segment, h.offset, h.length, h.record);
     h.node->held--;
     ++sum.ranges_released;
     return true;
@@ -302,10 +300,15 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
   for (const std::string& key : keys) {
     Impl::Object* o = m.FindObject(key);
     if (!o || o->state != ObjectState::kComplete) {
-      m.repair_keys.erase(key);  // gone, or a put: its put end re-queues it if needed
+      // Gone, or a put: its put end re-queues it if needed.
+      if (o) {
+        m.UnmarkRepair(o);
+      } else {
+        m.repair_keys.erase(key);
+      }
       continue;
     }
-    if (now_ns < o->repair_not_before_ns) continue;
+    if (now_ns < o->repair_not_before_ns()) continue;
     m.RepairOne(o, now_ns, sum);
   }
   for (auto& [id, n] : m.nodes) {
@@ -403,20 +406,20 @@ MasterStats MasterState::Stats() const {
     st.nodes.push_back(std::move(ns));
   }
   for (const NodeStats& d : m.dead_nodes) st.nodes.push_back(d);
-  for (const auto& [key, o] : m.objects) {
+  for (const Impl::Object* o : m.objects) {
     if (o->state != ObjectState::kComplete) continue;
     ++st.objects;
-    st.bytes += o->bytes;
-    st.replica_bytes += o->bytes * Impl::CompleteReplicas(*o);
+    st.bytes += o->bytes();
+    st.replica_bytes += o->bytes() * Impl::CompleteReplicas(*o);
   }
   st.pending = m.pending_keys.size();
   for (const Impl::Held& h : m.held) st.held_bytes += m.RoundUp(h.length);
   st.tasks_in_flight = m.tasks.size();
   st.under_replicated = m.repair_keys.size();
   for (const std::string& key : m.repair_keys) {
-    auto it = m.objects.find(key);
-    if (it == m.objects.end()) continue;  // dropped at the next pass
-    const uint64_t since = it->second->repair_since_ns;
+    const Impl::Object* o = m.FindObject(key);
+    if (!o) continue;  // dropped at the next pass
+    const uint64_t since = o->repair_since_ns();
     if (st.oldest_repair_ns == 0 || since < st.oldest_repair_ns) st.oldest_repair_ns = since;
   }
   st.next_version = m.next_version;
@@ -440,22 +443,23 @@ MasterSnapshot MasterState::Snapshot() const {
   std::lock_guard<std::mutex> lock(m.mu);
   MasterSnapshot snap;
   snap.alignment = m.cfg.alignment;
-  for (const auto& [key, o] : m.objects) {
+  for (const Impl::Object* o : m.objects) {
     MasterSnapshot::Object so;
-    so.key = o->key;
+    so.key = o->key();
     so.version = o->version;
     so.state = o->state;
-    so.sizes = o->sizes;
+    so.sizes = o->SizesVector();
     so.checksum = o->checksum;
     so.target_replicas = o->target;
     so.pinned = o->pinned;
     so.lease_expiry_ns = o->lease_expiry_ns;
     for (const Impl::Replica& r : o->replicas) {
       so.replicas.push_back({m.Location(*o, r), r.state, r.task_id, r.replica_id, std::nullopt});
-      if (r.demote_segment) {
+      if (r.demote_id != 0) {
+        const Impl::Move& mv = m.MoveOf(r);
         so.replicas.back().demote_to =
-            ReplicaLocation{r.node->id(), r.demote_segment->info.segment_id, r.demote_offset,
-                            o->bytes, r.demote_segment->info.tier};
+            ReplicaLocation{r.node->id(), mv.segment->info.segment_id, mv.offset, o->bytes(),
+                            mv.segment->info.tier};
       }
     }
     snap.objects.push_back(std::move(so));
@@ -504,45 +508,63 @@ Status MasterState::CheckInvariants() const {
         return fail("a copy of departed " + id + " is not in the filter");
     }
   }
+  size_t moves_seen = 0;  // pending moves found on replicas
   for (const auto& [id, n] : m.nodes) {
     size_t replicas = 0, held = 0, source_tasks = 0;
     for (const auto& [sid, s] : n.segments) {
       uint64_t used = 0;
       size_t allocs = 0;
+      // Every range the segment's holders know of: allocated (no free byte), and no two of
+      // them overlapping (the allocator keeps no record per allocation to compare against).
+      std::vector<std::pair<uint64_t, uint64_t>> ranges;
       for (size_t i = 0; i < s.residents.size(); ++i) {
         const Impl::Object* o = s.residents[i];
         const int idx = Impl::ReplicaOn(*o, &n);
-        if (idx < 0) return fail(o->key + " is resident on " + id + " without a replica there");
+        if (idx < 0)
+          return fail(std::string(o->key()) + " is resident on " + id + " without a replica there");
         const Impl::Replica& r = o->replicas[idx];
         if (r.segment != &s || r.resident_index != i) {
-          return fail(o->key + ": resident index of its replica on " + id + " is wrong");
+          return fail(std::string(o->key()) + ": resident index of its replica on " + id +
+                      " is wrong");
         }
-        if (s.alloc.AllocationLength(r.offset) != m.RoundUp(o->bytes)) {
-          return fail(o->key + ": replica on " + id + " at " + Num(r.offset) +
+        if (!s.alloc.IsAllocated(r.offset, o->bytes())) {
+          return fail(std::string(o->key()) + ": replica on " + id + " at " + Num(r.offset) +
                       " does not match an allocation");
         }
-        used += m.RoundUp(o->bytes);
+        ranges.emplace_back(r.offset, m.RoundUp(o->bytes()));
+        used += m.RoundUp(o->bytes());
         ++allocs;
       }
       for (const auto& [sid2, s2] : n.segments) {
         for (const Impl::Object* o : s2.residents) {
           const Impl::Replica& r = o->replicas[Impl::ReplicaOn(*o, &n)];
-          if (r.demote_segment != &s) continue;
-          if (s.alloc.AllocationLength(r.demote_offset) != m.RoundUp(o->bytes)) {
-            return fail(o->key + ": demotion range on " + id + " is not allocated");
+          if (r.demote_id == 0 || m.MoveOf(r).segment != &s) continue;
+          const uint64_t offset = m.MoveOf(r).offset;
+          if (!s.alloc.IsAllocated(offset, o->bytes())) {
+            return fail(std::string(o->key()) + ": demotion range on " + id + " is not allocated");
           }
-          used += m.RoundUp(o->bytes);
+          ranges.emplace_back(offset, m.RoundUp(o->bytes()));
+          ++moves_seen;
+          used += m.RoundUp(o->bytes());
           ++allocs;
         }
       }
       for (const Impl::Held& h : m.held) {
         if (h.segment != &s) continue;
-        if (s.alloc.AllocationLength(h.offset) != m.RoundUp(h.length)) {
+        if (!s.alloc.IsAllocated(h.offset, h.length)) {
           return fail("held range at " + Num(h.offset) + " on " + id + " is not allocated");
         }
+        ranges.emplace_back(h.offset, m.RoundUp(h.length));
         used += m.RoundUp(h.length);
         ++allocs;
         ++held;
+      }
+      std::sort(ranges.begin(), ranges.end());
+      for (size_t i = 1; i < ranges.size(); ++i) {
+        if (ranges[i - 1].first + ranges[i - 1].second > ranges[i].first) {
+          return fail("segment " + Num(sid) + " of " + id + ": ranges at " +
+                      Num(ranges[i - 1].first) + " and " + Num(ranges[i].first) + " overlap");
+        }
       }
       if (used != s.alloc.used_bytes() || allocs != s.alloc.allocation_count()) {
         return fail("segment " + Num(sid) + " of " + id + ": allocator holds " +
@@ -557,8 +579,12 @@ Status MasterState::CheckInvariants() const {
       return fail("counters of " + id + " are off");
     }
   }
+  if (moves_seen != m.moves.size()) {
+    return fail(Num(m.moves.size()) + " moves recorded, " + Num(moves_seen) + " on replicas");
+  }
   size_t pending = 0;
-  for (const auto& [key, o] : m.objects) {
+  for (const Impl::Object* o : m.objects) {
+    const std::string key(o->key());
     std::set<const Impl::Node*> holders;
     size_t complete = 0;
     for (const Impl::Replica& r : o->replicas) {
@@ -589,14 +615,18 @@ Status MasterState::CheckInvariants() const {
     }
   }
   if (pending != m.pending_keys.size()) return fail("pending index is off");
+  size_t overwrites = 0;
+  for (const Impl::Object* o : m.objects) {
+    overwrites += o->key().starts_with(Impl::kOverwritePrefix);
+  }
+  if (overwrites != m.overwrites_in_table) return fail("overwrite count is off");
   for (const auto& [tid, t] : m.tasks) {
-    auto it = m.objects.find(t.key);
-    if (it == m.objects.end() || it->second->version != t.version ||
-        Impl::ReplicaWithTask(*it->second, tid) < 0) {
+    const Impl::Object* o = m.FindObject(t.key);
+    if (!o || o->version != t.version || Impl::ReplicaWithTask(*o, tid) < 0) {
       return fail("task " + Num(tid) + " has no destination replica");
     }
-    const int src = Impl::ReplicaOn(*it->second, t.source);
-    if (src < 0 || it->second->replicas[src].state != ReplicaState::kComplete) {
+    const int src = Impl::ReplicaOn(*o, t.source);
+    if (src < 0 || o->replicas[src].state != ReplicaState::kComplete) {
       return fail("task " + Num(tid) + " has no complete source replica");
     }
   }

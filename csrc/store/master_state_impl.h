@@ -20,13 +20,17 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <random>
 #include <set>
+#include <span>
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -55,10 +59,12 @@ struct MasterState::Impl {
   struct Segment {
     Segment(const SegmentInfo& i, uint64_t alignment)
         : info(i),
-          alloc(i.capacity, alignment),
+          alloc(i.capacity, alignment, /*track_allocations=*/false),
           chunk_bytes(std::max<uint64_t>(
               1 << 20, (i.capacity / 64 + alignment - 1) / alignment * alignment)) {}
     SegmentInfo info;
+    // Free ranges only: each range's holder (a replica, a demotion, a held range) knows its
+    // length and frees with it (docs/performance.md, "Master memory per object").
     util::RangeAllocator alloc;
     std::vector<Object*> residents;  // objects with a replica here (at most one each)
     // MasterConfig::track_inflight (DRAM): when each chunk last had a range handed out to a
@@ -102,38 +108,180 @@ struct MasterState::Impl {
     Segment* segment = nullptr;
     uint64_t offset = 0;
     uint64_t replica_id = 0;
-    ReplicaState state = ReplicaState::kWriting;
-    uint64_t task_id = 0;         // nonzero: destination of this task
-    size_t resident_index = 0;    // position in segment->residents
-    bool record_on_node = false;  // a commit was sent: dropping it must tell the node
-    // A pending move of this (DRAM) replica to the node's SSD segment: the SSD range is
-    // allocated there (not a resident until DemoteDone), demote_id is its replica id.
-    Segment* demote_segment = nullptr;
-    uint64_t demote_offset = 0;
+    uint64_t task_id = 0;  // nonzero: destination of this task
+    // Nonzero: a pending move of this replica to another tier of its node (a demotion to SSD
+    // or a promotion to DRAM), under this new replica id; the move's range and state are in
+    // Impl::moves under it (few replicas move at a time, so they are kept apart).
     uint64_t demote_id = 0;
-    bool demote_issued = false;
-    uint64_t demote_deadline_ns = 0;
+    // Position in segment->residents. 32 bits: a segment of more than 4 G replicas would need
+    // hundreds of GB of master memory first.
+    uint32_t resident_index = 0;
+    ReplicaState state = ReplicaState::kWriting;
+    bool record_on_node = false;  // a commit was sent: dropping it must tell the node
   };
 
-  struct Object {
-    std::string key;
-    uint64_t version = 0;
-    std::vector<uint64_t> sizes;
-    uint64_t bytes = 0;
-    uint32_t checksum = 0;
-    ObjectState state = ObjectState::kPending;
-    uint32_t target = 1;
-    bool pinned = false;
-    std::vector<Replica> replicas;
+  static_assert(std::is_trivially_copyable_v<Replica>);
+
+  // An object's replicas: a heap array grown one at a time (an object has one to a few, and
+  // they change rarely), 16 bytes in the record where a std::vector took 24. The subset of
+  // std::vector's interface the master uses, with its rules: growing may move the replicas.
+  class ReplicaList {
+   public:
+    ReplicaList() = default;
+    ~ReplicaList() { delete[] data_; }
+    ReplicaList(const ReplicaList&) = delete;
+    ReplicaList& operator=(const ReplicaList&) = delete;
+    size_t size() const { return size_; }
+    bool empty() const { return size_ == 0; }
+    Replica& operator[](size_t i) { return data_[i]; }
+    const Replica& operator[](size_t i) const { return data_[i]; }
+    Replica& back() { return data_[size_ - 1]; }
+    Replica* begin() { return data_; }
+    Replica* end() { return data_ + size_; }
+    const Replica* begin() const { return data_; }
+    const Replica* end() const { return data_ + size_; }
+    void push_back(const Replica& r) {
+      if (size_ == capacity_) Reallocate(size_ + 1);
+      data_[size_++] = r;
+    }
+    void reserve(size_t n) {
+      if (n > capacity_) Reallocate(n);
+    }
+    Replica* erase(Replica* pos) {
+      std::copy(pos + 1, end(), pos);
+      --size_;
+      return pos;
+    }
+
+   private:
+    void Reallocate(size_t capacity) {
+      auto* d = new Replica[capacity];
+      std::copy(begin(), end(), d);
+      delete[] data_;
+      data_ = d;
+      capacity_ = static_cast<uint32_t>(capacity);
+    }
+    Replica* data_ = nullptr;
+    uint32_t size_ = 0;
+    uint32_t capacity_ = 0;
+  };
+
+  // A pending move of a replica (Replica::demote_id): its new range is allocated (not a
+  // resident until DemoteDone), issued once handed to the node, with the node's deadline.
+  struct Move {
+    Segment* segment = nullptr;
+    uint64_t offset = 0;
+    uint64_t deadline_ns = 0;
+    bool issued = false;
+  };
+
+  // What an object needs only for a while: a put in flight (its layout and deadline), a
+  // repair (its timing and the destinations that failed). Allocated when first set (Extra()),
+  // dropped when the object settles (TrimExtra), so a settled object pays 8 bytes for it.
+  struct ObjectExtra {
     std::vector<ReplicaLocation> put_layout;  // as PutStart returned them, until complete
     uint64_t put_deadline_ns = 0;
-    uint64_t lease_expiry_ns = 0;
-    uint64_t last_access_ns = 0;
-    uint32_t ssd_reads = 0;  // reads served from an SSD replica since the last promotion
     uint64_t repair_not_before_ns = 0;
     uint64_t repair_since_ns = 0;           // when it last joined repair_keys
     std::vector<std::string> failed_dests;  // node ids whose copy failed lately
   };
+
+  // One object's record. Its buffer sizes and its key are stored in the same allocation, after
+  // the fixed fields (New/Delete; neither copied nor moved), so a key is held once, by its
+  // record, and the object table indexes records by it (ObjectTable). docs/performance.md,
+  // "Master memory per object".
+  struct Object {
+    static Object* New(std::string_view key, std::span<const uint64_t> sizes) {
+      const size_t bytes = sizeof(Object) + sizes.size() * sizeof(uint64_t) + key.size();
+      void* p = ::operator new(bytes);
+      Object* o = new (p) Object();
+      o->key_len = static_cast<uint32_t>(key.size());
+      o->n_sizes = static_cast<uint32_t>(sizes.size());
+      std::copy(sizes.begin(), sizes.end(), o->SizesData());
+      std::copy(key.begin(), key.end(), o->KeyData());
+      return o;
+    }
+    static void Delete(Object* o) {
+      o->~Object();
+      ::operator delete(static_cast<void*>(o));
+    }
+    Object(const Object&) = delete;
+    Object& operator=(const Object&) = delete;
+
+    std::string_view key() const { return {KeyData(), key_len}; }
+    std::span<const uint64_t> sizes() const { return {SizesData(), n_sizes}; }
+    std::vector<uint64_t> SizesVector() const { return {SizesData(), SizesData() + n_sizes}; }
+    // The key without its first n bytes (an overwrite taking its key's place). REQUIRES: not
+    // in the object table while it changes.
+    void DropKeyPrefix(size_t n) {
+      std::copy(KeyData() + n, KeyData() + key_len, KeyData());
+      key_len -= static_cast<uint32_t>(n);
+    }
+
+    ObjectExtra& Extra() {
+      if (!extra) extra = std::make_unique<ObjectExtra>();
+      return *extra;
+    }
+    uint64_t put_deadline_ns() const { return extra ? extra->put_deadline_ns : 0; }
+    uint64_t repair_not_before_ns() const { return extra ? extra->repair_not_before_ns : 0; }
+    uint64_t repair_since_ns() const { return extra ? extra->repair_since_ns : 0; }
+    // Drops the extra record once nothing in it is in use.
+    void TrimExtra() {
+      if (extra && extra->put_layout.empty() && extra->put_deadline_ns == 0 &&
+          extra->repair_not_before_ns == 0 && extra->repair_since_ns == 0 &&
+          extra->failed_dests.empty()) {
+        extra.reset();
+      }
+    }
+
+    // The object's size: its buffers' sum (what each replica's range holds, rounded up).
+    uint64_t bytes() const {
+      uint64_t b = 0;
+      for (uint64_t s : sizes()) b += s;
+      return b;
+    }
+
+    uint64_t version = 0;
+    uint64_t lease_expiry_ns = 0;
+    uint64_t last_access_ns = 0;
+    ReplicaList replicas;
+    std::unique_ptr<ObjectExtra> extra;
+    uint32_t checksum = 0;
+    uint32_t ssd_reads = 0;  // reads served from an SSD replica since the last promotion
+    uint32_t target = 1;
+    ObjectState state = ObjectState::kPending;
+    bool pinned = false;
+    uint32_t key_len = 0;
+    uint32_t n_sizes = 0;
+
+   private:
+    Object() = default;
+    ~Object() = default;
+    uint64_t* SizesData() { return reinterpret_cast<uint64_t*>(this + 1); }
+    const uint64_t* SizesData() const { return reinterpret_cast<const uint64_t*>(this + 1); }
+    char* KeyData() { return reinterpret_cast<char*>(SizesData() + n_sizes); }
+    const char* KeyData() const { return reinterpret_cast<const char*>(SizesData() + n_sizes); }
+  };
+  static_assert(sizeof(Object) % alignof(uint64_t) == 0);
+
+  // The object table: records indexed by their own key (no second copy of it), looked up by
+  // string_view. It owns the records (Impl's destructor deletes what is left).
+  struct ObjectKeyHash {
+    using is_transparent = void;
+    // Not noexcept, so the table caches each hash and a lookup hashes no other key.
+    size_t operator()(std::string_view k) const { return std::hash<std::string_view>{}(k); }
+    size_t operator()(const Object* o) const { return (*this)(o->key()); }
+  };
+  struct ObjectKeyEq {
+    using is_transparent = void;
+    static std::string_view K(std::string_view k) { return k; }
+    static std::string_view K(const Object* o) { return o->key(); }
+    template <typename A, typename B>
+    bool operator()(const A& a, const B& b) const {
+      return K(a) == K(b);
+    }
+  };
+  using ObjectTable = std::unordered_set<Object*, ObjectKeyHash, ObjectKeyEq>;
 
   enum class TaskState { kQueued, kIssued, kCommitting };
 
@@ -166,16 +314,22 @@ struct MasterState::Impl {
         next_version(std::max<uint64_t>(1, c.first_version)),
         next_free_seq(std::max<uint64_t>(1, c.first_free_seq)),
         members(MembershipOptions{c.node_ttl_ms, c.pause_threshold_ms, c.start_ns}) {}
+  ~Impl() {
+    for (Object* o : objects) Object::Delete(o);
+  }
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
 
   MasterConfig cfg;
   std::mt19937_64 rng;
   mutable std::mutex mu;
   std::map<std::string, Node> nodes;  // by node id: one incarnation each
-  std::unordered_map<std::string, std::unique_ptr<Object>> objects;
-  std::set<std::string> pending_keys;  // PENDING or COMMITTING objects
-  std::set<std::string> repair_keys;   // objects to look at in the repair pass
+  ObjectTable objects;
+  std::set<std::string, std::less<>> pending_keys;  // PENDING or COMMITTING objects
+  std::set<std::string, std::less<>> repair_keys;   // objects to look at in the repair pass
   std::map<uint64_t, Task> tasks;
   std::vector<Held> held;
+  std::unordered_map<uint64_t, Move> moves;  // by Replica::demote_id (fresh ids, never reused)
   std::deque<NodeStats> dead_nodes;
   // What a node that left held, by node id (see MasterConfig::departed_ttl_ms): for each
   // (key, version) it had a record of, whether the object left with it (true: its last copy,
@@ -326,10 +480,24 @@ struct MasterState::Impl {
     return &it->second;
   }
 
-  Object* FindObject(std::string_view key) {
-    auto it = objects.find(std::string(key));
-    return it == objects.end() ? nullptr : it->second.get();
+  Object* FindObject(std::string_view key) const {
+    auto it = objects.find(key);
+    return it == objects.end() ? nullptr : *it;
   }
+  // Puts a new record in the table. REQUIRES: no record has its key.
+  Object* InsertObject(Object* o) {
+    objects.insert(o);
+    overwrites_in_table += o->key().starts_with(kOverwritePrefix);
+    return o;
+  }
+  // Takes a record out of the table (the caller deletes or re-inserts it).
+  void RemoveFromTable(Object* o) {
+    objects.erase(objects.find(o->key()));
+    overwrites_in_table -= o->key().starts_with(kOverwritePrefix);
+  }
+  // Records under an overwrite key (kOverwritePrefix): while there are none, a put need not
+  // build and look up the overwrite key of every key it is given (FindOverwrite).
+  size_t overwrites_in_table = 0;
 
   // An overwrite in flight (PutOptions::overwrite) is an object of its own in the table, under
   // its key behind this prefix, until its put end swaps it in under the key: every rule for
@@ -346,10 +514,26 @@ struct MasterState::Impl {
   }
   // The object a put end or revoke of (key, version) is about: the key's overwrite in flight
   // when it has that version, else the key's object (whatever its version).
+  Object* FindOverwrite(std::string_view key) const {
+    return overwrites_in_table == 0 ? nullptr : FindObject(OverwriteKey(key));
+  }
   Object* FindPut(std::string_view key, uint64_t version) {
     Object* o = FindObject(key);
-    Object* w = FindObject(OverwriteKey(key));
+    Object* w = FindOverwrite(key);
     return w && (!o || w->version == version) ? w : o;
+  }
+
+  // The pending move of r. REQUIRES: r.demote_id != 0.
+  Move& MoveOf(const Replica& r) { return moves.at(r.demote_id); }
+  const Move& MoveOf(const Replica& r) const { return moves.at(r.demote_id); }
+  // Starts a move of r to [offset, ...) of `to` under a new replica id.
+  void StartMove(Replica& r, Segment* to, uint64_t offset) {
+    r.demote_id = next_replica_id++;
+    moves[r.demote_id] = Move{to, offset, 0, false};
+  }
+  void EndMove(Replica& r) {
+    moves.erase(r.demote_id);
+    r.demote_id = 0;
   }
 
   static int ReplicaOn(const Object& o, const Node* n) {
@@ -373,12 +557,12 @@ struct MasterState::Impl {
   }
 
   ReplicaLocation Location(const Object& o, const Replica& r) const {
-    return {r.node->id(), r.segment->info.segment_id, r.offset, o.bytes, r.segment->info.tier};
+    return {r.node->id(), r.segment->info.segment_id, r.offset, o.bytes(), r.segment->info.tier};
   }
 
   InventoryRecord Record(const Object& o, const Replica& r) const {
-    return {std::string(PublicKey(o.key)), o.version, o.sizes,  o.checksum,
-            r.segment->info.segment_id,    r.offset,  o.target, r.replica_id};
+    return {std::string(PublicKey(o.key())), o.version, o.SizesVector(), o.checksum,
+            r.segment->info.segment_id,      r.offset,  o.target,        r.replica_id};
   }
 
   // For a record a commit may have left on a node, unless it is (again) a live replica's: a
@@ -413,8 +597,19 @@ struct MasterState::Impl {
 
   // Queues `o` for the repair pass, to be looked at `delay_ns` from now_ns.
   void MarkRepair(Object* o, uint64_t now_ns, uint64_t delay_ns = 0) {
-    if (repair_keys.insert(o->key).second) o->repair_since_ns = now_ns;
-    o->repair_not_before_ns = now_ns + delay_ns;
+    ObjectExtra& x = o->Extra();
+    if (repair_keys.emplace(o->key()).second) x.repair_since_ns = now_ns;
+    x.repair_not_before_ns = now_ns + delay_ns;
+  }
+
+  // Takes `o` out of the repair pass (its repair timing goes with it).
+  void UnmarkRepair(Object* o) {
+    if (auto it = repair_keys.find(o->key()); it != repair_keys.end()) repair_keys.erase(it);
+    if (o->extra) {
+      o->extra->repair_not_before_ns = 0;
+      o->extra->repair_since_ns = 0;
+      o->TrimExtra();
+    }
   }
 
   // Fewer COMPLETE replicas on ACTIVE nodes than the target, or any on a DRAINING node.
@@ -431,12 +626,13 @@ struct MasterState::Impl {
 
   Replica& AddReplica(Object* o, Node* n, Segment* s, uint64_t offset, ReplicaState state,
                       uint64_t replica_id = 0);
-  void CancelDemotion(Replica& r, uint64_t length = 0);
+  void CancelDemotion(Replica& r, uint64_t length, bool may_hold = true);
   static Segment* SsdSegment(Node& n);
   void Unreside(Object* o, Replica& r);
   void DetachReplica(Object* o, size_t idx);
   uint64_t HoldUntil(const Object& o, const Replica& r) const;
-  void FreeRange(Node* n, Segment* s, uint64_t offset, const std::optional<InventoryRecord>& rec);
+  void FreeRange(Node* n, Segment* s, uint64_t offset, uint64_t length,
+                 const std::optional<InventoryRecord>& rec);
   void ReleaseReplica(Object* o, size_t idx, uint64_t now_ns, uint64_t hold_until_ns);
   void EraseTask(std::map<uint64_t, Task>::iterator it);
   void DropReplica(Object* o, size_t idx, uint64_t now_ns);

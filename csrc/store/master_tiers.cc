@@ -19,7 +19,7 @@ bool MasterState::Impl::Demotable(const Object& o, const Replica& r) const {
   for (const Replica& rr : o.replicas) {
     if (rr.state != ReplicaState::kComplete) return false;  // a copy is in flight
   }
-  return r.segment->info.tier == Tier::kDram && r.demote_segment == nullptr;
+  return r.segment->info.tier == Tier::kDram && r.demote_id == 0;
 }
 
 // On ACTIVE nodes with an SSD segment: DRAM segments above demote_high_watermark get their
@@ -36,7 +36,7 @@ void MasterState::Impl::ScheduleDemotions(uint64_t now_ns, TickSummary& sum) {
       const double cap = static_cast<double>(s.info.capacity);
       uint64_t leaving = 0;
       for (Object* o : s.residents) {
-        if (o->replicas[ReplicaOn(*o, &n)].demote_segment) leaving += RoundUp(o->bytes);
+        if (o->replicas[ReplicaOn(*o, &n)].demote_id != 0) leaving += RoundUp(o->bytes());
       }
       const uint64_t used = s.alloc.used_bytes() - std::min(leaving, s.alloc.used_bytes());
       if (static_cast<double>(used) <= cfg.demote_high_watermark * cap) continue;
@@ -57,20 +57,17 @@ void MasterState::Impl::ScheduleDemotions(uint64_t now_ns, TickSummary& sum) {
         if (Demotable(*o, o->replicas[ReplicaOn(*o, &n)])) cands.push_back(o);
       }
       std::sort(cands.begin(), cands.end(), [](const Object* a, const Object* b) {
-        return std::tie(a->last_access_ns, a->key) < std::tie(b->last_access_ns, b->key);
+        return std::pair(a->last_access_ns, a->key()) < std::pair(b->last_access_ns, b->key());
       });
       for (Object* o : cands) {
         if (want == 0 || n.demotions >= cfg.max_demotions_per_node) break;
-        std::optional<uint64_t> off = ssd->alloc.Allocate(o->bytes);
+        std::optional<uint64_t> off = ssd->alloc.Allocate(o->bytes());
         if (!off) break;  // the SSD is full of objects that cannot go yet
         Replica& r = o->replicas[ReplicaOn(*o, &n)];
-        r.demote_segment = ssd;
-        r.demote_offset = *off;
-        r.demote_id = next_replica_id++;
-        r.demote_issued = false;
+        StartMove(r, ssd, *off);
         n.demotions++;
-        n.demote_queue.emplace_back(o->key, r.demote_id);
-        want -= std::min(want, RoundUp(o->bytes));
+        n.demote_queue.emplace_back(o->key(), r.demote_id);
+        want -= std::min(want, RoundUp(o->bytes()));
         ++sum.demotions_scheduled;
       }
     }
@@ -84,26 +81,23 @@ void MasterState::Impl::MaybePromote(Object* o, Replica& r, uint64_t now_ns) {
   Node& n = *r.node;
   if (cfg.promote_after_reads == 0 || ++o->ssd_reads < cfg.promote_after_reads) return;
   if (!Placeable(n, now_ns) || now_ns < n.demote_not_before_ns ||
-      n.demotions >= cfg.max_demotions_per_node || r.demote_segment != nullptr ||
+      n.demotions >= cfg.max_demotions_per_node || r.demote_id != 0 ||
       o->state != ObjectState::kComplete) {
     return;
   }
   for (const Replica& rr : o->replicas) {
     if (rr.state != ReplicaState::kComplete) return;  // a copy is in flight
   }
-  Segment* dram = FitSegment(n, o->bytes, false);
+  Segment* dram = FitSegment(n, o->bytes(), false);
   if (!dram) return;
   const double low = cfg.demote_low_watermark * static_cast<double>(dram->info.capacity);
-  if (static_cast<double>(dram->alloc.used_bytes() + RoundUp(o->bytes)) > low) return;
-  std::optional<uint64_t> off = dram->alloc.Allocate(o->bytes);
+  if (static_cast<double>(dram->alloc.used_bytes() + RoundUp(o->bytes())) > low) return;
+  std::optional<uint64_t> off = dram->alloc.Allocate(o->bytes());
   if (!off) return;
-  MarkInflight(dram, *off, o->bytes, now_ns);
-  r.demote_segment = dram;
-  r.demote_offset = *off;
-  r.demote_id = next_replica_id++;
-  r.demote_issued = false;
+  MarkInflight(dram, *off, o->bytes(), now_ns);
+  StartMove(r, dram, *off);
   n.demotions++;
-  n.demote_queue.emplace_back(o->key, r.demote_id);
+  n.demote_queue.emplace_back(o->key(), r.demote_id);
   o->ssd_reads = 0;
 }
 
@@ -114,8 +108,8 @@ void MasterState::Impl::ExpireDemotions(uint64_t now_ns, TickSummary& sum) {
     for (auto& [sid, s] : n.segments) {
       for (Object* o : s.residents) {
         Replica& r = o->replicas[ReplicaOn(*o, &n)];
-        if (r.demote_segment && r.demote_issued && r.demote_deadline_ns <= now_ns) {
-          CancelDemotion(r, o->bytes);
+        if (r.demote_id != 0 && MoveOf(r).issued && MoveOf(r).deadline_ns <= now_ns) {
+          CancelDemotion(r, o->bytes());
           ++sum.demotions_timed_out;
         }
       }
@@ -146,13 +140,12 @@ Status MasterState::DemoteDone(const NodeIdentity& node, std::string_view key, u
     }
   }
   const int idx = o && o->version == version ? Impl::ReplicaOn(*o, n) : -1;
-  if (idx < 0 || o->replicas[idx].demote_id != dest_replica_id ||
-      o->replicas[idx].demote_segment == nullptr) {
+  if (idx < 0 || o->replicas[idx].demote_id == 0 || o->replicas[idx].demote_id != dest_replica_id) {
     return Status::NotFound("demotion of " + std::string(key) + " is no longer wanted");
   }
   Impl::Replica& r = o->replicas[idx];
   if (!ok) {
-    m.CancelDemotion(r);
+    m.CancelDemotion(r, o->bytes(), /*may_hold=*/false);
     n->demote_not_before_ns = now_ns + MsToNs(m.cfg.repair_backoff_ms);
     return Status::OK();
   }
@@ -162,17 +155,14 @@ Status MasterState::DemoteDone(const NodeIdentity& node, std::string_view key, u
   std::optional<InventoryRecord> old_record;
   if (r.record_on_node) old_record = m.Record(*o, r);
   m.Unreside(o, r);
-  r.segment = r.demote_segment;
-  r.offset = r.demote_offset;
+  const Impl::Move mv = m.MoveOf(r);
+  r.segment = mv.segment;
+  r.offset = mv.offset;
   r.replica_id = r.demote_id;
   r.record_on_node = true;
-  r.resident_index = r.segment->residents.size();
+  r.resident_index = static_cast<uint32_t>(r.segment->residents.size());
   r.segment->residents.push_back(o);
-  r.demote_segment = nullptr;
-  r.demote_offset = 0;
-  r.demote_id = 0;
-  r.demote_issued = false;
-  r.demote_deadline_ns = 0;
+  m.EndMove(r);
   n->demotions--;
   if (r.segment->info.tier == Tier::kSsd) {
     ++m.demotions_total;
@@ -181,10 +171,10 @@ Status MasterState::DemoteDone(const NodeIdentity& node, std::string_view key, u
   }
   if (o->lease_expiry_ns > now_ns) {
     m.held.push_back(
-        {n, old_segment, old_offset, o->bytes, o->lease_expiry_ns, std::move(old_record)});
+        {n, old_segment, old_offset, o->bytes(), o->lease_expiry_ns, std::move(old_record)});
     n->held++;
   } else {
-    m.FreeRange(n, old_segment, old_offset, old_record);
+    m.FreeRange(n, old_segment, old_offset, o->bytes(), old_record);
   }
   return Status::OK();
 }

@@ -12,8 +12,8 @@ namespace kvbridge::util {
 // other (they merge on insert) and free + allocated ranges tile [0, capacity_) exactly. Only the
 // last free range may have a length that is not a multiple of alignment_ (a ragged capacity).
 
-RangeAllocator::RangeAllocator(uint64_t capacity, uint64_t alignment)
-    : capacity_(capacity), alignment_(alignment) {
+RangeAllocator::RangeAllocator(uint64_t capacity, uint64_t alignment, bool track_allocations)
+    : capacity_(capacity), alignment_(alignment), track_(track_allocations) {
   if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
     throw std::invalid_argument("RangeAllocator: alignment must be a power of two > 0");
   }
@@ -42,8 +42,9 @@ std::optional<uint64_t> RangeAllocator::Allocate(uint64_t length) {
   const auto [hole_length, offset] = *fit;
   EraseFree(free_by_offset_.find(offset));
   if (hole_length > need) InsertFree(offset + need, hole_length - need);
-  allocated_.emplace(offset, need);
+  if (track_) allocated_.emplace(offset, need);
   used_ += need;
+  ++allocations_;
   return offset;
 }
 
@@ -52,7 +53,42 @@ uint64_t RangeAllocator::Free(uint64_t offset) {
   if (a == allocated_.end()) return 0;
   const uint64_t length = a->second;
   allocated_.erase(a);
+  ReleaseRange(offset, length);
+  return length;
+}
+
+uint64_t RangeAllocator::Free(uint64_t offset, uint64_t length) {
+  if (track_) {
+    auto a = allocated_.find(offset);
+    if (a == allocated_.end() || length == 0 || a->second != RoundUp(length)) return 0;
+    return Free(offset);
+  }
+  if (!IsAllocated(offset, length)) return 0;
+  const uint64_t need = RoundUp(length);
+  ReleaseRange(offset, need);
+  return need;
+}
+
+bool RangeAllocator::IsAllocated(uint64_t offset, uint64_t length) const {
+  if (length == 0 || offset % alignment_ != 0 || offset >= capacity_ ||
+      length > capacity_ - offset) {
+    return false;
+  }
+  const uint64_t need = RoundUp(length);
+  if (need < length || need > capacity_ - offset) return false;
+  // The first free range ending after `offset` must start at or after the range's end.
+  auto next = free_by_offset_.upper_bound(offset);
+  if (next != free_by_offset_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second > offset) return false;
+  }
+  return next == free_by_offset_.end() || next->first >= offset + need;
+}
+
+// Returns [offset, offset + length) (an allocation's whole range) to the free ranges.
+void RangeAllocator::ReleaseRange(uint64_t offset, uint64_t length) {
   used_ -= length;
+  --allocations_;
 
   uint64_t start = offset;
   uint64_t end = offset + length;
@@ -69,7 +105,6 @@ uint64_t RangeAllocator::Free(uint64_t offset) {
     EraseFree(next);
   }
   InsertFree(start, end - start);
-  return length;
 }
 
 bool RangeAllocator::Reserve(uint64_t offset, uint64_t length) {
@@ -92,8 +127,9 @@ bool RangeAllocator::Reserve(uint64_t offset, uint64_t length) {
   EraseFree(hole);
   if (hole_start < offset) InsertFree(hole_start, offset - hole_start);
   if (end < hole_end) InsertFree(end, hole_end - end);
-  allocated_.emplace(offset, need);
+  if (track_) allocated_.emplace(offset, need);
   used_ += need;
+  ++allocations_;
   return true;
 }
 

@@ -287,5 +287,82 @@ TEST(RangeAllocator, RandomOperationsMatchAByteModel) {
   EXPECT_EQ(a.Allocate(kCapacity), 0u);
 }
 
+// Without tracking (the master's mode) the allocator keeps only free ranges: frees name their
+// length, a free of a range with a free byte is refused, and IsAllocated answers from the free
+// ranges. Checked against the same byte model.
+TEST(RangeAllocator, UntrackedFreesByLengthAndMatchesAByteModel) {
+  constexpr uint64_t kCapacity = 64 * 1024;
+  constexpr uint64_t kAlign = 64;
+  RangeAllocator a(kCapacity, kAlign, /*track_allocations=*/false);
+  EXPECT_FALSE(a.tracks_allocations());
+  std::vector<uint8_t> owned(kCapacity, 0);
+  std::map<uint64_t, uint64_t> live;  // offset -> rounded length
+  uint64_t model_used = 0;
+  std::mt19937_64 rng(22);
+  auto all_owned = [&](uint64_t off, uint64_t len) {
+    if (off % kAlign != 0 || off >= kCapacity || len == 0 || len > kCapacity - off) return false;
+    for (uint64_t i = off; i < off + len; ++i) {
+      if (!owned[i]) return false;
+    }
+    return true;
+  };
+  for (int step = 0; step < 30000; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const int what = static_cast<int>(rng() % 10);
+    if (what < 5) {
+      const uint64_t len = 1 + rng() % 700;
+      const uint64_t rounded = (len + kAlign - 1) / kAlign * kAlign;
+      auto off = a.Allocate(len);
+      if (!off) continue;
+      for (uint64_t i = *off; i < *off + rounded; ++i) {
+        ASSERT_EQ(owned[i], 0) << "overlaps a live allocation at " << *off;
+        owned[i] = 1;
+      }
+      live.emplace(*off, rounded);
+      model_used += rounded;
+      ASSERT_EQ(a.AllocationLength(*off), 0u) << "not tracked";
+    } else if (what < 8) {
+      if (live.empty()) continue;
+      auto it = std::next(live.begin(), static_cast<long>(rng() % live.size()));
+      // The length as allocated (not rounded) frees the rounded range.
+      const uint64_t asked = it->second - rng() % kAlign;
+      ASSERT_TRUE(a.IsAllocated(it->first, asked));
+      ASSERT_EQ(a.Free(it->first, asked), it->second);
+      for (uint64_t i = it->first; i < it->first + it->second; ++i) owned[i] = 0;
+      model_used -= it->second;
+      live.erase(it);
+    } else {
+      // A range anywhere: IsAllocated and a refused free when any byte of it is free.
+      const uint64_t off = (rng() % (kCapacity / kAlign + 1)) * kAlign;
+      const uint64_t len = 1 + rng() % 1024;
+      const uint64_t rounded = (len + kAlign - 1) / kAlign * kAlign;
+      const bool allocated = all_owned(off, rounded);
+      ASSERT_EQ(a.IsAllocated(off, len), allocated) << off << " + " << len;
+      if (!allocated) {
+        ASSERT_EQ(a.Free(off, len), 0u);
+      }
+    }
+    ASSERT_EQ(a.used_bytes(), model_used);
+    ASSERT_EQ(a.allocation_count(), live.size());
+  }
+  for (const auto& [off, len] : live) ASSERT_EQ(a.Free(off, len), len);
+  EXPECT_EQ(a.used_bytes(), 0u);
+  EXPECT_EQ(a.allocation_count(), 0u);
+  EXPECT_EQ(a.largest_free(), kCapacity);
+  EXPECT_EQ(a.Free(0, 64), 0u) << "all free";
+}
+
+// Tracking, Free(offset, length) frees only the allocation of that length.
+TEST(RangeAllocator, TrackedFreeWithALengthChecksIt) {
+  RangeAllocator a(4096, 64);
+  const uint64_t x = *a.Allocate(100);  // 128 bytes
+  EXPECT_EQ(a.Free(x, 200), 0u);
+  EXPECT_EQ(a.Free(x, 0), 0u);
+  EXPECT_TRUE(a.IsAllocated(x, 128));
+  EXPECT_EQ(a.Free(x, 100), 128u);
+  EXPECT_FALSE(a.IsAllocated(x, 64));
+  EXPECT_EQ(a.allocation_count(), 0u);
+}
+
 }  // namespace
 }  // namespace kvbridge::util
