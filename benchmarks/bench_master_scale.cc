@@ -106,6 +106,16 @@ struct Step {
   uint64_t failures = 0;
 };
 
+// Runs fn(0) .. fn(threads - 1) on threads of their own; the seconds until all returned.
+template <typename Fn>
+double OnThreads(int threads, Fn&& fn) {
+  const auto t0 = Clock::now();
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t) ts.emplace_back([&fn, t] { fn(t); });
+  for (auto& th : ts) th.join();
+  return SecondsSince(t0);
+}
+
 struct Worker {
   std::unique_ptr<Arena> src, dst;
 };
@@ -195,30 +205,25 @@ int Run(const Args& a) {
   auto put_range = [&](uint64_t first, uint64_t last) {
     std::atomic<uint64_t> next{first};
     std::atomic<uint64_t> failed{0};
-    const auto t0 = Clock::now();
-    std::vector<std::thread> ts;
-    for (int t = 0; t < a.threads; ++t) {
-      ts.emplace_back([&, t] {
-        Worker& w = workers[t];
-        std::vector<std::string> keys;
-        for (;;) {
-          const uint64_t b = next.fetch_add(a.batch);
-          if (b >= last) return;
-          const size_t n = std::min<uint64_t>(a.batch, last - b);
-          keys.resize(n);
-          for (size_t j = 0; j < n; ++j) {
-            keys[j] = Key(b + j);
-            auto* word = reinterpret_cast<uint64_t*>(w.src->data + j * obj);
-            word[0] = kMagic;
-            word[1] = b + j;
-          }
-          auto bufs = refs(*w.src, n);
-          for (const Status& s : client->BatchPutFrom(keys, bufs)) failed += !s.ok();
+    const double seconds = OnThreads(a.threads, [&](int t) {
+      Worker& w = workers[t];
+      std::vector<std::string> keys;
+      for (;;) {
+        const uint64_t b = next.fetch_add(a.batch);
+        if (b >= last) return;
+        const size_t n = std::min<uint64_t>(a.batch, last - b);
+        keys.resize(n);
+        for (size_t j = 0; j < n; ++j) {
+          keys[j] = Key(b + j);
+          auto* word = reinterpret_cast<uint64_t*>(w.src->data + j * obj);
+          word[0] = kMagic;
+          word[1] = b + j;
         }
-      });
-    }
-    for (auto& th : ts) th.join();
-    return std::make_pair(SecondsSince(t0), failed.load());
+        auto bufs = refs(*w.src, n);
+        for (const Status& s : client->BatchPutFrom(keys, bufs)) failed += !s.ok();
+      }
+    });
+    return std::make_pair(seconds, failed.load());
   };
 
   // sample_batches batches of random stored ids, checked; returns (seconds, failures).
@@ -235,28 +240,23 @@ int Run(const Args& a) {
   auto get_sample = [&](const std::vector<std::vector<uint64_t>>& ids) {
     std::atomic<size_t> next{0};
     std::atomic<uint64_t> failed{0};
-    const auto t0 = Clock::now();
-    std::vector<std::thread> ts;
-    for (int t = 0; t < a.threads; ++t) {
-      ts.emplace_back([&, t] {
-        Worker& w = workers[t];
-        std::vector<std::string> keys(a.batch);
-        for (;;) {
-          const size_t i = next.fetch_add(1);
-          if (i >= ids.size()) return;
-          for (int j = 0; j < a.batch; ++j) keys[j] = Key(ids[i][j]);
-          auto bufs = refs(*w.dst, a.batch);
-          auto got = client->BatchGetInto(keys, bufs);
-          for (int j = 0; j < a.batch; ++j) {
-            const auto* word = reinterpret_cast<const uint64_t*>(w.dst->data + j * obj);
-            failed += !got[j].ok() || *got[j] != a.object_bytes || word[0] != kMagic ||
-                      word[1] != ids[i][j];
-          }
+    const double seconds = OnThreads(a.threads, [&](int t) {
+      Worker& w = workers[t];
+      std::vector<std::string> keys(a.batch);
+      for (;;) {
+        const size_t i = next.fetch_add(1);
+        if (i >= ids.size()) return;
+        for (int j = 0; j < a.batch; ++j) keys[j] = Key(ids[i][j]);
+        auto bufs = refs(*w.dst, a.batch);
+        auto got = client->BatchGetInto(keys, bufs);
+        for (int j = 0; j < a.batch; ++j) {
+          const auto* word = reinterpret_cast<const uint64_t*>(w.dst->data + j * obj);
+          failed += !got[j].ok() || *got[j] != a.object_bytes || word[0] != kMagic ||
+                    word[1] != ids[i][j];
         }
-      });
-    }
-    for (auto& th : ts) th.join();
-    return std::make_pair(SecondsSince(t0), failed.load());
+      }
+    });
+    return std::make_pair(seconds, failed.load());
   };
 
   std::vector<Step> steps;
