@@ -72,7 +72,11 @@ engines-pytest:
 # gtests and the multi-process fault gtests (deregister during a transfer, killed and frozen
 # peers), and the Python lifetime and engine suites with libasan (and libstdc++, whose
 # __cxa_throw ASan must find at start) preloaded into the interpreter. A use after free or an
-# overflow fails the run. Part of `make test`.
+# overflow fails the run. Part of `make test`. UCX_LOG_LEVEL=error: once (in a fresh-clone run
+# under load) UCX 1.13's own logger crashed (strcmp on a bad pointer in ucs_log_default_handler)
+# while ucp_worker_destroy printed its warnings about requests to a killed peer that were never
+# flushed; those warnings are not this run's subject. Destroying the ucx worker with no request
+# left pending would avoid them (docs/transports/ucx.md, "Known limits").
 ASAN_DIR ?= build-asan
 ASAN_GTESTS := kvb_unit_tests kvb_fault_tests
 asan: setup
@@ -82,7 +86,8 @@ asan: setup
 	  kvb_transport_tcp kvb_testing_plugins
 	set -e; for t in $(ASAN_GTESTS); do \
 	  echo "== $$t (AddressSanitizer)"; \
-	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 $(ASAN_DIR)/tests/$$t --gtest_brief=1; \
+	  UCX_LOG_LEVEL=error ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 \
+	    $(ASAN_DIR)/tests/$$t --gtest_brief=1; \
 	done
 	ASAN_OPTIONS=detect_leaks=0 \
 	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
