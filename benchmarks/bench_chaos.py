@@ -30,14 +30,13 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from typing import Callable, Optional
 
-from benchlib import emit, parser, percentile, ratio, rnd
+from benchlib import emit, free_port, parser, percentile, ratio, rnd, wait_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -129,31 +128,6 @@ NOTES = {
 
 
 # ------------------------------------------------------------------------------ processes
-
-def free_port(lo: int = 0, hi: int = 0) -> int:
-    """A loopback TCP port nobody listens on: any (lo = 0) or one in [lo, hi]."""
-    for _ in range(200):
-        want = random.randint(lo, hi) if lo else 0
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", want))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise RuntimeError(f"no free port in [{lo}, {hi}]")
-
-
-def wait_port(port: int, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not listen on {port} within {timeout_s} s") from e
-            time.sleep(0.05)
-
 
 class Group:
     """A process started in a session (so a process group) of its own, logging to a file."""

@@ -18,12 +18,11 @@ asserted: the exit status is non-zero only when a measurement could not be taken
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
-from benchlib import emit, gbps, int_list, parser, ratio, rnd
+from benchlib import emit, free_port, gbps, int_list, parser, ratio, rnd
 
 # perftest_flags: the endpoint error mode kvbridge uses for that set, given to ucx_perftest too
 # ("-e": UCP_ERR_HANDLING_MODE_PEER, which kvbridge needs to notice a dead remote peer; with it
@@ -38,14 +37,6 @@ MIB = 1 << 20
 
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def ucx_choice(name, build):

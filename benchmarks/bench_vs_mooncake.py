@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from benchlib import emit, gbps, parser, percentile, positive_int, ratio, rnd
+from benchlib import emit, free_port, gbps, parser, percentile, positive_int, ratio, rnd, wait_port
 
 
 def engine_class(impl: str):
@@ -77,13 +77,6 @@ def store_class(impl: str):
     return MooncakeDistributedStore, ReplicateConfig
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_storage(impl: str, master: str, segment: int) -> None:
     """A storage process: contributes `segment` bytes to the pool, serves until stdin closes."""
     cls, _ = store_class(impl)
@@ -116,22 +109,13 @@ def start_master(impl: str):
                           "--enable_metric_reporting=false", "--default_kv_lease_ttl=200"],
                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, text=True)
-    import socket
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise RuntimeError("mooncake_master did not start") from e
-            time.sleep(0.05)
+    wait_port(port, 15, "mooncake_master")
     return f"127.0.0.1:{port}", p
 
 
 def stop(p, grace: float = 20) -> None:
-    """Closes the process's stdin (ours serve until then) and waits `grace` seconds before
-    SIGTERM; mooncake_master does not read stdin, so it gets grace 0."""
+    """Closes the process's stdin (the storage processes serve until then) and waits `grace`
+    seconds before SIGTERM; the masters read no stdin, so they get grace 0."""
     try:
         p.stdin.close()
     except Exception:  # noqa: BLE001

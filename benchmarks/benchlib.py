@@ -26,7 +26,10 @@ import json
 import math
 import os
 import platform
+import random
+import socket
 import sys
+import time
 from typing import Iterable, Optional
 
 HALT_POLL_PARAM = "/sys/module/haltpoll/parameters/guest_halt_poll_ns"
@@ -171,3 +174,30 @@ def emit(result: dict) -> None:
         return x
     sys.stderr.flush()
     print(json.dumps(clean(result)), flush=True)
+
+
+def free_port(lo: int = 0, hi: int = 0) -> int:
+    """A loopback TCP port nobody listens on: any (lo = 0) or one in [lo, hi]."""
+    for _ in range(200):
+        want = random.randint(lo, hi) if lo else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", want))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in [{lo}, {hi}]")
+
+
+def wait_port(port: int, timeout_s: float, what: str) -> None:
+    """Returns once something accepts connections on the loopback `port`; RuntimeError naming
+    `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not listen on {port} within {timeout_s} s") from e
+            time.sleep(0.05)
