@@ -259,6 +259,9 @@ struct TransferEngine::Impl {
   // shared, so the engine outlives it.
   static std::shared_mutex& ProcessMu();
   static std::unordered_map<uint64_t, Impl*>& ProcessEngines();
+  // How many are listed, read without the lock: a process with one engine (the usual client)
+  // never takes it on the data path.
+  static std::atomic<size_t> process_engines;
   // When `peer` is an engine of this process (same node id and incarnation, same cluster
   // token): the ops of `indices` on host memory at both ends are copied now, their status set
   // (OK, or NOT_REGISTERED / OUT_OF_BOUNDS against the peer's live registrations). Returns the
@@ -267,6 +270,8 @@ struct TransferEngine::Impl {
                                       std::vector<uint32_t> indices,
                                       const std::vector<uint32_t>& local_kind);
 };
+
+std::atomic<size_t> TransferEngine::Impl::process_engines{0};
 
 std::shared_mutex& TransferEngine::Impl::ProcessMu() {
   static auto* mu = new std::shared_mutex;  // never destroyed: engines may outlive statics
@@ -730,6 +735,7 @@ TransferEngine::~TransferEngine() {
     // Waits for copies into or out of this engine's memory by engines of this process.
     std::unique_lock<std::shared_mutex> lock(Impl::ProcessMu());
     Impl::ProcessEngines().erase(impl_->self.incarnation);
+    Impl::process_engines.store(Impl::ProcessEngines().size());
   }
   // The handshake thread calls LocalDescriptor(): stop it while impl_ is whole.
   impl_->handshake.reset();
@@ -805,6 +811,7 @@ Result<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptio
   {
     std::unique_lock<std::shared_mutex> lock(Impl::ProcessMu());
     Impl::ProcessEngines()[engine->impl_->self.incarnation] = engine->impl_.get();
+    Impl::process_engines.store(Impl::ProcessEngines().size());
   }
   return engine;
 }
@@ -1251,7 +1258,7 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
                                  "AddPeer() its new descriptor"));
       continue;
     }
-    if (im.options.local_copy) {
+    if (im.options.local_copy && Impl::process_engines.load(std::memory_order_relaxed) > 1) {
       indices = im.CopyInProcess(*batch, *peer, ops, std::move(indices), local_kind);
       if (indices.empty()) continue;
     }
