@@ -272,6 +272,7 @@ py::dict ToPy(const StoreClientStats& s) {
   d["puts_existing"] = s.puts_existing;
   d["bytes_written"] = s.bytes_written;
   d["removes"] = s.removes;
+  d["gets_without_master"] = s.gets_without_master;
   d["ops"] = ops;
   return d;
 }
@@ -287,6 +288,8 @@ void BindOptions(py::module_& m) {
       .def_readwrite("verify_checksums", &StoreOptions::verify_checksums)
       .def_readwrite("hedge_after_ms", &StoreOptions::hedge_after_ms)
       .def_readwrite("hedge_bandwidth_mbps", &StoreOptions::hedge_bandwidth_mbps)
+      .def_readwrite("location_cache_entries", &StoreOptions::location_cache_entries)
+      .def_readwrite("master_wait_ms", &StoreOptions::master_wait_ms)
       .def_readwrite("peer_discovery", &StoreOptions::peer_discovery)
       .def_readwrite("admin_token", &StoreOptions::admin_token)
       .def_readwrite("client_faults", &StoreOptions::faults)

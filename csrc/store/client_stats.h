@@ -49,6 +49,7 @@ class ClientCounters {
   }
   void PutsExisting(uint64_t keys) { Add(puts_existing_, keys); }
   void Removed(uint64_t keys) { Add(removes_, keys); }
+  void GetsWithoutMaster(uint64_t keys) { Add(gets_without_master_, keys); }
 
   StoreClientStats Snapshot() const {
     StoreClientStats s;
@@ -75,6 +76,7 @@ class ClientCounters {
     s.bytes_written = Load(bytes_written_);
     s.puts_existing = Load(puts_existing_);
     s.removes = Load(removes_);
+    s.gets_without_master = Load(gets_without_master_);
     return s;
   }
 
@@ -85,7 +87,7 @@ class ClientCounters {
       for (auto& a : o.errors) a.store(0, std::memory_order_relaxed);
     }
     for (auto* a : {&get_hits_dram_, &get_hits_ssd_, &get_misses_, &bytes_read_, &puts_stored_,
-                    &bytes_written_, &puts_existing_, &removes_}) {
+                    &bytes_written_, &puts_existing_, &removes_, &gets_without_master_}) {
       a->store(0, std::memory_order_relaxed);
     }
   }
@@ -108,6 +110,7 @@ class ClientCounters {
   std::array<Op, kStoreOpCount> ops_{};
   Counter get_hits_dram_{0}, get_hits_ssd_{0}, get_misses_{0}, bytes_read_{0};
   Counter puts_stored_{0}, bytes_written_{0}, puts_existing_{0}, removes_{0};
+  Counter gets_without_master_{0};
 };
 
 }  // namespace kvbridge::store

@@ -210,11 +210,14 @@ Status MasterClient::Failed(const grpc::Status& gs, std::string_view name,
 Status MasterClient::Run(
     std::string_view name, std::string_view method,
     const std::function<grpc::Status(grpc::ClientContext*, const Channels&)>& attempt,
-    const std::function<void(grpc::ClientContext*)>& sign, uint32_t extra_deadline_ms) {
-  const bool retryable = Retryable(method);
+    const std::function<void(grpc::ClientContext*)>& sign, uint32_t extra_deadline_ms,
+    uint32_t single_attempt_ms) {
+  const bool retryable = single_attempt_ms == 0 && Retryable(method);
   const auto deadline =
       Clock::now() +
-      std::chrono::milliseconds(uint64_t{options_.retry.rpc_timeout_ms} + extra_deadline_ms);
+      std::chrono::milliseconds(single_attempt_ms != 0
+                                    ? uint64_t{single_attempt_ms}
+                                    : uint64_t{options_.retry.rpc_timeout_ms} + extra_deadline_ms);
   uint32_t backoff_ms = options_.retry.first_backoff_ms;
   grpc::Status unavailable;  // the first UNAVAILABLE, once one was retried
   std::string address = options_.address;
@@ -374,7 +377,8 @@ Result<std::vector<Status>> MasterClient::PutEnd(std::span<const PutEndItem> ite
 
 Result<std::vector<ReadGrant>> MasterClient::GetReplicas(std::span<const std::string> keys,
                                                          const std::string& client_node_id,
-                                                         bool sizes_only) {
+                                                         bool sizes_only,
+                                                         uint32_t single_attempt_ms) {
   rpc::GetReplicasRequest req;
   req.set_client_node_id(client_node_id);
   req.set_sizes_only(sizes_only);
@@ -388,11 +392,13 @@ Result<std::vector<ReadGrant>> MasterClient::GetReplicas(std::span<const std::st
   google::protobuf::Arena arena(arena_options);
   rpc::GetReplicasReply& reply =
       *google::protobuf::Arena::CreateMessage<rpc::GetReplicasReply>(&arena);
-  KVB_RETURN_IF_ERROR(
-      Run("GetReplicas", method::kGetReplicas, [&](grpc::ClientContext* ctx, const Channels& ch) {
+  KVB_RETURN_IF_ERROR(Run(
+      "GetReplicas", method::kGetReplicas,
+      [&](grpc::ClientContext* ctx, const Channels& ch) {
         reply.Clear();
         return ch.main->GetReplicas(ctx, req, &reply);
-      }));
+      },
+      {}, 0, single_attempt_ms));
   if (reply.items_size() != static_cast<int>(keys.size())) {
     return Failed(grpc::Status::OK, "GetReplicas");
   }

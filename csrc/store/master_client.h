@@ -125,9 +125,12 @@ class MasterClient {
                            const std::string& client_node_id, bool overwrite = false);
   // One status per item, in order. Not retried.
   Result<std::vector<Status>> PutEnd(std::span<const PutEndItem> items);
-  // The master's replicas (and sizes, read leases) of each key, one grant per key. Retried.
+  // The master's replicas (and sizes, read leases) of each key, one grant per key. Retried;
+  // with single_attempt_ms != 0, sent once with that deadline instead (a get that can be
+  // served without the master: StoreOptions::master_wait_ms).
   Result<std::vector<ReadGrant>> GetReplicas(std::span<const std::string> keys,
-                                             const std::string& client_node_id, bool sizes_only);
+                                             const std::string& client_node_id, bool sizes_only,
+                                             uint32_t single_attempt_ms = 0);
   Result<std::vector<bool>> Exists(std::span<const std::string> keys);  // retried
   Result<std::vector<Status>> Remove(std::span<const std::string> keys);
   // Signed with `admin_key` too (StoreOptions::admin_token).
@@ -178,7 +181,7 @@ class MasterClient {
   Status Run(std::string_view name, std::string_view method,
              const std::function<grpc::Status(grpc::ClientContext*, const Channels&)>& attempt,
              const std::function<void(grpc::ClientContext*)>& sign = {},
-             uint32_t extra_deadline_ms = 0);
+             uint32_t extra_deadline_ms = 0, uint32_t single_attempt_ms = 0);
   // `address`: the master that was called (empty: options().address).
   Status Failed(const grpc::Status& gs, std::string_view name,
                 const std::string& address = {}) const;

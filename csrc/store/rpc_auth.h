@@ -65,6 +65,7 @@ inline constexpr std::string_view kStats = "/kvbridge.rpc.Master/Stats";
 inline constexpr std::string_view kCommit = "/kvbridge.rpc.Node/Commit";
 inline constexpr std::string_view kReadSsd = "/kvbridge.rpc.Node/ReadSsd";
 inline constexpr std::string_view kDescribe = "/kvbridge.rpc.Node/Describe";
+inline constexpr std::string_view kHolds = "/kvbridge.rpc.Node/Holds";
 }  // namespace method
 
 inline constexpr char kAuthHeader[] = "x-kvb-auth";

@@ -329,6 +329,8 @@ struct StorageNode::Impl final : public rpc::Node::Service {
                       rpc::Status* reply) override;
   grpc::Status ReadSsd(grpc::ServerContext*, const rpc::ReadSsdRequest* req,
                        rpc::ReadSsdReply* reply) override;
+  grpc::Status Holds(grpc::ServerContext* ctx, const rpc::HoldsRequest* req,
+                     rpc::HoldsReply* reply) override;
   grpc::Status Describe(grpc::ServerContext* ctx, const rpc::Empty*,
                         rpc::NodeDescriptor* reply) override {
     KVB_AUTH(ctx, store::method::kDescribe);
@@ -377,6 +379,33 @@ grpc::Status StorageNode::Impl::Commit(grpc::ServerContext* ctx, const rpc::Comm
     if (r.segment_id() == kSsdSegment) ssd_keys[r.key()] = r.offset();
   }
   store::ToProto(Status::OK(), reply);
+  return grpc::Status::OK;
+}
+
+// A client reading without the master asks which of the replicas it remembers are still here:
+// the record at the same place, of the same key and version, and not on its way out (an SSD
+// free queued). Frees the master decided and this node has not heard of yet are not known
+// here (docs/store.md "Reads while the master is away").
+grpc::Status StorageNode::Impl::Holds(grpc::ServerContext* ctx, const rpc::HoldsRequest* req,
+                                      rpc::HoldsReply* reply) {
+  KVB_AUTH(ctx, store::method::kHolds);
+  if (req->node().node_id() != engine->self().node_id ||
+      req->node().incarnation() != engine->self().incarnation) {
+    store::ToProto(Status::StalePeer("holds asked of another incarnation of this node"),
+                   reply->mutable_status());
+    return grpc::Status::OK;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  for (const rpc::InventoryRecord& q : req->records()) {
+    auto it = inventory.find({q.segment_id(), q.offset()});
+    bool held =
+        it != inventory.end() && it->second.key() == q.key() && it->second.version() == q.version();
+    if (held && q.segment_id() == kSsdSegment) {
+      held = ssd_freeing.count({q.key(), it->second.replica_id()}) == 0;
+    }
+    reply->add_held(held);
+  }
+  store::ToProto(Status::OK(), reply->mutable_status());
   return grpc::Status::OK;
 }
 

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -49,6 +50,8 @@ StoreOptions StoreOptions::FromEnv() {
   // KVBRIDGE_VERIFY_CHECKSUMS is still accepted and ignored: every read is verified.
   EnvNumber("KVBRIDGE_HEDGE_AFTER_MS", &o.hedge_after_ms);
   EnvNumber("KVBRIDGE_HEDGE_BANDWIDTH_MBPS", &o.hedge_bandwidth_mbps);
+  EnvNumber("KVBRIDGE_LOCATION_CACHE_ENTRIES", &o.location_cache_entries);
+  EnvNumber("KVBRIDGE_MASTER_WAIT_MS", &o.master_wait_ms);
   EnvString("KVBRIDGE_PEER_DISCOVERY", &o.peer_discovery);
   EnvString("KVBRIDGE_ADMIN_TOKEN", &o.admin_token);
   EnvString("KVBRIDGE_CLIENT_FAULTS", &o.faults);
@@ -253,6 +256,92 @@ struct StoreClient::Impl {
     *got = std::move(r).value();
     return Status::OK();
   }
+  // --- Reads while the master is away (StoreOptions::location_cache_entries) ---
+  // Where an object was last written or read: a grant without a lease.
+  struct Remembered {
+    uint64_t version = 0;
+    std::vector<uint64_t> sizes;
+    uint32_t checksum = 0;
+    std::vector<store::ReplicaLocation> replicas;
+    uint64_t seq = 0;  // its entry in cache_order
+  };
+  std::mutex cache_mu;
+  std::unordered_map<std::string, Remembered> cache;
+  // First remembered, first forgotten (remembering a key again keeps its place). An entry
+  // whose seq is not its key's any more (the key was forgotten, then remembered again) is
+  // dropped when it comes up.
+  std::deque<std::pair<std::string, uint64_t>> cache_order;
+  uint64_t cache_seq = 0;
+  // Until then (steady clock, ns), gets whose every key is remembered do not ask the master:
+  // it failed one within master_wait_ms.
+  std::atomic<int64_t> master_away_until_ns{0};
+
+  void Remember(const std::string& key, uint64_t version, const std::vector<uint64_t>& sizes,
+                uint32_t checksum, std::vector<store::ReplicaLocation> replicas) {
+    if (options.location_cache_entries == 0 || replicas.empty()) return;
+    std::lock_guard<std::mutex> lock(cache_mu);
+    auto [it, added] = cache.try_emplace(key);
+    Remembered& r = it->second;
+    if (!added && r.version == version && r.replicas == replicas) return;
+    r.version = version;
+    r.sizes = sizes;
+    r.checksum = checksum;
+    r.replicas = std::move(replicas);
+    if (!added) return;
+    r.seq = ++cache_seq;
+    cache_order.emplace_back(key, r.seq);
+    while (cache.size() > options.location_cache_entries ||
+           cache_order.size() > 2 * size_t{options.location_cache_entries}) {
+      auto first = cache.find(cache_order.front().first);
+      if (first != cache.end() && first->second.seq == cache_order.front().second) {
+        cache.erase(first);
+      }
+      cache_order.pop_front();
+    }
+  }
+  void Forget(std::span<const std::string> keys) {
+    if (options.location_cache_entries == 0) return;
+    std::lock_guard<std::mutex> lock(cache_mu);
+    for (const std::string& k : keys) cache.erase(k);  // its cache_order entry goes later
+    if (cache.empty()) cache_order.clear();
+  }
+  void ForgetAll() {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    cache.clear();
+    cache_order.clear();
+  }
+  // Remembered grants of `keys` (an empty optional for a key not remembered); whether all are.
+  bool Recall(std::span<const std::string> keys,
+              std::vector<std::optional<store::ReadGrant>>* out) {
+    out->assign(keys.size(), std::nullopt);
+    if (options.location_cache_entries == 0) return false;
+    bool all = true;
+    std::lock_guard<std::mutex> lock(cache_mu);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto it = cache.find(keys[i]);
+      if (it == cache.end()) {
+        all = false;
+        continue;
+      }
+      store::ReadGrant g;
+      g.version = it->second.version;
+      g.sizes = it->second.sizes;
+      g.checksum = it->second.checksum;
+      g.replicas = it->second.replicas;
+      (*out)[i] = std::move(g);
+    }
+    return all && !keys.empty();
+  }
+  // The grants of a get: the master's, or, while it is away, the remembered ones that their
+  // nodes confirm (*without_master[i] set for those). A failed call is the Status of the keys
+  // not remembered.
+  Status GrantsForGet(std::span<const std::string> keys, std::vector<store::ReadGrant>* got,
+                      std::vector<bool>* without_master);
+  // Keeps of each remembered grant the replicas their nodes say they still hold (Node.Holds,
+  // every node at once, within the get's deadline): NOT_FOUND when every node that answered
+  // no longer holds the object; `away` (the master's failure) when no node answered.
+  void ConfirmHeld(std::span<const std::string> keys, std::vector<store::ReadGrant>* got,
+                   const std::vector<bool>& recalled, const Status& away);
   // Answers each key from the master's size-only reply (no lease, no access): `fn(item)` for
   // the keys found, the item's status for the others.
   template <typename T, typename Fn>
@@ -393,6 +482,174 @@ std::shared_ptr<rpc::Node::Stub> StoreClient::Impl::NodeStub(const std::string& 
     address = a->second;
   }
   return node_stubs.Get(address);
+}
+
+namespace {
+
+// The master did not answer a get (down, frozen, an election in progress, a new leader still
+// gathering inventories, or not within master_wait_ms): what reads without it stand in for.
+bool MasterAway(const Status& st) {
+  return st.origin() == StatusOrigin::kMaster &&
+         (st.IsPeerUnreachable() || st.Is(StatusCode::kUnavailable) || st.IsDeadlineExceeded());
+}
+
+int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+Status StoreClient::Impl::GrantsForGet(std::span<const std::string> keys,
+                                       std::vector<store::ReadGrant>* got,
+                                       std::vector<bool>* without_master) {
+  without_master->assign(keys.size(), false);
+  std::vector<std::optional<store::ReadGrant>> recalled;
+  const bool all = Recall(keys, &recalled);
+  Status st;
+  if (all && master_away_until_ns.load(std::memory_order_relaxed) > SteadyNs()) {
+    st = Status::PeerUnreachable("the master failed a get within master_wait_ms moments ago")
+             .WithOrigin(StatusOrigin::kMaster);
+  } else {
+    Result<std::vector<store::ReadGrant>> r = master->GetReplicas(
+        keys, engine->self().node_id, /*sizes_only=*/false, all ? options.master_wait_ms : 0);
+    if (r.ok()) {
+      *got = std::move(r).value();
+      for (size_t i = 0; i < keys.size(); ++i) {
+        const store::ReadGrant& g = (*got)[i];
+        if (g.status.ok()) Remember(keys[i], g.version, g.sizes, g.checksum, g.replicas);
+      }
+      return Status::OK();
+    }
+    st = r.status();
+    if (!MasterAway(st)) return st;
+    if (all) {
+      master_away_until_ns.store(SteadyNs() + 1'000'000'000, std::memory_order_relaxed);
+    }
+    if (!all) Recall(keys, &recalled);  // what was remembered may have changed meanwhile
+  }
+  got->assign(keys.size(), store::ReadGrant{});
+  std::vector<bool> have(keys.size(), false);
+  bool any = false;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (recalled[i]) {
+      (*got)[i] = std::move(*recalled[i]);
+      have[i] = any = true;
+    } else {
+      (*got)[i].status = st;
+    }
+  }
+  if (!any) return st;
+  ConfirmHeld(keys, got, have, st);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    (*without_master)[i] = have[i] && (*got)[i].status.ok();
+  }
+  return Status::OK();
+}
+
+void StoreClient::Impl::ConfirmHeld(std::span<const std::string> keys,
+                                    std::vector<store::ReadGrant>* got,
+                                    const std::vector<bool>& recalled, const Status& away) {
+  // One Holds call per node, every replica of every remembered key on it.
+  struct Call {
+    std::string node;
+    std::shared_ptr<rpc::Node::Stub> stub;
+    std::vector<std::pair<size_t, size_t>> asked;  // (key, replica)
+    rpc::HoldsRequest req;
+    rpc::HoldsReply reply;
+    grpc::ClientContext ctx;
+    grpc::Status gs;
+    bool done = false;
+  };
+  std::vector<std::unique_ptr<Call>> calls;
+  std::map<std::string, Call*> by_node;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (!recalled[i]) continue;
+    const store::ReadGrant& g = (*got)[i];
+    for (size_t r = 0; r < g.replicas.size(); ++r) {
+      const store::ReplicaLocation& loc = g.replicas[r];
+      Call*& c = by_node[loc.node.node_id];
+      if (c == nullptr) {
+        calls.push_back(std::make_unique<Call>());
+        c = calls.back().get();
+        c->node = loc.node.node_id;
+        c->req.mutable_node()->set_node_id(loc.node.node_id);
+        c->req.mutable_node()->set_incarnation(loc.node.incarnation);
+      }
+      rpc::InventoryRecord* q = c->req.add_records();
+      q->set_key(keys[i]);
+      q->set_version(g.version);
+      q->set_segment_id(loc.segment_id);
+      q->set_offset(loc.offset);
+      c->asked.emplace_back(i, r);
+    }
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  const auto deadline =
+      std::chrono::system_clock::now() +
+      std::chrono::milliseconds(std::min(options.rpc_timeout_ms, options.transfer_deadline_ms));
+  for (auto& c : calls) {
+    Status why;
+    c->stub = NodeStub(c->node, &why);
+    if (c->stub == nullptr) {
+      c->gs = grpc::Status(grpc::StatusCode::UNAVAILABLE, why.message());
+      c->done = true;
+      continue;
+    }
+    c->ctx.set_deadline(deadline);
+    master->auth().Sign(&c->ctx, store::method::kHolds);
+    Call* raw = c.get();
+    c->stub->async()->Holds(&c->ctx, &c->req, &c->reply, [&mu, &cv, raw](grpc::Status s) {
+      std::lock_guard<std::mutex> lock(mu);
+      raw->gs = std::move(s);
+      raw->done = true;
+      cv.notify_all();
+    });
+  }
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] {
+      return std::all_of(calls.begin(), calls.end(), [](const auto& c) { return c->done; });
+    });
+  }
+  // held[i][r]: 1 the node holds it, 0 it does not, -1 no answer.
+  std::vector<std::vector<int>> held(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (recalled[i]) held[i].assign((*got)[i].replicas.size(), -1);
+  }
+  for (const auto& c : calls) {
+    const bool answered = c->gs.ok() && FromProto(c->reply.status()).ok() &&
+                          c->reply.held_size() == static_cast<int>(c->asked.size());
+    if (!answered) continue;
+    for (size_t k = 0; k < c->asked.size(); ++k) {
+      const auto [i, r] = c->asked[k];
+      held[i][r] = c->reply.held(static_cast<int>(k)) ? 1 : 0;
+    }
+  }
+  std::vector<std::string> gone;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (!recalled[i]) continue;
+    store::ReadGrant& g = (*got)[i];
+    std::vector<store::ReplicaLocation> kept;
+    bool any_answer = false;
+    for (size_t r = 0; r < g.replicas.size(); ++r) {
+      any_answer = any_answer || held[i][r] >= 0;
+      if (held[i][r] == 1) kept.push_back(g.replicas[r]);
+    }
+    g.replicas = std::move(kept);
+    if (!g.replicas.empty()) continue;
+    if (any_answer) {
+      g.status = Status::NotFound(
+          "no node still holds the replicas this client remembers, and the master is away (" +
+          away.message() + ")");
+      gone.push_back(keys[i]);
+    } else {
+      g.status = away.WithContext("no node holding a remembered replica answered either");
+    }
+  }
+  Forget(gone);
 }
 
 namespace {
@@ -859,6 +1116,11 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& opt
     return Status::InvalidArgument(
         "hedge_bandwidth_mbps must be >= 1 while hedging is on (hedge_after_ms > 0)");
   }
+  if (options.location_cache_entries != 0 && options.master_wait_ms == 0) {
+    return Status::InvalidArgument(
+        "master_wait_ms must be >= 1 while reads without the master are on "
+        "(location_cache_entries > 0)");
+  }
   KVB_RETURN_IF_ERROR(store::CheckPeerDiscovery(options.peer_discovery));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
@@ -1104,6 +1366,15 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
     if (result[i].ok()) {
       ++stored;
       written += std::accumulate(sizes[i].begin(), sizes[i].end(), uint64_t{0});
+      if (im.options.location_cache_entries != 0) {
+        std::vector<store::ReplicaLocation> replicas;  // those written
+        for (size_t g = 0; g < groups.size(); ++g) {
+          if (groups[g].first == i && group_status[g].ok()) {
+            replicas.push_back(started[i].replicas[groups[g].second]);
+          }
+        }
+        im.Remember(keys[i], started[i].version, sizes[i], checksums[i], std::move(replicas));
+      }
     } else {
       // Say why the replicas failed, not only that the master revoked the object.
       for (size_t g = 0; g < groups.size(); ++g) {
@@ -1252,7 +1523,8 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
     return result;
   }
   std::vector<store::ReadGrant> got;
-  if (Status st = im.GetReplicas(keys, &got); !st.ok()) {
+  std::vector<bool> without_master;  // read from remembered replicas (the master away)
+  if (Status st = im.GrantsForGet(keys, &got, &without_master); !st.ok()) {
     result.assign(keys.size(), st);
     return result;
   }
@@ -1283,7 +1555,8 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
   }
   Status peers_ok = im.EnsurePeers(nodes);
   if (!peers_ok.ok()) KVB_LOG(WARN) << "get: " << peers_ok.ToString();
-  uint64_t hits_dram = 0, hits_ssd = 0, hit_bytes = 0;  // counters, added once at the end
+  // Counters, added once at the end.
+  uint64_t hits_dram = 0, hits_ssd = 0, hit_bytes = 0, hits_without_master = 0;
   // The transfers of the whole get, every pass, DRAM and SSD, end within transfer_deadline_ms
   // from here; a key still failing then keeps its last error.
   using Clock = std::chrono::steady_clock;
@@ -1371,6 +1644,7 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
     std::vector<size_t> retry;
     std::set<std::string> reported_nodes;
     auto report = [&](size_t i, const store::ReplicaLocation& bad, bool node_level) {
+      if (without_master[i]) return;  // the master is away: nothing to tell it
       im.Report(keys[i], got[i].version, bad, node_level);
     };
     // A node so late that other replicas served all it was asked for is reported like one
@@ -1413,6 +1687,7 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
         // Hedges read a replica of the tier of the one they stand in for.
         ++(item.replicas[next_replica[i]].tier == store::Tier::kSsd ? hits_ssd : hits_dram);
         hit_bytes += size;
+        if (without_master[i]) ++hits_without_master;
         result[i] = size;
         continue;
       }
@@ -1452,6 +1727,7 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
     pending.swap(retry);
   }
   im.counters.GetHits(hits_dram, hits_ssd, hit_bytes);
+  im.counters.GetsWithoutMaster(hits_without_master);
   return result;
 }
 
@@ -1496,6 +1772,7 @@ Result<std::vector<bool>> StoreClient::BatchExists(std::span<const std::string> 
 
 std::vector<Status> StoreClient::BatchRemove(std::span<const std::string> keys) {
   const auto start = store::ClientCounters::Clock::now();
+  impl_->Forget(keys);  // whatever the outcome: a get of them asks the master
   std::vector<Status> result = RemoveUncounted(*impl_, keys);
   uint64_t removed = 0;
   for (const Status& st : result) {
@@ -1528,7 +1805,10 @@ const char* StoreOpName(StoreOp op) {
   return "unknown";
 }
 
-Status StoreClient::RemoveAll() { return impl_->master->RemoveAll(impl_->admin_key); }
+Status StoreClient::RemoveAll() {
+  impl_->ForgetAll();
+  return impl_->master->RemoveAll(impl_->admin_key);
+}
 
 Status StoreClient::Put(std::string_view key, std::string_view value) {
   return impl_->PutStaged(key, value, /*overwrite=*/false);

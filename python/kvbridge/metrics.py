@@ -131,6 +131,11 @@ class StoreCollector:
         removes = counter("removes", "Keys removed")
         removes.add_metric([], s["removes"])
         yield removes
+        away = counter("gets_without_master", "Keys gets read and verified without the master "
+                       "(it was away: remembered replicas their nodes confirmed); also in "
+                       "get_hits_total")
+        away.add_metric([], s["gets_without_master"])
+        yield away
         moved = counter("bytes", "Object bytes gets returned (read) and puts stored (write, once "
                         "per key whatever the replica count)", ("direction",))
         moved.add_metric(["read"], s["bytes_read"])

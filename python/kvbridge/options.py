@@ -29,8 +29,9 @@ ENGINE_FIELDS = (
 BOOL_FIELDS = ("verify_checksums", "path_failover", "path_failover_writes", "local_copy",
                "metrics_listen_best_effort")
 STORE_FIELDS = ("master", "replica_num", "rpc_timeout_ms", "store_transfer_deadline_ms",
-                "verify_checksums", "hedge_after_ms", "hedge_bandwidth_mbps", "peer_discovery",
-                "admin_token", "client_faults")
+                "verify_checksums", "hedge_after_ms", "hedge_bandwidth_mbps",
+                "location_cache_entries", "master_wait_ms", "peer_discovery", "admin_token",
+                "client_faults")
 NODE_FIELDS = ("master", "node_dram_bytes", "node_storage_plugin", "node_rpc_listen",
                "rpc_timeout_ms", "drain_timeout_ms", "node_ssd_path", "node_ssd_bytes",
                "node_ssd_plugin", "node_ssd_staging_bytes", "peer_discovery", "rpc_auth_skew_ms",

@@ -135,7 +135,8 @@ class ReplicasResult(_KeyOutcome):
 class StoreClient:
     """A store client. Options are keywords mirroring KVBRIDGE_*: master ("host:port"),
     replica_num, rpc_timeout_ms, store_transfer_deadline_ms, hedge_after_ms,
-    hedge_bandwidth_mbps, plus the engine's (TransferEngine). verify_checksums is accepted and
+    hedge_bandwidth_mbps, location_cache_entries, master_wait_ms (reads while the master is
+    away), plus the engine's (TransferEngine). verify_checksums is accepted and
     ignored: every read is checked against the object's CRC-32C.
 
     ``metrics_listen="HOST:PORT"`` (else KVBRIDGE_CLIENT_METRICS_LISTEN; empty: off) serves
@@ -415,6 +416,8 @@ class StoreClient:
         - ``puts_stored`` and ``bytes_written`` (object bytes, once per key whatever
           replica_num), ``puts_existing`` (already stored: success, nothing written);
         - ``removes``;
+        - ``gets_without_master``: keys read (and counted as hits) while the master was away,
+          from replicas this client remembered and their nodes confirmed;
         - ``ops``: for "get", "put", "remove", "exists": ``calls`` (a batch is one; put/get
           are batches of one), ``keys``, ``errors`` ({status name: keys failed}; a get's
           NOT_FOUND is a miss instead), ``seconds_sum`` and ``seconds_buckets`` (cumulative

@@ -418,7 +418,9 @@ def test_failures_name_the_master_as_the_side_that_failed():
     with kvbridge.Master(master_listen="127.0.0.1:0", node_ttl_ms=2000) as master:
         node = kvbridge.Node(master=master.address, node_dram_bytes=16 << 20, node_id="py-o")
         try:
-            with kvbridge.StoreClient(master=master.address, rpc_timeout_ms=500) as client:
+            # (location_cache_entries=0: the client reads nothing without the master)
+            with kvbridge.StoreClient(master=master.address, rpc_timeout_ms=500,
+                                      location_cache_entries=0) as client:
                 client.put("here", b"v" * 100)
                 buf = torch.zeros(4096, dtype=torch.uint8)
                 client.register_buffer(buf)
@@ -433,6 +435,33 @@ def test_failures_name_the_master_as_the_side_that_failed():
                 assert e.value.origin == "master"
         finally:
             node.close()
+
+
+def test_remembered_objects_are_read_while_the_master_is_away():
+    """With the master gone, what the client put is read from the node (docs/store.md "Reads
+    while the master is away") and counted; a key it never saw fails naming the master."""
+    with kvbridge.Master(master_listen="127.0.0.1:0", node_ttl_ms=2000) as master:
+        node = kvbridge.Node(master=master.address, node_dram_bytes=16 << 20, node_id="py-away")
+        try:
+            with kvbridge.StoreClient(master=master.address, rpc_timeout_ms=500,
+                                      master_wait_ms=200) as client:
+                client.put("kept", b"k" * 3000)
+                master.close()
+                assert client.get("kept") == b"k" * 3000
+                assert client.stats()["gets_without_master"] == 1
+                with pytest.raises(errors.KvbError) as e:
+                    client.get("never-put")
+                assert e.value.origin == "master", e.value
+        finally:
+            node.close()
+
+
+def test_reads_without_the_master_need_a_wait():
+    """master_wait_ms=0 with the location cache on is refused, naming the option."""
+    with pytest.raises(errors.InvalidArgumentError, match="master_wait_ms"):
+        kvbridge.StoreClient(master="127.0.0.1:1", master_wait_ms=0)
+    with pytest.raises(errors.InvalidArgumentError, match="location_cache_entries"):
+        kvbridge.StoreClient(master="127.0.0.1:1", location_cache_entries=-1)
 
 
 def test_error_names_match_the_native_codes():

@@ -590,7 +590,14 @@ TEST_F(StoreCluster, MasterFrozenPastTheTtlDeclaresNoNodeDead) {
 
 // A store call that fails at the master says so in Status::origin(), whatever its message
 // says (the Mooncake layer turns it into RPC_FAIL, a node's failure into TRANSFER_FAIL).
+// (The client reads nothing without the master here: location_cache_entries 0.)
 TEST_F(StoreCluster, MasterFailuresNameTheMaster) {
+  client_.reset();
+  StoreOptions so = ClientOptions("client");
+  so.location_cache_entries = 0;
+  client_ = Must(StoreClient::Create(so));
+  ASSERT_TRUE(client_->RegisterBuffer(src_.data(), src_.size()).ok());
+  ASSERT_TRUE(client_->RegisterBuffer(dst_.data(), dst_.size()).ok());
   ASSERT_EQ(PutRange(0, 2), 0);
   const std::vector<std::string> keys{Key(0), Key(1)};
   const std::vector<std::vector<BufferRef>> into{Slot(dst_, 0), Slot(dst_, 1)};
@@ -608,6 +615,185 @@ TEST_F(StoreCluster, MasterFailuresNameTheMaster) {
     ASSERT_FALSE(st.ok());
     EXPECT_EQ(st.origin(), StatusOrigin::kMaster) << st.ToString();
   }
+}
+
+// --- Reads while the master is away (docs/store.md) ---
+
+// A client that remembers the replicas of what it read (a second client, beside client_, which
+// remembers what it put).
+class StoreClusterNoMaster : public StoreCluster {
+ protected:
+  void SetUp() override {
+    StoreCluster::SetUp();
+    if (HasFatalFailure()) return;
+    reader_ = Must(StoreClient::Create(ClientOptions("reader")));
+    ASSERT_TRUE(reader_->RegisterBuffer(dst_.data(), dst_.size()).ok());
+  }
+  void TearDown() override {
+    reader_.reset();
+    StoreCluster::TearDown();
+  }
+  // Inventory records the three nodes hold now, asked of each node (Node.Describe); -1 if one
+  // did not answer.
+  int64_t NodeRecords() {
+    auto master =
+        rpc::Master::NewStub(grpc::CreateChannel(master_addr_, grpc::InsecureChannelCredentials()));
+    rpc::NodeDescriptorsRequest req;
+    rpc::NodeDescriptorsReply dir;
+    grpc::ClientContext ctx;
+    if (!master->GetNodeDescriptors(&ctx, req, &dir).ok()) return -1;
+    int64_t total = 0;
+    for (const auto& n : dir.nodes()) {
+      auto node = rpc::Node::NewStub(
+          grpc::CreateChannel(n.rpc_address(), grpc::InsecureChannelCredentials()));
+      rpc::Empty empty;
+      rpc::NodeDescriptor d;
+      grpc::ClientContext c;
+      if (!node->Describe(&c, empty, &d).ok()) return -1;
+      total += static_cast<int64_t>(d.inventory_records());
+    }
+    return total;
+  }
+  // Gets `ids` through `via` into dst_ (slots by id); per key: OK with the right bytes, or why not.
+  std::vector<Status> GetEach(StoreClient* via, const std::vector<size_t>& ids) {
+    std::vector<std::string> keys;
+    std::vector<std::vector<BufferRef>> bufs;
+    for (size_t i : ids) {
+      keys.push_back(Key(i));
+      bufs.push_back(Slot(dst_, i));
+    }
+    auto got = via->BatchGetInto(keys, bufs);
+    std::vector<Status> out;
+    for (size_t k = 0; k < got.size(); ++k) {
+      if (!got[k].ok()) {
+        out.push_back(got[k].status());
+      } else if (got[k].value() != 2 * kPage || !CheckObject(ids[k])) {
+        out.push_back(Status::IoError("wrong bytes"));
+      } else {
+        out.push_back(Status::OK());
+      }
+    }
+    return out;
+  }
+  static std::vector<size_t> Ids(size_t first, size_t n) {
+    std::vector<size_t> ids(n);
+    for (size_t k = 0; k < n; ++k) ids[k] = first + k;
+    return ids;
+  }
+  std::unique_ptr<StoreClient> reader_;
+};
+
+// The master killed: what each client put or read before is still read, bytes checked, from the
+// nodes; a key it never saw fails naming the master; with the option off, every get fails.
+TEST_F(StoreClusterNoMaster, KilledMasterLeavesRememberedObjectsReadable) {
+  constexpr size_t kObjects = 32;
+  ASSERT_EQ(PutRange(0, kObjects), 0);
+  for (const Status& st : GetEach(reader_.get(), Ids(0, 16))) ASSERT_TRUE(st.ok()) << st.ToString();
+  StoreOptions off = ClientOptions("forgetful");
+  off.location_cache_entries = 0;
+  auto forgetful = Must(StoreClient::Create(off));
+  ASSERT_TRUE(forgetful->RegisterBuffer(dst_.data(), dst_.size()).ok());
+  for (const Status& st : GetEach(forgetful.get(), Ids(0, 4)))
+    ASSERT_TRUE(st.ok()) << st.ToString();
+  master_->Kill();
+  const uint64_t before = client_->stats().gets_without_master;
+  std::string err;
+  EXPECT_EQ(GetRange(0, kObjects, &err), 0) << err;  // client_ put them
+  EXPECT_EQ(client_->stats().gets_without_master - before, kObjects);
+  for (const Status& st : GetEach(reader_.get(), Ids(0, 16))) EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(reader_->stats().gets_without_master, 16u);
+  // Never read by the reader: the master's error, after the master's own deadline.
+  for (const Status& st : GetEach(reader_.get(), Ids(20, 2))) {
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.origin(), StatusOrigin::kMaster) << st.ToString();
+  }
+  // A batch of both: the remembered keys are read, the others fail.
+  auto mixed = GetEach(reader_.get(), {0, 1, 25});
+  EXPECT_TRUE(mixed[0].ok()) << mixed[0].ToString();
+  EXPECT_TRUE(mixed[1].ok()) << mixed[1].ToString();
+  EXPECT_EQ(mixed[2].origin(), StatusOrigin::kMaster) << mixed[2].ToString();
+  for (const Status& st : GetEach(forgetful.get(), Ids(0, 4))) {
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.origin(), StatusOrigin::kMaster) << st.ToString();
+  }
+  EXPECT_EQ(forgetful->stats().gets_without_master, 0u);
+}
+
+// Frozen, the master costs one master_wait_ms; gets then read from the nodes, and once it is
+// back they ask it again (the remembered places are used only while it is away).
+TEST_F(StoreClusterNoMaster, FrozenMasterIsAskedAgainOnceItIsBack) {
+  constexpr size_t kObjects = 16;
+  ASSERT_EQ(PutRange(0, kObjects), 0);
+  master_->Signal(SIGSTOP);
+  std::string err;
+  for (int round = 0; round < 3; ++round) EXPECT_EQ(GetRange(0, kObjects, &err), 0) << err;
+  EXPECT_EQ(client_->stats().gets_without_master, 3 * kObjects);
+  master_->Signal(SIGCONT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // past the 1 s without asking
+  EXPECT_EQ(GetRange(0, kObjects, &err), 0) << err;
+  EXPECT_EQ(client_->stats().gets_without_master, 3 * kObjects) << "read without the master "
+                                                                   "though it answers again";
+}
+
+// An object removed by another client before the master died, once its node has dropped it,
+// is a miss for a client that still remembers it (never its old bytes), and is forgotten.
+TEST_F(StoreClusterNoMaster, ObjectRemovedBeforeTheMasterDiedIsAMiss) {
+  constexpr size_t kObjects = 8;
+  ASSERT_EQ(PutRange(0, kObjects), 0);
+  for (const Status& st : GetEach(reader_.get(), Ids(0, kObjects))) {
+    ASSERT_TRUE(st.ok()) << st.ToString();
+  }
+  const std::vector<std::string> gone{Key(0), Key(1), Key(2)};
+  for (const Status& st : client_->BatchRemove(gone)) ASSERT_TRUE(st.ok()) << st.ToString();
+  // The frees reach the nodes with their next heartbeats.
+  const int64_t want = 2 * (kObjects - gone.size());
+  const auto until = Clock::now() + std::chrono::seconds(15);
+  while (Clock::now() < until && NodeRecords() != want) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(NodeRecords(), want);
+  master_->Kill();
+  auto got = GetEach(reader_.get(), Ids(0, kObjects));
+  for (size_t i = 0; i < kObjects; ++i) {
+    if (i < gone.size()) {
+      EXPECT_TRUE(got[i].IsNotFound()) << Key(i) << ": " << got[i].ToString();
+    } else {
+      EXPECT_TRUE(got[i].ok()) << Key(i) << ": " << got[i].ToString();
+    }
+  }
+  EXPECT_EQ(reader_->stats().get_misses, gone.size());
+  // Forgotten: asked of the (dead) master now.
+  auto again = GetEach(reader_.get(), {0});
+  EXPECT_EQ(again[0].origin(), StatusOrigin::kMaster) << again[0].ToString();
+}
+
+// With the master down, a node killed too: every object still has a replica on a live node
+// (two replicas, three nodes), which confirms it and serves it; a node restarted on its port
+// (another incarnation, empty) confirms nothing and serves nothing.
+TEST_F(StoreClusterNoMaster, NodeKilledOrRestartedWhileTheMasterIsAway) {
+  constexpr size_t kObjects = 48;
+  ASSERT_EQ(PutRange(0, kObjects), 0);
+  master_->Kill();
+  nodes_[0]->Kill();
+  std::string err;
+  EXPECT_EQ(GetRange(0, kObjects, &err), 0) << err;
+  // Node 0 again on the same data port (it cannot register: the master is down).
+  nodes_[0] = ChildProcess::Start({testing::KvbridgeBin(), "node", "--master", master_addr_,
+                                   "--node-id", "node0", "--dram-bytes", std::to_string(256u << 20),
+                                   "--listen", "127.0.0.1:" + std::to_string(node_ports_[0])});
+  ASSERT_TRUE(nodes_[0]);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_EQ(GetRange(0, kObjects, &err), 0) << err;
+  nodes_[1]->Kill();  // objects on nodes 0 and 1 only have no node left that holds them
+  int unreadable = 0;
+  for (const Status& st : GetEach(client_.get(), Ids(0, kObjects))) {
+    if (st.ok()) continue;
+    ++unreadable;
+    EXPECT_EQ(st.ToString().find("wrong bytes"), std::string::npos) << st.ToString();
+    EXPECT_EQ(st.origin(), StatusOrigin::kMaster) << st.ToString();
+  }
+  EXPECT_GT(unreadable, 0) << "no object had both replicas on nodes 0 and 1";
+  EXPECT_LT(unreadable, static_cast<int>(kObjects));
 }
 
 // Daemons (nodes and master) in direct discovery mode, with an 800 ms deadline on control calls.

@@ -371,8 +371,10 @@ class StoreHa : public ::testing::Test {
 };
 
 // kill -9 of the leader under load: a standby takes over; every acknowledged object is still
-// there with its bytes, gets succeed throughout (they wait for the new leader within their
-// deadline), and puts resume once the new leader's late-write hold is over.
+// there with its bytes, and puts resume once the new leader's late-write hold is over. A
+// second thread reads seeded objects (which the client remembers from putting them) all along:
+// those gets go on while no leader exists, read from the nodes without the master (docs/store.md
+// "Reads while the master is away").
 TEST_F(StoreHa, KilledLeaderIsReplacedWithoutLosingAnAcknowledgedObject) {
   std::vector<uint64_t> seeded = Seed(64);
   const std::string old_leader = WaitForLeader("", 1000);
@@ -380,12 +382,41 @@ TEST_F(StoreHa, KilledLeaderIsReplacedWithoutLosingAnAcknowledgedObject) {
   ASSERT_GE(old, 0) << old_leader;
   Load load;
   std::thread driver([&] { RunLoad(&load); });
+  // (seconds since load.start at its end, failed keys) per get of 8 seeded objects.
+  std::mutex reads_mu;
+  std::vector<std::pair<double, int>> reads;
+  std::string first_read_error;
+  std::thread reader([&] {
+    Buffer dst(8 * kObj);
+    ASSERT_TRUE(client_->RegisterBuffer(dst.data(), dst.size()).ok());
+    std::mt19937_64 rng(11);
+    while (!load.stop.load()) {
+      std::vector<uint64_t> ids;
+      for (int k = 0; k < 8; ++k) ids.push_back(seeded[rng() % seeded.size()]);
+      std::string why;
+      const int failed = GetIds(ids, dst, &why);
+      {
+        std::lock_guard<std::mutex> lock(reads_mu);
+        reads.push_back({SecondsSince(load.start), failed});
+        if (failed && first_read_error.empty()) first_read_error = why;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    (void)client_->UnregisterBuffer(dst.data());
+  });
   std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  const uint64_t away_before = client_->stats().gets_without_master;
   const double killed_at = SecondsSince(load.start);
   const auto killed = Clock::now();
   masters_[old]->Kill();
   const std::string new_leader = WaitForLeader(old_leader, 15000);
   const double elected_s = SecondsSince(killed);
+  const double elected_at = SecondsSince(load.start);
+  if (new_leader.empty()) {
+    load.stop = true;
+    driver.join();
+    reader.join();
+  }
   ASSERT_FALSE(new_leader.empty()) << "no standby took over";
   // Run until puts have resumed for a second (or 20 s).
   const auto until = Clock::now() + std::chrono::seconds(20);
@@ -395,13 +426,27 @@ TEST_F(StoreHa, KilledLeaderIsReplacedWithoutLosingAnAcknowledgedObject) {
   std::this_thread::sleep_for(std::chrono::seconds(1));
   load.stop = true;
   driver.join();
+  reader.join();
   const double resumed_s = PutsResumeAfter(load, killed_at);
+  int reads_in_gap = 0, read_keys_failed = 0;
+  for (const auto& [at, failed] : reads) {
+    read_keys_failed += failed;
+    if (at > killed_at && at < elected_at) ++reads_in_gap;
+  }
+  const uint64_t away = client_->stats().gets_without_master - away_before;
   std::printf(
       "leader %s killed: %s elected after %.2f s, puts resumed after %.2f s; puts %d ok / %d "
-      "failed, gets %d ok / %d failed\n",
+      "failed, gets %d ok / %d failed; reader: %zu gets, %d done while no leader existed, %d "
+      "keys failed, %llu keys read without the master\n",
       old_leader.c_str(), new_leader.c_str(), elected_s, resumed_s, load.puts_ok.load(),
-      load.puts_failed.load(), load.gets_ok.load(), load.gets_failed.load());
+      load.puts_failed.load(), load.gets_ok.load(), load.gets_failed.load(), reads.size(),
+      reads_in_gap, read_keys_failed, static_cast<unsigned long long>(away));
   EXPECT_GT(resumed_s, 0) << "puts never resumed";
+  EXPECT_EQ(read_keys_failed, 0) << first_read_error;
+  // A get every 50 ms while the election takes about 2 s: without reads from the nodes alone,
+  // the reader waits for the new leader and at most one of its gets ends in the gap.
+  EXPECT_GE(reads_in_gap, 3) << "gets waited for the new leader";
+  EXPECT_GT(away, 0u);
   std::printf("first put error: %s\n", load.first_put_error.c_str());
   ExpectNothingLost(seeded, load);
 }

@@ -62,6 +62,18 @@ struct KVBRIDGE_API StoreOptions {
   // "Tiers"). 0 turns hedging off. KVBRIDGE_HEDGE_AFTER_MS, KVBRIDGE_HEDGE_BANDWIDTH_MBPS (>= 1).
   uint32_t hedge_after_ms = 20;
   uint32_t hedge_bandwidth_mbps = 1000;
+  // Reads while the master is away (docs/store.md "Reads while the master is away"). The
+  // client remembers where the objects it last wrote or read are, up to location_cache_entries
+  // keys (about 200 bytes each plus the key; 0 turns these reads off). A get whose every key
+  // is remembered waits at most master_wait_ms for the master (one attempt, not retried); if
+  // the master does not answer in that time (killed, frozen, an election in progress, a new
+  // leader still gathering inventories), the get reads the remembered replicas their nodes
+  // confirm they still hold, checked against the object's CRC-32C as every read is, and for
+  // the next second such gets do not ask the master at all. A get with keys not remembered
+  // asks the master as before (retried until rpc_timeout_ms); if it stays away, the keys that
+  // are remembered are read so. KVBRIDGE_LOCATION_CACHE_ENTRIES, KVBRIDGE_MASTER_WAIT_MS (>= 1).
+  uint32_t location_cache_entries = 65536;
+  uint32_t master_wait_ms = 500;
   // The client's transfer engine (its node id is the "local node" for replica ordering).
   EngineOptions engine;
   // Where storage nodes' engine descriptors come from: "master" (the master's directory) or
@@ -139,6 +151,9 @@ struct StoreClientStats {
   uint64_t bytes_written = 0;
   uint64_t puts_existing = 0;  // keys a put found stored already (success; nothing written)
   uint64_t removes = 0;        // keys removed
+  // Keys gets read and verified without the master (StoreOptions::location_cache_entries):
+  // also counted in get_hits_dram / get_hits_ssd.
+  uint64_t gets_without_master = 0;
 
   const StoreOpStats& op(StoreOp o) const { return ops[static_cast<size_t>(o)]; }
   uint64_t get_hits() const { return get_hits_dram + get_hits_ssd; }
