@@ -417,15 +417,18 @@ Result<std::vector<ReadGrant>> MasterClient::GetReplicas(std::span<const std::st
   return out;
 }
 
-Result<std::vector<bool>> MasterClient::Exists(std::span<const std::string> keys) {
+Result<std::vector<bool>> MasterClient::Exists(std::span<const std::string> keys,
+                                               uint32_t single_attempt_ms) {
   rpc::KeysRequest req;
   for (const auto& k : keys) req.add_keys(k);
   rpc::ExistsReply reply;
-  KVB_RETURN_IF_ERROR(
-      Run("Exists", method::kExists, [&](grpc::ClientContext* ctx, const Channels& ch) {
+  KVB_RETURN_IF_ERROR(Run(
+      "Exists", method::kExists,
+      [&](grpc::ClientContext* ctx, const Channels& ch) {
         reply.Clear();
         return ch.main->Exists(ctx, req, &reply);
-      }));
+      },
+      {}, 0, single_attempt_ms));
   if (reply.exists_size() != static_cast<int>(keys.size())) {
     return Status::Protocol("Exists: reply from the master " + options_.address +
                             " has the wrong number of entries")

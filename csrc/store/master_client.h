@@ -131,7 +131,9 @@ class MasterClient {
   Result<std::vector<ReadGrant>> GetReplicas(std::span<const std::string> keys,
                                              const std::string& client_node_id, bool sizes_only,
                                              uint32_t single_attempt_ms = 0);
-  Result<std::vector<bool>> Exists(std::span<const std::string> keys);  // retried
+  // Retried; single_attempt_ms as GetReplicas.
+  Result<std::vector<bool>> Exists(std::span<const std::string> keys,
+                                   uint32_t single_attempt_ms = 0);
   Result<std::vector<Status>> Remove(std::span<const std::string> keys);
   // Signed with `admin_key` too (StoreOptions::admin_token).
   Status RemoveAll(const CallKey& admin_key);

@@ -272,9 +272,18 @@ struct StoreClient::Impl {
   // dropped when it comes up.
   std::deque<std::pair<std::string, uint64_t>> cache_order;
   uint64_t cache_seq = 0;
-  // Until then (steady clock, ns), gets whose every key is remembered do not ask the master:
-  // it failed one within master_wait_ms.
+  // Until then (steady clock, ns), gets (and exists) whose every key is remembered do not ask
+  // the master: it failed one within master_wait_ms.
   std::atomic<int64_t> master_away_until_ns{0};
+  bool MasterAwayNow() const {
+    return master_away_until_ns.load(std::memory_order_relaxed) >
+           std::chrono::steady_clock::now().time_since_epoch().count();
+  }
+  void MarkMasterAway() {
+    master_away_until_ns.store(
+        (std::chrono::steady_clock::now() + std::chrono::seconds(1)).time_since_epoch().count(),
+        std::memory_order_relaxed);
+  }
 
   void Remember(const std::string& key, uint64_t version, const std::vector<uint64_t>& sizes,
                 uint32_t checksum, std::vector<store::ReplicaLocation> replicas) {
@@ -493,12 +502,6 @@ bool MasterAway(const Status& st) {
          (st.IsPeerUnreachable() || st.Is(StatusCode::kUnavailable) || st.IsDeadlineExceeded());
 }
 
-int64_t SteadyNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 }  // namespace
 
 Status StoreClient::Impl::GrantsForGet(std::span<const std::string> keys,
@@ -508,7 +511,7 @@ Status StoreClient::Impl::GrantsForGet(std::span<const std::string> keys,
   std::vector<std::optional<store::ReadGrant>> recalled;
   const bool all = Recall(keys, &recalled);
   Status st;
-  if (all && master_away_until_ns.load(std::memory_order_relaxed) > SteadyNs()) {
+  if (all && MasterAwayNow()) {
     st = Status::PeerUnreachable("the master failed a get within master_wait_ms moments ago")
              .WithOrigin(StatusOrigin::kMaster);
   } else {
@@ -524,9 +527,7 @@ Status StoreClient::Impl::GrantsForGet(std::span<const std::string> keys,
     }
     st = r.status();
     if (!MasterAway(st)) return st;
-    if (all) {
-      master_away_until_ns.store(SteadyNs() + 1'000'000'000, std::memory_order_relaxed);
-    }
+    if (all) MarkMasterAway();
     if (!all) Recall(keys, &recalled);  // what was remembered may have changed meanwhile
   }
   got->assign(keys.size(), store::ReadGrant{});
@@ -1746,7 +1747,29 @@ Result<std::vector<bool>> ExistsUncounted(StoreClient::Impl& im,
     }
     return all;
   }
-  return im.master->Exists(keys);
+  // Every key remembered: the master is asked once, within master_wait_ms; away, the nodes
+  // holding the remembered replicas answer (docs/store.md "Reads while the master is away").
+  std::vector<std::optional<store::ReadGrant>> recalled;
+  if (!im.Recall(keys, &recalled)) return im.master->Exists(keys);
+  Status away;
+  if (im.MasterAwayNow()) {
+    away = Status::PeerUnreachable("the master failed a call within master_wait_ms moments ago")
+               .WithOrigin(StatusOrigin::kMaster);
+  } else {
+    Result<std::vector<bool>> r = im.master->Exists(keys, im.options.master_wait_ms);
+    if (r.ok() || !MasterAway(r.status())) return r;
+    away = r.status();
+    im.MarkMasterAway();
+  }
+  std::vector<store::ReadGrant> got(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) got[i] = std::move(*recalled[i]);
+  im.ConfirmHeld(keys, &got, std::vector<bool>(keys.size(), true), away);
+  std::vector<bool> out(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (!got[i].status.ok() && !got[i].status.IsNotFound()) return got[i].status;
+    out[i] = got[i].status.ok();
+  }
+  return out;
 }
 
 std::vector<Status> RemoveUncounted(StoreClient::Impl& im, std::span<const std::string> keys) {

@@ -717,6 +717,16 @@ TEST_F(StoreClusterNoMaster, KilledMasterLeavesRememberedObjectsReadable) {
     EXPECT_EQ(st.origin(), StatusOrigin::kMaster) << st.ToString();
   }
   EXPECT_EQ(forgetful->stats().gets_without_master, 0u);
+  // Exists answers from the nodes too when every key is remembered, else the master's error.
+  const std::vector<std::string> known{Key(0), Key(1), Key(31)};
+  auto exists = client_->BatchExists(known);
+  ASSERT_TRUE(exists.ok()) << exists.status().ToString();
+  EXPECT_EQ(*exists, std::vector<bool>({true, true, true}));
+  auto unknown = reader_->BatchExists(std::vector<std::string>{Key(0), Key(30)});
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().origin(), StatusOrigin::kMaster) << unknown.status().ToString();
+  auto off_exists = forgetful->BatchExists(std::vector<std::string>{Key(0)});
+  ASSERT_FALSE(off_exists.ok());
 }
 
 // Frozen, the master costs one master_wait_ms; gets then read from the nodes, and once it is
@@ -762,6 +772,9 @@ TEST_F(StoreClusterNoMaster, ObjectRemovedBeforeTheMasterDiedIsAMiss) {
     }
   }
   EXPECT_EQ(reader_->stats().get_misses, gone.size());
+  auto exists = reader_->BatchExists(std::vector<std::string>{Key(3), Key(4)});
+  ASSERT_TRUE(exists.ok()) << exists.status().ToString();
+  EXPECT_EQ(*exists, std::vector<bool>({true, true}));
   // Forgotten: asked of the (dead) master now.
   auto again = GetEach(reader_.get(), {0});
   EXPECT_EQ(again[0].origin(), StatusOrigin::kMaster) << again[0].ToString();

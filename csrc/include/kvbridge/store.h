@@ -71,7 +71,8 @@ struct KVBRIDGE_API StoreOptions {
   // confirm they still hold, checked against the object's CRC-32C as every read is, and for
   // the next second such gets do not ask the master at all. A get with keys not remembered
   // asks the master as before (retried until rpc_timeout_ms); if it stays away, the keys that
-  // are remembered are read so. KVBRIDGE_LOCATION_CACHE_ENTRIES, KVBRIDGE_MASTER_WAIT_MS (>= 1).
+  // are remembered are read so. BatchExists of remembered keys alone likewise answers from the
+  // nodes. KVBRIDGE_LOCATION_CACHE_ENTRIES, KVBRIDGE_MASTER_WAIT_MS (>= 1).
   uint32_t location_cache_entries = 65536;
   uint32_t master_wait_ms = 500;
   // The client's transfer engine (its node id is the "local node" for replica ordering).
