@@ -663,3 +663,106 @@ def test_tensor_calls_on_a_store_not_set_up(impl, key, arena):
     assert s.batch_get_tensor_with_tp_into([key("k")], [addr], [1024], 0, 2) == [None]
     assert s.save_tensor_to_safetensor(key("k"), "/nonexistent/x") == INVALID_PARAMS
     assert s.load_tensor_from_safetensor(key("k"), "/nonexistent/x") is None
+
+
+# -- what the header check refuses -------------------------------------------------------------
+def _corrupt(raw: bytearray, what: str) -> bytearray:
+    """raw: a valid object of a (4, 6) float32 tensor, or of its TP shard 1 of 2 along dim 0
+    for the axis cases; one field made invalid."""
+    def put(fmt: str, at: int, *v: Any) -> None:
+        struct.pack_into(fmt, raw, at, *v)
+
+    {"magic": lambda: put("<I", 0, 0x4D4F4F4F),
+     "version": lambda: put("<H", 4, 2),
+     "header size": lambda: put("<H", 6, 296),
+     "dtype past the last": lambda: put("<i", 8, 15),
+     "negative dtype": lambda: put("<i", 8, -1),
+     "nine dims": lambda: put("<i", 12, 9),
+     "negative ndim": lambda: put("<i", 12, -1),
+     "layout kind 2": lambda: put("<I", 16, 2),
+     "data offset inside the header": lambda: put("<Q", 24, 296),
+     "data bytes": lambda: put("<Q", 32, 95),
+     "negative dim": lambda: put("<q", 104, -4),
+     "unused dim not -1": lambda: put("<q", 104 + 8 * 2, 1),
+     "shape not matching the bytes": lambda: put("<q", 104 + 8, 5),
+     "five axes": lambda: put("<I", 168, 5),
+     "axis kind 5": lambda: put("<i", 176, 5),
+     "axis count 0": lambda: put("<i", 176 + 12, 0),
+     "axis rank past count": lambda: put("<i", 176 + 8, 2),
+     "axis split dim past ndim": lambda: put("<i", 176 + 16, 2)}[what]()
+    return raw
+
+
+@pytest.mark.parametrize("what", [
+    "magic", "version", "header size", "dtype past the last", "negative dtype", "nine dims",
+    "negative ndim", "layout kind 2", "data offset inside the header", "data bytes",
+    "negative dim", "unused dim not -1", "shape not matching the bytes", "five axes",
+    "axis kind 5", "axis count 0", "axis rank past count", "axis split dim past ndim"])
+def test_put_tensor_from_checks_every_header_field(store, key, what):
+    shard = what.startswith("axis") or what == "five axes"
+    if shard:
+        assert store.put_tensor_with_tp(key("src"), sample((4, 6)), 0, 2, 0) == 0
+        raw = bytearray(store.get(key("src_tp_1")))
+    else:
+        assert store.put_tensor(key("src"), sample((4, 6))) == 0
+        raw = bytearray(store.get(key("src")))
+    valid = ctypes.create_string_buffer(bytes(raw), len(raw))
+    assert store.put_tensor_from(key("valid"), ctypes.addressof(valid), len(raw)) == 0
+    bad = _corrupt(raw, what)
+    buf = ctypes.create_string_buffer(bytes(bad), len(bad))
+    assert store.put_tensor_from(key("bad"), ctypes.addressof(buf), len(bad)) == INVALID_PARAMS
+    assert store.is_exist(key("bad")) == 0
+    # An object stored with that header (through put) reads as no tensor.
+    assert store.put(key("stored"), bytes(bad)) == 0
+    assert store.get_tensor(key("stored")) is None
+    assert store.get_tensor_into(key("stored"), ctypes.addressof(buf), len(bad)) is None
+
+
+def test_buffer_reads_of_objects_that_are_not_tensors_and_of_empty_tensors(store, arena, key):
+    garbage = bytes(range(256)) * 2
+    assert store.put(key("garbage"), garbage) == 0
+    addr = arena.alloc(1024)
+    assert store.get_tensor_into(key("garbage"), addr, 1024) is None
+    assert store.batch_get_tensor_into([key("garbage")], [addr], [1024]) == [None]
+    assert store.put_tensor_with_tp_from(key("w"), addr, len(garbage), 0, 2, 0) == \
+        INVALID_PARAMS
+    assert store.is_exist(key("w_tp_0")) == 0
+    empty = torch.zeros(2, 0, dtype=torch.int64)
+    assert store.put_tensor(key("empty"), empty) == 0
+    got = store.get_tensor_into(key("empty"), addr, 1024)
+    assert same(got, empty)
+
+
+def test_argument_types_are_checked(store, key):
+    with pytest.raises(TypeError):
+        store.put_tensor(123, sample())
+    with pytest.raises(TypeError):
+        store.get_tensor(None)
+    with pytest.raises(TypeError):
+        store.put_tensor_with_tp(key("k"), sample(), 0, "2", 0)
+    with pytest.raises(TypeError):
+        store.get_tensor_with_tp(key("k"), 0, 2.0)
+    with pytest.raises(TypeError):
+        store.get_tensor_into(key("k"), "0x10", 8)
+    with pytest.raises(TypeError):
+        store.batch_get_tensor([key("k"), 5])
+    with pytest.raises(TypeError):
+        store.load_tensor_from_safetensor(key("k"))  # file_name is required
+    with pytest.raises(TypeError):
+        store.load_tensor_from_safetensor(key("k"), 5)
+
+
+@pytest.mark.parametrize("what", ["short", "header past the end", "a JSON list",
+                                  "data past the end", "shape not matching the data"])
+def test_load_tensor_from_safetensor_refuses_malformed_files(store, key, tmp_path, what):
+    good = json.dumps({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    blob = {"short": b"\x01\x02",
+            "header past the end": struct.pack("<Q", 4096) + good + bytes(8),
+            "a JSON list": struct.pack("<Q", 2) + b"[]",
+            "data past the end": struct.pack("<Q", len(good)) + good + bytes(4),
+            "shape not matching the data": struct.pack("<Q", len(good.replace(b"[2]", b"[3]")))
+            + good.replace(b"[2]", b"[3]") + bytes(8)}[what]
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(blob)
+    assert store.load_tensor_from_safetensor(key("k"), str(path)) is None
+    assert store.is_exist(key("k")) == 0
