@@ -64,7 +64,7 @@ def _top_level(dist: md.Distribution) -> set[str]:
     names = set()
     for f in dist.files or []:
         first = f.parts[0]
-        if first in ("..", "__pycache__") or first.endswith(".pth") or "/" in str(first):
+        if first in ("..", "__pycache__") or first.endswith(".pth"):
             continue
         names.add(first)
     return names

@@ -14,7 +14,7 @@
 # of torch (a few GB with its CUDA libraries), the project venv's torch is linked in:
 # scripts/link_project_torch.py puts symlinks to torch and what it requires into
 # $venv/project-torch and names that folder in a .pth file (appended to sys.path, so the venv's
-# own packages still win). About 1 s and 100 KB; relinked when the project venv's torch
+# own packages still win). About 1 s and 120 KB; relinked when the project venv's torch
 # changes. Without a project venv with torch (same interpreter) nothing is linked and the tensor
 # tests skip Mooncake, naming why. PROJECT_VENV=path overrides the project venv (.venv).
 #
