@@ -10,6 +10,14 @@
 # the tests that need it skip. The wheel's native libraries link libibverbs.so.1 even for TCP;
 # as root (or with sudo) the Debian package libibverbs1 is installed when it is missing.
 #
+# Mooncake's tensor API (put_tensor, get_tensor, ...) imports torch. Rather than a second copy
+# of torch (a few GB with its CUDA libraries), the project venv's torch is linked in:
+# scripts/link_project_torch.py puts symlinks to torch and what it requires into
+# $venv/project-torch and names that folder in a .pth file (appended to sys.path, so the venv's
+# own packages still win). About 1 s and 120 KB; relinked when the project venv's torch
+# changes. Without a project venv with torch (same interpreter) nothing is linked and the tensor
+# tests skip Mooncake, naming why. PROJECT_VENV=path overrides the project venv (.venv).
+#
 # Idempotent: when the venv already satisfies the requirements file and imports, it only checks
 # (no network). MOONCAKE_VENV=path overrides the location.
 set -euo pipefail
@@ -19,6 +27,9 @@ py="$venv/bin/python"
 reqs="$here/python/requirements-mooncake.txt"
 stamp="$venv/.kvbridge-requirements"
 check_import='import mooncake.store, mooncake.engine'
+project_py="${PROJECT_VENV:-$here/.venv}/bin/python"
+torch_dir="$venv/project-torch"
+torch_stamp="$torch_dir/.kvbridge-source"
 
 fail() {
   echo "setup_mooncake_venv: $*" >&2
@@ -28,7 +39,31 @@ fail() {
 # shellcheck source=scripts/mooncake_system_packages.sh
 source "$here/scripts/mooncake_system_packages.sh"
 
+# Links the project venv's torch into $venv (header above), unless it is linked already.
+link_project_torch() {
+  local origin
+  if [[ ! -x "$project_py" ]] ||
+     ! origin="$("$project_py" -c 'import sys, importlib.util as u, importlib.metadata as m; print(sys.version_info[:2], u.find_spec("torch").origin, m.version("torch"))' 2>/dev/null)"; then
+    echo "setup_mooncake_venv: no torch in $project_py to link; the tensor tests skip Mooncake"
+    return 0
+  fi
+  if [[ "$origin" != "$("$py" -c 'import sys; print(sys.version_info[:2])') "* ]]; then
+    echo "setup_mooncake_venv: $project_py is another Python version; torch not linked"
+    return 0
+  fi
+  if [[ -f "$torch_stamp" && "$(cat "$torch_stamp")" == "$origin" ]]; then
+    return 0
+  fi
+  local site
+  site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  "$project_py" "$here/scripts/link_project_torch.py" "$torch_dir" "$site" >/dev/null ||
+    fail "could not link the project venv's torch into $venv"
+  echo "$origin" >"$torch_stamp"
+  echo "setup_mooncake_venv: linked torch $(echo "$origin" | awk '{print $NF}') from $project_py"
+}
+
 if [[ -x "$py" && -f "$stamp" ]] && cmp -s "$stamp" "$reqs" && "$py" -c "$check_import" 2>/dev/null; then
+  link_project_torch
   echo "setup_mooncake_venv: $venv is up to date with $(basename "$reqs")"
   exit 0
 fi
@@ -62,5 +97,6 @@ if ! "$py" -c "$check_import" 2>/dev/null; then
   err="$("$py" -c "$check_import" 2>&1 | tail -1)" ||
     fail "the Mooncake wheel installed but does not import: $err"
 fi
+link_project_torch
 "$py" -c 'import importlib.metadata as m, pytest; print("setup_mooncake_venv: mooncake-transfer-engine-non-cuda", m.version("mooncake-transfer-engine-non-cuda"), "pytest", pytest.__version__)'
 cp "$reqs" "$stamp"
