@@ -122,9 +122,16 @@ Result<std::string> DescribeNode(const std::string& rpc_address, const RpcAuth& 
 }  // namespace
 
 InventoryRecord RecordFromProto(const rpc::InventoryRecord& r) {
-  return {r.key(),         r.version(),    {r.sizes().begin(), r.sizes().end()},
-          r.checksum(),    r.segment_id(), r.offset(),
-          r.replica_num(), r.replica_id()};
+  return {r.key(),
+          r.version(),
+          {r.sizes().begin(), r.sizes().end()},
+          r.checksum(),
+          r.segment_id(),
+          r.offset(),
+          r.replica_num(),
+          r.replica_id(),
+          r.hard_pin(),
+          r.soft_pin_ttl_ms()};
 }
 
 rpc::InventoryRecord RecordToProto(const InventoryRecord& r) {
@@ -137,6 +144,8 @@ rpc::InventoryRecord RecordToProto(const InventoryRecord& r) {
   out.set_offset(r.offset);
   out.set_replica_num(r.replica_num);
   out.set_replica_id(r.replica_id);
+  out.set_hard_pin(r.hard_pin);
+  out.set_soft_pin_ttl_ms(r.soft_pin_ttl_ms);
   return out;
 }
 
@@ -299,7 +308,7 @@ MasterClient::PendingPutStart MasterClient::PutStart(std::span<const std::string
                                                      std::span<const std::vector<uint64_t>> sizes,
                                                      uint32_t replica_num,
                                                      const std::string& client_node_id,
-                                                     bool overwrite) {
+                                                     bool overwrite, const PutPins& pins) {
   PendingPutStart p;
   auto s = std::make_shared<PendingPutStart::State>();
   p.state_ = s;
@@ -307,6 +316,9 @@ MasterClient::PendingPutStart MasterClient::PutStart(std::span<const std::string
   s->req.set_replica_num(replica_num);
   s->req.set_client_node_id(client_node_id);
   s->req.set_overwrite(overwrite);
+  s->req.set_hard_pin(pins.hard_pin);
+  s->req.set_soft_pin(static_cast<rpc::SoftPin>(pins.soft_pin));
+  s->req.set_soft_pin_ttl_ms(pins.soft_pin_ttl_ms);
   for (size_t i = 0; i < keys.size(); ++i) {
     s->req.add_keys(keys[i]);
     auto* sz = s->req.add_sizes();

@@ -75,6 +75,13 @@ struct BadReplica {
 InventoryRecord RecordFromProto(const rpc::InventoryRecord& r);
 rpc::InventoryRecord RecordToProto(const InventoryRecord& r);
 
+// The pins a put asks for (PutOptions::pinned, soft_pin, soft_pin_ttl_ms).
+struct PutPins {
+  bool hard_pin = false;
+  SoftPin soft_pin = SoftPin::kPreserve;
+  uint64_t soft_pin_ttl_ms = 0;
+};
+
 class MasterClient {
  public:
   struct Options {
@@ -119,10 +126,11 @@ class MasterClient {
     struct State;
     std::shared_ptr<State> state_;
   };
-  // overwrite: new versions of existing keys (PutOptions::overwrite).
+  // overwrite: new versions of existing keys (PutOptions::overwrite); pins: PutOptions's.
   PendingPutStart PutStart(std::span<const std::string> keys,
                            std::span<const std::vector<uint64_t>> sizes, uint32_t replica_num,
-                           const std::string& client_node_id, bool overwrite = false);
+                           const std::string& client_node_id, bool overwrite = false,
+                           const PutPins& pins = {});
   // One status per item, in order. Not retried.
   Result<std::vector<Status>> PutEnd(std::span<const PutEndItem> items);
   // The master's replicas (and sizes, read leases) of each key, one grant per key. Retried;

@@ -333,6 +333,9 @@ void MasterState::Impl::LoadInventory(Node& n, const std::vector<InventoryRecord
       o->state = ObjectState::kComplete;
       o->target = target;
       o->last_access_ns = now_ns;
+      // Pins come back with the records: a soft pin for one TTL from now.
+      o->pinned = rec.hard_pin;
+      o->SoftPinFor(MsToNs(rec.soft_pin_ttl_ms), now_ns);
       InsertObject(o);
       // Let the other nodes re-register before judging the replica count.
       MarkRepair(o, now_ns, MsToNs(cfg.node_ttl_ms));

@@ -87,18 +87,26 @@ bool MasterState::Impl::Evictable(const Object& o, uint64_t now_ns) const {
 }
 
 // The least recently used evictable object among a sample of the segment's residents (all of
-// them when the sample finds none), or null.
+// them when the sample finds none, or only soft-pinned ones), or null. A soft-pinned object
+// goes only when no other object of the segment can.
 MasterState::Impl::Object* MasterState::Impl::PickVictim(Segment& s, uint64_t now_ns) {
   const auto& v = s.residents;
   Object* best = nullptr;
+  bool best_pinned = false;
   auto consider = [&](Object* o) {
-    if (Evictable(*o, now_ns) && (!best || o->last_access_ns < best->last_access_ns)) best = o;
+    if (!Evictable(*o, now_ns)) return;
+    const bool pinned = o->soft_pinned(now_ns);
+    if (!best || (best_pinned && !pinned) ||
+        (pinned == best_pinned && o->last_access_ns < best->last_access_ns)) {
+      best = o;
+      best_pinned = pinned;
+    }
   };
   if (v.size() > cfg.eviction_sample_size) {
     std::uniform_int_distribution<size_t> pick(0, v.size() - 1);
     for (uint32_t i = 0; i < cfg.eviction_sample_size; ++i) consider(v[pick(rng)]);
   }
-  if (!best) {
+  if (!best || best_pinned) {
     for (Object* o : v) consider(o);
   }
   return best;

@@ -19,8 +19,8 @@
 namespace kvbridge::store {
 
 Result<PutAllocation> MasterState::Impl::AllocateObject(const PutItem& item, uint64_t bytes,
-                                                        const PutOptions& options,
-                                                        uint64_t now_ns) {
+                                                        const PutOptions& options, uint64_t now_ns,
+                                                        const Object* replaces) {
   const size_t count = options.replica_num;
   std::vector<Choice> picks =
       ChooseNodes(now_ns, bytes, count, nullptr, nullptr, options.client_node_id);
@@ -59,7 +59,17 @@ Result<PutAllocation> MasterState::Impl::AllocateObject(const PutItem& item, uin
   o->version = next_version++;
   o->state = ObjectState::kPending;
   o->target = options.replica_num;
-  o->pinned = options.pinned;
+  // Pins: a hard pin stays with every later version; a soft pin per PutOptions::soft_pin.
+  o->pinned = options.pinned || (replaces != nullptr && replaces->pinned);
+  if (options.soft_pin == SoftPin::kEnable) {
+    o->SoftPinFor(
+        MsToNs(options.soft_pin_ttl_ms != 0 ? options.soft_pin_ttl_ms : cfg.soft_pin_ttl_ms),
+        now_ns);
+  } else if (options.soft_pin == SoftPin::kPreserve && replaces != nullptr &&
+             replaces->soft_pinned(now_ns)) {
+    o->Extra().soft_pin_ttl_ns = replaces->soft_pin_ttl_ns();
+    o->extra->soft_pin_until_ns = replaces->extra->soft_pin_until_ns;  // its deadline, as is
+  }
   o->Extra().put_deadline_ns = now_ns + MsToNs(cfg.put_timeout_ms);
   o->last_access_ns = now_ns;
   InsertObject(o);
@@ -228,6 +238,9 @@ std::vector<Result<PutAllocation>> MasterState::PutStart(const std::vector<PutIt
     batch = Status::InvalidArgument("replica_num " + Num(options.replica_num) +
                                     " is below min_replicas (" + Num(m.cfg.min_replicas) +
                                     "): such a put could never complete");
+  } else if (options.soft_pin_ttl_ms != 0 && options.soft_pin != SoftPin::kEnable) {
+    batch = Status::InvalidArgument("soft_pin_ttl_ms " + Num(options.soft_pin_ttl_ms) +
+                                    " given without enabling the soft pin");
   }
   std::unordered_map<std::string_view, size_t> seen;
   for (const PutItem& item : items) seen[item.key]++;
@@ -265,7 +278,7 @@ std::vector<Result<PutAllocation>> MasterState::PutStart(const std::vector<PutIt
     if (!m.departed.empty()) m.ForgetDepartedCopies(item.key);  // a new version from here on
     if (o) {  // an overwrite of a complete object: written beside it
       out.push_back(
-          m.AllocateObject({Impl::OverwriteKey(item.key), item.sizes}, bytes, options, now_ns));
+          m.AllocateObject({Impl::OverwriteKey(item.key), item.sizes}, bytes, options, now_ns, o));
     } else {
       out.push_back(m.AllocateObject(item, bytes, options, now_ns));
     }
@@ -367,6 +380,7 @@ std::vector<Result<ReplicaSet>> MasterState::GetReplicas(const std::vector<std::
       reps.front()->node->reads += 1;
       o->lease_expiry_ns = std::max(o->lease_expiry_ns, now_ns + MsToNs(m.cfg.lease_ms));
       o->last_access_ns = now_ns;
+      if (const uint64_t ttl = o->soft_pin_ttl_ns(); ttl != 0) o->SoftPinFor(ttl, now_ns);
       if (reps.front()->segment->info.tier == Tier::kSsd) {
         m.MaybePromote(o, o->replicas[Impl::ReplicaOn(*o, reps.front()->node)], now_ns);
       }

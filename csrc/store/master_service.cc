@@ -45,6 +45,7 @@ MasterOptions MasterOptions::FromEnv() {
   EnvNumber("KVBRIDGE_NODE_TTL_MS", &o.node_ttl_ms);
   EnvNumber("KVBRIDGE_LEASE_MS", &o.lease_ms);
   EnvNumber("KVBRIDGE_PUT_TIMEOUT_MS", &o.put_timeout_ms);
+  EnvNumber("KVBRIDGE_SOFT_PIN_TTL_MS", &o.soft_pin_ttl_ms);
   EnvNumber("KVBRIDGE_MIN_REPLICAS", &o.min_replicas);
   EnvNumber("KVBRIDGE_HIGH_WATERMARK", &o.high_watermark);
   EnvNumber("KVBRIDGE_LOW_WATERMARK", &o.low_watermark);
@@ -924,6 +925,18 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     po.replica_num = req->replica_num();
     po.client_node_id = req->client_node_id();
     po.overwrite = req->overwrite();
+    po.pinned = req->hard_pin();
+    switch (req->soft_pin()) {
+      case rpc::SOFT_PIN_ENABLE:
+        po.soft_pin = store::SoftPin::kEnable;
+        break;
+      case rpc::SOFT_PIN_DISABLE:
+        po.soft_pin = store::SoftPin::kDisable;
+        break;
+      default:  // PRESERVE, and values of a newer client this master does not know
+        po.soft_pin = store::SoftPin::kPreserve;
+    }
+    po.soft_pin_ttl_ms = req->soft_pin_ttl_ms();
     const uint64_t now = util::MonoNs();
     auto results = state->PutStart(items, po, now);
     if (Status pub = PublishInflight(); !pub.ok()) {
@@ -1155,6 +1168,7 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Impl::Launch(
   cfg.start_ns = util::MonoNs();
   cfg.lease_ms = options.lease_ms;
   cfg.put_timeout_ms = options.put_timeout_ms;
+  cfg.soft_pin_ttl_ms = options.soft_pin_ttl_ms;
   cfg.min_replicas = options.min_replicas;
   cfg.high_watermark = options.high_watermark;
   cfg.low_watermark = options.low_watermark;

@@ -99,6 +99,8 @@ struct InventoryRecord {
   // two overlapping records the higher replica_id is the later allocation, the one whose bytes
   // the range holds. A record without one (0) is malformed.
   uint64_t replica_id = 0;
+  bool hard_pin = false;         // PutOptions::pinned
+  uint64_t soft_pin_ttl_ms = 0;  // the object's soft pin TTL when committed (0: none)
   bool operator==(const InventoryRecord&) const = default;
 };
 
@@ -140,6 +142,8 @@ struct MasterConfig {
   // A put not ended within this is revoked; clients must bound their writes by it. The same
   // bound applies to the commit phase of a put end.
   uint64_t put_timeout_ms = 10000;
+  // A soft pin's TTL when the put names none (PutOptions::soft_pin_ttl_ms 0).
+  uint64_t soft_pin_ttl_ms = 30 * 60 * 1000;
   // Replicas that must be written and committed for a put to complete.
   // REQUIRES: 1 <= min_replicas <= max_replicas.
   uint32_t min_replicas = 1;
@@ -309,10 +313,20 @@ struct PutItem {
   std::vector<uint64_t> sizes;  // one per buffer
 };
 
+// A put's soft pin (PutOptions::soft_pin): kPreserve keeps that of the version an overwrite
+// replaces (a new key gets none), kEnable pins, kDisable does not.
+enum class SoftPin : uint8_t { kPreserve = 0, kEnable = 1, kDisable = 2 };
+
 struct PutOptions {
   uint32_t replica_num = 1;
-  // Pinned objects are never evicted (Remove still removes them).
+  // Pinned objects are never evicted (Remove still removes them). An overwrite of a pinned
+  // object is pinned too.
   bool pinned = false;
+  // Soft-pinned objects are evicted only when no other object of the segment can be, until
+  // soft_pin_ttl_ms (0: MasterConfig::soft_pin_ttl_ms) after the put, renewed by each read
+  // grant. A TTL with an action other than kEnable is INVALID_ARGUMENT.
+  SoftPin soft_pin = SoftPin::kPreserve;
+  uint64_t soft_pin_ttl_ms = 0;
   // When it names an ACTIVE node with room, one replica goes there (local writes are cheapest).
   std::string client_node_id;
   // Put a new version of a key that exists (an upsert). The new version is written alongside

@@ -184,6 +184,9 @@ struct MasterState::Impl {
     uint64_t repair_not_before_ns = 0;
     uint64_t repair_since_ns = 0;           // when it last joined repair_keys
     std::vector<std::string> failed_dests;  // node ids whose copy failed lately
+    // A soft pin (PutOptions::soft_pin): until then, renewed by reads for soft_pin_ttl_ns.
+    uint64_t soft_pin_until_ns = 0;
+    uint64_t soft_pin_ttl_ns = 0;
   };
 
   // One object's record. Its buffer sizes and its key are stored in the same allocation, after
@@ -225,11 +228,22 @@ struct MasterState::Impl {
     uint64_t put_deadline_ns() const { return extra ? extra->put_deadline_ns : 0; }
     uint64_t repair_not_before_ns() const { return extra ? extra->repair_not_before_ns : 0; }
     uint64_t repair_since_ns() const { return extra ? extra->repair_since_ns : 0; }
+    bool soft_pinned(uint64_t now_ns) const { return extra && extra->soft_pin_until_ns > now_ns; }
+    uint64_t soft_pin_ttl_ns() const { return extra ? extra->soft_pin_ttl_ns : 0; }
+    // Soft-pins it for ttl_ns from now (0: no soft pin).
+    void SoftPinFor(uint64_t ttl_ns, uint64_t now_ns) {
+      if (ttl_ns == 0) {
+        if (extra) extra->soft_pin_until_ns = extra->soft_pin_ttl_ns = 0;
+        return;
+      }
+      Extra().soft_pin_ttl_ns = ttl_ns;
+      extra->soft_pin_until_ns = now_ns + ttl_ns;
+    }
     // Drops the extra record once nothing in it is in use.
     void TrimExtra() {
       if (extra && extra->put_layout.empty() && extra->put_deadline_ns == 0 &&
           extra->repair_not_before_ns == 0 && extra->repair_since_ns == 0 &&
-          extra->failed_dests.empty()) {
+          extra->failed_dests.empty() && extra->soft_pin_ttl_ns == 0) {
         extra.reset();
       }
     }
@@ -561,8 +575,16 @@ struct MasterState::Impl {
   }
 
   InventoryRecord Record(const Object& o, const Replica& r) const {
-    return {std::string(PublicKey(o.key())), o.version, o.SizesVector(), o.checksum,
-            r.segment->info.segment_id,      r.offset,  o.target,        r.replica_id};
+    return {std::string(PublicKey(o.key())),
+            o.version,
+            o.SizesVector(),
+            o.checksum,
+            r.segment->info.segment_id,
+            r.offset,
+            o.target,
+            r.replica_id,
+            o.pinned,
+            o.soft_pin_ttl_ns() / 1'000'000};
   }
 
   // For a record a commit may have left on a node, unless it is (again) a live replica's: a
@@ -709,8 +731,10 @@ struct MasterState::Impl {
 
   // ---------------------------------------------------------------- operations (master_puts.cc)
 
+  // `replaces`: the complete version an overwrite replaces (its pins carry over).
   Result<PutAllocation> AllocateObject(const PutItem& item, uint64_t bytes,
-                                       const PutOptions& options, uint64_t now_ns);
+                                       const PutOptions& options, uint64_t now_ns,
+                                       const Object* replaces = nullptr);
   Status BeginPutEndOne(const PutEndItem& item, uint64_t now_ns, PutEndPlan& plan,
                         std::map<std::string, size_t>& commit_index);
   struct CommitEntry {

@@ -137,6 +137,7 @@ struct StoreClient::Impl {
   // meanwhile.
   std::unique_ptr<store::PeerDirectory> directory;
   store::CallKey admin_key;  // StoreOptions::admin_token (RemoveAll)
+  store::PutPins pins;       // StoreOptions::hard_pin, soft_pin, soft_pin_ttl_ms
 
   std::mutex peers_mu;
   std::unordered_map<std::string, uint64_t> peers;        // node id -> incarnation added to engine
@@ -519,10 +520,13 @@ Status StoreClient::Impl::GrantsForGet(std::span<const std::string> keys,
         keys, engine->self().node_id, /*sizes_only=*/false, all ? options.master_wait_ms : 0);
     if (r.ok()) {
       *got = std::move(r).value();
+      std::vector<std::string> gone;  // removed by another client meanwhile, say
       for (size_t i = 0; i < keys.size(); ++i) {
         const store::ReadGrant& g = (*got)[i];
         if (g.status.ok()) Remember(keys[i], g.version, g.sizes, g.checksum, g.replicas);
+        if (recalled[i] && g.status.IsNotFound()) gone.push_back(keys[i]);
       }
+      Forget(gone);
       return Status::OK();
     }
     st = r.status();
@@ -1117,6 +1121,19 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& opt
     return Status::InvalidArgument(
         "hedge_bandwidth_mbps must be >= 1 while hedging is on (hedge_after_ms > 0)");
   }
+  std::optional<store::SoftPin> soft_pin;
+  if (options.soft_pin == "preserve") soft_pin = store::SoftPin::kPreserve;
+  if (options.soft_pin == "enable") soft_pin = store::SoftPin::kEnable;
+  if (options.soft_pin == "disable") soft_pin = store::SoftPin::kDisable;
+  if (!soft_pin) {
+    return Status::InvalidArgument("soft_pin \"" + options.soft_pin +
+                                   "\" is none of preserve, enable, disable");
+  }
+  if (options.soft_pin_ttl_ms != 0 && *soft_pin != store::SoftPin::kEnable) {
+    return Status::InvalidArgument("soft_pin_ttl_ms " + std::to_string(options.soft_pin_ttl_ms) +
+                                   " needs soft_pin \"enable\" (it is \"" + options.soft_pin +
+                                   "\")");
+  }
   if (options.location_cache_entries != 0 && options.master_wait_ms == 0) {
     return Status::InvalidArgument(
         "master_wait_ms must be >= 1 while reads without the master are on "
@@ -1126,6 +1143,7 @@ Result<std::unique_ptr<StoreClient>> StoreClient::Create(const StoreOptions& opt
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->admin_key = store::CallKey(options.admin_token, store::kAdminKeyPurpose);
+  impl->pins = {options.hard_pin, *soft_pin, options.soft_pin_ttl_ms};
   KVB_RETURN_IF_ERROR(
       store::ParseFaults(options.faults, "StoreOptions::faults",
                          {{"put_stall_before_write_ms", &impl->put_stall_before_write_ms},
@@ -1247,7 +1265,7 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   const auto put_base = std::chrono::steady_clock::now();
   {
     store::MasterClient::PendingPutStart pending = im.master->PutStart(
-        keys, sizes, im.options.replica_num, im.engine->self().node_id, overwrite);
+        keys, sizes, im.options.replica_num, im.engine->self().node_id, overwrite, im.pins);
     std::vector<const std::vector<Piece>*> of_key(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
       uint64_t total = 0;

@@ -27,16 +27,17 @@ ENGINE_FIELDS = (
 )
 # Options that are booleans; every other bool is refused (True is not a number of ms).
 BOOL_FIELDS = ("verify_checksums", "path_failover", "path_failover_writes", "local_copy",
-               "metrics_listen_best_effort")
+               "metrics_listen_best_effort", "hard_pin")
 STORE_FIELDS = ("master", "replica_num", "rpc_timeout_ms", "store_transfer_deadline_ms",
                 "verify_checksums", "hedge_after_ms", "hedge_bandwidth_mbps",
-                "location_cache_entries", "master_wait_ms", "peer_discovery", "admin_token",
-                "client_faults")
+                "location_cache_entries", "master_wait_ms", "hard_pin", "soft_pin",
+                "soft_pin_ttl_ms", "peer_discovery", "admin_token", "client_faults")
 NODE_FIELDS = ("master", "node_dram_bytes", "node_storage_plugin", "node_rpc_listen",
                "rpc_timeout_ms", "drain_timeout_ms", "node_ssd_path", "node_ssd_bytes",
                "node_ssd_plugin", "node_ssd_staging_bytes", "peer_discovery", "rpc_auth_skew_ms",
                "metrics_listen", "metrics_listen_best_effort", "metrics_token", "node_faults")
-MASTER_FIELDS = ("master_listen", "node_ttl_ms", "lease_ms", "put_timeout_ms", "min_replicas",
+MASTER_FIELDS = ("master_listen", "node_ttl_ms", "lease_ms", "put_timeout_ms", "soft_pin_ttl_ms",
+                 "min_replicas",
                  "high_watermark", "low_watermark", "demote_high_watermark",
                  "demote_low_watermark", "promote_after_reads", "drain_timeout_ms",
                  "rpc_timeout_ms", "task_timeout_ms", "departed_node_ttl_ms",

@@ -286,6 +286,42 @@ def test_options_are_keywords_and_typos_are_refused():
             kvbridge.StoreClient(master=c.master_address, hedge_after_ms=-1)
 
 
+def test_pins_keep_objects_through_a_store_filled_past_its_capacity():
+    """Hard- and soft-pinned objects outlive a fill of many times the store's memory; the
+    unpinned ones put before them are evicted (docs/store.md "Eviction")."""
+    with kvbridge.Cluster(nodes=1, dram_bytes_per_node=8 << 20) as c:
+        value = b"p" * 65536
+        hard = kvbridge.StoreClient(master=c.master_address, hard_pin=True)
+        soft = kvbridge.StoreClient(master=c.master_address, soft_pin="enable",
+                                    soft_pin_ttl_ms=600000)
+        plain = c.client()
+        try:
+            for i in range(8):
+                plain.put(f"old{i}", value)
+            for i in range(16):
+                hard.put(f"hard{i}", value)
+                soft.put(f"soft{i}", value)
+            for i in range(400):  # 25 MiB through an 8 MiB pool
+                plain.put(f"fill{i}", value)
+            keys = [f"hard{i}" for i in range(16)] + [f"soft{i}" for i in range(16)]
+            assert all(plain.batch_exists(keys)), "a pinned object was evicted"
+            assert not any(plain.batch_exists([f"old{i}" for i in range(8)]))
+            assert plain.get("soft3") == value and plain.get("hard3") == value
+        finally:
+            hard.close()
+            soft.close()
+
+
+def test_pin_options_are_checked():
+    """A bad soft_pin, or a TTL without soft_pin="enable", is refused naming the option."""
+    with pytest.raises(errors.InvalidArgumentError, match="soft_pin"):
+        kvbridge.StoreClient(master="127.0.0.1:1", soft_pin="sometimes")
+    with pytest.raises(errors.InvalidArgumentError, match="soft_pin_ttl_ms"):
+        kvbridge.StoreClient(master="127.0.0.1:1", soft_pin_ttl_ms=1000)
+    with pytest.raises(errors.InvalidArgumentError, match="hard_pin"):
+        kvbridge.StoreClient(master="127.0.0.1:1", hard_pin="yes")
+
+
 def test_replicas_survive_a_stopped_node():
     with kvbridge.Cluster(nodes=3, replica_num=2, dram_bytes_per_node=32 << 20) as c:
         store = c.client()

@@ -780,6 +780,24 @@ TEST_F(StoreClusterNoMaster, ObjectRemovedBeforeTheMasterDiedIsAMiss) {
   EXPECT_EQ(again[0].origin(), StatusOrigin::kMaster) << again[0].ToString();
 }
 
+// A key the master says is gone (removed by another client) is forgotten at once: with the
+// master then down, the reader does not ask the nodes for it but fails naming the master.
+TEST_F(StoreClusterNoMaster, AMissFromTheMasterForgetsTheKey) {
+  ASSERT_EQ(PutRange(0, 2), 0);
+  for (const Status& st : GetEach(reader_.get(), Ids(0, 2))) ASSERT_TRUE(st.ok()) << st.ToString();
+  for (const Status& st : client_->BatchRemove(std::vector<std::string>{Key(0)})) {
+    ASSERT_TRUE(st.ok()) << st.ToString();
+  }
+  auto miss = GetEach(reader_.get(), {0});
+  ASSERT_TRUE(miss[0].IsNotFound()) << miss[0].ToString();
+  EXPECT_NE(miss[0].origin(), StatusOrigin::kMaster);  // a miss, not the master failing
+  master_->Kill();
+  auto after = GetEach(reader_.get(), {0, 1});
+  EXPECT_FALSE(after[0].IsNotFound()) << after[0].ToString();
+  EXPECT_EQ(after[0].origin(), StatusOrigin::kMaster) << after[0].ToString();
+  EXPECT_TRUE(after[1].ok()) << after[1].ToString();
+}
+
 // With the master down, a node killed too: every object still has a replica on a live node
 // (two replicas, three nodes), which confirms it and serves it; a node restarted on its port
 // (another incarnation, empty) confirms nothing and serves nothing.

@@ -75,6 +75,14 @@ struct KVBRIDGE_API StoreOptions {
   // nodes. KVBRIDGE_LOCATION_CACHE_ENTRIES, KVBRIDGE_MASTER_WAIT_MS (>= 1).
   uint32_t location_cache_entries = 65536;
   uint32_t master_wait_ms = 500;
+  // Pins of the objects this client puts (docs/store.md "Eviction"): hard_pin, never evicted;
+  // soft_pin "enable" (evicted only when nothing else can be, for soft_pin_ttl_ms after the
+  // put, 0: the master's default, renewed by reads), "disable", or "preserve" (an upsert
+  // keeps the soft pin of the version it replaces; a new key gets none). A TTL without
+  // "enable" is INVALID_ARGUMENT at Create, as is another soft_pin value.
+  bool hard_pin = false;
+  std::string soft_pin = "preserve";
+  uint64_t soft_pin_ttl_ms = 0;
   // The client's transfer engine (its node id is the "local node" for replica ordering).
   EngineOptions engine;
   // Where storage nodes' engine descriptors come from: "master" (the master's directory) or
@@ -338,6 +346,9 @@ struct KVBRIDGE_API MasterOptions {
   uint32_t lease_ms = 5000;
   // A put not ended within this is revoked. KVBRIDGE_PUT_TIMEOUT_MS.
   uint32_t put_timeout_ms = 10000;
+  // A soft pin's TTL when the put names none (docs/store.md "Eviction"): 30 minutes, as
+  // Mooncake's default. KVBRIDGE_SOFT_PIN_TTL_MS.
+  uint32_t soft_pin_ttl_ms = 30 * 60 * 1000;
   // Replicas that must succeed for a put to count. KVBRIDGE_MIN_REPLICAS.
   uint32_t min_replicas = 1;
   // Eviction starts above high and stops below low (fractions of a segment).

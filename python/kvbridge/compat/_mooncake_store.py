@@ -42,7 +42,7 @@ import re
 import socket
 import sys
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from kvbridge import _buffers
 from kvbridge.compat import _mooncake_names
@@ -223,9 +223,10 @@ class ReplicaDescriptor:
 class ReplicateConfig:
     """Mooncake's put options, with Mooncake's fields, defaults and checks (a value of the
     wrong type, or an int outside 0..2**64-1, raises TypeError as pybind11 does). kvbridge
-    honours ``replica_num`` (replicas on distinct nodes); the other fields are kept so that code
-    setting them runs, and are ignored. Unlike Mooncake's, the constructor also takes the
-    fields as keywords: ``ReplicateConfig(replica_num=2)``."""
+    honours ``replica_num`` (replicas on distinct nodes) and the pins (``with_hard_pin``,
+    ``soft_pin_action``, ``soft_pin_ttl_ms``: docs/store.md "Eviction"); the other fields are
+    kept so that code setting them runs, and are ignored. Unlike Mooncake's, the constructor
+    also takes the fields as keywords: ``ReplicateConfig(replica_num=2)``."""
 
     __slots__ = ("replica_num", "nof_replica_num", "dfs_replica_num", "soft_pin_action",
                  "soft_pin_ttl_ms", "with_hard_pin", "preferred_segment", "preferred_segments",
@@ -338,13 +339,38 @@ _CONFIG_FIELDS = {
 }
 
 
-def _replica_num(config: Any) -> int:
+class _PutProfile(NamedTuple):
+    """What of a ReplicateConfig kvbridge honours, per client (StoreClient options)."""
+    replica_num: int = 1
+    hard_pin: bool = False
+    soft_pin: str = "preserve"  # StoreClient's soft_pin: preserve, enable, disable
+    soft_pin_ttl_ms: int = 0    # 0: the master's default
+
+    def suffix(self) -> str:
+        """The node id suffix of this profile's client (unique per profile)."""
+        out = f"-r{self.replica_num}"
+        if self.hard_pin:
+            out += "-hard"
+        if self.soft_pin != "preserve":
+            out += f"-{self.soft_pin}{self.soft_pin_ttl_ms or ''}"
+        return out
+
+
+_DEFAULT_PROFILE = _PutProfile()
+
+
+def _replica_num(config: Any) -> _PutProfile:
+    """The put profile of a ReplicateConfig (ours or mooncake.store's): replica_num and pins."""
     if config is None:
-        return 1
+        return _DEFAULT_PROFILE
     n = getattr(config, "replica_num", None)  # ours or mooncake.store.ReplicateConfig
     if not isinstance(n, int) or isinstance(n, bool):
         raise TypeError(f"config: expected a ReplicateConfig, got {type(config).__name__}")
-    return n
+    action = getattr(config, "soft_pin_action", None)
+    soft = getattr(action, "name", "PRESERVE").lower()
+    ttl = getattr(config, "soft_pin_ttl_ms", None)
+    return _PutProfile(n, bool(getattr(config, "with_hard_pin", False)), soft,
+                       0 if ttl is None else int(ttl))
 
 
 def _check_key(key: Any) -> None:
@@ -449,8 +475,8 @@ class _Session:
         self.metrics_listen = metrics_listen
         _serve_metrics(client, metrics_listen)
         self._lock = threading.Lock()
-        # Clients for puts with another replica_num (kvbridge's replica_num is per client).
-        self._by_replicas: dict[int, StoreClient] = {1: client}
+        # Clients for puts with another replica_num or pins (kvbridge's are per client).
+        self._by_replicas: dict[_PutProfile, StoreClient] = {_DEFAULT_PROFILE: client}
         self._registered: dict[int, int] = {}  # address -> size, re-registered on new clients
         self._closed = False
         self.staging = staging
@@ -460,21 +486,24 @@ class _Session:
             self.staging_address = ctypes.addressof(ctypes.c_char.from_buffer(staging))
             self.register(self.staging_address, len(staging))
 
-    def client_for(self, replica_num: int) -> StoreClient:
+    def client_for(self, profile: _PutProfile) -> StoreClient:
         with self._lock:
-            c = self._by_replicas.get(replica_num)
+            c = self._by_replicas.get(profile)
             closed = self._closed
         if c is not None:
             return c
         if closed:
             raise UnavailableError("the store is closed")
-        opts = dict(self._client_options, replica_num=replica_num)
-        opts["node_id"] = f"{opts['node_id']}-r{replica_num}"
-        fresh = StoreClient(**opts)  # InvalidArgumentError for replica_num < 1
+        opts = dict(self._client_options, replica_num=profile.replica_num,
+                    hard_pin=profile.hard_pin, soft_pin=profile.soft_pin,
+                    soft_pin_ttl_ms=profile.soft_pin_ttl_ms)
+        opts["node_id"] = opts["node_id"] + profile.suffix()
+        # InvalidArgumentError for replica_num < 1, or a TTL without SoftPinAction.ENABLE
+        fresh = StoreClient(**opts)
         _serve_metrics(fresh, self.metrics_listen)
         with self._lock:
             closed = self._closed
-            c = fresh if closed else self._by_replicas.setdefault(replica_num, fresh)
+            c = fresh if closed else self._by_replicas.setdefault(profile, fresh)
             buffers = list(self._registered.items()) if c is fresh else []
         if closed or c is not fresh:
             fresh.close()
@@ -491,7 +520,7 @@ class _Session:
         self.client.register_buffer(_raw(address, size))
         with self._lock:
             self._registered[address] = size
-            others = [c for n, c in self._by_replicas.items() if n != 1]
+            others = [c for n, c in self._by_replicas.items() if n != _DEFAULT_PROFILE]
         for c in others:
             c.register_buffer(_raw(address, size))
 
@@ -499,7 +528,7 @@ class _Session:
         self.client.unregister_buffer((address, 0))
         with self._lock:
             self._registered.pop(address, None)
-            others = [c for n, c in self._by_replicas.items() if n != 1]
+            others = [c for n, c in self._by_replicas.items() if n != _DEFAULT_PROFILE]
         for c in others:
             try:
                 c.unregister_buffer((address, 0))

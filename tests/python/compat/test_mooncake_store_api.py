@@ -968,6 +968,29 @@ def test_replicate_config(impl, store, key):
     assert many == (0 if impl.is_mooncake else NO_AVAILABLE_HANDLE)
 
 
+def test_pins_in_replicate_config(impl, store, key):
+    """Puts with a hard pin, an enabled soft pin (with and without a TTL) and an upsert that
+    preserves one succeed and read back; a TTL without SoftPinAction.ENABLE is refused, as in
+    Mooncake. (That pinned objects outlive a fill: tests/python/test_store.py.)"""
+    store_module = sys.modules[impl.store_cls.__module__]
+
+    def config(**fields):
+        c = impl.config_cls()
+        for name, value in fields.items():
+            setattr(c, name, value)
+        return c
+
+    enable = store_module.SoftPinAction.ENABLE
+    assert store.put(key("hard"), b"h", config(with_hard_pin=True)) == 0
+    assert store.put(key("soft"), b"s", config(soft_pin_action=enable)) == 0
+    assert store.put(key("ttl"), b"t", config(soft_pin_action=enable, soft_pin_ttl_ms=60000)) == 0
+    assert store.upsert(key("soft"), b"S", config()) == 0  # PRESERVE
+    assert store.get_batch([key("hard"), key("soft"), key("ttl")]) == [b"h", b"S", b"t"]
+    bad = config(soft_pin_action=store_module.SoftPinAction.DISABLE, soft_pin_ttl_ms=1000)
+    assert store.put(key("bad"), b"b", bad) == INVALID_PARAMS
+    assert store.is_exist(key("bad")) == 0
+
+
 def test_replicate_config_defaults_and_checks(impl):
     config = impl.config_cls()
     store_module = sys.modules[impl.store_cls.__module__]

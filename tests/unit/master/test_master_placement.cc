@@ -124,5 +124,170 @@ TEST(MasterEviction, PutStartEvictsWhenShort) {
   ExpectConsistent(c);
 }
 
+// --- Pins (docs/store.md "Eviction") ---
+
+// A put with the given pins of one 1 KiB object, ended.
+Status PinnedPut(Cluster& c, const std::string& key, SoftPin soft, uint64_t ttl_ms = 0,
+                 bool hard = false, bool overwrite = false) {
+  PutOptions o;
+  o.soft_pin = soft;
+  o.soft_pin_ttl_ms = ttl_ms;
+  o.pinned = hard;
+  o.overwrite = overwrite;
+  auto r = c.m().PutStart({{key, {kKiB}}}, o, c.now);
+  if (!r[0].ok()) return r[0].status();
+  return c.End(key, r[0].value(), {true}, 0);
+}
+
+// Soft-pinned objects go after every unpinned one, even older ones; hard-pinned never.
+TEST(MasterPins, SoftPinnedObjectsAreEvictedLastAndHardPinnedNever) {
+  MasterConfig cfg;
+  cfg.eviction_sample_size = 4;  // a sample that mostly finds soft-pinned objects
+  cfg.max_put_fill = 1.0;
+  Cluster c(cfg);
+  c.AddNode("n0", {100 * kKiB});
+  // The oldest 60 are soft-pinned (and one hard-pinned): by LRU alone they would go first.
+  for (int i = 0; i < 60; ++i) {
+    c.now += kMs;
+    ASSERT_TRUE(PinnedPut(c, "soft" + std::to_string(i), SoftPin::kEnable).ok()) << i;
+  }
+  ASSERT_TRUE(PinnedPut(c, "hard", SoftPin::kDisable, 0, true).ok());
+  for (int i = 0; i < 34; ++i) {
+    c.now += kMs;
+    ASSERT_TRUE(c.Put("plain" + std::to_string(i), kKiB).ok()) << i;
+  }
+  EXPECT_EQ(c.Used("n0"), 95 * kKiB);
+  EXPECT_EQ(c.m().Tick(c.now).objects_evicted, 15u);  // down to the low watermark (80)
+  for (int i = 0; i < 60; ++i) EXPECT_TRUE(c.m().Exists({"soft" + std::to_string(i)})[0]) << i;
+  int plain_left = 0;  // (sampled LRU: which 15 of them is not exact)
+  for (int i = 0; i < 34; ++i) plain_left += c.m().Exists({"plain" + std::to_string(i)})[0];
+  EXPECT_EQ(plain_left, 34 - 15);
+  // Only soft-pinned ones left to evict: they go, oldest first; the hard-pinned one stays.
+  for (int i = 0; i < 35; ++i) {
+    c.now += kMs;
+    ASSERT_TRUE(PinnedPut(c, "more" + std::to_string(i), SoftPin::kEnable).ok()) << i;
+  }
+  EXPECT_GT(c.m().Tick(c.now).objects_evicted, 0u);
+  EXPECT_FALSE(c.m().Exists({"soft0"})[0]);
+  EXPECT_TRUE(c.m().Exists({"hard"})[0]);
+  EXPECT_TRUE(c.m().Exists({"more34"})[0]);
+  ExpectConsistent(c);
+}
+
+// A soft pin ends after its TTL unless reads renew it; then the object is evicted in LRU order.
+TEST(MasterPins, SoftPinLastsItsTtlAndReadsRenewIt) {
+  MasterConfig cfg;
+  cfg.eviction_sample_size = 1000;
+  cfg.max_put_fill = 1.0;
+  cfg.soft_pin_ttl_ms = 60000;  // the default, for "read"
+  Cluster c(cfg);
+  c.AddNode("n0", {10 * kKiB});
+  ASSERT_TRUE(PinnedPut(c, "short", SoftPin::kEnable, 2000).ok());
+  ASSERT_TRUE(PinnedPut(c, "read", SoftPin::kEnable).ok());
+  for (int i = 0; i < 8; ++i) {
+    c.now += kMs;
+    ASSERT_TRUE(c.Put("p" + std::to_string(i), kKiB).ok());
+  }
+  c.PassSeconds(1);  // its tick evicts 10 -> 8 KiB: two unpinned ones
+  int plain_left = 0;
+  for (int i = 0; i < 8; ++i) plain_left += c.m().Exists({"p" + std::to_string(i)})[0];
+  EXPECT_EQ(plain_left, 6);
+  EXPECT_TRUE(c.m().Exists({"short"})[0]);
+  c.PassSeconds(2);     // "short" is past its 2 s; "read" is pinned for 60 s
+  c.now += 6000 * kMs;  // every lease is over
+  c.HeartbeatAll();
+  ASSERT_TRUE(PinnedPut(c, "x0", SoftPin::kDisable).ok());
+  ASSERT_TRUE(PinnedPut(c, "x1", SoftPin::kDisable).ok());
+  // Over the high watermark again: "short" is the least recently used, unpinned now.
+  EXPECT_GT(c.m().Tick(c.now).objects_evicted, 0u);
+  EXPECT_FALSE(c.m().Exists({"short"})[0]);
+  EXPECT_TRUE(c.m().Exists({"read"})[0]);
+  // 50 s later a read renews "read" for 60 s from then; then every other object is read, so
+  // that "read" is the least recently used: 70 s after its put only the renewed pin keeps it.
+  c.now += 50000 * kMs;
+  c.HeartbeatAll();
+  ASSERT_TRUE(c.m().GetReplicas({"read"}, "", c.now)[0].ok());
+  c.now += 1000 * kMs;
+  for (const auto& [k, rec] : c.nodes["n0"].records) {
+    if (rec.key != "read") (void)c.m().GetReplicas({rec.key}, "", c.now);
+  }
+  c.now += 19000 * kMs;  // leases over
+  c.HeartbeatAll();
+  for (int i = 0; i < 4; ++i) {
+    c.now += kMs;
+    ASSERT_TRUE(c.Put("q" + std::to_string(i), kKiB).ok()) << i;
+  }
+  c.m().Tick(c.now);
+  EXPECT_TRUE(c.m().Exists({"read"})[0]);
+  ExpectConsistent(c);
+}
+
+// Upserts: PRESERVE keeps the replaced version's soft pin (and a hard pin stays); DISABLE drops
+// it; a TTL without ENABLE is refused, naming it.
+TEST(MasterPins, UpsertsKeepOrDropPinsAndATtlNeedsEnable) {
+  MasterConfig cfg;
+  cfg.eviction_sample_size = 1000;
+  cfg.max_put_fill = 1.0;
+  Cluster c(cfg);
+  c.AddNode("n0", {10 * kKiB});
+  ASSERT_TRUE(PinnedPut(c, "kept", SoftPin::kEnable).ok());
+  ASSERT_TRUE(PinnedPut(c, "dropped", SoftPin::kEnable).ok());
+  ASSERT_TRUE(PinnedPut(c, "hard", SoftPin::kPreserve, 0, true).ok());
+  c.now += kMs;
+  ASSERT_TRUE(PinnedPut(c, "kept", SoftPin::kPreserve, 0, false, true).ok());
+  ASSERT_TRUE(PinnedPut(c, "dropped", SoftPin::kDisable, 0, false, true).ok());
+  ASSERT_TRUE(PinnedPut(c, "hard", SoftPin::kPreserve, 0, false, true).ok());
+  PutOptions bad;
+  bad.soft_pin_ttl_ms = 1000;  // with PRESERVE
+  auto r = c.m().PutStart({{"bad", {kKiB}}}, bad, c.now);
+  ASSERT_EQ(r[0].status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r[0].status().message().find("soft_pin_ttl_ms"), std::string::npos);
+  for (int i = 0; i < 7; ++i) {
+    c.now += kMs;
+    ASSERT_TRUE(c.Put("p" + std::to_string(i), kKiB).ok());
+  }
+  c.now += 6000 * kMs;  // leases of the replaced versions over
+  c.HeartbeatAll();
+  // Full: of the 10, the unpinned 7 and "dropped" are the candidates; the oldest of them,
+  // "dropped", goes first.
+  c.m().Tick(c.now);
+  EXPECT_FALSE(c.m().Exists({"dropped"})[0]);
+  EXPECT_TRUE(c.m().Exists({"kept"})[0]);
+  EXPECT_TRUE(c.m().Exists({"hard"})[0]);
+  ExpectConsistent(c);
+}
+
+// A master rebuilt from the nodes' inventories keeps hard pins and soft-pins again.
+TEST(MasterPins, PinsComeBackWithTheInventories) {
+  MasterConfig cfg;
+  cfg.eviction_sample_size = 1000;
+  cfg.max_put_fill = 1.0;
+  Cluster c(cfg);
+  c.AddNode("n0", {10 * kKiB});
+  ASSERT_TRUE(PinnedPut(c, "hard", SoftPin::kDisable, 0, true).ok());
+  ASSERT_TRUE(PinnedPut(c, "soft", SoftPin::kEnable, 600000).ok());
+  for (int i = 0; i < 8; ++i) ASSERT_TRUE(c.Put("p" + std::to_string(i), kKiB).ok());
+  bool hard_seen = false, soft_seen = false;
+  for (const auto& [k, rec] : c.nodes["n0"].records) {
+    if (rec.key == "hard") hard_seen = rec.hard_pin && rec.soft_pin_ttl_ms == 0;
+    if (rec.key == "soft") soft_seen = !rec.hard_pin && rec.soft_pin_ttl_ms == 600000;
+  }
+  EXPECT_TRUE(hard_seen && soft_seen) << "the committed records carry no pins";
+  c.Restart();
+  c.now += 60000 * kMs;  // past every wait of a restart (late writes, leases)
+  c.HeartbeatAll();
+  c.m().Tick(c.now);
+  // Fill it: only unpinned objects go.
+  for (int i = 0; i < 10; ++i) {
+    c.now += kMs;
+    (void)c.Put("after" + std::to_string(i), kKiB);
+    c.m().Tick(c.now);
+  }
+  EXPECT_TRUE(c.m().Exists({"hard"})[0]);
+  EXPECT_TRUE(c.m().Exists({"soft"})[0]);
+  for (int i = 0; i < 8; ++i) EXPECT_FALSE(c.m().Exists({"p" + std::to_string(i)})[0]) << i;
+  ExpectConsistent(c);
+}
+
 }  // namespace
 }  // namespace kvbridge::store::master_test
