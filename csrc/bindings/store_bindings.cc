@@ -498,6 +498,33 @@ void BindClient(py::module_& m) {
            [](PyStoreClient& c) {
              NoGil([&] { c.With([](StoreClient& s) { ThrowIfError(s.RemoveAll()); }); });
            })
+      .def("copy_object",
+           [](PyStoreClient& c, const std::string& key, const std::vector<std::string>& to) {
+             return NoGil([&] {
+               return c.With([&](StoreClient& s) { return Unwrap(s.CopyObject(key, to)); });
+             });
+           })
+      .def("move_object",
+           [](PyStoreClient& c, const std::string& key, const std::string& from,
+              const std::string& to) {
+             return NoGil([&] {
+               return c.With([&](StoreClient& s) { return Unwrap(s.MoveObject(key, from, to)); });
+             });
+           })
+      .def("query_task",
+           [](PyStoreClient& c, uint64_t id) {
+             PlacementTask t = NoGil(
+                 [&] { return c.With([&](StoreClient& s) { return Unwrap(s.QueryTask(id)); }); });
+             py::dict d;
+             d["key"] = py::bytes(t.key);
+             d["move"] = t.move;
+             d["state"] = t.state;
+             d["message"] = t.message;
+             d["source"] = t.source;
+             d["created_unix_ms"] = t.created_unix_ms;
+             d["updated_unix_ms"] = t.updated_unix_ms;
+             return d;
+           })
       .def("stats",
            [](PyStoreClient& c) {
              StoreClientStats s =

@@ -47,6 +47,8 @@ constexpr MethodPolicy kMasterMethods[] = {
     {method::kReportBadReplica, false},
     {method::kGetNodeDescriptors, true},
     {method::kStats, true},
+    {method::kPlace, false},
+    {method::kQueryPlacement, true},
     {method::kRegisterNodeStream, false},
     {method::kRegisterNode, false},
     {method::kHeartbeat, false},
@@ -447,6 +449,47 @@ Result<std::vector<bool>> MasterClient::Exists(std::span<const std::string> keys
         .WithOrigin(StatusOrigin::kMaster);
   }
   return std::vector<bool>(reply.exists().begin(), reply.exists().end());
+}
+
+Result<uint64_t> MasterClient::Place(std::string_view key, const std::vector<std::string>& targets,
+                                     const std::string& move_from) {
+  rpc::PlaceRequest req;
+  req.set_key(std::string(key));
+  for (const auto& t : targets) req.add_targets(t);
+  req.set_move_from(move_from);
+  rpc::PlaceReply reply;
+  KVB_RETURN_IF_ERROR(
+      Run("Place", method::kPlace, [&](grpc::ClientContext* ctx, const Channels& ch) {
+        reply.Clear();
+        return ch.main->Place(ctx, req, &reply);
+      }));
+  if (Status st = FromProto(reply.status()); !st.ok()) return st.WithOrigin(StatusOrigin::kMaster);
+  return reply.task_id();
+}
+
+Result<PlacementTask> MasterClient::QueryPlacement(uint64_t task_id) {
+  rpc::PlacementQuery req;
+  req.set_task_id(task_id);
+  rpc::PlacementReply reply;
+  KVB_RETURN_IF_ERROR(Run("QueryPlacement", method::kQueryPlacement,
+                          [&](grpc::ClientContext* ctx, const Channels& ch) {
+                            reply.Clear();
+                            return ch.main->QueryPlacement(ctx, req, &reply);
+                          }));
+  if (Status st = FromProto(reply.status()); !st.ok()) return st.WithOrigin(StatusOrigin::kMaster);
+  static constexpr const char* kStates[] = {"PROCESSING", "SUCCESS", "FAILED"};
+  if (reply.state() > 2) {
+    return Status::Protocol("QueryPlacement: unknown task state " + std::to_string(reply.state()) +
+                            " from the master")
+        .WithOrigin(StatusOrigin::kMaster);
+  }
+  return PlacementTask{reply.key(),
+                       reply.move(),
+                       kStates[reply.state()],
+                       reply.message(),
+                       reply.source(),
+                       reply.created_unix_ms(),
+                       reply.updated_unix_ms()};
 }
 
 Result<std::vector<Status>> MasterClient::Remove(std::span<const std::string> keys) {

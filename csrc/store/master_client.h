@@ -143,6 +143,10 @@ class MasterClient {
   Result<std::vector<bool>> Exists(std::span<const std::string> keys,
                                    uint32_t single_attempt_ms = 0);
   Result<std::vector<Status>> Remove(std::span<const std::string> keys);
+  // MasterState::Place and QueryPlacement. Place is not retried; QueryPlacement is.
+  Result<uint64_t> Place(std::string_view key, const std::vector<std::string>& targets,
+                         const std::string& move_from);
+  Result<PlacementTask> QueryPlacement(uint64_t task_id);
   // Signed with `admin_key` too (StoreOptions::admin_token).
   Status RemoveAll(const CallKey& admin_key);
   // Best effort: the answer, or its absence, is ignored.

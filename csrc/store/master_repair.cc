@@ -78,20 +78,7 @@ void MasterState::Impl::RepairOne(Object* o, uint64_t now_ns, TickSummary& summa
       blocked = true;
       break;
     }
-    MarkInflight(dest[0].segment, *off, o->bytes(), now_ns);
-    Task t;
-    t.id = next_task_id++;
-    t.key = o->key();
-    t.version = o->version;
-    t.source = src->node;
-    t.source_segment = src->segment->info.segment_id;
-    t.source_offset = src->offset;
-    t.dest = dest[0].node;
-    t.source->source_tasks++;
-    t.source->task_queue.push_back(t.id);
-    // AddReplica may reallocate o->replicas: src is not used past this point.
-    AddReplica(o, dest[0].node, dest[0].segment, *off, ReplicaState::kCopying).task_id = t.id;
-    tasks.emplace(t.id, std::move(t));
+    CreateTask(o, *src, dest[0].node, dest[0].segment, *off, now_ns);
     ++inflight;
     ++summary.tasks_created;
   }
@@ -106,6 +93,153 @@ void MasterState::Impl::RepairOne(Object* o, uint64_t now_ns, TickSummary& summa
   } else if (inflight == 0) {
     o->Extra().repair_not_before_ns = now_ns + MsToNs(cfg.repair_backoff_ms);
   }
+}
+
+void MasterState::Impl::CreateTask(Object* o, const Replica& src, Node* dest, Segment* segment,
+                                   uint64_t offset, uint64_t now_ns) {
+  MarkInflight(segment, offset, o->bytes(), now_ns);
+  Task t;
+  t.id = next_task_id++;
+  t.key = o->key();
+  t.version = o->version;
+  t.source = src.node;
+  t.source_segment = src.segment->info.segment_id;
+  t.source_offset = src.offset;
+  t.dest = dest;
+  t.source->source_tasks++;
+  t.source->task_queue.push_back(t.id);
+  // AddReplica may reallocate o->replicas: src is not used past this point.
+  AddReplica(o, dest, segment, offset, ReplicaState::kCopying).task_id = t.id;
+  tasks.emplace(t.id, std::move(t));
+}
+
+// ------------------------------------------------------------------ placements (Place)
+
+void MasterState::Impl::AdvancePlacement(Placement& p, uint64_t now_ns) {
+  PlacementStatus& st = p.status;
+  if (st.state != PlacementState::kProcessing) return;
+  auto fail = [&](std::string why) {
+    st.state = PlacementState::kFailed;
+    st.message = std::move(why);
+    st.updated_ns = now_ns;
+  };
+  Object* o = FindObject(p.key);
+  if (o == nullptr || o->version != p.version) {
+    return fail("the object was removed or replaced (version " + Num(p.version) + ")");
+  }
+  bool done = true;
+  for (const std::string& id : p.targets) {
+    auto n = nodes.find(id);
+    const int idx = n == nodes.end() ? -1 : ReplicaOn(*o, &n->second);
+    if (idx < 0) return fail("the copy to " + id + " failed (node gone, copy failed or evicted)");
+    done = done && o->replicas[idx].state == ReplicaState::kComplete;
+  }
+  if (!done) return;
+  if (!p.move_from.empty()) {
+    auto n = nodes.find(p.move_from);
+    if (n != nodes.end()) {
+      if (const int idx = ReplicaOn(*o, &n->second); idx >= 0) {
+        DropReplica(o, static_cast<size_t>(idx), now_ns);
+      }
+    }
+  }
+  st.state = PlacementState::kSuccess;
+  st.updated_ns = now_ns;
+}
+
+Result<uint64_t> MasterState::Place(std::string_view key, const std::vector<std::string>& targets,
+                                    const std::string& move_from, uint64_t now_ns) {
+  Impl& m = *impl_;
+  KVB_RETURN_IF_ERROR(m.CheckKey(key));
+  if (targets.empty()) return Status::InvalidArgument("no target node to copy to");
+  if (!move_from.empty() && targets.size() != 1) {
+    return Status::InvalidArgument("a move has one target node, not " + Num(targets.size()));
+  }
+  for (size_t i = 0; i < targets.size(); ++i) {
+    if (targets[i] == move_from) {
+      return Status::InvalidArgument("a move from " + move_from + " to itself");
+    }
+    if (std::find(targets.begin(), targets.begin() + i, targets[i]) != targets.begin() + i) {
+      return Status::InvalidArgument("target node " + targets[i] + " named twice");
+    }
+  }
+  std::lock_guard<std::mutex> lock(m.mu);
+  Impl::Object* o = m.FindObject(key);
+  if (o == nullptr || o->state != ObjectState::kComplete) {
+    return Status::NotFound("no complete object under this key");
+  }
+  auto active = [&](const std::string& id) -> Result<Impl::Node*> {
+    auto n = m.nodes.find(id);
+    if (n == m.nodes.end()) return Status::NotFound("node " + id + " is not registered");
+    if (n->second.state != NodeState::kActive) {
+      return Status::Unavailable("node " + id + " is not ACTIVE");
+    }
+    return &n->second;
+  };
+  if (!move_from.empty()) {
+    auto n = m.nodes.find(move_from);
+    const int idx = n == m.nodes.end() ? -1 : Impl::ReplicaOn(*o, &n->second);
+    if (idx < 0 || o->replicas[idx].state != ReplicaState::kComplete) {
+      return Status::NotFound("node " + move_from + " holds no complete replica to move");
+    }
+  }
+  // Every target is checked, and has room, before any task is made.
+  std::vector<std::pair<Impl::Node*, Impl::Segment*>> dests;
+  for (const std::string& id : targets) {
+    Result<Impl::Node*> found = active(id);
+    if (!found.ok()) return found.status();
+    Impl::Node* n = *found;
+    if (Impl::ReplicaOn(*o, n) >= 0) continue;  // there already (or being copied there)
+    Impl::Segment* s = m.FitSegment(*n, o->bytes(), /*repair=*/true);
+    if (s == nullptr) {
+      return Status::NoSpace("node " + id + " has no free range of " + Num(o->bytes()) + " bytes");
+    }
+    dests.emplace_back(n, s);
+  }
+  std::string source;
+  for (const auto& [n, s] : dests) {
+    const Impl::Replica* src = m.ChooseSource(*o);
+    if (src == nullptr) {
+      return Status::Unavailable("every node holding the object is busy with copies");
+    }
+    std::optional<uint64_t> off = s->alloc.Allocate(o->bytes());
+    if (!off) return Status::NoSpace("allocation failed on " + n->id().node_id);
+    if (source.empty()) source = src->node->id().node_id;
+    m.CreateTask(o, *src, n, s, *off, now_ns);
+  }
+  const uint64_t id = m.next_placement_id++;
+  Impl::Placement& p = m.placements[id];
+  p.key = std::string(key);
+  p.version = o->version;
+  p.targets = targets;
+  p.move_from = move_from;
+  p.status.key = p.key;
+  p.status.move = !move_from.empty();
+  p.status.source = source;
+  p.status.created_ns = p.status.updated_ns = now_ns;
+  m.AdvancePlacement(p, now_ns);  // every target held it already: done at once
+  // Forget the oldest finished placements beyond max_placements.
+  for (auto it = m.placements.begin();
+       m.placements.size() > m.cfg.max_placements && it != m.placements.end();) {
+    if (it->second.status.state != PlacementState::kProcessing) {
+      it = m.placements.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return id;
+}
+
+Result<PlacementStatus> MasterState::QueryPlacement(uint64_t id, uint64_t now_ns) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  auto it = m.placements.find(id);
+  if (it == m.placements.end()) {
+    return Status::NotFound("no placement task " + Num(id) +
+                            " (unknown, forgotten, or handed out by a master before a restart)");
+  }
+  m.AdvancePlacement(it->second, now_ns);
+  return it->second.status;
 }
 
 ReplicationTask MasterState::Impl::TaskView(const Task& t) const {

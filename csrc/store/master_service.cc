@@ -1041,6 +1041,41 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status Place(grpc::ServerContext* ctx, const rpc::PlaceRequest* req,
+                     rpc::PlaceReply* reply) override {
+    KVB_AUTH(ctx, store::method::kPlace);
+    std::vector<std::string> targets(req->targets().begin(), req->targets().end());
+    Result<uint64_t> id = state->Place(req->key(), targets, req->move_from(), util::MonoNs());
+    ToProto(id.ok() ? Status::OK() : id.status(), reply->mutable_status());
+    if (id.ok()) {
+      reply->set_task_id(*id);
+      AddEvent(req->move_from().empty() ? "copy" : "move",
+               "placement task " + std::to_string(*id) + " started");
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status QueryPlacement(grpc::ServerContext* ctx, const rpc::PlacementQuery* req,
+                              rpc::PlacementReply* reply) override {
+    KVB_AUTH(ctx, store::method::kQueryPlacement);
+    const uint64_t now = util::MonoNs();
+    Result<store::PlacementStatus> st = state->QueryPlacement(req->task_id(), now);
+    ToProto(st.ok() ? Status::OK() : st.status(), reply->mutable_status());
+    if (!st.ok()) return grpc::Status::OK;
+    // The master's clock is monotonic; the reply's times are the wall clock's.
+    auto unix_ms = [&](uint64_t ns) {
+      return static_cast<uint64_t>(UnixMs()) - (now - std::min(ns, now)) / 1000000;
+    };
+    reply->set_key(st->key);
+    reply->set_move(st->move);
+    reply->set_state(static_cast<uint32_t>(st->state));
+    reply->set_message(st->message);
+    reply->set_source(st->source);
+    reply->set_created_unix_ms(unix_ms(st->created_ns));
+    reply->set_updated_unix_ms(unix_ms(st->updated_ns));
+    return grpc::Status::OK;
+  }
+
   grpc::Status Remove(grpc::ServerContext* ctx, const rpc::KeysRequest* req,
                       rpc::KeyStatusReply* reply) override {
     KVB_AUTH(ctx, store::method::kRemove);

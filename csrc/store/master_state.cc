@@ -330,6 +330,8 @@ TickSummary MasterState::Tick(uint64_t now_ns) {
     }
     m.last_decay_ns = now_ns;
   }
+  // Placements (Place) whose copies have ended: a move drops its source replica here.
+  for (auto& [id, p] : m.placements) m.AdvancePlacement(p, now_ns);
   return sum;
 }
 

@@ -144,6 +144,8 @@ struct MasterConfig {
   uint64_t put_timeout_ms = 10000;
   // A soft pin's TTL when the put names none (PutOptions::soft_pin_ttl_ms 0).
   uint64_t soft_pin_ttl_ms = 30 * 60 * 1000;
+  // Placements (Place) remembered for QueryPlacement; the oldest finished ones go first.
+  size_t max_placements = 10000;
   // Replicas that must be written and committed for a put to complete.
   // REQUIRES: 1 <= min_replicas <= max_replicas.
   uint32_t min_replicas = 1;
@@ -443,6 +445,18 @@ struct NodeDirectory {
   std::vector<NodeDirectoryEntry> nodes;
 };
 
+// A copy or move the master was asked for (MasterState::Place), as QueryPlacement sees it.
+enum class PlacementState : uint8_t { kProcessing = 0, kSuccess = 1, kFailed = 2 };
+struct PlacementStatus {
+  std::string key;
+  bool move = false;
+  PlacementState state = PlacementState::kProcessing;
+  std::string message;  // why it failed
+  std::string source;   // the node copying (the first task's source), "" before any
+  uint64_t created_ns = 0;
+  uint64_t updated_ns = 0;
+};
+
 struct TickSummary {
   size_t nodes_expired = 0;
   size_t puts_revoked = 0;
@@ -611,6 +625,22 @@ class MasterState {
   // it is gone is for its heartbeats (TTL) and registration to say: one reader's view of the
   // network must not drop data other readers can still reach. NOT_FOUND for an unknown node.
   Status ReportUnreachableNode(const NodeIdentity& node, uint64_t now_ns);
+
+  // --- Placing objects on chosen nodes (docs/store.md "Copying and moving objects") ---
+
+  // Copies a COMPLETE object to each node of `targets` (node ids) that holds no replica of it,
+  // or, with `move_from`, to the one node of `targets` and then drops the replica on
+  // `move_from`. The copies are re-replication tasks, run and committed as those are; a copy
+  // adds replicas beyond the object's replica count, a move keeps the count. Returns the id to
+  // query. INVALID_ARGUMENT (no target, a move with more than one, a move to its source, a
+  // target twice), NOT_FOUND (no such complete object; a node not registered; a move from a
+  // node without a complete replica), UNAVAILABLE (a node not ACTIVE; every source busy),
+  // NO_SPACE (a target without room).
+  Result<uint64_t> Place(std::string_view key, const std::vector<std::string>& targets,
+                         const std::string& move_from, uint64_t now_ns);
+  // The state of a placement, advanced to now. NOT_FOUND for an id this master did not hand
+  // out (or forgot: it keeps the last max_placements, and a restarted master none).
+  Result<PlacementStatus> QueryPlacement(uint64_t id, uint64_t now_ns);
 
   // --- Re-replication ---
 

@@ -322,6 +322,15 @@ struct MasterState::Impl {
     std::optional<InventoryRecord> record;  // sent to the node as a free on release
   };
 
+  // A Place call: what it asked, and what became of it (AdvancePlacement).
+  struct Placement {
+    std::string key;
+    uint64_t version = 0;
+    std::vector<std::string> targets;
+    std::string move_from;
+    PlacementStatus status;
+  };
+
   explicit Impl(const MasterConfig& c)
       : cfg(c),
         rng(c.random_seed != 0 ? c.random_seed : std::random_device{}()),
@@ -420,6 +429,8 @@ struct MasterState::Impl {
   uint64_t next_replica_id = 1;
   uint64_t next_free_seq;
   uint64_t next_task_id = RandomTaskIdBase();
+  std::map<uint64_t, Placement> placements;  // by id (Place)
+  uint64_t next_placement_id = 1;
   uint64_t last_decay_ns = 0;
   uint64_t evictions_total = 0;
   uint64_t revokes_total = 0;
@@ -658,6 +669,13 @@ struct MasterState::Impl {
   void ReleaseReplica(Object* o, size_t idx, uint64_t now_ns, uint64_t hold_until_ns);
   void EraseTask(std::map<uint64_t, Task>::iterator it);
   void DropReplica(Object* o, size_t idx, uint64_t now_ns);
+  // A copy task of `o` from `src` to [offset of] `dest`, whose range is allocated: the replica
+  // (COPYING) and the task the source node gets with its next heartbeat.
+  void CreateTask(Object* o, const Replica& src, Node* dest, Segment* segment, uint64_t offset,
+                  uint64_t now_ns);
+  // Moves a placement on: success once every target holds a complete replica (a move then
+  // drops its source's), failure when the object is gone or a target's copy failed.
+  void AdvancePlacement(Placement& p, uint64_t now_ns);
   void EraseObject(Object* o, uint64_t now_ns);
 
   // ----------------------------------------------- placement and eviction (master_placement.cc)

@@ -1846,6 +1846,23 @@ const char* StoreOpName(StoreOp op) {
   return "unknown";
 }
 
+Result<uint64_t> StoreClient::CopyObject(std::string_view key, const std::vector<std::string>& to) {
+  return impl_->master->Place(key, to, "");
+}
+
+Result<uint64_t> StoreClient::MoveObject(std::string_view key, const std::string& from,
+                                         const std::string& to) {
+  if (from.empty()) return Status::InvalidArgument("MoveObject: no source node");
+  Result<uint64_t> id = impl_->master->Place(key, {to}, from);
+  // Where this client remembers it (reads without the master) is about to change.
+  if (id.ok()) impl_->Forget(std::vector<std::string>{std::string(key)});
+  return id;
+}
+
+Result<PlacementTask> StoreClient::QueryTask(uint64_t task_id) {
+  return impl_->master->QueryPlacement(task_id);
+}
+
 Status StoreClient::RemoveAll() {
   impl_->ForgetAll();
   return impl_->master->RemoveAll(impl_->admin_key);

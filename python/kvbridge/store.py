@@ -270,6 +270,26 @@ class StoreClient:
     def remove_all(self) -> None:
         self._h.remove_all()
 
+    # -- copying and moving objects between storage nodes (docs/store.md) -----------------
+    def copy_object(self, key: Key, to: Sequence[str]) -> int:
+        """Copies the object to the storage nodes named (node ids) that hold no replica of it;
+        returns the task id for query_task. Raises (NOT_FOUND, NO_SPACE, UNAVAILABLE, ...) if
+        the master refuses it."""
+        if isinstance(to, str):
+            raise InvalidArgumentError("to: expected a list of node ids, got one str")
+        return self._h.copy_object(_key(key), list(to))
+
+    def move_object(self, key: Key, from_node: str, to_node: str) -> int:
+        """Moves the object's replica from one storage node to another: copied, then dropped
+        from the first. Returns the task id for query_task."""
+        return self._h.move_object(_key(key), from_node, to_node)
+
+    def query_task(self, task_id: int) -> dict:
+        """A copy or move task: ``state`` ("PROCESSING", "SUCCESS", "FAILED"), ``message``
+        (why it failed), ``key``, ``move``, ``source`` (the node copying),
+        ``created_unix_ms``, ``updated_unix_ms``. NOT_FOUND for an unknown task."""
+        return self._h.query_task(task_id)
+
     # -- batches ---------------------------------------------------------------------------
     def _batch_regions(self, keys: Sequence[Key], buffers: Sequence[Any], writable: bool,
                        what: str) -> tuple[list, list]:

@@ -114,6 +114,18 @@ struct ReplicaInfo {
   uint64_t bytes = 0;  // the object's size
 };
 
+// A copy or move of an object between storage nodes (StoreClient::CopyObject, MoveObject), as
+// StoreClient::QueryTask finds it (docs/store.md "Copying and moving objects").
+struct PlacementTask {
+  std::string key;
+  bool move = false;
+  std::string state;    // "PROCESSING", "SUCCESS" or "FAILED"
+  std::string message;  // why it failed
+  std::string source;   // the node copying (node id)
+  uint64_t created_unix_ms = 0;
+  uint64_t updated_unix_ms = 0;
+};
+
 // The calls a StoreClient counts (StoreClientStats::ops): BatchGetInto (and Get), BatchPutFrom
 // (and Put, BatchUpsertFrom, Upsert), BatchRemove, BatchExists.
 enum class StoreOp : uint8_t { kGet = 0, kPut = 1, kRemove = 2, kExists = 3 };
@@ -219,6 +231,12 @@ class KVBRIDGE_API StoreClient {
   // Removes every object. With a cluster token it needs StoreOptions::admin_token
   // (PERMISSION_DENIED without it).
   Status RemoveAll();
+  // Copies the object to the storage nodes named (node ids) that hold no replica of it, or
+  // moves it from node `from` to node `to` (docs/store.md "Copying and moving objects"); the
+  // copies run as the master's re-replication tasks. The task's id, for QueryTask.
+  Result<uint64_t> CopyObject(std::string_view key, const std::vector<std::string>& to);
+  Result<uint64_t> MoveObject(std::string_view key, const std::string& from, const std::string& to);
+  Result<PlacementTask> QueryTask(uint64_t task_id);
 
   // Convenience forms over unregistered memory (one staging copy each way, through one
   // client-wide staging area, so concurrent calls take turns; use the batch forms for speed).

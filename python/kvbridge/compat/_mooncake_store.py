@@ -975,6 +975,58 @@ class MooncakeDistributedStore:
         codes = self.batch_remove(keys) if keys else []
         return [k for k, code in zip(keys, codes) if code == 0]
 
+    # -- copy and move tasks (docs/store.md "Copying and moving objects") -------------------
+    # Segment names are node ids (get_hostname). A task id is Mooncake's UUID pair: (0, the
+    # master's task number); ((0, 0), code) on failure.
+    def create_copy_task(self, key: str, targets: list) -> tuple:
+        """Copies the object to the segments named: (task id, 0), or ((0, 0), error code)."""
+        _check_key(key)
+        if isinstance(targets, (str, bytes)) or not all(isinstance(t, str) for t in targets):
+            raise TypeError("targets: expected a list of str")
+        s = self._session
+        if s is None or not targets:
+            return (0, 0), int(ErrorCode.INVALID_PARAMS)
+        try:
+            return (0, s.client.copy_object(key, list(targets))), 0
+        except KvbError as e:
+            return (0, 0), _code_of(e)
+
+    def create_move_task(self, key: str, source: str, target: str) -> tuple:
+        """Moves the object's replica from segment `source` to `target`: (task id, 0), or
+        ((0, 0), error code)."""
+        _check_key(key)
+        for name, v in (("source", source), ("target", target)):
+            if not isinstance(v, str):
+                raise TypeError(f"{name}: expected str, got {type(v).__name__}")
+        s = self._session
+        if s is None or not source or not target:
+            return (0, 0), int(ErrorCode.INVALID_PARAMS)
+        try:
+            return (0, s.client.move_object(key, source, target)), 0
+        except KvbError as e:
+            return (0, 0), _code_of(e)
+
+    def query_task(self, task_id: tuple) -> tuple:
+        """(QueryTaskResponse, 0), or (None, error code) for an unknown task."""
+        if (not isinstance(task_id, tuple) or len(task_id) != 2 or
+                not all(isinstance(x, int) for x in task_id)):
+            raise TypeError("task_id: expected a tuple of two ints (a task's UUID)")
+        s = self._session
+        if s is None:
+            return None, int(ErrorCode.INVALID_PARAMS)
+        try:
+            t = s.client.query_task(task_id[1])
+        except KvbError as e:
+            return None, _code_of(e)
+        r = QueryTaskResponse()
+        r.id = task_id
+        r.type = TaskType.REPLICA_MOVE if t["move"] else TaskType.REPLICA_COPY
+        r.status = getattr(TaskStatus, t["state"])
+        r.created_at_ms_epoch = t["created_unix_ms"]
+        r.last_updated_at_ms_epoch = t["updated_unix_ms"]
+        r.message = t["message"]
+        return r, 0
+
     def get_hostname(self) -> str:
         """The name of this store's segment: what ``transport_endpoint`` says for a replica
         held here (``get_replica_desc``). kvbridge's is the node id, not Mooncake's

@@ -3,6 +3,7 @@
 // are acted on.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -253,6 +254,105 @@ TEST(MasterRepair, UnreachableNodeReportsKeepEveryReplica) {
             StatusCode::kNotFound);
   EXPECT_EQ(c.m().ReportUnreachableNode({"nobody", 1}, c.now).code(), StatusCode::kNotFound);
   EXPECT_EQ(c.m().Stats().unreachable_reports_total, 3u);
+  ExpectConsistent(c);
+}
+
+// --- Copying and moving objects (MasterState::Place; docs/store.md) ---
+
+std::vector<std::string> Sorted(std::vector<std::string> v) {
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+// A copy to two nodes runs as two tasks and adds two replicas; the task is PROCESSING until both
+// are committed, then SUCCESS. Asking again for a node that holds it already changes nothing.
+TEST(MasterPlacements, CopyAddsReplicasOnTheNodesNamed) {
+  Cluster c;
+  for (const char* n : {"n0", "n1", "n2", "n3"}) c.AddNode(n, {1 << 20});
+  ASSERT_TRUE(c.Put("k", 4096, 1, "n0").ok());
+  auto id = c.m().Place("k", {"n2", "n3"}, "", c.now);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  auto q = c.m().QueryPlacement(*id, c.now);
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(q->state, PlacementState::kProcessing);
+  EXPECT_EQ(q->source, "n0");
+  EXPECT_FALSE(q->move);
+  c.HeartbeatAll();
+  ASSERT_EQ(c.RunAllTasks(), 2u);
+  q = c.m().QueryPlacement(*id, c.now);
+  EXPECT_EQ(q->state, PlacementState::kSuccess) << q->message;
+  EXPECT_EQ(Sorted(c.ReplicaNodes("k")), (std::vector<std::string>{"n0", "n2", "n3"}));
+  EXPECT_EQ(c.m().Tick(c.now).tasks_created, 0u);  // copies above the count are kept
+  auto again = c.m().Place("k", {"n2"}, "", c.now);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(c.m().QueryPlacement(*again, c.now)->state, PlacementState::kSuccess);
+  ExpectConsistent(c);
+}
+
+// A move copies to the target, then drops the source's replica: the count stays.
+TEST(MasterPlacements, MoveDropsTheSourceOnceTheCopyIsCommitted) {
+  Cluster c;
+  for (const char* n : {"n0", "n1", "n2"}) c.AddNode(n, {1 << 20});
+  ASSERT_TRUE(c.Put("k", 4096, 2, "n0").ok());
+  const std::vector<std::string> before = Sorted(c.ReplicaNodes("k"));
+  ASSERT_EQ(before.size(), 2u);
+  const std::string from = before[0];
+  std::string to;
+  for (const char* n : {"n0", "n1", "n2"}) {
+    if (std::find(before.begin(), before.end(), n) == before.end()) to = n;
+  }
+  auto id = c.m().Place("k", {to}, from, c.now);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  EXPECT_TRUE(c.m().QueryPlacement(*id, c.now)->move);
+  c.HeartbeatAll();
+  ASSERT_EQ(c.RunAllTasks(), 1u);
+  c.m().Tick(c.now);
+  auto q = c.m().QueryPlacement(*id, c.now);
+  EXPECT_EQ(q->state, PlacementState::kSuccess) << q->message;
+  auto after = Sorted(c.ReplicaNodes("k"));
+  EXPECT_EQ(after.size(), 2u);
+  EXPECT_EQ(std::count(after.begin(), after.end(), from), 0);
+  EXPECT_EQ(std::count(after.begin(), after.end(), to), 1);
+  ExpectConsistent(c);
+}
+
+// Refusals name what is wrong and start nothing; a failed copy or a removed object is FAILED.
+TEST(MasterPlacements, BadRequestsAreRefusedAndFailuresAreReported) {
+  MasterConfig cfg;
+  cfg.max_put_fill = 1.0;
+  Cluster c(cfg);
+  for (const char* n : {"n0", "n1", "n2"}) c.AddNode(n, {64 * 1024});
+  ASSERT_TRUE(c.Put("k", 4096, 1, "n0").ok());
+  ASSERT_TRUE(c.Put("big", 62 * 1024, 1, "n1").ok());
+  auto code = [&](const std::string& key, std::vector<std::string> to, const std::string& from) {
+    return c.m().Place(key, to, from, c.now).status().code();
+  };
+  EXPECT_EQ(code("k", {}, ""), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code("k", {"n1", "n1"}, ""), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code("k", {"n1", "n2"}, "n0"), StatusCode::kInvalidArgument);  // a move: one target
+  EXPECT_EQ(code("k", {"n0"}, "n0"), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code("absent", {"n1"}, ""), StatusCode::kNotFound);
+  EXPECT_EQ(code("k", {"nobody"}, ""), StatusCode::kNotFound);
+  EXPECT_EQ(code("k", {"n2"}, "n1"), StatusCode::kNotFound);       // n1 holds no replica of k
+  EXPECT_EQ(code("big", {"n2", "n0"}, ""), StatusCode::kNoSpace);  // n0: 60 KiB free, n2 fits
+  EXPECT_EQ(c.m().Stats().tasks_in_flight, 0u) << "a refused placement started a copy";
+  EXPECT_EQ(c.m().QueryPlacement(424242, c.now).status().code(), StatusCode::kNotFound);
+  // A copy whose task fails: FAILED, saying which target.
+  auto id = c.m().Place("k", {"n2"}, "", c.now);
+  ASSERT_TRUE(id.ok());
+  c.HeartbeatAll();
+  for (auto& t : c.nodes["n0"].tasks) ASSERT_TRUE(c.RunTask(t, /*ok=*/false).ok());
+  c.nodes["n0"].tasks.clear();
+  auto q = c.m().QueryPlacement(*id, c.now);
+  EXPECT_EQ(q->state, PlacementState::kFailed);
+  EXPECT_NE(q->message.find("n2"), std::string::npos) << q->message;
+  // The object removed while its copy runs: FAILED, naming it.
+  auto id2 = c.m().Place("k", {"n2"}, "", c.now);
+  ASSERT_TRUE(id2.ok()) << id2.status().ToString();
+  ASSERT_TRUE(c.m().Remove("k", c.now).ok());
+  q = c.m().QueryPlacement(*id2, c.now);
+  EXPECT_EQ(q->state, PlacementState::kFailed);
+  EXPECT_NE(q->message.find("removed"), std::string::npos) << q->message;
   ExpectConsistent(c);
 }
 
