@@ -1247,18 +1247,26 @@ class MooncakeDistributedStore:
         s = self._session
         if s is None:
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        # One size lookup and batched reads through the staging area (get_batch's path), not
+        # a read per key: a layerwise connector opens sessions for a whole request's pages.
+        sizes = self._sizes(s, list(keys))
+        present = [i for i, n in enumerate(sizes) if n > 0]
+        got = dict(zip(present, self.get_batch([keys[i] for i in present]) if present else []))
         results = []
-        for k in keys:
-            try:
-                data = s.client.get(k)
-            except KvbError as e:
-                with s.sessions_lock:
-                    s.get_sessions.pop(k, None)
-                results.append(_code_of(e))
-                continue
+        for i, k in enumerate(keys):
+            data = got.get(i) or None
+            code = sizes[i] if sizes[i] < 0 else 0
+            if data is None and code == 0:  # removed or replaced meanwhile: ask alone
+                try:
+                    data = s.client.get(k)
+                except KvbError as e:
+                    code = _code_of(e)
             with s.sessions_lock:
-                s.get_sessions[k] = data
-            results.append(0)
+                if data is None:
+                    s.get_sessions.pop(k, None)
+                else:
+                    s.get_sessions[k] = data
+            results.append(code)
         return results
 
     def batch_get_into_multi_buffer_ranges(self, keys: list, all_buffer_ptrs: list,
