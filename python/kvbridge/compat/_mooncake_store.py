@@ -1116,9 +1116,10 @@ class MooncakeDistributedStore:
     # expiry) is in docs/mooncake.md.
     def batch_put_session_start(self, keys: list, sizes: list, config: Any = None) -> list:
         """Opens a put session per key for an object of ``sizes[i]`` bytes, zero-filled until
-        written. One result per key: 0, OBJECT_ALREADY_EXISTS for a stored key,
-        INVALID_PARAMS for a size of 0, a key already in a session, lists of different
-        lengths (every key) or ``config.group_ids`` not one per key (every key)."""
+        written. One result per key: 0, OBJECT_ALREADY_EXISTS for a stored key (and for a
+        key's repeats in ``keys``, as Mooncake's master answers), INVALID_PARAMS for a size
+        of 0, a key already in a session, lists of different lengths (every key) or
+        ``config.group_ids`` not one per key (every key)."""
         _check_keys(keys)
         _check_ints("sizes", sizes)
         profile = _replica_num(config)
@@ -1136,18 +1137,20 @@ class MooncakeDistributedStore:
         except KvbError as e:
             return [_code_of(e, master_call=True)] * len(keys)
         results = [invalid] * len(keys)
+        started: set = set()
         with s.sessions_lock:
             for i, (k, n) in enumerate(zip(keys, sizes)):
-                if n <= 0 or k in s.put_sessions:
-                    continue
-                if stored[i]:
+                if k in started or stored[i]:  # a key twice: its first entry holds it
                     results[i] = int(ErrorCode.OBJECT_ALREADY_EXISTS)
+                    continue
+                if n <= 0 or k in s.put_sessions:
                     continue
                 try:
                     s.put_sessions[k] = _PutSession(n, profile)
                 except MemoryError:
                     results[i] = int(ErrorCode.NO_AVAILABLE_HANDLE)
                     continue
+                started.add(k)
                 results[i] = 0
         return results
 
@@ -1186,7 +1189,8 @@ class MooncakeDistributedStore:
     def batch_put_session_end(self, keys: list) -> list:
         """Stores each session's object and closes the session. One result per key: 0, or
         INVALID_PARAMS for a key in no session, or the put's error (the session then stays,
-        for another end or a revoke, as in Mooncake)."""
+        for another end or a revoke, as in Mooncake). A key given twice is stored once; both
+        entries get its result, as in Mooncake."""
         _check_keys(keys)
         invalid = int(ErrorCode.INVALID_PARAMS)
         s = self._session
@@ -1194,11 +1198,15 @@ class MooncakeDistributedStore:
             return [invalid] * len(keys)
         results = [invalid] * len(keys)
         by_profile: dict[_PutProfile, list] = {}
+        first: dict = {}  # key -> index of its first entry; a repeat gets that one's result
         with s.sessions_lock:
             for i, k in enumerate(keys):
+                if k in first:
+                    continue
+                first[k] = i
                 entry = s.put_sessions.get(k)
                 if entry is not None and entry.open:
-                    entry.open = False  # no more writes; a key twice is ended once
+                    entry.open = False  # no more writes
                     by_profile.setdefault(entry.profile, []).append((i, k, entry))
         for profile, items in by_profile.items():
             for _, _, entry in items:  # writes that started before the close finish first
@@ -1218,23 +1226,26 @@ class MooncakeDistributedStore:
                             del s.put_sessions[k]
                     else:
                         entry.open = True
-        return results
+        return [results[first[k]] for k in keys]
 
     def batch_put_session_revoke(self, keys: list) -> list:
-        """Drops each key's put session; nothing is stored. One result per key: 0, or
-        INVALID_PARAMS for a key in no session."""
+        """Drops each key's put session; nothing is stored. One result per key: 0 (for every
+        entry of a key given twice), or INVALID_PARAMS for a key in no session."""
         _check_keys(keys)
         invalid = int(ErrorCode.INVALID_PARAMS)
         s = self._session
         if s is None:
             return [invalid] * len(keys)
         results = [invalid] * len(keys)
+        revoked: set = set()
         with s.sessions_lock:
             for i, k in enumerate(keys):
                 entry = s.put_sessions.pop(k, None)
                 if entry is not None:
                     with entry.lock:
                         entry.open = False
+                    revoked.add(k)
+                if k in revoked:  # a key twice: revoked by its first entry
                     results[i] = 0
         return results
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import threading
 import time
 
@@ -410,3 +411,52 @@ def test_sessions_after_close(impl, key):
     assert store.batch_get_session_end([key("g")]) == 0
     assert store.put_from_with_metadata(k, 1, 1, 1, 1) == INVALID_PARAMS
     assert store.get_offload_rpc_read_count() == 0
+
+
+def test_a_key_twice_in_session_calls(impl, store, arena, key):
+    k = key("k")
+    src = arena.alloc(16, pattern(16, 11))
+    assert store.batch_put_session_start([k, k], [16, 16]) == [0, OBJECT_ALREADY_EXISTS]
+    assert store.batch_put_from_multi_buffer_ranges(
+        [k, k], [[src], [src + 8]], [[8], [8]], [[0], [8]]) == [8, 8]
+    assert store.batch_put_session_end([k, k]) == [0, 0]
+    assert store.get(k) == pattern(16, 11)
+    r = key("r")
+    assert store.batch_put_session_start([r], [8]) == [0]
+    assert store.batch_put_session_revoke([r, r]) == [0, 0]
+    assert store.batch_get_session_start([k, k]) == [0, 0]
+    d = arena.alloc(16)
+    assert store.batch_get_into_multi_buffer_ranges(
+        [k, k], [[d], [d + 8]], [[8], [8]], [[8], [0]]) == [8, 8]
+    assert read(d, 16) == pattern(16, 11)[8:] + pattern(16, 11)[:8]
+    assert store.batch_get_session_end([k]) == 0
+    # No keys: empty answers.
+    assert store.batch_put_session_start([], []) == []
+    assert store.batch_put_from_multi_buffer_ranges([], [], [], []) == []
+    assert store.batch_put_session_end([]) == [] and store.batch_put_session_revoke([]) == []
+    assert store.batch_get_into_multi_buffer_ranges([], [], [], []) == []
+
+
+def test_a_put_session_larger_than_the_local_buffer(impl, store, key):
+    """24 MiB, past the 16 MiB local buffer: kvbridge's end stores it through its own
+    staging copy, its get-session start reads it alone."""
+    k = key("big")
+    size = 24 << 20
+    data = os.urandom(size)
+    mem = ctypes.create_string_buffer(data, size)  # memory never registered
+    base = ctypes.addressof(mem)
+    third = size // 3
+    assert store.batch_put_session_start([k], [size]) == [0]
+    assert store.batch_put_from_multi_buffer_ranges(
+        [k], [[base + 2 * third, base, base + third]], [[third] * 3],
+        [[2 * third, 0, third]]) == [size]
+    assert store.batch_put_session_end([k]) == [0]
+    assert store.get_size(k) == size
+    assert store.batch_get_session_start([k]) == [0]
+    out = ctypes.create_string_buffer(4096)
+    assert store.batch_get_into_multi_buffer_ranges(
+        [k], [[ctypes.addressof(out), ctypes.addressof(out) + 2048]], [[2048, 2048]],
+        [[size - 2048, 12345]]) == [4096]
+    assert out.raw == data[-2048:] + data[12345:12345 + 2048]
+    assert store.batch_get_session_end([k]) == 0
+    assert store.remove(k, True) == 0
