@@ -536,6 +536,11 @@ class _Session:
                 pass  # unregistered meanwhile; that key then goes through the staging copy
         return c
 
+    def clients(self) -> list:
+        """Every client of this setup: the main one and one per other put profile."""
+        with self._lock:
+            return list(self._by_replicas.values())
+
     def register(self, address: int, size: int) -> None:
         self.client.register_buffer(_raw(address, size))
         with self._lock:
@@ -1092,10 +1097,8 @@ class MooncakeDistributedStore:
         s = self._session
         if s is None:
             return 0
-        with s._lock:
-            clients = list(s._by_replicas.values())
         total = 0
-        for c in clients:
+        for c in s.clients():
             try:
                 total += int(c.stats().get("get_hits_ssd", 0))
             except KvbError:
