@@ -460,6 +460,20 @@ def _local_host_towards(address: str) -> str:
 _instances = itertools.count()
 
 
+class _PutSession:
+    """One key's put session: the object being assembled in this process, the put profile
+    it was started with, and whether ranged writes may still land (end and revoke close it
+    under ``lock``, so a write either lands before the object is stored or is refused)."""
+
+    __slots__ = ("data", "profile", "lock", "open")
+
+    def __init__(self, size: int, profile: "_PutProfile"):
+        self.data = bytearray(size)
+        self.profile = profile
+        self.lock = threading.Lock()
+        self.open = True
+
+
 class _Session:
     """What one setup() built; closed as a whole by close()."""
 
@@ -482,6 +496,12 @@ class _Session:
         self.staging = staging
         self.staging_address = 0
         self.staging_lock = threading.Lock()
+        # Mooncake's put and get sessions (batch_put_session_start, batch_get_session_start):
+        # key -> _PutSession, key -> the object's bytes. They end with the setup, as
+        # Mooncake's end with its client.
+        self.sessions_lock = threading.Lock()
+        self.put_sessions: dict[Any, _PutSession] = {}
+        self.get_sessions: dict[Any, bytes] = {}
         if staging is not None:
             self.staging_address = ctypes.addressof(ctypes.c_char.from_buffer(staging))
             self.register(self.staging_address, len(staging))
@@ -515,6 +535,11 @@ class _Session:
             except KvbError:
                 pass  # unregistered meanwhile; that key then goes through the staging copy
         return c
+
+    def clients(self) -> list:
+        """Every client of this setup: the main one and one per other put profile."""
+        with self._lock:
+            return list(self._by_replicas.values())
 
     def register(self, address: int, size: int) -> None:
         self.client.register_buffer(_raw(address, size))
@@ -1093,6 +1118,278 @@ class MooncakeDistributedStore:
                     per_buffer.append([_copy_range(data, ptr, d, o, m)
                                        for d, o, m in zip(key_dsts, key_srcs, key_sizes)])
             out.append(per_buffer)
+        return out
+
+    def put_from_with_metadata(self, key: str, buffer_ptr: int, metadata_buffer_ptr: int,
+                               size: int, metadata_size: int, config: Any = None) -> int:
+        """Stores one object: ``metadata_size`` bytes at ``metadata_buffer_ptr`` followed by
+        ``size`` bytes at ``buffer_ptr``, as Mooncake lays it out (a get returns both, the
+        metadata first; get_size counts both). No metadata (``metadata_size`` 0) is put_from.
+        An existing key succeeds and keeps its bytes, as put. 0 or an error: INVALID_PARAMS
+        for a zero pointer with a size or an empty object. Mooncake returns 0 for ``size`` 0
+        and stores nothing, not even the metadata (docs/mooncake.md); kvbridge stores the
+        metadata. ``config.prefer_alloc_in_same_node`` is ignored, as in every kvbridge put
+        (Mooncake refuses it here with -1)."""
+        _check_key(key)
+        _check_ints("buffer_ptr/metadata_buffer_ptr/size/metadata_size",
+                    (buffer_ptr, metadata_buffer_ptr, size, metadata_size))
+        _replica_num(config)  # TypeError for a config that is not one
+        ranges = [(p, n) for p, n in ((metadata_buffer_ptr, metadata_size), (buffer_ptr, size))
+                  if n != 0]
+        if not _valid_ranges(ranges):  # a negative size, a zero pointer, nothing to store
+            return int(ErrorCode.INVALID_PARAMS)
+        return self._batch_put([key], [ranges], config)[0]
+
+    def get_offload_rpc_read_count(self) -> int:
+        """Mooncake counts the reads its client made of objects offloaded to a holder's local
+        SSD (each a read RPC to that holder). kvbridge's counterpart: keys this store's clients
+        read from a replica in a node's SSD tier (the clients' ``get_hits_ssd``; the node
+        reads its SSD and sends the bytes). Counted per key, where Mooncake counts one per
+        RPC, which may carry several keys of one holder. 0 before setup and after close."""
+        s = self._session
+        if s is None:
+            return 0
+        total = 0
+        for c in s.clients():
+            try:
+                total += int(c.stats().get("get_hits_ssd", 0))
+            except KvbError:
+                pass  # closed meanwhile
+        return total
+
+    # -- put and get sessions (Mooncake's layerwise API) -----------------------------------
+    # Mooncake's put session reserves objects on its master (batch_put_session_start), writes
+    # byte ranges of them straight into the replicas (batch_put_from_multi_buffer_ranges) and
+    # makes them readable at batch_put_session_end; its get session looks the replicas up
+    # once and holds a read lease on them while ranges are read. kvbridge's store has no
+    # reserved-but-unwritten objects and no ranged transfers, so here a put session assembles
+    # the object in this process and stores it whole at the end (one upsert, so the session's
+    # bytes are what the key holds afterwards, as in Mooncake, where the reservation makes
+    # other puts of the key meanwhile no-ops), and a get session reads each object once,
+    # whole, at its start and copies ranges out of that copy. The bytes a caller sees are
+    # Mooncake's; what differs (memory held in this process, no space reserved, no lease
+    # expiry) is in docs/mooncake.md.
+    def batch_put_session_start(self, keys: list, sizes: list, config: Any = None) -> list:
+        """Opens a put session per key for an object of ``sizes[i]`` bytes, zero-filled until
+        written. One result per key: 0, OBJECT_ALREADY_EXISTS for a stored key (and for a
+        key's repeats in ``keys``, as Mooncake's master answers), INVALID_PARAMS for a size
+        of 0, a key already in a session, lists of different lengths (every key) or
+        ``config.group_ids`` not one per key (every key)."""
+        _check_keys(keys)
+        _check_ints("sizes", sizes)
+        profile = _replica_num(config)
+        invalid = int(ErrorCode.INVALID_PARAMS)
+        s = self._session
+        group_ids = getattr(config, "group_ids", None)
+        if s is None or len(sizes) != len(keys) or (group_ids is not None
+                                                    and len(group_ids) != len(keys)):
+            return [invalid] * len(keys)
+        if not keys:
+            return []
+        try:
+            s.client_for(profile)  # refuses a profile kvbridge cannot put with, before any start
+            stored = s.client.batch_exists(list(keys))
+        except KvbError as e:
+            return [_code_of(e, master_call=True)] * len(keys)
+        results = [invalid] * len(keys)
+        started: set = set()
+        with s.sessions_lock:
+            for i, (k, n) in enumerate(zip(keys, sizes)):
+                if k in started or stored[i]:  # a key twice: its first entry holds it
+                    results[i] = int(ErrorCode.OBJECT_ALREADY_EXISTS)
+                    continue
+                if n <= 0 or k in s.put_sessions:
+                    continue
+                try:
+                    s.put_sessions[k] = _PutSession(n, profile)
+                except MemoryError:
+                    results[i] = int(ErrorCode.NO_AVAILABLE_HANDLE)
+                    continue
+                started.add(k)
+                results[i] = 0
+        return results
+
+    def batch_put_from_multi_buffer_ranges(self, keys: list, all_buffer_ptrs: list,
+                                           all_sizes: list, all_dst_offsets: list) -> list:
+        """Writes, for each key in a put session, ``all_sizes[i][j]`` bytes from
+        ``all_buffer_ptrs[i][j]`` (registered or not) at offset ``all_dst_offsets[i][j]`` of
+        its object. One result per key: bytes written, or INVALID_PARAMS (no open session,
+        lists of different lengths, a zero pointer with a size, a range past the object's
+        size: then none of that key's ranges is written). Readable after
+        batch_put_session_end."""
+        invalid = int(ErrorCode.INVALID_PARAMS)
+        entries = self._range_entries(keys, all_buffer_ptrs, all_sizes, all_dst_offsets,
+                                      "all_dst_offsets")
+        if entries is None:
+            return [invalid] * len(keys)
+        s = self._session
+        if s is None:
+            return [invalid] * len(keys)
+        results = [invalid] * len(keys)
+        for i, (k, ranges) in enumerate(zip(keys, entries)):
+            with s.sessions_lock:
+                entry = s.put_sessions.get(k)
+            if entry is None or ranges is None:
+                continue
+            with entry.lock:
+                if not entry.open or not _ranges_fit(ranges, len(entry.data)):
+                    continue
+                base = _address_of(entry.data)
+                for ptr, n, off in ranges:
+                    if n:
+                        ctypes.memmove(base + off, ptr, n)
+                results[i] = sum(n for _, n, _ in ranges)
+        return results
+
+    def batch_put_session_end(self, keys: list) -> list:
+        """Stores each session's object and closes the session. One result per key: 0, or
+        INVALID_PARAMS for a key in no session, or the put's error (the session then stays,
+        for another end or a revoke, as in Mooncake). A key given twice is stored once; both
+        entries get its result, as in Mooncake."""
+        _check_keys(keys)
+        invalid = int(ErrorCode.INVALID_PARAMS)
+        s = self._session
+        if s is None:
+            return [invalid] * len(keys)
+        results = [invalid] * len(keys)
+        by_profile: dict[_PutProfile, list] = {}
+        first: dict = {}  # key -> index of its first entry; a repeat gets that one's result
+        with s.sessions_lock:
+            for i, k in enumerate(keys):
+                if k in first:
+                    continue
+                first[k] = i
+                entry = s.put_sessions.get(k)
+                if entry is not None and entry.open:
+                    entry.open = False  # no more writes
+                    by_profile.setdefault(entry.profile, []).append((i, k, entry))
+        for profile, items in by_profile.items():
+            for _, _, entry in items:  # writes that started before the close finish first
+                with entry.lock:
+                    pass
+            try:
+                client = s.client_for(profile)
+                codes = self._staged_put(s, client, [k for _, k, _ in items],
+                                         [memoryview(e.data) for _, _, e in items], upsert=True)
+            except KvbError as e:
+                codes = [_code_of(e)] * len(items)
+            with s.sessions_lock:
+                for (i, k, entry), code in zip(items, codes):
+                    results[i] = code
+                    if code == 0:
+                        if s.put_sessions.get(k) is entry:
+                            del s.put_sessions[k]
+                    else:
+                        entry.open = True
+        return [results[first[k]] for k in keys]
+
+    def batch_put_session_revoke(self, keys: list) -> list:
+        """Drops each key's put session; nothing is stored. One result per key: 0 (for every
+        entry of a key given twice), or INVALID_PARAMS for a key in no session."""
+        _check_keys(keys)
+        invalid = int(ErrorCode.INVALID_PARAMS)
+        s = self._session
+        if s is None:
+            return [invalid] * len(keys)
+        results = [invalid] * len(keys)
+        revoked: set = set()
+        with s.sessions_lock:
+            for i, k in enumerate(keys):
+                entry = s.put_sessions.pop(k, None)
+                if entry is not None:
+                    with entry.lock:
+                        entry.open = False
+                    revoked.add(k)
+                if k in revoked:  # a key twice: revoked by its first entry
+                    results[i] = 0
+        return results
+
+    def batch_get_session_start(self, keys: list) -> list:
+        """Opens a get session per key: the object is read once, whole, into this process,
+        and ranged reads copy from that copy (so they see the object as it was here, as
+        Mooncake's lease keeps its replica). A key already in a session is read again. One
+        result per key: 0 or the read's error (OBJECT_NOT_FOUND)."""
+        _check_keys(keys)
+        s = self._session
+        if s is None:
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        # One size lookup and batched reads through the staging area (get_batch's path), not
+        # a read per key: a layerwise connector opens sessions for a whole request's pages.
+        sizes = self._sizes(s, list(keys))
+        present = [i for i, n in enumerate(sizes) if n > 0]
+        got = dict(zip(present, self.get_batch([keys[i] for i in present]) if present else []))
+        results = []
+        for i, k in enumerate(keys):
+            data = got.get(i) or None
+            code = sizes[i] if sizes[i] < 0 else 0
+            if data is None and code == 0:  # removed or replaced meanwhile: ask alone
+                try:
+                    data = s.client.get(k)
+                except KvbError as e:
+                    code = _code_of(e)
+            with s.sessions_lock:
+                if data is None:
+                    s.get_sessions.pop(k, None)
+                else:
+                    s.get_sessions[k] = data
+            results.append(code)
+        return results
+
+    def batch_get_into_multi_buffer_ranges(self, keys: list, all_buffer_ptrs: list,
+                                           all_sizes: list, all_src_offsets: list) -> list:
+        """Copies, for each key in a get session, ``all_sizes[i][j]`` bytes from offset
+        ``all_src_offsets[i][j]`` of its object to ``all_buffer_ptrs[i][j]`` (registered or
+        not). One result per key: bytes copied, or INVALID_PARAMS (no session, lists of
+        different lengths, a zero pointer with a size, a range past the object's end: then
+        nothing of that key is copied)."""
+        invalid = int(ErrorCode.INVALID_PARAMS)
+        entries = self._range_entries(keys, all_buffer_ptrs, all_sizes, all_src_offsets,
+                                      "all_src_offsets")
+        s = self._session
+        if entries is None or s is None:
+            return [invalid] * len(keys)
+        results = [invalid] * len(keys)
+        for i, (k, ranges) in enumerate(zip(keys, entries)):
+            with s.sessions_lock:
+                data = s.get_sessions.get(k)
+            if data is None or ranges is None or not _ranges_fit(ranges, len(data)):
+                continue
+            base = _address_of(data)
+            for ptr, n, off in ranges:
+                if n:
+                    ctypes.memmove(ptr, base + off, n)
+            results[i] = sum(n for _, n, _ in ranges)
+        return results
+
+    def batch_get_session_end(self, keys: list) -> int:
+        """Drops the keys' get sessions (keys in none are fine). 0."""
+        _check_keys(keys)
+        s = self._session
+        if s is not None:
+            with s.sessions_lock:
+                for k in keys:
+                    s.get_sessions.pop(k, None)
+        return 0
+
+    @staticmethod
+    def _range_entries(keys: Any, all_ptrs: Any, all_sizes: Any, all_offsets: Any,
+                       offsets_name: str) -> Optional[list]:
+        """Per key its (pointer, size, offset) ranges, None for a key whose lists differ in
+        length or that has a zero pointer with a size; None for all when the outer lists do
+        not match the keys."""
+        _check_keys(keys)
+        for what, nested in (("all_buffer_ptrs", all_ptrs), ("all_sizes", all_sizes),
+                             (offsets_name, all_offsets)):
+            for per_key in nested:
+                _check_ints(what, per_key)
+        if not len(all_ptrs) == len(all_sizes) == len(all_offsets) == len(keys):
+            return None
+        out: list = []
+        for ptrs, sizes, offsets in zip(all_ptrs, all_sizes, all_offsets):
+            ranges = list(zip(ptrs, sizes, offsets))
+            ok = (len(ptrs) == len(sizes) == len(offsets)
+                  and all(n >= 0 and off >= 0 and (p > 0 or n == 0) for p, n, off in ranges))
+            out.append(ranges if ok else None)
         return out
 
     # -- tensors ---------------------------------------------------------------------------
@@ -1821,6 +2118,18 @@ def _get_copy(client: StoreClient, key: Any, ranges: list) -> int:
         ctypes.memmove(p, base + at, take)
         at += take
     return len(data)
+
+
+def _ranges_fit(ranges: list, object_size: int) -> bool:
+    """Whether every (pointer, size, offset) range lies inside an object of that size."""
+    return all(off + n <= object_size for _, n, off in ranges)
+
+
+def _address_of(data: Any) -> int:
+    """The address of a bytes or bytearray object's first byte (0 for an empty one)."""
+    if isinstance(data, bytearray):
+        return ctypes.addressof(ctypes.c_char.from_buffer(data)) if data else 0
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
 
 
 def _copy_range(data: bytes, ptr: int, dst: int, src: int, size: int) -> int:

@@ -1394,13 +1394,16 @@ def test_every_store_method_is_in_the_docs_table():
 
 def test_every_store_method_that_answers_is_called_in_this_suite():
     """The suite runs against both implementations, so a call made here is compared. The
-    tensor family's calls are in test_mooncake_tensor_api.py, which runs the same way."""
+    tensor family's calls are in test_mooncake_tensor_api.py, the sessions' and a few
+    others' in test_mooncake_store_more.py, which run the same way."""
     import re
 
     from kvbridge.compat.mooncake import MooncakeDistributedStore
 
     here = Path(__file__)
-    source = here.read_text() + here.with_name("test_mooncake_tensor_api.py").read_text()
+    source = here.read_text() + "".join(
+        here.with_name(name).read_text()
+        for name in ("test_mooncake_tensor_api.py", "test_mooncake_store_more.py"))
     answered = [m for m in MOONCAKE_STORE_METHODS if hasattr(MooncakeDistributedStore, m)]
     uncalled = [m for m in answered if not re.search(rf"\.{m}\(", source)]
     assert not uncalled, f"no test calls {uncalled}"
