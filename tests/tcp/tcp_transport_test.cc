@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -430,6 +431,12 @@ TEST(TcpTransport, WrongIncarnationIsStalePeerAndWritesNothing) {
   EXPECT_NE(r.msg.find("0xb3"), std::string::npos) << r.msg;
   EXPECT_LT(r.elapsed_ms, 500);
   EXPECT_EQ(b.mem->Checksum(), before);
+  // The server counts and logs the refusal after sending it: give its thread a moment.
+  for (int i = 0; i < 500 && (b.inst->Stats().frames_rejected < 1 ||
+                              !b.inst->host().LogContains("STALE_PEER"));
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   EXPECT_GE(b.inst->Stats().frames_rejected, 1u);
   EXPECT_TRUE(b.inst->host().LogContains("STALE_PEER"));
   // A client that ignores the refusal and sends a WRITE anyway is not served.
