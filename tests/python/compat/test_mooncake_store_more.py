@@ -17,7 +17,6 @@ kvbridge's and marks Mooncake's run xfail with the reason.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 import threading
 import time
@@ -25,7 +24,7 @@ import time
 import pytest
 
 from test_mooncake_store_api import (INVALID_PARAMS, MOONCAKE_LEASE_MS, OBJECT_NOT_FOUND,
-                                     Arena, _start, pattern, read, write)
+                                     pattern, read, write)
 
 OBJECT_ALREADY_EXISTS = -705
 INVALID_REPLICA = -702
@@ -33,30 +32,8 @@ LEASE_EXPIRED = -707
 REPLICA_IS_NOT_READY = -703
 
 
-@pytest.fixture(scope="module", params=["kvbridge", "mooncake"])
-def impl(request, tmp_path_factory):
-    it, stop = _start(request.param, tmp_path_factory.mktemp(request.param))
-    yield it
-    stop()
-
-
-@pytest.fixture(scope="module")
-def store(impl):
-    return impl.new_store()
-
-
-@pytest.fixture(scope="module")
-def arena(store):
-    return Arena(store)
-
-
-_ids = itertools.count()
-
-
-@pytest.fixture
-def key(request):
-    prefix = f"{request.node.name}-{next(_ids)}"
-    return lambda suffix="": f"{prefix}/{suffix}"
+# The store suite's fixtures (impl: both systems, started once per module; store; arena; key).
+from test_mooncake_store_api import arena, impl, key, store  # noqa: E402,F401
 
 
 # -- put_from_with_metadata ------------------------------------------------------------------

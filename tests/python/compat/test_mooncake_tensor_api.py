@@ -14,7 +14,6 @@ behaviour is a bug, the test asserts kvbridge's and marks Mooncake's run xfail.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import json
 import struct
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from test_mooncake_store_api import INVALID_PARAMS, Arena, _start
+from test_mooncake_store_api import INVALID_PARAMS
 
 torch = pytest.importorskip(
     "torch", reason="the tensor API needs torch (scripts/setup_mooncake_venv.sh links the "
@@ -38,30 +37,8 @@ SAFETENSORS_DTYPES = ["F32", "F64", "I8", "U8", "I16", "U16", "I32", "U32", "I64
                       "BOOL", "F16", "BF16", "F8_E4M3", "F8_E5M2"]
 
 
-@pytest.fixture(scope="module", params=["kvbridge", "mooncake"])
-def impl(request, tmp_path_factory):
-    it, stop = _start(request.param, tmp_path_factory.mktemp(request.param))
-    yield it
-    stop()
-
-
-@pytest.fixture(scope="module")
-def store(impl):
-    return impl.new_store()
-
-
-@pytest.fixture(scope="module")
-def arena(store):
-    return Arena(store)
-
-
-_ids = itertools.count()
-
-
-@pytest.fixture
-def key(request):
-    prefix = f"{request.node.name}-{next(_ids)}"
-    return lambda suffix="": f"{prefix}/{suffix}"
+# The store suite's fixtures (impl: both systems, started once per module; store; arena; key).
+from test_mooncake_store_api import arena, impl, key, store  # noqa: E402,F401
 
 
 def sample(shape: tuple = (4, 6), dtype: Any = torch.float32, seed: int = 0) -> Any:
