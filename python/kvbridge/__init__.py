@@ -17,14 +17,34 @@ keywords mirroring ``KVBRIDGE_*``.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
-from kvbridge._native import _C
-from kvbridge.engine import (READ, WRITE, BatchError, Op, PeerId, TransferEngine, fetch_descriptor,
-                             raise_if_error)
-from kvbridge.errors import KvbError, StatusCode
-from kvbridge.store import (Cluster, GetResult, Master, Node, Replica, ReplicasResult, StoreClient,
-                            cluster_status)
+
+def _prefer_the_wheels_nccl() -> None:
+    """torch's CUDA build loads the nvidia-nccl wheel's libnccl.so.2. A process whose first
+    libnccl.so.2 is another one (the nccl plugin probing the system's, as it does when this
+    Python's venv is not activated) cannot import torch after that ("undefined symbol"). When
+    this Python has the wheel, the plugin is pointed at it, unless KVBRIDGE_NCCL_LIBRARY says
+    otherwise (docs/transports/nccl.md)."""
+    if os.environ.get("KVBRIDGE_NCCL_LIBRARY"):
+        return
+    for entry in sys.path:
+        path = os.path.join(entry or ".", "nvidia", "nccl", "lib", "libnccl.so.2")
+        if os.path.isfile(path):
+            os.environ["KVBRIDGE_NCCL_LIBRARY"] = os.path.abspath(path)
+            return
+
+
+_prefer_the_wheels_nccl()
+
+from kvbridge._native import _C  # noqa: E402 (after the NCCL choice above)
+from kvbridge.engine import (READ, WRITE, BatchError, Op, PeerId,  # noqa: E402
+                             TransferEngine, fetch_descriptor, raise_if_error)
+from kvbridge.errors import KvbError, StatusCode  # noqa: E402
+from kvbridge.store import (Cluster, GetResult, Master, Node, Replica,  # noqa: E402
+                            ReplicasResult, StoreClient, cluster_status)
 
 __version__ = "0.1.0"
 

@@ -365,6 +365,34 @@ def test_copy_and_move_objects_between_nodes():
             store.query_task(987654321)
 
 
+def test_torch_imports_after_a_cluster_started_first():
+    """A process that starts kvbridge before importing torch can still import torch: the nccl
+    plugin's probe loads the NCCL torch will use (the nvidia-nccl wheel of this Python), not the
+    system's, even with the venv not activated (kvbridge/__init__.py)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from conftest import python_env
+
+    if importlib.util.find_spec("nvidia.nccl") is None:
+        pytest.skip("this Python has no nvidia-nccl wheel: torch loads no NCCL of its own")
+    env = python_env()
+    env.pop("VIRTUAL_ENV", None)
+    env.pop("KVBRIDGE_NCCL_LIBRARY", None)
+    env["KVBRIDGE_LOG_LEVEL"] = "error"
+    code = ("import kvbridge\n"
+            "c = kvbridge.Cluster(nodes=1, dram_bytes_per_node=16 << 20)\n"
+            "import torch\n"
+            "c.close()\n"
+            "print('imported', torch.__version__)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "imported" in r.stdout, r.stderr[-2000:]
+    assert os.environ.get("KVBRIDGE_NCCL_LIBRARY", "").endswith("libnccl.so.2")
+
+
 def test_replicas_survive_a_stopped_node():
     with kvbridge.Cluster(nodes=3, replica_num=2, dram_bytes_per_node=32 << 20) as c:
         store = c.client()
