@@ -124,6 +124,10 @@ std::vector<R> BySlices(size_t n, Call&& call) {
 
 }  // namespace
 
+namespace {
+bool MasterAway(const Status& st);  // below
+}  // namespace
+
 struct StoreClient::Impl {
   StoreOptions options;
   // StoreOptions::faults.
@@ -366,6 +370,23 @@ struct StoreClient::Impl {
     std::vector<store::ReadGrant> got;
     if (Status st = GetReplicas(keys, &got, /*sizes_only=*/true); !st.ok()) {
       result.assign(keys.size(), st);
+      // The master away: remembered keys their nodes confirm are answered from what this
+      // client remembers (docs/store.md "Reads while the master is away").
+      std::vector<std::optional<store::ReadGrant>> recalled;
+      Recall(keys, &recalled);
+      std::vector<bool> have(keys.size(), false);
+      bool any = false;
+      got.assign(keys.size(), store::ReadGrant{});
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (!recalled[i]) continue;
+        got[i] = std::move(*recalled[i]);
+        have[i] = any = true;
+      }
+      if (!any || !MasterAway(st)) return result;
+      ConfirmHeld(keys, &got, have, st);
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (have[i]) result[i] = got[i].status.ok() ? Result<T>(fn(got[i])) : got[i].status;
+      }
       return result;
     }
     for (size_t i = 0; i < keys.size(); ++i) {

@@ -727,6 +727,11 @@ TEST_F(StoreClusterNoMaster, KilledMasterLeavesRememberedObjectsReadable) {
   EXPECT_EQ(unknown.status().origin(), StatusOrigin::kMaster) << unknown.status().ToString();
   auto off_exists = forgetful->BatchExists(std::vector<std::string>{Key(0)});
   ASSERT_FALSE(off_exists.ok());
+  // Sizes of remembered keys likewise (BatchGetSize).
+  for (auto& size : client_->BatchGetSize(known)) {
+    ASSERT_TRUE(size.ok()) << size.status().ToString();
+    EXPECT_EQ(*size, 2 * kPage);
+  }
 }
 
 // Frozen, the master costs one master_wait_ms; gets then read from the nodes, and once it is
