@@ -498,6 +498,12 @@ void BindClient(py::module_& m) {
            [](PyStoreClient& c) {
              NoGil([&] { c.With([](StoreClient& s) { ThrowIfError(s.RemoveAll()); }); });
            })
+      .def("remove_by_regex",
+           [](PyStoreClient& c, const std::string& pattern) {
+             return NoGil([&] {
+               return c.With([&](StoreClient& s) { return Unwrap(s.RemoveByRegex(pattern)); });
+             });
+           })
       .def("copy_object",
            [](PyStoreClient& c, const std::string& key, const std::vector<std::string>& to) {
              return NoGil([&] {

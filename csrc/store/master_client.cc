@@ -44,6 +44,7 @@ constexpr MethodPolicy kMasterMethods[] = {
     {method::kExists, true},
     {method::kRemove, false},
     {method::kRemoveAll, false},
+    {method::kRemoveByRegex, false},
     {method::kReportBadReplica, false},
     {method::kGetNodeDescriptors, true},
     {method::kStats, true},
@@ -521,6 +522,22 @@ Status MasterClient::RemoveAll(const CallKey& admin_key) {
         RpcAuth::SignWith(ctx, kAdminHeader, admin_key, method::kRemoveAll);
       }));
   return store::FromProto(reply);
+}
+
+Result<uint64_t> MasterClient::RemoveByRegex(std::string_view pattern, const CallKey& admin_key) {
+  rpc::RegexRequest req;
+  req.set_pattern(std::string(pattern));
+  rpc::RemoveByRegexReply reply;
+  KVB_RETURN_IF_ERROR(Run(
+      "RemoveByRegex", method::kRemoveByRegex,
+      [&](grpc::ClientContext* ctx, const Channels& ch) {
+        return ch.main->RemoveByRegex(ctx, req, &reply);
+      },
+      [&](grpc::ClientContext* ctx) {
+        RpcAuth::SignWith(ctx, kAdminHeader, admin_key, method::kRemoveByRegex);
+      }));
+  KVB_RETURN_IF_ERROR(store::FromProto(reply.status()));
+  return reply.removed();
 }
 
 void MasterClient::ReportBadReplica(const BadReplica& bad) {

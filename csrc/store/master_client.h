@@ -149,6 +149,8 @@ class MasterClient {
   Result<PlacementTask> QueryPlacement(uint64_t task_id);
   // Signed with `admin_key` too (StoreOptions::admin_token).
   Status RemoveAll(const CallKey& admin_key);
+  // MasterState::RemoveByRegex: how many objects were removed. Signed with `admin_key` too.
+  Result<uint64_t> RemoveByRegex(std::string_view pattern, const CallKey& admin_key);
   // Best effort: the answer, or its absence, is ignored.
   void ReportBadReplica(const BadReplica& bad);
   // The directory's entries of these nodes (all live nodes for none). Retried.

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "store/key_pattern.h"
 #include "store/master_state_impl.h"
 
 namespace kvbridge::store {
@@ -420,6 +421,25 @@ Status MasterState::Remove(std::string_view key, uint64_t now_ns) {
   }
   m.EraseObject(o, now_ns);
   return Status::OK();
+}
+
+Result<size_t> MasterState::RemoveByRegex(std::string_view pattern, uint64_t now_ns) {
+  Result<KeyPattern> re = KeyPattern::Compile(pattern);
+  if (!re.ok()) return re.status();
+  std::vector<std::string> keys;
+  {
+    const Impl& m = *impl_;
+    std::lock_guard<std::mutex> lock(m.mu);
+    keys.reserve(m.objects.size());
+    for (const Impl::Object* o : m.objects) {
+      if (o->state == ObjectState::kComplete) keys.emplace_back(o->key());
+    }
+  }
+  size_t removed = 0;
+  for (const std::string& key : keys) {
+    if (re->Matches(key) && Remove(key, now_ns).ok()) ++removed;
+  }
+  return removed;
 }
 
 size_t MasterState::RemoveAll(uint64_t now_ns) {

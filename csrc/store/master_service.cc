@@ -291,7 +291,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     }
     static constexpr std::string_view kWaitFor[] = {
         store::method::kPutStart, store::method::kGetReplicas, store::method::kExists,
-        store::method::kRemove, store::method::kRemoveAll};
+        store::method::kRemove,   store::method::kRemoveAll,   store::method::kRemoveByRegex};
     if (std::find(std::begin(kWaitFor), std::end(kWaitFor), method) == std::end(kWaitFor)) {
       return grpc::Status::OK;
     }
@@ -1093,6 +1093,24 @@ struct MasterServer::Impl final : public rpc::Master::Service {
     KVB_LOG(INFO) << "RemoveAll removed " << n << " objects";
     AddEvent("remove_all", "RemoveAll removed " + std::to_string(n) + " objects");
     return Done(Status::OK(), reply);
+  }
+
+  // Destructive like RemoveAll: the admin token's proof when the cluster has a token.
+  grpc::Status RemoveByRegex(grpc::ServerContext* ctx, const rpc::RegexRequest* req,
+                             rpc::RemoveByRegexReply* reply) override {
+    KVB_AUTH(ctx, store::method::kRemoveByRegex);
+    if (grpc::Status a = Authorize(*ctx, store::method::kRemoveByRegex, nullptr); !a.ok()) {
+      return a;
+    }
+    Result<size_t> n = state->RemoveByRegex(req->pattern(), util::MonoNs());
+    if (n.ok()) {
+      reply->set_removed(*n);
+      KVB_LOG(INFO) << "RemoveByRegex '" << req->pattern() << "' removed " << *n << " objects";
+      AddEvent("remove_by_regex",
+               "RemoveByRegex '" + req->pattern() + "' removed " + std::to_string(*n) + " objects");
+    }
+    ToProto(n.status(), reply->mutable_status());
+    return grpc::Status::OK;
   }
 
   grpc::Status ReportBadReplica(grpc::ServerContext* ctx, const rpc::BadReplicaRequest* req,

@@ -613,6 +613,11 @@ class MasterState {
   Status Remove(std::string_view key, uint64_t now_ns);
   // Removes every COMPLETE object; returns how many.
   size_t RemoveAll(uint64_t now_ns);
+  // Removes every COMPLETE object whose key `pattern` matches (store/key_pattern.h: ECMAScript,
+  // anywhere in the key) as Remove does; returns how many. The keys are listed under the lock
+  // and matched outside it, so a long scan never holds up other calls; an object completed
+  // after the listing is not removed. INVALID_ARGUMENT: empty or malformed pattern.
+  Result<size_t> RemoveByRegex(std::string_view pattern, uint64_t now_ns);
   // A reader could not read (or verify) this replica: it is dropped, and the object is
   // re-replicated if now under its target (removed if it was the last replica). NOT_FOUND if
   // the object, version or replica is not there (already handled).

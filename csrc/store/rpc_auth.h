@@ -59,6 +59,7 @@ inline constexpr std::string_view kGetReplicas = "/kvbridge.rpc.Master/GetReplic
 inline constexpr std::string_view kExists = "/kvbridge.rpc.Master/Exists";
 inline constexpr std::string_view kRemove = "/kvbridge.rpc.Master/Remove";
 inline constexpr std::string_view kRemoveAll = "/kvbridge.rpc.Master/RemoveAll";
+inline constexpr std::string_view kRemoveByRegex = "/kvbridge.rpc.Master/RemoveByRegex";
 inline constexpr std::string_view kReportBadReplica = "/kvbridge.rpc.Master/ReportBadReplica";
 inline constexpr std::string_view kGetNodeDescriptors = "/kvbridge.rpc.Master/GetNodeDescriptors";
 inline constexpr std::string_view kStats = "/kvbridge.rpc.Master/Stats";

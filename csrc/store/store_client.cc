@@ -26,6 +26,7 @@
 #include "kvbridge/store.h"
 #include "store/client_stats.h"
 #include "store/etcd_client.h"
+#include "store/key_pattern.h"
 #include "store/master_client.h"
 #include "store/rpc_auth.h"
 #include "store/rpc_util.h"
@@ -317,6 +318,11 @@ struct StoreClient::Impl {
     if (options.location_cache_entries == 0) return;
     std::lock_guard<std::mutex> lock(cache_mu);
     for (const std::string& k : keys) cache.erase(k);  // its cache_order entry goes later
+    if (cache.empty()) cache_order.clear();
+  }
+  void ForgetMatching(const store::KeyPattern& pattern) {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    std::erase_if(cache, [&](const auto& entry) { return pattern.Matches(entry.first); });
     if (cache.empty()) cache_order.clear();
   }
   void ForgetAll() {
@@ -1887,6 +1893,13 @@ Result<PlacementTask> StoreClient::QueryTask(uint64_t task_id) {
 Status StoreClient::RemoveAll() {
   impl_->ForgetAll();
   return impl_->master->RemoveAll(impl_->admin_key);
+}
+
+Result<uint64_t> StoreClient::RemoveByRegex(std::string_view pattern) {
+  Result<store::KeyPattern> re = store::KeyPattern::Compile(pattern);  // named before any call
+  if (!re.ok()) return re.status();
+  impl_->ForgetMatching(*re);
+  return impl_->master->RemoveByRegex(pattern, impl_->admin_key);
 }
 
 Status StoreClient::Put(std::string_view key, std::string_view value) {

@@ -270,6 +270,15 @@ class StoreClient:
     def remove_all(self) -> None:
         self._h.remove_all()
 
+    def remove_by_regex(self, pattern: str) -> int:
+        """Removes every object whose key the regular expression matches (ECMAScript syntax as
+        C++'s std::regex reads it, matched anywhere in the key: ``"^req7/"`` for a prefix);
+        returns how many. InvalidArgumentError for an empty or malformed pattern. Destructive
+        like remove_all: with a cluster token it needs the admin token."""
+        if not isinstance(pattern, str):
+            raise TypeError(f"remove_by_regex: pattern must be a str, not {type(pattern).__name__}")
+        return self._h.remove_by_regex(pattern)
+
     # -- copying and moving objects between storage nodes (docs/store.md) -----------------
     def copy_object(self, key: Key, to: Sequence[str]) -> int:
         """Copies the object to the storage nodes named (node ids) that hold no replica of it;

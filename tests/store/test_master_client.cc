@@ -147,9 +147,9 @@ TEST(MasterRetryTable, RetriesTheIdempotentReadsOnly) {
   for (auto read : {m::kGetReplicas, m::kExists, m::kGetNodeDescriptors, m::kStats}) {
     EXPECT_TRUE(MasterClient::Retryable(read)) << read;
   }
-  for (auto once : {m::kPutStart, m::kPutEnd, m::kRemove, m::kRemoveAll, m::kReportBadReplica,
-                    m::kRegisterNode, m::kRegisterNodeStream, m::kHeartbeat, m::kTaskDone,
-                    m::kDemoteDone, m::kDrain, m::kDeregister, m::kCommit}) {
+  for (auto once : {m::kPutStart, m::kPutEnd, m::kRemove, m::kRemoveAll, m::kRemoveByRegex,
+                    m::kReportBadReplica, m::kRegisterNode, m::kRegisterNodeStream, m::kHeartbeat,
+                    m::kTaskDone, m::kDemoteDone, m::kDrain, m::kDeregister, m::kCommit}) {
     EXPECT_FALSE(MasterClient::Retryable(once)) << once;
   }
 }

@@ -791,6 +791,34 @@ TEST_F(StoreClusterNoMaster, ObjectRemovedBeforeTheMasterDiedIsAMiss) {
   EXPECT_EQ(again[0].origin(), StatusOrigin::kMaster) << again[0].ToString();
 }
 
+// RemoveByRegex removes the matching keys (and only those) and the client forgets what it
+// removed: with the master then killed, a removed key is not read from the nodes (which may
+// still hold its bytes until the frees reach them) but fails naming the master, while the
+// keys the pattern did not match are still read from the nodes. A bad pattern is named
+// before any call and removes nothing.
+TEST_F(StoreClusterNoMaster, RemoveByRegexForgetsWhatItRemoved) {
+  constexpr size_t kObjects = 12;  // page-0 .. page-11
+  ASSERT_EQ(PutRange(0, kObjects), 0);
+  Result<uint64_t> bad = client_->RemoveByRegex("page-(");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument) << bad.status().ToString();
+  EXPECT_NE(bad.status().message().find("'page-('"), std::string::npos) << bad.status().ToString();
+  Result<uint64_t> removed = client_->RemoveByRegex("^page-1[01]?$");  // page-1, -10, -11
+  ASSERT_TRUE(removed.ok()) << removed.status().ToString();
+  EXPECT_EQ(*removed, 3u);
+  auto exists = client_->BatchExists(std::vector<std::string>{Key(1), Key(10), Key(11), Key(2)});
+  ASSERT_TRUE(exists.ok()) << exists.status().ToString();
+  EXPECT_EQ(*exists, std::vector<bool>({false, false, false, true}));
+  master_->Kill();
+  auto got = GetEach(client_.get(), {0, 1, 2, 10, 11});
+  EXPECT_TRUE(got[0].ok()) << got[0].ToString();
+  EXPECT_TRUE(got[2].ok()) << got[2].ToString();
+  for (size_t i : {1u, 3u, 4u}) {
+    ASSERT_FALSE(got[i].ok()) << i;
+    EXPECT_EQ(got[i].origin(), StatusOrigin::kMaster) << got[i].ToString();
+  }
+}
+
 // A key the master says is gone (removed by another client) is forgotten at once: with the
 // master then down, the reader does not ask the nodes for it but fails naming the master.
 TEST_F(StoreClusterNoMaster, AMissFromTheMasterForgetsTheKey) {

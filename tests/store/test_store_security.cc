@@ -358,9 +358,9 @@ TEST_F(SecureCluster, EveryMethodRefusesUnauthenticatedCalls) {
   ExpectIntact("after the unauthenticated calls");
 }
 
-// RemoveAll, and Drain or Deregister of a node, from a caller without the token are
-// UNAUTHENTICATED; from a token holder without the admin token PERMISSION_DENIED; nothing
-// changes. With the admin token RemoveAll works.
+// RemoveAll, RemoveByRegex, and Drain or Deregister of a node, from a caller without the token
+// are UNAUTHENTICATED; from a token holder without the admin token PERMISSION_DENIED; nothing
+// changes. With the admin token RemoveByRegex and RemoveAll work.
 TEST_F(SecureCluster, RawRemoveAllDrainDeregisterChangeNothing) {
   const rpc::NodeIdentity node1 = Identity("node1");
   auto call = [&](std::string_view method, const Metadata& md) {
@@ -369,11 +369,17 @@ TEST_F(SecureCluster, RawRemoveAllDrainDeregisterChangeNothing) {
     rpc::Empty empty;
     if (method == store::method::kRemoveAll)
       return master_stub_->RemoveAll(ctx.get(), empty, &reply);
+    if (method == store::method::kRemoveByRegex) {
+      rpc::RegexRequest everything;
+      everything.set_pattern(".*");
+      rpc::RemoveByRegexReply removed;
+      return master_stub_->RemoveByRegex(ctx.get(), everything, &removed);
+    }
     if (method == store::method::kDrain) return master_stub_->Drain(ctx.get(), node1, &reply);
     return master_stub_->Deregister(ctx.get(), node1, &reply);
   };
-  for (std::string_view m :
-       {store::method::kRemoveAll, store::method::kDrain, store::method::kDeregister}) {
+  for (std::string_view m : {store::method::kRemoveAll, store::method::kRemoveByRegex,
+                             store::method::kDrain, store::method::kDeregister}) {
     EXPECT_EQ(call(m, {}).error_code(), grpc::StatusCode::UNAUTHENTICATED) << m;
     const grpc::Status holder = call(m, {{store::kAuthHeader, ClusterProof(m)}});
     EXPECT_EQ(holder.error_code(), grpc::StatusCode::PERMISSION_DENIED) << m;
@@ -396,12 +402,21 @@ TEST_F(SecureCluster, RawRemoveAllDrainDeregisterChangeNothing) {
   // And through the client API: a client without the admin token gets PERMISSION_DENIED.
   Status st = client_->RemoveAll();
   EXPECT_EQ(st.code(), StatusCode::kPermissionDenied) << st.ToString();
+  Result<uint64_t> by_regex = client_->RemoveByRegex(".");
+  EXPECT_EQ(by_regex.status().code(), StatusCode::kPermissionDenied)
+      << by_regex.status().ToString();
   std::this_thread::sleep_for(std::chrono::milliseconds(kTtlMs));  // a drain would show
   ExpectIntact("after the refused RemoveAll/Drain/Deregister calls");
 
   StoreOptions admin = ClientOptions("admin");
   admin.admin_token = kAdmin;
   auto admin_client = Must(StoreClient::Create(admin));
+  const uint64_t before = View().objects;
+  ASSERT_GT(before, 1u);
+  Result<uint64_t> one = admin_client->RemoveByRegex("^" + Key(0) + "$");
+  ASSERT_TRUE(one.ok()) << one.status().ToString();
+  EXPECT_EQ(*one, 1u);
+  EXPECT_EQ(View().objects, before - 1);
   ASSERT_TRUE(admin_client->RemoveAll().ok());
   EXPECT_EQ(View().objects, 0u);
 }

@@ -231,6 +231,11 @@ class KVBRIDGE_API StoreClient {
   // Removes every object. With a cluster token it needs StoreOptions::admin_token
   // (PERMISSION_DENIED without it).
   Status RemoveAll();
+  // Removes every object whose key the regular expression matches (ECMAScript syntax, matched
+  // anywhere in the key: "^req7/" for a prefix); returns how many. INVALID_ARGUMENT for an
+  // empty or malformed pattern, naming it. Destructive like RemoveAll: with a cluster token it
+  // needs StoreOptions::admin_token. Objects being put while it runs are not removed.
+  Result<uint64_t> RemoveByRegex(std::string_view pattern);
   // Copies the object to the storage nodes named (node ids) that hold no replica of it, or
   // moves it from node `from` to node `to` (docs/store.md "Copying and moving objects"); the
   // copies run as the master's re-replication tasks. The task's id, for QueryTask.

@@ -459,5 +459,42 @@ TEST(MasterRemove, RemoveAllKeepsPendingPuts) {
   ExpectConsistent(c);
 }
 
+// RemoveByRegex: ECMAScript, matched anywhere in the key (Mooncake's remove_by_regex: "a3"
+// removes "rx/a3"); anchors restrict it; pending puts are kept; bad patterns are named and
+// remove nothing; a leased object is removed from the namespace at once, freed at lease end.
+TEST(MasterRemove, RemoveByRegexMatchesAnywhereAndKeepsPendingPuts) {
+  Cluster c;
+  c.AddNode("n0", {1 << 20});
+  for (const char* k : {"rx/a0", "rx/a1", "rx/a2", "rx/a3", "rx/b1", "other", "xrx/a1"}) {
+    ASSERT_TRUE(c.Put(k, 100).ok()) << k;
+  }
+  Result<PutAllocation> pending = c.Start("rx/a9", {100});
+  ASSERT_TRUE(pending.ok());
+  const uint64_t objects = c.m().Stats().objects;
+  for (const std::string bad : {"", "([", "a{2,1}", "\\"}) {
+    Result<size_t> r = c.m().RemoveByRegex(bad, c.now);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
+    if (!bad.empty()) {
+      EXPECT_NE(r.status().message().find("'" + bad + "'"), std::string::npos)
+          << r.status().ToString();
+    }
+  }
+  EXPECT_EQ(c.m().Stats().objects, objects);
+  EXPECT_EQ(c.m().RemoveByRegex("nomatch", c.now).value(), 0u);
+  EXPECT_EQ(c.m().RemoveByRegex("^rx/a[0-2]$", c.now).value(), 3u);
+  EXPECT_EQ(c.m().RemoveByRegex("a3", c.now).value(), 1u);  // anywhere in the key
+  auto g = c.m().GetReplicas({"rx/b1"}, "", c.now);  // leased: still removed from the namespace
+  ASSERT_TRUE(g[0].ok());
+  EXPECT_EQ(c.m().RemoveByRegex("^(rx|xrx)/", c.now).value(), 2u);  // rx/b1, xrx/a1; not rx/a9
+  auto ex = c.m().Exists({"rx/a0", "rx/a3", "rx/b1", "xrx/a1", "other", "rx/a9"});
+  EXPECT_EQ(ex, (std::vector<bool>{false, false, false, false, true, false}));
+  EXPECT_EQ(c.m().Stats().objects, 1u);
+  EXPECT_EQ(c.m().Stats().pending, 1u);
+  ASSERT_TRUE(c.End("rx/a9", *pending, {true}, 7).ok());  // the pending put completes untouched
+  EXPECT_TRUE(c.m().Exists({"rx/a9"})[0]);
+  ExpectConsistent(c);
+}
+
 }  // namespace
 }  // namespace kvbridge::store::master_test
