@@ -1,6 +1,8 @@
 #include "dram_pool.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -141,8 +143,73 @@ bool LoadConfig(const kvb_host_services_t* host, Config* out, std::string* err) 
     }
     out->prefault = v == "1";
   }
+
+  if (!ReadKey(host, "dram.file", &v, &set, err)) return false;
+  if (set) out->file = v;
+  if (!ReadKey(host, "dram.file_offset", &v, &set, err)) return false;
+  if (set) {
+    uint64_t off = 0;
+    const long page = sysconf(_SC_PAGESIZE);
+    if (!ParseUnsigned(v, &off) || (page > 0 && off % static_cast<uint64_t>(page) != 0)) {
+      *err = "dram: dram.file_offset must be a multiple of the page size (" + std::to_string(page) +
+             " bytes), not '" + v + "'";
+      return false;
+    }
+    if (out->file.empty()) {
+      *err = "dram: dram.file_offset is set but dram.file is not";
+      return false;
+    }
+    out->file_offset = off;
+  }
   return true;
 }
+
+namespace {
+
+// The segment as `bytes` of config.file from config.file_offset, mapped shared. The file must
+// exist and hold them (it is not grown: it may be another process's memory).
+kvb_status_t MapFile(const kvb_host_services_t* host, const Config& config, uint64_t bytes,
+                     void** base, std::string* err) {
+  const std::string where = "dram: dram.file '" + config.file + "'";
+  struct stat st {};
+  if (stat(config.file.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    *err = where + " is not a regular file";
+    return KVB_ERR_INVALID_ARGUMENT;
+  }
+  const int fd = open(config.file.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    *err = where + " cannot be opened: " + std::strerror(errno);
+    return errno == ENOENT ? KVB_ERR_NOT_FOUND : KVB_ERR_INVALID_ARGUMENT;
+  }
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    *err = where + " is not a regular file";
+    close(fd);
+    return KVB_ERR_INVALID_ARGUMENT;
+  }
+  const auto size = static_cast<uint64_t>(st.st_size);
+  if (config.file_offset > size || bytes > size - config.file_offset) {
+    *err = where + " has " + std::to_string(size) + " bytes; a " + Bytes(bytes) +
+           " segment at offset " + std::to_string(config.file_offset) + " needs " +
+           std::to_string(config.file_offset + bytes);
+    close(fd);
+    return KVB_ERR_INVALID_ARGUMENT;
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                 static_cast<off_t>(config.file_offset));
+  const int e = errno;
+  close(fd);  // the mapping keeps the file
+  if (p == MAP_FAILED) {
+    *err = where + ": mmap of " + Bytes(bytes) + " failed: " + std::strerror(e);
+    return KVB_ERR_NO_SPACE;
+  }
+  *base = p;
+  Log(host, KVB_LOG_INFO,
+      Bytes(bytes) + " segment on file " + config.file + " at offset " +
+          std::to_string(config.file_offset) + " (shared mapping)");
+  return KVB_OK;
+}
+
+}  // namespace
 
 kvb_status_t DramPool::Create(const kvb_host_services_t* host, const kvb_storage_params_t* params,
                               std::unique_ptr<DramPool>* out, std::string* err) {
@@ -163,15 +230,23 @@ kvb_status_t DramPool::Create(const kvb_host_services_t* host, const kvb_storage
            " is more than this machine's physical memory (" + std::to_string(physical) + " bytes)";
     return KVB_ERR_INVALID_ARGUMENT;
   }
-  const uint64_t bytes = (requested + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
-
   Config config;
   if (!LoadConfig(host, &config, err)) return KVB_ERR_INVALID_ARGUMENT;
+  const uint64_t bytes = !config.file.empty()
+                             ? requested
+                             : (requested + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
 
   void* base = nullptr;
   bool huge = false;
   std::string why;  // how we came to the pages we got, for the log line
-  if (config.huge_pages == Config::HugePages::kOff) {
+  if (!config.file.empty()) {
+    if (config.huge_pages == Config::HugePages::kOn) {
+      *err = "dram: dram.hugepages=on cannot be honoured for a segment on dram.file '" +
+             config.file + "' (the file's own pages back it)";
+      return KVB_ERR_INVALID_ARGUMENT;
+    }
+    if (kvb_status_t st = MapFile(host, config, bytes, &base, err); st != KVB_OK) return st;
+  } else if (config.huge_pages == Config::HugePages::kOff) {
     why = "dram.hugepages=off";
   } else {
     base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
@@ -194,7 +269,9 @@ kvb_status_t DramPool::Create(const kvb_host_services_t* host, const kvb_storage
     }
   }
 
-  if (huge) {
+  if (!config.file.empty()) {
+    // mapped and logged by MapFile
+  } else if (huge) {
     Log(host, KVB_LOG_INFO, Bytes(bytes) + " segment on 2 MiB huge pages (MAP_HUGETLB)");
   } else {
     base = MapAligned(bytes);

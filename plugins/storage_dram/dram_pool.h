@@ -5,6 +5,10 @@
 // normal pages, 2 MiB-aligned, with transparent huge pages requested (MADV_HUGEPAGE). Its
 // length is the requested capacity rounded up to 2 MiB.
 //
+// With dram.file set, the segment is instead that file's bytes from dram.file_offset, mapped
+// shared (MAP_SHARED): memory another process can map too (a /dev/shm file, Mooncake's
+// mount_segment). Its length is then exactly the requested capacity, which the file must hold.
+//
 // Thread-safety: Alloc, Free, Usage and Segment may be called concurrently (one mutex guards
 // the allocator; it is never held across a call into the host). The destructor (the ABI's
 // destroy) must not race with anything.
@@ -28,6 +32,8 @@ struct Config {
   HugePages huge_pages = HugePages::kAuto;  // "on": no huge pages is an error
   uint64_t alignment = 64;                  // every allocation starts and ends on it
   bool prefault = false;                    // touch every page at create
+  std::string file;                         // non-empty: the segment is this file, shared
+  uint64_t file_offset = 0;                 // where in it, a multiple of the page size
 };
 
 // Reads the dram.* keys through host->config_get; unset keys keep their defaults. Returns false

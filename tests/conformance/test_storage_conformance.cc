@@ -6,6 +6,7 @@
 // instance in params.path. The DramPlugin tests at the end pin what only the dram plugin promises
 // (2 MiB rounding, its configuration keys, its log lines, prefault); the ssd plugin's own tests
 // are in tests/ssd/.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -861,6 +862,98 @@ TEST_F(DramPlugin, PrefaultMakesEveryPageResident) {
   const auto count =
       std::count_if(resident.begin(), resident.end(), [](unsigned char r) { return (r & 1) != 0; });
   EXPECT_EQ(static_cast<size_t>(count), resident.size()) << "pages not resident after prefault";
+}
+
+// A file under /dev/shm (or the temp dir), of `bytes`, removed with the object.
+class SharedFile {
+ public:
+  explicit SharedFile(uint64_t bytes) {
+    const std::string dir = access("/dev/shm", W_OK) == 0 ? "/dev/shm" : ::testing::TempDir();
+    path_ = dir + "/kvb-dram-file-" + std::to_string(getpid()) + "-" + std::to_string(++next_);
+    const int fd = open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    EXPECT_GE(fd, 0) << path_ << ": " << std::strerror(errno);
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0) << std::strerror(errno);
+    close(fd);
+  }
+  ~SharedFile() { unlink(path_.c_str()); }
+  const std::string& path() const { return path_; }
+  std::string Read(uint64_t offset, size_t n) const {
+    std::string out(n, '\0');
+    const int fd = open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    EXPECT_EQ(pread(fd, out.data(), n, static_cast<off_t>(offset)), static_cast<ssize_t>(n));
+    close(fd);
+    return out;
+  }
+
+ private:
+  static inline int next_ = 0;
+  std::string path_;
+};
+
+// dram.file: the segment is the file's bytes from dram.file_offset, exactly the capacity (no
+// 2 MiB rounding), shared: what is written into the segment is in the file, where another
+// process mapping it sees it.
+TEST_F(DramPlugin, FileSegmentIsTheFilesBytesShared) {
+  SharedFile file(8u << 20);
+  constexpr uint64_t kOffset = 1u << 20, kBytes = (3u << 20) + 4096;
+  std::unique_ptr<Instance> inst;
+  std::string err;
+  ASSERT_EQ(Create({{"dram.file", file.path()}, {"dram.file_offset", std::to_string(kOffset)}},
+                   kBytes, &inst, &err),
+            KVB_OK)
+      << err;
+  EXPECT_TRUE(host_->Logged("on file " + file.path())) << ::testing::PrintToString(host_->lines());
+  Result<Instance::Segment> seg = inst->GetSegment();
+  ASSERT_TRUE(seg.ok()) << seg.status().ToString();
+  EXPECT_EQ(seg.value().length, kBytes);
+  Result<StorageUsage> u = inst->Usage();
+  ASSERT_TRUE(u.ok()) << u.status().ToString();
+  EXPECT_EQ(u.value().capacity_bytes, kBytes);
+  uint64_t off = 0;
+  ASSERT_EQ(Alloc(*inst, 100, &off), KVB_OK);
+  auto* base = static_cast<char*>(seg.value().addr);
+  std::memcpy(base + off, "through the segment", 19);
+  EXPECT_EQ(file.Read(kOffset + off, 19), "through the segment");
+  std::memcpy(base + kBytes - 4, "last", 4);
+  EXPECT_EQ(file.Read(kOffset + kBytes - 4, 4), "last");
+  inst.reset();  // unmapped; the file and its bytes stay
+  EXPECT_EQ(file.Read(kOffset + off, 19), "through the segment");
+}
+
+TEST_F(DramPlugin, FileSegmentErrorsNameTheFileAndWhatIsWrong) {
+  SharedFile file(4u << 20);
+  struct Case {
+    std::map<std::string, std::string> config;
+    uint64_t bytes;
+    kvb_status_t want;
+    std::string says;
+  };
+  const long page = sysconf(_SC_PAGESIZE);
+  const Case cases[] = {
+      {{{"dram.file", file.path() + ".missing"}}, 1u << 20, KVB_ERR_NOT_FOUND, "cannot be opened"},
+      {{{"dram.file", file.path()}}, 5u << 20, KVB_ERR_INVALID_ARGUMENT, "has 4194304 bytes"},
+      {{{"dram.file", file.path()}, {"dram.file_offset", std::to_string(3u << 20)}},
+       2u << 20,
+       KVB_ERR_INVALID_ARGUMENT,
+       "needs 5242880"},
+      {{{"dram.file", file.path()}, {"dram.file_offset", std::to_string(page + 1)}},
+       1u << 20,
+       KVB_ERR_INVALID_ARGUMENT,
+       "dram.file_offset must be a multiple of the page size"},
+      {{{"dram.file_offset", "0"}}, 1u << 20, KVB_ERR_INVALID_ARGUMENT, "dram.file is not"},
+      {{{"dram.file", "/dev/shm"}}, 1u << 20, KVB_ERR_INVALID_ARGUMENT, "not a regular file"},
+      {{{"dram.file", file.path()}, {"dram.hugepages", "on"}},
+       1u << 20,
+       KVB_ERR_INVALID_ARGUMENT,
+       "cannot be honoured"},
+  };
+  for (const Case& c : cases) {
+    std::unique_ptr<Instance> inst;
+    std::string err;
+    EXPECT_EQ(Create(c.config, c.bytes, &inst, &err), c.want) << err;
+    EXPECT_NE(err.find(c.says), std::string::npos) << err;
+    EXPECT_EQ(inst, nullptr);
+  }
 }
 
 }  // namespace
