@@ -522,6 +522,18 @@ class TransferEngine:
         own), so sharing changes nothing. RuntimeError before ``initialize``."""
         return self._engine()
 
+    def get_engine_ptr(self) -> int:
+        """Not supported: raises MooncakeNotSupportedError. Mooncake's is the address of its
+        C++ engine, for C++ code that shares it; kvbridge's engine is not that class, and C++
+        code handed its address would misread it."""
+        not_supported("get_engine_ptr", "the engine behind this one is kvbridge's, not "
+                      "Mooncake's C++ TransferEngine; share it from Python with get_engine()")
+
+    def warmup_efa_segment(self, segment_name: str) -> int:
+        """Not supported: raises MooncakeNotSupportedError (kvbridge has no EFA transport)."""
+        not_supported("warmup_efa_segment", "kvbridge has no EFA transport to warm up; its "
+                      "transports connect to a peer on first use (send_probe does it at once)")
+
     def get_local_topology(self, device_name: Optional[str] = None) -> str:
         return "{}"
 

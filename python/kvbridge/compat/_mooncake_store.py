@@ -478,10 +478,18 @@ class _Session:
     """What one setup() built; closed as a whole by close()."""
 
     def __init__(self, master: str, node: Optional[Node], client: StoreClient,
-                 client_options: dict, staging: Optional[mmap.mmap], metrics_listen: str = ""):
+                 client_options: dict, staging: Optional[mmap.mmap], metrics_listen: str = "",
+                 node_options: Optional[dict] = None):
         self.master = master
         self.node = node
         self.client = client
+        # Segments mounted after setup (allocate_and_mount_segment, mount_segment): id ->
+        # (kind, its Node), started from node_options (setup's node's, less its size and id).
+        self._node_options = dict(node_options or {})
+        self.has_ssd = "node_ssd_path" in self._node_options
+        self._segments: dict[str, tuple[str, Node]] = {}
+        self._segment_ids = itertools.count(1)
+        self.mem_pool: Optional[_BumpPool] = None  # setup_dummy's (alloc_from_mem_pool)
         self._client_options = client_options
         self.node_id = client_options["node_id"]  # the node's and the main client's
         # enable_client_http_server: where every client of the session is served (one
@@ -536,6 +544,41 @@ class _Session:
                 pass  # unregistered meanwhile; that key then goes through the staging copy
         return c
 
+    def mount(self, kind: str, size: int, path: Optional[str] = None, offset: int = 0) -> str:
+        """Starts a storage node of ``size`` bytes (of the file ``path`` from ``offset`` when
+        given) registered with the master; its id, the segment id. KvbError if it cannot."""
+        with self._lock:
+            if self._closed:
+                raise UnavailableError("the store is closed")
+            segment = f"{self.node_id}-segment-{next(self._segment_ids)}"
+        opts = dict(self._node_options, node_id=segment, node_dram_bytes=size)
+        opts.pop("node_ssd_path", None)  # the SSD tier stays with setup's node
+        if path is not None:
+            opts["plugin_config"] = {"dram.file": path, "dram.file_offset": str(offset)}
+        node = Node(**opts)
+        with self._lock:
+            if not self._closed:
+                self._segments[segment] = (kind, node)
+                return segment
+        node.close()
+        raise UnavailableError("the store is closed")
+
+    def unmount(self, kind: str, segment_ids: list) -> None:
+        """Drains and stops the segments, all of ``kind``; KeyError (naming the id, nothing
+        unmounted) if one is not."""
+        with self._lock:
+            for segment in segment_ids:
+                if self._segments.get(segment, ("", None))[0] != kind:
+                    raise KeyError(f"{segment!r} is not a segment {kind} mounted on this store")
+            nodes = [self._segments.pop(segment)[1] for segment in segment_ids]
+        for segment, node in zip(segment_ids, nodes):
+            try:
+                node.drain()
+            except KvbError as e:
+                _log.warning("unmounting %s: its drain did not finish (%s); stopping it",
+                             segment, e)
+            node.close()
+
     def clients(self) -> list:
         """Every client of this setup: the main one and one per other put profile."""
         with self._lock:
@@ -567,6 +610,10 @@ class _Session:
             self._closed = True
         for c in clients:
             c.close()
+        with self._lock:
+            segments, self._segments = list(self._segments.values()), {}
+        for _, node in segments:
+            node.close()
         if self.node is not None:
             self.node.close()  # like Mooncake's close: the segment and its replicas go away
         # The staging mmap is left to the garbage collector: a buffer export of it (the
@@ -615,8 +662,9 @@ class MooncakeDistributedStore:
         to read from. Here ``server_address`` is a kvbridge master's ``host:port``, the pool is
         the kvbridge nodes (``kvbridge node``) registered with it, and this is a pure client of
         it (``setup`` with ``global_segment_size=0``): nodes read and write this process's
-        registered buffers over the transport, so no memory is handed over and
-        ``mem_pool_size`` is only checked. 0, or -1 with the reason logged."""
+        registered buffers over the transport, so no memory is handed over. ``mem_pool_size``
+        bytes are registered here as the pool ``alloc_from_mem_pool`` hands out. 0, or -1 with
+        the reason logged."""
         _check_ints("mem_pool_size/local_buffer_size", (mem_pool_size, local_buffer_size))
         if not isinstance(server_address, str):
             raise TypeError(f"server_address: expected str, got {type(server_address).__name__}")
@@ -628,9 +676,19 @@ class MooncakeDistributedStore:
         except (ValueError, OSError) as e:
             _log.error("setup_dummy: server_address %r: %s", server_address, e)
             return -1
-        return self.setup({"local_hostname": host, "metadata_server": "P2PHANDSHAKE",
-                           "global_segment_size": 0, "local_buffer_size": local_buffer_size,
-                           "protocol": "tcp", "master_server_addr": server_address})
+        rc = self.setup({"local_hostname": host, "metadata_server": "P2PHANDSHAKE",
+                         "global_segment_size": 0, "local_buffer_size": local_buffer_size,
+                         "protocol": "tcp", "master_server_addr": server_address})
+        s = self._session
+        if rc == 0 and s is not None and mem_pool_size > 0 and s.mem_pool is None:
+            try:
+                pool = _BumpPool(mem_pool_size)
+                s.register(pool.base, pool.size)
+            except (KvbError, OSError, ValueError) as e:
+                _log.error("setup_dummy: the %d-byte memory pool: %s", mem_pool_size, e)
+                return -1
+            s.mem_pool = pool
+        return rc
 
     def close(self) -> int:
         """Closes the client and stops this process's contribution to the pool. 0; idempotent."""
@@ -964,6 +1022,146 @@ class MooncakeDistributedStore:
         except KvbError as e:
             return _code_of(e, master_call=True)
         return max(before - after, 0)
+
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        """Removes every complete object whose key the regular expression matches anywhere
+        (ECMAScript syntax, as Mooncake's master reads it): how many were removed,
+        INVALID_PARAMS for a malformed pattern, or an error; an empty pattern removes every
+        object, as Mooncake's does (``remove_all``). The master does the
+        matching (StoreClient.remove_by_regex). ``force`` changes nothing, as for ``remove``."""
+        if not isinstance(regex_pattern, str):
+            raise TypeError("remove_by_regex(): incompatible function arguments: regex_pattern "
+                            f"must be str, not {type(regex_pattern).__name__}")
+        if regex_pattern == "":
+            # Matches every key, as in Mooncake (kvbridge's own remove_by_regex refuses it).
+            return self.remove_all(force)
+        s = self._session
+        if s is None:
+            return int(ErrorCode.INVALID_PARAMS)
+        try:
+            return s.client.remove_by_regex(regex_pattern)
+        except KvbError as e:
+            return _code_of(e, master_call=True)
+
+    # -- segments beyond setup's (Mooncake's mount API) ------------------------------------
+    # Each segment is a kvbridge storage node of its own in this process, registered with the
+    # session's master, its id the segment id. Unmounting drains it: its objects move to the
+    # other nodes before it leaves (Mooncake's unmount drops them).
+    def allocate_and_mount_segment(self, size: int, protocol: str = "tcp",
+                                   location: str = "") -> dict:
+        """Contributes ``size`` more bytes of this process's memory to the pool: ``{"ret": 0,
+        "segment_ids": [id], "allocated_size": size}``, or ``ret`` -1 (logged) before setup,
+        for a size of 0 or when the node cannot start. ``location`` (a NUMA or device hint)
+        is not used."""
+        _check_ints("size", (size,))
+        failed = {"ret": -1, "segment_ids": [], "allocated_size": 0}
+        s = self._session
+        if s is None:
+            _log.error("allocate_and_mount_segment: not set up")
+            return failed
+        if size <= 0:
+            _log.error("allocate_and_mount_segment: size is %d", size)
+            return failed
+        try:
+            segment = s.mount(_SEGMENT_ALLOCATED, size)
+        except (KvbError, ValueError) as e:
+            _log.error("allocate_and_mount_segment(%d): %s", size, e)
+            return failed
+        return {"ret": 0, "segment_ids": [segment], "allocated_size": size}
+
+    def mount_segment(self, path: str, size: int, offset: int = 0, protocol: str = "tcp",
+                      location: str = "") -> dict:
+        """Contributes ``size`` bytes of the existing file ``path`` from ``offset`` (a multiple
+        of the page size), mapped shared, e.g. a /dev/shm file another process maps:
+        ``{"ret": 0, "segment_ids": [id]}``, or ``ret`` -1 (logged) when the file is missing or
+        too small, the offset unaligned, the size 0 or before setup."""
+        if not isinstance(path, str):
+            raise TypeError(f"path: expected str, got {type(path).__name__}")
+        _check_ints("size/offset", (size, offset))
+        failed = {"ret": -1, "segment_ids": []}
+        s = self._session
+        if s is None:
+            _log.error("mount_segment: not set up")
+            return failed
+        if size <= 0 or offset < 0:
+            _log.error("mount_segment(%s): size %d, offset %d", path, size, offset)
+            return failed
+        try:
+            segment = s.mount(_SEGMENT_FILE, size, path, offset)
+        except (KvbError, ValueError) as e:
+            _log.error("mount_segment(%s, %d, %d): %s", path, size, offset, e)
+            return failed
+        return {"ret": 0, "segment_ids": [segment]}
+
+    def unmount_segment(self, segment_ids: list, grace_period_seconds: int = 0) -> int:
+        """Unmounts segments that ``mount_segment`` mounted: each is drained (its objects move
+        to other nodes, for at most the node's drain timeout, 30 s) and stopped. 0; -1 (logged,
+        nothing unmounted) when an id is not such a segment of this store; INVALID_PARAMS for an
+        id given twice. ``grace_period_seconds`` is accepted; draining already lets reads in
+        flight finish."""
+        return self._unmount("unmount_segment", _SEGMENT_FILE, segment_ids, grace_period_seconds)
+
+    def unmount_and_free_segment(self, segment_ids: list, grace_period_seconds: int = 0) -> int:
+        """unmount_segment for segments that ``allocate_and_mount_segment`` made; their memory
+        is freed."""
+        return self._unmount("unmount_and_free_segment", _SEGMENT_ALLOCATED, segment_ids,
+                             grace_period_seconds)
+
+    def _unmount(self, what: str, kind: str, segment_ids: Any, grace_period_seconds: int) -> int:
+        _check_ints("grace_period_seconds", (grace_period_seconds,))
+        if grace_period_seconds < 0:
+            raise TypeError(f"{what}(): grace_period_seconds must be >= 0")
+        ids = _str_list("segment_ids", segment_ids)
+        s = self._session
+        if s is None:
+            _log.error("%s: not set up", what)
+            return -1
+        if len(set(ids)) != len(ids):
+            _log.error("%s: a segment id is given twice", what)
+            return int(ErrorCode.INVALID_PARAMS)
+        try:
+            s.unmount(kind, ids)
+        except KeyError as e:
+            _log.error("%s: %s", what, e.args[0])
+            return -1
+        return 0
+
+    def unmount_local_disk_segment(self, grace_period_seconds: int = 0) -> int:
+        """0 when this store has no SSD tier (``enable_ssd_offload``), as Mooncake answers with
+        no local disk segment. With one: MooncakeNotSupportedError (_NO_DISK_UNMOUNT)."""
+        _check_ints("grace_period_seconds", (grace_period_seconds,))
+        s = self._session
+        if s is None or not s.has_ssd:
+            return 0
+        not_supported("unmount_local_disk_segment", _NO_DISK_UNMOUNT)
+
+    def alloc_from_mem_pool(self, size: int) -> int:
+        """After ``setup_dummy``: the address of ``size`` bytes of its ``mem_pool_size`` pool,
+        registered with the store (``put_from``/``get_into`` on it move no staging copy), kept
+        until ``close``; 0 when the pool cannot hold them. 0 after ``setup``, as Mooncake's
+        embedded client answers (its pool is the dummy client's shared memory)."""
+        _check_ints("size", (size,))
+        s = self._session
+        if s is None or s.mem_pool is None or size <= 0:
+            return 0
+        return s.mem_pool.alloc(size)
+
+    def init_all(self, protocol: str, device_name: str, mount_segment_size: int) -> int:
+        """Mooncake's one-call setup: ``setup("localhost", ..., mount_segment_size, 1 GiB,
+        protocol, device_name, master)``, where the master is ``$KVBRIDGE_MASTER`` if set, else
+        Mooncake's fixed ``127.0.0.1:50051``. 0; INVALID_PARAMS when already set up; -1 (logged)
+        when the master cannot be reached."""
+        if not isinstance(protocol, str) or not isinstance(device_name, str):
+            raise TypeError("init_all(): protocol and device_name must be str")
+        _check_ints("mount_segment_size", (mount_segment_size,))
+        if self._session is not None:
+            _log.error("init_all: the store is already set up")
+            return int(ErrorCode.INVALID_PARAMS)
+        master = os.environ.get("KVBRIDGE_MASTER", "") or "127.0.0.1:50051"
+        return self.setup({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
+                           "global_segment_size": mount_segment_size,
+                           "local_buffer_size": 1 << 30, "protocol": protocol,
+                           "rdma_devices": device_name, "master_server_addr": master})
 
     def batch_replica_clear(self, keys: list, segment_name: str = "") -> list:
         """Drops the keys' replicas, all of them (``segment_name=""``) or those on one segment
@@ -1597,6 +1795,89 @@ class MooncakeDistributedStore:
                    for k, p, n in zip(base_keys, buffer_ptrs, sizes)]
         return self._put_tp(base_keys, tensors, None, tp_size, split_dim)
 
+    # The parallelism forms (Mooncake 0.3.13): with no TensorParallelism, ReadTarget or writer
+    # partition they store and read whole tensors, exactly as the plain tensor calls (with a
+    # ReplicateConfig), which is what the wheel does on that route. A layout given raises
+    # MooncakeNotSupportedError naming it (_NO_PARALLEL_LAYOUTS); the TP forms above cover
+    # sharding along one axis.
+    def put_tensor_with_parallelism(self, key: str, tensor: Any, parallelism: Any = None,
+                                    config: Any = None, writer_partition: Any = None) -> int:
+        """put_tensor with a ReplicateConfig. 0 or an error."""
+        _whole_tensors("put_tensor_with_parallelism", parallelism, writer_partition)
+        return self._put_tensors([key], [tensor], config, upsert=False)[0]
+
+    def upsert_tensor_with_parallelism(self, key: str, tensor: Any, parallelism: Any = None,
+                                       config: Any = None, writer_partition: Any = None) -> int:
+        """upsert_tensor with a ReplicateConfig. 0 or an error."""
+        _whole_tensors("upsert_tensor_with_parallelism", parallelism, writer_partition)
+        return self._put_tensors([key], [tensor], config, upsert=True)[0]
+
+    def put_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int,
+                                         parallelism: Any = None, config: Any = None,
+                                         writer_partition: Any = None) -> int:
+        """put_tensor_from with a ReplicateConfig. 0 or an error."""
+        _whole_tensors("put_tensor_with_parallelism_from", parallelism, writer_partition)
+        return self._put_tensor_from(key, buffer_ptr, size, upsert=False, config=config)
+
+    def upsert_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int,
+                                            parallelism: Any = None, config: Any = None,
+                                            writer_partition: Any = None) -> int:
+        """upsert_tensor_from with a ReplicateConfig. 0 or an error."""
+        _whole_tensors("upsert_tensor_with_parallelism_from", parallelism, writer_partition)
+        return self._put_tensor_from(key, buffer_ptr, size, upsert=True, config=config)
+
+    def batch_put_tensor_with_parallelism(self, keys: list, tensors_list: list,
+                                          parallelisms: Any = None, config: Any = None,
+                                          writer_partitions: Any = None) -> list:
+        """batch_pub_tensor: one 0 or error per key."""
+        _whole_tensors("batch_put_tensor_with_parallelism", parallelisms, writer_partitions)
+        return self._put_tensors(keys, tensors_list, config, upsert=False)
+
+    def batch_upsert_tensor_with_parallelism(self, keys: list, tensors_list: list,
+                                             parallelisms: Any = None, config: Any = None,
+                                             writer_partitions: Any = None) -> list:
+        """batch_upsert_pub_tensor: one 0 or error per key."""
+        _whole_tensors("batch_upsert_tensor_with_parallelism", parallelisms, writer_partitions)
+        return self._put_tensors(keys, tensors_list, config, upsert=True)
+
+    def batch_put_tensor_with_parallelism_from(self, keys: list, buffer_ptrs: list, sizes: list,
+                                               parallelisms: Any = None, config: Any = None,
+                                               writer_partitions: Any = None) -> list:
+        """batch_put_tensor_from with a ReplicateConfig."""
+        _whole_tensors("batch_put_tensor_with_parallelism_from", parallelisms, writer_partitions)
+        return self._batch_put_tensor_from(keys, buffer_ptrs, sizes, upsert=False, config=config)
+
+    def batch_upsert_tensor_with_parallelism_from(self, keys: list, buffer_ptrs: list,
+                                                  sizes: list, parallelisms: Any = None,
+                                                  config: Any = None,
+                                                  writer_partitions: Any = None) -> list:
+        """batch_upsert_tensor_from with a ReplicateConfig."""
+        _whole_tensors("batch_upsert_tensor_with_parallelism_from", parallelisms,
+                       writer_partitions)
+        return self._batch_put_tensor_from(keys, buffer_ptrs, sizes, upsert=True, config=config)
+
+    def get_tensor_with_parallelism(self, key: str, target: Any = None) -> Any:
+        """get_tensor."""
+        _whole_tensors("get_tensor_with_parallelism", target)
+        return self.get_tensor(key)
+
+    def get_tensor_with_parallelism_into(self, key: str, buffer_ptr: int, size: int,
+                                         target: Any = None) -> Any:
+        """get_tensor_into."""
+        _whole_tensors("get_tensor_with_parallelism_into", target)
+        return self.get_tensor_into(key, buffer_ptr, size)
+
+    def batch_get_tensor_with_parallelism(self, keys: list, targets: Any = None) -> list:
+        """batch_get_tensor."""
+        _whole_tensors("batch_get_tensor_with_parallelism", targets)
+        return self.batch_get_tensor(keys)
+
+    def batch_get_tensor_with_parallelism_into(self, keys: list, buffer_ptrs: list, sizes: list,
+                                               targets: Any = None) -> list:
+        """batch_get_tensor_into."""
+        _whole_tensors("batch_get_tensor_with_parallelism_into", targets)
+        return self.batch_get_tensor_into(keys, buffer_ptrs, sizes)
+
     # Mooncake's CUDA forms fill CUDA tensors through CUDA IPC handles that its standalone
     # client daemon (mooncake_client, dummy-client mode) opens; outside that mode the wheel
     # answers INVALID_PARAMS. kvbridge has no such daemon, and no GPU build of this layer.
@@ -1732,15 +2013,16 @@ class MooncakeDistributedStore:
                 results[i] = code
         return results
 
-    def _put_tensor_from(self, key: str, buffer_ptr: int, size: int, upsert: bool) -> int:
+    def _put_tensor_from(self, key: str, buffer_ptr: int, size: int, upsert: bool,
+                         config: Any = None) -> int:
         _check_key(key)
         _check_ints("buffer_ptr/size", (buffer_ptr, size))
         if self._session is None or not _valid_tensor_buffer(buffer_ptr, size, key):
             return int(ErrorCode.INVALID_PARAMS)
-        return self._put_range(key, buffer_ptr, size, None, upsert)
+        return self._put_range(key, buffer_ptr, size, config, upsert)
 
     def _batch_put_tensor_from(self, keys: list, buffer_ptrs: list, sizes: list,
-                               upsert: bool) -> list:
+                               upsert: bool, config: Any = None) -> list:
         _check_keys(keys)
         _check_ints("buffer_ptrs", buffer_ptrs)
         _check_ints("sizes", sizes)
@@ -1752,7 +2034,7 @@ class MooncakeDistributedStore:
         if len(buffer_ptrs) != len(keys) or len(sizes) != len(keys) or not all(
                 _valid_tensor_buffer(p, n, k) for k, p, n in zip(keys, buffer_ptrs, sizes)):
             return invalid
-        return self._batch_put_from(keys, buffer_ptrs, sizes, None, upsert)
+        return self._batch_put_from(keys, buffer_ptrs, sizes, config, upsert)
 
     # -- internals -------------------------------------------------------------------------
     def _sizes(self, s: _Session, keys: list) -> list:
@@ -2047,9 +2329,9 @@ def _start(config: dict) -> _Session:
     # Fail fast (Mooncake retries for about a minute and a half) when the master is not there.
     cluster_status(master, timeout_ms=3000)
     node = None
+    node_opts: dict[str, Any] = dict(engine, master=master, node_dram_bytes=segment_bytes,
+                                     node_rpc_listen=f"{host}:0")
     if segment_bytes > 0:
-        node_opts: dict[str, Any] = dict(engine, master=master, node_dram_bytes=segment_bytes,
-                                         node_rpc_listen=f"{host}:0")
         if _flag(c["enable_ssd_offload"]):
             path = c["ssd_offload_path"] or os.environ.get("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", "")
             if not path:
@@ -2061,7 +2343,7 @@ def _start(config: dict) -> _Session:
     try:
         client = StoreClient(replica_num=1, **client_opts)
         staging = mmap.mmap(-1, staging_bytes) if staging_bytes > 0 else None
-        return _Session(master, node, client, client_opts, staging, metrics_listen)
+        return _Session(master, node, client, client_opts, staging, metrics_listen, node_opts)
     except BaseException:
         if node is not None:
             node.close()
@@ -2143,6 +2425,50 @@ def _copy_range(data: bytes, ptr: int, dst: int, src: int, size: int) -> int:
 
 
 # -- tensors: values to objects and back (the layout: _mooncake_tensor) -----------------------
+_SEGMENT_ALLOCATED = "allocate_and_mount_segment"
+_SEGMENT_FILE = "mount_segment"
+_NO_DISK_UNMOUNT = ("kvbridge's SSD tier belongs to the store's storage node and leaves with "
+                    "it: close() the store (or drain its node) to take it out of the pool")
+
+
+class _BumpPool:
+    """setup_dummy's memory pool: ``size`` bytes of anonymous memory registered with the
+    session's clients, handed out in 64-byte-aligned pieces that live until the session
+    closes (Mooncake's alloc_from_mem_pool has no free)."""
+
+    def __init__(self, size: int):
+        self.memory = mmap.mmap(-1, size)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.memory))
+        self.size = size
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def alloc(self, n: int) -> int:
+        with self._lock:
+            start = (self._next + 63) & ~63
+            if start + n > self.size:
+                return 0
+            self._next = start + n
+            return self.base + start
+
+
+_NO_PARALLEL_LAYOUTS = (
+    "kvbridge stores and reads whole tensors here, and shards along one axis with the TP forms "
+    "(put_tensor_with_tp, get_tensor_with_tp); layouts over several axes (DP, TP, EP, PP), "
+    "writer partitions with their manifest objects and reads that reshard are not implemented "
+    "(newer Mooncake releases replace this API with their weight-store writer)")
+
+
+def _whole_tensors(what: str, *layouts: Any) -> None:
+    """Refuses a call that names a layout (a TensorParallelism, ReadTarget or writer
+    partition, or a list holding any), naming what was given."""
+    for layout in layouts:
+        given = layout if isinstance(layout, (list, tuple)) else [layout]
+        named = [x for x in given if x is not None]
+        if named:
+            not_supported(f"{what} with a {type(named[0]).__name__}", _NO_PARALLEL_LAYOUTS)
+
+
 _NO_CUDA_IPC = ("Mooncake fills CUDA tensors through CUDA IPC handles its standalone client "
                 "daemon opens, which kvbridge has not; read with get_tensor (or "
                 "batch_get_tensor) and move the result with .to(device)")

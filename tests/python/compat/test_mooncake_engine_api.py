@@ -384,8 +384,9 @@ def test_every_engine_method_is_in_the_docs_table():
     missing = [m for m in MOONCAKE_ENGINE_METHODS if m not in table]
     assert not missing, f"docs/mooncake.md's TransferEngine table lacks {missing}"
     for method in MOONCAKE_ENGINE_METHODS:
-        # yes and stubs answer; no and not yet are absent (AttributeError).
-        assert hasattr(TransferEngine, method) == (table[method] in ("yes", "stubs")), method
+        # yes and stubs answer; no: present, raising MooncakeNotSupportedError; not yet: absent.
+        assert table[method] in ("yes", "stubs", "no", "not yet"), (method, table[method])
+        assert hasattr(TransferEngine, method) == (table[method] != "not yet"), method
     try:
         real = importlib.import_module("mooncake.engine").TransferEngine
     except ImportError:
@@ -441,6 +442,20 @@ def test_every_public_name_of_mooncake_engine_is_exported():
         {"Read": 0, "Write": 1}
     for flag in (n for n in MOONCAKE_ENGINE_NAMES if n.startswith("SUPPORT_")):
         assert getattr(real, flag) is False and getattr(compat, flag) is False, flag
+
+
+def test_the_engine_pointer_and_efa_warmup_are_named_errors(pair):
+    impl, server, session, *_ = pair
+    if impl == "kvbridge":
+        from kvbridge.compat.mooncake import MooncakeNotSupportedError
+
+        with pytest.raises(MooncakeNotSupportedError, match="get_engine"):
+            server.get_engine_ptr()
+        with pytest.raises(MooncakeNotSupportedError, match="EFA"):
+            server.warmup_efa_segment(session)
+    else:
+        assert server.get_engine_ptr() != 0  # the C++ engine's address
+        assert isinstance(server.warmup_efa_segment(session), int)  # no EFA here: an error code
 
 
 def test_every_engine_method_that_answers_is_called_in_this_suite():

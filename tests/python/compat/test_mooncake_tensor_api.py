@@ -762,3 +762,56 @@ def test_tensors_larger_than_the_local_buffer(impl, store, key):
         assert got[1] is None and store.get_tensor(key("big2")) is None
         return
     assert same(got[1], big) and same(store.get_tensor(key("big2")), big)
+
+
+# -- the parallelism forms -------------------------------------------------------------------
+def test_parallelism_forms_without_a_layout_store_and_read_whole_tensors(impl, store, arena,
+                                                                           key):
+    config = impl.replicate(1)
+    t, u = sample((4, 6), seed=11), sample((2, 3, 2), torch.int16, seed=12)
+    assert store.put_tensor_with_parallelism(key("a"), t) == 0
+    assert same(store.get_tensor(key("a")), t)
+    assert same(store.get_tensor_with_parallelism(key("a")), t)
+    assert store.put_tensor_with_parallelism(key("a"), u, None, config) == 0  # exists: kept
+    assert same(store.get_tensor_with_parallelism(key("a"), None), t)
+    assert store.upsert_tensor_with_parallelism(key("a"), u, None, config) == 0
+    assert same(store.get_tensor(key("a")), u)
+    assert store.batch_put_tensor_with_parallelism([key("b1"), key("b2")], [t, u]) == [0, 0]
+    assert store.batch_upsert_tensor_with_parallelism([key("b1")], [u], None, config) == [0]
+    got = store.batch_get_tensor_with_parallelism([key("b1"), key("b2"), key("missing")])
+    assert same(got[0], u) and same(got[1], u) and got[2] is None
+    # Buffers laid out as objects are: [header][data].
+    n = HEADER + t.numel() * 4
+    src = arena.alloc(n)
+    assert store.put_tensor(key("t"), t) == 0
+    assert store.get_tensor_into(key("t"), src, n) is not None
+    assert store.put_tensor_with_parallelism_from(key("f"), src, n) == 0
+    assert same(store.get_tensor(key("f")), t)
+    assert store.upsert_tensor_with_parallelism_from(key("f"), src, n, None, config) == 0
+    assert store.batch_put_tensor_with_parallelism_from([key("g")], [src], [n]) == [0]
+    assert store.batch_upsert_tensor_with_parallelism_from([key("g")], [src], [n],
+                                                           None, config) == [0]
+    dst = arena.alloc(n)
+    assert same(store.get_tensor_with_parallelism_into(key("g"), dst, n), t)
+    into = store.batch_get_tensor_with_parallelism_into([key("f")], [dst], [n])
+    assert same(into[0], t)
+    assert store.put_tensor_with_parallelism_from(key("bad"), src, n - 1) == INVALID_PARAMS
+
+
+def test_parallelism_layouts_are_named_errors_in_kvbridge(impl, store, key):
+    if impl.is_mooncake:
+        pytest.skip("the wheel implements the layouts; kvbridge names them unsupported")
+    from kvbridge.compat.mooncake import (MooncakeNotSupportedError, ReadTarget,
+                                          TensorParallelism)
+
+    t = sample(seed=13)
+    calls = [lambda: store.put_tensor_with_parallelism(key("x"), t, TensorParallelism()),
+             lambda: store.put_tensor_with_parallelism(key("x"), t, None, None, (0, 2, 0)),
+             lambda: store.batch_put_tensor_with_parallelism([key("x")], [t],
+                                                             [TensorParallelism()]),
+             lambda: store.get_tensor_with_parallelism(key("x"), ReadTarget()),
+             lambda: store.batch_get_tensor_with_parallelism([key("x")], [None, ReadTarget()])]
+    for call in calls:
+        with pytest.raises(MooncakeNotSupportedError, match="put_tensor_with_tp"):
+            call()
+    assert store.is_exist(key("x")) == 0  # nothing written
