@@ -1051,8 +1051,8 @@ class MooncakeDistributedStore:
                                    location: str = "") -> dict:
         """Contributes ``size`` more bytes of this process's memory to the pool: ``{"ret": 0,
         "segment_ids": [id], "allocated_size": size}``, or ``ret`` -1 (logged) before setup,
-        for a size of 0 or when the node cannot start. ``location`` (a NUMA or device hint)
-        is not used."""
+        for a size of 0 or when the node cannot start. ``protocol`` and ``location`` (a NUMA or
+        device hint) are not used: the segment's node runs on the session's transports."""
         _check_ints("size", (size,))
         failed = {"ret": -1, "segment_ids": [], "allocated_size": 0}
         s = self._session
