@@ -2,6 +2,9 @@
 BUILD_DIR ?= build
 BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
+# Tests CTest runs at once in `make test`: most wait on timeouts and child processes, so two
+# halve the suite's time on 2 cores (README "make test").
+CTEST_JOBS ?= 2
 # The project venv (scripts/setup_venv.sh): torch, pytest, pybind11. The build's Python
 # extension is made for its interpreter.
 VENV ?= .venv
@@ -43,7 +46,7 @@ build: configure
 test: setup setup-engines
 	$(MAKE) lint
 	$(MAKE) build
-	ctest --test-dir $(BUILD_DIR) --output-on-failure
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j$(CTEST_JOBS)
 	$(MAKE) pytest
 	BUILD_DIR=$(abspath $(BUILD_DIR)) PYTHON=$(PYTHON) scripts/test_mooncake_compat.sh
 	$(MAKE) engines-pytest

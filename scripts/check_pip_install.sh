@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Checks the package the way the README tells a user to install it: a fresh clone, a fresh
-# venv, torch from PyPI, `pip install .` with no kvbridge variable set; then kvbridge used from
-# outside the source tree (no PYTHONPATH, no KVBRIDGE_PLUGIN_PATH): the plugins must be found
-# inside the installed package. Then the same clone is installed into a venv layered on the
-# engines' venv (.venv-engines: another torch), when that venv exists, and used with its torch.
+# venv with nothing in it (torch is an optional extra), `pip install .` with no kvbridge
+# variable set; then kvbridge used from outside the source tree (no PYTHONPATH, no
+# KVBRIDGE_PLUGIN_PATH): the plugins must be found inside the installed package, and nothing
+# it imports may be missing from its declared dependencies. Then the same clone is installed
+# into venvs layered on the project's venv (.venv: torch from PyPI, as a user's "with torch")
+# and on the engines' venv (.venv-engines: another torch), and used with their torch. Layers
+# see the base venv's packages; what pip installs lands in the layer only (installing a
+# several-GB torch into a third venv cost two minutes of every CI run).
 #   CHECK_DIR   where the clone and the venvs go (default build-py/check; recreated)
 # A working tree with uncommitted changes is checked with them: the clone gets the tracked and
 # untracked (not ignored) files of the working tree copied over it, and says so.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 check="${CHECK_DIR:-$here/build-py/check}"
-torch_req="$(grep -E '^torch' "$here/python/requirements-dev.txt")"
 clean_env=(env -u PYTHONPATH -u KVBRIDGE_PLUGIN_PATH -u KVBRIDGE_BUILD_DIR -u KVBRIDGE_CUDA
            -u KVBRIDGE_BUILD_TYPE -u KVBRIDGE_SKIP_PREFLIGHT)
 
@@ -18,7 +21,7 @@ clean_env=(env -u PYTHONPATH -u KVBRIDGE_PLUGIN_PATH -u KVBRIDGE_BUILD_DIR -u KV
 # cheap); everything else is made anew.
 clone="$check/kvbridge"
 if [[ -d "$clone/build-py" ]]; then mv "$clone/build-py" "$check/.kept-build-py"; fi
-rm -rf "$clone" "$check/venv" "$check/engines-venv"
+rm -rf "$clone" "$check/venv" "$check/torch-venv" "$check/engines-venv"
 mkdir -p "$check"
 git clone --quiet "$here" "$clone"
 if [[ -d "$check/.kept-build-py" ]]; then mv "$check/.kept-build-py" "$clone/build-py"; fi
@@ -28,18 +31,19 @@ if [[ -n "$(git -C "$here" status --porcelain)" ]]; then
 fi
 
 python3 -m venv "$check/venv"
-echo "check_pip_install: fresh clone $clone, fresh venv; installing $torch_req from PyPI"
-"$check/venv/bin/python" -m pip install --disable-pip-version-check --quiet "$torch_req"
+echo "check_pip_install: fresh clone $clone, fresh venv (no torch)"
 echo "check_pip_install: pip install . (in the clone, no kvbridge variables set)"
 (cd "$clone" && "${clean_env[@]}" "$check/venv/bin/python" -m pip install --disable-pip-version-check --quiet .)
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 cd "$work"
-use_check() {  # $1: the venv's python
-  KVB_SOURCE_TREE="$clone" "${clean_env[@]}" "$1" - <<'PY'
-import os, torch, kvbridge, kvbridge.ops as ops
+use_check() {  # $1: the venv's python; $2: "torch" where the venv has torch, else "no-torch"
+  KVB_SOURCE_TREE="$clone" KVB_EXPECT="$2" "${clean_env[@]}" "$1" - <<'PY'
+import importlib.util, os, kvbridge
 import kvbridge.integrations
+has_torch = importlib.util.find_spec("torch") is not None
+assert has_torch == (os.environ["KVB_EXPECT"] == "torch"), (has_torch, os.environ["KVB_EXPECT"])
 pkg = os.path.dirname(kvbridge.__file__)
 assert "site-packages" in pkg, pkg
 plugins = sorted(os.listdir(os.path.join(pkg, "plugins")))
@@ -48,10 +52,17 @@ for so in ("libkvb_transport_tcp.so", "libkvb_transport_nccl.so", "libkvb_storag
     assert so in plugins, plugins
 with kvbridge.Cluster(nodes=2, dram_bytes_per_node=32 << 20, replica_num=2) as c:
     store = c.client()
-    page = torch.randn(2, 16, 4, 64)
-    store.put("installed/page", page)
-    out = torch.empty_like(page)
-    assert store.get_into("installed/page", out) == page.numel() * 4 and torch.equal(out, page)
+    if has_torch:
+        import torch
+        page = torch.randn(2, 16, 4, 64)
+        store.put("installed/page", page)
+        out = torch.empty_like(page)
+        assert store.get_into("installed/page", out) == page.numel() * 4 and torch.equal(out, page)
+    else:
+        page = os.urandom(32 << 10)
+        store.put("installed/page", page)
+        out = bytearray(len(page))
+        assert store.get_into("installed/page", out) == len(page) and bytes(out) == page
 # The loader searched the package's plugins directory, and not the tree it was built in.
 try:
     kvbridge.TransferEngine(transports=["no-such-transport"])
@@ -68,11 +79,16 @@ try:
 except kvbridge.KvbError as e:
     assert "nccl" in str(e), str(e)
     nccl = "unavailable here"
-print("check_pip_install: torch", torch.__version__, "- nccl plugin", nccl, "- import, plugins from", pkg,
-      "and an embedded-cluster round trip: OK; CUDA kernels:", ops.cuda_available())
+if has_torch:
+    import kvbridge.ops as ops
+    flavour = "torch " + torch.__version__ + ", CUDA kernels: " + str(ops.cuda_available())
+else:
+    flavour = "no torch"
+print("check_pip_install:", flavour, "- nccl plugin", nccl, "- import, plugins from", pkg,
+      "and an embedded-cluster round trip: OK")
 PY
 }
-use_check "$check/venv/bin/python"
+use_check "$check/venv/bin/python" no-torch
 "${clean_env[@]}" "$check/venv/bin/kvbridge" bench --pages 64 --page-kib 16 --json
 # master, node and status are the daemon program shipped in the wheel (kvbridge/bin/kvbridge):
 # its flags, and a master and a node from the installed package alone.
@@ -99,17 +115,20 @@ print("check_pip_install: kvbridge master, node and status from the wheel's daem
 PY
 echo "check_pip_install: the kvbridge command works"
 
+check_layered() {  # $1: the base venv, $2: the layer's directory
+  python3 -m venv "$2"
+  base_site="$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  layer_site="$("$2/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$base_site" > "$layer_site/base-venv.pth"
+  echo "check_pip_install: pip install . into a layer over $1"
+  (cd "$clone" && "${clean_env[@]}" "$2/bin/python" -m pip install --disable-pip-version-check --quiet .)
+  use_check "$2/bin/python" torch
+}
+# The project's venv: torch from PyPI (python/requirements-dev.txt), as `make setup` made it.
+check_layered "$here/.venv" "$check/torch-venv"
 engines="$here/.venv-engines"
 if [[ -x "$engines/bin/python" ]]; then
-  # A venv layered on the engines' venv: its packages (torch 2.13, vLLM, SGLang) are visible,
-  # and what pip installs lands in the layer only.
-  python3 -m venv "$check/engines-venv"
-  base_site="$("$engines/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-  layer_site="$("$check/engines-venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-  echo "$base_site" > "$layer_site/engines-venv.pth"
-  echo "check_pip_install: pip install . into a layer over $engines"
-  (cd "$clone" && "${clean_env[@]}" "$check/engines-venv/bin/python" -m pip install --disable-pip-version-check --quiet .)
-  use_check "$check/engines-venv/bin/python"
+  check_layered "$engines" "$check/engines-venv"  # torch 2.13, vLLM, SGLang
 else
   echo "check_pip_install: $engines does not exist (scripts/setup_engines_venv.sh); the install into the engines' venv was not checked"
 fi

@@ -268,8 +268,19 @@ TEST_F(StoreObs, BusyDefaultPortIsAWarning) {
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_ANY);
   a.sin_port = htons(9480);
-  // Fails when someone else holds it already, which is as good.
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) (void)listen(fd, 1);
+  // The port must be held for the whole test: a master of another test (ctest -j2) that holds
+  // it now would give it up before this one starts. So wait for it to be ours.
+  const int one = 1;
+  (void)setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    if (std::chrono::steady_clock::now() > give_up) {
+      close(fd);
+      GTEST_SKIP() << "port 9480 stayed held by another process for 30 s";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_EQ(listen(fd, 1), 0);
   unsetenv("KVBRIDGE_METRICS_LISTEN");
   auto p = ChildProcess::Start(
       {"/bin/sh", "-c",
