@@ -287,9 +287,9 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   // Reads an SSD object into registered memory (caller frees it with FreeStaging); checks the
   // record's checksum.
   Result<std::unique_ptr<Staged>> ReadToStaging(const rpc::InventoryRecord& rec);
-  // Whether a ReadSsd may write to `client`: not this node, and not a storage node by the
-  // master's directory (asked once per client incarnation a minute; refused if it cannot be
-  // asked). INVALID_ARGUMENT or PERMISSION_DENIED naming why not.
+  // Whether a ReadSsd may write to `client`: not this node's engine, and not a storage node
+  // (name and incarnation) by the master's directory (asked once per client incarnation a minute;
+  // refused if it cannot be asked). INVALID_ARGUMENT or PERMISSION_DENIED naming why not.
   Status CheckReadClient(const rpc::NodeIdentity& client);
   // StorageNode::stats().
   std::atomic<uint64_t> ssd_read_requests{0};
@@ -1275,7 +1275,8 @@ Status StorageNode::Impl::CheckReadClient(const rpc::NodeIdentity& client) {
   if (client.node_id().empty()) {
     return Status::InvalidArgument("ReadSsd names no client (ReadSsdRequest.client)");
   }
-  if (client.node_id() == engine->self().node_id) {
+  if (client.node_id() == engine->self().node_id &&
+      client.incarnation() == engine->self().incarnation) {
     return Status::PermissionDenied("ReadSsd names this node itself as the client");
   }
   const auto now = std::chrono::steady_clock::now();
@@ -1293,8 +1294,12 @@ Status StorageNode::Impl::CheckReadClient(const rpc::NodeIdentity& client) {
     return listed.status().WithContext("cannot tell whether ReadSsd client " + client.node_id() +
                                        " is a storage node");
   }
+  // A storage node is the (name, incarnation) the master lists. A client may carry a node's
+  // name under an incarnation of its own: an embedded client that shares its node's name, so
+  // that the master places its puts there (the Mooncake drop-in's). Its descriptor is then
+  // another engine's (the handshake checks the incarnation), never the pool's.
   for (const store::NodeEntry& n : *listed) {
-    if (n.id.node_id == client.node_id()) {
+    if (n.id.node_id == client.node_id() && n.id.incarnation == client.incarnation()) {
       return Status::PermissionDenied("ReadSsd client " + client.node_id() +
                                       " is a storage node: a node never writes into another "
                                       "node's pool on a read request");

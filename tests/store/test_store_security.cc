@@ -554,7 +554,8 @@ TEST_F(SecureCluster, FakeNodeWithARealDescriptorIsRefused) {
 // ReadSsd makes a node WRITE an SSD object into the caller's memory. It must not be pointed
 // at other memory: not without the token, not at a descriptor of someone other than the
 // named client, not at a storage node's pool (another's or the node's own), and not at a known
-// client's identity re-pointed to other endpoints.
+// client's identity re-pointed to other endpoints. A client that shares a node's name under an
+// incarnation of its own is served.
 TEST_F(SecureCluster, ReadSsdCannotTargetOtherMemory) {
   if (!have_ssd_) GTEST_SKIP() << "the ssd storage plugin is not built";
   // An object of node 0's SSD tier, and where another object lies in node 2's pool.
@@ -625,6 +626,21 @@ TEST_F(SecureCluster, ReadSsdCannotTargetOtherMemory) {
   reader_id.set_incarnation(reader->self().incarnation);
   const std::string node2_desc = Directory("node2").engine_descriptor();
   const std::string node0_desc = Directory("node0").engine_descriptor();
+  // A client under node 0's own name with an incarnation of its own: an embedded client that
+  // shares its node's name (the Mooncake drop-in's, so that the master places its puts on its
+  // own node) reads that node's SSD objects too. Its descriptor is its own engine's.
+  EngineOptions to = eo;
+  to.node_id = "node0";
+  auto twin = Must(TransferEngine::Create(to));
+  Buffer twin_mem(2 * kPage);
+  rpc::Piece into_twin = into_reader;
+  into_twin.set_segment_id(Must(twin->RegisterMemory(twin_mem.data(), twin_mem.size())));
+  rpc::NodeIdentity twin_id;
+  twin_id.set_node_id("node0");
+  twin_id.set_incarnation(twin->self().incarnation);
+  rpc::NodeIdentity node2_renamed;  // node 2's name under the twin's incarnation
+  node2_renamed.set_node_id("node2");
+  node2_renamed.set_incarnation(twin->self().incarnation);
 
   for (bool batch : {false, true}) {
     SCOPED_TRACE(batch ? "a batch (items)" : "one object");
@@ -654,6 +670,19 @@ TEST_F(SecureCluster, ReadSsdCannotTargetOtherMemory) {
       ASSERT_EQ(reply.items(0).status().code(), KVB_OK) << reply.items(0).status().message();
     }
     EXPECT_TRUE(mem.Matches(7000 + on_ssd, 0, 2 * kPage, on_ssd * 2 * kPage));
+    // So is the client under node 0's name and an incarnation of its own...
+    std::memset(twin_mem.data(), 0, twin_mem.size());
+    ASSERT_TRUE(read(twin_id, twin->LocalDescriptor(), into_twin, fresh(), &reply).ok());
+    ASSERT_EQ(reply.status().code(), KVB_OK) << reply.status().message();
+    if (as_items) {
+      ASSERT_EQ(reply.items_size(), 1);
+      ASSERT_EQ(reply.items(0).status().code(), KVB_OK) << reply.items(0).status().message();
+    }
+    EXPECT_TRUE(twin_mem.Matches(7000 + on_ssd, 0, 2 * kPage, on_ssd * 2 * kPage));
+    // ...but a storage node's name under another incarnation does not make its descriptor a
+    // client's: the descriptor names the node's own incarnation.
+    ASSERT_TRUE(read(node2_renamed, node2_desc, into_node2, fresh(), &reply).ok());
+    EXPECT_EQ(reply.status().code(), KVB_ERR_STALE_PEER) << reply.status().message();
     // ...and its identity cannot then be re-pointed to node 2's endpoints and segments.
     core::Descriptor moved = Must(core::DecodeDescriptor(reader->LocalDescriptor()));
     const core::Descriptor n2 = Must(core::DecodeDescriptor(node2_desc));

@@ -137,6 +137,41 @@ def test_get_offload_rpc_read_count_counts_reads_of_an_ssd_tier(impl, key, tmp_p
         assert store.get(keys[i]) == pattern(256 << 10, i)
     assert store.get_offload_rpc_read_count() >= len(on_disk)
 
+def test_a_store_reads_what_its_own_node_demoted_to_ssd(impl, key, tmp_path):
+    """kvbridge: a store set up with ``enable_ssd_offload`` reads back the objects its own node
+    demoted (its client shares the node's name, under an incarnation of its own)."""
+    if impl.is_mooncake:
+        pytest.skip("not compared: the wheel's SSD offload needs an offload deployment "
+                    "(storage backend, offloading client) not set up here")
+    import kvbridge
+    from kvbridge.compat.mooncake import MooncakeDistributedStore
+
+    master = kvbridge.Master(master_listen="127.0.0.1:0")
+    store = MooncakeDistributedStore()
+    impl.closers += [master.close, store.close]  # run in reverse
+    assert store.setup({"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
+                        "global_segment_size": 4 << 20, "local_buffer_size": 1 << 20,
+                        "protocol": "tcp", "master_server_addr": master.address,
+                        "enable_ssd_offload": True, "ssd_offload_path": str(tmp_path)}) == 0
+    keys = [key(str(i)) for i in range(14)]  # 3.5 MiB: past the DRAM's demotion watermark
+    for i, k in enumerate(keys):
+        assert store.put(k, pattern(256 << 10, i), impl.replicate(1)) == 0
+    deadline = time.monotonic() + 20
+    while True:
+        descs = store.batch_get_replica_desc(keys)
+        on_disk = [i for i, k in enumerate(keys)
+                   if any(r.is_local_disk_replica() for r in descs.get(k, []))]
+        if on_disk or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert on_disk, "no object was demoted to the node's SSD tier"
+    for i in on_disk:
+        assert store.get(keys[i]) == pattern(256 << 10, i)
+    assert store.get_offload_rpc_read_count() >= len(on_disk)
+    # Every object, in memory or on disk, in one batch.
+    got = store.get_batch(keys)
+    assert [bytes(g) for g in got] == [pattern(256 << 10, i) for i in range(len(keys))]
+
 
 # -- put sessions ----------------------------------------------------------------------------
 def test_put_session_writes_ranges_and_publishes_at_the_end(impl, store, arena, key):
