@@ -1795,88 +1795,239 @@ class MooncakeDistributedStore:
                    for k, p, n in zip(base_keys, buffer_ptrs, sizes)]
         return self._put_tp(base_keys, tensors, None, tp_size, split_dim)
 
-    # The parallelism forms (Mooncake 0.3.13): with no TensorParallelism, ReadTarget or writer
-    # partition they store and read whole tensors, exactly as the plain tensor calls (with a
-    # ReplicateConfig), which is what the wheel does on that route. A layout given raises
-    # MooncakeNotSupportedError naming it (_NO_PARALLEL_LAYOUTS); the TP forms above cover
-    # sharding along one axis.
+    # The parallelism forms (Mooncake 0.3.13). With no layout (``parallelism``, ``target`` or
+    # ``writer_partition`` None) they store and read whole tensors, exactly as the plain tensor
+    # calls (with a ReplicateConfig), which is what the wheel does on that route. A layout of
+    # one TP axis is the wheel's: rank r's shard under ``<key>_tp_<r>`` (the TP forms' shard
+    # objects) and a ``<key>__parallelism_manifest``; reads in mode "shard" or "full" reshard
+    # from the stored shards to the TP layout asked for. Layouts over other or several axes
+    # (DP, EP, PP), writer partitions, mode "as_stored" with a layout and the ``_into`` reads
+    # with a layout raise MooncakeNotSupportedError naming what was given (_NO_PARALLEL_LAYOUTS).
     def put_tensor_with_parallelism(self, key: str, tensor: Any, parallelism: Any = None,
                                     config: Any = None, writer_partition: Any = None) -> int:
-        """put_tensor with a ReplicateConfig. 0 or an error."""
-        _whole_tensors("put_tensor_with_parallelism", parallelism, writer_partition)
-        return self._put_tensors([key], [tensor], config, upsert=False)[0]
+        """put_tensor with a ReplicateConfig, or rank r's TP shard. 0 or an error."""
+        return self._put_parallel("put_tensor_with_parallelism", [key], [tensor], [parallelism],
+                                  config, writer_partition, upsert=False)[0]
 
     def upsert_tensor_with_parallelism(self, key: str, tensor: Any, parallelism: Any = None,
                                        config: Any = None, writer_partition: Any = None) -> int:
-        """upsert_tensor with a ReplicateConfig. 0 or an error."""
-        _whole_tensors("upsert_tensor_with_parallelism", parallelism, writer_partition)
-        return self._put_tensors([key], [tensor], config, upsert=True)[0]
+        """upsert_tensor with a ReplicateConfig, or rank r's TP shard. 0 or an error."""
+        return self._put_parallel("upsert_tensor_with_parallelism", [key], [tensor],
+                                  [parallelism], config, writer_partition, upsert=True)[0]
 
     def put_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int,
                                          parallelism: Any = None, config: Any = None,
                                          writer_partition: Any = None) -> int:
-        """put_tensor_from with a ReplicateConfig. 0 or an error."""
-        _whole_tensors("put_tensor_with_parallelism_from", parallelism, writer_partition)
-        return self._put_tensor_from(key, buffer_ptr, size, upsert=False, config=config)
+        """put_tensor_from with a ReplicateConfig, or the buffer's tensor as a TP shard."""
+        _whole_tensors("put_tensor_with_parallelism_from", writer_partition)
+        if parallelism is None:
+            return self._put_tensor_from(key, buffer_ptr, size, upsert=False, config=config)
+        return self._put_parallel_from("put_tensor_with_parallelism_from", [key], [buffer_ptr],
+                                       [size], [parallelism], config, upsert=False)[0]
 
     def upsert_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int,
                                             parallelism: Any = None, config: Any = None,
                                             writer_partition: Any = None) -> int:
-        """upsert_tensor_from with a ReplicateConfig. 0 or an error."""
-        _whole_tensors("upsert_tensor_with_parallelism_from", parallelism, writer_partition)
-        return self._put_tensor_from(key, buffer_ptr, size, upsert=True, config=config)
+        """upsert_tensor_from with a ReplicateConfig, or the buffer's tensor as a TP shard."""
+        _whole_tensors("upsert_tensor_with_parallelism_from", writer_partition)
+        if parallelism is None:
+            return self._put_tensor_from(key, buffer_ptr, size, upsert=True, config=config)
+        return self._put_parallel_from("upsert_tensor_with_parallelism_from", [key],
+                                       [buffer_ptr], [size], [parallelism], config,
+                                       upsert=True)[0]
 
     def batch_put_tensor_with_parallelism(self, keys: list, tensors_list: list,
                                           parallelisms: Any = None, config: Any = None,
                                           writer_partitions: Any = None) -> list:
-        """batch_pub_tensor: one 0 or error per key."""
-        _whole_tensors("batch_put_tensor_with_parallelism", parallelisms, writer_partitions)
-        return self._put_tensors(keys, tensors_list, config, upsert=False)
+        """put_tensor_with_parallelism per key: one 0 or error per key."""
+        return self._put_parallel("batch_put_tensor_with_parallelism", keys, tensors_list,
+                                  parallelisms, config, writer_partitions, upsert=False)
 
     def batch_upsert_tensor_with_parallelism(self, keys: list, tensors_list: list,
                                              parallelisms: Any = None, config: Any = None,
                                              writer_partitions: Any = None) -> list:
-        """batch_upsert_pub_tensor: one 0 or error per key."""
-        _whole_tensors("batch_upsert_tensor_with_parallelism", parallelisms, writer_partitions)
-        return self._put_tensors(keys, tensors_list, config, upsert=True)
+        """upsert_tensor_with_parallelism per key: one 0 or error per key."""
+        return self._put_parallel("batch_upsert_tensor_with_parallelism", keys, tensors_list,
+                                  parallelisms, config, writer_partitions, upsert=True)
 
     def batch_put_tensor_with_parallelism_from(self, keys: list, buffer_ptrs: list, sizes: list,
                                                parallelisms: Any = None, config: Any = None,
                                                writer_partitions: Any = None) -> list:
-        """batch_put_tensor_from with a ReplicateConfig."""
-        _whole_tensors("batch_put_tensor_with_parallelism_from", parallelisms, writer_partitions)
-        return self._batch_put_tensor_from(keys, buffer_ptrs, sizes, upsert=False, config=config)
+        """put_tensor_with_parallelism_from per key."""
+        what = "batch_put_tensor_with_parallelism_from"
+        _whole_tensors(what, writer_partitions)
+        if _no_layouts(parallelisms):
+            return self._batch_put_tensor_from(keys, buffer_ptrs, sizes, upsert=False,
+                                               config=config)
+        return self._put_parallel_from(what, keys, buffer_ptrs, sizes, parallelisms, config,
+                                       upsert=False)
 
     def batch_upsert_tensor_with_parallelism_from(self, keys: list, buffer_ptrs: list,
                                                   sizes: list, parallelisms: Any = None,
                                                   config: Any = None,
                                                   writer_partitions: Any = None) -> list:
-        """batch_upsert_tensor_from with a ReplicateConfig."""
-        _whole_tensors("batch_upsert_tensor_with_parallelism_from", parallelisms,
-                       writer_partitions)
-        return self._batch_put_tensor_from(keys, buffer_ptrs, sizes, upsert=True, config=config)
+        """upsert_tensor_with_parallelism_from per key."""
+        what = "batch_upsert_tensor_with_parallelism_from"
+        _whole_tensors(what, writer_partitions)
+        if _no_layouts(parallelisms):
+            return self._batch_put_tensor_from(keys, buffer_ptrs, sizes, upsert=True,
+                                               config=config)
+        return self._put_parallel_from(what, keys, buffer_ptrs, sizes, parallelisms, config,
+                                       upsert=True)
 
     def get_tensor_with_parallelism(self, key: str, target: Any = None) -> Any:
-        """get_tensor."""
-        _whole_tensors("get_tensor_with_parallelism", target)
-        return self.get_tensor(key)
+        """get_tensor, or (mode "shard"/"full" with one TP axis) the part of the tensor that
+        the TP layout asked for gives its rank, resharded from the stored shards; None when it
+        cannot be read."""
+        return self._get_parallel("get_tensor_with_parallelism", [key], [target])[0]
 
     def get_tensor_with_parallelism_into(self, key: str, buffer_ptr: int, size: int,
                                          target: Any = None) -> Any:
-        """get_tensor_into."""
-        _whole_tensors("get_tensor_with_parallelism_into", target)
+        """get_tensor_into (no layout)."""
+        _whole_tensors("get_tensor_with_parallelism_into", _read_layout(target))
         return self.get_tensor_into(key, buffer_ptr, size)
 
     def batch_get_tensor_with_parallelism(self, keys: list, targets: Any = None) -> list:
-        """batch_get_tensor."""
-        _whole_tensors("batch_get_tensor_with_parallelism", targets)
-        return self.batch_get_tensor(keys)
+        """get_tensor_with_parallelism per key (``targets``: None, or one per key)."""
+        _check_keys(keys)
+        if _no_layouts(targets):
+            return self.batch_get_tensor(keys)
+        return self._get_parallel("batch_get_tensor_with_parallelism", keys, targets)
 
     def batch_get_tensor_with_parallelism_into(self, keys: list, buffer_ptrs: list, sizes: list,
                                                targets: Any = None) -> list:
-        """batch_get_tensor_into."""
-        _whole_tensors("batch_get_tensor_with_parallelism_into", targets)
+        """batch_get_tensor_into (no layout)."""
+        given = targets if isinstance(targets, (list, tuple)) else [targets]
+        _whole_tensors("batch_get_tensor_with_parallelism_into",
+                       [_read_layout(t) for t in given])
         return self.batch_get_tensor_into(keys, buffer_ptrs, sizes)
+
+    def _put_parallel(self, what: str, keys: list, tensors: Any, parallelisms: Any,
+                      config: Any, writer_partitions: Any, upsert: bool) -> list:
+        """Per key: the whole tensor (no layout) or its TP shard and the manifest."""
+        _whole_tensors(what, writer_partitions)
+        _check_keys(keys)
+        invalid = int(ErrorCode.INVALID_PARAMS)
+        layouts = _per_key(parallelisms, len(keys))
+        if self._session is None or layouts is None or len(tensors) != len(keys):
+            return [invalid] * len(keys)
+        put_keys, objects, manifests = [], [], []  # manifests: (key index, key, bytes)
+        for i, (k, t, p) in enumerate(zip(keys, tensors, layouts)):
+            put_keys.append(k)
+            try:
+                tp = _tp_layout(what, p)
+            except _InvalidLayout:
+                objects.append(None)  # refused: INVALID_PARAMS
+                continue
+            whole = _tensor_object(t, k)
+            if tp is None or whole is None:
+                objects.append(whole)
+                continue
+            shard = _tp_shard_object(whole[1], k, *tp)
+            objects.append(shard)
+            if shard is not None:
+                put_keys[-1] = f"{k}_tp_{tp[0]}"
+                manifests.append((i, f"{k}__parallelism_manifest", _tensor.manifest(
+                    _tensor.dtype_number(whole[1].dtype), _tp_global_shape(whole[1], *tp),
+                    tp[2], tp[1])))
+        results = self._put_tensor_objects(put_keys, objects, config, upsert)
+        # Each rank's put writes the manifest too (the same bytes from every rank of one layout:
+        # an upsert), once per key in a batch.
+        by_key: dict = {}
+        for i, name, data in manifests:
+            if results[i] == 0:
+                by_key.setdefault(name, (data, []))[1].append(i)
+        if by_key:
+            s = self._session
+            try:
+                codes = self._staged_put(s, s.client_for(_replica_num(config)), list(by_key),
+                                         [data for data, _ in by_key.values()], True)
+            except KvbError as e:
+                codes = [_code_of(e)] * len(by_key)
+            for (_, owners), code in zip(by_key.values(), codes):
+                for i in owners:
+                    results[i] = code
+        return results
+
+    def _put_parallel_from(self, what: str, keys: list, buffer_ptrs: list, sizes: list,
+                           parallelisms: Any, config: Any, upsert: bool) -> list:
+        """_put_parallel of the tensors the buffers hold (tensor objects, header first)."""
+        _check_keys(keys)
+        _check_ints("buffer_ptrs", buffer_ptrs)
+        _check_ints("sizes", sizes)
+        if len(buffer_ptrs) != len(keys) or len(sizes) != len(keys):
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        tensors = [_tensor_in_buffer(n, p, k) if p > 0 and n >= _tensor.HEADER_BYTES else None
+                   for k, p, n in zip(keys, buffer_ptrs, sizes)]
+        return self._put_parallel(what, keys, tensors, parallelisms, config, None, upsert)
+
+    def _get_parallel(self, what: str, keys: list, targets: Any) -> list:
+        _check_keys(keys)
+        per_key = _per_key(targets, len(keys))
+        if per_key is None or self._session is None:
+            return [None] * len(keys)
+        out = []
+        for k, target in zip(keys, per_key):
+            try:
+                read = _read_target(what, target)
+            except _InvalidLayout:
+                out.append(None)
+                continue
+            if read is None:
+                out.append(self.get_tensor(k))
+            elif read[1] is None:
+                out.append(None)  # "shard" or "full" without a layout: nothing to reshard to
+            else:
+                out.append(self._reshard(k, read[0], *read[1]))
+        return out
+
+    def _reshard(self, key: str, mode: str, rank: int, size: int, split_dim: int) -> Any:
+        """The part of key's TP-sharded tensor that rank `rank` of `size` holds along
+        split_dim ("shard"), or all of it ("full"), from the stored shards; None (logged)
+        when the shards cannot be read, disagree, or do not cut evenly into the layout."""
+        import torch
+
+        got = self._read_shard(f"{key}_tp_0")
+        if got is None:
+            _log.error("%s: no TP shard 0 (%s_tp_0) to reshard from", key, key)
+            return None
+        meta0, first = got
+        stored, dim = meta0.axes[0][3], meta0.axes[0][4]
+        extent = meta0.global_shape[dim]
+        if mode == "full":
+            lo, hi = 0, extent
+        elif split_dim != dim or extent % size:
+            _log.error("%s: stored in %d shards along dim %d of shape %s; a TP layout of %d "
+                       "along dim %d does not cut it evenly", key, stored, dim,
+                       list(meta0.global_shape), size, split_dim)
+            return None
+        else:
+            lo, hi = rank * extent // size, (rank + 1) * extent // size
+        step = extent // stored
+        parts = []
+        for s in range(lo // step, max(lo, hi - 1) // step + 1):
+            got = (meta0, first) if s == 0 else self._read_shard(f"{key}_tp_{s}")
+            if got is None or not _same_tp_layout(got[0], meta0, s, step):
+                _log.error("%s: TP shard %d of %d is missing or disagrees with shard 0", key, s,
+                           stored)
+                return None
+            begin, end = max(lo, s * step) - s * step, min(hi, (s + 1) * step) - s * step
+            parts.append(got[1].narrow(dim, begin, end - begin))
+        return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].clone()
+
+    def _read_shard(self, key: str) -> Optional[tuple]:
+        """(header, tensor) of a TP shard object (one TP axis), or None."""
+        try:
+            data = self._session.client.get(key)
+        except KvbError:
+            return None
+        meta = _tensor.parse(bytes(data[:_tensor.HEADER_BYTES]), len(data))
+        if meta is None or meta.layout != _tensor.LAYOUT_SHARD or len(meta.axes) != 1 or \
+                meta.axes[0][0] != _tensor.AXIS_TP or not 0 <= meta.axes[0][4] < len(meta.shape):
+            return None
+        if meta.global_shape[meta.axes[0][4]] % meta.axes[0][3]:
+            return None  # only even cuts
+        return meta, _tensor_of(data, key)
 
     # Mooncake's CUDA forms fill CUDA tensors through CUDA IPC handles that its standalone
     # client daemon (mooncake_client, dummy-client mode) opens; outside that mode the wheel
@@ -2453,20 +2604,117 @@ class _BumpPool:
 
 
 _NO_PARALLEL_LAYOUTS = (
-    "kvbridge stores and reads whole tensors here, and shards along one axis with the TP forms "
-    "(put_tensor_with_tp, get_tensor_with_tp); layouts over several axes (DP, TP, EP, PP), "
-    "writer partitions with their manifest objects and reads that reshard are not implemented "
-    "(newer Mooncake releases replace this API with their weight-store writer)")
+    "kvbridge implements layouts of one TP axis (the shards, the manifest, and reads that "
+    "reshard in mode \"shard\" or \"full\"); layouts over other or several axes (DP, EP, PP), "
+    "writer partitions with their manifest objects, mode \"as_stored\" with a layout and the "
+    "_into reads with a layout are not implemented (newer Mooncake releases replace this API "
+    "with their weight-store writer)")
+_READ_MODES = ("as_stored", "shard", "full")
+_AXIS_KINDS = ("dp", "tp", "ep", "pp")
+
+
+class _InvalidLayout(Exception):
+    """A layout the wheel refuses too (logged where raised): INVALID_PARAMS, or None."""
 
 
 def _whole_tensors(what: str, *layouts: Any) -> None:
-    """Refuses a call that names a layout (a TensorParallelism, ReadTarget or writer
-    partition, or a list holding any), naming what was given."""
+    """Refuses a call that names a layout kvbridge does not implement (a writer partition, or
+    a list holding any), naming what was given."""
     for layout in layouts:
         given = layout if isinstance(layout, (list, tuple)) else [layout]
         named = [x for x in given if x is not None]
         if named:
             not_supported(f"{what} with a {type(named[0]).__name__}", _NO_PARALLEL_LAYOUTS)
+
+
+def _no_layouts(layouts: Any) -> bool:
+    given = layouts if isinstance(layouts, (list, tuple)) else [layouts]
+    return all(x is None for x in given)
+
+
+def _per_key(layouts: Any, n: int) -> Optional[list]:
+    """One layout per key: None for all, or a list of n (None for a list of another length)."""
+    if layouts is None:
+        return [None] * n
+    if not isinstance(layouts, (list, tuple)):
+        return [layouts] * n
+    return list(layouts) if len(layouts) == n else None
+
+
+def _tp_layout(what: str, parallelism: Any) -> Optional[tuple]:
+    """(rank, size, split_dim) of a TensorParallelism of one TP axis; None for no layout.
+    _InvalidLayout (logged) where the wheel refuses the layout too; MooncakeNotSupportedError
+    for a layout kvbridge does not implement."""
+    if parallelism is None:
+        return None
+    axes = list(getattr(parallelism, "axes", None) or [])
+    if not axes:
+        _log.error("%s: TensorParallelism must provide axes", what)
+        raise _InvalidLayout
+    kinds = [str(getattr(a, "kind", "")).lower() for a in axes]
+    if any(k not in _AXIS_KINDS for k in kinds) or len(set(kinds)) != len(kinds):
+        _log.error("%s: unsupported or duplicate axis kinds %s", what, kinds)
+        raise _InvalidLayout
+    if kinds != ["tp"]:
+        not_supported(f"{what} with a {'+'.join(kinds).upper()} layout", _NO_PARALLEL_LAYOUTS)
+    a = axes[0]
+    rank, size, split_dim = a.rank, a.size, a.split_dim
+    if type(rank) is not int or type(size) is not int or size < 1 or not 0 <= rank < size:
+        _log.error("%s: invalid rank/size %r/%r for the TP axis", what, rank, size)
+        raise _InvalidLayout
+    if type(split_dim) is not int or split_dim < 0:
+        _log.error("%s: the TP axis requires a split_dim >= 0 (got %r)", what, split_dim)
+        raise _InvalidLayout
+    return rank, size, split_dim
+
+
+def _read_layout(target: Any) -> Any:
+    """The layout a ReadTarget names (None for none)."""
+    return None if target is None else getattr(target, "parallelism", None)
+
+
+def _read_target(what: str, target: Any) -> Optional[tuple]:
+    """(mode, TP layout or None) of a ReadTarget; None for a plain read (no target, or
+    "as_stored" without a layout)."""
+    if target is None:
+        return None
+    mode = str(getattr(target, "mode", "as_stored")).lower()
+    if mode not in _READ_MODES:
+        _log.error("%s: unsupported ReadTarget mode %r", what, mode)
+        raise _InvalidLayout
+    layout = _tp_layout(what, getattr(target, "parallelism", None))
+    if mode == "as_stored":
+        if layout is not None:
+            not_supported(f"{what} in mode as_stored with a layout", _NO_PARALLEL_LAYOUTS)
+        return None
+    return mode, layout
+
+
+def _tp_global_shape(data: Any, rank: int, size: int, split_dim: int) -> tuple:
+    """The whole tensor's shape, of which data is one of `size` equal shards along split_dim."""
+    shape = list(data.shape)
+    shape[split_dim] *= size
+    return tuple(shape)
+
+
+def _tp_shard_object(data: Any, key: Any, rank: int, size: int, split_dim: int) -> Optional[tuple]:
+    """(header, data) of data stored as TP shard `rank` of `size` along split_dim (a shard
+    object, as put_tensor_with_tp writes); None (logged) when data has no such dimension."""
+    if split_dim >= data.dim():
+        _log.error("%r: split_dim %d of a %d-dim tensor", key, split_dim, data.dim())
+        return None
+    axis = _tensor.tp_axis(rank, size, split_dim, int(data.shape[split_dim]))
+    return (_tensor.pack(_tensor.dtype_number(data.dtype), tuple(data.shape),
+                         data.numel() * data.element_size(),
+                         global_shape=_tp_global_shape(data, rank, size, split_dim),
+                         axes=(axis,)), data)
+
+
+def _same_tp_layout(meta: Any, first: Any, rank: int, step: int) -> bool:
+    """Whether a shard's header is shard `rank` of the layout shard 0's header gives."""
+    a, f = meta.axes[0], first.axes[0]
+    return (meta.dtype == first.dtype and meta.global_shape == first.global_shape
+            and a[2] == rank and a[3] == f[3] and a[4] == f[4] and meta.shape[a[4]] == step)
 
 
 _NO_CUDA_IPC = ("Mooncake fills CUDA tensors through CUDA IPC handles its standalone client "

@@ -100,6 +100,19 @@ def tp_axis(rank: int, count: int, split_dim: int, extent: int) -> tuple:
     return (AXIS_TP, 0, rank, count, split_dim, 0, extent)
 
 
+_MANIFEST = struct.Struct(f"<4sHHIIIQI{MAX_DIMS}q")
+assert _MANIFEST.size == 96
+
+
+def manifest(dtype: int, global_shape: tuple, split_dim: int, tp_size: int) -> bytes:
+    """The wheel's ``<key>__parallelism_manifest`` object of a TP layout, 96 bytes: ``NAMW``,
+    version 1 (u16), size 96 (u16), dtype (u32), ndim (u32), split dim (u32), TP size (u64), a
+    reserved u32, and the whole tensor's shape (8 x i64, unused dims -1)."""
+    dims = tuple(global_shape) + (-1,) * (MAX_DIMS - len(global_shape))
+    return _MANIFEST.pack(b"NAMW", 1, _MANIFEST.size, dtype, len(global_shape), split_dim,
+                          tp_size, 0, *dims)
+
+
 def parse(header: bytes, total: int) -> Optional[Meta]:
     """The header of an object (or buffer) of ``total`` bytes, or None when it is not a valid
     tensor object of that size: Mooncake's checks (magic, version, sizes, dtype, dims, axes,

@@ -798,20 +798,111 @@ def test_parallelism_forms_without_a_layout_store_and_read_whole_tensors(impl, s
     assert store.put_tensor_with_parallelism_from(key("bad"), src, n - 1) == INVALID_PARAMS
 
 
-def test_parallelism_layouts_are_named_errors_in_kvbridge(impl, store, key):
+def _layout_names(impl: Any) -> Any:
+    import importlib
+
+    return importlib.import_module("mooncake.store" if impl.is_mooncake
+                                   else "kvbridge.compat.mooncake")
+
+
+def _tp(impl: Any, rank: int, size: int, split_dim: Any = None, *more: tuple) -> Any:
+    """A TensorParallelism of a TP axis (and more (kind, rank, size) axes)."""
+    names = _layout_names(impl)
+    axes = []
+    for kind, r, n, d in (("tp", rank, size, split_dim),) + tuple(m + (None,) for m in more):
+        a = names.ParallelAxis()
+        a.kind, a.rank, a.size = kind, r, n
+        if d is not None:
+            a.split_dim = d
+        axes.append(a)
+    p = names.TensorParallelism()
+    p.axes = axes
+    return p
+
+
+def _target(impl: Any, mode: str, parallelism: Any = None) -> Any:
+    t = _layout_names(impl).ReadTarget()
+    t.mode = mode
+    if parallelism is not None:
+        t.parallelism = parallelism
+    return t
+
+
+def test_tp_layout_writes_shards_and_a_manifest_and_reads_reshard(impl, store, key):
+    whole = sample((8, 6), seed=21)
+    for rank in range(2):  # each rank puts its own shard
+        part = whole[4 * rank:4 * rank + 4].clone()
+        assert store.put_tensor_with_parallelism(key("w"), part, _tp(impl, rank, 2, 0)) == 0
+    assert [store.is_exist(key(s)) for s in ("w", "w_tp_0", "w_tp_1",
+                                             "w__parallelism_manifest")] == [0, 1, 1, 1]
+    # The manifest: NAMW, version 1, 96 bytes, dtype, ndim, split dim, TP size, the shape.
+    assert store.get(key("w__parallelism_manifest")) == struct.pack(
+        "<4sHHIIIQI8q", b"NAMW", 1, 96, 0, 2, 0, 2, 0, 8, 6, *([-1] * 6))
+    assert same(store.get_tensor(key("w_tp_1")), whole[4:])  # the TP forms' shard objects
+    assert same(store.get_tensor_with_tp(key("w"), 1, 2), whole[4:])
+    # Reads reshard to the layout asked for: every rank of TP 1, 2, 4 and 8.
+    for size in (1, 2, 4, 8):
+        step = 8 // size
+        for rank in range(size):
+            got = store.get_tensor_with_parallelism(
+                key("w"), _target(impl, "shard", _tp(impl, rank, size, 0)))
+            assert same(got, whole[rank * step:(rank + 1) * step]), (rank, size)
+    assert same(store.get_tensor_with_parallelism(
+        key("w"), _target(impl, "full", _tp(impl, 1, 2, 0))), whole)
+    got = store.batch_get_tensor_with_parallelism(
+        [key("w"), key("missing")], [_target(impl, "SHARD", _tp(impl, 1, 4, 0))] * 2)
+    assert same(got[0], whole[2:4]) and got[1] is None
+    assert store.get_tensor_with_parallelism(key("w"), _target(impl, "shard")) is None
+    # A tensor put_tensor_with_tp sharded (no manifest) reads the same way.
+    assert store.put_tensor_with_tp(key("v"), whole, tp_size=2, split_dim=0) == 0
+    assert store.is_exist(key("v__parallelism_manifest")) == 0
+    assert same(store.get_tensor_with_parallelism(
+        key("v"), _target(impl, "shard", _tp(impl, 3, 4, 0))), whole[6:])
+    # Split along dim 1, bfloat16: stored as TP 4, read as TP 2.
+    cube = sample((3, 8, 5), torch.bfloat16, seed=22)
+    puts = store.batch_put_tensor_with_parallelism(
+        [key("c")] * 4, [cube[:, 2 * r:2 * r + 2].clone() for r in range(4)],
+        [_tp(impl, r, 4, 1) for r in range(4)])
+    assert puts == [0, 0, 0, 0]
+    assert store.get(key("c__parallelism_manifest"))[8:48] == struct.pack(
+        "<IIIQIqq", 12, 3, 1, 4, 0, 3, 8)
+    got = store.get_tensor_with_parallelism(key("c"), _target(impl, "shard", _tp(impl, 1, 2, 1)))
+    assert same(got, cube[:, 4:])
+    # Layouts the wheel refuses too: INVALID_PARAMS, nothing written.
+    t = sample((4, 6), seed=23)
+    assert store.put_tensor_with_parallelism(key("z"), t, _tp(impl, 2, 2, 0)) == INVALID_PARAMS
+    assert store.put_tensor_with_parallelism(key("z"), t, _tp(impl, 0, 2)) == INVALID_PARAMS
+    assert store.put_tensor_with_parallelism(
+        key("z"), t, _layout_names(impl).TensorParallelism()) == INVALID_PARAMS
+    bad = _tp(impl, 0, 2, 0)
+    bad.axes[0].kind = "xx"
+    assert store.put_tensor_with_parallelism(key("z"), t, bad) == INVALID_PARAMS
+    assert store.is_exist(key("z_tp_0")) == 0 and store.is_exist(key("z")) == 0
+
+
+def test_parallelism_layouts_kvbridge_does_not_implement(impl, store, key, arena):
     if impl.is_mooncake:
-        pytest.skip("the wheel implements the layouts; kvbridge names them unsupported")
-    from kvbridge.compat.mooncake import (MooncakeNotSupportedError, ReadTarget,
-                                          TensorParallelism)
+        pytest.skip("the wheel implements these; kvbridge names them unsupported")
+    from kvbridge.compat.mooncake import MooncakeNotSupportedError
 
     t = sample(seed=13)
-    calls = [lambda: store.put_tensor_with_parallelism(key("x"), t, TensorParallelism()),
-             lambda: store.put_tensor_with_parallelism(key("x"), t, None, None, (0, 2, 0)),
-             lambda: store.batch_put_tensor_with_parallelism([key("x")], [t],
-                                                             [TensorParallelism()]),
-             lambda: store.get_tensor_with_parallelism(key("x"), ReadTarget()),
-             lambda: store.batch_get_tensor_with_parallelism([key("x")], [None, ReadTarget()])]
+    assert store.put_tensor_with_parallelism(key("x"), t, _tp(impl, 0, 2, 0)) == 0
+    n = HEADER + t.numel() * 4
+    dst = arena.alloc(n)
+    calls = [lambda: store.put_tensor_with_parallelism(key("y"), t,
+                                                       _tp(impl, 0, 2, 0, ("dp", 1, 2))),
+             lambda: store.put_tensor_with_parallelism(key("y"), t, None, None, (0, 2, 0)),
+             lambda: store.batch_put_tensor_with_parallelism(
+                 [key("y")], [t], [_tp(impl, 0, 1, None, ("pp", 0, 2))]),
+             lambda: store.get_tensor_with_parallelism(
+                 key("x"), _target(impl, "as_stored", _tp(impl, 0, 2, 0))),
+             lambda: store.get_tensor_with_parallelism_into(
+                 key("x"), dst, n, _target(impl, "shard", _tp(impl, 0, 2, 0)))]
     for call in calls:
-        with pytest.raises(MooncakeNotSupportedError, match="put_tensor_with_tp"):
+        with pytest.raises(MooncakeNotSupportedError, match="one TP axis"):
             call()
-    assert store.is_exist(key("x")) == 0  # nothing written
+    assert store.is_exist(key("y")) == 0 and store.is_exist(key("y_tp_0")) == 0
+    # A layout that does not cut the stored shards evenly: None (the wheel hands back a
+    # shard of the stored layout instead).
+    assert store.get_tensor_with_parallelism(
+        key("x"), _target(impl, "shard", _tp(impl, 1, 3, 0))) is None
