@@ -1854,26 +1854,18 @@ class MooncakeDistributedStore:
                                                parallelisms: Any = None, config: Any = None,
                                                writer_partitions: Any = None) -> list:
         """put_tensor_with_parallelism_from per key."""
-        what = "batch_put_tensor_with_parallelism_from"
-        _whole_tensors(what, writer_partitions)
-        if _no_layouts(parallelisms):
-            return self._batch_put_tensor_from(keys, buffer_ptrs, sizes, upsert=False,
-                                               config=config)
-        return self._put_parallel_from(what, keys, buffer_ptrs, sizes, parallelisms, config,
-                                       upsert=False)
+        return self._batch_parallel_from("batch_put_tensor_with_parallelism_from", keys,
+                                         buffer_ptrs, sizes, parallelisms, config,
+                                         writer_partitions, upsert=False)
 
     def batch_upsert_tensor_with_parallelism_from(self, keys: list, buffer_ptrs: list,
                                                   sizes: list, parallelisms: Any = None,
                                                   config: Any = None,
                                                   writer_partitions: Any = None) -> list:
         """upsert_tensor_with_parallelism_from per key."""
-        what = "batch_upsert_tensor_with_parallelism_from"
-        _whole_tensors(what, writer_partitions)
-        if _no_layouts(parallelisms):
-            return self._batch_put_tensor_from(keys, buffer_ptrs, sizes, upsert=True,
-                                               config=config)
-        return self._put_parallel_from(what, keys, buffer_ptrs, sizes, parallelisms, config,
-                                       upsert=True)
+        return self._batch_parallel_from("batch_upsert_tensor_with_parallelism_from", keys,
+                                         buffer_ptrs, sizes, parallelisms, config,
+                                         writer_partitions, upsert=True)
 
     def get_tensor_with_parallelism(self, key: str, target: Any = None) -> Any:
         """get_tensor, or (mode "shard"/"full" with one TP axis) the part of the tensor that
@@ -1948,6 +1940,16 @@ class MooncakeDistributedStore:
                 for i in owners:
                     results[i] = code
         return results
+
+    def _batch_parallel_from(self, what: str, keys: list, buffer_ptrs: list, sizes: list,
+                             parallelisms: Any, config: Any, writer_partitions: Any,
+                             upsert: bool) -> list:
+        _whole_tensors(what, writer_partitions)
+        if _no_layouts(parallelisms):
+            return self._batch_put_tensor_from(keys, buffer_ptrs, sizes, upsert=upsert,
+                                               config=config)
+        return self._put_parallel_from(what, keys, buffer_ptrs, sizes, parallelisms, config,
+                                       upsert=upsert)
 
     def _put_parallel_from(self, what: str, keys: list, buffer_ptrs: list, sizes: list,
                            parallelisms: Any, config: Any, upsert: bool) -> list:

@@ -102,6 +102,20 @@ def test_get_offload_rpc_read_count_without_an_ssd_tier(impl, store, arena, key)
     assert store.get_offload_rpc_read_count() == 0  # memory replicas only
 
 
+def _demoted(store, keys: list) -> list:
+    """The indices of the keys with a replica on a node's SSD tier, once there is one (20 s)."""
+    deadline = time.monotonic() + 20
+    while True:
+        descs = store.batch_get_replica_desc(keys)
+        on_disk = [i for i, k in enumerate(keys)
+                   if any(r.is_local_disk_replica() for r in descs.get(k, []))]
+        if on_disk or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert on_disk, "no object was demoted to the node's SSD tier"
+    return on_disk
+
+
 def test_get_offload_rpc_read_count_counts_reads_of_an_ssd_tier(impl, key, tmp_path):
     """kvbridge: a pure client's reads of objects a node demoted to its SSD tier."""
     if impl.is_mooncake:
@@ -123,19 +137,12 @@ def test_get_offload_rpc_read_count_counts_reads_of_an_ssd_tier(impl, key, tmp_p
     config = impl.replicate(1)
     for i, k in enumerate(keys):
         assert store.put(k, pattern(256 << 10, i), config) == 0
-    deadline = time.monotonic() + 20
-    while True:
-        descs = store.batch_get_replica_desc(keys)
-        on_disk = [i for i, k in enumerate(keys)
-                   if any(r.is_local_disk_replica() for r in descs.get(k, []))]
-        if on_disk or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert on_disk, "no object was demoted to the node's SSD tier"
+    on_disk = _demoted(store, keys)
     assert store.get_offload_rpc_read_count() == 0
     for i in on_disk:
         assert store.get(keys[i]) == pattern(256 << 10, i)
     assert store.get_offload_rpc_read_count() >= len(on_disk)
+
 
 def test_a_store_reads_what_its_own_node_demoted_to_ssd(impl, key, tmp_path):
     """kvbridge: a store set up with ``enable_ssd_offload`` reads back the objects its own node
@@ -156,15 +163,7 @@ def test_a_store_reads_what_its_own_node_demoted_to_ssd(impl, key, tmp_path):
     keys = [key(str(i)) for i in range(14)]  # 3.5 MiB: past the DRAM's demotion watermark
     for i, k in enumerate(keys):
         assert store.put(k, pattern(256 << 10, i), impl.replicate(1)) == 0
-    deadline = time.monotonic() + 20
-    while True:
-        descs = store.batch_get_replica_desc(keys)
-        on_disk = [i for i, k in enumerate(keys)
-                   if any(r.is_local_disk_replica() for r in descs.get(k, []))]
-        if on_disk or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert on_disk, "no object was demoted to the node's SSD tier"
+    on_disk = _demoted(store, keys)
     for i in on_disk:
         assert store.get(keys[i]) == pattern(256 << 10, i)
     assert store.get_offload_rpc_read_count() >= len(on_disk)
