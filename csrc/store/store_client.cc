@@ -253,11 +253,11 @@ struct StoreClient::Impl {
       if (st.ok() && !got[s].ok()) st = got[s];
     }
   }
-  // The master's replicas (and sizes, read leases) of each key; a failed call is a Status.
-  Status GetReplicas(std::span<const std::string> keys, std::vector<store::ReadGrant>* got,
-                     bool sizes_only = false) {
+  // The master's replicas and sizes of each key, without a lease (a size query); a failed
+  // call is a Status.
+  Status QuerySizes(std::span<const std::string> keys, std::vector<store::ReadGrant>* got) {
     Result<std::vector<store::ReadGrant>> r =
-        master->GetReplicas(keys, engine->self().node_id, sizes_only);
+        master->GetReplicas(keys, engine->self().node_id, /*sizes_only=*/true);
     if (!r.ok()) return r.status();
     *got = std::move(r).value();
     return Status::OK();
@@ -320,10 +320,17 @@ struct StoreClient::Impl {
     for (const std::string& k : keys) cache.erase(k);  // its cache_order entry goes later
     if (cache.empty()) cache_order.clear();
   }
+  // The regular expression runs outside the lock over a copy of the keys (a cache of 64 k
+  // keys takes tens of ms to match), so gets that use the cache are not held up meanwhile.
   void ForgetMatching(const store::KeyPattern& pattern) {
-    std::lock_guard<std::mutex> lock(cache_mu);
-    std::erase_if(cache, [&](const auto& entry) { return pattern.Matches(entry.first); });
-    if (cache.empty()) cache_order.clear();
+    std::vector<std::string> keys;
+    {
+      std::lock_guard<std::mutex> lock(cache_mu);
+      keys.reserve(cache.size());
+      for (const auto& entry : cache) keys.push_back(entry.first);
+    }
+    std::erase_if(keys, [&](const std::string& k) { return !pattern.Matches(k); });
+    if (!keys.empty()) Forget(keys);
   }
   void ForgetAll() {
     std::lock_guard<std::mutex> lock(cache_mu);
@@ -362,6 +369,26 @@ struct StoreClient::Impl {
   // no longer holds the object; `away` (the master's failure) when no node answered.
   void ConfirmHeld(std::span<const std::string> keys, std::vector<store::ReadGrant>* got,
                    const std::vector<bool>& recalled, const Status& away);
+  // The remembered grants (`recalled`, moved from) in *got, *have[i] set for those and `away`
+  // the status of the others; then ConfirmHeld over them. Whether any was remembered.
+  bool ConfirmRecalled(std::span<const std::string> keys,
+                       std::vector<std::optional<store::ReadGrant>>& recalled,
+                       std::vector<store::ReadGrant>* got, std::vector<bool>* have,
+                       const Status& away) {
+    got->assign(keys.size(), store::ReadGrant{});
+    have->assign(keys.size(), false);
+    bool any = false;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (recalled[i]) {
+        (*got)[i] = std::move(*recalled[i]);
+        (*have)[i] = any = true;
+      } else {
+        (*got)[i].status = away;
+      }
+    }
+    if (any) ConfirmHeld(keys, got, *have, away);
+    return any;
+  }
   // Answers each key from the master's size-only reply (no lease, no access): `fn(item)` for
   // the keys found, the item's status for the others.
   template <typename T, typename Fn>
@@ -374,22 +401,15 @@ struct StoreClient::Impl {
     std::vector<Result<T>> result(keys.size(), Status::Internal("not attempted"));
     if (keys.empty()) return result;
     std::vector<store::ReadGrant> got;
-    if (Status st = GetReplicas(keys, &got, /*sizes_only=*/true); !st.ok()) {
+    if (Status st = QuerySizes(keys, &got); !st.ok()) {
       result.assign(keys.size(), st);
+      if (!MasterAway(st)) return result;
       // The master away: remembered keys their nodes confirm are answered from what this
       // client remembers (docs/store.md "Reads while the master is away").
       std::vector<std::optional<store::ReadGrant>> recalled;
       Recall(keys, &recalled);
-      std::vector<bool> have(keys.size(), false);
-      bool any = false;
-      got.assign(keys.size(), store::ReadGrant{});
-      for (size_t i = 0; i < keys.size(); ++i) {
-        if (!recalled[i]) continue;
-        got[i] = std::move(*recalled[i]);
-        have[i] = any = true;
-      }
-      if (!any || !MasterAway(st)) return result;
-      ConfirmHeld(keys, &got, have, st);
+      std::vector<bool> have;
+      if (!ConfirmRecalled(keys, recalled, &got, &have, st)) return result;
       for (size_t i = 0; i < keys.size(); ++i) {
         if (have[i]) result[i] = got[i].status.ok() ? Result<T>(fn(got[i])) : got[i].status;
       }
@@ -561,19 +581,8 @@ Status StoreClient::Impl::GrantsForGet(std::span<const std::string> keys,
     if (all) MarkMasterAway();
     if (!all) Recall(keys, &recalled);  // what was remembered may have changed meanwhile
   }
-  got->assign(keys.size(), store::ReadGrant{});
-  std::vector<bool> have(keys.size(), false);
-  bool any = false;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    if (recalled[i]) {
-      (*got)[i] = std::move(*recalled[i]);
-      have[i] = any = true;
-    } else {
-      (*got)[i].status = st;
-    }
-  }
-  if (!any) return st;
-  ConfirmHeld(keys, got, have, st);
+  std::vector<bool> have;
+  if (!ConfirmRecalled(keys, recalled, got, &have, st)) return st;
   for (size_t i = 0; i < keys.size(); ++i) {
     (*without_master)[i] = have[i] && (*got)[i].status.ok();
   }
@@ -1608,6 +1617,7 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
   using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + std::chrono::milliseconds(im.options.transfer_deadline_ms);
   // Each pass reads every pending key from its next replica; failures move on at once.
+  bool first_pass = true;
   while (!pending.empty()) {
     const int64_t left_ms =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
@@ -1615,6 +1625,12 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
     std::vector<TransferOp> ops;
     std::vector<size_t> group_of_op;
     std::vector<std::pair<size_t, Impl::SsdTarget>> from_ssd;  // groups whose replica is on SSD
+    // A key of one piece read on the first pass asks the engine for the checksum of what it
+    // copies, when it copies from a node of this process (TransferOp::checksum): then the
+    // bytes need no second pass to be checked. The key's op is its group's only writer into
+    // its buffer unless a hedge is sent, and then the key is checked from the buffer.
+    std::vector<OpChecksum> op_crcs(pending.size());  // per group
+    std::vector<bool> crc_asked(pending.size(), false);
     for (size_t g = 0; g < pending.size(); ++g) {
       const size_t i = pending[g];
       const store::ReadGrant& item = got[i];
@@ -1628,7 +1644,12 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
                                  loc.offset + p.obj_off});
         group_of_op.push_back(g);
       }
+      if (first_pass && pieces[i].size() == 1 && pieces[i][0].device < 0) {
+        crc_asked[g] = true;
+        ops.back().checksum = &op_crcs[g];
+      }
     }
+    first_pass = false;
     std::vector<Status> group_status;
     std::vector<size_t> late;  // one group per node whose read other replicas served
     std::vector<int> hedged_from(pending.size(), -1);  // the last replica a hedge read, per group
@@ -1704,9 +1725,13 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
     // the master from reusing the range, but not a late writer, a node that lost track of its
     // memory, or a node that answers a ReadSsd without writing (docs/store.md). The bytes in
     // CUDA buffers are copied back to host memory for it (Impl::Checksums).
+    // Checked as copied: the engine's checksum of the key's only op, with no hedge sent.
+    auto copied_checked = [&](size_t g) {
+      return crc_asked[g] && op_crcs[g].computed && hedged_from[g] < 0;
+    };
     std::vector<const std::vector<Piece>*> to_check;
     for (size_t g = 0; g < pending.size(); ++g) {
-      if (group_status[g].ok()) to_check.push_back(&pieces[pending[g]]);
+      if (group_status[g].ok() && !copied_checked(g)) to_check.push_back(&pieces[pending[g]]);
     }
     std::vector<uint32_t> crcs;
     std::vector<Status> unread;
@@ -1718,7 +1743,12 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
       Status st = group_status[g];
       bool mismatch = false;
       bool local_copy_failed = false;  // our copy of the key's CUDA buffers for the checksum
-      if (st.ok()) {
+      if (st.ok() && copied_checked(g)) {
+        if (op_crcs[g].crc32c != item.checksum) {
+          st = Status::IoError("checksum mismatch: the replica's bytes are not the object's");
+          mismatch = true;
+        }
+      } else if (st.ok()) {
         const size_t c = checked++;
         if (!unread[c].ok()) {
           st = unread[c];
@@ -1806,9 +1836,9 @@ Result<std::vector<bool>> ExistsUncounted(StoreClient::Impl& im,
     away = r.status();
     im.MarkMasterAway();
   }
-  std::vector<store::ReadGrant> got(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) got[i] = std::move(*recalled[i]);
-  im.ConfirmHeld(keys, &got, std::vector<bool>(keys.size(), true), away);
+  std::vector<store::ReadGrant> got;
+  std::vector<bool> have;
+  im.ConfirmRecalled(keys, recalled, &got, &have, away);
   std::vector<bool> out(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
     if (!got[i].status.ok() && !got[i].status.IsNotFound()) return got[i].status;
@@ -1899,7 +1929,10 @@ Result<uint64_t> StoreClient::RemoveByRegex(std::string_view pattern) {
   Result<store::KeyPattern> re = store::KeyPattern::Compile(pattern);  // named before any call
   if (!re.ok()) return re.status();
   impl_->ForgetMatching(*re);
-  return impl_->master->RemoveByRegex(pattern, impl_->admin_key);
+  Result<uint64_t> removed = impl_->master->RemoveByRegex(pattern, impl_->admin_key);
+  // Again once removed: a get that ran meanwhile may have remembered a grant of a removed key.
+  if (removed.ok() && *removed > 0) impl_->ForgetMatching(*re);
+  return removed;
 }
 
 Status StoreClient::Put(std::string_view key, std::string_view value) {

@@ -11,6 +11,7 @@
 
 #include "kvbridge/engine.h"
 #include "tests/common/test_util.h"
+#include "util/checksum.h"
 
 namespace kvbridge {
 namespace {
@@ -74,6 +75,46 @@ TEST_F(LocalCopyTest, OffTheTransportMovesTheBytes) {
   EXPECT_TRUE(mem_b_.Matches(9, 0, 65536, 0));
   EXPECT_EQ(a_->GetPeerHealth("lc-b")->local_copy_ops, 0u);
   EXPECT_GE(TcpBytes(*a_), 65536u);
+}
+
+// A read copied in this process gives the CRC-32C of what it copied (TransferOp::checksum),
+// taken chunk by chunk; a write, or a read the transport moves, leaves it untouched.
+TEST_F(LocalCopyTest, CopiedReadsGiveTheChecksumOfTheirBytes) {
+  for (bool local_copy : {true, false}) {
+    SCOPED_TRACE(local_copy ? "copied" : "through the transport");
+    Start(local_copy);
+    mem_b_.Fill(3);
+    std::memset(mem_a_.data(), 0, mem_a_.size());
+    // Sizes around the engine's 64 KiB chunk, at odd offsets.
+    const uint64_t sizes[] = {1, 4095, 65536, 65537, 200000};
+    std::vector<OpChecksum> crcs(std::size(sizes) + 1);
+    std::vector<TransferOp> ops;
+    uint64_t at = 0;
+    for (size_t i = 0; i < std::size(sizes); ++i) {
+      ops.push_back(Op(OpCode::kRead, at, sizes[i], at + 7));
+      ops.back().checksum = &crcs[i];
+      at += sizes[i];
+    }
+    ops.push_back(Op(OpCode::kWrite, at, 4096, at + 65536));  // clear of the reads' ranges
+    ops.back().checksum = &crcs.back();
+    crcs.back().crc32c = 12345;
+    ASSERT_TRUE(a_->Transfer(ops).ok());
+    at = 0;
+    for (size_t i = 0; i < std::size(sizes); ++i) {
+      EXPECT_TRUE(mem_a_.Matches(3, at, sizes[i], at + 7)) << "read " << i;
+      EXPECT_EQ(crcs[i].computed, local_copy) << "read " << i;
+      if (local_copy) {
+        EXPECT_EQ(crcs[i].crc32c, util::Crc32c(mem_a_.data() + at, sizes[i])) << "read " << i;
+      } else {
+        EXPECT_EQ(crcs[i].crc32c, 0u);
+      }
+      at += sizes[i];
+    }
+    EXPECT_FALSE(crcs.back().computed) << "a write got a checksum";
+    EXPECT_EQ(crcs.back().crc32c, 12345u);
+    a_.reset();
+    b_.reset();
+  }
 }
 
 TEST_F(LocalCopyTest, BoundsAndRegistrationAreThePeersLiveOnes) {

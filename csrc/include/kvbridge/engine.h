@@ -56,6 +56,13 @@ struct KVBRIDGE_API PeerId {
   bool operator==(const PeerId&) const = default;
 };
 
+// The checksum of an op's bytes, where the engine takes it for next to nothing
+// (TransferOp::checksum).
+struct OpChecksum {
+  uint32_t crc32c = 0;    // CRC-32C (Castagnoli) of the bytes the op moved
+  bool computed = false;  // whether the engine filled crc32c
+};
+
 struct TransferOp {
   OpCode opcode = OpCode::kRead;
   void* local_addr = nullptr;  // REQUIRES: inside a region registered with this engine
@@ -63,6 +70,12 @@ struct TransferOp {
   std::string_view peer;       // peer node id; only read during Submit()
   SegmentId remote_segment = 0;
   uint64_t remote_offset = 0;
+  // Optional. A READ that the engine completes as a copy from a peer engine of this process
+  // (EngineOptions::local_copy) fills it with the CRC-32C of the bytes it copied, each chunk
+  // checksummed right after its copy, while still in cache: a reader that verifies what it
+  // received needs no second pass over the buffer. Left untouched otherwise (a transport
+  // moved the bytes). Must stay valid until the batch is final.
+  OpChecksum* checksum = nullptr;
 };
 
 struct SubmitOptions {
