@@ -42,6 +42,7 @@ import re
 import socket
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
 from kvbridge import _buffers
@@ -1797,12 +1798,14 @@ class MooncakeDistributedStore:
 
     # The parallelism forms (Mooncake 0.3.13). With no layout (``parallelism``, ``target`` or
     # ``writer_partition`` None) they store and read whole tensors, exactly as the plain tensor
-    # calls (with a ReplicateConfig), which is what the wheel does on that route. A layout of
-    # one TP axis is the wheel's: rank r's shard under ``<key>_tp_<r>`` (the TP forms' shard
-    # objects) and a ``<key>__parallelism_manifest``; reads in mode "shard" or "full" reshard
-    # from the stored shards to the TP layout asked for. Layouts over other or several axes
-    # (DP, EP, PP), writer partitions, mode "as_stored" with a layout and the ``_into`` reads
-    # with a layout raise MooncakeNotSupportedError naming what was given (_NO_PARALLEL_LAYOUTS).
+    # calls (with a ReplicateConfig), which is what the wheel does on that route. A layout with
+    # a TP axis is the wheel's: with that axis alone the tensor put is rank r's shard, stored
+    # under ``<key>_tp_<r>`` (the TP forms' shard objects); with DP, EP or PP axes too it is the
+    # whole tensor, and rank r's part is stored under a key naming every axis (_Layout); both
+    # write a ``<key>__parallelism_manifest``. Reads in mode "shard" or "full" reshard from the
+    # stored shards to the TP layout asked for. Layouts without a TP axis, writer partitions,
+    # mode "as_stored" with a layout and the ``_into`` reads with a layout raise
+    # MooncakeNotSupportedError naming what was given (_NO_PARALLEL_LAYOUTS).
     def put_tensor_with_parallelism(self, key: str, tensor: Any, parallelism: Any = None,
                                     config: Any = None, writer_partition: Any = None) -> int:
         """put_tensor with a ReplicateConfig, or rank r's TP shard. 0 or an error."""
@@ -1915,13 +1918,14 @@ class MooncakeDistributedStore:
             if tp is None or whole is None:
                 objects.append(whole)
                 continue
-            shard = _tp_shard_object(whole[1], k, *tp)
-            objects.append(shard)
-            if shard is not None:
-                put_keys[-1] = f"{k}_tp_{tp[0]}"
-                manifests.append((i, f"{k}__parallelism_manifest", _tensor.manifest(
-                    _tensor.dtype_number(whole[1].dtype), _tp_global_shape(whole[1], *tp),
-                    tp[2], tp[1])))
+            shard = _tp_shard_object(whole[1], k, tp)
+            if shard is None:
+                objects.append(None)
+                continue
+            put_keys[-1], header, data, whole_shape = shard
+            objects.append((header, data))
+            manifests.append((i, f"{k}__parallelism_manifest", _tensor.manifest(
+                _tensor.dtype_number(data.dtype), whole_shape, tp.split_dim, tp.size)))
         results = self._put_tensor_objects(put_keys, objects, config, upsert)
         # Each rank's put writes the manifest too (the same bytes from every rank of one layout:
         # an upsert), once per key in a batch.
@@ -1980,35 +1984,53 @@ class MooncakeDistributedStore:
             elif read[1] is None:
                 out.append(None)  # "shard" or "full" without a layout: nothing to reshard to
             else:
-                out.append(self._reshard(k, read[0], *read[1]))
+                out.append(self._reshard(k, read[0], read[1]))
         return out
 
-    def _reshard(self, key: str, mode: str, rank: int, size: int, split_dim: int) -> Any:
-        """The part of key's TP-sharded tensor that rank `rank` of `size` holds along
-        split_dim ("shard"), or all of it ("full"), from the stored shards; None (logged)
-        when the shards cannot be read, disagree, or do not cut evenly into the layout."""
+    def _reshard(self, key: str, mode: str, layout: _Layout) -> Any:
+        """The part of key's TP-sharded tensor that TP rank `layout.rank` of `layout.size`
+        holds along its split_dim ("shard"), or all of it ("full"), from the stored shards of
+        the layout's other axes; None (logged) when the shards cannot be read, disagree, or do
+        not cut evenly into the layout."""
         import torch
 
-        got = self._read_shard(f"{key}_tp_0")
+        if layout.several:
+            # The stored TP size and split: the manifest's (the shards' keys name them).
+            try:
+                m = _tensor.parse_manifest(self._session.client.get(f"{key}__parallelism_manifest"))
+            except KvbError:
+                m = None
+            if m is None:
+                _log.error("%s: no parallelism manifest to reshard from", key)
+                return None
+            stored_size, stored_dim = m[3], m[2]
+        else:
+            stored_size, stored_dim = 0, 0  # from shard 0's header
+        got = self._read_shard(layout.shard_key(key, 0, stored_size, stored_dim))
         if got is None:
-            _log.error("%s: no TP shard 0 (%s_tp_0) to reshard from", key, key)
+            _log.error("%s: no TP shard 0 to reshard from", key)
             return None
         meta0, first = got
-        stored, dim = meta0.axes[0][3], meta0.axes[0][4]
+        _kind, _i, _r, stored, dim, _r0, _ext = _tp_axis_of(meta0)
+        if layout.several and (stored, dim) != (stored_size, stored_dim):
+            _log.error("%s: shard 0 disagrees with the manifest", key)
+            return None
         extent = meta0.global_shape[dim]
         if mode == "full":
             lo, hi = 0, extent
-        elif split_dim != dim or extent % size:
+        elif layout.split_dim != dim or extent % layout.size:
             _log.error("%s: stored in %d shards along dim %d of shape %s; a TP layout of %d "
                        "along dim %d does not cut it evenly", key, stored, dim,
-                       list(meta0.global_shape), size, split_dim)
+                       list(meta0.global_shape), layout.size, layout.split_dim)
             return None
         else:
-            lo, hi = rank * extent // size, (rank + 1) * extent // size
+            lo = layout.rank * extent // layout.size
+            hi = (layout.rank + 1) * extent // layout.size
         step = extent // stored
         parts = []
         for s in range(lo // step, max(lo, hi - 1) // step + 1):
-            got = (meta0, first) if s == 0 else self._read_shard(f"{key}_tp_{s}")
+            got = (meta0, first) if s == 0 else self._read_shard(
+                layout.shard_key(key, s, stored, dim))
             if got is None or not _same_tp_layout(got[0], meta0, s, step):
                 _log.error("%s: TP shard %d of %d is missing or disagrees with shard 0", key, s,
                            stored)
@@ -2018,17 +2040,15 @@ class MooncakeDistributedStore:
         return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].clone()
 
     def _read_shard(self, key: str) -> Optional[tuple]:
-        """(header, tensor) of a TP shard object (one TP axis), or None."""
+        """(header, tensor) of a TP shard object (one TP axis, maybe others), or None."""
         try:
             data = self._session.client.get(key)
         except KvbError:
             return None
         meta = _tensor.parse(bytes(data[:_tensor.HEADER_BYTES]), len(data))
-        if meta is None or meta.layout != _tensor.LAYOUT_SHARD or len(meta.axes) != 1 or \
-                meta.axes[0][0] != _tensor.AXIS_TP or not 0 <= meta.axes[0][4] < len(meta.shape):
-            return None
-        if meta.global_shape[meta.axes[0][4]] % meta.axes[0][3]:
-            return None  # only even cuts
+        tp = None if meta is None or meta.layout != _tensor.LAYOUT_SHARD else _tp_axis_of(meta)
+        if tp is None or not 0 <= tp[4] < len(meta.shape) or meta.global_shape[tp[4]] % tp[3]:
+            return None  # not a TP shard, or not an even cut
         return meta, _tensor_of(data, key)
 
     # Mooncake's CUDA forms fill CUDA tensors through CUDA IPC handles that its standalone
@@ -2606,11 +2626,11 @@ class _BumpPool:
 
 
 _NO_PARALLEL_LAYOUTS = (
-    "kvbridge implements layouts of one TP axis (the shards, the manifest, and reads that "
-    "reshard in mode \"shard\" or \"full\"); layouts over other or several axes (DP, EP, PP), "
-    "writer partitions with their manifest objects, mode \"as_stored\" with a layout and the "
-    "_into reads with a layout are not implemented (newer Mooncake releases replace this API "
-    "with their weight-store writer)")
+    "kvbridge implements layouts with a TP axis (alone, or with DP, EP and PP axes: the "
+    "shards, the manifest, and reads that reshard in mode \"shard\" or \"full\"); layouts "
+    "without a TP axis, writer partitions with their manifest objects, mode \"as_stored\" "
+    "with a layout and the _into reads with a layout are not implemented (newer Mooncake "
+    "releases replace this API with their weight-store writer)")
 _READ_MODES = ("as_stored", "shard", "full")
 _AXIS_KINDS = ("dp", "tp", "ep", "pp")
 
@@ -2643,10 +2663,53 @@ def _per_key(layouts: Any, n: int) -> Optional[list]:
     return list(layouts) if len(layouts) == n else None
 
 
-def _tp_layout(what: str, parallelism: Any) -> Optional[tuple]:
-    """(rank, size, split_dim) of a TensorParallelism of one TP axis; None for no layout.
-    _InvalidLayout (logged) where the wheel refuses the layout too; MooncakeNotSupportedError
-    for a layout kvbridge does not implement."""
+_AXIS_NUMBERS = {"dp": 0, "tp": 1, "ep": 2, "pp": 3}  # the header's axis kinds
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A TensorParallelism kvbridge implements: a TP axis (rank, size, split_dim) and, in a
+    layout of several axes, DP/EP/PP axes (kind, rank, size, expert or stage id), as given."""
+
+    rank: int
+    size: int
+    split_dim: int
+    axes: tuple  # every axis as given: (kind, rank, size, split_dim or None, id or None)
+
+    @property
+    def several(self) -> bool:
+        """Several axes: the tensor put is the whole one (the TP rank's part is stored), and
+        the shards' keys name every axis. One TP axis: the tensor put is the rank's shard."""
+        return len(self.axes) > 1
+
+    def shard_key(self, key: Any, tp_rank: int, tp_size: int, split_dim: int) -> str:
+        """The object of TP shard tp_rank of tp_size with this layout's other axes: the wheel's
+        ``<key>_tp_<r>`` for one axis; ``<key>__dp_1of2__tp_0of4_sd0__ep_..._eid5__pp_..._sid3``
+        (axes in the order dp, tp, ep, pp) for several."""
+        if not self.several:
+            return f"{key}_tp_{tp_rank}"
+        parts = []
+        for kind, rank, size, _split, ident in sorted(self.axes,
+                                                       key=lambda a: _AXIS_NUMBERS[a[0]]):
+            if kind == "tp":
+                parts.append(f"__tp_{tp_rank}of{tp_size}_sd{split_dim}")
+            else:
+                suffix = {"ep": f"_eid{ident}", "pp": f"_sid{ident}"}.get(kind, "")
+                parts.append(f"__{kind}_{rank}of{size}{suffix}")
+        return str(key) + "".join(parts)
+
+    def header_axes(self, extent: int) -> tuple:
+        """The shard header's axes, in the order given: (kind, index, rank, count, split dim or
+        -1, expert/stage id or 0, the TP shard's extent or 0)."""
+        return tuple((_AXIS_NUMBERS[kind], i, rank, size, -1 if split is None else split,
+                      ident or 0, extent if kind == "tp" else 0)
+                     for i, (kind, rank, size, split, ident) in enumerate(self.axes))
+
+
+def _tp_layout(what: str, parallelism: Any) -> Optional[_Layout]:
+    """The layout of a TensorParallelism with a TP axis; None for no layout. _InvalidLayout
+    (logged) where the wheel refuses the layout too; MooncakeNotSupportedError for a layout
+    kvbridge does not implement (no TP axis)."""
     if parallelism is None:
         return None
     axes = list(getattr(parallelism, "axes", None) or [])
@@ -2657,17 +2720,30 @@ def _tp_layout(what: str, parallelism: Any) -> Optional[tuple]:
     if any(k not in _AXIS_KINDS for k in kinds) or len(set(kinds)) != len(kinds):
         _log.error("%s: unsupported or duplicate axis kinds %s", what, kinds)
         raise _InvalidLayout
-    if kinds != ["tp"]:
-        not_supported(f"{what} with a {'+'.join(kinds).upper()} layout", _NO_PARALLEL_LAYOUTS)
-    a = axes[0]
-    rank, size, split_dim = a.rank, a.size, a.split_dim
-    if type(rank) is not int or type(size) is not int or size < 1 or not 0 <= rank < size:
-        _log.error("%s: invalid rank/size %r/%r for the TP axis", what, rank, size)
-        raise _InvalidLayout
-    if type(split_dim) is not int or split_dim < 0:
-        _log.error("%s: the TP axis requires a split_dim >= 0 (got %r)", what, split_dim)
-        raise _InvalidLayout
-    return rank, size, split_dim
+    given = []
+    for kind, a in zip(kinds, axes):
+        rank, size, split = a.rank, a.size, a.split_dim
+        ident = {"ep": getattr(a, "expert_id", None),
+                 "pp": getattr(a, "stage_id", None)}.get(kind)
+        if type(rank) is not int or type(size) is not int or size < 1 or not 0 <= rank < size:
+            _log.error("%s: invalid rank/size %r/%r for the %s axis", what, rank, size, kind)
+            raise _InvalidLayout
+        if kind == "tp" and (type(split) is not int or split < 0):
+            _log.error("%s: the TP axis requires a split_dim >= 0 (got %r)", what, split)
+            raise _InvalidLayout
+        if kind != "tp" and split is not None:
+            _log.error("%s: the %s axis must not provide split_dim", what, kind.upper())
+            raise _InvalidLayout
+        if kind in ("ep", "pp") and (type(ident) is not int or ident < 0):
+            _log.error("%s: the %s axis requires %s", what, kind.upper(),
+                       "expert_id" if kind == "ep" else "stage_id")
+            raise _InvalidLayout
+        given.append((kind, rank, size, split, ident))
+    if "tp" not in kinds:
+        not_supported(f"{what} with a {'+'.join(kinds).upper()} layout (no TP axis)",
+                      _NO_PARALLEL_LAYOUTS)
+    rank, size, split = next((r, n, d) for k, r, n, d, _ in given if k == "tp")
+    return _Layout(rank, size, split, tuple(given))
 
 
 def _read_layout(target: Any) -> Any:
@@ -2692,31 +2768,45 @@ def _read_target(what: str, target: Any) -> Optional[tuple]:
     return mode, layout
 
 
-def _tp_global_shape(data: Any, rank: int, size: int, split_dim: int) -> tuple:
-    """The whole tensor's shape, of which data is one of `size` equal shards along split_dim."""
-    shape = list(data.shape)
-    shape[split_dim] *= size
-    return tuple(shape)
-
-
-def _tp_shard_object(data: Any, key: Any, rank: int, size: int, split_dim: int) -> Optional[tuple]:
-    """(header, data) of data stored as TP shard `rank` of `size` along split_dim (a shard
-    object, as put_tensor_with_tp writes); None (logged) when data has no such dimension."""
-    if split_dim >= data.dim():
-        _log.error("%r: split_dim %d of a %d-dim tensor", key, split_dim, data.dim())
+def _tp_shard_object(data: Any, key: Any, layout: _Layout) -> Optional[tuple]:
+    """(shard key, header, data, whole shape) of a tensor put with `layout`: with one TP axis
+    the tensor is the rank's shard, stored as it is (as put_tensor_with_tp's shards); with
+    several axes it is the whole tensor, and the rank's part along split_dim is stored. None
+    (logged) when the tensor has no such dimension or it does not cut evenly."""
+    d = layout.split_dim
+    if d >= data.dim():
+        _log.error("%r: split_dim %d of a %d-dim tensor", key, d, data.dim())
         return None
-    axis = _tensor.tp_axis(rank, size, split_dim, int(data.shape[split_dim]))
-    return (_tensor.pack(_tensor.dtype_number(data.dtype), tuple(data.shape),
-                         data.numel() * data.element_size(),
-                         global_shape=_tp_global_shape(data, rank, size, split_dim),
-                         axes=(axis,)), data)
+    if layout.several:
+        if data.shape[d] % layout.size:
+            _log.error("%r: dim %d of shape %s does not cut into %d equal shards", key, d,
+                       list(data.shape), layout.size)
+            return None
+        whole = tuple(data.shape)
+        step = whole[d] // layout.size
+        data = data.narrow(d, layout.rank * step, step).contiguous()
+    else:
+        whole = list(data.shape)
+        whole[d] *= layout.size
+        whole = tuple(whole)
+    header = _tensor.pack(_tensor.dtype_number(data.dtype), tuple(data.shape),
+                          data.numel() * data.element_size(), global_shape=whole,
+                          axes=layout.header_axes(int(data.shape[d])))
+    return layout.shard_key(key, layout.rank, layout.size, d), header, data, whole
+
+
+def _tp_axis_of(meta: Any) -> Optional[tuple]:
+    """The TP axis of a shard header (the only one), or None."""
+    tps = [a for a in meta.axes if a[0] == _tensor.AXIS_TP]
+    return tps[0] if len(tps) == 1 else None
 
 
 def _same_tp_layout(meta: Any, first: Any, rank: int, step: int) -> bool:
-    """Whether a shard's header is shard `rank` of the layout shard 0's header gives."""
-    a, f = meta.axes[0], first.axes[0]
-    return (meta.dtype == first.dtype and meta.global_shape == first.global_shape
-            and a[2] == rank and a[3] == f[3] and a[4] == f[4] and meta.shape[a[4]] == step)
+    """Whether a shard's header is TP shard `rank` of the layout shard 0's header gives."""
+    a, f = _tp_axis_of(meta), _tp_axis_of(first)
+    return (a is not None and meta.dtype == first.dtype
+            and meta.global_shape == first.global_shape and a[2] == rank and a[3] == f[3]
+            and a[4] == f[4] and meta.shape[a[4]] == step)
 
 
 _NO_CUDA_IPC = ("Mooncake fills CUDA tensors through CUDA IPC handles its standalone client "

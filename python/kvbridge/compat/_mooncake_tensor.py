@@ -113,6 +113,17 @@ def manifest(dtype: int, global_shape: tuple, split_dim: int, tp_size: int) -> b
                           tp_size, 0, *dims)
 
 
+def parse_manifest(data: bytes) -> Optional[tuple]:
+    """(dtype, whole shape, split dim, TP size) of a manifest object, or None."""
+    if len(data) != _MANIFEST.size:
+        return None
+    magic, version, size, dtype, ndim, split_dim, tp_size, _r, *dims = _MANIFEST.unpack(data)
+    if magic != b"NAMW" or version != 1 or size != _MANIFEST.size or not 0 <= ndim <= MAX_DIMS \
+            or not 0 <= split_dim < max(ndim, 1) or tp_size < 1:
+        return None
+    return dtype, tuple(dims[:ndim]), split_dim, tp_size
+
+
 def parse(header: bytes, total: int) -> Optional[Meta]:
     """The header of an object (or buffer) of ``total`` bytes, or None when it is not a valid
     tensor object of that size: Mooncake's checks (magic, version, sizes, dtype, dims, axes,

@@ -806,14 +806,16 @@ def _layout_names(impl: Any) -> Any:
 
 
 def _tp(impl: Any, rank: int, size: int, split_dim: Any = None, *more: tuple) -> Any:
-    """A TensorParallelism of a TP axis (and more (kind, rank, size) axes)."""
+    """A TensorParallelism of a TP axis, then more axes: (kind, rank, size) or (kind, rank,
+    size, {field: value}) for stage_id, expert_id or split_dim."""
     names = _layout_names(impl)
     axes = []
-    for kind, r, n, d in (("tp", rank, size, split_dim),) + tuple(m + (None,) for m in more):
+    for kind, r, n, *extra in (("tp", rank, size, {"split_dim": split_dim}),) + more:
         a = names.ParallelAxis()
         a.kind, a.rank, a.size = kind, r, n
-        if d is not None:
-            a.split_dim = d
+        for field_name, value in (extra[0] if extra else {}).items():
+            if value is not None:
+                setattr(a, field_name, value)
         axes.append(a)
     p = names.TensorParallelism()
     p.axes = axes
@@ -880,6 +882,55 @@ def test_tp_layout_writes_shards_and_a_manifest_and_reads_reshard(impl, store, k
     assert store.is_exist(key("z_tp_0")) == 0 and store.is_exist(key("z")) == 0
 
 
+def test_layouts_of_several_axes_store_the_tp_part_and_read_reshard(impl, store, key):
+    # With DP, EP or PP axes besides TP, the tensor put is the whole one, and the TP rank's
+    # part is stored under a key naming every axis (in the order dp, tp, ep, pp).
+    whole = sample((8, 6), seed=31)
+    for dp in range(2):
+        for rank in range(2):
+            assert store.put_tensor_with_parallelism(
+                key("b"), whole + 100 * dp, _tp(impl, rank, 2, 0, ("dp", dp, 2))) == 0
+    assert store.is_exist(key("b")) == 0 and store.is_exist(key("b_tp_0")) == 0
+    assert same(store.get_tensor(key("b") + "__dp_1of2__tp_1of2_sd0"), whole[4:] + 100)
+    assert store.get(key("b__parallelism_manifest")) == struct.pack(
+        "<4sHHIIIQI8q", b"NAMW", 1, 96, 0, 2, 0, 2, 0, 8, 6, *([-1] * 6))
+    for size in (1, 2, 4):
+        step = 8 // size
+        for rank in range(size):
+            got = store.get_tensor_with_parallelism(
+                key("b"), _target(impl, "shard", _tp(impl, rank, size, 0, ("dp", 1, 2))))
+            assert same(got, whole[rank * step:(rank + 1) * step] + 100), (rank, size)
+    assert same(store.get_tensor_with_parallelism(
+        key("b"), _target(impl, "full", _tp(impl, 0, 2, 0, ("dp", 0, 2)))), whole)
+    # TP alone reads the TP forms' keys, which this tensor does not have.
+    assert store.get_tensor_with_parallelism(
+        key("b"), _target(impl, "shard", _tp(impl, 0, 1, 0))) is None
+    # EP and PP axes: their ids in the key and in the header's axes (in the order given).
+    cube = sample((4, 6), seed=32)
+    layout = _tp(impl, 1, 2, 1, ("ep", 0, 2, {"expert_id": 5}), ("pp", 1, 2, {"stage_id": 3}))
+    assert store.put_tensor_with_parallelism(key("e"), cube, layout) == 0
+    name = key("e") + "__tp_1of2_sd1__ep_0of2_eid5__pp_1of2_sid3"
+    raw = store.get(name)
+    meta = _tensor_format().parse(raw[:HEADER], len(raw))
+    assert meta.shape == (4, 3) and meta.global_shape == (4, 6)
+    assert meta.axes == [(1, 0, 1, 2, 1, 0, 3), (2, 1, 0, 2, -1, 5, 0), (3, 2, 1, 2, -1, 3, 0)]
+    assert same(store.get_tensor(name), cube[:, 3:])
+    # Refused as by the wheel: INVALID_PARAMS, nothing written.
+    t = sample((4, 6), seed=33)
+    for bad in (_tp(impl, 0, 2, 0, ("dp", 0, 2, {"split_dim": 0})),
+                _tp(impl, 0, 2, 0, ("pp", 0, 2)), _tp(impl, 0, 2, 0, ("ep", 0, 2)),
+                _tp(impl, 0, 2, 0, ("dp", 2, 2)),
+                _tp(impl, 0, 2, 0, ("tp", 1, 2, {"split_dim": 0}))):
+        assert store.put_tensor_with_parallelism(key("z"), t, bad) == INVALID_PARAMS
+    assert store.remove_by_regex("^" + key("z")) == 0
+
+
+def _tensor_format() -> Any:
+    from kvbridge.compat import _mooncake_tensor
+
+    return _mooncake_tensor
+
+
 def test_parallelism_layouts_kvbridge_does_not_implement(impl, store, key, arena):
     if impl.is_mooncake:
         pytest.skip("the wheel implements these; kvbridge names them unsupported")
@@ -889,17 +940,19 @@ def test_parallelism_layouts_kvbridge_does_not_implement(impl, store, key, arena
     assert store.put_tensor_with_parallelism(key("x"), t, _tp(impl, 0, 2, 0)) == 0
     n = HEADER + t.numel() * 4
     dst = arena.alloc(n)
-    calls = [lambda: store.put_tensor_with_parallelism(key("y"), t,
-                                                       _tp(impl, 0, 2, 0, ("dp", 1, 2))),
+    names = _layout_names(impl)
+    dp_only = names.TensorParallelism()
+    dp_only.axes = [names.ParallelAxis()]
+    dp_only.axes[0].kind, dp_only.axes[0].rank, dp_only.axes[0].size = "dp", 1, 2
+    calls = [lambda: store.put_tensor_with_parallelism(key("y"), t, dp_only),
              lambda: store.put_tensor_with_parallelism(key("y"), t, None, None, (0, 2, 0)),
-             lambda: store.batch_put_tensor_with_parallelism(
-                 [key("y")], [t], [_tp(impl, 0, 1, None, ("pp", 0, 2))]),
+             lambda: store.batch_put_tensor_with_parallelism([key("y")], [t], [dp_only]),
              lambda: store.get_tensor_with_parallelism(
                  key("x"), _target(impl, "as_stored", _tp(impl, 0, 2, 0))),
              lambda: store.get_tensor_with_parallelism_into(
                  key("x"), dst, n, _target(impl, "shard", _tp(impl, 0, 2, 0)))]
     for call in calls:
-        with pytest.raises(MooncakeNotSupportedError, match="one TP axis"):
+        with pytest.raises(MooncakeNotSupportedError, match="with a TP axis"):
             call()
     assert store.is_exist(key("y")) == 0 and store.is_exist(key("y_tp_0")) == 0
     # A layout that does not cut the stored shards evenly: None (the wheel hands back a
