@@ -1803,8 +1803,9 @@ class MooncakeDistributedStore:
     # under ``<key>_tp_<r>`` (the TP forms' shard objects); with DP, EP or PP axes too it is the
     # whole tensor, and rank r's part is stored under a key naming every axis (_Layout); both
     # write a ``<key>__parallelism_manifest``. Reads in mode "shard" or "full" reshard from the
-    # stored shards to the TP layout asked for. Layouts without a TP axis, writer partitions,
-    # mode "as_stored" with a layout and the ``_into`` reads with a layout raise
+    # stored shards to the TP layout asked for. A layout without a TP axis stores the whole
+    # tensor under a key naming its axes, and a "shard" read with those axes reads it. Writer
+    # partitions, mode "as_stored" with a layout and the ``_into`` reads with a layout raise
     # MooncakeNotSupportedError naming what was given (_NO_PARALLEL_LAYOUTS).
     def put_tensor_with_parallelism(self, key: str, tensor: Any, parallelism: Any = None,
                                     config: Any = None, writer_partition: Any = None) -> int:
@@ -1924,8 +1925,9 @@ class MooncakeDistributedStore:
                 continue
             put_keys[-1], header, data, whole_shape = shard
             objects.append((header, data))
-            manifests.append((i, f"{k}__parallelism_manifest", _tensor.manifest(
-                _tensor.dtype_number(data.dtype), whole_shape, tp.split_dim, tp.size)))
+            if tp.has_tp:
+                manifests.append((i, f"{k}__parallelism_manifest", _tensor.manifest(
+                    _tensor.dtype_number(data.dtype), whole_shape, tp.split_dim, tp.size)))
         results = self._put_tensor_objects(put_keys, objects, config, upsert)
         # Each rank's put writes the manifest too (the same bytes from every rank of one layout:
         # an upsert), once per key in a batch.
@@ -1994,6 +1996,11 @@ class MooncakeDistributedStore:
         not cut evenly into the layout."""
         import torch
 
+        if not layout.has_tp:  # the whole tensor of these axes, read as it is
+            if mode == "full":
+                _log.error("%s: a full read needs a TP axis", key)
+                return None
+            return self.get_tensor(layout.shard_key(key, 0, 0, 0))
         if layout.several:
             # The stored TP size and split: the manifest's (the shards' keys name them).
             try:
@@ -2626,11 +2633,10 @@ class _BumpPool:
 
 
 _NO_PARALLEL_LAYOUTS = (
-    "kvbridge implements layouts with a TP axis (alone, or with DP, EP and PP axes: the "
-    "shards, the manifest, and reads that reshard in mode \"shard\" or \"full\"); layouts "
-    "without a TP axis, writer partitions with their manifest objects, mode \"as_stored\" "
-    "with a layout and the _into reads with a layout are not implemented (newer Mooncake "
-    "releases replace this API with their weight-store writer)")
+    "kvbridge implements TensorParallelism layouts (the shards, the manifest, and reads that "
+    "reshard in mode \"shard\" or \"full\"); writer partitions with their manifest objects, "
+    "mode \"as_stored\" with a layout and the _into reads with a layout are not implemented "
+    "(newer Mooncake releases replace this API with their weight-store writer)")
 _READ_MODES = ("as_stored", "shard", "full")
 _AXIS_KINDS = ("dp", "tp", "ep", "pp")
 
@@ -2668,24 +2674,30 @@ _AXIS_NUMBERS = {"dp": 0, "tp": 1, "ep": 2, "pp": 3}  # the header's axis kinds
 
 @dataclass(frozen=True)
 class _Layout:
-    """A TensorParallelism kvbridge implements: a TP axis (rank, size, split_dim) and, in a
-    layout of several axes, DP/EP/PP axes (kind, rank, size, expert or stage id), as given."""
+    """A TensorParallelism: its TP axis (rank, size, split_dim; None without one) and every
+    axis as given, DP/EP/PP ones with their expert or stage id."""
 
-    rank: int
-    size: int
-    split_dim: int
+    rank: Optional[int]
+    size: Optional[int]
+    split_dim: Optional[int]
     axes: tuple  # every axis as given: (kind, rank, size, split_dim or None, id or None)
 
     @property
+    def has_tp(self) -> bool:
+        return self.size is not None
+
+    @property
     def several(self) -> bool:
-        """Several axes: the tensor put is the whole one (the TP rank's part is stored), and
-        the shards' keys name every axis. One TP axis: the tensor put is the rank's shard."""
-        return len(self.axes) > 1
+        """Several axes, or none of them TP: the tensor put is the whole one (the TP rank's
+        part is stored, if there is a TP axis), and the shards' keys name every axis. One TP
+        axis: the tensor put is the rank's shard."""
+        return len(self.axes) > 1 or not self.has_tp
 
     def shard_key(self, key: Any, tp_rank: int, tp_size: int, split_dim: int) -> str:
         """The object of TP shard tp_rank of tp_size with this layout's other axes: the wheel's
         ``<key>_tp_<r>`` for one axis; ``<key>__dp_1of2__tp_0of4_sd0__ep_..._eid5__pp_..._sid3``
-        (axes in the order dp, tp, ep, pp) for several."""
+        (axes in the order dp, tp, ep, pp) for several (the tp_ arguments unused without a TP
+        axis)."""
         if not self.several:
             return f"{key}_tp_{tp_rank}"
         parts = []
@@ -2707,9 +2719,8 @@ class _Layout:
 
 
 def _tp_layout(what: str, parallelism: Any) -> Optional[_Layout]:
-    """The layout of a TensorParallelism with a TP axis; None for no layout. _InvalidLayout
-    (logged) where the wheel refuses the layout too; MooncakeNotSupportedError for a layout
-    kvbridge does not implement (no TP axis)."""
+    """The layout of a TensorParallelism; None for no layout. _InvalidLayout (logged) where
+    the wheel refuses the layout too."""
     if parallelism is None:
         return None
     axes = list(getattr(parallelism, "axes", None) or [])
@@ -2739,10 +2750,8 @@ def _tp_layout(what: str, parallelism: Any) -> Optional[_Layout]:
                        "expert_id" if kind == "ep" else "stage_id")
             raise _InvalidLayout
         given.append((kind, rank, size, split, ident))
-    if "tp" not in kinds:
-        not_supported(f"{what} with a {'+'.join(kinds).upper()} layout (no TP axis)",
-                      _NO_PARALLEL_LAYOUTS)
-    rank, size, split = next((r, n, d) for k, r, n, d, _ in given if k == "tp")
+    rank, size, split = next(((r, n, d) for k, r, n, d, _ in given if k == "tp"),
+                             (None, None, None))
     return _Layout(rank, size, split, tuple(given))
 
 
@@ -2773,6 +2782,11 @@ def _tp_shard_object(data: Any, key: Any, layout: _Layout) -> Optional[tuple]:
     the tensor is the rank's shard, stored as it is (as put_tensor_with_tp's shards); with
     several axes it is the whole tensor, and the rank's part along split_dim is stored. None
     (logged) when the tensor has no such dimension or it does not cut evenly."""
+    if not layout.has_tp:  # the whole tensor, under a key naming its axes
+        header = _tensor.pack(_tensor.dtype_number(data.dtype), tuple(data.shape),
+                              data.numel() * data.element_size(), global_shape=tuple(data.shape),
+                              axes=layout.header_axes(0))
+        return layout.shard_key(key, 0, 0, 0), header, data, None
     d = layout.split_dim
     if d >= data.dim():
         _log.error("%r: split_dim %d of a %d-dim tensor", key, d, data.dim())

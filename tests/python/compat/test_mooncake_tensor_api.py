@@ -925,6 +925,42 @@ def test_layouts_of_several_axes_store_the_tp_part_and_read_reshard(impl, store,
     assert store.remove_by_regex("^" + key("z")) == 0
 
 
+def _axes(impl: Any, *axes: tuple) -> Any:
+    """A TensorParallelism of (kind, rank, size, {field: value}) axes."""
+    names = _layout_names(impl)
+    given = []
+    for kind, rank, size, fields in axes:
+        a = names.ParallelAxis()
+        a.kind, a.rank, a.size = kind, rank, size
+        for field_name, value in fields.items():
+            setattr(a, field_name, value)
+        given.append(a)
+    p = names.TensorParallelism()
+    p.axes = given  # assigned whole: the wheel's axes property hands out a copy
+    return p
+
+
+def test_layouts_without_a_tp_axis_store_the_whole_tensor_under_their_axes(impl, store, key):
+    whole = sample((8, 6), seed=34)
+    dp = _axes(impl, ("dp", 1, 2, {}))
+    dp_pp = _axes(impl, ("dp", 1, 2, {}), ("pp", 0, 2, {"stage_id": 1}))
+    assert store.put_tensor_with_parallelism(key("d"), whole, dp) == 0
+    assert store.put_tensor_with_parallelism(key("p"), whole + 1, dp_pp) == 0
+    assert [store.is_exist(k) for k in (key("d"), key("d__parallelism_manifest"),
+                                        key("d__dp_1of2"), key("p__dp_1of2__pp_0of2_sid1"))] \
+        == [0, 0, 1, 1]
+    raw = store.get(key("p__dp_1of2__pp_0of2_sid1"))
+    meta = _tensor_format().parse(raw[:HEADER], len(raw))
+    assert meta.shape == meta.global_shape == (8, 6)
+    assert meta.axes == [(0, 0, 1, 2, -1, 0, 0), (3, 1, 0, 2, -1, 1, 0)]
+    assert same(store.get_tensor_with_parallelism(key("d"), _target(impl, "shard", dp)), whole)
+    assert same(store.get_tensor_with_parallelism(key("p"), _target(impl, "shard", dp_pp)),
+                whole + 1)
+    assert store.get_tensor_with_parallelism(key("d"), _target(impl, "full", dp)) is None
+    other = _axes(impl, ("dp", 0, 2, {}))
+    assert store.get_tensor_with_parallelism(key("d"), _target(impl, "shard", other)) is None
+
+
 def _tensor_format() -> Any:
     from kvbridge.compat import _mooncake_tensor
 
@@ -940,19 +976,15 @@ def test_parallelism_layouts_kvbridge_does_not_implement(impl, store, key, arena
     assert store.put_tensor_with_parallelism(key("x"), t, _tp(impl, 0, 2, 0)) == 0
     n = HEADER + t.numel() * 4
     dst = arena.alloc(n)
-    names = _layout_names(impl)
-    dp_only = names.TensorParallelism()
-    dp_only.axes = [names.ParallelAxis()]
-    dp_only.axes[0].kind, dp_only.axes[0].rank, dp_only.axes[0].size = "dp", 1, 2
-    calls = [lambda: store.put_tensor_with_parallelism(key("y"), t, dp_only),
-             lambda: store.put_tensor_with_parallelism(key("y"), t, None, None, (0, 2, 0)),
-             lambda: store.batch_put_tensor_with_parallelism([key("y")], [t], [dp_only]),
+    calls = [lambda: store.put_tensor_with_parallelism(key("y"), t, None, None, (0, 2, 0)),
+             lambda: store.batch_put_tensor_with_parallelism([key("y")], [t], [None],
+                                                             None, [(0, 2, 0)]),
              lambda: store.get_tensor_with_parallelism(
                  key("x"), _target(impl, "as_stored", _tp(impl, 0, 2, 0))),
              lambda: store.get_tensor_with_parallelism_into(
                  key("x"), dst, n, _target(impl, "shard", _tp(impl, 0, 2, 0)))]
     for call in calls:
-        with pytest.raises(MooncakeNotSupportedError, match="with a TP axis"):
+        with pytest.raises(MooncakeNotSupportedError, match="TensorParallelism layouts"):
             call()
     assert store.is_exist(key("y")) == 0 and store.is_exist(key("y_tp_0")) == 0
     # A layout that does not cut the stored shards evenly: None (the wheel hands back a
