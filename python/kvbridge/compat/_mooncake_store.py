@@ -1804,9 +1804,11 @@ class MooncakeDistributedStore:
     # whole tensor, and rank r's part is stored under a key naming every axis (_Layout); both
     # write a ``<key>__parallelism_manifest``. Reads in mode "shard" or "full" reshard from the
     # stored shards to the TP layout asked for. A layout without a TP axis stores the whole
-    # tensor under a key naming its axes, and a "shard" read with those axes reads it. Writer
-    # partitions, mode "as_stored" with a layout and the ``_into`` reads with a layout raise
-    # MooncakeNotSupportedError naming what was given (_NO_PARALLEL_LAYOUTS).
+    # tensor under a key naming its axes, and a "shard" read with those axes reads it. A writer
+    # partition (a ParallelAxis) stores rank r's cut of the whole tensor under
+    # ``<key>__writer_<r>of<n>_sd<d>`` with a ``<key>__writer_manifest``. Mode "as_stored" with
+    # a layout and the ``_into`` reads with a layout raise MooncakeNotSupportedError naming
+    # what was given (_NO_PARALLEL_LAYOUTS).
     def put_tensor_with_parallelism(self, key: str, tensor: Any, parallelism: Any = None,
                                     config: Any = None, writer_partition: Any = None) -> int:
         """put_tensor with a ReplicateConfig, or rank r's TP shard. 0 or an error."""
@@ -1822,23 +1824,18 @@ class MooncakeDistributedStore:
     def put_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int,
                                          parallelism: Any = None, config: Any = None,
                                          writer_partition: Any = None) -> int:
-        """put_tensor_from with a ReplicateConfig, or the buffer's tensor as a TP shard."""
-        _whole_tensors("put_tensor_with_parallelism_from", writer_partition)
-        if parallelism is None:
-            return self._put_tensor_from(key, buffer_ptr, size, upsert=False, config=config)
-        return self._put_parallel_from("put_tensor_with_parallelism_from", [key], [buffer_ptr],
-                                       [size], [parallelism], config, upsert=False)[0]
+        """put_tensor_from with a ReplicateConfig, or the buffer's tensor with a layout."""
+        return self._batch_parallel_from("put_tensor_with_parallelism_from", [key],
+                                         [buffer_ptr], [size], [parallelism], config,
+                                         [writer_partition], upsert=False)[0]
 
     def upsert_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int,
                                             parallelism: Any = None, config: Any = None,
                                             writer_partition: Any = None) -> int:
-        """upsert_tensor_from with a ReplicateConfig, or the buffer's tensor as a TP shard."""
-        _whole_tensors("upsert_tensor_with_parallelism_from", writer_partition)
-        if parallelism is None:
-            return self._put_tensor_from(key, buffer_ptr, size, upsert=True, config=config)
-        return self._put_parallel_from("upsert_tensor_with_parallelism_from", [key],
-                                       [buffer_ptr], [size], [parallelism], config,
-                                       upsert=True)[0]
+        """upsert_tensor_from with a ReplicateConfig, or the buffer's tensor with a layout."""
+        return self._batch_parallel_from("upsert_tensor_with_parallelism_from", [key],
+                                         [buffer_ptr], [size], [parallelism], config,
+                                         [writer_partition], upsert=True)[0]
 
     def batch_put_tensor_with_parallelism(self, keys: list, tensors_list: list,
                                           parallelisms: Any = None, config: Any = None,
@@ -1900,18 +1897,23 @@ class MooncakeDistributedStore:
 
     def _put_parallel(self, what: str, keys: list, tensors: Any, parallelisms: Any,
                       config: Any, writer_partitions: Any, upsert: bool) -> list:
-        """Per key: the whole tensor (no layout) or its TP shard and the manifest."""
-        _whole_tensors(what, writer_partitions)
+        """Per key: the whole tensor (no layout), or its shard for its layout (a
+        TensorParallelism or a writer partition) and the layout's manifest."""
         _check_keys(keys)
         invalid = int(ErrorCode.INVALID_PARAMS)
         layouts = _per_key(parallelisms, len(keys))
-        if self._session is None or layouts is None or len(tensors) != len(keys):
+        writers = _per_key(writer_partitions, len(keys))
+        if self._session is None or layouts is None or writers is None or \
+                len(tensors) != len(keys):
             return [invalid] * len(keys)
         put_keys, objects, manifests = [], [], []  # manifests: (key index, key, bytes)
-        for i, (k, t, p) in enumerate(zip(keys, tensors, layouts)):
+        for i, (k, t, p, w) in enumerate(zip(keys, tensors, layouts, writers)):
             put_keys.append(k)
             try:
-                tp = _tp_layout(what, p)
+                if p is not None and w is not None:
+                    _log.error("%s: writer_partition cannot be combined with parallelism", what)
+                    raise _InvalidLayout
+                tp = _tp_layout(what, p) if w is None else _writer_layout(what, w)
             except _InvalidLayout:
                 objects.append(None)  # refused: INVALID_PARAMS
                 continue
@@ -1926,7 +1928,7 @@ class MooncakeDistributedStore:
             put_keys[-1], header, data, whole_shape = shard
             objects.append((header, data))
             if tp.has_tp:
-                manifests.append((i, f"{k}__parallelism_manifest", _tensor.manifest(
+                manifests.append((i, tp.manifest_key(k), _tensor.manifest(
                     _tensor.dtype_number(data.dtype), whole_shape, tp.split_dim, tp.size)))
         results = self._put_tensor_objects(put_keys, objects, config, upsert)
         # Each rank's put writes the manifest too (the same bytes from every rank of one layout:
@@ -1950,15 +1952,15 @@ class MooncakeDistributedStore:
     def _batch_parallel_from(self, what: str, keys: list, buffer_ptrs: list, sizes: list,
                              parallelisms: Any, config: Any, writer_partitions: Any,
                              upsert: bool) -> list:
-        _whole_tensors(what, writer_partitions)
-        if _no_layouts(parallelisms):
+        if _no_layouts(parallelisms) and _no_layouts(writer_partitions):
             return self._batch_put_tensor_from(keys, buffer_ptrs, sizes, upsert=upsert,
                                                config=config)
         return self._put_parallel_from(what, keys, buffer_ptrs, sizes, parallelisms, config,
-                                       upsert=upsert)
+                                       writer_partitions, upsert=upsert)
 
     def _put_parallel_from(self, what: str, keys: list, buffer_ptrs: list, sizes: list,
-                           parallelisms: Any, config: Any, upsert: bool) -> list:
+                           parallelisms: Any, config: Any, writer_partitions: Any,
+                           upsert: bool) -> list:
         """_put_parallel of the tensors the buffers hold (tensor objects, header first)."""
         _check_keys(keys)
         _check_ints("buffer_ptrs", buffer_ptrs)
@@ -1967,7 +1969,8 @@ class MooncakeDistributedStore:
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         tensors = [_tensor_in_buffer(n, p, k) if p > 0 and n >= _tensor.HEADER_BYTES else None
                    for k, p, n in zip(keys, buffer_ptrs, sizes)]
-        return self._put_parallel(what, keys, tensors, parallelisms, config, None, upsert)
+        return self._put_parallel(what, keys, tensors, parallelisms, config, writer_partitions,
+                                  upsert)
 
     def _get_parallel(self, what: str, keys: list, targets: Any) -> list:
         _check_keys(keys)
@@ -2633,10 +2636,10 @@ class _BumpPool:
 
 
 _NO_PARALLEL_LAYOUTS = (
-    "kvbridge implements TensorParallelism layouts (the shards, the manifest, and reads that "
-    "reshard in mode \"shard\" or \"full\"); writer partitions with their manifest objects, "
-    "mode \"as_stored\" with a layout and the _into reads with a layout are not implemented "
-    "(newer Mooncake releases replace this API with their weight-store writer)")
+    "kvbridge implements TensorParallelism layouts and writer partitions (the shards, the "
+    "manifests, and reads that reshard in mode \"shard\" or \"full\"); mode \"as_stored\" "
+    "with a layout and the _into reads with a layout are not implemented (the wheel answered "
+    "None to every such read tried)")
 _READ_MODES = ("as_stored", "shard", "full")
 _AXIS_KINDS = ("dp", "tp", "ep", "pp")
 
@@ -2646,8 +2649,8 @@ class _InvalidLayout(Exception):
 
 
 def _whole_tensors(what: str, *layouts: Any) -> None:
-    """Refuses a call that names a layout kvbridge does not implement (a writer partition, or
-    a list holding any), naming what was given."""
+    """Refuses a call that names a layout kvbridge does not implement (a ReadTarget's layout
+    on an _into read, or a list holding any), naming what was given."""
     for layout in layouts:
         given = layout if isinstance(layout, (list, tuple)) else [layout]
         named = [x for x in given if x is not None]
@@ -2681,6 +2684,7 @@ class _Layout:
     size: Optional[int]
     split_dim: Optional[int]
     axes: tuple  # every axis as given: (kind, rank, size, split_dim or None, id or None)
+    writer: bool = False  # a writer partition: a TP cut of the whole tensor, keyed __writer_
 
     @property
     def has_tp(self) -> bool:
@@ -2691,13 +2695,18 @@ class _Layout:
         """Several axes, or none of them TP: the tensor put is the whole one (the TP rank's
         part is stored, if there is a TP axis), and the shards' keys name every axis. One TP
         axis: the tensor put is the rank's shard."""
-        return len(self.axes) > 1 or not self.has_tp
+        return len(self.axes) > 1 or not self.has_tp or self.writer
+
+    def manifest_key(self, key: Any) -> str:
+        return f"{key}__writer_manifest" if self.writer else f"{key}__parallelism_manifest"
 
     def shard_key(self, key: Any, tp_rank: int, tp_size: int, split_dim: int) -> str:
         """The object of TP shard tp_rank of tp_size with this layout's other axes: the wheel's
         ``<key>_tp_<r>`` for one axis; ``<key>__dp_1of2__tp_0of4_sd0__ep_..._eid5__pp_..._sid3``
         (axes in the order dp, tp, ep, pp) for several (the tp_ arguments unused without a TP
         axis)."""
+        if self.writer:
+            return f"{key}__writer_{tp_rank}of{tp_size}_sd{split_dim}"
         if not self.several:
             return f"{key}_tp_{tp_rank}"
         parts = []
@@ -2753,6 +2762,21 @@ def _tp_layout(what: str, parallelism: Any) -> Optional[_Layout]:
     rank, size, split = next(((r, n, d) for k, r, n, d, _ in given if k == "tp"),
                              (None, None, None))
     return _Layout(rank, size, split, tuple(given))
+
+
+def _writer_layout(what: str, partition: Any) -> _Layout:
+    """The layout of a writer partition (a ParallelAxis: rank, size, split_dim; its kind is
+    not read): rank r's cut of the whole tensor along split_dim, under
+    ``<key>__writer_<r>of<n>_sd<d>``, with a ``<key>__writer_manifest``. _InvalidLayout
+    (logged) when one of the three is missing or out of range, as the wheel refuses it."""
+    rank, size = getattr(partition, "rank", None), getattr(partition, "size", None)
+    split = getattr(partition, "split_dim", None)
+    if any(type(v) is not int for v in (rank, size, split)) or size < 1 or \
+            not 0 <= rank < size or split < 0:
+        _log.error("%s: writer_partition must provide rank, size, and split_dim (got %r, %r, "
+                   "%r)", what, rank, size, split)
+        raise _InvalidLayout
+    return _Layout(rank, size, split, (("tp", rank, size, split, None),), writer=True)
 
 
 def _read_layout(target: Any) -> Any:
