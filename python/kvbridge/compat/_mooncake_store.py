@@ -1803,12 +1803,11 @@ class MooncakeDistributedStore:
     # under ``<key>_tp_<r>`` (the TP forms' shard objects); with DP, EP or PP axes too it is the
     # whole tensor, and rank r's part is stored under a key naming every axis (_Layout); both
     # write a ``<key>__parallelism_manifest``. Reads in mode "shard" or "full" reshard from the
-    # stored shards to the TP layout asked for. A layout without a TP axis stores the whole
-    # tensor under a key naming its axes, and a "shard" read with those axes reads it. A writer
-    # partition (a ParallelAxis) stores rank r's cut of the whole tensor under
-    # ``<key>__writer_<r>of<n>_sd<d>`` with a ``<key>__writer_manifest``. Mode "as_stored" with
-    # a layout and the ``_into`` reads with a layout raise MooncakeNotSupportedError naming
-    # what was given (_NO_PARALLEL_LAYOUTS).
+    # stored shards to the TP layout asked for; mode "as_stored" with a layout reads the object
+    # stored for exactly that layout. A layout without a TP axis stores the whole tensor under
+    # a key naming its axes. A writer partition (a ParallelAxis) stores rank r's cut of the
+    # whole tensor under ``<key>__writer_<r>of<n>_sd<d>`` with a ``<key>__writer_manifest``.
+    # The ``_into`` reads write what the plain reads return into the caller's buffer.
     def put_tensor_with_parallelism(self, key: str, tensor: Any, parallelism: Any = None,
                                     config: Any = None, writer_partition: Any = None) -> int:
         """put_tensor with a ReplicateConfig, or rank r's TP shard. 0 or an error."""
@@ -1876,9 +1875,12 @@ class MooncakeDistributedStore:
 
     def get_tensor_with_parallelism_into(self, key: str, buffer_ptr: int, size: int,
                                          target: Any = None) -> Any:
-        """get_tensor_into (no layout)."""
-        _whole_tensors("get_tensor_with_parallelism_into", _read_layout(target))
-        return self.get_tensor_into(key, buffer_ptr, size)
+        """get_tensor_into (no layout); with a layout, what get_tensor_with_parallelism reads,
+        written into the buffer as a tensor object (header, then data) and returned as a
+        tensor over the buffer's data; None when it cannot be read or does not fit (the
+        buffer untouched then)."""
+        return self.batch_get_tensor_with_parallelism_into([key], [buffer_ptr], [size],
+                                                           [target])[0]
 
     def batch_get_tensor_with_parallelism(self, keys: list, targets: Any = None) -> list:
         """get_tensor_with_parallelism per key (``targets``: None, or one per key)."""
@@ -1889,11 +1891,23 @@ class MooncakeDistributedStore:
 
     def batch_get_tensor_with_parallelism_into(self, keys: list, buffer_ptrs: list, sizes: list,
                                                targets: Any = None) -> list:
-        """batch_get_tensor_into (no layout)."""
-        given = targets if isinstance(targets, (list, tuple)) else [targets]
-        _whole_tensors("batch_get_tensor_with_parallelism_into",
-                       [_read_layout(t) for t in given])
-        return self.batch_get_tensor_into(keys, buffer_ptrs, sizes)
+        """get_tensor_with_parallelism_into per key (``targets``: None, or one per key)."""
+        _check_keys(keys)
+        per_key = _per_key(targets, len(keys))
+        if per_key is None or all(_read_layout(t) is None for t in per_key):
+            return self.batch_get_tensor_into(keys, buffer_ptrs, sizes)
+        _check_ints("buffer_ptrs", buffer_ptrs)
+        _check_ints("sizes", sizes)
+        if len(buffer_ptrs) != len(keys) or len(sizes) != len(keys):
+            return [None] * len(keys)
+        out = []
+        for k, p, n, t in zip(keys, buffer_ptrs, sizes, per_key):
+            if _read_layout(t) is None:
+                out.append(self.get_tensor_into(k, p, n))
+                continue
+            got = self._get_parallel("get_tensor_with_parallelism_into", [k], [t])[0]
+            out.append(None if got is None else _tensor_to_buffer(got, p, n, k))
+        return out
 
     def _put_parallel(self, what: str, keys: list, tensors: Any, parallelisms: Any,
                       config: Any, writer_partitions: Any, upsert: bool) -> list:
@@ -1986,6 +2000,11 @@ class MooncakeDistributedStore:
                 continue
             if read is None:
                 out.append(self.get_tensor(k))
+            elif read[0] == "as_stored":  # the object stored for exactly that layout
+                layout = read[1]
+                out.append(self.get_tensor(layout.shard_key(k, layout.rank or 0,
+                                                            layout.size or 0,
+                                                            layout.split_dim or 0)))
             elif read[1] is None:
                 out.append(None)  # "shard" or "full" without a layout: nothing to reshard to
             else:
@@ -2635,27 +2654,12 @@ class _BumpPool:
             return self.base + start
 
 
-_NO_PARALLEL_LAYOUTS = (
-    "kvbridge implements TensorParallelism layouts and writer partitions (the shards, the "
-    "manifests, and reads that reshard in mode \"shard\" or \"full\"); mode \"as_stored\" "
-    "with a layout and the _into reads with a layout are not implemented (the wheel answered "
-    "None to every such read tried)")
 _READ_MODES = ("as_stored", "shard", "full")
 _AXIS_KINDS = ("dp", "tp", "ep", "pp")
 
 
 class _InvalidLayout(Exception):
     """A layout the wheel refuses too (logged where raised): INVALID_PARAMS, or None."""
-
-
-def _whole_tensors(what: str, *layouts: Any) -> None:
-    """Refuses a call that names a layout kvbridge does not implement (a ReadTarget's layout
-    on an _into read, or a list holding any), naming what was given."""
-    for layout in layouts:
-        given = layout if isinstance(layout, (list, tuple)) else [layout]
-        named = [x for x in given if x is not None]
-        if named:
-            not_supported(f"{what} with a {type(named[0]).__name__}", _NO_PARALLEL_LAYOUTS)
 
 
 def _no_layouts(layouts: Any) -> bool:
@@ -2785,7 +2789,7 @@ def _read_layout(target: Any) -> Any:
 
 
 def _read_target(what: str, target: Any) -> Optional[tuple]:
-    """(mode, TP layout or None) of a ReadTarget; None for a plain read (no target, or
+    """(mode, layout or None) of a ReadTarget; None for a plain read (no target, or
     "as_stored" without a layout)."""
     if target is None:
         return None
@@ -2794,9 +2798,7 @@ def _read_target(what: str, target: Any) -> Optional[tuple]:
         _log.error("%s: unsupported ReadTarget mode %r", what, mode)
         raise _InvalidLayout
     layout = _tp_layout(what, getattr(target, "parallelism", None))
-    if mode == "as_stored":
-        if layout is not None:
-            not_supported(f"{what} in mode as_stored with a layout", _NO_PARALLEL_LAYOUTS)
+    if mode == "as_stored" and layout is None:
         return None
     return mode, layout
 
@@ -2930,6 +2932,23 @@ def _tensor_of(data: Any, key: Any) -> Any:
         _log.error("get_tensor: %r is not a tensor object", key)
         return None
     return _new_tensor(meta.dtype, meta.shape, memoryview(data)[_tensor.HEADER_BYTES:])
+
+
+def _tensor_to_buffer(tensor: Any, address: int, size: int, key: Any) -> Any:
+    """Writes tensor as a whole-tensor object (header, then data) to [address, address +
+    size) and returns a tensor over the data there; None (logged, nothing written) when it
+    does not fit or the address is 0."""
+    data = tensor.contiguous()
+    n = data.numel() * data.element_size()
+    if address <= 0 or _tensor.HEADER_BYTES + n > size:
+        _log.error("%r: a buffer of %d bytes cannot hold its %d-byte tensor object", key, size,
+                   _tensor.HEADER_BYTES + n)
+        return None
+    header = _tensor.pack(_tensor.dtype_number(data.dtype), tuple(data.shape), n)
+    ctypes.memmove(address, header, len(header))
+    if n:
+        ctypes.memmove(address + len(header), data.data_ptr(), n)
+    return _tensor_in_buffer(len(header) + n, address, key)
 
 
 def _tensor_in_buffer(n: int, address: int, key: Any) -> Any:

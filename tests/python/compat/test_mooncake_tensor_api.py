@@ -1020,24 +1020,36 @@ def _tensor_format() -> Any:
     return _mooncake_tensor
 
 
-def test_parallelism_layouts_kvbridge_does_not_implement(impl, store, key, arena):
+def test_as_stored_and_into_reads_with_a_layout(impl, store, key, arena):
+    """The _into reads write what the plain ones return into the buffer, as a tensor object
+    (both systems). kvbridge: mode as_stored with a layout reads the object stored for exactly
+    that layout; the wheel answered None to every such read tried (asserted, so that a change
+    shows)."""
+    whole = sample((8, 6), seed=36)
+    for r in range(2):
+        assert store.put_tensor_with_parallelism(key("a"), whole[4 * r:4 * r + 4].clone(),
+                                                 _tp(impl, r, 2, 0)) == 0
+    big = HEADER + whole.numel() * 4
+    dst, other = arena.alloc(big), arena.alloc(big)
+    as_stored = store.get_tensor_with_parallelism(
+        key("a"), _target(impl, "as_stored", _tp(impl, 1, 2, 0)))
+    into = store.get_tensor_with_parallelism_into(
+        key("a"), dst, big, _target(impl, "shard", _tp(impl, 1, 4, 0)))
+    batch = store.batch_get_tensor_with_parallelism_into(
+        [key("a"), key("missing")], [other, dst], [big, big],
+        [_target(impl, "full", _tp(impl, 0, 1, 0))] * 2)
+    assert same(into, whole[2:4])
+    assert same(batch[0], whole) and batch[1] is None
+    # A buffer too small: None, and it is left as it was.
+    small = arena.alloc(HEADER + 8)
+    ctypes.memset(small, 0x5A, HEADER + 8)
+    assert store.get_tensor_with_parallelism_into(
+        key("a"), small, HEADER + 8, _target(impl, "shard", _tp(impl, 1, 4, 0))) is None
+    assert ctypes.string_at(small, HEADER + 8) == b"\x5a" * (HEADER + 8)
     if impl.is_mooncake:
-        pytest.skip("the wheel implements these; kvbridge names them unsupported")
-    from kvbridge.compat.mooncake import MooncakeNotSupportedError
-
-    t = sample(seed=13)
-    assert store.put_tensor_with_parallelism(key("x"), t, _tp(impl, 0, 2, 0)) == 0
-    n = HEADER + t.numel() * 4
-    dst = arena.alloc(n)
-    calls = [lambda: store.get_tensor_with_parallelism(
-                 key("x"), _target(impl, "as_stored", _tp(impl, 0, 2, 0))),
-             lambda: store.get_tensor_with_parallelism_into(
-                 key("x"), dst, n, _target(impl, "shard", _tp(impl, 0, 2, 0)))]
-    for call in calls:
-        with pytest.raises(MooncakeNotSupportedError, match="as_stored"):
-            call()
-    assert store.is_exist(key("y")) == 0 and store.is_exist(key("y_tp_0")) == 0
-    # A layout that does not cut the stored shards evenly: None (the wheel hands back a
-    # shard of the stored layout instead).
-    assert store.get_tensor_with_parallelism(
-        key("x"), _target(impl, "shard", _tp(impl, 1, 3, 0))) is None
+        assert as_stored is None
+        return
+    assert same(as_stored, whole[4:])
+    assert into.data_ptr() == dst + HEADER  # a view of the caller's buffer
+    meta = _tensor_format().parse(ctypes.string_at(dst, HEADER), HEADER + 2 * 6 * 4)
+    assert meta.shape == (2, 6) and meta.axes == []
