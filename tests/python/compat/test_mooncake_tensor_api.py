@@ -1050,6 +1050,10 @@ def test_as_stored_and_into_reads_with_a_layout(impl, store, key, arena):
         assert as_stored is None
         return
     assert same(as_stored, whole[4:])
+    # A layout that does not cut the stored shards evenly: None (the wheel hands back the
+    # stored shard of that rank).
+    assert store.get_tensor_with_parallelism(
+        key("a"), _target(impl, "shard", _tp(impl, 1, 3, 0))) is None
     assert into.data_ptr() == dst + HEADER  # a view of the caller's buffer
     meta = _tensor_format().parse(ctypes.string_at(dst, HEADER), HEADER + 2 * 6 * 4)
     assert meta.shape == (2, 6) and meta.axes == []
