@@ -90,7 +90,8 @@ void* MapAligned(uint64_t bytes) {
   return reinterpret_cast<void*>(aligned);
 }
 
-// Makes every page of the segment resident now, so first transfers do not page-fault.
+// Makes every page of the segment resident now, so first transfers do not page-fault. Leaves
+// the bytes as they are (a dram.file segment holds the file's).
 bool Prefault(void* base, uint64_t bytes, bool huge, std::string* err) {
   if (madvise(base, bytes, MADV_POPULATE_WRITE) == 0) return true;
   if (errno != EINVAL) {  // EINVAL: a kernel older than 5.14; touch the pages instead
@@ -100,7 +101,7 @@ bool Prefault(void* base, uint64_t bytes, bool huge, std::string* err) {
   const long page = huge ? static_cast<long>(kHugePageBytes) : sysconf(_SC_PAGESIZE);
   auto* p = static_cast<volatile uint8_t*>(base);
   for (uint64_t off = 0; off < bytes; off += static_cast<uint64_t>(page > 0 ? page : 4096)) {
-    p[off] = 0;
+    p[off] = p[off];  // a write fault, keeping the byte
   }
   return true;
 }
@@ -270,7 +271,7 @@ kvb_status_t DramPool::Create(const kvb_host_services_t* host, const kvb_storage
   }
 
   if (!config.file.empty()) {
-    // mapped and logged by MapFile
+    // MapFile mapped and logged it.
   } else if (huge) {
     Log(host, KVB_LOG_INFO, Bytes(bytes) + " segment on 2 MiB huge pages (MAP_HUGETLB)");
   } else {

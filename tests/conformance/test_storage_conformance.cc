@@ -920,6 +920,32 @@ TEST_F(DramPlugin, FileSegmentIsTheFilesBytesShared) {
   EXPECT_EQ(file.Read(kOffset + off, 19), "through the segment");
 }
 
+// Prefaulting a file segment makes its pages resident without changing what the file holds
+// (it may be another process's memory).
+TEST_F(DramPlugin, PrefaultedFileSegmentKeepsTheFilesBytes) {
+  SharedFile file(4u << 20);
+  const std::string mark = "written by another process";
+  {
+    const int fd = open(file.path().c_str(), O_RDWR | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    for (uint64_t at : {uint64_t{0}, uint64_t{4096}, uint64_t{(2u << 20) - 64}}) {
+      ASSERT_EQ(pwrite(fd, mark.data(), mark.size(), static_cast<off_t>(at)),
+                static_cast<ssize_t>(mark.size()));
+    }
+    close(fd);
+  }
+  std::unique_ptr<Instance> inst;
+  std::string err;
+  ASSERT_EQ(Create({{"dram.file", file.path()}, {"dram.prefault", "1"}}, 2u << 20, &inst, &err),
+            KVB_OK)
+      << err;
+  EXPECT_TRUE(host_->Logged("prefaulted")) << ::testing::PrintToString(host_->lines());
+  inst.reset();
+  for (uint64_t at : {uint64_t{0}, uint64_t{4096}, uint64_t{(2u << 20) - 64}}) {
+    EXPECT_EQ(file.Read(at, mark.size()), mark) << "at " << at;
+  }
+}
+
 TEST_F(DramPlugin, FileSegmentErrorsNameTheFileAndWhatIsWrong) {
   SharedFile file(4u << 20);
   struct Case {

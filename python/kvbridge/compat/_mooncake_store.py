@@ -1810,13 +1810,15 @@ class MooncakeDistributedStore:
     # The ``_into`` reads write what the plain reads return into the caller's buffer.
     def put_tensor_with_parallelism(self, key: str, tensor: Any, parallelism: Any = None,
                                     config: Any = None, writer_partition: Any = None) -> int:
-        """put_tensor with a ReplicateConfig, or rank r's TP shard. 0 or an error."""
+        """put_tensor with a ReplicateConfig, or the tensor's part for a layout (a
+        TensorParallelism or a writer partition). 0 or an error."""
         return self._put_parallel("put_tensor_with_parallelism", [key], [tensor], [parallelism],
                                   config, writer_partition, upsert=False)[0]
 
     def upsert_tensor_with_parallelism(self, key: str, tensor: Any, parallelism: Any = None,
                                        config: Any = None, writer_partition: Any = None) -> int:
-        """upsert_tensor with a ReplicateConfig, or rank r's TP shard. 0 or an error."""
+        """upsert_tensor with a ReplicateConfig, or the tensor's part for a layout. 0 or an
+        error."""
         return self._put_parallel("upsert_tensor_with_parallelism", [key], [tensor],
                                   [parallelism], config, writer_partition, upsert=True)[0]
 
@@ -1868,9 +1870,9 @@ class MooncakeDistributedStore:
                                          writer_partitions, upsert=True)
 
     def get_tensor_with_parallelism(self, key: str, target: Any = None) -> Any:
-        """get_tensor, or (mode "shard"/"full" with one TP axis) the part of the tensor that
-        the TP layout asked for gives its rank, resharded from the stored shards; None when it
-        cannot be read."""
+        """get_tensor, or what a ReadTarget asks for: mode "shard" the part of the tensor its
+        layout gives its TP rank, resharded from the stored shards; "full" all of it;
+        "as_stored" the object stored for exactly that layout. None when it cannot be read."""
         return self._get_parallel("get_tensor_with_parallelism", [key], [target])[0]
 
     def get_tensor_with_parallelism_into(self, key: str, buffer_ptr: int, size: int,
@@ -1927,7 +1929,7 @@ class MooncakeDistributedStore:
                 if p is not None and w is not None:
                     _log.error("%s: writer_partition cannot be combined with parallelism", what)
                     raise _InvalidLayout
-                tp = _tp_layout(what, p) if w is None else _writer_layout(what, w)
+                tp = _parallel_layout(what, p) if w is None else _writer_layout(what, w)
             except _InvalidLayout:
                 objects.append(None)  # refused: INVALID_PARAMS
                 continue
@@ -1935,7 +1937,7 @@ class MooncakeDistributedStore:
             if tp is None or whole is None:
                 objects.append(whole)
                 continue
-            shard = _tp_shard_object(whole[1], k, tp)
+            shard = _layout_shard_object(whole[1], k, tp)
             if shard is None:
                 objects.append(None)
                 continue
@@ -2001,10 +2003,7 @@ class MooncakeDistributedStore:
             if read is None:
                 out.append(self.get_tensor(k))
             elif read[0] == "as_stored":  # the object stored for exactly that layout
-                layout = read[1]
-                out.append(self.get_tensor(layout.shard_key(k, layout.rank or 0,
-                                                            layout.size or 0,
-                                                            layout.split_dim or 0)))
+                out.append(self.get_tensor(read[1].own_key(k)))
             elif read[1] is None:
                 out.append(None)  # "shard" or "full" without a layout: nothing to reshard to
             else:
@@ -2022,11 +2021,11 @@ class MooncakeDistributedStore:
             if mode == "full":
                 _log.error("%s: a full read needs a TP axis", key)
                 return None
-            return self.get_tensor(layout.shard_key(key, 0, 0, 0))
+            return self.get_tensor(layout.own_key(key))
         if layout.several:
             # The stored TP size and split: the manifest's (the shards' keys name them).
             try:
-                m = _tensor.parse_manifest(self._session.client.get(f"{key}__parallelism_manifest"))
+                m = _tensor.parse_manifest(self._session.client.get(layout.manifest_key(key)))
             except KvbError:
                 m = None
             if m is None:
@@ -2723,6 +2722,10 @@ class _Layout:
                 parts.append(f"__{kind}_{rank}of{size}{suffix}")
         return str(key) + "".join(parts)
 
+    def own_key(self, key: Any) -> str:
+        """The object this layout's rank stores (and mode "as_stored" reads)."""
+        return self.shard_key(key, self.rank, self.size, self.split_dim)
+
     def header_axes(self, extent: int) -> tuple:
         """The shard header's axes, in the order given: (kind, index, rank, count, split dim or
         -1, expert/stage id or 0, the TP shard's extent or 0)."""
@@ -2731,7 +2734,7 @@ class _Layout:
                      for i, (kind, rank, size, split, ident) in enumerate(self.axes))
 
 
-def _tp_layout(what: str, parallelism: Any) -> Optional[_Layout]:
+def _parallel_layout(what: str, parallelism: Any) -> Optional[_Layout]:
     """The layout of a TensorParallelism; None for no layout. _InvalidLayout (logged) where
     the wheel refuses the layout too."""
     if parallelism is None:
@@ -2797,22 +2800,23 @@ def _read_target(what: str, target: Any) -> Optional[tuple]:
     if mode not in _READ_MODES:
         _log.error("%s: unsupported ReadTarget mode %r", what, mode)
         raise _InvalidLayout
-    layout = _tp_layout(what, getattr(target, "parallelism", None))
+    layout = _parallel_layout(what, getattr(target, "parallelism", None))
     if mode == "as_stored" and layout is None:
         return None
     return mode, layout
 
 
-def _tp_shard_object(data: Any, key: Any, layout: _Layout) -> Optional[tuple]:
-    """(shard key, header, data, whole shape) of a tensor put with `layout`: with one TP axis
-    the tensor is the rank's shard, stored as it is (as put_tensor_with_tp's shards); with
-    several axes it is the whole tensor, and the rank's part along split_dim is stored. None
-    (logged) when the tensor has no such dimension or it does not cut evenly."""
+def _layout_shard_object(data: Any, key: Any, layout: _Layout) -> Optional[tuple]:
+    """(shard key, header, data, whole shape or None) of a tensor put with `layout`: with one
+    TP axis the tensor is the rank's shard, stored as it is (as put_tensor_with_tp's shards);
+    with several axes, or a writer partition, it is the whole tensor, and the rank's part along
+    split_dim is stored; with no TP axis the whole tensor is. None (logged) when the tensor has
+    no such dimension or it does not cut evenly."""
     if not layout.has_tp:  # the whole tensor, under a key naming its axes
         header = _tensor.pack(_tensor.dtype_number(data.dtype), tuple(data.shape),
                               data.numel() * data.element_size(), global_shape=tuple(data.shape),
                               axes=layout.header_axes(0))
-        return layout.shard_key(key, 0, 0, 0), header, data, None
+        return layout.own_key(key), header, data, None
     d = layout.split_dim
     if d >= data.dim():
         _log.error("%r: split_dim %d of a %d-dim tensor", key, d, data.dim())
@@ -2832,7 +2836,7 @@ def _tp_shard_object(data: Any, key: Any, layout: _Layout) -> Optional[tuple]:
     header = _tensor.pack(_tensor.dtype_number(data.dtype), tuple(data.shape),
                           data.numel() * data.element_size(), global_shape=whole,
                           axes=layout.header_axes(int(data.shape[d])))
-    return layout.shard_key(key, layout.rank, layout.size, d), header, data, whole
+    return layout.own_key(key), header, data, whole
 
 
 def _tp_axis_of(meta: Any) -> Optional[tuple]:
