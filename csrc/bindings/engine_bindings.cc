@@ -165,6 +165,7 @@ void BindEngine(py::module_& m) {
       .def_readwrite("path_failover_writes", &EngineOptions::path_failover_writes)
       .def_readwrite("failover_min_budget_ms", &EngineOptions::failover_min_budget_ms)
       .def_readwrite("local_copy", &EngineOptions::local_copy)
+      .def_readwrite("local_copy_threads", &EngineOptions::local_copy_threads)
       .def_readwrite("plugin_config", &EngineOptions::plugin_config);
 
   py::class_<EngineHandle, std::shared_ptr<EngineHandle>>(m, "TransferEngine")

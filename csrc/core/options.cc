@@ -27,6 +27,7 @@ EngineOptions EngineOptions::FromEnv() {
   EnvBool("KVBRIDGE_PATH_FAILOVER_WRITES", &o.path_failover_writes);
   EnvNumber("KVBRIDGE_FAILOVER_MIN_BUDGET_MS", &o.failover_min_budget_ms);
   EnvBool("KVBRIDGE_LOCAL_COPY", &o.local_copy);
+  EnvNumber("KVBRIDGE_LOCAL_COPY_THREADS", &o.local_copy_threads);
   EnvNumber("KVBRIDGE_MAX_OPS_PER_BATCH", &o.max_ops_per_batch);
   EnvNumber("KVBRIDGE_MAX_INFLIGHT_BATCHES", &o.max_inflight_batches);
   EnvNumber("KVBRIDGE_MAX_UNPOLLED_BATCHES", &o.max_unpolled_batches);

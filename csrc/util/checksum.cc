@@ -122,7 +122,39 @@ CrcFn PickCrc() {
   return Crc32cPortable;
 }
 
+// Polynomials modulo the CRC's, in the register's reflected order (bit 31 is x^0): the
+// product a*b mod P, one bit of a at a time.
+uint32_t MulModP(uint32_t a, uint32_t b) {
+  uint32_t product = 0;
+  for (uint32_t bit = uint32_t{1} << 31; bit != 0; bit >>= 1) {
+    if (a & bit) product ^= b;
+    b = (b & 1) ? (b >> 1) ^ kCastagnoliReflected : b >> 1;
+  }
+  return product;
+}
+
+// x^(2^k) mod P for k = 0..66 (a length's bits shifted by 3), each the square of the last.
+struct PowersOfX {
+  std::array<uint32_t, 67> x2k{};
+  PowersOfX() {
+    x2k[0] = uint32_t{1} << 30;  // x^1
+    for (size_t k = 1; k < x2k.size(); ++k) x2k[k] = MulModP(x2k[k - 1], x2k[k - 1]);
+  }
+};
+
 }  // namespace
+
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  // Appending |B| bytes multiplies A's (unconditioned) register by x^(8|B|); the pre- and
+  // post-inversion cancel between the three values, so the conditioned CRCs combine the same.
+  static const PowersOfX powers;
+  uint32_t shift = uint32_t{1} << 31;  // x^0
+  uint64_t bits = len_b;
+  for (size_t k = 3; bits != 0; bits >>= 1, ++k) {  // x^(8 len) = x^(len << 3)
+    if (bits & 1) shift = MulModP(powers.x2k[k], shift);
+  }
+  return MulModP(shift, crc_a) ^ crc_b;
+}
 
 uint32_t Crc32c(const void* data, size_t len, uint32_t crc) {
   static const CrcFn fn = PickCrc();

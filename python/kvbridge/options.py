@@ -24,6 +24,7 @@ ENGINE_FIELDS = (
     "progress_timeout_ms", "breaker_failures", "breaker_backoff_ms", "breaker_max_backoff_ms",
     "max_ops_per_batch", "max_inflight_batches", "max_unpolled_batches",
     "path_failover", "path_failover_writes", "failover_min_budget_ms", "local_copy",
+    "local_copy_threads",
 )
 # Options that are booleans; every other bool is refused (True is not a number of ms).
 BOOL_FIELDS = ("verify_checksums", "path_failover", "path_failover_writes", "local_copy",

@@ -2,9 +2,15 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <atomic>
+#include <chrono>
 #include <map>
+#include <mutex>
 #include <random>
+#include <set>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "core/circuit_breaker.h"
 #include "core/descriptor.h"
@@ -14,6 +20,7 @@
 #include "kvbridge/status.h"
 #include "util/checksum.h"
 #include "util/clock.h"
+#include "util/worker_pool.h"
 
 namespace kvbridge {
 namespace {
@@ -204,6 +211,71 @@ TEST(Checksum, HardwareAndTableAgreeOnEveryLengthAndAlignment) {
           << "off " << off << " len " << len;
     }
   }
+}
+
+// Crc32cCombine(Crc32c(A), Crc32c(B), |B|) is Crc32c(A||B), for every split of buffers up to
+// a few MiB, empty parts included.
+TEST(Checksum, CombinedPartsEqualTheWhole) {
+  std::mt19937 rng(11);
+  std::string data((3 << 20) + 5, '\0');
+  for (auto& c : data) c = static_cast<char>(rng());
+  for (size_t len : {size_t{0}, size_t{1}, size_t{9}, size_t{4096}, size_t{1} << 20, data.size()}) {
+    const uint32_t whole = util::Crc32c(data.data(), len);
+    for (size_t cut : {size_t{0}, len / 3, len / 2, len > 0 ? len - 1 : 0, len}) {
+      const uint32_t a = util::Crc32c(data.data(), cut);
+      const uint32_t b = util::Crc32c(data.data() + cut, len - cut);
+      EXPECT_EQ(util::Crc32cCombine(a, b, len - cut), whole) << "len " << len << " cut " << cut;
+    }
+  }
+  // Many parts joined left to right, as the engine joins a copy's 256 KiB pieces.
+  uint32_t joined = 0;
+  for (size_t at = 0; at < data.size(); at += 262144) {
+    const size_t n = std::min<size_t>(262144, data.size() - at);
+    joined = util::Crc32cCombine(joined, util::Crc32c(data.data() + at, n), n);
+  }
+  EXPECT_EQ(joined, util::Crc32c(data.data(), data.size()));
+}
+
+// WorkerPool::Run calls every index exactly once, across the caller and the helpers; a Run that
+// finds the helpers busy with another does its work alone; one thread runs inline.
+TEST(WorkerPool, EveryIndexOnceAndConcurrentRunsDoNotWait) {
+  for (unsigned threads : {1u, 2u, 4u}) {
+    util::WorkerPool pool(threads);
+    EXPECT_EQ(pool.threads(), threads);
+    for (size_t n : {size_t{0}, size_t{1}, size_t{2}, size_t{1000}}) {
+      std::vector<std::atomic<int>> seen(n);
+      std::mutex mu;
+      std::set<std::thread::id> ids;
+      pool.Run(n, [&](size_t i) {
+        seen[i].fetch_add(1);
+        std::lock_guard<std::mutex> lock(mu);
+        ids.insert(std::this_thread::get_id());
+      });
+      for (size_t i = 0; i < n; ++i) EXPECT_EQ(seen[i].load(), 1) << "index " << i;
+      EXPECT_LE(ids.size(), threads);
+      if (threads == 1) EXPECT_TRUE(n == 0 || ids == std::set{std::this_thread::get_id()});
+    }
+  }
+  // Two Runs at once: the second, finding the helpers taken, runs on its own thread only, and
+  // neither waits for the other (the first is held until the second has finished).
+  util::WorkerPool pool(3);
+  std::atomic<bool> second_done{false};
+  std::atomic<int> first_calls{0};
+  std::thread first([&] {
+    pool.Run(4, [&](size_t) {
+      first_calls.fetch_add(1);
+      while (!second_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    });
+  });
+  while (first_calls.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::set<std::thread::id> second_ids;
+  pool.Run(50, [&](size_t) { second_ids.insert(std::this_thread::get_id()); });
+  EXPECT_EQ(second_ids, std::set{std::this_thread::get_id()});
+  second_done = true;
+  first.join();
+  EXPECT_EQ(first_calls.load(), 4);
+  EXPECT_GE(util::WorkerPool::DefaultThreads(), 1u);
+  EXPECT_LE(util::WorkerPool::DefaultThreads(), 4u);
 }
 
 TEST(CircuitBreaker, OpensAfterThresholdAndProbes) {

@@ -117,6 +117,55 @@ TEST_F(LocalCopyTest, CopiedReadsGiveTheChecksumOfTheirBytes) {
   }
 }
 
+// From 1 MiB of copies in one Submit the ops are cut into 256 KiB pieces that several threads
+// copy (local_copy_threads); each read's checksum is joined from its pieces'. The bytes and the
+// checksums are the same as one thread's, for ops smaller than a piece, of a piece and a byte,
+// and of many pieces at odd offsets.
+TEST(LocalCopyThreads, SharedCopiesMoveTheSameBytesAndChecksums) {
+  constexpr size_t kBytes = 8 << 20;
+  const uint64_t sizes[] = {1, 4095, (256 << 10) + 1, 3 << 20, (1 << 20) + 12345, 65536, 777};
+  for (uint32_t threads : {1u, 3u}) {
+    SCOPED_TRACE(std::to_string(threads) + " threads");
+    EngineOptions oa = Options("lct-a", true), ob = Options("lct-b", true);
+    oa.local_copy_threads = threads;
+    auto a = Must(TransferEngine::Create(oa));
+    auto b = Must(TransferEngine::Create(ob));
+    Buffer mem_a(kBytes), mem_b(kBytes);
+    Must(a->RegisterMemory(mem_a.data(), kBytes));
+    const SegmentId seg = Must(b->RegisterMemory(mem_b.data(), kBytes));
+    Must(a->AddPeer(b->LocalDescriptor()));
+    // Writes first: a's bytes into b at offset +3.
+    mem_a.Fill(11);
+    std::memset(mem_b.data(), 0, kBytes);
+    std::vector<TransferOp> ops;
+    uint64_t at = 0;
+    for (uint64_t n : sizes) {
+      ops.push_back(TransferOp{OpCode::kWrite, mem_a.data() + at, n, "lct-b", seg, at + 3});
+      at += n;
+    }
+    ASSERT_LT(at + 3, kBytes);
+    ASSERT_TRUE(a->Transfer(ops).ok());
+    EXPECT_TRUE(mem_b.Matches(11, 3, at, 0)) << "a write's bytes differ";
+    // Then reads back, each asking for its checksum.
+    std::memset(mem_a.data(), 0, kBytes);
+    std::vector<OpChecksum> crcs(std::size(sizes));
+    for (size_t i = 0; i < ops.size(); ++i) {
+      ops[i].opcode = OpCode::kRead;
+      ops[i].checksum = &crcs[i];
+    }
+    ASSERT_TRUE(a->Transfer(ops).ok());
+    EXPECT_TRUE(mem_a.Matches(11, 0, at, 0)) << "a read's bytes differ";
+    at = 0;
+    for (size_t i = 0; i < std::size(sizes); ++i) {
+      EXPECT_TRUE(crcs[i].computed) << "read " << i;
+      EXPECT_EQ(crcs[i].crc32c, util::Crc32c(mem_a.data() + at, sizes[i])) << "read " << i;
+      at += sizes[i];
+    }
+    EXPECT_EQ(a->GetPeerHealth("lct-b")->local_copy_ops, 2 * std::size(sizes));
+    EXPECT_EQ(TcpBytes(*a), 0u);
+  }
+}
+
 TEST_F(LocalCopyTest, BoundsAndRegistrationAreThePeersLiveOnes) {
   Start(/*local_copy=*/true);
   Status oob = a_->Transfer(std::vector{Op(OpCode::kWrite, 0, 8192, mem_b_.size() - 4096)});

@@ -83,6 +83,11 @@ struct KVBRIDGE_API EngineOptions {
   // ops go through a transport like any other peer's (what the transport tests want).
   // KVBRIDGE_LOCAL_COPY (0 or 1).
   bool local_copy = true;
+  // Threads that share one Submit's in-process copies when they add up to 1 MiB or more, the
+  // submitting thread included: each op cut into 256 KiB pieces, handed out as threads come
+  // free. 0: the CPUs this process may use, at most 4; 1: the submitting thread alone.
+  // KVBRIDGE_LOCAL_COPY_THREADS.
+  uint32_t local_copy_threads = 0;
 
   // --- Bounds (what one process keeps for batches; docs/transfer-engine.md "Batches") ---
   // Most ops one Submit takes; more is INVALID_ARGUMENT naming this limit.
