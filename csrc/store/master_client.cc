@@ -369,8 +369,17 @@ Result<std::vector<PutGrant>> MasterClient::PendingPutStart::Wait() {
   return out;
 }
 
-Result<std::vector<Status>> MasterClient::PutEnd(std::span<const PutEndItem> items) {
+Result<std::vector<Status>> MasterClient::PutEnd(std::span<const PutEndItem> items,
+                                                 std::span<const NodeIdentity> local_nodes,
+                                                 std::vector<rpc::CommitRequest>* local_commits) {
   rpc::PutEndRequest req;
+  if (local_commits != nullptr) {
+    for (const NodeIdentity& n : local_nodes) {
+      rpc::NodeIdentity* out = req.add_local_nodes();
+      out->set_node_id(n.node_id);
+      out->set_incarnation(n.incarnation);
+    }
+  }
   for (const PutEndItem& item : items) {
     auto* e = req.add_items();
     e->set_key(item.key);
@@ -387,6 +396,10 @@ Result<std::vector<Status>> MasterClient::PutEnd(std::span<const PutEndItem> ite
   std::vector<Status> out;
   out.reserve(items.size());
   for (const auto& s : reply.statuses()) out.push_back(store::FromProto(s));
+  if (local_commits != nullptr) {
+    local_commits->assign(std::make_move_iterator(reply.mutable_local_commits()->begin()),
+                          std::make_move_iterator(reply.mutable_local_commits()->end()));
+  }
   return out;
 }
 

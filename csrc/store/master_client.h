@@ -132,7 +132,11 @@ class MasterClient {
                            const std::string& client_node_id, bool overwrite = false,
                            const PutPins& pins = {});
   // One status per item, in order. Not retried.
-  Result<std::vector<Status>> PutEnd(std::span<const PutEndItem> items);
+  // `local_nodes`: storage nodes of this process; their commits come back in *local_commits
+  // (PutEndRequest.local_nodes) for the caller to apply (store::ApplyLocalCommit).
+  Result<std::vector<Status>> PutEnd(std::span<const PutEndItem> items,
+                                     std::span<const NodeIdentity> local_nodes = {},
+                                     std::vector<rpc::CommitRequest>* local_commits = nullptr);
   // The master's replicas (and sizes, read leases) of each key, one grant per key. Retried;
   // with single_attempt_ms != 0, sent once with that deadline instead (a get that can be
   // served without the master: StoreOptions::master_wait_ms).

@@ -977,7 +977,27 @@ struct MasterServer::Impl final : public rpc::Master::Service {
       items[i].checksum = in.checksum();
     }
     store::PutEndPlan plan = state->BeginPutEnd(items, util::MonoNs());
-    SendCommits(&plan.commits);
+    // The commits for nodes in the caller's process go back in the reply (the caller applies
+    // them before it reports the put done); the others are sent and waited for.
+    std::vector<store::NodeCommit> local, remote;
+    for (store::NodeCommit& c : plan.commits) {
+      const bool is_local =
+          std::any_of(req->local_nodes().begin(), req->local_nodes().end(), [&](const auto& n) {
+            return n.node_id() == c.node.node_id && n.incarnation() == c.node.incarnation;
+          });
+      (is_local ? local : remote).push_back(std::move(c));
+    }
+    SendCommits(&remote);
+    plan.commits = std::move(remote);
+    const uint64_t commit_term = term();
+    for (store::NodeCommit& c : local) {
+      rpc::CommitRequest* out = reply->add_local_commits();
+      ToProto(c.node, out->mutable_node());
+      for (const auto& r : c.records) *out->add_records() = store::RecordToProto(r);
+      out->set_term(commit_term);
+      c.ok = true;
+      plan.commits.push_back(std::move(c));
+    }
     std::vector<Status> done = state->FinishPutEnd(plan, util::MonoNs());
     // Replaced while committing: a successor may not know these objects, so none is
     // acknowledged (the caller's put fails; the bytes at the nodes are freed later).

@@ -15,6 +15,11 @@
 
 namespace kvbridge::store {
 
+void PreferCallerPolling() {
+  static std::once_flag once;
+  std::call_once(once, [] { setenv("GRPC_POLL_STRATEGY", "poll", /*overwrite=*/0); });
+}
+
 Status CheckPeerDiscovery(const std::string& mode) {
   if (mode == "master" || mode == "direct") return Status::OK();
   return Status::InvalidArgument("peer_discovery is '" + mode +

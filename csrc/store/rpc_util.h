@@ -51,6 +51,18 @@ inline constexpr size_t kInventoryChunkBytes = 2 << 20;
 // batches go as several calls.
 inline constexpr size_t kMaxKeysPerCall = 4096;
 
+// Picks gRPC's "poll" engine for this process unless GRPC_POLL_STRATEGY is set already: called
+// by store clients and storage nodes before their first channel or server (only the first
+// gRPC use in a process reads the variable; the master daemon keeps gRPC's default, epoll1).
+// With epoll1 every thread of a process waits on one shared epoll set, so the reply to a
+// blocking call is read by whichever gRPC thread polls at the time (in an embedded client,
+// often a thread of its node's server) and handed to the caller: on this project's VM three
+// thread switches per call in the client against one with "poll", where the caller polls its
+// own call, and a round trip of 390 -> 300 us (docs/performance.md "Small objects and the
+// embedded deployment"). A client has a handful of connections (the master, its nodes), which
+// poll(2) serves as well as epoll. Thread-safe; sets the variable at most once per process.
+void PreferCallerPolling();
+
 // A channel to `address` with the limits above (and `args`, e.g. a channel name).
 std::shared_ptr<grpc::Channel> NewChannel(const std::string& address,
                                           grpc::ChannelArguments args = {});

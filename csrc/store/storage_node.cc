@@ -6,12 +6,16 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <shared_mutex>
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "core/plugin_host.h"
 #include "core/storage_instance.h"
@@ -19,6 +23,7 @@
 #include "kvbridge/store.h"
 #include "obs/http_server.h"
 #include "obs/metrics.h"
+#include "store/local_nodes.h"
 #include "store/master_client.h"
 #include "store/master_ha.h"
 #include "store/rpc_auth.h"
@@ -58,6 +63,23 @@ NodeOptions NodeOptions::FromEnv() {
 namespace {
 
 using RangeKey = std::pair<uint64_t, uint64_t>;  // (segment id, offset)
+
+// The storage nodes of this process by incarnation (store/local_nodes.h): listed once their
+// service is up, unlisted first thing when they stop; an apply holds the lock shared, so the
+// node outlives it.
+struct LocalNode {
+  std::string node_id;
+  std::string cluster_token;
+  std::function<Status(const rpc::CommitRequest&, std::chrono::steady_clock::time_point)> apply;
+};
+std::shared_mutex& LocalNodesMu() {
+  static auto* mu = new std::shared_mutex;  // never destroyed: nodes may outlive statics
+  return *mu;
+}
+std::unordered_map<uint64_t, LocalNode>& LocalNodes() {
+  static auto* nodes = new std::unordered_map<uint64_t, LocalNode>;
+  return *nodes;
+}
 
 // The SSD tier's segment id: fixed, so the records of objects kept on SSD stay valid across
 // node restarts (the DRAM pool's id is the engine's registration id, a small number).
@@ -229,6 +251,23 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   std::thread demote_thread;
   Status ssd_status;  // OK: the tier runs; else why not
 
+  // --- Commits applied by a store client of this process (store/local_nodes.h) ---
+  // The master returns such a commit with its PutEnd answer, after the object became complete
+  // there, so a free of one of its replicas can reach this node before the record: the frees
+  // of the last kFreedKeptMs (at most kFreedKept of them) are remembered, and a commit of a
+  // replica among them is left out. freed_since: every free received since then is among them
+  // (under mu); a commit whose PutEnd was sent before it is refused (a PutEnd that took over
+  // 10 s while this node received frees, or more than kFreedKept frees within it).
+  static constexpr uint64_t kFreedKeptMs = 10000;
+  static constexpr size_t kFreedKept = 1 << 17;
+  std::deque<std::pair<std::chrono::steady_clock::time_point, std::string>> freed_order;
+  std::unordered_set<std::string> freed;
+  std::chrono::steady_clock::time_point freed_since = std::chrono::steady_clock::now();
+  static std::string FreedId(const std::string& key, uint64_t replica_id) {
+    return key + '\0' + std::to_string(replica_id);
+  }
+  void RememberFree(const std::string& key, uint64_t replica_id);  // mu held
+
   ~Impl() override;
   // This registration's secret (Drain, Deregister of itself).
   store::CallKey NodeKey() const {
@@ -241,6 +280,11 @@ struct StorageNode::Impl final : public rpc::Node::Service {
     id.set_incarnation(engine->self().incarnation);
     return id;
   }
+  // The Commit call's work: the master's term and this incarnation checked, then the records
+  // kept. `local`: applied by a client of this process (store::ApplyLocalCommit), which
+  // leaves out records of replicas freed since `sent`.
+  Status ApplyCommit(const rpc::CommitRequest& req, bool local = false,
+                     std::chrono::steady_clock::time_point sent = {});
   // With the master; `again`: from the heartbeat thread, on its channel.
   Status Register(bool again = false);
   void ApplyFrees(const std::vector<store::InventoryRecord>& frees,
@@ -293,6 +337,7 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   Status CheckReadClient(const rpc::NodeIdentity& client);
   // StorageNode::stats().
   std::atomic<uint64_t> ssd_read_requests{0};
+  std::atomic<uint64_t> frees_counted{0};  // StorageNodeStats::frees_received
   std::atomic<uint64_t> ssd_read_objects{0};
   std::atomic<uint64_t> ssd_read_batches{0};
   std::atomic<uint64_t> ssd_served_bytes{0};   // bytes ReadSsd wrote to clients
@@ -355,31 +400,54 @@ StorageNode::Impl::~Impl() {
 grpc::Status StorageNode::Impl::Commit(grpc::ServerContext* ctx, const rpc::CommitRequest* req,
                                        rpc::Status* reply) {
   KVB_AUTH(ctx, store::method::kCommit);
-  if (const uint64_t seen = master_term.load(); req->term() < seen) {
-    store::ToProto(
-        Status::StalePeer("commit from a replaced master (term " + std::to_string(req->term()) +
-                          ", this node follows term " + std::to_string(seen) + ")"),
-        reply);
-    return grpc::Status::OK;
+  store::ToProto(ApplyCommit(*req), reply);
+  return grpc::Status::OK;
+}
+
+Status StorageNode::Impl::ApplyCommit(const rpc::CommitRequest& req, bool local,
+                                      std::chrono::steady_clock::time_point sent) {
+  if (const uint64_t seen = master_term.load(); req.term() < seen) {
+    return Status::StalePeer("commit from a replaced master (term " + std::to_string(req.term()) +
+                             ", this node follows term " + std::to_string(seen) + ")");
   }
-  if (req->node().node_id() != engine->self().node_id ||
-      req->node().incarnation() != engine->self().incarnation) {
-    store::ToProto(Status::StalePeer("commit meant for another incarnation"), reply);
-    return grpc::Status::OK;
+  if (req.node().node_id() != engine->self().node_id ||
+      req.node().incarnation() != engine->self().incarnation) {
+    return Status::StalePeer("commit meant for another incarnation");
   }
   std::lock_guard<std::mutex> lock(mu);
-  for (const auto& r : req->records()) {
-    if (r.segment_id() != segment && !(ssd != nullptr && r.segment_id() == kSsdSegment)) {
-      store::ToProto(Status::NotRegistered("commit names segment " +
-                                           std::to_string(r.segment_id()) + ", not this node's"),
-                     reply);
-      return grpc::Status::OK;
+  if (local) {
+    if (stopping) return Status::Unavailable("storage node stopped");
+    RememberFree({}, 0);  // only forgets what is past its time
+    if (sent < freed_since) {
+      return Status::Unavailable(
+          "the commit's put was sent before the oldest free this node still remembers: it "
+          "cannot tell whether one of its replicas was freed meanwhile");
     }
+  }
+  for (const auto& r : req.records()) {
+    if (r.segment_id() != segment && !(ssd != nullptr && r.segment_id() == kSsdSegment)) {
+      return Status::NotRegistered("commit names segment " + std::to_string(r.segment_id()) +
+                                   ", not this node's");
+    }
+    if (local && freed.count(FreedId(r.key(), r.replica_id())) != 0) continue;  // removed since
     inventory[{r.segment_id(), r.offset()}] = r;
     if (r.segment_id() == kSsdSegment) ssd_keys[r.key()] = r.offset();
   }
-  store::ToProto(Status::OK(), reply);
-  return grpc::Status::OK;
+  return Status::OK();
+}
+
+void StorageNode::Impl::RememberFree(const std::string& key, uint64_t replica_id) {
+  const auto now = std::chrono::steady_clock::now();
+  const auto keep = std::chrono::milliseconds(kFreedKeptMs);
+  while (!freed_order.empty() &&
+         (now - freed_order.front().first > keep || freed_order.size() >= kFreedKept)) {
+    freed_since = std::max(freed_since, freed_order.front().first);
+    freed.erase(freed_order.front().second);
+    freed_order.pop_front();
+  }
+  if (key.empty()) return;
+  std::string id = FreedId(key, replica_id);
+  if (freed.insert(id).second) freed_order.emplace_back(now, std::move(id));
 }
 
 // A client reading without the master asks which of the replicas it remembers are still here:
@@ -469,6 +537,8 @@ void StorageNode::Impl::ApplyFrees(const std::vector<store::InventoryRecord>& fr
     const uint64_t seq = i < seqs.size() ? seqs[i] : 0;
     if (seq != 0 && seq <= frees_received) continue;  // sent again before our ack arrived
     frees_received = std::max(frees_received, seq);
+    frees_counted.fetch_add(1, std::memory_order_relaxed);
+    RememberFree(f.key, f.replica_id);
     if (f.segment_id == kSsdSegment) {
       if (ssd == nullptr) continue;  // no tier: nothing of it here
       ssd_frees.push_back({f.key, f.replica_id, seq});
@@ -1436,6 +1506,10 @@ obs::HttpResponse StorageNode::Impl::Health() {
 }
 
 void StorageNode::Impl::Stop() {
+  if (engine) {  // no client of this process applies a commit here from now on
+    std::unique_lock<std::shared_mutex> lock(LocalNodesMu());
+    LocalNodes().erase(engine->self().incarnation);
+  }
   http.reset();  // its handlers read what Stop tears down
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -1478,6 +1552,7 @@ StorageNodeStats StorageNode::stats() const {
   s.ssd_read_objects = impl_->ssd_read_objects.load(std::memory_order_relaxed);
   s.ssd_read_batches = impl_->ssd_read_batches.load(std::memory_order_relaxed);
   s.temp_staging_bytes_peak = impl_->temp_staging_bytes_peak.load();
+  s.frees_received = impl_->frees_counted.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -1488,6 +1563,7 @@ size_t StorageNode::object_count() const {
 
 Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& options) {
   KVB_RETURN_IF_ERROR(store::CheckPeerDiscovery(options.peer_discovery));
+  store::PreferCallerPolling();
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->auth =
@@ -1528,6 +1604,15 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
       store::StartServer(options.rpc_listen, impl.get(), "the node service", &impl->rpc_address);
   if (!server.ok()) return server.status();
   impl->server = std::move(server).value();
+  {
+    Impl* raw = impl.get();
+    std::unique_lock<std::shared_mutex> lock(LocalNodesMu());
+    LocalNodes()[raw->engine->self().incarnation] =
+        LocalNode{raw->engine->self().node_id, options.engine.cluster_token,
+                  [raw](const rpc::CommitRequest& c, std::chrono::steady_clock::time_point sent) {
+                    return raw->ApplyCommit(c, /*local=*/true, sent);
+                  }};
+  }
   impl->auth->WarnIfDisabled("storage node " + impl->engine->self().node_id + "'s control service",
                              impl->rpc_address);
 
@@ -1620,5 +1705,35 @@ Status StorageNode::Drain() {
   }
   return Status::OK();
 }
+
+namespace store {
+
+std::vector<NodeIdentity> LocalNodesAmong(const std::set<std::pair<std::string, uint64_t>>& nodes,
+                                          const std::string& cluster_token) {
+  std::vector<NodeIdentity> out;
+  std::shared_lock<std::shared_mutex> lock(LocalNodesMu());
+  if (LocalNodes().empty()) return out;
+  for (const auto& [node_id, incarnation] : nodes) {
+    auto it = LocalNodes().find(incarnation);
+    if (it != LocalNodes().end() && it->second.node_id == node_id &&
+        it->second.cluster_token == cluster_token) {
+      out.push_back({node_id, incarnation});
+    }
+  }
+  return out;
+}
+
+Status ApplyLocalCommit(const rpc::CommitRequest& commit,
+                        std::chrono::steady_clock::time_point sent) {
+  std::shared_lock<std::shared_mutex> lock(LocalNodesMu());
+  auto it = LocalNodes().find(commit.node().incarnation());
+  if (it == LocalNodes().end() || it->second.node_id != commit.node().node_id()) {
+    return Status::Unavailable("storage node " + commit.node().node_id() +
+                               " of this process has stopped");
+  }
+  return it->second.apply(commit, sent);
+}
+
+}  // namespace store
 
 }  // namespace kvbridge

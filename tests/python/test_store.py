@@ -11,7 +11,7 @@ import torch
 import kvbridge
 from kvbridge import errors
 
-from conftest import need_cuda
+from conftest import need_cuda, python_env
 
 
 def test_put_get_roundtrip_tensor_and_bytes(cluster):
@@ -425,6 +425,48 @@ def test_closed_objects_raise_unavailable():
         store.put("k", b"v")
     with pytest.raises(errors.UnavailableError):
         _ = c.master_address
+
+
+POLL_ENGINE = r"""
+import ctypes, sys
+import kvbridge
+store = kvbridge.StoreClient(master=sys.argv[1])
+store.put("poll-engine", b"x")
+assert store.get("poll-engine") == b"x"
+libc = ctypes.CDLL(None)
+libc.getenv.restype = ctypes.c_char_p
+try:  # gRPC's own answer, from the libgrpc kvbridge's libraries loaded (not a public symbol)
+    name = ctypes.CDLL("libgrpc.so.29")["_Z27grpc_get_poll_strategy_namev"]
+    name.restype = ctypes.c_char_p
+    engine = name().decode()
+except (OSError, AttributeError):
+    engine = "unknown"
+print(libc.getenv(b"GRPC_POLL_STRATEGY").decode(), engine)
+store.close()
+"""
+
+
+@pytest.mark.parametrize("preset", [None, "epoll1"])
+def test_a_client_process_polls_its_own_calls_unless_told_otherwise(cluster, preset):
+    """A process whose first gRPC user is a store client runs gRPC's "poll" engine (the caller
+    reads its own reply; docs/performance.md, the embedded deployment); a
+    GRPC_POLL_STRATEGY set by the user is kept."""
+    import subprocess
+    import sys
+
+    env = python_env()
+    env.pop("GRPC_POLL_STRATEGY", None)
+    if preset:
+        env["GRPC_POLL_STRATEGY"] = preset
+    r = subprocess.run([sys.executable, "-c", POLL_ENGINE, cluster.master_address], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    var, engine = r.stdout.split()
+    want = preset or "poll"
+    assert var == want
+    if engine == "unknown":
+        pytest.skip(f"the variable is {var}; this libgrpc does not say which engine it runs")
+    assert engine == want
 
 
 def test_blocking_calls_release_the_gil(cluster):

@@ -24,6 +24,7 @@
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
 #include "tests/common/test_util.h"
+#include "tests/store/store_procs.h"
 #include "util/checksum.h"
 
 namespace kvbridge {
@@ -94,6 +95,109 @@ TEST(EmbeddedStore, RoundTripInOneProcess) {
   ClusterStatus s = Must(QueryClusterStatus(cluster->master_address()));
   EXPECT_EQ(s.objects, 64u);
   EXPECT_EQ(s.nodes.size(), 2u);
+}
+
+// A put's inventory commit to a storage node of the client's own process comes back with the
+// master's PutEnd answer and is applied by the client (store/local_nodes.h). The master has made
+// the object complete by then, so another client can remove it and the node receive that free
+// before the commit: the commit must then leave the record out. Checked across a master
+// restart, which rebuilds the objects from the nodes' records: the removed object stays
+// removed; the ones committed this way are back.
+TEST(EmbeddedStore, ALocalCommitOvertakenByAFreeDoesNotBringTheObjectBack) {
+  const std::string addr = "127.0.0.1:" + std::to_string(testing::FreePort());
+  auto master = testing::StartMaster(addr, {"--node-ttl-ms", "900", "--lease-ms", "200"});
+  ASSERT_TRUE(master);
+  NodeOptions no;
+  no.master_address = addr;
+  no.dram_bytes = 16u << 20;
+  no.engine.node_id = "lc-node";
+  no.engine.transports = {"tcp"};
+  auto node = Must(StorageNode::Start(no));
+  ASSERT_TRUE(testing::WaitForActiveNodes(addr, 1));
+  StoreOptions so;
+  so.master_address = addr;
+  so.replica_num = 1;
+  so.engine.node_id = "lc-client";
+  so.engine.transports = {"tcp"};
+  auto fast = Must(StoreClient::Create(so));
+  so.faults = "put_stall_before_local_commit_ms=4000";
+  auto slow = Must(StoreClient::Create(so));
+  Buffer buf(2 * kObject);
+  buf.Fill(5);
+  ASSERT_TRUE(fast->RegisterBuffer(buf.data(), buf.size()).ok());
+  ASSERT_TRUE(slow->RegisterBuffer(buf.data(), buf.size()).ok());
+  auto put = [&](StoreClient& c, const std::string& key) {
+    std::vector<std::string> keys{key};
+    std::vector<std::vector<BufferRef>> bufs{{BufferRef{buf.data(), kObject}}};
+    return c.BatchPutFrom(keys, bufs)[0];
+  };
+  // Put first, so that its range is not the removed object's (a later put there would
+  // overwrite a stale record and hide it).
+  const std::vector<std::string> kept{"kept"};
+  ASSERT_TRUE(put(*fast, kept[0]).ok());
+  Status slow_put = Status::Internal("not run");
+  std::thread writer([&] { slow_put = put(*slow, "removed"); });
+  // Complete at the master (its PutEnd answered) while the slow client sleeps on the commit.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  std::vector<std::string> removed{"removed"};
+  while (!Must(fast->BatchExists(removed))[0] && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(Must(fast->BatchExists(removed))[0]) << "the slow put never completed";
+  ASSERT_TRUE(fast->BatchRemove(removed)[0].ok());
+  // The node hears of the free in a heartbeat answer, before the slow client wakes.
+  const auto removed_at = std::chrono::steady_clock::now();
+  while (node->stats().frees_received == 0 &&
+         std::chrono::steady_clock::now() - removed_at < std::chrono::seconds(3)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(node->stats().frees_received, 1u) << "the free never reached the node";
+  writer.join();
+  EXPECT_TRUE(slow_put.ok()) << slow_put.ToString();
+  EXPECT_EQ(node->object_count(), 1u) << "the node should hold only the kept object's record";
+
+  master.reset();  // killed: its successor knows only what the node's records say
+  master = testing::StartMaster(addr, {"--node-ttl-ms", "900", "--lease-ms", "200"});
+  ASSERT_TRUE(master);
+  ASSERT_TRUE(testing::WaitForActiveNodes(addr, 1));
+  EXPECT_FALSE(Must(fast->BatchExists(removed))[0])
+      << "a remove was undone by a local commit that arrived after its free";
+  EXPECT_TRUE(Must(fast->BatchExists(kept))[0])
+      << "an object committed by its client was not rebuilt";
+}
+
+// A node of the client's process that stops between the master's PutEnd answer and the
+// client's commit: the put is not reported done (its record could not be kept), naming why.
+TEST(EmbeddedStore, ALocalCommitToAStoppedNodeIsNotAcknowledged) {
+  const std::string addr = "127.0.0.1:" + std::to_string(testing::FreePort());
+  auto master = testing::StartMaster(addr, {"--node-ttl-ms", "900", "--lease-ms", "200"});
+  ASSERT_TRUE(master);
+  NodeOptions no;
+  no.master_address = addr;
+  no.dram_bytes = 16u << 20;
+  no.engine.node_id = "lc-node";
+  no.engine.transports = {"tcp"};
+  auto node = Must(StorageNode::Start(no));
+  ASSERT_TRUE(testing::WaitForActiveNodes(addr, 1));
+  StoreOptions so;
+  so.master_address = addr;
+  so.engine.node_id = "lc-client";
+  so.engine.transports = {"tcp"};
+  so.faults = "put_stall_before_local_commit_ms=1500";
+  auto slow = Must(StoreClient::Create(so));
+  Buffer buf(kObject);
+  ASSERT_TRUE(slow->RegisterBuffer(buf.data(), buf.size()).ok());
+  Status put = Status::Internal("not run");
+  std::thread writer([&] {
+    std::vector<std::string> keys{"k"};
+    std::vector<std::vector<BufferRef>> bufs{{BufferRef{buf.data(), kObject}}};
+    put = slow->BatchPutFrom(keys, bufs)[0];
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));  // inside the stall
+  node.reset();
+  writer.join();
+  EXPECT_TRUE(put.Is(StatusCode::kUnavailable)) << put.ToString();
+  EXPECT_NE(put.message().find("not acknowledged"), std::string::npos) << put.ToString();
 }
 
 TEST(EmbeddedStore, UpsertReplacesTheValueAndConcurrentUpsertsTakeTurns) {

@@ -98,7 +98,11 @@ struct KVBRIDGE_API StoreOptions {
   //   put_ignore_deadline        1: the transfer starts, and runs for transfer_deadline_ms,
   //                              even past the put's deadline from the master (what a client
   //                              that ignored it would do: shows the master's hold of the
-  //                              ranges is what keeps such late bytes off other objects).
+  //                              ranges is what keeps such late bytes off other objects);
+  //   put_stall_before_local_commit_ms  every put sleeps this long between the master's
+  //                              PutEnd answer and applying the commits it returned for
+  //                              storage nodes of this process (a remove can reach the node
+  //                              first).
   // An unknown name or a bad value makes Create fail naming it. KVBRIDGE_CLIENT_FAULTS.
   std::string faults;
   // Defaults, overridden by the KVBRIDGE_* variables named above and EngineOptions::FromEnv().
@@ -328,6 +332,7 @@ struct StorageNodeStats {
   // The most memory held at once beyond the staging area (ssd_staging_bytes), for SSD objects
   // larger than it: a batch of re-replication tasks stages one such object at a time.
   uint64_t temp_staging_bytes_peak = 0;
+  uint64_t frees_received = 0;  // frees of replicas the master sent (each counted once)
 };
 
 // A storage node: a transfer engine whose registered DRAM pool holds replicas, registered with
