@@ -103,34 +103,49 @@ TEST(EmbeddedStore, RoundTripInOneProcess) {
 // before the commit: the commit must then leave the record out. Checked across a master
 // restart, which rebuilds the objects from the nodes' records: the removed object stays
 // removed; the ones committed this way are back.
-TEST(EmbeddedStore, ALocalCommitOvertakenByAFreeDoesNotBringTheObjectBack) {
-  const std::string addr = "127.0.0.1:" + std::to_string(testing::FreePort());
-  auto master = testing::StartMaster(addr, {"--node-ttl-ms", "900", "--lease-ms", "200"});
-  ASSERT_TRUE(master);
-  NodeOptions no;
-  no.master_address = addr;
-  no.dram_bytes = 16u << 20;
-  no.engine.node_id = "lc-node";
-  no.engine.transports = {"tcp"};
-  auto node = Must(StorageNode::Start(no));
-  ASSERT_TRUE(testing::WaitForActiveNodes(addr, 1));
-  StoreOptions so;
-  so.master_address = addr;
-  so.replica_num = 1;
-  so.engine.node_id = "lc-client";
-  so.engine.transports = {"tcp"};
-  auto fast = Must(StoreClient::Create(so));
-  so.faults = "put_stall_before_local_commit_ms=4000";
-  auto slow = Must(StoreClient::Create(so));
-  Buffer buf(2 * kObject);
-  buf.Fill(5);
-  ASSERT_TRUE(fast->RegisterBuffer(buf.data(), buf.size()).ok());
-  ASSERT_TRUE(slow->RegisterBuffer(buf.data(), buf.size()).ok());
-  auto put = [&](StoreClient& c, const std::string& key) {
+// A master daemon and a storage node of this process on it, for clients of this process
+// (OwnNode::Client) whose puts the node takes.
+struct OwnNode {
+  std::string addr = "127.0.0.1:" + std::to_string(testing::FreePort());
+  std::unique_ptr<testing::ChildProcess> master;
+  std::unique_ptr<StorageNode> node;
+  Buffer buf{kObject};
+
+  void Start() {
+    master = testing::StartMaster(addr, {"--node-ttl-ms", "900", "--lease-ms", "200"});
+    ASSERT_TRUE(master);
+    NodeOptions no;
+    no.master_address = addr;
+    no.dram_bytes = 16u << 20;
+    no.engine.node_id = "lc-node";
+    no.engine.transports = {"tcp"};
+    node = Must(StorageNode::Start(no));
+    ASSERT_TRUE(testing::WaitForActiveNodes(addr, 1));
+  }
+  std::unique_ptr<StoreClient> Client(const std::string& faults = "") {
+    StoreOptions so;
+    so.master_address = addr;
+    so.engine.node_id = "lc-client";
+    so.engine.transports = {"tcp"};
+    so.faults = faults;
+    auto c = Must(StoreClient::Create(so));
+    EXPECT_TRUE(c->RegisterBuffer(buf.data(), buf.size()).ok());
+    return c;
+  }
+  Status Put(StoreClient& c, const std::string& key) {
     std::vector<std::string> keys{key};
     std::vector<std::vector<BufferRef>> bufs{{BufferRef{buf.data(), kObject}}};
     return c.BatchPutFrom(keys, bufs)[0];
-  };
+  }
+};
+
+TEST(EmbeddedStore, ALocalCommitOvertakenByAFreeDoesNotBringTheObjectBack) {
+  OwnNode own;
+  ASSERT_NO_FATAL_FAILURE(own.Start());
+  auto fast = own.Client();
+  auto slow = own.Client("put_stall_before_local_commit_ms=4000");
+  auto& node = own.node;
+  auto put = [&](StoreClient& c, const std::string& key) { return own.Put(c, key); };
   // Put first, so that its range is not the removed object's (a later put there would
   // overwrite a stale record and hide it).
   const std::vector<std::string> kept{"kept"};
@@ -156,10 +171,10 @@ TEST(EmbeddedStore, ALocalCommitOvertakenByAFreeDoesNotBringTheObjectBack) {
   EXPECT_TRUE(slow_put.ok()) << slow_put.ToString();
   EXPECT_EQ(node->object_count(), 1u) << "the node should hold only the kept object's record";
 
-  master.reset();  // killed: its successor knows only what the node's records say
-  master = testing::StartMaster(addr, {"--node-ttl-ms", "900", "--lease-ms", "200"});
-  ASSERT_TRUE(master);
-  ASSERT_TRUE(testing::WaitForActiveNodes(addr, 1));
+  own.master.reset();  // killed: its successor knows only what the node's records say
+  own.master = testing::StartMaster(own.addr, {"--node-ttl-ms", "900", "--lease-ms", "200"});
+  ASSERT_TRUE(own.master);
+  ASSERT_TRUE(testing::WaitForActiveNodes(own.addr, 1));
   EXPECT_FALSE(Must(fast->BatchExists(removed))[0])
       << "a remove was undone by a local commit that arrived after its free";
   EXPECT_TRUE(Must(fast->BatchExists(kept))[0])
@@ -169,32 +184,13 @@ TEST(EmbeddedStore, ALocalCommitOvertakenByAFreeDoesNotBringTheObjectBack) {
 // A node of the client's process that stops between the master's PutEnd answer and the
 // client's commit: the put is not reported done (its record could not be kept), naming why.
 TEST(EmbeddedStore, ALocalCommitToAStoppedNodeIsNotAcknowledged) {
-  const std::string addr = "127.0.0.1:" + std::to_string(testing::FreePort());
-  auto master = testing::StartMaster(addr, {"--node-ttl-ms", "900", "--lease-ms", "200"});
-  ASSERT_TRUE(master);
-  NodeOptions no;
-  no.master_address = addr;
-  no.dram_bytes = 16u << 20;
-  no.engine.node_id = "lc-node";
-  no.engine.transports = {"tcp"};
-  auto node = Must(StorageNode::Start(no));
-  ASSERT_TRUE(testing::WaitForActiveNodes(addr, 1));
-  StoreOptions so;
-  so.master_address = addr;
-  so.engine.node_id = "lc-client";
-  so.engine.transports = {"tcp"};
-  so.faults = "put_stall_before_local_commit_ms=1500";
-  auto slow = Must(StoreClient::Create(so));
-  Buffer buf(kObject);
-  ASSERT_TRUE(slow->RegisterBuffer(buf.data(), buf.size()).ok());
+  OwnNode own;
+  ASSERT_NO_FATAL_FAILURE(own.Start());
+  auto slow = own.Client("put_stall_before_local_commit_ms=1500");
   Status put = Status::Internal("not run");
-  std::thread writer([&] {
-    std::vector<std::string> keys{"k"};
-    std::vector<std::vector<BufferRef>> bufs{{BufferRef{buf.data(), kObject}}};
-    put = slow->BatchPutFrom(keys, bufs)[0];
-  });
+  std::thread writer([&] { put = own.Put(*slow, "k"); });
   std::this_thread::sleep_for(std::chrono::milliseconds(700));  // inside the stall
-  node.reset();
+  own.node.reset();
   writer.join();
   EXPECT_TRUE(put.Is(StatusCode::kUnavailable)) << put.ToString();
   EXPECT_NE(put.message().find("not acknowledged"), std::string::npos) << put.ToString();
