@@ -97,12 +97,6 @@ TEST(EmbeddedStore, RoundTripInOneProcess) {
   EXPECT_EQ(s.nodes.size(), 2u);
 }
 
-// A put's inventory commit to a storage node of the client's own process comes back with the
-// master's PutEnd answer and is applied by the client (store/local_nodes.h). The master has made
-// the object complete by then, so another client can remove it and the node receive that free
-// before the commit: the commit must then leave the record out. Checked across a master
-// restart, which rebuilds the objects from the nodes' records: the removed object stays
-// removed; the ones committed this way are back.
 // A master daemon and a storage node of this process on it, for clients of this process
 // (OwnNode::Client) whose puts the node takes.
 struct OwnNode {
@@ -139,6 +133,12 @@ struct OwnNode {
   }
 };
 
+// A put's inventory commit to a storage node of the client's own process comes back with the
+// master's PutEnd answer and is applied by the client (store/local_nodes.h). The master has made
+// the object complete by then, so another client can remove it and the node receive that free
+// before the commit: the commit must then leave the record out. Checked across a master
+// restart, which rebuilds the objects from the nodes' records: the removed object stays
+// removed; the one committed this way before it is back.
 TEST(EmbeddedStore, ALocalCommitOvertakenByAFreeDoesNotBringTheObjectBack) {
   OwnNode own;
   ASSERT_NO_FATAL_FAILURE(own.Start());
@@ -186,10 +186,18 @@ TEST(EmbeddedStore, ALocalCommitOvertakenByAFreeDoesNotBringTheObjectBack) {
 TEST(EmbeddedStore, ALocalCommitToAStoppedNodeIsNotAcknowledged) {
   OwnNode own;
   ASSERT_NO_FATAL_FAILURE(own.Start());
-  auto slow = own.Client("put_stall_before_local_commit_ms=1500");
+  auto slow = own.Client("put_stall_before_local_commit_ms=3000");
+  auto watcher = own.Client();
   Status put = Status::Internal("not run");
   std::thread writer([&] { put = own.Put(*slow, "k"); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(700));  // inside the stall
+  // Stop the node once the master has made the object complete (its PutEnd answered), while
+  // the writer sleeps before its commit.
+  const std::vector<std::string> k{"k"};
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(2500);
+  while (!Must(watcher->BatchExists(k))[0] && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(Must(watcher->BatchExists(k))[0]) << "the put never completed at the master";
   own.node.reset();
   writer.join();
   EXPECT_TRUE(put.Is(StatusCode::kUnavailable)) << put.ToString();
