@@ -312,56 +312,22 @@ struct CopyJob {
   OpChecksum* crc;
 };
 
-// Below this many bytes a batch's copies stay on the submitting thread: waking a helper costs
-// tens of microseconds on a virtual machine, about what 256 KiB take to copy.
-constexpr uint64_t kParallelCopyBytes = 1 << 20;
-// The pieces the threads take in turn: small enough to even out, large enough that taking one
-// (and joining its CRC to the op's) costs nothing next to copying it.
-constexpr uint64_t kCopyPiece = 256 << 10;
-
+// The copies (with the CRCs asked for), shared with the pool's threads from 1 MiB in all.
 void RunCopies(std::span<const CopyJob> jobs, util::WorkerPool& pool) {
-  uint64_t total = 0;
-  for (const CopyJob& j : jobs) total += j.len;
-  if (total < kParallelCopyBytes || pool.threads() == 1) {
-    for (const CopyJob& j : jobs) {
-      if (j.crc == nullptr) {
-        std::memcpy(j.dst, j.src, j.len);
-      } else {
-        j.crc->crc32c = CopyAndChecksum(j.dst, j.src, j.len);
-        j.crc->computed = true;
-      }
-    }
-    return;
-  }
-  struct Piece {
-    size_t job;
-    uint64_t at, len;
-    uint32_t crc;
-  };
-  std::vector<Piece> pieces;
-  pieces.reserve(jobs.size() + total / kCopyPiece);
-  for (size_t j = 0; j < jobs.size(); ++j) {
-    for (uint64_t at = 0; at < jobs[j].len; at += kCopyPiece) {
-      pieces.push_back({j, at, std::min(kCopyPiece, jobs[j].len - at), 0});
-    }
-  }
-  pool.Run(pieces.size(), [&](size_t i) {
-    Piece& p = pieces[i];
-    const CopyJob& j = jobs[p.job];
-    if (j.crc == nullptr) {
-      std::memcpy(j.dst + p.at, j.src + p.at, p.len);
-    } else {
-      p.crc = CopyAndChecksum(j.dst + p.at, j.src + p.at, p.len);
-    }
-  });
-  // Each op's CRC from its pieces', in order (a piece's CRC covers its bytes alone).
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    const CopyJob& j = jobs[pieces[i].job];
-    if (j.crc == nullptr) continue;
-    j.crc->crc32c = pieces[i].at == 0
-                        ? pieces[i].crc
-                        : util::Crc32cCombine(j.crc->crc32c, pieces[i].crc, pieces[i].len);
-    j.crc->computed = true;
+  std::vector<uint64_t> lengths;
+  lengths.reserve(jobs.size());
+  for (const CopyJob& j : jobs) lengths.push_back(j.len);
+  const std::vector<uint32_t> crcs =
+      util::CrcInParts(pool, lengths, [&](size_t i, uint64_t at, uint64_t len) -> uint32_t {
+        const CopyJob& j = jobs[i];
+        if (j.crc != nullptr) return CopyAndChecksum(j.dst + at, j.src + at, len);
+        std::memcpy(j.dst + at, j.src + at, len);
+        return 0;
+      });
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (jobs[i].crc == nullptr) continue;
+    jobs[i].crc->crc32c = crcs[i];
+    jobs[i].crc->computed = true;
   }
 }
 

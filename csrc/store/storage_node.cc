@@ -267,6 +267,7 @@ struct StorageNode::Impl final : public rpc::Node::Service {
     return key + '\0' + std::to_string(replica_id);
   }
   void RememberFree(const std::string& key, uint64_t replica_id);  // mu held
+  void ForgetOldFrees();  // mu held: those past kFreedKeptMs, and the oldest past kFreedKept
 
   ~Impl() override;
   // This registration's secret (Drain, Deregister of itself).
@@ -417,7 +418,7 @@ Status StorageNode::Impl::ApplyCommit(const rpc::CommitRequest& req, bool local,
   std::lock_guard<std::mutex> lock(mu);
   if (local) {
     if (stopping) return Status::Unavailable("storage node stopped");
-    RememberFree({}, 0);  // only forgets what is past its time
+    ForgetOldFrees();
     if (sent < freed_since) {
       return Status::Unavailable(
           "the commit's put was sent before the oldest free this node still remembers: it "
@@ -436,7 +437,7 @@ Status StorageNode::Impl::ApplyCommit(const rpc::CommitRequest& req, bool local,
   return Status::OK();
 }
 
-void StorageNode::Impl::RememberFree(const std::string& key, uint64_t replica_id) {
+void StorageNode::Impl::ForgetOldFrees() {
   const auto now = std::chrono::steady_clock::now();
   const auto keep = std::chrono::milliseconds(kFreedKeptMs);
   while (!freed_order.empty() &&
@@ -445,9 +446,13 @@ void StorageNode::Impl::RememberFree(const std::string& key, uint64_t replica_id
     freed.erase(freed_order.front().second);
     freed_order.pop_front();
   }
-  if (key.empty()) return;
+}
+
+void StorageNode::Impl::RememberFree(const std::string& key, uint64_t replica_id) {
+  ForgetOldFrees();
   std::string id = FreedId(key, replica_id);
-  if (freed.insert(id).second) freed_order.emplace_back(now, std::move(id));
+  if (freed.insert(id).second)
+    freed_order.emplace_back(std::chrono::steady_clock::now(), std::move(id));
 }
 
 // A client reading without the master asks which of the replicas it remembers are still here:

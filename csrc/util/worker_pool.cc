@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "util/checksum.h"
+
 namespace kvbridge::util {
 
 WorkerPool::WorkerPool(unsigned threads) : threads_(std::max(threads, 1u)) {}
@@ -62,6 +64,37 @@ void WorkerPool::Helper() {
     lock.lock();
     if (--active_ == 0) done_cv_.notify_all();
   }
+}
+
+std::vector<uint32_t> CrcInParts(
+    WorkerPool& pool, std::span<const uint64_t> lengths,
+    const std::function<uint32_t(size_t item, uint64_t at, uint64_t len)>& fn) {
+  constexpr uint64_t kParallelBytes = 1 << 20, kPartBytes = 256 << 10;
+  std::vector<uint32_t> crcs(lengths.size(), 0);
+  uint64_t total = 0;
+  for (uint64_t n : lengths) total += n;
+  if (total < kParallelBytes || pool.threads() == 1) {
+    for (size_t i = 0; i < lengths.size(); ++i) crcs[i] = fn(i, 0, lengths[i]);
+    return crcs;
+  }
+  struct Part {
+    size_t item;
+    uint64_t at, len;
+    uint32_t crc;
+  };
+  std::vector<Part> parts;
+  parts.reserve(lengths.size() + total / kPartBytes);
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    for (uint64_t at = 0; at < lengths[i]; at += kPartBytes) {
+      parts.push_back({i, at, std::min(kPartBytes, lengths[i] - at), 0});
+    }
+  }
+  pool.Run(parts.size(),
+           [&](size_t k) { parts[k].crc = fn(parts[k].item, parts[k].at, parts[k].len); });
+  for (const Part& p : parts) {
+    crcs[p.item] = p.at == 0 ? p.crc : Crc32cCombine(crcs[p.item], p.crc, p.len);
+  }
+  return crcs;
 }
 
 }  // namespace kvbridge::util

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <functional>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -51,5 +52,15 @@ class WorkerPool {
   bool stop_ = false;
   std::atomic<size_t> next_{0};  // the next index to hand out
 };
+
+// A pass over the bytes of `lengths.size()` items (copies, checksums) that returns each item's
+// CRC-32C: fn(item, at, len) handles bytes [at, at+len) of an item and returns their CRC (any
+// value when the caller does not use an item's CRC). From 1 MiB in all, items are cut into
+// 256 KiB parts that the pool's threads take in turn and each item's CRC is joined from its
+// parts' (Crc32cCombine); below, fn(item, 0, length) runs for each item on the calling
+// thread, where waking a helper would cost about as much as the work.
+std::vector<uint32_t> CrcInParts(
+    WorkerPool& pool, std::span<const uint64_t> lengths,
+    const std::function<uint32_t(size_t item, uint64_t at, uint64_t len)>& fn);
 
 }  // namespace kvbridge::util

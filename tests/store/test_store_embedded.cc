@@ -204,6 +204,39 @@ TEST(EmbeddedStore, ALocalCommitToAStoppedNodeIsNotAcknowledged) {
   EXPECT_NE(put.message().find("not acknowledged"), std::string::npos) << put.ToString();
 }
 
+// A node remembers frees for 10 s: a commit whose PutEnd was sent before the oldest free it
+// still remembers could be of a replica freed meanwhile, so it is refused and the put is not
+// reported done (here: a free received just after the put's PutEnd, the commit applied 12 s
+// later).
+TEST(EmbeddedStore, ALocalCommitOlderThanTheRememberedFreesIsRefused) {
+  OwnNode own;
+  ASSERT_NO_FATAL_FAILURE(own.Start());
+  auto fast = own.Client();
+  auto slow = own.Client("put_stall_before_local_commit_ms=12000");
+  ASSERT_TRUE(own.Put(*fast, "other").ok());
+  Status put = Status::Internal("not run");
+  std::thread writer([&] { put = own.Put(*slow, "k"); });
+  const std::vector<std::string> k{"k"}, other{"other"};
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (!Must(fast->BatchExists(k))[0] && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(Must(fast->BatchExists(k))[0]) << "the put never completed at the master";
+  const auto completed = std::chrono::steady_clock::now();
+  ASSERT_TRUE(fast->BatchRemove(other)[0].ok());
+  while (own.node->stats().frees_received == 0 &&
+         std::chrono::steady_clock::now() - completed < std::chrono::seconds(5)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(own.node->stats().frees_received, 1u) << "the free never reached the node";
+  ASSERT_LT(std::chrono::steady_clock::now() - completed, std::chrono::milliseconds(1900))
+      << "the free came too late for this test: it would still be remembered at the commit";
+  writer.join();
+  EXPECT_TRUE(put.Is(StatusCode::kUnavailable)) << put.ToString();
+  EXPECT_NE(put.message().find("cannot tell"), std::string::npos) << put.ToString();
+  EXPECT_EQ(own.node->object_count(), 0u) << "a refused commit kept a record";
+}
+
 TEST(EmbeddedStore, UpsertReplacesTheValueAndConcurrentUpsertsTakeTurns) {
   auto cluster = Must(EmbeddedCluster::Start(SmallCluster(2, 32u << 20, 2)));
   StoreClient& c = cluster->client();

@@ -22,6 +22,7 @@
 #include "kvbridge.grpc.pb.h"
 #include "kvbridge/store.h"
 #include "store/etcd_client.h"
+#include "store/local_nodes.h"
 #include "store/master_client.h"
 #include "store/master_ha.h"
 #include "store/rpc_util.h"
@@ -487,6 +488,21 @@ TEST_F(StoreHa, FrozenLeaderIsReplacedAndNeverActsAgain) {
   ExpectNothingLost(seeded, load);
 }
 
+// A commit of one record to (node_id, incarnation) with term 0, older than any elected
+// leader's (1 or more): what a replaced leader that resumed would send.
+rpc::CommitRequest StaleCommit(const std::string& node_id, uint64_t incarnation) {
+  rpc::CommitRequest req;
+  req.mutable_node()->set_node_id(node_id);
+  req.mutable_node()->set_incarnation(incarnation);
+  req.set_term(0);
+  auto* rec = req.add_records();
+  rec->set_key("planted-by-a-stale-leader");
+  rec->set_version(1);
+  rec->add_sizes(kObj);
+  rec->set_replica_id(1);
+  return req;
+}
+
 // The nodes follow the leader's term: a commit (or a reply) carrying an older term, as a
 // replaced leader that resumed would send, is refused and changes nothing.
 TEST_F(StoreHa, NodesRefuseCommitsOfAReplacedLeader) {
@@ -506,20 +522,34 @@ TEST_F(StoreHa, NodesRefuseCommitsOfAReplacedLeader) {
   };
   const uint64_t before = describe();
   grpc::ClientContext ctx;
-  rpc::CommitRequest req;
-  req.mutable_node()->set_node_id(nodes[0].id.node_id);
-  req.mutable_node()->set_incarnation(nodes[0].id.incarnation);
-  req.set_term(0);  // older than the elected leader's (1 or more)
-  auto* rec = req.add_records();
-  rec->set_key("planted-by-a-stale-leader");
-  rec->set_version(1);
-  rec->add_sizes(kObj);
-  rec->set_replica_id(1);
+  rpc::CommitRequest req = StaleCommit(nodes[0].id.node_id, nodes[0].id.incarnation);
   rpc::Status reply;
   ASSERT_TRUE(stub->Commit(&ctx, req, &reply).ok());
   EXPECT_EQ(reply.code(), KVB_ERR_STALE_PEER) << reply.message();
   EXPECT_NE(reply.message().find("replaced master"), std::string::npos) << reply.message();
   EXPECT_EQ(describe(), before) << "the stale commit reached the inventory";
+}
+
+// The same for a commit a client of the node's own process applies (store::ApplyLocalCommit,
+// what a PutEnd answer carries back in the embedded deployment): a term older than the one the
+// node follows is refused and the put it belongs to is not reported done.
+TEST_F(StoreHa, NodesRefuseLocalCommitsOfAReplacedLeader) {
+  NodeOptions no;
+  no.master_address = etcd_address_;
+  no.dram_bytes = 16u << 20;
+  no.engine.node_id = "own-node";
+  no.engine.transports = {"tcp"};
+  auto node = Must(StorageNode::Start(no));
+  ASSERT_TRUE(testing::WaitForActiveNodes(etcd_address_, 4));
+  rpc::CommitRequest req = StaleCommit(node->id().node_id, node->id().incarnation);
+  const Status st = store::ApplyLocalCommit(req, std::chrono::steady_clock::now());
+  EXPECT_TRUE(st.Is(StatusCode::kStalePeer)) << st.ToString();
+  EXPECT_NE(st.message().find("replaced master"), std::string::npos) << st.ToString();
+  EXPECT_EQ(node->object_count(), 0u) << "the stale commit reached the inventory";
+  // Another incarnation of this node id is not this node.
+  req.mutable_node()->set_incarnation(node->id().incarnation + 1);
+  EXPECT_TRUE(
+      store::ApplyLocalCommit(req, std::chrono::steady_clock::now()).Is(StatusCode::kUnavailable));
 }
 
 // SIGTERM of the leader (an upgrade): it steps down at once, a standby takes over well within
