@@ -23,6 +23,9 @@ if [[ -x "$py" && -f "$stamp" ]] && [[ "$(cat "$stamp")" == "$want" ]]; then
   echo "setup_engines_venv: $venv is up to date"
   exit 0
 fi
+# shellcheck source=scripts/need_space.sh
+source "$here/scripts/need_space.sh"
+need_space setup_engines_venv "$venv" 10
 if [[ ! -x "$py" ]]; then
   echo "setup_engines_venv: creating $venv"
   python3 -m venv "$venv" || { rm -rf "$venv"; echo "setup_engines_venv: 'python3 -m venv' failed" >&2; exit 1; }

@@ -15,6 +15,10 @@ if [[ -x "$py" && -f "$stamp" ]] && cmp -s "$stamp" "$reqs"; then
   exit 0
 fi
 
+# shellcheck source=scripts/need_space.sh
+source "$here/scripts/need_space.sh"
+need_space setup_venv "$venv" 8
+
 if ! command -v python3 >/dev/null 2>&1; then
   echo "setup_venv: python3 is not installed (scripts/setup.sh installs it)" >&2
   exit 1
