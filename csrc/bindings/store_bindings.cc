@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -11,7 +12,6 @@
 #include <string>
 #include <string_view>
 #include <tuple>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -173,8 +173,10 @@ std::optional<PtrBatch> ReadPtrBatch(const py::handle& keys, const py::handle& a
     b.keys.emplace_back(data, static_cast<size_t>(size));
   }
   if (unique_keys) {
-    std::unordered_set<std::string_view> seen(b.keys.begin(), b.keys.end());
-    if (seen.size() != b.keys.size()) return std::nullopt;
+    // Sorted views, not a hash set: one allocation per batch instead of one per key.
+    std::vector<std::string_view> sorted(b.keys.begin(), b.keys.end());
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) return std::nullopt;
   }
   return b;
 }

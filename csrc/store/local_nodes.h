@@ -28,8 +28,7 @@ std::vector<NodeIdentity> LocalNodesAmong(const std::set<std::pair<std::string, 
 // the PutEnd that returned it was sent. A record of a replica the node has been told to free
 // since then is left out (its object was removed meanwhile); if the node cannot tell (it no
 // longer remembers every free since `sent`) the commit is refused, UNAVAILABLE. A node that
-// has stopped: UNAVAILABLE.
-Status ApplyLocalCommit(const rpc::CommitRequest& commit,
-                        std::chrono::steady_clock::time_point sent);
+// has stopped: UNAVAILABLE. The commit's records are moved into the node's inventory.
+Status ApplyLocalCommit(rpc::CommitRequest& commit, std::chrono::steady_clock::time_point sent);
 
 }  // namespace kvbridge::store

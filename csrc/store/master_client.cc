@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -295,12 +294,45 @@ Status MasterClient::Run(
   }
 }
 
+namespace {
+
+// The start and largest block of the arena a call's messages live on: a PutStart or
+// GetReplicas of 128 keys holds a message per key and per replica and a node id string per
+// replica, about a thousand allocations that the arena makes a few blocks, freed at once.
+google::protobuf::ArenaOptions CallArenaOptions() {
+  google::protobuf::ArenaOptions o;
+  o.start_block_size = 32 << 10;
+  o.max_block_size = 256 << 10;
+  return o;
+}
+
+}  // namespace
+
+// The call goes out on a completion queue of its own that Wait() polls on the calling thread:
+// the answer is read and handed over by the thread that waits for it, not by one of gRPC's
+// threads that then wakes it (a callback call took two thread switches more per put).
 struct MasterClient::PendingPutStart::State {
+  State() : arena(CallArenaOptions()) {}
+  ~State() {
+    if (started && !done) {  // never waited for: cancel it and let its completion come
+      ctx.TryCancel();
+      void* tag = nullptr;
+      bool ok = false;
+      (void)cq.Next(&tag, &ok);
+    }
+    cq.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq.Next(&tag, &ok)) {
+    }
+  }
+  google::protobuf::Arena arena;
   grpc::ClientContext ctx;
-  rpc::PutStartRequest req;
-  rpc::PutStartReply reply;
-  std::mutex mu;
-  std::condition_variable cv;
+  grpc::CompletionQueue cq;
+  rpc::PutStartRequest* req = nullptr;  // on the arena
+  rpc::PutStartReply* reply = nullptr;  // on the arena
+  std::unique_ptr<grpc::ClientAsyncResponseReader<rpc::PutStartReply>> call;
+  bool started = false;  // the call went out (its completion is still to be taken from cq)
   bool done = false;
   grpc::Status gs;
   const MasterClient* owner = nullptr;
@@ -316,15 +348,21 @@ MasterClient::PendingPutStart MasterClient::PutStart(std::span<const std::string
   auto s = std::make_shared<PendingPutStart::State>();
   p.state_ = s;
   s->owner = this;
-  s->req.set_replica_num(replica_num);
-  s->req.set_client_node_id(client_node_id);
-  s->req.set_overwrite(overwrite);
-  s->req.set_hard_pin(pins.hard_pin);
-  s->req.set_soft_pin(static_cast<rpc::SoftPin>(pins.soft_pin));
-  s->req.set_soft_pin_ttl_ms(pins.soft_pin_ttl_ms);
+  s->req = google::protobuf::Arena::CreateMessage<rpc::PutStartRequest>(&s->arena);
+  s->reply = google::protobuf::Arena::CreateMessage<rpc::PutStartReply>(&s->arena);
+  rpc::PutStartRequest& req = *s->req;
+  req.set_replica_num(replica_num);
+  req.set_client_node_id(client_node_id);
+  req.set_overwrite(overwrite);
+  req.set_hard_pin(pins.hard_pin);
+  req.set_soft_pin(static_cast<rpc::SoftPin>(pins.soft_pin));
+  req.set_soft_pin_ttl_ms(pins.soft_pin_ttl_ms);
+  req.mutable_keys()->Reserve(static_cast<int>(keys.size()));
+  req.mutable_sizes()->Reserve(static_cast<int>(keys.size()));
   for (size_t i = 0; i < keys.size(); ++i) {
-    s->req.add_keys(keys[i]);
-    auto* sz = s->req.add_sizes();
+    req.add_keys(keys[i]);
+    auto* sz = req.add_sizes();
+    sz->mutable_sizes()->Reserve(static_cast<int>(sizes[i].size()));
     for (uint64_t b : sizes[i]) sz->add_sizes(b);
   }
   s->ctx.set_deadline(Clock::now() + std::chrono::milliseconds(options_.retry.rpc_timeout_ms));
@@ -337,28 +375,30 @@ MasterClient::PendingPutStart MasterClient::PutStart(std::span<const std::string
   }
   s->channels = *ch;
   attempts_.fetch_add(1, std::memory_order_relaxed);
-  // The state lives until the callback ran, whether or not Wait() is called.
-  s->channels->main->async()->PutStart(&s->ctx, &s->req, &s->reply, [s](grpc::Status gs) {
-    std::lock_guard<std::mutex> lock(s->mu);
-    s->gs = std::move(gs);
-    s->done = true;
-    s->cv.notify_one();
-  });
+  s->call = s->channels->main->AsyncPutStart(&s->ctx, req, &s->cq);
+  s->call->Finish(s->reply, &s->gs, s.get());
+  s->started = true;
   return p;
 }
 
 Result<std::vector<PutGrant>> MasterClient::PendingPutStart::Wait() {
   State& s = *state_;
-  std::unique_lock<std::mutex> lock(s.mu);
-  s.cv.wait(lock, [&] { return s.done; });
-  if (!s.gs.ok() || s.reply.items_size() != s.req.keys_size()) {
+  if (!s.done) {
+    void* tag = nullptr;
+    bool ok = false;
+    if (!s.cq.Next(&tag, &ok) || tag != &s) {
+      s.gs = grpc::Status(grpc::StatusCode::INTERNAL, "the call's completion queue failed");
+    }
+    s.done = true;
+  }
+  if (!s.gs.ok() || s.reply->items_size() != s.req->keys_size()) {
     const std::string address = s.channels ? s.channels->address : std::string();
     if (s.gs.error_code() == grpc::StatusCode::UNAVAILABLE) s.owner->ForgetLeader(address);
     return s.owner->Failed(s.gs, "PutStart", address);
   }
-  std::vector<PutGrant> out(s.reply.items_size());
-  for (int i = 0; i < s.reply.items_size(); ++i) {
-    const rpc::PutStartItem& item = s.reply.items(i);
+  std::vector<PutGrant> out(s.reply->items_size());
+  for (int i = 0; i < s.reply->items_size(); ++i) {
+    const rpc::PutStartItem& item = s.reply->items(i);
     PutGrant& g = out[i];
     g.status = store::FromProto(item.status());
     g.version = item.version();
@@ -372,7 +412,10 @@ Result<std::vector<PutGrant>> MasterClient::PendingPutStart::Wait() {
 Result<std::vector<Status>> MasterClient::PutEnd(std::span<const PutEndItem> items,
                                                  std::span<const NodeIdentity> local_nodes,
                                                  std::vector<rpc::CommitRequest>* local_commits) {
-  rpc::PutEndRequest req;
+  // The request on an arena; the reply on the heap, so that its commits move out whole.
+  google::protobuf::Arena arena(CallArenaOptions());
+  rpc::PutEndRequest& req = *google::protobuf::Arena::CreateMessage<rpc::PutEndRequest>(&arena);
+  req.mutable_items()->Reserve(static_cast<int>(items.size()));
   if (local_commits != nullptr) {
     for (const NodeIdentity& n : local_nodes) {
       rpc::NodeIdentity* out = req.add_local_nodes();
@@ -411,13 +454,8 @@ Result<std::vector<ReadGrant>> MasterClient::GetReplicas(std::span<const std::st
   req.set_client_node_id(client_node_id);
   req.set_sizes_only(sizes_only);
   for (const auto& k : keys) req.add_keys(k);
-  // The reply holds a message per key and per replica, and a node id string per replica:
-  // about a thousand allocations for 128 keys at two replicas. An arena makes them a few
-  // blocks, freed at once after the conversion.
-  google::protobuf::ArenaOptions arena_options;
-  arena_options.start_block_size = 32 << 10;
-  arena_options.max_block_size = 256 << 10;
-  google::protobuf::Arena arena(arena_options);
+  // On an arena (CallArenaOptions): about a thousand allocations for 128 keys at two replicas.
+  google::protobuf::Arena arena(CallArenaOptions());
   rpc::GetReplicasReply& reply =
       *google::protobuf::Arena::CreateMessage<rpc::GetReplicasReply>(&arena);
   KVB_RETURN_IF_ERROR(Run(

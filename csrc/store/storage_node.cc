@@ -70,7 +70,7 @@ using RangeKey = std::pair<uint64_t, uint64_t>;  // (segment id, offset)
 struct LocalNode {
   std::string node_id;
   std::string cluster_token;
-  std::function<Status(const rpc::CommitRequest&, std::chrono::steady_clock::time_point)> apply;
+  std::function<Status(rpc::CommitRequest&, std::chrono::steady_clock::time_point)> apply;
 };
 std::shared_mutex& LocalNodesMu() {
   static auto* mu = new std::shared_mutex;  // never destroyed: nodes may outlive statics
@@ -267,7 +267,17 @@ struct StorageNode::Impl final : public rpc::Node::Service {
     return key + '\0' + std::to_string(replica_id);
   }
   void RememberFree(const std::string& key, uint64_t replica_id);  // mu held
-  void ForgetOldFrees();  // mu held: those past kFreedKeptMs, and the oldest past kFreedKept
+  // Whether a free of that replica is among those remembered; mu held. No allocation per
+  // call: a commit asks it for each of its records.
+  bool WasFreed(const std::string& key, uint64_t replica_id) {
+    if (freed.empty()) return false;
+    freed_probe.assign(key);
+    freed_probe.push_back('\0');
+    freed_probe.append(std::to_string(replica_id));
+    return freed.count(freed_probe) != 0;
+  }
+  std::string freed_probe;  // WasFreed's key, its capacity kept; mu held
+  void ForgetOldFrees();    // mu held: those past kFreedKeptMs, and the oldest past kFreedKept
 
   ~Impl() override;
   // This registration's secret (Drain, Deregister of itself).
@@ -282,9 +292,9 @@ struct StorageNode::Impl final : public rpc::Node::Service {
     return id;
   }
   // The Commit call's work: the master's term and this incarnation checked, then the records
-  // kept. `local`: applied by a client of this process (store::ApplyLocalCommit), which
-  // leaves out records of replicas freed since `sent`.
-  Status ApplyCommit(const rpc::CommitRequest& req, bool local = false,
+  // moved into the inventory (`req` is consumed). `local`: applied by a client of this
+  // process (store::ApplyLocalCommit), which leaves out records of replicas freed since `sent`.
+  Status ApplyCommit(rpc::CommitRequest& req, bool local = false,
                      std::chrono::steady_clock::time_point sent = {});
   // With the master; `again`: from the heartbeat thread, on its channel.
   Status Register(bool again = false);
@@ -401,11 +411,12 @@ StorageNode::Impl::~Impl() {
 grpc::Status StorageNode::Impl::Commit(grpc::ServerContext* ctx, const rpc::CommitRequest* req,
                                        rpc::Status* reply) {
   KVB_AUTH(ctx, store::method::kCommit);
-  store::ToProto(ApplyCommit(*req), reply);
+  rpc::CommitRequest records = *req;
+  store::ToProto(ApplyCommit(records), reply);
   return grpc::Status::OK;
 }
 
-Status StorageNode::Impl::ApplyCommit(const rpc::CommitRequest& req, bool local,
+Status StorageNode::Impl::ApplyCommit(rpc::CommitRequest& req, bool local,
                                       std::chrono::steady_clock::time_point sent) {
   if (const uint64_t seen = master_term.load(); req.term() < seen) {
     return Status::StalePeer("commit from a replaced master (term " + std::to_string(req.term()) +
@@ -430,9 +441,11 @@ Status StorageNode::Impl::ApplyCommit(const rpc::CommitRequest& req, bool local,
       return Status::NotRegistered("commit names segment " + std::to_string(r.segment_id()) +
                                    ", not this node's");
     }
-    if (local && freed.count(FreedId(r.key(), r.replica_id())) != 0) continue;  // removed since
-    inventory[{r.segment_id(), r.offset()}] = r;
+  }
+  for (rpc::InventoryRecord& r : *req.mutable_records()) {
+    if (local && WasFreed(r.key(), r.replica_id())) continue;  // removed since
     if (r.segment_id() == kSsdSegment) ssd_keys[r.key()] = r.offset();
+    inventory[{r.segment_id(), r.offset()}] = std::move(r);
   }
   return Status::OK();
 }
@@ -1614,7 +1627,7 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
     std::unique_lock<std::shared_mutex> lock(LocalNodesMu());
     LocalNodes()[raw->engine->self().incarnation] =
         LocalNode{raw->engine->self().node_id, options.engine.cluster_token,
-                  [raw](const rpc::CommitRequest& c, std::chrono::steady_clock::time_point sent) {
+                  [raw](rpc::CommitRequest& c, std::chrono::steady_clock::time_point sent) {
                     return raw->ApplyCommit(c, /*local=*/true, sent);
                   }};
   }
@@ -1728,8 +1741,7 @@ std::vector<NodeIdentity> LocalNodesAmong(const std::set<std::pair<std::string, 
   return out;
 }
 
-Status ApplyLocalCommit(const rpc::CommitRequest& commit,
-                        std::chrono::steady_clock::time_point sent) {
+Status ApplyLocalCommit(rpc::CommitRequest& commit, std::chrono::steady_clock::time_point sent) {
   std::shared_lock<std::shared_mutex> lock(LocalNodesMu());
   auto it = LocalNodes().find(commit.node().incarnation());
   if (it == LocalNodes().end() || it->second.node_id != commit.node().node_id()) {

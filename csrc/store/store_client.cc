@@ -1353,8 +1353,16 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   // sending then could land on them (docs/store.md "Late writes").
   std::set<std::pair<std::string, uint64_t>> nodes;
   std::optional<std::chrono::steady_clock::time_point> write_deadline;
+  const store::NodeIdentity* last_node = nullptr;  // most keys' replicas go to the same nodes
   for (const store::PutGrant& item : started) {
-    for (const auto& r : item.replicas) nodes.emplace(r.node.node_id, r.node.incarnation);
+    for (const auto& r : item.replicas) {
+      if (last_node != nullptr && last_node->incarnation == r.node.incarnation &&
+          last_node->node_id == r.node.node_id) {
+        continue;
+      }
+      nodes.emplace(r.node.node_id, r.node.incarnation);
+      last_node = &r.node;
+    }
     if (item.status.ok() && !item.replicas.empty()) {
       const auto d = put_base + std::chrono::milliseconds(item.deadline_ms);
       if (!write_deadline || d < *write_deadline) write_deadline = d;
@@ -1447,7 +1455,7 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
     KVB_LOG(WARN) << "fault injection: put stalls " << stall << " ms before its local commits";
     std::this_thread::sleep_for(std::chrono::milliseconds(stall));
   }
-  for (const rpc::CommitRequest& c : local_commits) {
+  for (rpc::CommitRequest& c : local_commits) {
     Status st = store::ApplyLocalCommit(c, end_sent);
     if (st.ok()) continue;
     KVB_LOG(WARN) << "put: the inventory records of " << c.records_size() << " object(s) at "
