@@ -349,6 +349,7 @@ void BindOptions(py::module_& m) {
       .def_readwrite("master_advertise", &MasterOptions::advertise)
       .def_readwrite("ha_lease_ms", &MasterOptions::ha_lease_ms)
       .def_readwrite("ha_takeover_wait_ms", &MasterOptions::ha_takeover_wait_ms)
+      .def_readwrite("master_fast_port", &MasterOptions::fast_port)
       .def_readwrite("metrics_token", &MasterOptions::metrics_token);
   py::class_<EmbeddedClusterOptions>(m, "ClusterOptions")
       .def(py::init<>())

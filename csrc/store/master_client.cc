@@ -8,7 +8,9 @@
 #include <thread>
 #include <utility>
 
+#include "store/fast_rpc.h"
 #include "store/master_ha.h"
+#include "util/host_port.h"
 #include "util/logging.h"
 
 namespace kvbridge::store {
@@ -49,6 +51,7 @@ constexpr MethodPolicy kMasterMethods[] = {
     {method::kStats, true},
     {method::kPlace, false},
     {method::kQueryPlacement, true},
+    {method::kFastPath, false},
     {method::kRegisterNodeStream, false},
     {method::kRegisterNode, false},
     {method::kHeartbeat, false},
@@ -160,6 +163,11 @@ bool MasterClient::Retryable(std::string_view method) {
 
 MasterClient::MasterClient(Options options)
     : options_(std::move(options)), auth_(options_.cluster_token, options_.auth_skew_ms) {
+  if (const char* env = std::getenv("KVBRIDGE_MASTER_FAST_PATH")) {
+    const std::string v = env;
+    if (v == "off" || v == "0" || v == "false") fast_enabled_ = false;
+  }
+  fast_enabled_ = fast_enabled_ && options_.fast_path;
   if (IsEtcdAddress(options_.address)) {
     auto etcd = ParseEtcdAddress(options_.address);
     if (etcd.ok()) {
@@ -177,6 +185,7 @@ std::shared_ptr<const MasterClient::Channels> MasterClient::Connect(
     const std::string& address) const {
   auto ch = std::make_shared<Channels>();
   ch->address = address;
+  ch->fast = std::make_shared<FastLink>();
   ch->main = rpc::Master::NewStub(MasterChannel(options_, address, "master"));
   if (options_.heartbeat_channel) {
     ch->heartbeat = rpc::Master::NewStub(MasterChannel(options_, address, "heartbeat"));
@@ -198,6 +207,74 @@ Result<std::shared_ptr<const MasterClient::Channels>> MasterClient::Current() {
     leader_ = Connect(*leader);
   }
   return leader_;
+}
+
+namespace {
+// A master's lean port is asked for again this long after it could not be asked or reached.
+constexpr auto kFastRetryAfter = std::chrono::seconds(2);
+
+// gRPC's deadlines are on the system clock, the lean port's on the steady one.
+fast::Clock::time_point SteadyDeadline(std::chrono::system_clock::time_point deadline) {
+  const auto left = std::min<std::chrono::system_clock::duration>(
+      deadline - std::chrono::system_clock::now(), std::chrono::hours(24));
+  return fast::Clock::now() + std::chrono::duration_cast<fast::Clock::duration>(left);
+}
+}  // namespace
+
+struct MasterClient::FastLink {
+  std::mutex mu;
+  std::shared_ptr<fast::Client> client;  // once the master said where its lean port is
+  Clock::time_point next_ask{};          // no question to the master before this
+};
+
+std::shared_ptr<fast::Client> MasterClient::Fast(const Channels& ch) const {
+  if (!fast_enabled_) return nullptr;
+  FastLink& link = *ch.fast;
+  std::lock_guard<std::mutex> lock(link.mu);
+  if (link.client || Clock::now() < link.next_ask) return link.client;
+  // Asked once per master (and again after its lean port failed to connect): a master that
+  // does not answer is asked again a few seconds later, one without a lean port (turned off,
+  // or too old to know the question) a minute later; meanwhile its calls go over gRPC.
+  link.next_ask = Clock::now() + kFastRetryAfter;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Clock::now() + std::chrono::milliseconds(
+                                      std::min<uint32_t>(1000, options_.retry.rpc_timeout_ms)));
+  auth_.Sign(&ctx, method::kFastPath);
+  rpc::FastPathReply reply;
+  const grpc::Status gs = ch.main->FastPath(&ctx, rpc::Empty(), &reply);
+  std::string host, port;
+  if (gs.error_code() == grpc::StatusCode::UNIMPLEMENTED || (gs.ok() && reply.port() == 0)) {
+    link.next_ask = Clock::now() + std::chrono::seconds(60);
+  } else if (gs.ok() && util::SplitHostPort(ch.address, &host, &port)) {
+    link.client = std::make_shared<fast::Client>(host, static_cast<uint16_t>(reply.port()), auth_);
+  }
+  return link.client;
+}
+
+void MasterClient::DropFast(const Channels& ch, const std::shared_ptr<fast::Client>& client) const {
+  FastLink& link = *ch.fast;
+  std::lock_guard<std::mutex> lock(link.mu);
+  if (link.client == client) {
+    // Asked again in a little while (a restarted master has another lean port); meanwhile
+    // gRPC, so that a port that cannot be reached costs one call its connection attempt, not
+    // every call.
+    link.client.reset();
+    link.next_ask = Clock::now() + kFastRetryAfter;
+  }
+}
+
+bool MasterClient::CallFast(const Channels& ch, fast::Method method, const grpc::ClientContext& ctx,
+                            const google::protobuf::MessageLite& request,
+                            google::protobuf::MessageLite* reply, grpc::Status* status) const {
+  std::shared_ptr<fast::Client> f = Fast(ch);
+  if (!f) return false;
+  if (!f->Call(method, request, reply, SteadyDeadline(ctx.deadline()), status)) {
+    fast_fallbacks_.fetch_add(1, std::memory_order_relaxed);
+    DropFast(ch, f);
+    return false;
+  }
+  fast_calls_.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 void MasterClient::ForgetLeader(const std::string& address) const {
@@ -337,6 +414,10 @@ struct MasterClient::PendingPutStart::State {
   grpc::Status gs;
   const MasterClient* owner = nullptr;
   std::shared_ptr<const MasterClient::Channels> channels;  // the leader it was sent to
+  // Sent on the master's lean port instead: the connection to read the answer from.
+  std::shared_ptr<fast::Client> fast;
+  std::unique_ptr<fast::Connection> conn;
+  fast::Clock::time_point deadline;
 };
 
 MasterClient::PendingPutStart MasterClient::PutStart(std::span<const std::string> keys,
@@ -365,7 +446,9 @@ MasterClient::PendingPutStart MasterClient::PutStart(std::span<const std::string
     sz->mutable_sizes()->Reserve(static_cast<int>(sizes[i].size()));
     for (uint64_t b : sizes[i]) sz->add_sizes(b);
   }
-  s->ctx.set_deadline(Clock::now() + std::chrono::milliseconds(options_.retry.rpc_timeout_ms));
+  const auto deadline = Clock::now() + std::chrono::milliseconds(options_.retry.rpc_timeout_ms);
+  s->ctx.set_deadline(deadline);
+  s->deadline = SteadyDeadline(deadline);
   auth_.Sign(&s->ctx, method::kPutStart);
   auto ch = Current();
   if (!ch.ok()) {  // no leader known: fails as an unreachable master does
@@ -375,6 +458,20 @@ MasterClient::PendingPutStart MasterClient::PutStart(std::span<const std::string
   }
   s->channels = *ch;
   attempts_.fetch_add(1, std::memory_order_relaxed);
+  if (std::shared_ptr<fast::Client> f = Fast(**ch)) {
+    bool fallback = false;
+    s->conn = f->Send(fast::Method::kPutStart, req, s->deadline, &s->gs, &fallback);
+    if (s->conn) {
+      s->fast = std::move(f);
+      return p;
+    }
+    if (!fallback) {
+      s->done = true;
+      return p;
+    }
+    fast_fallbacks_.fetch_add(1, std::memory_order_relaxed);
+    DropFast(**ch, f);
+  }
   s->call = s->channels->main->AsyncPutStart(&s->ctx, req, &s->cq);
   s->call->Finish(s->reply, &s->gs, s.get());
   s->started = true;
@@ -383,6 +480,11 @@ MasterClient::PendingPutStart MasterClient::PutStart(std::span<const std::string
 
 Result<std::vector<PutGrant>> MasterClient::PendingPutStart::Wait() {
   State& s = *state_;
+  if (!s.done && s.conn) {
+    s.gs = s.fast->Receive(std::move(s.conn), s.reply, s.deadline);
+    s.done = true;
+    s.owner->fast_calls_.fetch_add(1, std::memory_order_relaxed);
+  }
   if (!s.done) {
     void* tag = nullptr;
     bool ok = false;
@@ -433,6 +535,9 @@ Result<std::vector<Status>> MasterClient::PutEnd(std::span<const PutEndItem> ite
   rpc::KeyStatusReply reply;
   KVB_RETURN_IF_ERROR(
       Run("PutEnd", method::kPutEnd, [&](grpc::ClientContext* ctx, const Channels& ch) {
+        if (grpc::Status fs; CallFast(ch, fast::Method::kPutEnd, *ctx, req, &reply, &fs)) {
+          return fs;
+        }
         return ch.main->PutEnd(ctx, req, &reply);
       }));
   if (reply.statuses_size() != req.items_size()) return Failed(grpc::Status::OK, "PutEnd");
@@ -462,6 +567,9 @@ Result<std::vector<ReadGrant>> MasterClient::GetReplicas(std::span<const std::st
       "GetReplicas", method::kGetReplicas,
       [&](grpc::ClientContext* ctx, const Channels& ch) {
         reply.Clear();
+        if (grpc::Status fs; CallFast(ch, fast::Method::kGetReplicas, *ctx, req, &reply, &fs)) {
+          return fs;
+        }
         return ch.main->GetReplicas(ctx, req, &reply);
       },
       {}, 0, single_attempt_ms));
@@ -492,6 +600,9 @@ Result<std::vector<bool>> MasterClient::Exists(std::span<const std::string> keys
       "Exists", method::kExists,
       [&](grpc::ClientContext* ctx, const Channels& ch) {
         reply.Clear();
+        if (grpc::Status fs; CallFast(ch, fast::Method::kExists, *ctx, req, &reply, &fs)) {
+          return fs;
+        }
         return ch.main->Exists(ctx, req, &reply);
       },
       {}, 0, single_attempt_ms));

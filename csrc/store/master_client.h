@@ -33,6 +33,11 @@
 
 namespace kvbridge::store {
 
+namespace fast {
+class Client;
+enum class Method : uint16_t;
+}  // namespace fast
+
 // Retries of calls to the master, one policy for every caller, decided per method by one table
 // (kMasterMethods in master_client.cc, MasterClient::Retryable). A retryable call (the
 // idempotent reads: GetReplicas, Exists, GetNodeDescriptors, Stats) that fails with
@@ -94,6 +99,9 @@ class MasterClient {
     // A second channel for Heartbeat (a storage node): a slow or stuck call on the main
     // channel can never hold a heartbeat up behind it on one connection.
     bool heartbeat_channel = false;
+    // PutStart, PutEnd, GetReplicas and Exists on the master's lean port when it has one
+    // (store/fast_rpc.h), else over gRPC. KVBRIDGE_MASTER_FAST_PATH=off turns it off too.
+    bool fast_path = true;
   };
   explicit MasterClient(Options options);
 
@@ -112,6 +120,10 @@ class MasterClient {
   static bool Retryable(std::string_view method);
   // Attempts sent so far, every call and retry counted (tests check what was retried).
   uint64_t attempts() const { return attempts_.load(std::memory_order_relaxed); }
+  // Calls answered on the master's lean port, and those sent there that fell back to gRPC
+  // (nothing reached the master: no lean port, or a connection found closed).
+  uint64_t fast_calls() const { return fast_calls_.load(std::memory_order_relaxed); }
+  uint64_t fast_fallbacks() const { return fast_fallbacks_.load(std::memory_order_relaxed); }
 
   // --- store client ---
   // PutStart for keys whose buffers have these sizes, sent at once; Wait() gives the answer
@@ -183,8 +195,10 @@ class MasterClient {
 
  private:
   // The stubs of one master address: the main channel and, for a node, the heartbeat one.
+  struct FastLink;  // the lean port of one master, once asked (master_client.cc)
   struct Channels {
     std::string address;
+    std::shared_ptr<FastLink> fast;
     std::unique_ptr<rpc::Master::Stub> main;
     std::unique_ptr<rpc::Master::Stub> heartbeat;  // none: main carries heartbeats
     rpc::Master::Stub& Pick(bool heartbeat_channel) const {
@@ -194,6 +208,16 @@ class MasterClient {
   std::shared_ptr<const Channels> Connect(const std::string& address) const;
   // The channels to call now: the fixed master's, or those of the leader etcd names.
   Result<std::shared_ptr<const Channels>> Current();
+  // The lean port of the master behind `ch` (asked over gRPC the first time), or null: none,
+  // turned off, or asked less than a few seconds ago without an answer.
+  std::shared_ptr<fast::Client> Fast(const Channels& ch) const;
+  // `client` failed to connect: asked for again before the next call uses it.
+  void DropFast(const Channels& ch, const std::shared_ptr<fast::Client>& client) const;
+  // `method` on the lean port when the master has one, with the deadline of `ctx`; false when
+  // the call must go over gRPC instead (then *status is untouched).
+  bool CallFast(const Channels& ch, fast::Method method, const grpc::ClientContext& ctx,
+                const google::protobuf::MessageLite& request, google::protobuf::MessageLite* reply,
+                grpc::Status* status) const;
 
   // Runs `attempt(ctx)` under the policy: one context per attempt with the proof of `method`,
   // `sign` (extra proofs) and the deadline left; retried if Retryable(method). The failure as
@@ -213,6 +237,9 @@ class MasterClient {
   Status bad_address_;                        // an "etcd://" address that does not parse
   std::mutex leader_mu_;
   std::shared_ptr<const Channels> leader_;  // the leader's, while etcd names it
+  bool fast_enabled_ = true;
+  mutable std::atomic<uint64_t> fast_calls_{0};
+  mutable std::atomic<uint64_t> fast_fallbacks_{0};
   std::atomic<uint64_t> attempts_{0};
 };
 

@@ -23,6 +23,7 @@
 #include "obs/http_server.h"
 #include "obs/metrics.h"
 #include "obs/status_page.h"
+#include "store/fast_rpc.h"
 #include "store/master_client.h"
 #include "store/master_ha.h"
 #include "store/master_state.h"
@@ -30,6 +31,7 @@
 #include "store/rpc_util.h"
 #include "util/clock.h"
 #include "util/env.h"
+#include "util/host_port.h"
 #include "util/logging.h"
 
 namespace kvbridge {
@@ -66,6 +68,20 @@ MasterOptions MasterOptions::FromEnv() {
   EnvString("KVBRIDGE_MASTER_ADVERTISE", &o.advertise);
   EnvNumber("KVBRIDGE_HA_LEASE_MS", &o.ha_lease_ms);
   EnvNumber("KVBRIDGE_HA_TAKEOVER_WAIT_MS", &o.ha_takeover_wait_ms);
+  std::string fast_port;
+  EnvString("KVBRIDGE_MASTER_FAST_PORT", &fast_port);
+  if (fast_port == "off") {
+    o.fast_port = -1;
+  } else if (!fast_port.empty()) {
+    uint32_t port = UINT32_MAX;  // a value that does not parse is warned about, and kept out
+    EnvNumber("KVBRIDGE_MASTER_FAST_PORT", &port);
+    if (port <= 65535) {
+      o.fast_port = static_cast<int32_t>(port);
+    } else if (port != UINT32_MAX) {
+      KVB_LOG(WARN) << "KVBRIDGE_MASTER_FAST_PORT=" << fast_port
+                    << " is not a port (0-65535, or off); the lean port stays on any free port";
+    }
+  }
   EnvString("KVBRIDGE_METRICS_LISTEN", &o.metrics_listen);
   if (o.metrics_listen == "off") o.metrics_listen.clear();
   EnvString("KVBRIDGE_METRICS_TOKEN", &o.metrics_token);
@@ -202,6 +218,8 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   std::unique_ptr<store::MasterState> state;
   std::unique_ptr<grpc::Server> server;
   std::string address;
+  std::unique_ptr<store::fast::Server> fast;  // the lean port; null when turned off
+  obs::Counter* fast_calls = nullptr;
 
   store::NodeStubCache node_stubs;
 
@@ -267,6 +285,7 @@ struct MasterServer::Impl final : public rpc::Master::Service {
 
   ~Impl() override {
     http.reset();  // its handlers read the state and the server
+    fast.reset();  // its connection threads call the handlers
     {
       std::lock_guard<std::mutex> lock(tick_mu);
       stopping = true;
@@ -356,6 +375,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
         "kvbridge_master_inflight_publish_failures_total",
         "HA leader: writes of the in-flight maps to etcd that failed; each failed the PutStart "
         "(revoked, UNAVAILABLE) or heartbeat reply that needed it.");
+    fast_calls = metrics.Counter("kvbridge_master_fast_calls_total",
+                                 "Client calls answered on the lean port (PutStart, PutEnd, "
+                                 "GetReplicas, Exists) instead of gRPC.");
     metrics.AddCollector([this](obs::MetricWriter& w) { Collect(w); });
   }
 
@@ -909,9 +931,14 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   }
 
   // --- client-facing ---
+  // The four calls of the lean port: the gRPC handler checks the call's proof and the gate,
+  // the lean port the gate (its connection proved the token), then both run the same body.
   grpc::Status PutStart(grpc::ServerContext* ctx, const rpc::PutStartRequest* req,
                         rpc::PutStartReply* reply) override {
     KVB_AUTH(ctx, store::method::kPutStart);
+    return DoPutStart(req, reply);
+  }
+  grpc::Status DoPutStart(const rpc::PutStartRequest* req, rpc::PutStartReply* reply) {
     Timed timed(put_start_metrics.seconds);
     put_start_metrics.keys->Inc(req->keys_size());
     std::vector<store::PutItem> items(req->keys_size());
@@ -966,6 +993,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   grpc::Status PutEnd(grpc::ServerContext* ctx, const rpc::PutEndRequest* req,
                       rpc::KeyStatusReply* reply) override {
     KVB_AUTH(ctx, store::method::kPutEnd);
+    return DoPutEnd(req, reply);
+  }
+  grpc::Status DoPutEnd(const rpc::PutEndRequest* req, rpc::KeyStatusReply* reply) {
     Timed timed(put_end_metrics.seconds);
     put_end_metrics.keys->Inc(req->items_size());
     std::vector<store::PutEndItem> items(req->items_size());
@@ -1020,6 +1050,9 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   grpc::Status GetReplicas(grpc::ServerContext* ctx, const rpc::GetReplicasRequest* req,
                            rpc::GetReplicasReply* reply) override {
     KVB_AUTH(ctx, store::method::kGetReplicas);
+    return DoGetReplicas(req, reply);
+  }
+  grpc::Status DoGetReplicas(const rpc::GetReplicasRequest* req, rpc::GetReplicasReply* reply) {
     Timed timed(get_metrics.seconds);
     get_metrics.keys->Inc(req->keys_size());
     std::vector<std::string> keys(req->keys().begin(), req->keys().end());
@@ -1056,9 +1089,64 @@ struct MasterServer::Impl final : public rpc::Master::Service {
   grpc::Status Exists(grpc::ServerContext* ctx, const rpc::KeysRequest* req,
                       rpc::ExistsReply* reply) override {
     KVB_AUTH(ctx, store::method::kExists);
+    return DoExists(req, reply);
+  }
+  grpc::Status DoExists(const rpc::KeysRequest* req, rpc::ExistsReply* reply) {
     std::vector<std::string> keys(req->keys().begin(), req->keys().end());
     for (bool e : state->Exists(keys)) reply->add_exists(e);
     return grpc::Status::OK;
+  }
+
+  grpc::Status FastPath(grpc::ServerContext* ctx, const rpc::Empty*,
+                        rpc::FastPathReply* reply) override {
+    KVB_AUTH(ctx, store::method::kFastPath);
+    reply->set_port(fast ? fast->port() : 0);
+    return grpc::Status::OK;
+  }
+
+  // A call on the lean port: its request parsed on an arena with its reply, the gate checked,
+  // then the gRPC method's body.
+  grpc::Status ServeFast(store::fast::Method m, std::string_view in, std::string* out) {
+    google::protobuf::ArenaOptions ao;
+    ao.start_block_size = 16 << 10;
+    ao.max_block_size = 256 << 10;
+    google::protobuf::Arena arena(ao);
+    fast_calls->Inc();
+    switch (m) {
+      case store::fast::Method::kPutStart:
+        return FastCall<rpc::PutStartRequest, rpc::PutStartReply>(
+            &arena, in, out, store::method::kPutStart,
+            [this](const auto* q, auto* r) { return DoPutStart(q, r); });
+      case store::fast::Method::kPutEnd:
+        return FastCall<rpc::PutEndRequest, rpc::KeyStatusReply>(
+            &arena, in, out, store::method::kPutEnd,
+            [this](const auto* q, auto* r) { return DoPutEnd(q, r); });
+      case store::fast::Method::kGetReplicas:
+        return FastCall<rpc::GetReplicasRequest, rpc::GetReplicasReply>(
+            &arena, in, out, store::method::kGetReplicas,
+            [this](const auto* q, auto* r) { return DoGetReplicas(q, r); });
+      case store::fast::Method::kExists:
+        return FastCall<rpc::KeysRequest, rpc::ExistsReply>(
+            &arena, in, out, store::method::kExists,
+            [this](const auto* q, auto* r) { return DoExists(q, r); });
+    }
+    return {grpc::StatusCode::UNIMPLEMENTED, "no such method on the lean port"};
+  }
+  template <class Req, class Reply, class Body>
+  grpc::Status FastCall(google::protobuf::Arena* arena, std::string_view in, std::string* out,
+                        std::string_view method, const Body& body) {
+    auto* req = google::protobuf::Arena::CreateMessage<Req>(arena);
+    if (!req->ParseFromArray(in.data(), static_cast<int>(in.size()))) {
+      return {grpc::StatusCode::INVALID_ARGUMENT,
+              std::string(method) + ": the request on the lean port does not parse"};
+    }
+    if (grpc::Status g = Gate(method); !g.ok()) return g;
+    auto* reply = google::protobuf::Arena::CreateMessage<Reply>(arena);
+    grpc::Status st = body(req, reply);
+    if (st.ok() && !reply->SerializeToString(out)) {
+      return {grpc::StatusCode::INTERNAL, std::string(method) + ": the reply does not serialize"};
+    }
+    return st;
   }
 
   grpc::Status Place(grpc::ServerContext* ctx, const rpc::PlaceRequest* req,
@@ -1197,6 +1285,7 @@ MasterServer::MasterServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 MasterServer::~MasterServer() = default;
 
 const std::string& MasterServer::address() const { return impl_->address; }
+uint16_t MasterServer::fast_port() const { return impl_->fast ? impl_->fast->port() : 0; }
 
 const std::string& MasterServer::metrics_address() const { return impl_->metrics_address; }
 
@@ -1304,6 +1393,18 @@ Result<std::unique_ptr<MasterServer>> MasterServer::Impl::Launch(
   }
   impl->start_ns = util::MonoNs();
   impl->SetUpMetrics();
+  if (options.fast_port >= 0) {
+    std::string host, port;
+    if (!util::SplitHostPort(impl->address, &host, &port)) host.clear();
+    Impl* raw = impl.get();
+    auto fast = store::fast::Server::Start(
+        host, static_cast<uint16_t>(options.fast_port), impl->auth.get(), "master",
+        [raw](store::fast::Method m, std::string_view in, std::string* out) {
+          return raw->ServeFast(m, in, out);
+        });
+    if (!fast.ok()) return fast.status().WithContext("MasterOptions::fast_port");
+    impl->fast = std::move(fast).value();
+  }
   auto http = obs::StartEndpoint(
       options.metrics_listen, options.metrics_listen_best_effort, impl->Routes(),
       options.metrics_token.empty() ? options.cluster_token : options.metrics_token, "master");

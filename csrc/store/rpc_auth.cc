@@ -164,9 +164,15 @@ grpc::Status RpcAuth::Check(const grpc::ServerContext& ctx, std::string_view met
                             std::string_view who) {
   bool found = false;
   const std::string_view header = Metadata(ctx, kAuthHeader, &found);
+  if (!enabled() && !found) return grpc::Status::OK;
+  return CheckProof(header, found, method, ctx.peer(), who);
+}
+
+grpc::Status RpcAuth::CheckProof(std::string_view proof, bool found, std::string_view method,
+                                 std::string_view peer, std::string_view who) {
   if (!enabled()) {
     if (found && !told_unneeded_.exchange(true)) {
-      KVB_LOG(WARN) << "a caller (" << ctx.peer() << ") proves a cluster token but this " << who
+      KVB_LOG(WARN) << "a caller (" << peer << ") proves a cluster token but this " << who
                     << " has none: its calls are accepted unchecked; set KVBRIDGE_CLUSTER_TOKEN "
                        "here too";
     }
@@ -177,12 +183,12 @@ grpc::Status RpcAuth::Check(const grpc::ServerContext& ctx, std::string_view met
   AuthNonce nonce{};
   if (!found) {
     why = "it carries no cluster-token proof (x-kvb-auth; a caller without the token)";
-  } else if (!key_.Verify(header, method, &unix_ms, &nonce)) {
+  } else if (!key_.Verify(proof, method, &unix_ms, &nonce)) {
     why = "its cluster-token proof does not verify (another token, or a proof for another call)";
   } else if (Fresh(unix_ms, nonce, &why)) {
     return grpc::Status::OK;
   }
-  WarnRefused(ctx, method, who, why);
+  WarnRefused(peer, method, who, why);
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                       std::string(method) + " refused by the " + std::string(who) + ": " + why);
 }
@@ -204,8 +210,8 @@ bool RpcAuth::CheckExtra(const grpc::ServerContext& ctx, const char* header, con
   return Fresh(unix_ms, nonce, why);
 }
 
-void RpcAuth::WarnRefused(const grpc::ServerContext& ctx, std::string_view method,
-                          std::string_view who, const std::string& why) {
+void RpcAuth::WarnRefused(std::string_view peer, std::string_view method, std::string_view who,
+                          const std::string& why) {
   // At most one line a second: a scan of the port must not flood the log.
   const int64_t now = static_cast<int64_t>(UnixMs());
   int64_t last = last_warn_ms_.load();
@@ -214,7 +220,7 @@ void RpcAuth::WarnRefused(const grpc::ServerContext& ctx, std::string_view metho
     return;
   }
   const uint64_t more = unwarned_.exchange(0);
-  KVB_LOG(WARN) << "the " << who << " refused " << method << " from " << ctx.peer()
+  KVB_LOG(WARN) << "the " << who << " refused " << method << " from " << peer
                 << " (UNAUTHENTICATED): " << why
                 << (more ? " (and " + std::to_string(more) + " more refused calls)" : "");
 }

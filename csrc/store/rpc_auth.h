@@ -65,6 +65,7 @@ inline constexpr std::string_view kGetNodeDescriptors = "/kvbridge.rpc.Master/Ge
 inline constexpr std::string_view kStats = "/kvbridge.rpc.Master/Stats";
 inline constexpr std::string_view kPlace = "/kvbridge.rpc.Master/Place";
 inline constexpr std::string_view kQueryPlacement = "/kvbridge.rpc.Master/QueryPlacement";
+inline constexpr std::string_view kFastPath = "/kvbridge.rpc.Master/FastPath";
 inline constexpr std::string_view kCommit = "/kvbridge.rpc.Node/Commit";
 inline constexpr std::string_view kReadSsd = "/kvbridge.rpc.Node/ReadSsd";
 inline constexpr std::string_view kDescribe = "/kvbridge.rpc.Node/Describe";
@@ -135,6 +136,11 @@ class RpcAuth {
 
   // Adds x-kvb-auth for `method` to an outgoing call (nothing without a token).
   void Sign(grpc::ClientContext* ctx, std::string_view method) const;
+  // The x-kvb-auth value for `method`, "" without a token: a proof carried in something else
+  // than gRPC metadata (the master's lean port, store/fast_rpc.h).
+  std::string Proof(std::string_view method) const {
+    return key_.empty() ? std::string() : key_.Proof(method);
+  }
   // Adds `header` proving `key` for `method` (nothing for an empty key).
   static void SignWith(grpc::ClientContext* ctx, const char* header, const CallKey& key,
                        std::string_view method);
@@ -142,6 +148,10 @@ class RpcAuth {
   // The first thing every handler does: OK, or UNAUTHENTICATED (then the handler returns it
   // and touches nothing). `who` names this side in the warning ("master", "node node0").
   grpc::Status Check(const grpc::ServerContext& ctx, std::string_view method, std::string_view who);
+  // Check() of a proof carried elsewhere: `proof` (found: whether the caller gave one) from
+  // the caller at `peer`.
+  grpc::Status CheckProof(std::string_view proof, bool found, std::string_view method,
+                          std::string_view peer, std::string_view who);
   // Whether the call carries `header` with a fresh, unreplayed proof of `key` for `method`.
   // False (with *why) when it is absent or not valid.
   bool CheckExtra(const grpc::ServerContext& ctx, const char* header, const CallKey& key,
@@ -152,7 +162,7 @@ class RpcAuth {
 
  private:
   bool Fresh(uint64_t unix_ms, const AuthNonce& nonce, std::string* why);
-  void WarnRefused(const grpc::ServerContext& ctx, std::string_view method, std::string_view who,
+  void WarnRefused(std::string_view peer, std::string_view method, std::string_view who,
                    const std::string& why);
 
   CallKey key_;

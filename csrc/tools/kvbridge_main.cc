@@ -78,6 +78,9 @@ const std::vector<Command>& Commands() {
         {"ha-takeover-wait-ms", "N",
          "a new leader waits this long at most for the nodes to register "
          "(KVBRIDGE_HA_TAKEOVER_WAIT_MS)"},
+        {"fast-port", "N|off",
+         "the lean port for puts and gets on the --listen host; 0 picks one, off: gRPC only "
+         "(KVBRIDGE_MASTER_FAST_PORT)"},
         kConfigFlag,
         kJsonFlag,
         kHelpFlag}},
@@ -366,6 +369,12 @@ int RunMaster(const Flags& f) {
       !SetNumber(f, "ha-lease-ms", &o.ha_lease_ms) ||
       !SetNumber(f, "ha-takeover-wait-ms", &o.ha_takeover_wait_ms)) {
     return 2;
+  }
+  if (f.Has("fast-port") && f.Get("fast-port") == "off") {
+    o.fast_port = -1;
+  } else if (uint16_t port = 0; f.Has("fast-port")) {
+    if (!SetNumber(f, "fast-port", &port)) return 2;
+    o.fast_port = port;
   }
   SetMetricsListen(f, "0.0.0.0:9480", &o.metrics_listen, &o.metrics_listen_best_effort);
   if (!o.etcd.empty()) return RunHaMaster(o, json);

@@ -44,7 +44,7 @@ MASTER_FIELDS = ("master_listen", "node_ttl_ms", "lease_ms", "put_timeout_ms", "
                  "rpc_timeout_ms", "task_timeout_ms", "departed_node_ttl_ms",
                  "max_departed_nodes", "max_departed_copies", "master_faults", "admin_token",
                  "rpc_auth_skew_ms", "metrics_listen", "metrics_listen_best_effort",
-                 "metrics_token")
+                 "metrics_token", "master_fast_port")
 # A Master alone takes the cluster token as a master option; in a Cluster it is the engines'
 # (cluster_token among ENGINE_FIELDS), which the embedded master uses too. The HA options too:
 # a master of several electing a leader in etcd is the daemon (`kvbridge master --etcd ...`),

@@ -44,6 +44,7 @@ NOT_FROM_ENV = {
     "KVBRIDGE_LOG_LEVEL": "read by the logger",
     "KVBRIDGE_CLIENT_METRICS_LISTEN": "read by the Python StoreClient (kvbridge.metrics)",
     "KVBRIDGE_VERIFY_CHECKSUMS": "accepted and ignored",
+    "KVBRIDGE_MASTER_FAST_PATH": "read by every MasterClient of the process",
 }
 # Flags of a command that set no option.
 COMMAND_FLAGS = {"config", "json", "help"}

@@ -449,6 +449,11 @@ struct KVBRIDGE_API MasterOptions {
   // UNAVAILABLE (clients retry reads) rather than report a miss it cannot be sure of.
   // KVBRIDGE_HA_TAKEOVER_WAIT_MS.
   uint32_t ha_takeover_wait_ms = 5000;
+  // The master's lean port (docs/store.md "The master's lean port"): PutStart, PutEnd,
+  // GetReplicas and Exists over plain TCP frames, on the host of `listen`; clients ask where it
+  // is over gRPC and use it instead. 0: any free port; -1: none (clients use gRPC for every
+  // call). KVBRIDGE_MASTER_FAST_PORT ("off": -1).
+  int32_t fast_port = 0;
   // --- HTTP endpoint: /metrics, /health, the status page (docs/operations.md) ---
   // "HOST:PORT" of the master's HTTP endpoint; empty: none (the default of an in-process
   // master; the `kvbridge master` daemon serves 0.0.0.0:9480 unless told otherwise). An address
@@ -470,6 +475,8 @@ class KVBRIDGE_API MasterServer {
   ~MasterServer();
   // "host:port" with the port actually bound.
   const std::string& address() const;
+  // The lean port bound (MasterOptions::fast_port), 0 when there is none.
+  uint16_t fast_port() const;
   // The HTTP endpoint's "host:port" (port bound); empty when it has none.
   const std::string& metrics_address() const;
   // Whether this master leads its cluster (true from Start). A master that does not answers
