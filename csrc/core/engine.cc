@@ -379,7 +379,7 @@ std::vector<uint32_t> TransferEngine::Impl::CopyInProcess(Batch& b, PeerRecord& 
     auto* remote = reinterpret_cast<char*>(r->addr + op.remote_offset);
     auto* local = static_cast<char*>(op.local_addr);
     if (op.opcode == OpCode::kWrite) {
-      copies.push_back({remote, local, op.length, nullptr});
+      copies.push_back({remote, local, op.length, op.checksum});
     } else {
       copies.push_back({local, remote, op.length, op.checksum});
     }

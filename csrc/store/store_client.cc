@@ -188,6 +188,10 @@ struct StoreClient::Impl {
 
   // The threads that share a large checksum pass (EngineOptions::local_copy_threads).
   std::unique_ptr<util::WorkerPool> crc_pool;
+  // Whether the last put found its keys' replicas in this process's own node (an embedded
+  // client): then the next put takes the checksum of such keys from their copy
+  // (TransferOp::checksum) instead of a pass over the caller's bytes while PutStart is out.
+  std::atomic<bool> put_crc_in_copy{false};
 
   std::mutex staging_mu;  // one Put/Get at a time uses the staging area
   std::unique_ptr<char[]> staging;
@@ -1318,28 +1322,48 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
     for (const auto& b : buffers[i]) sizes[i].push_back(b.length);
   }
   // Checksums depend only on the caller's bytes, so they are computed while the master
-  // allocates: for 128 x 64 KiB pages the CRC takes about as long as the PutStart round trip
-  // (0.6 ms each), and overlapping them took 3-16% off a put batch (docs/performance.md). The
-  // bytes of CUDA buffers are copied to host memory for it then too (Impl::Checksums).
+  // allocates, overlapping the PutStart round trip. The bytes of CUDA buffers are copied to
+  // host memory for it then too (Impl::Checksums). A key of one host piece whose replica goes
+  // to a node of this process (an embedded client's own) gets its checksum from that copy
+  // instead, taken while the bytes are in cache, when the last put found its keys there
+  // (put_crc_in_copy): a pass over bytes not in cache costs more than the round trip it
+  // overlaps (docs/performance.md "Small objects and the embedded deployment").
   std::vector<store::PutGrant> started;
-  std::vector<uint32_t> checksums;
-  std::vector<Status> unread;  // per key: why its bytes could not be read for the checksum
+  std::vector<uint32_t> checksums(keys.size(), 0);
+  std::vector<Status> unread(keys.size());  // per key: why its bytes could not be read
   std::vector<std::vector<Piece>> pieces(keys.size());
+  std::vector<char> crc_from_copy(keys.size(), 0);  // the key's checksum is its copy's
+  const bool try_copy_crc = im.put_crc_in_copy.load(std::memory_order_relaxed);
   // The master's write deadline counts from its answer: measured from before asking, it ends
   // no later here than there.
   const auto put_base = std::chrono::steady_clock::now();
   {
     store::MasterClient::PendingPutStart pending = im.master->PutStart(
         keys, sizes, im.options.replica_num, im.engine->self().node_id, overwrite, im.pins);
-    std::vector<const std::vector<Piece>*> of_key(keys.size());
+    std::vector<const std::vector<Piece>*> of_key;
+    std::vector<size_t> key_of;  // of_key's keys
+    of_key.reserve(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
       uint64_t total = 0;
       for (const auto& b : buffers[i]) total += b.length;
       MapPieces(total, buffers[i], &pieces[i]);
       im.MarkDevices(&pieces[i]);
-      of_key[i] = &pieces[i];
+      if (try_copy_crc && pieces[i].size() == 1 && pieces[i][0].device < 0) {
+        crc_from_copy[i] = 1;
+        continue;
+      }
+      of_key.push_back(&pieces[i]);
+      key_of.push_back(i);
     }
-    im.Checksums(of_key, &checksums, &unread);
+    if (!of_key.empty()) {
+      std::vector<uint32_t> crcs;
+      std::vector<Status> st;
+      im.Checksums(of_key, &crcs, &st);
+      for (size_t j = 0; j < key_of.size(); ++j) {
+        checksums[key_of[j]] = crcs[j];
+        unread[key_of[j]] = std::move(st[j]);
+      }
+    }
     Result<std::vector<store::PutGrant>> reply = pending.Wait();
     if (!reply.ok()) {
       result.assign(keys.size(), reply.status());
@@ -1369,6 +1393,23 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
     }
   }
   Status peers_ok = im.EnsurePeers(nodes);
+  // Commits to nodes of this process come back with PutEnd's answer (below); their copies are
+  // where a key's checksum can come from.
+  const std::vector<store::NodeIdentity> local_nodes =
+      store::LocalNodesAmong(nodes, im.options.engine.cluster_token);
+  const auto local_replica = [&](const store::PutGrant& item) -> int {
+    for (size_t r = 0; r < item.replicas.size(); ++r) {
+      for (const auto& n : local_nodes) {
+        if (n.incarnation == item.replicas[r].node.incarnation &&
+            n.node_id == item.replicas[r].node.node_id) {
+          return static_cast<int>(r);
+        }
+      }
+    }
+    return -1;
+  };
+  std::vector<OpChecksum> copy_crcs(try_copy_crc ? keys.size() : 0);
+  bool all_local = true;  // every admitted key has a replica in this process
   if (const uint32_t stall = im.put_stall_before_write_ms.load(); stall > 0) {
     KVB_LOG(WARN) << "fault injection: put stalls " << stall << " ms before its transfer";
     std::this_thread::sleep_for(std::chrono::milliseconds(stall));
@@ -1399,16 +1440,20 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
       }
       continue;
     }
+    const int local = local_replica(item);
+    if (local < 0) all_local = false;
     for (size_t r = 0; r < item.replicas.size(); ++r) {
       const store::ReplicaLocation& loc = item.replicas[r];
       groups.emplace_back(i, r);
       for (const auto& p : pieces[i]) {
         ops.push_back(TransferOp{OpCode::kWrite, p.local, p.len, loc.node.node_id, loc.segment_id,
                                  loc.offset + p.obj_off});
+        if (crc_from_copy[i] && static_cast<int>(r) == local) ops.back().checksum = &copy_crcs[i];
         group_of_op.push_back(groups.size() - 1);
       }
     }
   }
+  im.put_crc_in_copy.store(all_local && !local_nodes.empty(), std::memory_order_relaxed);
   std::vector<Status> group_status;
   bool sent = true;  // false: nothing went out (no node to blame for the failure)
   const int64_t left_ms = write_deadline ? std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -1428,6 +1473,26 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   }
   if (!peers_ok.ok()) KVB_LOG(WARN) << "put: " << peers_ok.ToString();
   for (size_t g : unread_groups) group_status[g] = unread[groups[g].first];
+  // Keys whose checksum was to come from a copy that did not give it (no replica in this
+  // process, a failed copy): a pass over the caller's bytes now.
+  {
+    std::vector<const std::vector<Piece>*> late;
+    std::vector<size_t> key_of;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!crc_from_copy[i]) continue;
+      if (copy_crcs[i].computed) {
+        checksums[i] = copy_crcs[i].crc32c;
+      } else {
+        late.push_back(&pieces[i]);
+        key_of.push_back(i);
+      }
+    }
+    if (!late.empty()) {
+      std::vector<uint32_t> crcs(late.size());
+      HostChecksums(late, &crcs, *im.crc_pool);
+      for (size_t j = 0; j < key_of.size(); ++j) checksums[key_of[j]] = crcs[j];
+    }
+  }
 
   std::vector<store::PutEndItem> end;
   std::vector<int> end_item_of_key(keys.size(), -1);
@@ -1444,8 +1509,6 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   // Commits to nodes of this process come back with the answer and are applied here, before
   // the put is reported done (store/local_nodes.h); a key whose record one of them could not
   // keep is not reported stored.
-  const std::vector<store::NodeIdentity> local_nodes =
-      store::LocalNodesAmong(nodes, im.options.engine.cluster_token);
   std::vector<rpc::CommitRequest> local_commits;
   const auto end_sent = std::chrono::steady_clock::now();
   Result<std::vector<Status>> ended = im.master->PutEnd(end, local_nodes, &local_commits);

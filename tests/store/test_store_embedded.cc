@@ -181,6 +181,50 @@ TEST(EmbeddedStore, ALocalCommitOvertakenByAFreeDoesNotBringTheObjectBack) {
       << "an object committed by its client was not rebuilt";
 }
 
+// A put takes a key's checksum from its copy into a node of the client's own process once the
+// last put found its keys there; a key whose replica is elsewhere after all (here: the own node
+// stopped and the next put placed on a node in another process) gets a pass over its bytes
+// instead. Every object reads back verified against the checksum its put reported, by the
+// client that put it and by another.
+TEST(EmbeddedStore, PutChecksumsFromTheCopyOrFromAPassAreTheObjectsOwn) {
+  OwnNode own;
+  ASSERT_NO_FATAL_FAILURE(own.Start());
+  auto client = own.Client();
+  Buffer src(16 * kObject), dst(16 * kObject);
+  ASSERT_TRUE(client->RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(client->RegisterBuffer(dst.data(), dst.size()).ok());
+  std::vector<size_t> first(8), second(8);
+  std::iota(first.begin(), first.end(), 0);
+  std::iota(second.begin(), second.end(), 8);
+  // The first put checksums in a pass; the second on its copy into the own node.
+  for (size_t at : {0, 4}) {
+    for (const Status& st : PutObjects(*client, src, at, 4)) ASSERT_TRUE(st.ok()) << st.ToString();
+  }
+  EXPECT_EQ(GetObjects(*client, dst, first), 0);
+
+  auto far = testing::StartNode(own.addr, "far-node",
+                                {"--dram-bytes", std::to_string(64u << 20), "--listen",
+                                 "127.0.0.1:0", "--metrics-listen", "off"});
+  ASSERT_TRUE(far);
+  ASSERT_TRUE(testing::WaitForActiveNodes(own.addr, 2));
+  own.node.reset();
+  ASSERT_TRUE(testing::WaitForActiveNodes(own.addr, 1));
+  // Expecting its copy to give the checksums, then placed on the far node: a pass after all.
+  // Then a put that expects nothing from its copy.
+  for (size_t at : {8, 12}) {
+    for (const Status& st : PutObjects(*client, src, at, 4)) ASSERT_TRUE(st.ok()) << st.ToString();
+  }
+  EXPECT_EQ(GetObjects(*client, dst, second), 0);
+  StoreOptions so;
+  so.master_address = own.addr;
+  so.engine.node_id = "lc-reader";
+  so.engine.transports = {"tcp"};
+  auto reader = Must(StoreClient::Create(so));
+  std::memset(dst.data(), 0, dst.size());
+  ASSERT_TRUE(reader->RegisterBuffer(dst.data(), dst.size()).ok());
+  EXPECT_EQ(GetObjects(*reader, dst, second), 0);
+}
+
 // A node of the client's process that stops between the master's PutEnd answer and the
 // client's commit: the put is not reported done (its record could not be kept), naming why.
 TEST(EmbeddedStore, ALocalCommitToAStoppedNodeIsNotAcknowledged) {

@@ -77,14 +77,15 @@ TEST_F(LocalCopyTest, OffTheTransportMovesTheBytes) {
   EXPECT_GE(TcpBytes(*a_), 65536u);
 }
 
-// A read copied in this process gives the CRC-32C of what it copied (TransferOp::checksum),
-// taken chunk by chunk; a write, or a read the transport moves, leaves it untouched.
-TEST_F(LocalCopyTest, CopiedReadsGiveTheChecksumOfTheirBytes) {
+// A read or a write copied in this process gives the CRC-32C of what it copied
+// (TransferOp::checksum), taken chunk by chunk; an op the transport moves leaves it untouched.
+TEST_F(LocalCopyTest, CopiedOpsGiveTheChecksumOfTheirBytes) {
   for (bool local_copy : {true, false}) {
     SCOPED_TRACE(local_copy ? "copied" : "through the transport");
     Start(local_copy);
     mem_b_.Fill(3);
     std::memset(mem_a_.data(), 0, mem_a_.size());
+    mem_a_.Fill(5, 512 << 10, 4096);  // what the write sends
     // Sizes around the engine's 64 KiB chunk, at odd offsets.
     const uint64_t sizes[] = {1, 4095, 65536, 65537, 200000};
     std::vector<OpChecksum> crcs(std::size(sizes) + 1);
@@ -95,7 +96,8 @@ TEST_F(LocalCopyTest, CopiedReadsGiveTheChecksumOfTheirBytes) {
       ops.back().checksum = &crcs[i];
       at += sizes[i];
     }
-    ops.push_back(Op(OpCode::kWrite, at, 4096, at + 65536));  // clear of the reads' ranges
+    // A write from clear of the reads' destinations, to clear of their sources.
+    ops.push_back(Op(OpCode::kWrite, 512 << 10, 4096, at + 65536));
     ops.back().checksum = &crcs.back();
     crcs.back().crc32c = 12345;
     ASSERT_TRUE(a_->Transfer(ops).ok());
@@ -110,8 +112,10 @@ TEST_F(LocalCopyTest, CopiedReadsGiveTheChecksumOfTheirBytes) {
       }
       at += sizes[i];
     }
-    EXPECT_FALSE(crcs.back().computed) << "a write got a checksum";
-    EXPECT_EQ(crcs.back().crc32c, 12345u);
+    EXPECT_TRUE(mem_b_.Matches(5, at + 65536, 4096, 512 << 10)) << "the write";
+    EXPECT_EQ(crcs.back().computed, local_copy) << "the write";
+    EXPECT_EQ(crcs.back().crc32c,
+              local_copy ? util::Crc32c(mem_a_.data() + (512 << 10), 4096) : 12345u);
     a_.reset();
     b_.reset();
   }

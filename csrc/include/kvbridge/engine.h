@@ -70,11 +70,12 @@ struct TransferOp {
   std::string_view peer;       // peer node id; only read during Submit()
   SegmentId remote_segment = 0;
   uint64_t remote_offset = 0;
-  // Optional. A READ that the engine completes as a copy from a peer engine of this process
-  // (EngineOptions::local_copy) fills it with the CRC-32C of the bytes it copied, each chunk
-  // checksummed right after its copy, while still in cache: a reader that verifies what it
-  // received needs no second pass over the buffer. Left untouched otherwise (a transport
-  // moved the bytes). Must stay valid until the batch is final.
+  // Optional. An op that the engine completes as a copy to or from a peer engine of this
+  // process (EngineOptions::local_copy) fills it with the CRC-32C of the bytes it copied, each
+  // chunk checksummed right after its copy, while still in cache: a reader that verifies what
+  // it received, or a writer that must report the checksum of what it wrote, needs no second
+  // pass over the buffer. Left untouched otherwise (a transport moved the bytes, or the op
+  // failed). Must stay valid until the batch is final.
   OpChecksum* checksum = nullptr;
 };
 
