@@ -386,8 +386,9 @@ int RunMaster(const Flags& f) {
   if (json) {
     std::printf(
         "{\"event\": \"ready\", \"role\": \"master\", \"address\": %s, "
-        "\"metrics_address\": %s, \"allocator\": \"%s\"}\n",
-        JsonString(address).c_str(), JsonString(http).c_str(), AllocatorName());
+        "\"metrics_address\": %s, \"fast_port\": %u, \"allocator\": \"%s\"}\n",
+        JsonString(address).c_str(), JsonString(http).c_str(),
+        static_cast<unsigned>(master.value()->fast_port()), AllocatorName());
   } else {
     std::printf("kvbridge master listening on %s%s%s\n", address.c_str(),
                 http.empty() ? "" : ", status page and /metrics on http://", http.c_str());

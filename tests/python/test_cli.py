@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -83,6 +84,9 @@ def test_master_nodes_status_bench_and_drain(daemons):
     # The allocator it names is the one mapped into it (tcmalloc when the build linked it).
     maps = Path(f"/proc/{master.pid}/maps").read_text()
     assert ready["allocator"] == ("tcmalloc" if "libtcmalloc" in maps else "system")
+    # The lean port it gives is its own: it says the lean port's hello.
+    with socket.create_connection(("127.0.0.1", ready["fast_port"]), timeout=10) as sock:
+        assert sock.recv(4) == b"KVBH"
     addr = ready["address"]
     for name in ("cli-node-a", "cli-node-b"):
         node = kvb_daemon("node", "--master", addr, "--dram-bytes", "48M", "--node-id", name,

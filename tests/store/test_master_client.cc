@@ -13,6 +13,7 @@
 
 #include "store/master_client.h"
 #include "tests/common/test_util.h"
+#include "tests/store/master_client_fixture.h"
 #include "tests/store/store_procs.h"
 
 namespace kvbridge {
@@ -25,36 +26,7 @@ int64_t MsSince(Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();
 }
 
-class MasterClientTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    port_ = testing::FreePort();
-    address_ = "127.0.0.1:" + std::to_string(port_);
-  }
-
-  void StartMaster(const std::string& token = "") {
-    if (!token.empty()) setenv("KVBRIDGE_CLUSTER_TOKEN", token.c_str(), 1);
-    master_ = testing::StartMaster(address_);
-    if (!token.empty()) unsetenv("KVBRIDGE_CLUSTER_TOKEN");
-    ASSERT_TRUE(master_);
-  }
-
-  std::unique_ptr<store::MasterClient> Client(uint32_t rpc_timeout_ms,
-                                              const std::string& token = "",
-                                              bool heartbeat_channel = false) {
-    store::MasterClient::Options o;
-    o.address = address_;
-    o.cluster_token = token;
-    o.retry.rpc_timeout_ms = rpc_timeout_ms;
-    o.heartbeat_channel = heartbeat_channel;
-    return std::make_unique<store::MasterClient>(std::move(o));
-  }
-
-  uint16_t port_ = 0;
-  std::string address_;
-  std::unique_ptr<ChildProcess> master_;
-  const std::vector<std::string> keys_{"k0", "k1"};
-};
+using MasterClientTest = testing::MasterClientFixture;
 
 // The master killed: a retryable call keeps trying until its deadline, then fails naming the
 // RPC and the address, as a master failure; a call that is not retried fails at once.

@@ -27,6 +27,7 @@
 #include "store/rpc_auth.h"
 #include "tests/common/raw_socket.h"
 #include "tests/common/test_util.h"
+#include "tests/store/master_client_fixture.h"
 #include "tests/store/store_procs.h"
 #include "util/little_endian.h"
 
@@ -115,31 +116,9 @@ std::string Request(uint16_t method, const std::string& payload) {
   return Request(method, payload, static_cast<uint32_t>(payload.size()));
 }
 
-class MasterFastPortTest : public ::testing::Test {
+class MasterFastPortTest : public testing::MasterClientFixture {
  protected:
-  void SetUp() override {
-    port_ = testing::FreePort();
-    address_ = "127.0.0.1:" + std::to_string(port_);
-  }
   void TearDown() override { unsetenv("KVBRIDGE_MASTER_FAST_PATH"); }
-
-  void StartMaster(const std::string& token = "", const std::vector<std::string>& extra = {}) {
-    if (!token.empty()) setenv("KVBRIDGE_CLUSTER_TOKEN", token.c_str(), 1);
-    master_ = testing::StartMaster(address_, extra);
-    if (!token.empty()) unsetenv("KVBRIDGE_CLUSTER_TOKEN");
-    ASSERT_TRUE(master_);
-  }
-
-  std::unique_ptr<store::MasterClient> Client(uint32_t rpc_timeout_ms,
-                                              const std::string& token = "",
-                                              bool fast_path = true) {
-    store::MasterClient::Options o;
-    o.address = address_;
-    o.cluster_token = token;
-    o.retry.rpc_timeout_ms = rpc_timeout_ms;
-    o.fast_path = fast_path;
-    return std::make_unique<store::MasterClient>(std::move(o));
-  }
 
   // Where the master says its lean port is (0: none), asked over gRPC with `token`.
   uint16_t LeanPort(const std::string& token = "") {
@@ -169,11 +148,6 @@ class MasterFastPortTest : public ::testing::Test {
     for (const auto& k : keys_) req.add_keys(k);
     return req.SerializeAsString();
   }
-
-  uint16_t port_ = 0;
-  std::string address_;
-  std::unique_ptr<ChildProcess> master_;
-  const std::vector<std::string> keys_{"k0", "k1"};
 };
 
 // The client's four calls go over the lean port by default; with the port turned off at the
@@ -203,7 +177,7 @@ TEST_F(MasterFastPortTest, ClientCallsUseTheLeanPortUnlessItIsOff) {
   EXPECT_EQ(client->fast_calls(), 4u);
   EXPECT_EQ(client->fast_fallbacks(), 0u);
 
-  auto off = Client(3000, "", /*fast_path=*/false);
+  auto off = Client(3000, "", /*heartbeat_channel=*/false, /*fast_path=*/false);
   ASSERT_TRUE(off->Exists(keys_).ok());
   EXPECT_EQ(off->fast_calls(), 0u);
   setenv("KVBRIDGE_MASTER_FAST_PATH", "off", 1);
