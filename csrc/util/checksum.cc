@@ -2,8 +2,11 @@
 
 #include <array>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #if defined(__x86_64__)
+#include <immintrin.h>
 #include <nmmintrin.h>
 #endif
 
@@ -113,15 +116,6 @@ __attribute__((target("sse4.2"))) uint32_t Crc32cSse42(uint32_t crc, const uint8
 }
 #endif
 
-using CrcFn = uint32_t (*)(uint32_t, const uint8_t*, size_t);
-
-CrcFn PickCrc() {
-#if defined(__x86_64__)
-  if (__builtin_cpu_supports("sse4.2")) return Crc32cSse42;
-#endif
-  return Crc32cPortable;
-}
-
 // Polynomials modulo the CRC's, in the register's reflected order (bit 31 is x^0): the
 // product a*b mod P, one bit of a at a time.
 uint32_t MulModP(uint32_t a, uint32_t b) {
@@ -142,6 +136,114 @@ struct PowersOfX {
   }
 };
 
+// x^n mod P, in the register's reflected order.
+uint32_t XPowModP(uint64_t n) {
+  static const PowersOfX powers;
+  uint32_t r = uint32_t{1} << 31;  // x^0
+  for (size_t k = 0; n != 0; n >>= 1, ++k) {
+    if (n & 1) r = MulModP(powers.x2k[k], r);
+  }
+  return r;
+}
+
+#if defined(__x86_64__)
+// Folding with carry-less multiplication (VPCLMULQDQ on 512-bit registers: four 128-bit lanes
+// an instruction). A 128-bit block X of the message, D bits before another one, may be
+// replaced by Y = X x^D mod P added into that one: the CRC of the message does not change. With
+// X = L x^64 + H (L the block's first 8 bytes), Y = clmul(L, x^(D+63) mod P) xor
+// clmul(H, x^(D-1) mod P): in the reflected order a carry-less product comes out multiplied by
+// x, hence 63 and -1 rather than 64 and 0; each product has at most 96 bits. Four registers
+// (256 bytes) fold forward 256 bytes at a time, then into one register, then into one block,
+// whose CRC (from 0, by the CRC32 instruction) continues over the bytes left: that is the CRC
+// of the whole, since the blocks folded away only moved its value forward.
+struct FoldKeys {
+  // Per 128-bit lane: the constant for the block's first 8 bytes, then for its last 8.
+  static __m128i Pair(uint64_t d) {
+    return _mm_set_epi64x(static_cast<long long>(uint64_t{XPowModP(d - 1)} << 32),
+                          static_cast<long long>(uint64_t{XPowModP(d + 63)} << 32));
+  }
+  __m128i by256B = Pair(256 * 8), by64B = Pair(64 * 8), by48B = Pair(48 * 8), by32B = Pair(32 * 8),
+          by16B = Pair(16 * 8);
+};
+
+__attribute__((target("pclmul,sse4.2"))) __m128i Fold16(__m128i x, __m128i keys) {
+  return _mm_xor_si128(_mm_clmulepi64_si128(x, keys, 0x00), _mm_clmulepi64_si128(x, keys, 0x11));
+}
+
+__attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) __m512i Fold64(__m512i x,
+                                                                                    __m512i keys,
+                                                                                    __m512i data) {
+  return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, keys, 0x00),
+                                   _mm512_clmulepi64_epi128(x, keys, 0x11), data, 0x96);
+}
+
+__attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) uint32_t Crc32cVpclmul(
+    uint32_t crc, const uint8_t* p, size_t n) {
+  if (n < 512) return Crc32cSse42(crc, p, n);
+  static const FoldKeys keys;
+  const __m512i k256 = _mm512_maskz_broadcast_i32x4(0xffff, keys.by256B);
+  __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p),
+                                _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(crc))));
+  __m512i x1 = _mm512_loadu_si512(p + 64), x2 = _mm512_loadu_si512(p + 128),
+          x3 = _mm512_loadu_si512(p + 192);
+  p += 256;
+  n -= 256;
+  while (n >= 256) {
+    x0 = Fold64(x0, k256, _mm512_loadu_si512(p));
+    x1 = Fold64(x1, k256, _mm512_loadu_si512(p + 64));
+    x2 = Fold64(x2, k256, _mm512_loadu_si512(p + 128));
+    x3 = Fold64(x3, k256, _mm512_loadu_si512(p + 192));
+    p += 256;
+    n -= 256;
+  }
+  const __m512i k64 = _mm512_maskz_broadcast_i32x4(0xffff, keys.by64B);
+  x1 = Fold64(x0, k64, x1);
+  x2 = Fold64(x1, k64, x2);
+  x3 = Fold64(x2, k64, x3);
+  // The register's four blocks, 48, 32, 16 and 0 bytes before its end, into the last.
+  __m128i x = _mm512_maskz_extracti32x4_epi32(0xf, x3, 3);
+  x = _mm_xor_si128(x, Fold16(_mm512_maskz_extracti32x4_epi32(0xf, x3, 0), keys.by48B));
+  x = _mm_xor_si128(x, Fold16(_mm512_maskz_extracti32x4_epi32(0xf, x3, 1), keys.by32B));
+  x = _mm_xor_si128(x, Fold16(_mm512_maskz_extracti32x4_epi32(0xf, x3, 2), keys.by16B));
+  while (n >= 16) {
+    x = _mm_xor_si128(Fold16(x, keys.by16B), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    p += 16;
+    n -= 16;
+  }
+  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(x)));
+  c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(x, 1)));
+  return Crc32cSse42Serial(static_cast<uint32_t>(c), p, n);
+}
+#endif
+
+using CrcFn = uint32_t (*)(uint32_t, const uint8_t*, size_t);
+
+struct Impl {
+  const char* name;
+  CrcFn fn;
+};
+
+// The implementations this CPU can run, fastest first.
+std::vector<Impl> Available() {
+  std::vector<Impl> out;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul") &&
+      __builtin_cpu_supports("sse4.2")) {
+    out.push_back({"vpclmulqdq", Crc32cVpclmul});
+  }
+  if (__builtin_cpu_supports("sse4.2")) out.push_back({"sse4.2", Crc32cSse42});
+#endif
+  out.push_back({"table", Crc32cPortable});
+  return out;
+}
+
+const Impl& Best() {
+  static const Impl best = Available().front();
+  return best;
+}
+
 }  // namespace
 
 uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
@@ -157,8 +259,24 @@ uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
 }
 
 uint32_t Crc32c(const void* data, size_t len, uint32_t crc) {
-  static const CrcFn fn = PickCrc();
+  static const CrcFn fn = Best().fn;
   return ~fn(~crc, static_cast<const uint8_t*>(data), len);
+}
+
+const char* Crc32cImplementation() { return Best().name; }
+
+std::vector<std::string> Crc32cImplementationsForTest() {
+  std::vector<std::string> names;
+  for (const Impl& i : Available()) names.push_back(i.name);
+  return names;
+}
+
+uint32_t Crc32cWithForTest(const std::string& implementation, const void* data, size_t len,
+                           uint32_t crc) {
+  for (const Impl& i : Available()) {
+    if (implementation == i.name) return ~i.fn(~crc, static_cast<const uint8_t*>(data), len);
+  }
+  return 0;
 }
 
 uint32_t Crc32cPortableForTest(const void* data, size_t len, uint32_t crc) {

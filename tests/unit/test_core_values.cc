@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <random>
@@ -210,6 +211,43 @@ TEST(Checksum, HardwareAndTableAgreeOnEveryLengthAndAlignment) {
                 util::Crc32cPortableForTest(data.data() + off, len, 123))
           << "off " << off << " len " << len;
     }
+  }
+}
+
+// Each implementation this CPU runs (util::Crc32cImplementationsForTest: the 512-bit
+// carry-less-multiply folding where the CPU has VPCLMULQDQ, the CRC32 instruction, the table)
+// gives the table's value at every length around its block sizes (16, 64, 256, 512 bytes),
+// every alignment, from any starting CRC.
+TEST(Checksum, EveryImplementationAgreesWithTheTable) {
+  const std::vector<std::string> impls = util::Crc32cImplementationsForTest();
+  std::printf("CRC-32C implementations here: ");
+  for (const auto& name : impls) std::printf("%s ", name.c_str());
+  std::printf("(Crc32c uses %s)\n", util::Crc32cImplementation());
+  ASSERT_FALSE(impls.empty());
+  EXPECT_EQ(impls.front(), util::Crc32cImplementation());
+  EXPECT_EQ(util::Crc32cWithForTest("no-such-implementation", "x", 1), 0u);
+  std::mt19937 rng(13);
+  std::string data((1 << 20) + 4096, '\0');
+  for (auto& c : data) c = static_cast<char>(rng());
+  std::vector<size_t> lengths;
+  for (size_t len = 0; len <= 1100; ++len) lengths.push_back(len);
+  for (size_t len : {2047, 2048, 2049, 4095, 4096, 4097, 65535, 65536, 65537, 1 << 20}) {
+    lengths.push_back(len);
+  }
+  for (const auto& name : impls) {
+    for (size_t off : {0, 1, 3, 8, 63}) {
+      for (size_t len : lengths) {
+        const uint32_t start = static_cast<uint32_t>(rng());
+        const uint32_t want = util::Crc32cPortableForTest(data.data() + off, len, start);
+        const uint32_t got = util::Crc32cWithForTest(name, data.data() + off, len, start);
+        if (got != want) {
+          ADD_FAILURE() << name << ": off " << off << " len " << len << " start " << start << ": "
+                        << got << " != " << want;
+          return;
+        }
+      }
+    }
+    EXPECT_EQ(util::Crc32cWithForTest(name, "123456789", 9), 0xE3069283u) << name;
   }
 }
 
