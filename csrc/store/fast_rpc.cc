@@ -15,6 +15,7 @@
 #include <cstring>
 #include <optional>
 #include <random>
+#include <system_error>
 #include <thread>
 
 #include "store/rpc_util.h"
@@ -287,7 +288,18 @@ void Server::AcceptLoop() {
     }
     open_.insert(fd);
     ++threads_;
-    std::thread([this, fd, name = PeerName(peer)] { Serve(fd, name); }).detach();
+    try {
+      std::thread([this, fd, name = PeerName(peer)] { Serve(fd, name); }).detach();
+    } catch (const std::system_error& e) {
+      // No thread to be had (a process or memory limit): this connection is closed, its
+      // client uses gRPC, and the port goes on accepting.
+      open_.erase(fd);
+      --threads_;
+      ::close(fd);
+      refused_.fetch_add(1);
+      KVB_LOG(WARN) << "the " << who_ << "'s lean port closed a connection: no thread for it ("
+                    << e.what() << ")";
+    }
   }
 }
 
