@@ -10,6 +10,7 @@
 
 #include "store/fast_rpc.h"
 #include "store/master_ha.h"
+#include "util/env.h"
 #include "util/host_port.h"
 #include "util/logging.h"
 
@@ -163,10 +164,7 @@ bool MasterClient::Retryable(std::string_view method) {
 
 MasterClient::MasterClient(Options options)
     : options_(std::move(options)), auth_(options_.cluster_token, options_.auth_skew_ms) {
-  if (const char* env = std::getenv("KVBRIDGE_MASTER_FAST_PATH")) {
-    const std::string v = env;
-    if (v == "off" || v == "0" || v == "false") fast_enabled_ = false;
-  }
+  util::EnvBool("KVBRIDGE_MASTER_FAST_PATH", &fast_enabled_);  // a bad value is warned about
   fast_enabled_ = fast_enabled_ && options_.fast_path;
   if (IsEtcdAddress(options_.address)) {
     auto etcd = ParseEtcdAddress(options_.address);

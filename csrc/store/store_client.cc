@@ -1334,15 +1334,28 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   std::vector<std::vector<Piece>> pieces(keys.size());
   std::vector<char> crc_from_copy(keys.size(), 0);  // the key's checksum is its copy's
   const bool try_copy_crc = im.put_crc_in_copy.load(std::memory_order_relaxed);
+  // The checksums of these keys (one pass, shared by the pool's threads), in place.
+  const auto checksum_keys = [&](std::span<const size_t> which) {
+    if (which.empty()) return;
+    std::vector<const std::vector<Piece>*> of_key;
+    of_key.reserve(which.size());
+    for (size_t i : which) of_key.push_back(&pieces[i]);
+    std::vector<uint32_t> crcs;
+    std::vector<Status> st;
+    im.Checksums(of_key, &crcs, &st);
+    for (size_t j = 0; j < which.size(); ++j) {
+      checksums[which[j]] = crcs[j];
+      unread[which[j]] = std::move(st[j]);
+    }
+  };
   // The master's write deadline counts from its answer: measured from before asking, it ends
   // no later here than there.
   const auto put_base = std::chrono::steady_clock::now();
   {
     store::MasterClient::PendingPutStart pending = im.master->PutStart(
         keys, sizes, im.options.replica_num, im.engine->self().node_id, overwrite, im.pins);
-    std::vector<const std::vector<Piece>*> of_key;
-    std::vector<size_t> key_of;  // of_key's keys
-    of_key.reserve(keys.size());
+    std::vector<size_t> now;  // keys checksummed while PutStart is out
+    now.reserve(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
       uint64_t total = 0;
       for (const auto& b : buffers[i]) total += b.length;
@@ -1352,18 +1365,9 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
         crc_from_copy[i] = 1;
         continue;
       }
-      of_key.push_back(&pieces[i]);
-      key_of.push_back(i);
+      now.push_back(i);
     }
-    if (!of_key.empty()) {
-      std::vector<uint32_t> crcs;
-      std::vector<Status> st;
-      im.Checksums(of_key, &crcs, &st);
-      for (size_t j = 0; j < key_of.size(); ++j) {
-        checksums[key_of[j]] = crcs[j];
-        unread[key_of[j]] = std::move(st[j]);
-      }
-    }
+    checksum_keys(now);
     Result<std::vector<store::PutGrant>> reply = pending.Wait();
     if (!reply.ok()) {
       result.assign(keys.size(), reply.status());
@@ -1473,25 +1477,20 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   }
   if (!peers_ok.ok()) KVB_LOG(WARN) << "put: " << peers_ok.ToString();
   for (size_t g : unread_groups) group_status[g] = unread[groups[g].first];
-  // Keys whose checksum was to come from a copy that did not give it (no replica in this
-  // process, a failed copy): a pass over the caller's bytes now.
+  // Keys written whose checksum was to come from a copy that did not give it (no replica in
+  // this process, a failed copy): a pass over the caller's bytes now. Keys not admitted (stored
+  // already, refused) need none.
   {
-    std::vector<const std::vector<Piece>*> late;
-    std::vector<size_t> key_of;
+    std::vector<size_t> late;
     for (size_t i = 0; i < keys.size(); ++i) {
       if (!crc_from_copy[i]) continue;
       if (copy_crcs[i].computed) {
         checksums[i] = copy_crcs[i].crc32c;
-      } else {
-        late.push_back(&pieces[i]);
-        key_of.push_back(i);
+      } else if (started[i].status.ok() && !started[i].replicas.empty()) {
+        late.push_back(i);
       }
     }
-    if (!late.empty()) {
-      std::vector<uint32_t> crcs(late.size());
-      HostChecksums(late, &crcs, *im.crc_pool);
-      for (size_t j = 0; j < key_of.size(); ++j) checksums[key_of[j]] = crcs[j];
-    }
+    checksum_keys(late);
   }
 
   std::vector<store::PutEndItem> end;
