@@ -1,5 +1,6 @@
 #include "util/checksum.h"
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <string>
@@ -177,24 +178,58 @@ __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) __m512i Fol
                                    _mm512_clmulepi64_epi128(x, keys, 0x11), data, 0x96);
 }
 
-__attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) uint32_t Crc32cVpclmul(
-    uint32_t crc, const uint8_t* p, size_t n) {
-  if (n < 512) return Crc32cSse42(crc, p, n);
+// What the folding loop does with the bytes it reads besides checksumming them.
+enum class Stores { kNone, kCached, kStreaming };
+
+template <Stores kStores>
+__attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) inline void Store256(
+    uint8_t* d, __m512i a, __m512i b, __m512i c, __m512i e) {
+  if constexpr (kStores == Stores::kCached) {
+    _mm512_storeu_si512(d, a);
+    _mm512_storeu_si512(d + 64, b);
+    _mm512_storeu_si512(d + 128, c);
+    _mm512_storeu_si512(d + 192, e);
+  } else if constexpr (kStores == Stores::kStreaming) {  // d is 64-byte aligned
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d), a);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 64), b);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 128), c);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 192), e);
+  }
+}
+
+// The CRC of [p, p+n) from `crc`, n >= 256; with kStores other than kNone, those bytes also
+// written to d as they pass through the registers (kStreaming: d 64-byte aligned, the stores
+// bypass the cache): so the CRC is the one of exactly the bytes written, however p changes
+// meanwhile.
+template <Stores kStores>
+__attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) uint32_t FoldVpclmul(
+    uint32_t crc, uint8_t* d, const uint8_t* p, size_t n) {
   static const FoldKeys keys;
   const __m512i k256 = _mm512_maskz_broadcast_i32x4(0xffff, keys.by256B);
-  __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p),
-                                _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(crc))));
-  __m512i x1 = _mm512_loadu_si512(p + 64), x2 = _mm512_loadu_si512(p + 128),
-          x3 = _mm512_loadu_si512(p + 192);
+  __m512i x0 = _mm512_loadu_si512(p), x1 = _mm512_loadu_si512(p + 64),
+          x2 = _mm512_loadu_si512(p + 128), x3 = _mm512_loadu_si512(p + 192);
+  Store256<kStores>(d, x0, x1, x2, x3);
+  x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(crc))));
   p += 256;
+  d += kStores == Stores::kNone ? 0 : 256;
   n -= 256;
   while (n >= 256) {
-    x0 = Fold64(x0, k256, _mm512_loadu_si512(p));
-    x1 = Fold64(x1, k256, _mm512_loadu_si512(p + 64));
-    x2 = Fold64(x2, k256, _mm512_loadu_si512(p + 128));
-    x3 = Fold64(x3, k256, _mm512_loadu_si512(p + 192));
+    const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64),
+                  c = _mm512_loadu_si512(p + 128), e = _mm512_loadu_si512(p + 192);
+    Store256<kStores>(d, a, b, c, e);
+    x0 = Fold64(x0, k256, a);
+    x1 = Fold64(x1, k256, b);
+    x2 = Fold64(x2, k256, c);
+    x3 = Fold64(x3, k256, e);
     p += 256;
+    d += kStores == Stores::kNone ? 0 : 256;
     n -= 256;
+  }
+  if constexpr (kStores == Stores::kStreaming) _mm_sfence();
+  // The tail (under 256 bytes) from p: copied first, then checksummed from the copy.
+  if constexpr (kStores != Stores::kNone) {
+    std::memcpy(d, p, n);
+    p = d;
   }
   const __m512i k64 = _mm512_maskz_broadcast_i32x4(0xffff, keys.by64B);
   x1 = Fold64(x0, k64, x1);
@@ -214,13 +249,53 @@ __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) uint32_t Cr
   c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(x, 1)));
   return Crc32cSse42Serial(static_cast<uint32_t>(c), p, n);
 }
+
+uint32_t Crc32cVpclmul(uint32_t crc, const uint8_t* p, size_t n) {
+  if (n < 512) return Crc32cSse42(crc, p, n);
+  return FoldVpclmul<Stores::kNone>(crc, nullptr, p, n);
+}
+
+// CopyCrc32c's fused loop. Below 512 bytes, or to reach a 64-byte aligned d for streaming
+// stores, a memcpy and the CRC32 instruction over the copy (in cache).
+uint32_t CopyCrc32cVpclmul(uint32_t crc, uint8_t* d, const uint8_t* p, size_t n, bool streaming) {
+  if (streaming) {
+    const size_t head = std::min(n, (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64);
+    std::memcpy(d, p, head);
+    crc = Crc32cSse42Serial(crc, d, head);
+    d += head;
+    p += head;
+    n -= head;
+  }
+  if (n < 512) {
+    std::memcpy(d, p, n);
+    return Crc32cSse42(crc, d, n);
+  }
+  return streaming ? FoldVpclmul<Stores::kStreaming>(crc, d, p, n)
+                   : FoldVpclmul<Stores::kCached>(crc, d, p, n);
+}
 #endif
 
 using CrcFn = uint32_t (*)(uint32_t, const uint8_t*, size_t);
+using CopyCrcFn = uint32_t (*)(uint32_t, uint8_t*, const uint8_t*, size_t, bool);
+
+// Copy then checksum the copy, a chunk at a time so that each is read back from the cache
+// (a 1 MiB object read from memory twice, once to copy and once to check, takes about twice
+// as long). No streaming stores: the copy is read right after.
+template <CrcFn kCrc>
+uint32_t CopyThenCrc(uint32_t crc, uint8_t* d, const uint8_t* p, size_t n, bool /*streaming*/) {
+  constexpr size_t kChunk = 64 << 10;  // well inside L2 with its source
+  for (size_t at = 0; at < n; at += kChunk) {
+    const size_t len = std::min(kChunk, n - at);
+    std::memcpy(d + at, p + at, len);
+    crc = kCrc(crc, d + at, len);
+  }
+  return crc;
+}
 
 struct Impl {
   const char* name;
   CrcFn fn;
+  CopyCrcFn copy;
 };
 
 // The implementations this CPU can run, fastest first.
@@ -231,11 +306,13 @@ std::vector<Impl> Available() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul") &&
       __builtin_cpu_supports("sse4.2")) {
-    out.push_back({"vpclmulqdq", Crc32cVpclmul});
+    out.push_back({"vpclmulqdq", Crc32cVpclmul, CopyCrc32cVpclmul});
   }
-  if (__builtin_cpu_supports("sse4.2")) out.push_back({"sse4.2", Crc32cSse42});
+  if (__builtin_cpu_supports("sse4.2")) {
+    out.push_back({"sse4.2", Crc32cSse42, CopyThenCrc<Crc32cSse42>});
+  }
 #endif
-  out.push_back({"table", Crc32cPortable});
+  out.push_back({"table", Crc32cPortable, CopyThenCrc<Crc32cPortable>});
   return out;
 }
 
@@ -263,6 +340,12 @@ uint32_t Crc32c(const void* data, size_t len, uint32_t crc) {
   return ~fn(~crc, static_cast<const uint8_t*>(data), len);
 }
 
+uint32_t CopyCrc32c(void* dst, const void* src, size_t len, uint32_t crc, CopyStores stores) {
+  static const CopyCrcFn fn = Best().copy;
+  return ~fn(~crc, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), len,
+             stores == CopyStores::kStreaming);
+}
+
 const char* Crc32cImplementation() { return Best().name; }
 
 std::vector<std::string> Crc32cImplementationsForTest() {
@@ -275,6 +358,17 @@ uint32_t Crc32cWithForTest(const std::string& implementation, const void* data, 
                            uint32_t crc) {
   for (const Impl& i : Available()) {
     if (implementation == i.name) return ~i.fn(~crc, static_cast<const uint8_t*>(data), len);
+  }
+  return 0;
+}
+
+uint32_t CopyCrc32cWithForTest(const std::string& implementation, void* dst, const void* src,
+                               size_t len, uint32_t crc, CopyStores stores) {
+  for (const Impl& i : Available()) {
+    if (implementation == i.name) {
+      return ~i.copy(~crc, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), len,
+                     stores == CopyStores::kStreaming);
+    }
   }
   return 0;
 }

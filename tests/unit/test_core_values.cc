@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <random>
@@ -249,6 +250,54 @@ TEST(Checksum, EveryImplementationAgreesWithTheTable) {
     }
     EXPECT_EQ(util::Crc32cWithForTest(name, "123456789", 9), 0xE3069283u) << name;
   }
+}
+
+// CopyCrc32c, by each implementation and both kinds of stores: the destination holds exactly
+// the source's bytes (none written before or after it), and the CRC is the table's over them,
+// at every length around the blocks (256 bytes a fold, 512 the least fused length) and every
+// alignment of either side (a streaming copy aligns its destination to 64 bytes first).
+TEST(Checksum, FusedCopyCopiesExactlyAndChecksumsWhatItCopied) {
+  std::mt19937 rng(17);
+  std::string src((1 << 20) + 4096, '\0');
+  for (auto& c : src) c = static_cast<char>(rng());
+  std::vector<size_t> lengths;
+  for (size_t len = 0; len <= 1100; len += 7) lengths.push_back(len);
+  for (size_t len : {255, 256, 511, 512, 513, 767, 768, 4096, 65535, 65536, 65600, 1 << 20}) {
+    lengths.push_back(len);
+  }
+  constexpr char kGuard = 0x5a;
+  std::string dst(src.size() + 256, kGuard);
+  for (const auto& name : util::Crc32cImplementationsForTest()) {
+    for (auto stores : {util::CopyStores::kCached, util::CopyStores::kStreaming}) {
+      for (auto [src_off, dst_off] : {std::pair<size_t, size_t>{0, 0}, {0, 64}, {1, 0}, {0, 1},
+                                      {3, 61}, {63, 17}, {32, 96}}) {
+        for (size_t len : lengths) {
+          const uint32_t start = static_cast<uint32_t>(rng());
+          char* d = dst.data() + 64 + dst_off;
+          const char* s = src.data() + src_off;
+          const uint32_t got = util::CopyCrc32cWithForTest(name, d, s, len, start, stores);
+          const uint32_t want = util::Crc32cPortableForTest(s, len, start);
+          const bool copied = std::memcmp(d, s, len) == 0;
+          const bool guarded = d[-1] == kGuard && d[len] == kGuard;
+          std::memset(d, kGuard, len);  // the next case's guard bytes
+          if (got != want || !copied || !guarded) {
+            ADD_FAILURE() << name << (stores == util::CopyStores::kStreaming ? " streaming" : "")
+                          << ": src+" << src_off << " dst+" << dst_off << " len " << len
+                          << (got != want ? ": wrong CRC" : "")
+                          << (copied ? "" : ": bytes differ")
+                          << (guarded ? "" : ": wrote outside the destination");
+            return;
+          }
+        }
+      }
+    }
+  }
+  std::string out(9, '\0');
+  EXPECT_EQ(util::CopyCrc32c(out.data(), "123456789", 9), 0xE3069283u);
+  EXPECT_EQ(out, "123456789");
+  EXPECT_EQ(util::CopyCrc32cWithForTest("no-such-implementation", out.data(), "x", 1, 0,
+                                        util::CopyStores::kCached),
+            0u);
 }
 
 // Crc32cCombine(Crc32c(A), Crc32c(B), |B|) is Crc32c(A||B), for every split of buffers up to
