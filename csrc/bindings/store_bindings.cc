@@ -135,20 +135,23 @@ bool ReadBuffers(PyObject* addr, PyObject* len, bool multi, std::vector<BufferRe
   return true;
 }
 
-// nullopt unless keys, addresses and lengths are lists of one length, every key a str or bytes
+// False unless keys, addresses and lengths are lists of one length, every key a str or bytes
 // (distinct, when unique_keys), every address and length a positive int (multi: a non-empty
 // list of them, one length per address). Anything else goes to the general path, which names
 // what is wrong.
-std::optional<PtrBatch> ReadPtrBatch(const py::handle& keys, const py::handle& addrs,
-                                     const py::handle& lens, bool multi, bool unique_keys) {
+//
+// The batch is read into `b`, whose strings and vectors keep their capacity from the call
+// before: a thread's steady stream of batches allocates nothing here (two allocations per key
+// and their frees were about 6% of a 16 KiB embedded get).
+bool ReadPtrBatch(const py::handle& keys, const py::handle& addrs, const py::handle& lens,
+                  bool multi, bool unique_keys, PtrBatch& b) {
   if (!PyList_CheckExact(keys.ptr()) || !PyList_CheckExact(addrs.ptr()) ||
       !PyList_CheckExact(lens.ptr())) {
-    return std::nullopt;
+    return false;
   }
   const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
-  if (PyList_GET_SIZE(addrs.ptr()) != n || PyList_GET_SIZE(lens.ptr()) != n) return std::nullopt;
-  PtrBatch b;
-  b.keys.reserve(n);
+  if (PyList_GET_SIZE(addrs.ptr()) != n || PyList_GET_SIZE(lens.ptr()) != n) return false;
+  b.keys.resize(n);
   b.buffers.resize(n);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* k = PyList_GET_ITEM(keys.ptr(), i);
@@ -158,28 +161,48 @@ std::optional<PtrBatch> ReadPtrBatch(const py::handle& keys, const py::handle& a
       data = PyUnicode_AsUTF8AndSize(k, &size);
       if (data == nullptr) {
         PyErr_Clear();  // not encodable (lone surrogates)
-        return std::nullopt;
+        return false;
       }
     } else if (PyBytes_CheckExact(k)) {
       data = PyBytes_AS_STRING(k);
       size = PyBytes_GET_SIZE(k);
     } else {
-      return std::nullopt;
+      return false;
     }
+    b.buffers[i].clear();
     if (!ReadBuffers(PyList_GET_ITEM(addrs.ptr(), i), PyList_GET_ITEM(lens.ptr(), i), multi,
                      &b.buffers[i])) {
-      return std::nullopt;
+      return false;
     }
-    b.keys.emplace_back(data, static_cast<size_t>(size));
+    b.keys[i].assign(data, static_cast<size_t>(size));
   }
   if (unique_keys) {
     // Sorted views, not a hash set: one allocation per batch instead of one per key.
     std::vector<std::string_view> sorted(b.keys.begin(), b.keys.end());
     std::sort(sorted.begin(), sorted.end());
-    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) return std::nullopt;
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) return false;
   }
-  return b;
+  return true;
 }
+
+// The calling thread's PtrBatch, reused from batch to batch (ReadPtrBatch); one larger than
+// kKeptKeys is let go after its call rather than held for the thread's life.
+struct ScratchBatch {
+  static constexpr size_t kKeptKeys = 4096;
+  PtrBatch& batch;
+  ScratchBatch() : batch(Get()) {}
+  ~ScratchBatch() {
+    if (batch.keys.size() > kKeptKeys) batch = PtrBatch{};
+  }
+  ScratchBatch(const ScratchBatch&) = delete;
+  ScratchBatch& operator=(const ScratchBatch&) = delete;
+
+ private:
+  static PtrBatch& Get() {
+    thread_local PtrBatch b;
+    return b;
+  }
+};
 
 // Failed keys only: {index: Status}.
 py::dict Failures(const std::vector<Status>& st) {
@@ -372,9 +395,9 @@ template <typename Call, typename Reply>
 auto PtrBatchCall(bool unique_keys, Call call, Reply reply) {
   return [=](PyStoreClient& c, const py::handle& keys, const py::handle& addrs,
              const py::handle& lens, bool multi) -> py::object {
-    auto b = ReadPtrBatch(keys, addrs, lens, multi, unique_keys);
-    if (!b) return py::none();
-    auto r = NoGil([&] { return c.With([&](StoreClient& s) { return call(s, *b); }); });
+    ScratchBatch scratch;  // this thread's: the GIL is released below, but not re-entered
+    if (!ReadPtrBatch(keys, addrs, lens, multi, unique_keys, scratch.batch)) return py::none();
+    auto r = NoGil([&] { return c.With([&](StoreClient& s) { return call(s, scratch.batch); }); });
     return reply(r);
   };
 }

@@ -154,6 +154,54 @@ def _registered_pair(cluster):
     return store, src, dst
 
 
+def test_pointer_batches_one_after_another_on_one_thread(cluster):
+    """The native reader reuses its thread's key strings and buffer lists from batch to batch:
+    each batch must see its own keys and buffers only, whatever came before it (more keys,
+    longer keys, K|V lists, a batch the reader gave up on halfway, one past the size it keeps)."""
+    store = cluster.client()
+    n_big = 5000  # more keys than a thread's reused batch keeps (4096)
+    src = torch.randint(0, 1 << 30, (n_big * 16,), dtype=torch.int32)  # 64 B per key
+    dst = torch.zeros_like(src)
+    store.register_buffer(src)
+    store.register_buffer(dst)
+    a, b = src.data_ptr(), dst.data_ptr()
+
+    def check(keys, offsets):
+        dst.zero_()
+        sizes, failed = store.batch_get_into_ptrs(keys, [b + o for o in offsets], [64] * len(keys))
+        assert failed == {} and sizes == [64] * len(keys)
+        for o in offsets:
+            assert torch.equal(dst[o // 4:o // 4 + 16], src[o // 4:o // 4 + 16]), o
+
+    long_keys = [f"scratch-a-much-longer-key-than-the-next-batch-uses-{i:04d}" for i in range(300)]
+    assert store.batch_put_from_ptrs(long_keys, [a + 64 * i for i in range(300)], [64] * 300) == {}
+    check(long_keys, [64 * i for i in range(300)])
+    # Fewer, shorter keys, read from other offsets: no key or buffer of the last batch remains.
+    short = [f"s{i}" for i in range(3)]
+    assert store.batch_put_from_ptrs(short, [a + 64 * (400 + i) for i in range(3)], [64] * 3) == {}
+    check(short, [64 * (400 + i) for i in range(3)])
+    # K|V lists (two buffers per key), then single buffers again.
+    kv = [f"kv{i}" for i in range(4)]
+    addrs = [[a + 64 * (500 + 2 * i), a + 64 * (501 + 2 * i)] for i in range(4)]
+    assert store.batch_put_from_ptrs(kv, addrs, [[32, 32]] * 4) == {}
+    sizes, failed = store.batch_get_into_ptrs(kv, [[b + 64 * (500 + 2 * i), b + 64 * (501 + 2 * i)]
+                                                   for i in range(4)], [[32, 32]] * 4)
+    assert failed == {} and sizes == [64] * 4
+    for i in range(4):
+        for j in (500 + 2 * i, 501 + 2 * i):
+            assert torch.equal(dst[16 * j:16 * j + 8], src[16 * j:16 * j + 8])
+    check(short[:2], [64 * 400, 64 * 401])
+    # A batch the native reader gives up on at its third key (a bool address) goes the checked
+    # way and is refused; the next batch is whole.
+    assert store._try_get_into_ptrs(long_keys[:3], [b, b + 64, True], [64] * 3, False) is None
+    check(long_keys[10:12], [640, 704])
+    # Past the kept size, then small again.
+    big = [f"big{i}" for i in range(n_big)]
+    assert store.batch_put_from_ptrs(big, [a + 64 * i for i in range(n_big)], [64] * n_big) == {}
+    check(big, [64 * i for i in range(n_big)])
+    check(short, [64 * (400 + i) for i in range(3)])
+
+
 def test_batch_raw_address_pairs_and_bad_pairs_named(cluster):
     store, src, dst = _registered_pair(cluster)
     a, b = src.data_ptr(), dst.data_ptr()
