@@ -320,16 +320,33 @@ struct StoreClient::Impl {
   }
 
   void Remember(const std::string& key, uint64_t version, const std::vector<uint64_t>& sizes,
-                uint32_t checksum, std::vector<store::ReplicaLocation> replicas) {
+                uint32_t checksum, const std::vector<store::ReplicaLocation>& replicas) {
     if (options.location_cache_entries == 0 || replicas.empty()) return;
     std::lock_guard<std::mutex> lock(cache_mu);
+    RememberLocked(key, version, sizes, checksum, replicas);
+  }
+  // The grants a get was given (those found), under one lock. A key remembered with the same
+  // version and replicas (the common case: a key read again) costs a lookup, no copy.
+  void RememberGrants(std::span<const std::string> keys,
+                      const std::vector<store::ReadGrant>& grants) {
+    if (options.location_cache_entries == 0) return;
+    std::lock_guard<std::mutex> lock(cache_mu);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const store::ReadGrant& g = grants[i];
+      if (g.status.ok() && !g.replicas.empty()) {
+        RememberLocked(keys[i], g.version, g.sizes, g.checksum, g.replicas);
+      }
+    }
+  }
+  void RememberLocked(const std::string& key, uint64_t version, const std::vector<uint64_t>& sizes,
+                      uint32_t checksum, const std::vector<store::ReplicaLocation>& replicas) {
     auto [it, added] = cache.try_emplace(key);
     Remembered& r = it->second;
     if (!added && r.version == version && r.replicas == replicas) return;
     r.version = version;
     r.sizes = sizes;
     r.checksum = checksum;
-    r.replicas = std::move(replicas);
+    r.replicas = replicas;
     if (!added) return;
     r.seq = ++cache_seq;
     cache_order.emplace_back(key, r.seq);
@@ -364,6 +381,21 @@ struct StoreClient::Impl {
     std::lock_guard<std::mutex> lock(cache_mu);
     cache.clear();
     cache_order.clear();
+  }
+  // Which of `keys` are remembered (*known, when not null); whether all are. Copies nothing:
+  // the grants themselves are recalled (Recall) only when the master is away.
+  bool Known(std::span<const std::string> keys, std::vector<bool>* known) {
+    if (known != nullptr) known->assign(keys.size(), false);
+    if (options.location_cache_entries == 0) return false;
+    bool all = true;
+    std::lock_guard<std::mutex> lock(cache_mu);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const bool have = cache.contains(keys[i]);
+      all = all && have;
+      if (known != nullptr) (*known)[i] = have;
+      if (!have && known == nullptr) break;
+    }
+    return all && !keys.empty();
   }
   // Remembered grants of `keys` (an empty optional for a key not remembered); whether all are.
   bool Recall(std::span<const std::string> keys,
@@ -584,8 +616,8 @@ Status StoreClient::Impl::GrantsForGet(std::span<const std::string> keys,
                                        std::vector<store::ReadGrant>* got,
                                        std::vector<bool>* without_master) {
   without_master->assign(keys.size(), false);
-  std::vector<std::optional<store::ReadGrant>> recalled;
-  const bool all = Recall(keys, &recalled);
+  std::vector<bool> known;
+  const bool all = Known(keys, &known);
   Status st;
   if (all && MasterAwayNow()) {
     st = Status::PeerUnreachable("the master failed a get within master_wait_ms moments ago")
@@ -595,11 +627,10 @@ Status StoreClient::Impl::GrantsForGet(std::span<const std::string> keys,
         keys, engine->self().node_id, /*sizes_only=*/false, all ? options.master_wait_ms : 0);
     if (r.ok()) {
       *got = std::move(r).value();
+      RememberGrants(keys, *got);
       std::vector<std::string> gone;  // removed by another client meanwhile, say
       for (size_t i = 0; i < keys.size(); ++i) {
-        const store::ReadGrant& g = (*got)[i];
-        if (g.status.ok()) Remember(keys[i], g.version, g.sizes, g.checksum, g.replicas);
-        if (recalled[i] && g.status.IsNotFound()) gone.push_back(keys[i]);
+        if (known[i] && (*got)[i].status.IsNotFound()) gone.push_back(keys[i]);
       }
       Forget(gone);
       return Status::OK();
@@ -607,8 +638,10 @@ Status StoreClient::Impl::GrantsForGet(std::span<const std::string> keys,
     st = r.status();
     if (!MasterAway(st)) return st;
     if (all) MarkMasterAway();
-    if (!all) Recall(keys, &recalled);  // what was remembered may have changed meanwhile
   }
+  // The master away: what is remembered now (it may have changed meanwhile).
+  std::vector<std::optional<store::ReadGrant>> recalled;
+  Recall(keys, &recalled);
   std::vector<bool> have;
   if (!ConfirmRecalled(keys, recalled, got, &have, st)) return st;
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -1551,7 +1584,7 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
             replicas.push_back(started[i].replicas[groups[g].second]);
           }
         }
-        im.Remember(keys[i], started[i].version, sizes[i], checksums[i], std::move(replicas));
+        im.Remember(keys[i], started[i].version, sizes[i], checksums[i], replicas);
       }
     } else {
       // Say why the replicas failed, not only that the master revoked the object.
@@ -1947,8 +1980,7 @@ Result<std::vector<bool>> ExistsUncounted(StoreClient::Impl& im,
   }
   // Every key remembered: the master is asked once, within master_wait_ms; away, the nodes
   // holding the remembered replicas answer (docs/store.md "Reads while the master is away").
-  std::vector<std::optional<store::ReadGrant>> recalled;
-  if (!im.Recall(keys, &recalled)) return im.master->Exists(keys);
+  if (!im.Known(keys, nullptr)) return im.master->Exists(keys);
   Status away;
   if (im.MasterAwayNow()) {
     away = Status::PeerUnreachable("the master failed a call within master_wait_ms moments ago")
@@ -1959,6 +1991,8 @@ Result<std::vector<bool>> ExistsUncounted(StoreClient::Impl& im,
     away = r.status();
     im.MarkMasterAway();
   }
+  std::vector<std::optional<store::ReadGrant>> recalled;
+  im.Recall(keys, &recalled);
   std::vector<store::ReadGrant> got;
   std::vector<bool> have;
   im.ConfirmRecalled(keys, recalled, &got, &have, away);
