@@ -10,13 +10,17 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -405,6 +409,121 @@ TEST_F(MasterFastPortTest, LeanPortWantsTheClusterTokenPerConnection) {
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kUnauthenticated) << refused.status().ToString();
   ExpectServing(kToken);
+}
+
+// The lean port holds at most Server::kMaxConnections connections. One more is closed at once,
+// before its hello; a client that connects then uses gRPC for that call and is answered, while
+// a client that already holds a connection goes on using it; once connections close, the
+// port takes new ones again.
+TEST_F(MasterFastPortTest, ConnectionsPastTheCapAreClosedAndTheirClientsUseGrpc) {
+  constexpr size_t kCap = store::fast::Server::kMaxConnections;
+  // This process holds kCap sockets and the master (started from here, inheriting the limit)
+  // as many again.
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &before), 0);
+  const rlim_t want = kCap + 512;
+  if (before.rlim_max != RLIM_INFINITY && before.rlim_max < want) {
+    GTEST_SKIP() << "RLIMIT_NOFILE's hard limit here is " << before.rlim_max << ", under the "
+                 << want << " descriptors the test needs";
+  }
+  rlimit raised = before;
+  raised.rlim_cur = std::max<rlim_t>(before.rlim_cur, want);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &raised), 0) << std::strerror(errno);
+  struct Restore {
+    rlimit lim;
+    ~Restore() { ::setrlimit(RLIMIT_NOFILE, &lim); }
+  } restore{before};
+
+  StartMaster();
+  const uint16_t lean = LeanPort();
+  auto holder = Client(3000);  // keeps one connection open (idle in its pool)
+  ASSERT_TRUE(holder->Exists(keys_).ok());
+  ASSERT_EQ(holder->fast_calls(), 1u);
+
+  // The rest of the cap, each connection taken by the master (its hello read).
+  std::vector<std::unique_ptr<RawConn>> conns;
+  store::AuthNonce nonce{};
+  bool token_required = false;
+  const auto fill = Clock::now();
+  for (size_t i = 0; i + 1 < kCap; ++i) {
+    conns.push_back(std::make_unique<RawConn>(lean));
+    ASSERT_GE(conns.back()->fd(), 0) << "connection " << i;
+    ASSERT_TRUE(conns.back()->Hello(&nonce, &token_required)) << "connection " << i;
+  }
+  std::printf("%zu connections open in %lld ms\n", kCap, static_cast<long long>(MsSince(fill)));
+
+  // One more: closed at once, no hello.
+  {
+    RawConn extra(lean);
+    const auto start = Clock::now();
+    EXPECT_FALSE(extra.Hello(&nonce, &token_required)) << "a connection past the cap was served";
+    EXPECT_LT(MsSince(start), 4000) << "left open rather than closed";
+  }
+  // A new client is answered over gRPC; the holder still on its lean connection.
+  auto newcomer = Client(3000);
+  Result<std::vector<bool>> exists = newcomer->Exists(keys_);
+  ASSERT_TRUE(exists.ok()) << exists.status().ToString();
+  EXPECT_EQ(newcomer->fast_calls(), 0u);
+  EXPECT_GE(newcomer->fast_fallbacks(), 1u);
+  ASSERT_TRUE(holder->Exists(keys_).ok());
+  EXPECT_EQ(holder->fast_calls(), 2u) << "the connection it held was not kept";
+
+  // Some close: the newcomer is back on the lean port (it asks again 2 s after a fallback).
+  conns.resize(conns.size() - 64);
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  while (newcomer->fast_calls() == 0 && Clock::now() < until) {
+    ASSERT_TRUE(newcomer->Exists(keys_).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_GT(newcomer->fast_calls(), 0u) << "the port never took a connection again";
+  conns.clear();
+}
+
+// A forked child never uses the connections it inherited, which are its parent's sockets too
+// (the answers to one's requests could be read by the other): parent and child call at once,
+// on the same MasterClient object (each its copy), asking about 2 and 3 keys, and each gets
+// answers of its own length; the child's calls go over a lean connection of its own.
+TEST_F(MasterFastPortTest, AForkedChildConnectsOnItsOwn) {
+  StartMaster();
+  auto client = Client(3000);
+  ASSERT_TRUE(client->Exists(keys_).ok());  // a pooled connection to inherit
+  ASSERT_EQ(client->fast_calls(), 1u);
+  const std::vector<std::string> child_keys{"c0", "c1", "c2"};
+  constexpr int kSeconds = 2;
+  // Calls for kSeconds; 0 when every answer was right, else the step that went wrong.
+  auto hammer = [&](const std::vector<std::string>& keys) -> int {
+    const auto until = Clock::now() + std::chrono::seconds(kSeconds);
+    while (Clock::now() < until) {
+      Result<std::vector<bool>> r = client->Exists(keys);
+      if (!r.ok()) return 2;
+      if (r->size() != keys.size()) return 3;
+    }
+    return 0;
+  };
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0) << std::strerror(errno);
+  if (child == 0) {
+    const uint64_t fast_before = client->fast_calls();
+    int rc = hammer(child_keys);
+    if (rc == 0 && client->fast_calls() == fast_before) rc = 4;  // not on the lean port
+    ::_exit(rc);  // no destructors: the parent's objects are not the child's to shut down
+  }
+  const int parent_rc = hammer(keys_);
+  int status = 0;
+  pid_t waited = 0;
+  const auto until = Clock::now() + std::chrono::seconds(kSeconds + 20);
+  while ((waited = ::waitpid(child, &status, WNOHANG)) == 0 && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (waited == 0) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, &status, 0);
+    FAIL() << "the child did not finish its calls";
+  }
+  EXPECT_EQ(parent_rc, 0) << "the parent got a wrong answer (2: a failed call, 3: another length)";
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child: 2 a failed call, 3 an answer of another "
+                                       "length, 4 no call on the lean port";
 }
 
 }  // namespace
