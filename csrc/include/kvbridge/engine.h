@@ -71,8 +71,8 @@ struct TransferOp {
   SegmentId remote_segment = 0;
   uint64_t remote_offset = 0;
   // Optional. An op that the engine completes as a copy to or from a peer engine of this
-  // process (EngineOptions::local_copy) fills it with the CRC-32C of the bytes it copied, each
-  // chunk checksummed right after its copy, while still in cache: a reader that verifies what
+  // process (EngineOptions::local_copy) fills it with the CRC-32C of the bytes it copied, taken
+  // in the same pass as the copy (util::CopyCrc32c): a reader that verifies what
   // it received, or a writer that must report the checksum of what it wrote, needs no second
   // pass over the buffer. Left untouched otherwise (a transport moved the bytes, or the op
   // failed). Must stay valid until the batch is final.
