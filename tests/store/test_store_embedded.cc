@@ -288,8 +288,7 @@ TEST(EmbeddedStore, ALocalCommitOlderThanTheRememberedFreesIsRefused) {
   ASSERT_NO_FATAL_FAILURE(WaitComplete(*fast, "gone"));
   ASSERT_TRUE(fast->BatchRemove(std::vector<std::string>{"gone"})[0].ok());
   // Received before "gone"'s commit (3 s), and early enough to be forgotten (10 s) at "k"'s.
-  ASSERT_NO_FATAL_FAILURE(
-      WaitFrees(*own.node, 1, completed, std::chrono::milliseconds(1900)));
+  ASSERT_NO_FATAL_FAILURE(WaitFrees(*own.node, 1, completed, std::chrono::milliseconds(1900)));
   gone_writer.join();
   writer.join();
   EXPECT_TRUE(gone_put.ok()) << gone_put.ToString();

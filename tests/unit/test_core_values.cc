@@ -269,8 +269,13 @@ TEST(Checksum, FusedCopyCopiesExactlyAndChecksumsWhatItCopied) {
   std::string dst(src.size() + 256, kGuard);
   for (const auto& name : util::Crc32cImplementationsForTest()) {
     for (auto stores : {util::CopyStores::kCached, util::CopyStores::kStreaming}) {
-      for (auto [src_off, dst_off] : {std::pair<size_t, size_t>{0, 0}, {0, 64}, {1, 0}, {0, 1},
-                                      {3, 61}, {63, 17}, {32, 96}}) {
+      for (auto [src_off, dst_off] : {std::pair<size_t, size_t>{0, 0},
+                                      {0, 64},
+                                      {1, 0},
+                                      {0, 1},
+                                      {3, 61},
+                                      {63, 17},
+                                      {32, 96}}) {
         for (size_t len : lengths) {
           const uint32_t start = static_cast<uint32_t>(rng());
           char* d = dst.data() + 64 + dst_off;
@@ -283,8 +288,7 @@ TEST(Checksum, FusedCopyCopiesExactlyAndChecksumsWhatItCopied) {
           if (got != want || !copied || !guarded) {
             ADD_FAILURE() << name << (stores == util::CopyStores::kStreaming ? " streaming" : "")
                           << ": src+" << src_off << " dst+" << dst_off << " len " << len
-                          << (got != want ? ": wrong CRC" : "")
-                          << (copied ? "" : ": bytes differ")
+                          << (got != want ? ": wrong CRC" : "") << (copied ? "" : ": bytes differ")
                           << (guarded ? "" : ": wrote outside the destination");
             return;
           }
