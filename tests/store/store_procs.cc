@@ -36,10 +36,11 @@ std::unique_ptr<ChildProcess> StartDaemon(const std::vector<std::string>& argv,
 }  // namespace
 
 std::unique_ptr<ChildProcess> StartMaster(const std::string& listen,
-                                          const std::vector<std::string>& extra) {
+                                          const std::vector<std::string>& extra,
+                                          const std::vector<std::string>& prefix) {
   std::vector<std::string> argv = {KvbridgeBin(), "master", "--listen", listen};
   argv.insert(argv.end(), extra.begin(), extra.end());
-  return StartDaemon(argv, {}, "listening on", "master at " + listen);
+  return StartDaemon(argv, prefix, "listening on", "master at " + listen);
 }
 
 std::unique_ptr<ChildProcess> StartNode(const std::string& master, const std::string& node_id,

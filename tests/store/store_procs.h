@@ -14,10 +14,12 @@ namespace kvbridge::testing {
 // The `kvbridge` binary of this build.
 const std::string& KvbridgeBin();
 
-// Starts `kvbridge master --listen <listen> <extra...>` and waits for its "listening on"
-// line. Null, with a test failure quoting what it said instead, if that line does not come.
+// Starts `kvbridge master --listen <listen> <extra...>` (under `prefix`, as
+// ChildProcess::Start: e.g. `ip netns exec NAME`) and waits for its "listening on" line. Null, with
+// a test failure quoting what it said instead, if that line does not come.
 std::unique_ptr<ChildProcess> StartMaster(const std::string& listen,
-                                          const std::vector<std::string>& extra = {});
+                                          const std::vector<std::string>& extra = {},
+                                          const std::vector<std::string>& prefix = {});
 
 // Starts `kvbridge node --master <master> --node-id <node_id> <extra...>` (under `prefix`, as
 // ChildProcess::Start) and waits for its "serving" line. Null, with a test failure quoting

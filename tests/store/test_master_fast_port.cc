@@ -526,5 +526,57 @@ TEST_F(MasterFastPortTest, AForkedChildConnectsOnItsOwn) {
                                        "length, 4 no call on the lean port";
 }
 
+// A lean port whose connection attempts are dropped (a firewall: SYNs go unanswered) costs a
+// call at most the 1 s connect cap, after which the call goes over gRPC, and the calls of the
+// next 2 s go over gRPC at once; once the port answers again the client is back on it. The
+// master runs in a network namespace whose nft drops every packet to its lean port. Needs
+// root, iproute2 and nft; skipped with the reason otherwise.
+TEST_F(MasterFastPortTest, ALeanPortThatDropsConnectionAttemptsCostsOneSecondOnce) {
+  std::string why;
+  auto ns = testing::NetNamespace::Create(1, &why);
+  if (!ns) GTEST_SKIP() << "network namespaces unavailable: " << why;
+  if (!ns->Exec("nft --version")) {
+    GTEST_SKIP() << "nft is not installed (scripts/setup.sh installs it)";
+  }
+  const std::string there = testing::NetNamespace::RemoteAddress(0);
+  const uint16_t lean = testing::FreePort();  // the namespace's ports are all free
+  address_ = there + ":" + std::to_string(testing::FreePort());
+  master_ = testing::StartMaster(address_, {"--fast-port", std::to_string(lean)},
+                                 {"ip", "netns", "exec", ns->name()});
+  ASSERT_TRUE(master_);
+  ASSERT_EQ(LeanPort(), lean);
+  const std::string table = "inet kvbleandrop";
+  ASSERT_TRUE(ns->Exec("nft add table " + table) &&
+              ns->Exec("nft 'add chain " + table + " in { type filter hook input priority 0; }'") &&
+              ns->Exec("nft add rule " + table + " in tcp dport " + std::to_string(lean) + " drop"))
+      << "could not install the nft drop rule";
+
+  auto client = Client(/*rpc_timeout_ms=*/5000);
+  auto start = Clock::now();
+  Result<std::vector<bool>> exists = client->Exists(keys_);
+  const int64_t first = MsSince(start);
+  ASSERT_TRUE(exists.ok()) << exists.status().ToString();
+  EXPECT_EQ(client->fast_calls(), 0u);
+  EXPECT_EQ(client->fast_fallbacks(), 1u);
+  EXPECT_GE(first, 900) << "the connect did not wait for its cap: was the port dropped?";
+  EXPECT_LT(first, 3000) << "a dropped lean port cost more than its 1 s cap";
+  start = Clock::now();
+  ASSERT_TRUE(client->Exists(keys_).ok());
+  const int64_t second = MsSince(start);
+  EXPECT_LT(second, 500) << "the next call tried the dropped port again";
+  EXPECT_EQ(client->fast_fallbacks(), 1u);
+  std::printf("dropped lean port: first call %lld ms, next %lld ms\n",
+              static_cast<long long>(first), static_cast<long long>(second));
+
+  ASSERT_TRUE(ns->Exec("nft delete table " + table));
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  while (client->fast_calls() == 0 && Clock::now() < until) {
+    ASSERT_TRUE(client->Exists(keys_).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_GT(client->fast_calls(), 0u) << "never back on the lean port once it answered";
+  master_.reset();  // before its namespace goes
+}
+
 }  // namespace
 }  // namespace kvbridge
