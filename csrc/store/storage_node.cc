@@ -553,7 +553,7 @@ Status StorageNode::Impl::Register(bool again) {
 // pool sends them back to back. They are applied kFreesPerLock at a time, `mu` released in
 // between, so that a put's commit into this node (which needs `mu`) waits for one such slice,
 // not for a whole reply: applying 4,096 at once held `mu` for about 10 ms on the project's
-// test VM, and every embedded put in the second after a large remove waited that long. A
+// test VM, and embedded puts in the second after a large remove waited up to that long. A
 // commit that comes between two slices is ordered as one that came before the reply: a later
 // free of its replica still erases it (the exact replica), an earlier one keeps it out.
 void StorageNode::Impl::ApplyFrees(const std::vector<store::InventoryRecord>& frees,
