@@ -309,6 +309,18 @@ std::unique_ptr<NetNamespace> NetNamespace::Create(int nics, std::string* why) {
   }
   auto ns = std::unique_ptr<NetNamespace>(new NetNamespace());
   const std::string tag = std::to_string(getpid() % 100000);
+  // A 10.<n>.0.0/16 nothing here uses yet (another test's namespace, the host's own network).
+  for (int k = 0; k < 150 && ns->net_ == 0; ++k) {
+    const int n = 100 + (getpid() + k) % 150;
+    if (Run("! { ip -4 addr show; ip -4 route show; } | grep -q '10\\." + std::to_string(n) +
+            "\\.'")) {
+      ns->net_ = n;
+    }
+  }
+  if (ns->net_ == 0) {
+    *why = "no free 10.100-249.0.0/16 network for the namespace's links";
+    return nullptr;
+  }
   ns->name_ = "kvbt" + tag;
   if (!Run("ip netns add " + ns->name_)) {
     *why = "'ip netns add' failed (no CAP_SYS_ADMIN in this sandbox?)";
@@ -320,7 +332,7 @@ std::unique_ptr<NetNamespace> NetNamespace::Create(int nics, std::string* why) {
   for (int i = 0; i < nics && ok; ++i) {
     const std::string here = "kvh" + tag + "_" + std::to_string(i);
     const std::string there = "kvr" + tag + "_" + std::to_string(i);
-    const std::string net = "10.231." + std::to_string(i + 1);
+    const std::string net = "10." + std::to_string(ns->net_) + "." + std::to_string(i + 1);
     ok = Run("ip link add " + here + " type veth peer name " + there) &&
          Run("ip link set " + there + " netns " + ns->name_) &&
          Run("ip addr add " + net + ".1/24 dev " + here) && Run("ip link set " + here + " up") &&

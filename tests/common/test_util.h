@@ -132,21 +132,30 @@ SocketCounts CountSocketsToPort(uint16_t port);
 
 // A network namespace holding one "remote host" reached over `nics` veth pairs, so tests can
 // give a peer several NICs and cut one (link down drops every packet, like a pulled cable).
-// NIC i (0-based) is 10.231.<i+1>.1 on this side and 10.231.<i+1>.2 inside the namespace.
-// Needs root and iproute2; Create() returns null with the reason otherwise.
+// NIC i (0-based) is 10.<n>.<i+1>.1 on this side and 10.<n>.<i+1>.2 inside the namespace,
+// n picked per namespace among 10.100-249 networks no address or route of this host uses
+// (starting from one the process id gives), so that tests running at once (ctest -j) each
+// reach their own namespace. Needs root and iproute2; Create() returns null with the reason
+// otherwise.
 class NetNamespace {
  public:
   static std::unique_ptr<NetNamespace> Create(int nics, std::string* why);
   ~NetNamespace();
   const std::string& name() const { return name_; }
-  static std::string RemoteAddress(int nic) { return "10.231." + std::to_string(nic + 1) + ".2"; }
+  std::string RemoteAddress(int nic) const { return Address(nic, 2); }
+  std::string LocalAddress(int nic) const { return Address(nic, 1); }
   // Brings this side of NIC `nic` up or down.
   bool SetLink(int nic, bool up);
   // Runs a shell command inside the namespace (output discarded); true if it exited 0.
   bool Exec(const std::string& cmd) const;
 
  private:
+  std::string Address(int nic, int host) const {
+    return "10." + std::to_string(net_) + "." + std::to_string(nic + 1) + "." +
+           std::to_string(host);
+  }
   std::string name_;
+  int net_ = 0;                     // the second octet of this namespace's networks
   std::vector<std::string> links_;  // this side's veth ends
 };
 

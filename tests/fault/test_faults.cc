@@ -518,8 +518,7 @@ TEST_P(FaultTest, PeerWithTwoNicsStaysReachableWhenOneIsCut) {
   std::string why;
   auto ns = testing::NetNamespace::Create(2, &why);
   if (!ns) GTEST_SKIP() << "network namespaces unavailable: " << why;
-  const std::string listen = testing::NetNamespace::RemoteAddress(0) + ":0," +
-                             testing::NetNamespace::RemoteAddress(1) + ":0";
+  const std::string listen = ns->RemoteAddress(0) + ":0," + ns->RemoteAddress(1) + ":0";
   auto peer = PeerProcess::Start({"--node-id", "twonic", "--listen", listen, "--size",
                                   std::to_string(kPeerBytes), "--seed", "4"},
                                  {"ip", "netns", "exec", ns->name()});

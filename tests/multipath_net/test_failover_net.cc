@@ -58,8 +58,8 @@ TEST(FailoverNet, TcpCutUnderLoadFailsOverToUcxWithNoFailedOp) {
   auto peer = PeerProcess::Start(
       {"--node-id", "twopath", "--transport", "tcp,ucx", "--config", "ucx.same_host=off",
        "--config", "ucx.connect_timeout_ms=2000", "--listen",
-       NetNamespace::RemoteAddress(0) + ":" + std::to_string(port), "--size",
-       std::to_string(kPeerBytes), "--seed", "3"},
+       ns->RemoteAddress(0) + ":" + std::to_string(port), "--size", std::to_string(kPeerBytes),
+       "--seed", "3"},
       {"ip", "netns", "exec", ns->name(), "env", "UCX_NET_DEVICES=" + there_dev});
   ASSERT_TRUE(peer) << "the peer did not start in namespace " << ns->name();
 

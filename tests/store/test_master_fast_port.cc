@@ -538,7 +538,7 @@ TEST_F(MasterFastPortTest, ALeanPortThatDropsConnectionAttemptsCostsOneSecondOnc
   if (!ns->Exec("nft --version")) {
     GTEST_SKIP() << "nft is not installed (scripts/setup.sh installs it)";
   }
-  const std::string there = testing::NetNamespace::RemoteAddress(0);
+  const std::string there = ns->RemoteAddress(0);
   const uint16_t lean = testing::FreePort();  // the namespace's ports are all free
   address_ = there + ":" + std::to_string(testing::FreePort());
   master_ = testing::StartMaster(address_, {"--fast-port", std::to_string(lean)},

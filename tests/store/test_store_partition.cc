@@ -46,7 +46,7 @@ class StorePartition : public ::testing::Test {
     setenv("KVBRIDGE_PROGRESS_TIMEOUT_MS", "500", 1);
     setenv("KVBRIDGE_DEADLINE_MS", "3000", 1);
     setenv("KVBRIDGE_LOG_LEVEL", "error", 1);
-    const std::string here = "10.231.1.1", there = testing::NetNamespace::RemoteAddress(0);
+    const std::string here = ns_->LocalAddress(0), there = ns_->RemoteAddress(0);
     master_addr_ = here + ":" + std::to_string(testing::FreePort());
     master_ = testing::StartMaster(master_addr_, {"--node-ttl-ms", "1000", "--lease-ms", "200"});
     ASSERT_TRUE(master_);
