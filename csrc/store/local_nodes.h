@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <set>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,6 +23,13 @@ namespace kvbridge::store {
 // process with this cluster token.
 std::vector<NodeIdentity> LocalNodesAmong(const std::set<std::pair<std::string, uint64_t>>& nodes,
                                           const std::string& cluster_token);
+
+// The ranges ((segment id, offset) pairs) a put is about to commit into `node` through its
+// PutEnd answer: expect = true before the PutEnd is sent, false once its commits are applied
+// or given up. Only a free of such a range that finds no record needs the node to remember it
+// (ApplyLocalCommit below). Nothing happens for a node that is not (or no longer) here.
+void ExpectLocalCommits(const NodeIdentity& node,
+                        std::span<const std::pair<uint64_t, uint64_t>> ranges, bool expect);
 
 // Applies a commit the master returned for a node of this process, with the checks of the
 // node's Commit call (the master's term, the node's incarnation, its segments). `sent`: when

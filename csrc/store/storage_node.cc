@@ -13,6 +13,7 @@
 #include <optional>
 #include <set>
 #include <shared_mutex>
+#include <span>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -71,6 +72,8 @@ struct LocalNode {
   std::string node_id;
   std::string cluster_token;
   std::function<Status(rpc::CommitRequest&, std::chrono::steady_clock::time_point)> apply;
+  // ExpectLocalCommits: the ranges a put's commits will fill (true), or no longer (false).
+  std::function<void(std::span<const std::pair<uint64_t, uint64_t>>, bool)> expect;
 };
 std::shared_mutex& LocalNodesMu() {
   static auto* mu = new std::shared_mutex;  // never destroyed: nodes may outlive statics
@@ -280,6 +283,21 @@ struct StorageNode::Impl final : public rpc::Node::Service {
   }
   std::string freed_probe;  // WasFreed's key, its capacity kept; mu held
   void ForgetOldFrees();    // mu held: those past kFreedKeptMs, and the oldest past kFreedKept
+  // The ranges (segment id, offset) that puts of this process are about to commit here through
+  // their PutEnd answers (store::ExpectLocalCommits), with a count each: a free that finds no
+  // record of its replica needs remembering only at one of them (under mu).
+  std::map<RangeKey, uint32_t> expected_commits;
+  void ExpectCommits(std::span<const std::pair<uint64_t, uint64_t>> ranges, bool expect) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& r : ranges) {
+      if (expect) {
+        ++expected_commits[r];
+      } else if (auto it = expected_commits.find(r);
+                 it != expected_commits.end() && --it->second == 0) {
+        expected_commits.erase(it);
+      }
+    }
+  }
 
   ~Impl() override;
   // This registration's secret (Drain, Deregister of itself).
@@ -583,11 +601,15 @@ void StorageNode::Impl::ApplyFrees(const std::vector<store::InventoryRecord>& fr
     // Only the exact record: the range may already hold a newer object whose commit
     // overtook this free. Found, its commit was applied, and the master sends a replica's
     // commit once (a PutEnd sent again finds no pending put): nothing to remember. Not found,
-    // the commit may still be on its way with a PutEnd answer, and must be left out then.
+    // the commit may still be on its way with a PutEnd answer, and must be left out then;
+    // it can be only where a put of this process expects to commit (expected_commits, set
+    // before its PutEnd is sent, so before the master can free what it commits). Elsewhere
+    // (a range already reused by a later object, a commit that was refused, a node whose
+    // commits all come from the master) there is nothing to remember.
     auto it = inventory.find({f.segment_id, f.offset});
     if (it != inventory.end() && it->second.replica_id() == f.replica_id) {
       inventory.erase(it);
-    } else {
+    } else if (expected_commits.count({f.segment_id, f.offset}) != 0) {
       RememberFree(f.key, f.replica_id);
     }
   }
@@ -1592,6 +1614,10 @@ StorageNodeStats StorageNode::stats() const {
   s.ssd_read_batches = impl_->ssd_read_batches.load(std::memory_order_relaxed);
   s.temp_staging_bytes_peak = impl_->temp_staging_bytes_peak.load();
   s.frees_received = impl_->frees_counted.load(std::memory_order_relaxed);
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    s.frees_remembered = impl_->freed.size();
+  }
   return s;
 }
 
@@ -1650,6 +1676,9 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
         LocalNode{raw->engine->self().node_id, options.engine.cluster_token,
                   [raw](rpc::CommitRequest& c, std::chrono::steady_clock::time_point sent) {
                     return raw->ApplyCommit(c, /*local=*/true, sent);
+                  },
+                  [raw](std::span<const std::pair<uint64_t, uint64_t>> ranges, bool expect) {
+                    raw->ExpectCommits(ranges, expect);
                   }};
   }
   impl->auth->WarnIfDisabled("storage node " + impl->engine->self().node_id + "'s control service",
@@ -1760,6 +1789,14 @@ std::vector<NodeIdentity> LocalNodesAmong(const std::set<std::pair<std::string, 
     }
   }
   return out;
+}
+
+void ExpectLocalCommits(const NodeIdentity& node,
+                        std::span<const std::pair<uint64_t, uint64_t>> ranges, bool expect) {
+  std::shared_lock<std::shared_mutex> lock(LocalNodesMu());
+  auto it = LocalNodes().find(node.incarnation);
+  if (it == LocalNodes().end() || it->second.node_id != node.node_id) return;  // stopped
+  it->second.expect(ranges, expect);
 }
 
 Status ApplyLocalCommit(rpc::CommitRequest& commit, std::chrono::steady_clock::time_point sent) {

@@ -1542,6 +1542,27 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   // the put is reported done (store/local_nodes.h); a key whose record one of them could not
   // keep is not reported stored.
   std::vector<rpc::CommitRequest> local_commits;
+  // The ranges those commits will fill, told to their nodes from before the PutEnd is sent
+  // until the commits are applied (store::ExpectLocalCommits): a free there that overtakes its
+  // commit is remembered by the node and the commit leaves that record out.
+  struct Expected {
+    std::vector<std::pair<store::NodeIdentity, std::vector<std::pair<uint64_t, uint64_t>>>> nodes;
+    ~Expected() {
+      for (const auto& [node, ranges] : nodes) store::ExpectLocalCommits(node, ranges, false);
+    }
+  } expected;
+  for (const store::NodeIdentity& n : local_nodes) {
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    for (const auto& [i, r] : groups) {
+      const store::ReplicaLocation& loc = started[i].replicas[r];
+      if (loc.node.incarnation == n.incarnation && loc.node.node_id == n.node_id) {
+        ranges.emplace_back(loc.segment_id, loc.offset);
+      }
+    }
+    if (ranges.empty()) continue;
+    store::ExpectLocalCommits(n, ranges, true);
+    expected.nodes.emplace_back(n, std::move(ranges));
+  }
   const auto end_sent = std::chrono::steady_clock::now();
   Result<std::vector<Status>> ended = im.master->PutEnd(end, local_nodes, &local_commits);
   std::unordered_map<std::string_view, Status> not_kept;  // by key

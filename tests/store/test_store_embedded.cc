@@ -167,6 +167,8 @@ TEST(EmbeddedStore, ALocalCommitOvertakenByAFreeDoesNotBringTheObjectBack) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   ASSERT_EQ(node->stats().frees_received, 1u) << "the free never reached the node";
+  // It found no record where this process's put was about to commit: remembered.
+  EXPECT_EQ(node->stats().frees_remembered, 1u);
   writer.join();
   EXPECT_TRUE(slow_put.ok()) << slow_put.ToString();
   EXPECT_EQ(node->object_count(), 1u) << "the node should hold only the kept object's record";
@@ -296,6 +298,13 @@ TEST(EmbeddedStore, ALocalCommitOlderThanTheRememberedFreesIsRefused) {
   EXPECT_NE(put.message().find("cannot tell"), std::string::npos) << put.ToString();
   EXPECT_EQ(own.node->object_count(), 0u)
       << "a refused commit, or one overtaken by its free, kept a record";
+  // "k" is complete at the master without a record here: its free finds none, where no
+  // commit is expected any more, and is not remembered ("gone"'s was forgotten at k's commit).
+  const auto removed = std::chrono::steady_clock::now();
+  ASSERT_TRUE(fast->BatchRemove(std::vector<std::string>{"k"})[0].ok());
+  ASSERT_NO_FATAL_FAILURE(WaitFrees(*own.node, 2, removed, std::chrono::milliseconds(5000)));
+  EXPECT_EQ(own.node->stats().frees_remembered, 0u)
+      << "a free where no commit was expected was remembered";
 }
 
 // A free that finds its replica's record came after that replica's commit, which the master
@@ -315,6 +324,7 @@ TEST(EmbeddedStore, FreesOfCommittedReplicasDoNotRefuseLaterCommits) {
   const auto completed = std::chrono::steady_clock::now();
   ASSERT_TRUE(fast->BatchRemove(std::vector<std::string>{"other"})[0].ok());
   ASSERT_NO_FATAL_FAILURE(WaitFrees(*own.node, 1, completed, std::chrono::milliseconds(1400)));
+  EXPECT_EQ(own.node->stats().frees_remembered, 0u);
   writer.join();
   EXPECT_TRUE(put.ok()) << put.ToString();
   EXPECT_EQ(own.node->object_count(), 1u) << "the node should hold \"k\"'s record alone";

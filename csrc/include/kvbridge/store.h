@@ -333,6 +333,10 @@ struct StorageNodeStats {
   // larger than it: a batch of re-replication tasks stages one such object at a time.
   uint64_t temp_staging_bytes_peak = 0;
   uint64_t frees_received = 0;  // frees of replicas the master sent (each counted once)
+  // Frees remembered now (for up to 10 s): those that found no record of their replica where
+  // a put of this process was about to commit (docs/store.md, "Commits to a node in the
+  // caller's own process").
+  uint64_t frees_remembered = 0;
 };
 
 // A storage node: a transfer engine whose registered DRAM pool holds replicas, registered with
