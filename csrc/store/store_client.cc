@@ -320,10 +320,10 @@ struct StoreClient::Impl {
   }
 
   void Remember(const std::string& key, uint64_t version, const std::vector<uint64_t>& sizes,
-                uint32_t checksum, const std::vector<store::ReplicaLocation>& replicas) {
+                uint32_t checksum, std::vector<store::ReplicaLocation> replicas) {
     if (options.location_cache_entries == 0 || replicas.empty()) return;
     std::lock_guard<std::mutex> lock(cache_mu);
-    RememberLocked(key, version, sizes, checksum, replicas);
+    RememberLocked(key, version, sizes, checksum, std::move(replicas));
   }
   // The grants a get was given (those found), under one lock. A key remembered with the same
   // version and replicas (the common case: a key read again) costs a lookup, no copy.
@@ -338,15 +338,18 @@ struct StoreClient::Impl {
       }
     }
   }
+  // `replicas`: a const vector (copied only when it differs from what is remembered) or an
+  // rvalue (moved in).
+  template <typename Replicas>
   void RememberLocked(const std::string& key, uint64_t version, const std::vector<uint64_t>& sizes,
-                      uint32_t checksum, const std::vector<store::ReplicaLocation>& replicas) {
+                      uint32_t checksum, Replicas&& replicas) {
     auto [it, added] = cache.try_emplace(key);
     Remembered& r = it->second;
     if (!added && r.version == version && r.replicas == replicas) return;
     r.version = version;
     r.sizes = sizes;
     r.checksum = checksum;
-    r.replicas = replicas;
+    r.replicas = std::forward<Replicas>(replicas);
     if (!added) return;
     r.seq = ++cache_seq;
     cache_order.emplace_back(key, r.seq);
@@ -1605,7 +1608,7 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
             replicas.push_back(started[i].replicas[groups[g].second]);
           }
         }
-        im.Remember(keys[i], started[i].version, sizes[i], checksums[i], replicas);
+        im.Remember(keys[i], started[i].version, sizes[i], checksums[i], std::move(replicas));
       }
     } else {
       // Say why the replicas failed, not only that the master revoked the object.
