@@ -151,6 +151,11 @@ struct Batch {
   // are released and op_status waits for Poll/Wait, or for reaping (max_unpolled_batches).
   bool finished = false;
   bool reaped = false;  // reaped unpolled: collected, its result dropped
+  // Ops on host memory that asked for their checksum (TransferOp::checksum), by op; empty
+  // when none did. A transport with KVB_TCAP_OP_CRC32C fills op_crcs (never resized once ops
+  // are posted: transports hold pointers into it); FinishOp copies a filled one to crc_to.
+  std::vector<kvb_op_crc_t> op_crcs;
+  std::vector<OpChecksum*> crc_to;
 };
 
 std::string DefaultNodeId() {
@@ -454,6 +459,10 @@ void TransferEngine::Impl::FinishOp(Batch& b, uint32_t op, const PeerRecord& pee
   b.op_status[op] = code == KVB_OK ? Status::OK()
                                    : Status::FromAbi(code, "peer " + peer.id.ToString() + ": " +
                                                                (moved ? b.history[op] : msg));
+  if (code == KVB_OK && !b.crc_to.empty() && b.crc_to[op] != nullptr &&
+      b.op_crcs[op].computed != 0) {
+    *b.crc_to[op] = OpChecksum{.crc32c = b.op_crcs[op].crc32c, .computed = true};
+  }
 }
 
 bool TransferEngine::Impl::PollPass(Batch& b) {
@@ -532,6 +541,16 @@ bool TransferEngine::Impl::Dispatch(Batch& b, const std::shared_ptr<PeerRecord>&
                                              .user = b.slot};
   std::vector<uint32_t> refused;  // candidates whose breaker refused
   kvb_status_t last = static_cast<kvb_status_t>(failure.code());  // KVB_OK on first post
+  // Ops that ask for their checksum: reset (a path they failed over from may have filled one
+  // for an op that then failed elsewhere), and posted without the ask to a transport that
+  // takes none.
+  bool asks_crc = false;
+  for (kvb_xfer_op_t& x : xops) {
+    if (x.crc == nullptr) continue;
+    x.crc->computed = 0;
+    asks_crc = true;
+  }
+  std::vector<kvb_xfer_op_t> without_crc;
   for (size_t k = 0; k < candidates.size(); ++k) {
     Path& path = *peer->paths[candidates[k]];
     const uint64_t now = util::MonoNs();
@@ -540,8 +559,19 @@ bool TransferEngine::Impl::Dispatch(Batch& b, const std::shared_ptr<PeerRecord>&
       refused.push_back(candidates[k]);
       continue;
     }
+    std::span<const kvb_xfer_op_t> posted = xops;
+    if (asks_crc && (path.transport->caps() & KVB_TCAP_OP_CRC32C) == 0) {
+      if (without_crc.empty()) {
+        without_crc = xops;
+        for (kvb_xfer_op_t& x : without_crc) {
+          x.flags &= ~KVB_XOP_CRC32C;
+          x.crc = nullptr;
+        }
+      }
+      posted = without_crc;
+    }
     Result<std::unique_ptr<TransportInstance::Request>> req =
-        path.transport->Post(*path.tpeer, xops, popts);
+        path.transport->Post(*path.tpeer, posted, popts);
     if (req.ok()) {
       SubRequest sub;
       sub.peer = peer;
@@ -1260,6 +1290,14 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
       options.progress_timeout_ms ? options.progress_timeout_ms : im.options.progress_timeout_ms;
   batch->progress_timeout_ns = util::MsToNs(progress_ms);
   batch->op_status.assign(ops.size(), Status::InProgress());
+  for (uint32_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].checksum == nullptr || local_kind[i] != KVB_MEM_HOST) continue;
+    if (batch->crc_to.empty()) {
+      batch->crc_to.assign(ops.size(), nullptr);
+      batch->op_crcs.assign(ops.size(), kvb_op_crc_t{});
+    }
+    batch->crc_to[i] = ops[i].checksum;
+  }
   batch->local_segments.assign(local_seg.begin(), local_seg.end());
   std::sort(batch->local_segments.begin(), batch->local_segments.end());
   batch->local_segments.erase(
@@ -1382,13 +1420,15 @@ Result<BatchId> TransferEngine::Submit(std::span<const TransferOp> ops,
         g = std::prev(by_path.end());
       }
       g->op_index.push_back(i);
+      const bool crc = !batch->crc_to.empty() && batch->crc_to[i] != nullptr;
       g->xops.push_back(kvb_xfer_op_t{.opcode = static_cast<uint32_t>(op.opcode),
-                                      .reserved = 0,
+                                      .flags = crc ? KVB_XOP_CRC32C : 0,
                                       .local_segment = local_seg[i],
                                       .local_addr = op.local_addr,
                                       .length = op.length,
                                       .remote_segment = op.remote_segment,
-                                      .remote_offset = op.remote_offset});
+                                      .remote_offset = op.remote_offset,
+                                      .crc = crc ? &batch->op_crcs[i] : nullptr});
     }
     for (Group& g : by_path) {
       im.Dispatch(*batch, peer, g.order, std::move(g.op_index), std::move(g.xops), Status::OK());
@@ -1451,6 +1491,13 @@ std::optional<PeerHealth> TransferEngine::GetPeerHealth(std::string_view node_id
   h.local_copy_ops = peer->local_copied.load();
   h.stale = peer->stale.load();
   return h;
+}
+
+bool TransferEngine::TransportChecksumsOpsTo(std::string_view node_id) const {
+  std::shared_lock<std::shared_mutex> lock(impl_->peers_mu);
+  auto it = impl_->peers.find(std::string(node_id));
+  if (it == impl_->peers.end() || it->second->paths.empty()) return false;
+  return (it->second->paths.front()->transport->caps() & KVB_TCAP_OP_CRC32C) != 0;
 }
 
 Result<TransportStats> TransferEngine::GetTransportStats(std::string_view transport) const {

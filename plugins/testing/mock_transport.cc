@@ -24,6 +24,7 @@
 // a half-finished request.
 #include <time.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -536,7 +537,7 @@ kvb_status_t MockPost(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_xfer_op_t
     peer_copy = *peer;
     fault = t->fault;
   }
-  if (ops == nullptr || count == 0 || op_size < sizeof(kvb_xfer_op_t) || out == nullptr) {
+  if (ops == nullptr || count == 0 || op_size < KVB_XFER_OP_SIZE_1_0 || out == nullptr) {
     kvb_copy_message(err, err_len, KVB_MOCK_NAME ": post needs at least one op and an out pointer");
     return KVB_ERR_INVALID_ARGUMENT;
   }
@@ -547,8 +548,9 @@ kvb_status_t MockPost(kvb_transport_t* t, kvb_tpeer_t* peer, const kvb_xfer_op_t
     {
       std::shared_lock<std::shared_mutex> lk(t->self->mu);
       for (uint32_t i = 0; i < count; ++i) {
-        kvb_xfer_op_t& op = req->ops[i];
-        std::memcpy(&op, bytes + static_cast<size_t>(i) * op_size, sizeof(op));
+        kvb_xfer_op_t& op = req->ops[i];  // fields past op_size (an older host) stay 0
+        std::memcpy(&op, bytes + static_cast<size_t>(i) * op_size,
+                    std::min<size_t>(op_size, sizeof(op)));
         if ((op.opcode != KVB_OP_READ && op.opcode != KVB_OP_WRITE) || op.length == 0 ||
             op.local_addr == nullptr) {
           kvb_copy_message(err, err_len,

@@ -43,6 +43,13 @@ struct OpState {
   kvb_status_t error = KVB_OK;            // the first slice error, kept as the op's result
   kvb_status_t status = KVB_IN_PROGRESS;  // what poll reports: final once every slice ended
   std::string msg;
+  // An op that asked for its checksum (KVB_XOP_CRC32C): the host's slot, written once every
+  // slice ended OK having taken its CRC (crc_whole), and the slices' CRCs until then.
+  kvb_op_crc_t* crc_out = nullptr;
+  bool crc_whole = true;
+  uint64_t slice_bytes = 0;          // every slice's length but the last's
+  std::vector<uint32_t> slice_crcs;  // by slice index, when the op has more than one
+  uint32_t crc = 0;                  // the only slice's otherwise
 };
 
 // One posted request. Final once every slice has ended, or at once on cancel; after that no
@@ -73,8 +80,12 @@ struct Slice {
   uint64_t deadline_ns = 0;
   uint64_t progress_timeout_ns = 0;
   uint64_t posted_ns = 0;
-  int device = -1;     // >= 0: `local` is device memory of this CUDA device (staged)
-  bool ended = false;  // under req->mu
+  int device = -1;         // >= 0: `local` is device memory of this CUDA device (staged)
+  bool ended = false;      // under req->mu
+  uint32_t index = 0;      // within its op
+  bool want_crc = false;   // its op asked for the CRC-32C of its bytes (host memory)
+  bool crc_taken = false;  // `crc` holds the CRC-32C of every byte of it, as they landed
+  uint32_t crc = 0;
 };
 
 struct Peer {
@@ -188,6 +199,7 @@ class Lane {
     uint64_t sent = 0;       // frame bytes (header + WRITE payload) already sent
     bool abandoned = false;  // ended or request final: its local memory is off limits
     int staging = -1;        // device slice: its bounce buffer (DevStaging) once it has one
+    uint32_t crc = 0;        // when the slice wants it: the CRC-32C of its payload moved so far
     uint64_t frame_bytes() const {
       return wire::kRequestHeaderBytes + (s->opcode == KVB_OP_WRITE ? s->length : 0);
     }

@@ -315,7 +315,8 @@ bool LoadConfig(const kvb_host_services_t* host, Config* out, std::string* err) 
       read("tcp.inbound_idle_timeout_ms", 1, 86400000, &c.inbound_idle_timeout_ms) &&
       read("tcp.max_frame_bytes", 1, 1ull << 32, &c.max_frame_bytes) &&
       read("tcp.staging_slice_bytes", 4096, 1ull << 30, &c.staging_slice_bytes) &&
-      read("tcp.staging_buffers", 2, 64, &c.staging_buffers);
+      read("tcp.staging_buffers", 2, 64, &c.staging_buffers) &&
+      read("tcp.op_checksums", 0, 1, &c.op_checksums);
   if (!ok) return false;
   if (c.slice_bytes > c.max_frame_bytes) {
     *err = Fmt("tcp.slice_bytes: %llu exceeds tcp.max_frame_bytes (%llu)", U(c.slice_bytes),

@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "tcp_internal.h"
+#include "util/checksum.h"
 #include "util/host_port.h"
 
 namespace kvbridge::tcp {
@@ -441,8 +442,8 @@ bool Lane::SendSome(uint64_t now, Outcome* out) {
   m.msg_iovlen = static_cast<size_t>(n);
   const ssize_t w = sendmsg(fd_, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
   const int err = errno;
-  for (int k = 0; k < ne; ++k) ExitUserMem(*entered[k]);
   if (w < 0) {
+    for (int k = 0; k < ne; ++k) ExitUserMem(*entered[k]);
     if (err == EAGAIN || err == EWOULDBLOCK || err == EINTR) return true;
     *out = {Exit::kFail, KVB_ERR_PEER_UNREACHABLE,
             Fmt("send to %s: %s", Name().c_str(), ErrnoText(err).c_str())};
@@ -450,9 +451,16 @@ bool Lane::SendSome(uint64_t now, Outcome* out) {
   }
   if (w > 0) last_progress_ns_ = now;
   uint64_t left = static_cast<uint64_t>(w);
+  constexpr uint64_t kHdr = wire::kRequestHeaderBytes;
   while (left > 0) {
     Entry& e = inflight_[send_idx_];
     const uint64_t take = std::min(left, e.frame_bytes() - e.sent);
+    // A WRITE that wants its checksum folds in the payload bytes this call sent, which the
+    // kernel has just read (so they are in cache), while the caller's memory is still ours.
+    if (e.s->want_crc && e.s->device < 0 && e.sent + take > kHdr) {
+      const uint64_t from = std::max(e.sent, kHdr) - kHdr;
+      e.crc = util::Crc32c(e.s->local + from, e.sent + take - kHdr - from, e.crc);
+    }
     e.sent += take;
     left -= take;
     if (e.sent == e.frame_bytes()) {
@@ -460,10 +468,19 @@ bool Lane::SendSome(uint64_t now, Outcome* out) {
       ++send_idx_;
     }
   }
+  for (int k = 0; k < ne; ++k) ExitUserMem(*entered[k]);
   return true;
 }
 
 void Lane::CompleteFront(kvb_status_t code, const std::string& msg, Completions* done) {
+  Entry& e = inflight_.front();
+  // Every byte of a READ went to the caller's memory, or every byte of a WRITE came from it,
+  // through the CRC in RecvSome/SendSome, unless some went to scratch (then the slice already
+  // ended or its request is final).
+  if (code == KVB_OK && e.s->want_crc && !e.abandoned) {
+    e.s->crc = e.crc;
+    e.s->crc_taken = true;
+  }
   FreeStaging(inflight_.front());
   t_->EndSlice(*inflight_.front().s, code, msg, done);
   inflight_.pop_front();
@@ -583,6 +600,12 @@ bool Lane::RecvSome(uint64_t now, Outcome* out, Completions* done) {
     }
     const ssize_t r = recvmsg(fd_, &m, MSG_DONTWAIT);
     const int err = errno;
+    // The checksum of what just landed, while it is in this core's cache and before the
+    // request may end (the caller's memory is ours only until ExitUserMem).
+    if (user && r > 0 && e.s->want_crc) {
+      e.crc = util::Crc32c(v[0].iov_base, std::min<size_t>(static_cast<size_t>(r), v[0].iov_len),
+                           e.crc);
+    }
     if (user) ExitUserMem(*e.s);
     if (r < 0 && (err == EAGAIN || err == EWOULDBLOCK || err == EINTR)) return true;
     if (r <= 0) return socket_error(r, err);

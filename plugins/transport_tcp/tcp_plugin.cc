@@ -24,8 +24,10 @@ class TcpPlugin {
   // services (README.md "Device memory"). The descriptor is static, so the cap is always
   // declared; where the host has no CUDA driver, registering a CUDA region answers the host's
   // UNAVAILABLE (and the engine does not offer it: csrc/core/engine.cc RegisterMemory).
+  // OP_CRC32C: a lane checksums a READ's bytes as they land, when the op asks (tcp_lane.cc);
+  // an instance with tcp.op_checksums=0 drops it (InstanceCaps).
   static constexpr uint64_t kCaps =
-      KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM | KVB_TCAP_CUDA_MEM;
+      KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM | KVB_TCAP_CUDA_MEM | KVB_TCAP_OP_CRC32C;
   // The handshake is the host's (ABI 1.2 identity and auth services): an older host is refused
   // at load time, naming both versions.
   static constexpr uint16_t kMinHostMinor = 2;
@@ -92,6 +94,10 @@ class TcpPlugin {
   void Cancel(Request* req) { t_->Cancel(req); }
   void Release(Request* req) { t_->Release(req); }
   sdk::Status Stats(kvb_transport_stats_t& stats) { return t_->GetStats(&stats); }
+  // The host keeps the descriptor's caps (with the SDK's STATS) that this mask keeps.
+  uint64_t InstanceCaps() const {
+    return t_->config().op_checksums != 0 ? ~uint64_t{0} : ~KVB_TCAP_OP_CRC32C;
+  }
 
  private:
   std::unique_ptr<Transport> t_;

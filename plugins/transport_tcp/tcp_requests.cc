@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "tcp_internal.h"
+#include "util/checksum.h"
 #include "util/host_port.h"
 
 namespace kvbridge::tcp {
@@ -52,11 +53,30 @@ void Transport::EndSlice(Slice& s, kvb_status_t code, const std::string& msg, Co
     op.error = code;
     op.msg = msg;
   }
+  if (op.crc_out != nullptr && code == KVB_OK) {
+    if (!s.crc_taken) {
+      op.crc_whole = false;
+    } else if (op.slice_crcs.empty()) {
+      op.crc = s.crc;
+    } else {
+      op.slice_crcs[s.index] = s.crc;
+    }
+  }
   if (++op.ended_slices == op.total_slices) {
     op.status = op.error;
     if (op.error == KVB_OK) {
       (op.opcode == KVB_OP_READ ? counters_.bytes_read : counters_.bytes_written)
           .fetch_add(op.length);
+      if (op.crc_out != nullptr && op.crc_whole) {
+        // The slices' CRCs, joined in order: slice k is slice_bytes long but the last.
+        uint32_t crc = op.slice_crcs.empty() ? op.crc : op.slice_crcs[0];
+        for (size_t k = 1; k < op.slice_crcs.size(); ++k) {
+          const uint64_t len = std::min(op.slice_bytes, op.length - k * op.slice_bytes);
+          crc = util::Crc32cCombine(crc, op.slice_crcs[k], len);
+        }
+        op.crc_out->crc32c = crc;
+        op.crc_out->computed = 1;
+      }
     }
   }
   if (--r.outstanding_slices == 0) Finalize(r, done);
@@ -94,9 +114,9 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
     *err = "post: peer, ops and out are required and count must be > 0";
     return KVB_ERR_INVALID_ARGUMENT;
   }
-  if (op_size < sizeof(kvb_xfer_op_t)) {
-    *err =
-        Fmt("post: op_size %u is smaller than kvb_xfer_op_t (%zu)", op_size, sizeof(kvb_xfer_op_t));
+  if (op_size < KVB_XFER_OP_SIZE_1_0) {
+    *err = Fmt("post: op_size %u is smaller than a 1.0 kvb_xfer_op_t (%u)", op_size,
+               KVB_XFER_OP_SIZE_1_0);
     return KVB_ERR_INVALID_ARGUMENT;
   }
   uint64_t deadline_ns = 0;
@@ -117,6 +137,17 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
   auto op_at = [&](uint32_t i) -> const kvb_xfer_op_t& {
     return *reinterpret_cast<const kvb_xfer_op_t*>(reinterpret_cast<const uint8_t*>(ops) +
                                                    size_t(i) * op_size);
+  };
+  // The slot an op's checksum goes to, when the host's ops are long enough to hold one (1.4)
+  // and the op asks; device memory is staged through bounce buffers and never checksummed here.
+  const bool ops_have_crc = op_size >= offsetof(kvb_xfer_op_t, crc) + sizeof(kvb_op_crc_t*);
+  auto crc_slot = [&](uint32_t i, int dev) -> kvb_op_crc_t* {
+    const kvb_xfer_op_t& op = op_at(i);
+    if (!ops_have_crc || config_.op_checksums == 0 || dev >= 0 ||
+        (op.flags & KVB_XOP_CRC32C) == 0) {
+      return nullptr;
+    }
+    return op.crc;
   };
   // Per op: the local region's device (-1: host memory) and the slice length. Slices of device
   // memory are at most one staging buffer long (tcp.staging_slice_bytes): each is copied
@@ -224,15 +255,20 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
       }
       bytes += op.length;
       const uint64_t slice = cut(i);
+      st.crc_out = crc_slot(i, device[i]);
+      st.slice_bytes = slice;
       for (uint64_t off = 0; off < op.length; off += slice) {
         auto s = make_slice(i);
         s->local = static_cast<uint8_t*>(op.local_addr) + off;
         s->offset = op.remote_offset + off;
         s->length = std::min(slice, op.length - off);
         s->device = device[i];
+        s->index = st.total_slices;
+        s->want_crc = st.crc_out != nullptr;
         slices.push_back(std::move(s));
         ++st.total_slices;
       }
+      if (st.crc_out != nullptr && st.total_slices > 1) st.slice_crcs.assign(st.total_slices, 0);
     }
     const uint64_t queued = peer->queued_bytes.load();
     const uint64_t max = config_.max_queued_bytes_per_peer;

@@ -491,8 +491,8 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
     *err = "ucx: post: peer, ops and out are required and count must be > 0";
     return KVB_ERR_INVALID_ARGUMENT;
   }
-  if (op_size < sizeof(kvb_xfer_op_t)) {
-    *err = "ucx: post: op_size " + U(op_size) + " is smaller than kvb_xfer_op_t";
+  if (op_size < KVB_XFER_OP_SIZE_1_0) {
+    *err = "ucx: post: op_size " + U(op_size) + " is smaller than a 1.0 kvb_xfer_op_t";
     return KVB_ERR_INVALID_ARGUMENT;
   }
   auto req = std::make_shared<Request>();

@@ -251,7 +251,7 @@ TEST_F(SdkTransport, AnExceptionInAnOpIsInternalWithItsText) {
   Made<Plain> m(fake_.table());
   kvb_tpeer_t* peer = m.AddPeer();
   ASSERT_NE(peer, nullptr);
-  kvb_xfer_op_t op{KVB_OP_READ, 0, 1, nullptr, 8, 2, 0};
+  kvb_xfer_op_t op{KVB_OP_READ, 0, 1, nullptr, 8, 2, 0, nullptr};
   kvb_treq_t* req = nullptr;
   g_rec.throw_in = "post";
   EXPECT_EQ(ops->post(m.get(), peer, &op, sizeof(op), 1, nullptr, &req, err, sizeof(err)),
@@ -345,8 +345,9 @@ TEST_F(SdkTransport, OpsAreReadByOpSizeAndOnlyAsFarAsEachFieldFits) {
   Made<Plain> m(fake_.table());
   kvb_tpeer_t* peer = m.AddPeer();
   int a = 0, b = 0;
-  const std::vector<kvb_xfer_op_t> ops = {{KVB_OP_READ, 0, 1, &a, 10, 2, 100},
-                                          {KVB_OP_WRITE, 0, 3, &b, 20, 4, 200}};
+  kvb_op_crc_t slot{};
+  const std::vector<kvb_xfer_op_t> ops = {{KVB_OP_READ, KVB_XOP_CRC32C, 1, &a, 10, 2, 100, &slot},
+                                          {KVB_OP_WRITE, 0, 3, &b, 20, 4, 200, nullptr}};
   char err[256] = "";
   kvb_treq_t* req = nullptr;
   int completions = 0;
@@ -367,12 +368,27 @@ TEST_F(SdkTransport, OpsAreReadByOpSizeAndOnlyAsFarAsEachFieldFits) {
   EXPECT_EQ(g_rec.ops[1].length, 20u);
   EXPECT_EQ(g_rec.ops[1].remote_segment, 4u);
   EXPECT_EQ(g_rec.ops[1].remote_offset, 200u);
+  EXPECT_EQ(g_rec.ops[0].flags, KVB_XOP_CRC32C);  // 1.4's fields, as the host wrote them
+  EXPECT_EQ(g_rec.ops[0].crc, &slot);
   EXPECT_EQ(g_rec.opts.deadline_ns, 777u);
   EXPECT_EQ(g_rec.opts.progress_timeout_ns, 888u);
   EXPECT_EQ(completions, 1);
   kvb_status_t st[2] = {KVB_IN_PROGRESS, KVB_IN_PROGRESS};
   EXPECT_EQ(m.ops()->poll(m.get(), req, st, 2, err, sizeof(err)), KVB_OK);
   EXPECT_EQ(st[1], KVB_OK);
+  m.ops()->release(m.get(), req);
+
+  // A 1.0-1.3 host's elements end before `crc`: it reads as null, not as the 0xab that follow.
+  bytes = LayOut(ops, KVB_XFER_OP_SIZE_1_0);
+  ASSERT_EQ(m.ops()->post(m.get(), peer, reinterpret_cast<kvb_xfer_op_t*>(bytes.data()),
+                          KVB_XFER_OP_SIZE_1_0, 2, &opts, &req, err, sizeof(err)),
+            KVB_OK)
+      << err;
+  ASSERT_EQ(g_rec.ops.size(), 2u);
+  EXPECT_EQ(g_rec.ops[0].crc, nullptr);
+  EXPECT_EQ(g_rec.ops[1].crc, nullptr);
+  EXPECT_EQ(g_rec.ops[1].remote_offset, 200u);
+  EXPECT_EQ(completions, 2);
   m.ops()->release(m.get(), req);
 
   // Smaller elements (ending inside remote_offset): the cut field reads as 0, not as the next
@@ -394,7 +410,7 @@ TEST_F(SdkTransport, OpsAreReadByOpSizeAndOnlyAsFarAsEachFieldFits) {
   EXPECT_EQ(g_rec.ops[1].remote_offset, 0u);
   EXPECT_EQ(g_rec.opts.on_complete, nullptr);
   EXPECT_EQ(g_rec.opts.deadline_ns, 777u);
-  EXPECT_EQ(completions, 1);
+  EXPECT_EQ(completions, 2);
   m.ops()->release(m.get(), req);
   m.ops()->remove_peer(m.get(), peer);
 }

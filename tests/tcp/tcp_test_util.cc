@@ -235,12 +235,13 @@ kvb_transport_stats_t Instance::Stats() const {
 kvb_xfer_op_t Instance::Op(uint32_t opcode, uint64_t local_segment, void* local, uint64_t len,
                            uint64_t remote_segment, uint64_t remote_offset) const {
   return kvb_xfer_op_t{.opcode = opcode,
-                       .reserved = 0,
+                       .flags = 0,
                        .local_segment = local_segment,
                        .local_addr = local,
                        .length = len,
                        .remote_segment = remote_segment,
-                       .remote_offset = remote_offset};
+                       .remote_offset = remote_offset,
+                       .crc = nullptr};
 }
 
 kvb_status_t Instance::PostAsync(kvb_tpeer_t* peer, const std::vector<kvb_xfer_op_t>& ops,

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "tests/tcp/tcp_test_util.h"
+#include "util/checksum.h"
 
 namespace kvbridge::tcp::test {
 namespace {
@@ -67,7 +68,7 @@ TEST(TcpTransport, DescriptorAndEndpoints) {
   EXPECT_STREQ(d->name, "tcp");
   EXPECT_EQ(d->kind, KVB_PLUGIN_TRANSPORT);
   EXPECT_EQ(d->caps, KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM | KVB_TCAP_CUDA_MEM |
-                         KVB_TCAP_STATS);
+                         KVB_TCAP_STATS | KVB_TCAP_OP_CRC32C);
   char reason[64];
   EXPECT_EQ(d->probe(reason, sizeof(reason)), KVB_OK);
   auto a = Make("a", 1, {}, "", "127.0.0.1:0,127.0.0.1:0");
@@ -628,6 +629,174 @@ TEST(TcpTransport, DeadEndpointFailsFastAndTheNextEndpointIsTried) {
     ASSERT_EQ(r.status, KVB_OK) << r.msg;
     EXPECT_EQ(std::memcmp(a.mem->data(), b.mem->data(), 4096), 0);
   }
+}
+
+// With KVB_XOP_CRC32C an op's CRC-32C is taken as its bytes move (a READ's as they land, a
+// WRITE's as they are sent), slices joined in order: ops of one byte, of exactly one slice, one
+// byte over, and many slices spread over the lanes. Only ops that ask and end OK get one; an
+// op that does not ask and an op that fails leave the slot as posted.
+TEST(TcpTransport, OpsThatAskGetTheChecksumOfTheBytesTheyMoved) {
+  constexpr uint64_t kSlice = 64 * 1024;
+  Server b("b", 0xc1, 8 * kMiB);
+  Client a("a", 8 * kMiB, {{"tcp.slice_bytes", std::to_string(kSlice)}});
+  ASSERT_TRUE(b.inst && a.inst);
+  EXPECT_NE(Descriptor()->caps & KVB_TCAP_OP_CRC32C, 0u);
+  EXPECT_NE(Ops()->instance_caps(a.inst->t()) & KVB_TCAP_OP_CRC32C, 0u);
+  b.mem->Fill(0xc1);
+  kvb_tpeer_t* peer = a.inst->AddPeer(*b.inst);
+  const std::vector<uint64_t> lengths = {1, kSlice, kSlice + 1, 3 * kMiB + 13};
+  const size_t n = lengths.size();
+  // Slots: the n READs', the READ that does not ask, the one that fails, the n WRITEs'.
+  std::vector<kvb_op_crc_t> slots(2 * n + 2, kvb_op_crc_t{0xdead, 0});
+  std::vector<kvb_xfer_op_t> ops;
+  uint64_t at = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    ops.push_back(a.Read(at + 1, lengths[i], b.seg, 7 + i));  // unaligned on both sides
+    ops.back().flags = KVB_XOP_CRC32C;
+    ops.back().crc = &slots[i];
+    at += lengths[i] + 64;
+  }
+  ops.push_back(a.Read(at + 8192, 4096, b.seg, 0));  // a slot but no ask
+  ops.back().crc = &slots[n];
+  ops.push_back(a.Read(at + 16384, 4096, b.seg + 77, 0));  // fails: no such segment there
+  ops.back().flags = KVB_XOP_CRC32C;
+  ops.back().crc = &slots[n + 1];
+  ops.push_back(a.Read(at + 24576, 4096, b.seg, 0));  // asks, but the flag without a slot
+  ops.back().flags = KVB_XOP_CRC32C;
+  // WRITEs from past the reads' buffers to past the bytes they read.
+  const uint64_t write_from = at + 32768, write_to = 4 * kMiB;
+  a.mem->Fill(0xc5, write_from, 4 * kMiB - 4096);
+  at = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    ops.push_back(a.Write(write_from + at, lengths[i], b.seg, write_to + at + 3));
+    ops.back().flags = KVB_XOP_CRC32C;
+    ops.back().crc = &slots[n + 2 + i];
+    at += lengths[i];
+  }
+  Result r = a.inst->Transfer(peer, ops);
+  ASSERT_EQ(r.op_status.size(), ops.size());
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    SCOPED_TRACE("length " + std::to_string(lengths[i]));
+    ASSERT_EQ(r.op_status[i], KVB_OK) << r.msg;
+    const auto* got = static_cast<const uint8_t*>(ops[i].local_addr);
+    ASSERT_EQ(std::memcmp(got, b.mem->data() + 7 + i, lengths[i]), 0);
+    EXPECT_EQ(slots[i].computed, 1u);
+    EXPECT_EQ(slots[i].crc32c, util::Crc32c(b.mem->data() + 7 + i, lengths[i]));
+  }
+  EXPECT_EQ(r.op_status[n], KVB_OK);
+  EXPECT_EQ(r.op_status[n + 1], KVB_ERR_NOT_REGISTERED);
+  EXPECT_EQ(r.op_status[n + 2], KVB_OK);
+  for (size_t k = n; k < n + 2; ++k) {
+    EXPECT_EQ(slots[k].computed, 0u) << "slot " << k;
+    EXPECT_EQ(slots[k].crc32c, 0xdeadu) << "slot " << k;
+  }
+  at = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    SCOPED_TRACE("WRITE of " + std::to_string(lengths[i]));
+    ASSERT_EQ(r.op_status[n + 3 + i], KVB_OK) << r.msg;
+    const uint8_t* sent = a.mem->data() + write_from + at;
+    ASSERT_EQ(std::memcmp(b.mem->data() + write_to + at + 3, sent, lengths[i]), 0);
+    EXPECT_EQ(slots[n + 2 + i].computed, 1u);
+    EXPECT_EQ(slots[n + 2 + i].crc32c, util::Crc32c(sent, lengths[i]));
+    at += lengths[i];
+  }
+
+  // A host of ABI 1.0-1.3 passes shorter ops, with no slot: nothing past them is read.
+  std::vector<uint8_t> short_ops(2 * KVB_XFER_OP_SIZE_1_0);
+  for (size_t i = 0; i < 2; ++i) {
+    kvb_xfer_op_t op = a.Read(i * 4096, 4096, b.seg, i * 4096);
+    op.flags = KVB_XOP_CRC32C;  // a 1.3 host never sets it; a stray bit must not matter either
+    std::memcpy(short_ops.data() + i * KVB_XFER_OP_SIZE_1_0, &op, KVB_XFER_OP_SIZE_1_0);
+  }
+  auto p = std::make_shared<Pending>();
+  p->num_ops = 2;
+  char err[256] = "";
+  kvb_post_opts_t opts{.struct_size = sizeof(kvb_post_opts_t),
+                       .on_complete =
+                           [](void* u) {
+                             auto* pending = static_cast<Pending*>(u);
+                             std::lock_guard<std::mutex> lock(pending->mu);
+                             ++pending->calls;
+                             pending->cv.notify_all();
+                           },
+                       .user = p.get()};
+  ASSERT_EQ(Ops()->post(a.inst->t(), peer, reinterpret_cast<kvb_xfer_op_t*>(short_ops.data()),
+                        KVB_XFER_OP_SIZE_1_0, 2, &opts, &p->req, err, sizeof(err)),
+            KVB_OK)
+      << err;
+  Result old = a.inst->Finish(p);
+  EXPECT_EQ(old.status, KVB_OK) << old.msg;
+  EXPECT_EQ(std::memcmp(a.mem->data(), b.mem->data(), 8192), 0);
+}
+
+// An op that asks, on a peer that freezes (a READ waiting for its payload, a WRITE whose bytes
+// the peer never reads) or whose request is cancelled, leaves its slot untouched;
+// tcp.op_checksums=0 drops the cap and takes no checksum at all.
+TEST(TcpTransport, OpsThatFailOrAreCancelledGetNoChecksum) {
+  {
+    SilentServer frozen(/*accept=*/true, /*answer_handshake=*/true, "frozen", 9);
+    Client a("a", 16 * kMiB);
+    ASSERT_TRUE(a.inst);
+    kvb_tpeer_t* peer = a.inst->AddPeerRaw("frozen", 9, frozen.endpoint());
+    kvb_op_crc_t slots[2] = {{0xdead, 0}, {0xdead, 0}};
+    std::vector<kvb_xfer_op_t> ops = {a.Read(0, kMiB, 1, 0), a.Write(kMiB, 15 * kMiB, 1, 0)};
+    for (int i = 0; i < 2; ++i) {
+      ops[i].flags = KVB_XOP_CRC32C;
+      ops[i].crc = &slots[i];
+    }
+    std::shared_ptr<Pending> p;
+    ASSERT_EQ(a.inst->PostAsync(peer, ops, 10000, &p, nullptr, /*progress_timeout_ms=*/300),
+              KVB_OK);
+    Result r = a.inst->Finish(p);
+    EXPECT_EQ(r.status, KVB_ERR_PROGRESS_TIMEOUT) << r.msg;
+    for (const kvb_op_crc_t& slot : slots) {
+      EXPECT_EQ(slot.computed, 0u);
+      EXPECT_EQ(slot.crc32c, 0xdeadu);
+    }
+  }
+  {
+    Server b("b", 0xc2, 64 * kMiB);
+    Client a("a", 64 * kMiB);
+    ASSERT_TRUE(b.inst && a.inst);
+    b.mem->Fill(0xc2);
+    kvb_tpeer_t* peer = a.inst->AddPeer(*b.inst);
+    kvb_op_crc_t slot{0xdead, 0};
+    kvb_xfer_op_t op = a.Read(0, 64 * kMiB, b.seg, 0);
+    op.flags = KVB_XOP_CRC32C;
+    op.crc = &slot;
+    std::shared_ptr<Pending> p;
+    ASSERT_EQ(a.inst->PostAsync(peer, {op}, 20000, &p), KVB_OK);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    Ops()->cancel(a.inst->t(), p->req);
+    Result r = a.inst->Finish(p);
+    if (r.status == KVB_OK) {  // it beat the cancel: then its checksum is whole
+      EXPECT_EQ(slot.computed, 1u);
+      EXPECT_EQ(slot.crc32c, util::Crc32c(b.mem->data(), 64 * kMiB));
+    } else {
+      EXPECT_EQ(r.status, KVB_ERR_CANCELLED) << r.msg;
+      EXPECT_EQ(slot.computed, 0u);
+      EXPECT_EQ(slot.crc32c, 0xdeadu);
+    }
+  }
+  {
+    Server b("b", 0xc3, kMiB);
+    Client a("a", kMiB, {{"tcp.op_checksums", "0"}});
+    ASSERT_TRUE(b.inst && a.inst);
+    EXPECT_EQ(Ops()->instance_caps(a.inst->t()) & KVB_TCAP_OP_CRC32C, 0u);
+    kvb_tpeer_t* peer = a.inst->AddPeer(*b.inst);
+    kvb_op_crc_t slot{0xdead, 0};
+    kvb_xfer_op_t op = a.Read(0, 4096, b.seg, 0);
+    op.flags = KVB_XOP_CRC32C;
+    op.crc = &slot;
+    ASSERT_EQ(a.inst->Transfer(peer, {op}).status, KVB_OK);
+    EXPECT_EQ(slot.computed, 0u);
+  }
+  Instance::Options o;
+  o.config = {{"tcp.op_checksums", "2"}};
+  std::unique_ptr<Instance> bad;
+  std::string err;
+  EXPECT_EQ(Instance::TryCreate(o, &bad, &err), KVB_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(err.find("tcp.op_checksums: 2 is outside [0, 1]"), std::string::npos) << err;
 }
 
 TEST(TcpTransport, FrozenPeerFailsWithProgressTimeout) {

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <thread>
 #include <vector>
 
@@ -20,9 +21,11 @@ using testing::Buffer;
 using testing::LoopbackOptions;
 using testing::Must;
 
-EngineOptions Options(const std::string& node_id, bool local_copy) {
+EngineOptions Options(const std::string& node_id, bool local_copy,
+                      std::map<std::string, std::string> config = {}) {
   EngineOptions o = LoopbackOptions("tcp", node_id);
   o.local_copy = local_copy;
+  o.plugin_config = std::move(config);
   return o;
 }
 
@@ -33,8 +36,8 @@ uint64_t TcpBytes(const TransferEngine& e) {
 
 class LocalCopyTest : public ::testing::Test {
  protected:
-  void Start(bool local_copy) {
-    a_ = Must(TransferEngine::Create(Options("lc-a", local_copy)));
+  void Start(bool local_copy, std::map<std::string, std::string> config = {}) {
+    a_ = Must(TransferEngine::Create(Options("lc-a", local_copy, std::move(config))));
     b_ = Must(TransferEngine::Create(Options("lc-b", local_copy)));
     Must(a_->RegisterMemory(mem_a_.data(), mem_a_.size()));
     seg_b_ = Must(b_->RegisterMemory(mem_b_.data(), mem_b_.size()));
@@ -78,11 +81,18 @@ TEST_F(LocalCopyTest, OffTheTransportMovesTheBytes) {
 }
 
 // A read or a write copied in this process gives the CRC-32C of what it copied
-// (TransferOp::checksum), taken chunk by chunk; an op the transport moves leaves it untouched.
+// (TransferOp::checksum), taken chunk by chunk. Through the tcp transport each gets the
+// checksum its lane took as the bytes landed or left (KVB_TCAP_OP_CRC32C); with
+// tcp.op_checksums=0 no op gets one.
 TEST_F(LocalCopyTest, CopiedOpsGiveTheChecksumOfTheirBytes) {
-  for (bool local_copy : {true, false}) {
-    SCOPED_TRACE(local_copy ? "copied" : "through the transport");
-    Start(local_copy);
+  enum Mode { kCopied, kTcp, kTcpWithout };
+  for (Mode mode : {kCopied, kTcp, kTcpWithout}) {
+    SCOPED_TRACE(mode == kCopied ? "copied" : mode == kTcp ? "tcp" : "tcp.op_checksums=0");
+    const bool local_copy = mode == kCopied;
+    const bool crcs_taken = mode != kTcpWithout;
+    Start(local_copy, mode == kTcpWithout
+                          ? std::map<std::string, std::string>{{"tcp.op_checksums", "0"}}
+                          : std::map<std::string, std::string>{});
     mem_b_.Fill(3);
     std::memset(mem_a_.data(), 0, mem_a_.size());
     mem_a_.Fill(5, 512 << 10, 4096);  // what the write sends
@@ -104,8 +114,8 @@ TEST_F(LocalCopyTest, CopiedOpsGiveTheChecksumOfTheirBytes) {
     at = 0;
     for (size_t i = 0; i < std::size(sizes); ++i) {
       EXPECT_TRUE(mem_a_.Matches(3, at, sizes[i], at + 7)) << "read " << i;
-      EXPECT_EQ(crcs[i].computed, local_copy) << "read " << i;
-      if (local_copy) {
+      EXPECT_EQ(crcs[i].computed, crcs_taken) << "read " << i;
+      if (crcs_taken) {
         EXPECT_EQ(crcs[i].crc32c, util::Crc32c(mem_a_.data() + at, sizes[i])) << "read " << i;
       } else {
         EXPECT_EQ(crcs[i].crc32c, 0u);
@@ -113,9 +123,9 @@ TEST_F(LocalCopyTest, CopiedOpsGiveTheChecksumOfTheirBytes) {
       at += sizes[i];
     }
     EXPECT_TRUE(mem_b_.Matches(5, at + 65536, 4096, 512 << 10)) << "the write";
-    EXPECT_EQ(crcs.back().computed, local_copy) << "the write";
+    EXPECT_EQ(crcs.back().computed, crcs_taken) << "the write";
     EXPECT_EQ(crcs.back().crc32c,
-              local_copy ? util::Crc32c(mem_a_.data() + (512 << 10), 4096) : 12345u);
+              crcs_taken ? util::Crc32c(mem_a_.data() + (512 << 10), 4096) : 12345u);
     a_.reset();
     b_.reset();
   }

@@ -108,7 +108,7 @@ class MockTransportTest : public ::testing::Test {
 
   kvb_xfer_op_t Op(uint32_t opcode, size_t local_off, size_t len, uint64_t remote_off,
                    uint64_t remote_segment = 1) {
-    return {opcode, 0, 1, a_->mem.data() + local_off, len, remote_segment, remote_off};
+    return {opcode, 0, 1, a_->mem.data() + local_off, len, remote_segment, remote_off, nullptr};
   }
   // Posts one op from a_ to b_'s region (local segment 1 of a_); the code post() returned.
   kvb_status_t Post(uint32_t opcode, size_t local_off, size_t len, uint64_t remote_off,
@@ -224,7 +224,7 @@ TEST_F(MockTransportTest, RemoteBoundsAreChecked) {
 TEST_F(MockTransportTest, BadPostsQueueNothing) {
   std::unique_ptr<Request> req;
   std::vector<uint8_t> unregistered(64);
-  kvb_xfer_op_t op{KVB_OP_WRITE, 0, 1, unregistered.data(), 64, 1, 0};
+  kvb_xfer_op_t op{KVB_OP_WRITE, 0, 1, unregistered.data(), 64, 1, 0, nullptr};
   auto bad = a_->t->Post(*peer_b_, {&op, 1}, {});
   ASSERT_FALSE(bad.ok());
   EXPECT_TRUE(bad.status().Is(StatusCode::kNotRegistered)) << bad.status().ToString();
@@ -339,7 +339,7 @@ TEST_F(MockTransportTest, FaultsFromConfigAtCreate) {
   Instance* c = Create("mt-c", 33, {{"mock.fail_code", "STALE_PEER"}, {"mock.fail_count", "1"}});
   ASSERT_NE(c, nullptr);
   std::unique_ptr<Peer> peer = AddPeer(*c, *b_);
-  kvb_xfer_op_t op{KVB_OP_WRITE, 0, 1, c->mem.data(), 64, 1, 0};
+  kvb_xfer_op_t op{KVB_OP_WRITE, 0, 1, c->mem.data(), 64, 1, 0, nullptr};
   for (kvb_status_t want : {KVB_ERR_STALE_PEER, KVB_OK}) {
     auto req = c->t->Post(*peer, {&op, 1}, {});
     ASSERT_TRUE(req.ok()) << req.status().ToString();
@@ -360,13 +360,9 @@ TEST_F(MockTransportTest, ConcurrentPostsFromManyThreads) {
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       for (int i = 0; i < kPerThread; ++i) {
-        kvb_xfer_op_t op{KVB_OP_WRITE,
-                         0,
-                         1,
-                         a_->mem.data() + t * 1024,
-                         1024,
-                         1,
-                         static_cast<uint64_t>(t) * 1024};
+        kvb_xfer_op_t op{
+            KVB_OP_WRITE, 0, 1, a_->mem.data() + t * 1024, 1024, 1, static_cast<uint64_t>(t) * 1024,
+            nullptr};
         auto req = a_->t->Post(*peer_b_, {&op, 1}, {});
         if (!req.ok()) continue;
         TransportInstance::PollResult r;

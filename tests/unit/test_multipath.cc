@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <utility>
@@ -358,14 +359,21 @@ TEST_F(MultipathTest, OnlyFailedOpsFailOver) {
 TEST_F(MultipathTest, FrozenPathFailsOverAfterProgressTimeout) {
   ASSERT_EQ(mock_.set_fault("mp-a", KVB_OK, 0, /*delay_ms=*/3000), KVB_OK);
   mem_a_.Fill(21, 0, 8192);
+  // The read asks for its checksum: neither mock takes one (no KVB_TCAP_OP_CRC32C), so the
+  // engine posts it without the ask on both paths and leaves it not computed.
+  OpChecksum crc{.crc32c = 77, .computed = false};
+  TransferOp read = Op(OpCode::kRead, 8192);
+  read.checksum = &crc;
   const auto t0 = Clock::now();
-  BatchResult r = Run({Op(OpCode::kWrite, 0), Op(OpCode::kRead, 8192)}, /*deadline_ms=*/2000,
-                      /*progress_ms=*/100);
+  BatchResult r = Run({Op(OpCode::kWrite, 0), read}, /*deadline_ms=*/2000, /*progress_ms=*/100);
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   ASSERT_TRUE(r.status.ok()) << r.status.ToString();
   EXPECT_GE(ms, 90);
   EXPECT_LT(ms, 1000) << "failover waited for more than the progress timeout";
   EXPECT_TRUE(mem_b_.Matches(21, 0, 4096, 0));
+  EXPECT_EQ(std::memcmp(mem_a_.data() + 8192, mem_b_.data() + 8192, 4096), 0);
+  EXPECT_FALSE(crc.computed);
+  EXPECT_EQ(crc.crc32c, 77u);
   ASSERT_EQ(r.op_path_history.size(), 2u);
   for (const std::string& h : r.op_path_history) {
     EXPECT_NE(h.find("mock: PROGRESS_TIMEOUT"), std::string::npos) << h;

@@ -607,7 +607,7 @@ TEST(ExamplePlugin, LoadsThroughRegistryAndMovesBytes) {
                        sizeof(kvb_peer_segment_t)};
   kvb_tpeer_t* peer = nullptr;
   ASSERT_EQ(ops->add_peer(t, &self, &peer, err, sizeof(err)), KVB_OK) << err;
-  kvb_xfer_op_t op{KVB_OP_WRITE, 0, 1, src.data(), 100, 2, 10};
+  kvb_xfer_op_t op{KVB_OP_WRITE, 0, 1, src.data(), 100, 2, 10, nullptr};
   kvb_treq_t* req = nullptr;
   ASSERT_EQ(ops->post(t, peer, &op, sizeof(op), 1, nullptr, &req, err, sizeof(err)), KVB_OK);
   kvb_status_t op_st = KVB_IN_PROGRESS;
@@ -635,7 +635,7 @@ TEST(ExamplePlugin, LoadsThroughRegistryAndMovesBytes) {
   old_self.incarnation = 76;
   kvb_tpeer_t* stale = nullptr;
   ASSERT_EQ(ops->add_peer(t, &old_self, &stale, err, sizeof(err)), KVB_OK) << err;
-  op = kvb_xfer_op_t{KVB_OP_WRITE, 0, 1, src.data(), 100, 2, 500};
+  op = kvb_xfer_op_t{KVB_OP_WRITE, 0, 1, src.data(), 100, 2, 500, nullptr};
   ASSERT_EQ(ops->post(t, stale, &op, sizeof(op), 1, nullptr, &req, err, sizeof(err)), KVB_OK);
   EXPECT_EQ(ops->poll(t, req, &op_st, 1, err, sizeof(err)), KVB_ERR_STALE_PEER);
   ops->release(t, req);

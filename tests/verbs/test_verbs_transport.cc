@@ -274,7 +274,7 @@ class VerbsTransportTest : public ::testing::Test {
 
   static kvb_xfer_op_t Op(uint32_t opcode, uint64_t local_seg, void* local, uint64_t len,
                           uint64_t remote_seg, uint64_t remote_off) {
-    return kvb_xfer_op_t{opcode, 0, local_seg, local, len, remote_seg, remote_off};
+    return kvb_xfer_op_t{opcode, 0, local_seg, local, len, remote_seg, remote_off, nullptr};
   }
 
   // Posts and polls until final; the post's own error when it refused.

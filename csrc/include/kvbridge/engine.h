@@ -221,6 +221,11 @@ class KVBRIDGE_API TransferEngine {
   Status Transfer(std::span<const TransferOp> ops, const SubmitOptions& options = {});
 
   std::optional<PeerHealth> GetPeerHealth(std::string_view node_id) const;
+  // Whether an op to this peer that asks for TransferOp::checksum gets it from the transport of
+  // the peer's preferred path (KVB_TCAP_OP_CRC32C), as far as the engine can tell before the
+  // op runs: a breaker or a failover may still move it to a path without. False for an unknown
+  // peer. Copies in this process (local_copy) take their checksum whatever this says.
+  bool TransportChecksumsOpsTo(std::string_view node_id) const;
   // UNSUPPORTED when the transport does not report stats.
   Result<TransportStats> GetTransportStats(std::string_view transport) const;
 

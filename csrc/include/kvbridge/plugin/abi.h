@@ -38,8 +38,10 @@ extern "C" {
  * 1.2: host services for identity and the cluster-token handshake (node_id ... auth_end),
  *      device-memory services (dev_stream_create ... pinned_free), KVB_ERR_UNKNOWN_MEMORY.
  * 1.3: transport instance_caps (an instance narrows its descriptor's caps), KVB_TCAP_CUDA_DIRECT.
+ * 1.4: kvb_xfer_op_t.flags (was reserved) and .crc, KVB_TCAP_OP_CRC32C: a transport takes the
+ *      checksum of a READ's bytes as they land.
  */
-#define KVB_ABI_MINOR 3
+#define KVB_ABI_MINOR 4
 
 /* Name of the one symbol every plugin exports. */
 #define KVB_PLUGIN_QUERY_SYMBOL "kvb_plugin_query"

@@ -48,7 +48,12 @@ extern "C" {
  * transport with CUDA_MEM but not CUDA_DIRECT stages device bytes through host memory; for an
  * op on device memory the engine tries CUDA_DIRECT paths first. */
 #define KVB_TCAP_CUDA_DIRECT ((uint64_t)1 << 7)
-#define KVB_TCAP_KNOWN_MASK ((uint64_t)0xff)
+/* 1.4: takes the CRC-32C of an op's bytes as they move (a READ's as they land in local memory, a
+ * WRITE's as they leave it), when the op asks for it (KVB_XOP_CRC32C and kvb_xfer_op_t.crc): a
+ * reader that verifies what it received, or a writer that records the checksum of what it wrote,
+ * needs no second pass over its buffer. */
+#define KVB_TCAP_OP_CRC32C ((uint64_t)1 << 8)
+#define KVB_TCAP_KNOWN_MASK ((uint64_t)0x1ff)
 
 typedef enum kvb_mem_kind { KVB_MEM_HOST = 1, KVB_MEM_CUDA = 2 } kvb_mem_kind_t;
 
@@ -101,17 +106,39 @@ typedef struct kvb_peer_info {
   uint32_t segment_size;
 } kvb_peer_info_t;
 
+/* 1.4: where a transport with KVB_TCAP_OP_CRC32C leaves the checksum of an op's bytes. */
+typedef struct kvb_op_crc {
+  uint32_t
+      crc32c; /* CRC-32C (Castagnoli) of the bytes the op moved, as they were in local memory */
+  uint32_t computed; /* set to 1 by the transport once crc32c holds them; the host posts 0 */
+} kvb_op_crc_t;
+
+/* kvb_xfer_op_t.flags (1.4; the field was `reserved`, always 0, before). A transport ignores
+ * bits it does not know, and a host sets a bit only for a transport that declares its cap. */
+#define KVB_XOP_CRC32C ((uint32_t)1 << 0) /* the op asks for the CRC-32C of its bytes in `crc` */
+
 /* One op of a request. Arrays of ops are passed with their element size (op_size) so the
- * struct can grow in a minor version. */
+ * struct can grow in a minor version: a field at or past op_size is absent (a 1.0-1.3 host
+ * passes KVB_XFER_OP_SIZE_1_0 bytes). */
 typedef struct kvb_xfer_op {
-  uint32_t opcode; /* kvb_opcode_t */
-  uint32_t reserved;
+  uint32_t opcode;        /* kvb_opcode_t */
+  uint32_t flags;         /* KVB_XOP_* (1.4) */
   uint64_t local_segment; /* local region containing [local_addr, local_addr + length) */
   void* local_addr;
   uint64_t length;
   uint64_t remote_segment;
   uint64_t remote_offset;
+  /* 1.4, with KVB_XOP_CRC32C: a transport with KVB_TCAP_OP_CRC32C writes the CRC-32C of the
+   * bytes the op moved here (a READ's as they landed in [local_addr, +length), a WRITE's as it
+   * sent them from there), and sets `computed`, before the request becomes final, for an op
+   * that ends OK. It may leave `computed` 0 when it cannot (bytes staged through a bounce
+   * buffer); nothing is written for an op that fails. Owned by the host, valid until the
+   * request is released; read only once poll() says final. */
+  kvb_op_crc_t* crc;
 } kvb_xfer_op_t;
+
+/* The element size of kvb_xfer_op_t up to ABI 1.3 (no `crc`). */
+#define KVB_XFER_OP_SIZE_1_0 ((uint32_t)offsetof(kvb_xfer_op_t, crc))
 
 typedef struct kvb_post_opts {
   uint32_t struct_size;

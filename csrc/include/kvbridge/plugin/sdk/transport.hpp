@@ -115,11 +115,13 @@ namespace detail {
 inline kvb_xfer_op_t ReadOp(const uint8_t* p, size_t avail) {
   kvb_xfer_op_t op{};
   KVB_SDK_READ_FIELD(op, p, avail, kvb_xfer_op_t, opcode);
+  KVB_SDK_READ_FIELD(op, p, avail, kvb_xfer_op_t, flags);
   KVB_SDK_READ_FIELD(op, p, avail, kvb_xfer_op_t, local_segment);
   KVB_SDK_READ_FIELD(op, p, avail, kvb_xfer_op_t, local_addr);
   KVB_SDK_READ_FIELD(op, p, avail, kvb_xfer_op_t, length);
   KVB_SDK_READ_FIELD(op, p, avail, kvb_xfer_op_t, remote_segment);
   KVB_SDK_READ_FIELD(op, p, avail, kvb_xfer_op_t, remote_offset);
+  KVB_SDK_READ_FIELD(op, p, avail, kvb_xfer_op_t, crc);  // 1.4
   return op;
 }
 
