@@ -188,10 +188,12 @@ struct StoreClient::Impl {
 
   // The threads that share a large checksum pass (EngineOptions::local_copy_threads).
   std::unique_ptr<util::WorkerPool> crc_pool;
-  // Whether the last put found its keys' replicas in this process's own node (an embedded
-  // client): then the next put takes the checksum of such keys from their copy
-  // (TransferOp::checksum) instead of a pass over the caller's bytes while PutStart is out.
-  std::atomic<bool> put_crc_in_copy{false};
+  // Whether the last put found a replica of each key where its write takes the checksum: a
+  // node of this process (an embedded client's own: the copy takes it) or a node reached over
+  // a transport that takes it as the bytes leave (KVB_TCAP_OP_CRC32C). Then the next put takes
+  // the checksum of such keys from that write (TransferOp::checksum) instead of a pass over the
+  // caller's bytes while PutStart is out. The first put finds out.
+  std::atomic<bool> put_crc_in_copy{true};
 
   std::mutex staging_mu;  // one Put/Get at a time uses the staging area
   std::unique_ptr<char[]> staging;
@@ -1360,10 +1362,12 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   // Checksums depend only on the caller's bytes, so they are computed while the master
   // allocates, overlapping the PutStart round trip. The bytes of CUDA buffers are copied to
   // host memory for it then too (Impl::Checksums). A key of one host piece whose replica goes
-  // to a node of this process (an embedded client's own) gets its checksum from that copy
-  // instead, taken while the bytes are in cache, when the last put found its keys there
-  // (put_crc_in_copy): a pass over bytes not in cache costs more than the round trip it
-  // overlaps (docs/performance.md "Small objects and the embedded deployment").
+  // to a node of this process (an embedded client's own), or over a transport that checksums
+  // what it sends, gets its checksum from that write instead, taken while the bytes are in
+  // cache, when the last put found its keys so placed (put_crc_in_copy): a pass over bytes not
+  // in cache costs more than the round trip it overlaps (docs/performance.md "Small objects
+  // and the embedded deployment"). A key whose write did not give one (a failed write, a
+  // failover to another path) is checksummed after the writes.
   std::vector<store::PutGrant> started;
   std::vector<uint32_t> checksums(keys.size(), 0);
   std::vector<Status> unread(keys.size());  // per key: why its bytes could not be read
@@ -1434,22 +1438,38 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   }
   Status peers_ok = im.EnsurePeers(nodes);
   // Commits to nodes of this process come back with PutEnd's answer (below); their copies are
-  // where a key's checksum can come from.
+  // where a key's checksum can come from, or else a write over a transport that takes it.
   const std::vector<store::NodeIdentity> local_nodes =
       store::LocalNodesAmong(nodes, im.options.engine.cluster_token);
-  const auto local_replica = [&](const store::PutGrant& item) -> int {
+  std::vector<std::pair<const store::NodeIdentity*, bool>> checksumming;  // per node, cached
+  const auto write_checksums = [&](const store::NodeIdentity& node) {
+    for (const auto& [n, yes] : checksumming) {
+      if (n->incarnation == node.incarnation && n->node_id == node.node_id) return yes;
+    }
+    bool yes = im.engine->TransportChecksumsOpsTo(node.node_id);
+    for (const auto& n : local_nodes) {
+      yes = yes || (n.incarnation == node.incarnation && n.node_id == node.node_id);
+    }
+    checksumming.emplace_back(&node, yes);
+    return yes;
+  };
+  // The replica whose write gives the key's checksum: one in this process, else the first
+  // whose node is reached over a transport that takes it; -1 for none.
+  const auto crc_replica = [&](const store::PutGrant& item) -> int {
+    int over_transport = -1;
     for (size_t r = 0; r < item.replicas.size(); ++r) {
+      const store::NodeIdentity& node = item.replicas[r].node;
       for (const auto& n : local_nodes) {
-        if (n.incarnation == item.replicas[r].node.incarnation &&
-            n.node_id == item.replicas[r].node.node_id) {
+        if (n.incarnation == node.incarnation && n.node_id == node.node_id) {
           return static_cast<int>(r);
         }
       }
+      if (over_transport < 0 && write_checksums(node)) over_transport = static_cast<int>(r);
     }
-    return -1;
+    return over_transport;
   };
   std::vector<OpChecksum> copy_crcs(try_copy_crc ? keys.size() : 0);
-  bool all_local = true;  // every admitted key has a replica in this process
+  bool all_placed = true;  // every admitted key has a replica whose write gives its checksum
   if (const uint32_t stall = im.put_stall_before_write_ms.load(); stall > 0) {
     KVB_LOG(WARN) << "fault injection: put stalls " << stall << " ms before its transfer";
     std::this_thread::sleep_for(std::chrono::milliseconds(stall));
@@ -1480,8 +1500,8 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
       }
       continue;
     }
-    const int local = local_replica(item);
-    if (local < 0) all_local = false;
+    const int local = crc_replica(item);
+    if (local < 0) all_placed = false;
     for (size_t r = 0; r < item.replicas.size(); ++r) {
       const store::ReplicaLocation& loc = item.replicas[r];
       groups.emplace_back(i, r);
@@ -1493,7 +1513,7 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
       }
     }
   }
-  im.put_crc_in_copy.store(all_local && !local_nodes.empty(), std::memory_order_relaxed);
+  im.put_crc_in_copy.store(all_placed, std::memory_order_relaxed);
   std::vector<Status> group_status;
   bool sent = true;  // false: nothing went out (no node to blame for the failure)
   const int64_t left_ms = write_deadline ? std::chrono::duration_cast<std::chrono::milliseconds>(

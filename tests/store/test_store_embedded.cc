@@ -644,8 +644,9 @@ void Scribble(const std::string& master, const rpc::ReplicaLocation& victim) {
 
 // A replica whose bytes changed under the reader (what a late writer or a lapsed lease and
 // reused space look like) is caught by the CRC-32C, reported, and the read is served by the
-// other replica. `lease_ms` is the master's read lease.
-void CorruptOneReplicaThenRead(uint32_t lease_ms) {
+// other replica. `lease_ms` is the master's read lease. `local_copy` off: the reader reaches
+// the nodes of this process over tcp, whose lanes take the checksum as the bytes land.
+void CorruptOneReplicaThenRead(uint32_t lease_ms, bool local_copy = true) {
   EmbeddedClusterOptions o = SmallCluster(2, 32u << 20, 2);
   o.master.lease_ms = lease_ms;
   auto cluster = Must(EmbeddedCluster::Start(o));
@@ -665,6 +666,7 @@ void CorruptOneReplicaThenRead(uint32_t lease_ms) {
   so.master_address = cluster->master_address();
   so.engine.transports = {"tcp"};
   so.engine.node_id = "verifier";
+  so.engine.local_copy = local_copy;
   so.verify_checksums = false;
   auto verifier = Must(StoreClient::Create(so));
   ASSERT_TRUE(verifier->RegisterBuffer(dst.data(), dst.size()).ok());
@@ -698,6 +700,51 @@ TEST(EmbeddedStore, CorruptedReplicaUnderALiveLeaseIsCaught) {
 // With a lease shorter than any read, every read has outlived it.
 TEST(EmbeddedStore, ReadsThatOutliveTheirLeaseAreVerified) {
   CorruptOneReplicaThenRead(/*lease_ms=*/1);
+}
+
+// Read over a transport, the checksum is the one the tcp lane took as the bytes landed
+// (KVB_TCAP_OP_CRC32C): it catches the corrupted replica as the client's own pass did.
+TEST(EmbeddedStore, ACorruptedReplicaReadOverTcpIsCaught) {
+  CorruptOneReplicaThenRead(/*lease_ms=*/3000, /*local_copy=*/false);
+}
+
+// A put over tcp records the checksum its writes took as the bytes left (KVB_TCAP_OP_CRC32C)
+// instead of a pass over the caller's bytes; a reader that checks with its own pass
+// (tcp.op_checksums=0) and one that takes the lane's agree with it, for objects of one slice
+// and of several (tcp.slice_bytes 64 KiB against 128 KiB objects), replicas on both nodes.
+TEST(EmbeddedStore, APutOverTcpRecordsTheChecksumItsWritesTook) {
+  auto cluster = Must(EmbeddedCluster::Start(SmallCluster(2, 32u << 20, 2)));
+  auto client = [&](const std::string& name, std::map<std::string, std::string> config) {
+    StoreOptions so;
+    so.master_address = cluster->master_address();
+    so.engine.transports = {"tcp"};
+    so.engine.node_id = name;
+    so.engine.local_copy = false;
+    so.engine.plugin_config = std::move(config);
+    so.replica_num = 2;
+    return Must(StoreClient::Create(so));
+  };
+  auto writer = client("writer", {{"tcp.slice_bytes", "65536"}});
+  auto own_pass = client("own-pass", {{"tcp.op_checksums", "0"}});
+  auto lane_crc = client("lane-crc", {});
+  Buffer src(16 * kObject), dst(16 * kObject);
+  for (StoreClient* c : {writer.get(), own_pass.get(), lane_crc.get()}) {
+    ASSERT_TRUE(c->RegisterBuffer(src.data(), src.size()).ok());
+    ASSERT_TRUE(c->RegisterBuffer(dst.data(), dst.size()).ok());
+  }
+  // Twice: the first put finds out where its writes take checksums, the second relies on it.
+  for (size_t first : {size_t{0}, size_t{8}}) {
+    for (const Status& st : PutObjects(*writer, src, first, 8))
+      ASSERT_TRUE(st.ok()) << st.ToString();
+  }
+  std::vector<size_t> ids(16);
+  std::iota(ids.begin(), ids.end(), 0);
+  for (StoreClient* c : {own_pass.get(), lane_crc.get(), writer.get()}) {
+    for (int round = 0; round < 2; ++round) {  // reads rotate over the two replicas
+      EXPECT_EQ(GetObjects(*c, dst, ids), 0) << "a recorded checksum differs from the bytes";
+    }
+  }
+  EXPECT_EQ(Must(QueryClusterStatus(cluster->master_address())).bad_replicas_total, 0u);
 }
 
 // Re-replication checks its DRAM source against the object's CRC-32C before it copies: a
