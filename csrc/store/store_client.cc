@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -299,15 +298,28 @@ struct StoreClient::Impl {
     std::vector<uint64_t> sizes;
     uint32_t checksum = 0;
     std::vector<store::ReplicaLocation> replicas;
-    uint64_t seq = 0;  // its entry in cache_order
+    // The order of remembering, through the map's own nodes (which never move): first
+    // remembered, first forgotten; remembering a key again keeps its place.
+    const std::string* key = nullptr;  // this entry's key, in its node
+    Remembered* older = nullptr;
+    Remembered* newer = nullptr;
   };
   std::mutex cache_mu;
   std::unordered_map<std::string, Remembered> cache;
-  // First remembered, first forgotten (remembering a key again keeps its place). An entry
-  // whose seq is not its key's any more (the key was forgotten, then remembered again) is
-  // dropped when it comes up.
-  std::deque<std::pair<std::string, uint64_t>> cache_order;
-  uint64_t cache_seq = 0;
+  Remembered* cache_oldest = nullptr;
+  Remembered* cache_newest = nullptr;
+  void Unlink(Remembered& r) {
+    (r.older != nullptr ? r.older->newer : cache_oldest) = r.newer;
+    (r.newer != nullptr ? r.newer->older : cache_newest) = r.older;
+    r.older = r.newer = nullptr;
+  }
+  void LinkNewest(Remembered& r, const std::string& key) {
+    r.key = &key;
+    r.older = cache_newest;
+    r.newer = nullptr;
+    (cache_newest != nullptr ? cache_newest->newer : cache_oldest) = &r;
+    cache_newest = &r;
+  }
   // Until then (steady clock, ns), gets (and exists) whose every key is remembered do not ask
   // the master: it failed one within master_wait_ms.
   std::atomic<int64_t> master_away_until_ns{0};
@@ -342,33 +354,48 @@ struct StoreClient::Impl {
   }
   // `replicas`: a const vector (copied only when it differs from what is remembered) or an
   // rvalue (moved in).
+  // A full cache forgets its oldest entry and reuses that node, key string and vectors for the
+  // new one: in a steady stream of new keys (a put loop) remembering allocates nothing, where
+  // a node, a key, sizes and replicas per key, and their frees, were a quarter of an embedded
+  // 1 KiB put's CPU (docs/performance.md).
   template <typename Replicas>
   void RememberLocked(const std::string& key, uint64_t version, const std::vector<uint64_t>& sizes,
                       uint32_t checksum, Replicas&& replicas) {
-    auto [it, added] = cache.try_emplace(key);
+    auto it = cache.find(key);
+    if (it != cache.end()) {
+      Remembered& r = it->second;
+      if (r.version == version && r.replicas == replicas) return;
+      r.version = version;
+      r.sizes = sizes;
+      r.checksum = checksum;
+      r.replicas = std::forward<Replicas>(replicas);
+      return;
+    }
+    if (cache.size() >= options.location_cache_entries) {  // full: the oldest node is reused
+      Remembered* oldest = cache_oldest;
+      Unlink(*oldest);
+      auto node = cache.extract(*oldest->key);
+      node.key() = key;
+      it = cache.insert(std::move(node)).position;
+    } else {
+      it = cache.try_emplace(key).first;
+    }
     Remembered& r = it->second;
-    if (!added && r.version == version && r.replicas == replicas) return;
     r.version = version;
     r.sizes = sizes;
     r.checksum = checksum;
     r.replicas = std::forward<Replicas>(replicas);
-    if (!added) return;
-    r.seq = ++cache_seq;
-    cache_order.emplace_back(key, r.seq);
-    while (cache.size() > options.location_cache_entries ||
-           cache_order.size() > 2 * size_t{options.location_cache_entries}) {
-      auto first = cache.find(cache_order.front().first);
-      if (first != cache.end() && first->second.seq == cache_order.front().second) {
-        cache.erase(first);
-      }
-      cache_order.pop_front();
-    }
+    LinkNewest(r, it->first);
   }
   void Forget(std::span<const std::string> keys) {
     if (options.location_cache_entries == 0) return;
     std::lock_guard<std::mutex> lock(cache_mu);
-    for (const std::string& k : keys) cache.erase(k);  // its cache_order entry goes later
-    if (cache.empty()) cache_order.clear();
+    for (const std::string& k : keys) {
+      auto it = cache.find(k);
+      if (it == cache.end()) continue;
+      Unlink(it->second);
+      cache.erase(it);
+    }
   }
   // The regular expression runs outside the lock over a copy of the keys (a cache of 64 k
   // keys takes tens of ms to match), so gets that use the cache are not held up meanwhile.
@@ -385,7 +412,7 @@ struct StoreClient::Impl {
   void ForgetAll() {
     std::lock_guard<std::mutex> lock(cache_mu);
     cache.clear();
-    cache_order.clear();
+    cache_oldest = cache_newest = nullptr;
   }
   // Which of `keys` are remembered (*known, when not null); whether all are. Copies nothing:
   // the grants themselves are recalled (Recall) only when the master is away.
@@ -1474,11 +1501,22 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
     KVB_LOG(WARN) << "fault injection: put stalls " << stall << " ms before its transfer";
     std::this_thread::sleep_for(std::chrono::milliseconds(stall));
   }
+  // Sized once: grown op by op, a batch of 512 keys reallocated each about ten times, and such
+  // large blocks, among a put's many small frees, cost the process's malloc most of all
+  // (docs/performance.md).
+  size_t replicas_total = 0, pieces_total = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    replicas_total += started[i].replicas.size();
+    pieces_total += started[i].replicas.size() * pieces[i].size();
+  }
   std::vector<TransferOp> ops;
   std::vector<size_t> group_of_op;
   std::vector<std::pair<size_t, size_t>> groups;  // (key index, replica index)
-  std::vector<size_t> unread_groups;              // groups of keys whose bytes could not be read
-  uint64_t existing = 0;                          // keys stored already (counters)
+  ops.reserve(pieces_total);
+  group_of_op.reserve(pieces_total);
+  groups.reserve(replicas_total);
+  std::vector<size_t> unread_groups;  // groups of keys whose bytes could not be read
+  uint64_t existing = 0;              // keys stored already (counters)
   for (size_t i = 0; i < keys.size(); ++i) {
     const store::PutGrant& item = started[i];
     const Status& st = item.status;
@@ -1550,6 +1588,7 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   }
 
   std::vector<store::PutEndItem> end;
+  end.reserve(keys.size());
   std::vector<int> end_item_of_key(keys.size(), -1);
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto [i, r] = groups[g];
@@ -1824,6 +1863,8 @@ std::vector<Result<uint64_t>> StoreClient::Impl::GetInto(
     if (left_ms <= 0) break;
     std::vector<TransferOp> ops;
     std::vector<size_t> group_of_op;
+    ops.reserve(pending.size());  // one piece per key, most often
+    group_of_op.reserve(pending.size());
     std::vector<std::pair<size_t, Impl::SsdTarget>> from_ssd;  // groups whose replica is on SSD
     // A key of one piece read on the first pass asks the engine for the checksum of what it
     // copies, when it copies from a node of this process (TransferOp::checksum): then the

@@ -734,6 +734,38 @@ TEST_F(StoreClusterNoMaster, KilledMasterLeavesRememberedObjectsReadable) {
   }
 }
 
+// A client remembers at most location_cache_entries places, first remembered first forgotten:
+// reading a key again keeps its place, a removed key gives its place up at once, and a full
+// cache reuses its oldest entry for the next key. What it remembers is what it reads without
+// the master.
+TEST_F(StoreClusterNoMaster, TheLocationCacheForgetsTheFirstRememberedFirst) {
+  ASSERT_EQ(PutRange(0, 8), 0);
+  StoreOptions o = ClientOptions("small");
+  o.location_cache_entries = 4;
+  auto small = Must(StoreClient::Create(o));
+  ASSERT_TRUE(small->RegisterBuffer(dst_.data(), dst_.size()).ok());
+  auto read = [&](size_t id) {
+    for (const Status& st : GetEach(small.get(), {id})) ASSERT_TRUE(st.ok()) << st.ToString();
+  };
+  for (size_t id : {0, 1, 2, 3}) read(id);  // remembered: 0 1 2 3
+  read(0);                                  // read again, still the oldest
+  read(4);                                  // full: 0 goes -> 1 2 3 4
+  const std::vector<std::string> removed{Key(2)};
+  for (const Status& st : small->BatchRemove(removed)) ASSERT_TRUE(st.ok()) << st.ToString();
+  read(5);  // 1 3 4 5: room was made by the remove, nothing forgotten
+  read(6);  // full: 1 goes -> 3 4 5 6
+  master_->Kill();
+  for (const Status& st : GetEach(small.get(), {3, 4, 5, 6})) EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(small->stats().gets_without_master, 4u);
+  for (size_t id : {0, 1, 2, 7}) {
+    for (const Status& st : GetEach(small.get(), {id})) {
+      EXPECT_FALSE(st.ok()) << "key " << id << " was not to be remembered";
+      EXPECT_EQ(st.origin(), StatusOrigin::kMaster) << st.ToString();
+    }
+  }
+  EXPECT_EQ(small->stats().gets_without_master, 4u);
+}
+
 // Frozen, the master costs one master_wait_ms; gets then read from the nodes, and once it is
 // back they ask it again (the remembered places are used only while it is away).
 TEST_F(StoreClusterNoMaster, FrozenMasterIsAskedAgainOnceItIsBack) {
