@@ -31,6 +31,12 @@ std::vector<NodeIdentity> LocalNodesAmong(const std::set<std::pair<std::string, 
 void ExpectLocalCommits(const NodeIdentity& node,
                         std::span<const std::pair<uint64_t, uint64_t>> ranges, bool expect);
 
+// Asks every storage node of this process with this cluster token to heartbeat now rather than
+// at its next interval (up to a second away): after a remove, the frees the master queued for
+// it come at once, while the caller moves on, instead of landing in the middle of whatever it
+// does next.
+void HeartbeatLocalNodesNow(const std::string& cluster_token);
+
 // Applies a commit the master returned for a node of this process, with the checks of the
 // node's Commit call (the master's term, the node's incarnation, its segments). `sent`: when
 // the PutEnd that returned it was sent. A record of a replica the node has been told to free

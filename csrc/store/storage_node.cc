@@ -74,6 +74,7 @@ struct LocalNode {
   std::function<Status(rpc::CommitRequest&, std::chrono::steady_clock::time_point)> apply;
   // ExpectLocalCommits: the ranges a put's commits will fill (true), or no longer (false).
   std::function<void(std::span<const std::pair<uint64_t, uint64_t>>, bool)> expect;
+  std::function<void()> heartbeat_now;  // HeartbeatLocalNodesNow
 };
 std::shared_mutex& LocalNodesMu() {
   static auto* mu = new std::shared_mutex;  // never destroyed: nodes may outlive statics
@@ -1681,6 +1682,11 @@ Result<std::unique_ptr<StorageNode>> StorageNode::Start(const NodeOptions& optio
                   },
                   [raw](std::span<const std::pair<uint64_t, uint64_t>> ranges, bool expect) {
                     raw->ExpectCommits(ranges, expect);
+                  },
+                  [raw] {
+                    std::lock_guard<std::mutex> lock(raw->mu);
+                    raw->heartbeat_now = true;
+                    raw->cv.notify_all();
                   }};
   }
   impl->auth->WarnIfDisabled("storage node " + impl->engine->self().node_id + "'s control service",
@@ -1799,6 +1805,13 @@ void ExpectLocalCommits(const NodeIdentity& node,
   auto it = LocalNodes().find(node.incarnation);
   if (it == LocalNodes().end() || it->second.node_id != node.node_id) return;  // stopped
   it->second.expect(ranges, expect);
+}
+
+void HeartbeatLocalNodesNow(const std::string& cluster_token) {
+  std::shared_lock<std::shared_mutex> lock(LocalNodesMu());
+  for (auto& [incarnation, node] : LocalNodes()) {
+    if (node.cluster_token == cluster_token) node.heartbeat_now();
+  }
 }
 
 Status ApplyLocalCommit(rpc::CommitRequest& commit, std::chrono::steady_clock::time_point sent) {

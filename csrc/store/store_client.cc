@@ -2110,6 +2110,13 @@ Result<std::vector<bool>> StoreClient::BatchExists(std::span<const std::string> 
   return result;
 }
 
+// A remove of this many objects or more (or a RemoveAll) asks the storage nodes of this process
+// to heartbeat now: the master queues their frees for their next heartbeat, up to a second
+// away, and an embedded client's next puts and gets would otherwise share the CPU with
+// applying them (docs/store.md "Commits to a node in the caller's own process"). Fewer frees
+// wait for the regular heartbeat: a heartbeat per small remove would double the master's calls.
+constexpr uint64_t kFreesWorthAHeartbeat = 256;
+
 std::vector<Status> StoreClient::BatchRemove(std::span<const std::string> keys) {
   const auto start = store::ClientCounters::Clock::now();
   impl_->Forget(keys);  // whatever the outcome: a get of them asks the master
@@ -2123,6 +2130,8 @@ std::vector<Status> StoreClient::BatchRemove(std::span<const std::string> keys) 
     }
   }
   impl_->counters.Removed(removed);
+  if (removed >= kFreesWorthAHeartbeat)
+    store::HeartbeatLocalNodesNow(impl_->options.engine.cluster_token);
   impl_->counters.Call(StoreOp::kRemove, keys.size(), store::ClientCounters::Clock::now() - start);
   return result;
 }
@@ -2164,7 +2173,9 @@ Result<PlacementTask> StoreClient::QueryTask(uint64_t task_id) {
 
 Status StoreClient::RemoveAll() {
   impl_->ForgetAll();
-  return impl_->master->RemoveAll(impl_->admin_key);
+  Status st = impl_->master->RemoveAll(impl_->admin_key);
+  if (st.ok()) store::HeartbeatLocalNodesNow(impl_->options.engine.cluster_token);
+  return st;
 }
 
 Result<uint64_t> StoreClient::RemoveByRegex(std::string_view pattern) {
@@ -2174,6 +2185,9 @@ Result<uint64_t> StoreClient::RemoveByRegex(std::string_view pattern) {
   Result<uint64_t> removed = impl_->master->RemoveByRegex(pattern, impl_->admin_key);
   // Again once removed: a get that ran meanwhile may have remembered a grant of a removed key.
   if (removed.ok() && *removed > 0) impl_->ForgetMatching(*re);
+  if (removed.ok() && *removed >= kFreesWorthAHeartbeat) {
+    store::HeartbeatLocalNodesNow(impl_->options.engine.cluster_token);
+  }
   return removed;
 }
 

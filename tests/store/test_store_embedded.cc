@@ -708,6 +708,47 @@ TEST(EmbeddedStore, ACorruptedReplicaReadOverTcpIsCaught) {
   CorruptOneReplicaThenRead(/*lease_ms=*/3000, /*local_copy=*/false);
 }
 
+// After a large remove the client asks the storage nodes of its process to heartbeat at once:
+// the frees reach them now, not at their next heartbeat (10 s apart here), where they would
+// have landed in the middle of the client's next puts and gets. Both a RemoveAll and a
+// BatchRemove of 256 objects or more.
+TEST(EmbeddedStore, ALargeRemoveReachesTheNodesOfThisProcessAtOnce) {
+  EmbeddedClusterOptions o = SmallCluster(2, 32u << 20, 1);
+  o.master.node_ttl_ms = 30000;  // heartbeats every 10 s
+  auto cluster = Must(EmbeddedCluster::Start(o));
+  StoreClient& c = cluster->client();
+  Buffer src(64 * kObject);
+  ASSERT_TRUE(c.RegisterBuffer(src.data(), src.size()).ok());
+  auto frees = [&] {
+    uint64_t n = 0;
+    for (const auto& node : cluster->nodes()) n += node->stats().frees_received;
+    return n;
+  };
+  auto records = [&] {
+    uint64_t n = 0;
+    for (const auto& node : cluster->nodes()) n += node->object_count();
+    return n;
+  };
+  auto within_a_second = [&](uint64_t want_frees) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    while ((frees() < want_frees || records() != 0) && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return frees() == want_frees && records() == 0;
+  };
+  for (const Status& st : PutObjects(c, src, 0, 300)) ASSERT_TRUE(st.ok()) << st.ToString();
+  ASSERT_EQ(records(), 300u);
+  ASSERT_TRUE(c.RemoveAll().ok());
+  EXPECT_TRUE(within_a_second(300))
+      << frees() << " frees received, " << records() << " records left a second after RemoveAll";
+  for (const Status& st : PutObjects(c, src, 300, 300)) ASSERT_TRUE(st.ok()) << st.ToString();
+  std::vector<std::string> keys;
+  for (size_t i = 300; i < 600; ++i) keys.push_back(Key(i));
+  for (const Status& st : c.BatchRemove(keys)) ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_TRUE(within_a_second(600)) << frees() << " frees received, " << records()
+                                    << " records left a second after removing 300 objects";
+}
+
 // A put over tcp records the checksum its writes took as the bytes left (KVB_TCAP_OP_CRC32C)
 // instead of a pass over the caller's bytes; a reader that checks with its own pass
 // (tcp.op_checksums=0) and one that takes the lane's agree with it, for objects of one slice
