@@ -1109,5 +1109,60 @@ TEST_F(StoreCluster, NodeRestartedOnSamePortServesNoStaleBytes) {
   EXPECT_EQ(GetRange(0, kObjects, &err), 0) << err;
 }
 
+// A storage node in another process on this host, with the ucx transport loaded after tcp:
+// the client's engine reaches it over ucx first all the same (KVB_TCAP_LOCAL_SHM: shared memory
+// or cross-memory attach), and puts and gets move their bytes that way, checksums and all; tcp
+// carries nothing.
+TEST(StoreSameHost, ANodeOfAnotherProcessOnThisHostIsReachedOverSharedMemory) {
+  setenv("KVBRIDGE_LOG_LEVEL", "warn", 1);
+  const std::string master_addr = "127.0.0.1:" + std::to_string(testing::FreePort());
+  auto master = testing::StartMaster(master_addr);
+  ASSERT_TRUE(master);
+  setenv("KVBRIDGE_TRANSPORTS", "tcp,ucx", 1);  // the node daemon inherits it
+  auto node =
+      testing::StartNode(master_addr, "shm-node", {"--dram-bytes", std::to_string(64u << 20)});
+  unsetenv("KVBRIDGE_TRANSPORTS");
+  ASSERT_TRUE(node);
+  ASSERT_TRUE(testing::WaitForActiveNodes(master_addr, 1));
+  StoreOptions so;
+  so.master_address = master_addr;
+  so.replica_num = 1;
+  so.engine.node_id = "shm-client";
+  so.engine.transports = {"tcp", "ucx"};  // ucx second: first only as the same-host path
+  auto client = Must(StoreClient::Create(so));
+  constexpr size_t kObj = 64 * 1024, kObjs = 16;
+  Buffer src(kObjs * kObj), dst(kObjs * kObj);
+  ASSERT_TRUE(client->RegisterBuffer(src.data(), src.size()).ok());
+  ASSERT_TRUE(client->RegisterBuffer(dst.data(), dst.size()).ok());
+  src.Fill(77);
+  std::vector<std::string> keys;
+  std::vector<std::vector<BufferRef>> from, into;
+  for (size_t i = 0; i < kObjs; ++i) {
+    keys.push_back("shm-" + std::to_string(i));
+    from.push_back({BufferRef{src.data() + i * kObj, kObj}});
+    into.push_back({BufferRef{dst.data() + i * kObj, kObj}});
+  }
+  for (const Status& st : client->BatchPutFrom(keys, from)) ASSERT_TRUE(st.ok()) << st.ToString();
+  for (const auto& got : client->BatchGetInto(keys, into)) {
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+  }
+  EXPECT_EQ(std::memcmp(src.data(), dst.data(), src.size()), 0);
+  const std::optional<PeerHealth> h = client->engine().GetPeerHealth("shm-node");
+  ASSERT_TRUE(h.has_value());
+  ASSERT_EQ(h->paths.size(), 2u);
+  EXPECT_EQ(h->paths[0].transport, "ucx") << "the same-host path is not tried first";
+  EXPECT_EQ(h->paths[0].ops_ok, 2 * kObjs) << "the puts and gets did not go over shared memory";
+  EXPECT_EQ(h->paths[1].transport, "tcp");
+  EXPECT_EQ(h->paths[1].ops_ok + h->paths[1].ops_failed, 0u);
+  // Killed (-9), the node's shared-memory peer fails the next get within its deadline: an
+  // error per key naming what happened, no hang, no bytes written.
+  node->Kill();
+  std::memset(dst.data(), 0, dst.size());
+  const auto t0 = Clock::now();
+  for (const auto& got : client->BatchGetInto(keys, into)) EXPECT_FALSE(got.ok());
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(10));
+  EXPECT_EQ(std::count(dst.data(), dst.data() + dst.size(), 0), static_cast<ptrdiff_t>(dst.size()));
+}
+
 }  // namespace
 }  // namespace kvbridge
