@@ -541,9 +541,10 @@ bool TransferEngine::Impl::Dispatch(Batch& b, const std::shared_ptr<PeerRecord>&
                                              .user = b.slot};
   std::vector<uint32_t> refused;  // candidates whose breaker refused
   kvb_status_t last = static_cast<kvb_status_t>(failure.code());  // KVB_OK on first post
-  // Ops that ask for their checksum: reset (a path they failed over from may have filled one
-  // for an op that then failed elsewhere), and posted without the ask to a transport that
-  // takes none.
+  // Ops that ask for their checksum: their slots cleared before each post, so that only the
+  // path that completes an op speaks for it (a transport writes a slot only for an op that ends
+  // OK, and those are never posted again; this keeps a misbehaving one from leaving a stale
+  // checksum for the next path), and posted without the ask to a transport that takes none.
   bool asks_crc = false;
   for (kvb_xfer_op_t& x : xops) {
     if (x.crc == nullptr) continue;

@@ -1468,15 +1468,14 @@ std::vector<Status> StoreClient::Impl::PutFrom(std::span<const std::string> keys
   // where a key's checksum can come from, or else a write over a transport that takes it.
   const std::vector<store::NodeIdentity> local_nodes =
       store::LocalNodesAmong(nodes, im.options.engine.cluster_token);
-  std::vector<std::pair<const store::NodeIdentity*, bool>> checksumming;  // per node, cached
+  // Whether a write to this (not local) node gets its checksum from the transport; asked of the
+  // engine once per node and put.
+  std::vector<std::pair<const store::NodeIdentity*, bool>> checksumming;
   const auto write_checksums = [&](const store::NodeIdentity& node) {
     for (const auto& [n, yes] : checksumming) {
       if (n->incarnation == node.incarnation && n->node_id == node.node_id) return yes;
     }
-    bool yes = im.engine->TransportChecksumsOpsTo(node.node_id);
-    for (const auto& n : local_nodes) {
-      yes = yes || (n.incarnation == node.incarnation && n.node_id == node.node_id);
-    }
+    const bool yes = im.engine->TransportChecksumsOpsTo(node.node_id);
     checksumming.emplace_back(&node, yes);
     return yes;
   };

@@ -84,7 +84,7 @@ struct Slice {
   bool ended = false;      // under req->mu
   uint32_t index = 0;      // within its op
   bool want_crc = false;   // its op asked for the CRC-32C of its bytes (host memory)
-  bool crc_taken = false;  // `crc` holds the CRC-32C of every byte of it, as they landed
+  bool crc_taken = false;  // `crc` holds the CRC-32C of every byte of it, as they moved
   uint32_t crc = 0;
 };
 

@@ -481,8 +481,8 @@ void Lane::CompleteFront(kvb_status_t code, const std::string& msg, Completions*
     e.s->crc = e.crc;
     e.s->crc_taken = true;
   }
-  FreeStaging(inflight_.front());
-  t_->EndSlice(*inflight_.front().s, code, msg, done);
+  FreeStaging(e);
+  t_->EndSlice(*e.s, code, msg, done);
   inflight_.pop_front();
   --send_idx_;
   inflight_count.store(static_cast<uint32_t>(inflight_.size()));

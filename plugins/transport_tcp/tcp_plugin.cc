@@ -24,8 +24,8 @@ class TcpPlugin {
   // services (README.md "Device memory"). The descriptor is static, so the cap is always
   // declared; where the host has no CUDA driver, registering a CUDA region answers the host's
   // UNAVAILABLE (and the engine does not offer it: csrc/core/engine.cc RegisterMemory).
-  // OP_CRC32C: a lane checksums a READ's bytes as they land, when the op asks (tcp_lane.cc);
-  // an instance with tcp.op_checksums=0 drops it (InstanceCaps).
+  // OP_CRC32C: a lane checksums an op's bytes as they land or leave, when the op asks
+  // (tcp_lane.cc); an instance with tcp.op_checksums=0 drops it (InstanceCaps).
   static constexpr uint64_t kCaps =
       KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM | KVB_TCAP_CUDA_MEM | KVB_TCAP_OP_CRC32C;
   // The handshake is the host's (ABI 1.2 identity and auth services): an older host is refused

@@ -51,8 +51,9 @@ struct Config {
   // lane and per inbound connection (README.md "Device memory").
   uint64_t staging_slice_bytes = 256u << 10;
   uint32_t staging_buffers = 4;
-  // 1: a READ that asks for its checksum (KVB_XOP_CRC32C) gets it taken by the lane as its
-  // bytes land; 0: the instance drops KVB_TCAP_OP_CRC32C and the host checks the bytes itself.
+  // 1: an op that asks for its checksum (KVB_XOP_CRC32C) gets it taken by the lane as its
+  // bytes land or leave; 0: the instance drops KVB_TCAP_OP_CRC32C and the host checks the
+  // bytes itself.
   uint32_t op_checksums = 1;
 };
 

@@ -759,23 +759,30 @@ TEST(TcpTransport, OpsThatFailOrAreCancelledGetNoChecksum) {
     Client a("a", 64 * kMiB);
     ASSERT_TRUE(b.inst && a.inst);
     b.mem->Fill(0xc2);
+    a.mem->Fill(0xc4);
     kvb_tpeer_t* peer = a.inst->AddPeer(*b.inst);
-    kvb_op_crc_t slot{0xdead, 0};
-    kvb_xfer_op_t op = a.Read(0, 64 * kMiB, b.seg, 0);
-    op.flags = KVB_XOP_CRC32C;
-    op.crc = &slot;
-    std::shared_ptr<Pending> p;
-    ASSERT_EQ(a.inst->PostAsync(peer, {op}, 20000, &p), KVB_OK);
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    Ops()->cancel(a.inst->t(), p->req);
-    Result r = a.inst->Finish(p);
-    if (r.status == KVB_OK) {  // it beat the cancel: then its checksum is whole
-      EXPECT_EQ(slot.computed, 1u);
-      EXPECT_EQ(slot.crc32c, util::Crc32c(b.mem->data(), 64 * kMiB));
-    } else {
-      EXPECT_EQ(r.status, KVB_ERR_CANCELLED) << r.msg;
-      EXPECT_EQ(slot.computed, 0u);
-      EXPECT_EQ(slot.crc32c, 0xdeadu);
+    for (uint32_t opcode : {KVB_OP_READ, KVB_OP_WRITE}) {
+      SCOPED_TRACE(opcode == KVB_OP_READ ? "a READ" : "a WRITE");
+      // The bytes a whole op would have moved: b's for a READ, a's for a WRITE.
+      const uint32_t whole =
+          util::Crc32c((opcode == KVB_OP_READ ? b.mem->data() : a.mem->data()), 64 * kMiB);
+      kvb_op_crc_t slot{0xdead, 0};
+      kvb_xfer_op_t op = a.inst->Op(opcode, a.seg, a.mem->data(), 64 * kMiB, b.seg, 0);
+      op.flags = KVB_XOP_CRC32C;
+      op.crc = &slot;
+      std::shared_ptr<Pending> p;
+      ASSERT_EQ(a.inst->PostAsync(peer, {op}, 20000, &p), KVB_OK);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      Ops()->cancel(a.inst->t(), p->req);
+      Result r = a.inst->Finish(p);
+      if (r.status == KVB_OK) {  // it beat the cancel: then its checksum is whole
+        EXPECT_EQ(slot.computed, 1u);
+        EXPECT_EQ(slot.crc32c, whole);
+      } else {
+        EXPECT_EQ(r.status, KVB_ERR_CANCELLED) << r.msg;
+        EXPECT_EQ(slot.computed, 0u);
+        EXPECT_EQ(slot.crc32c, 0xdeadu);
+      }
     }
   }
   {

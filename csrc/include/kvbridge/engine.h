@@ -74,8 +74,10 @@ struct TransferOp {
   // process (EngineOptions::local_copy) fills it with the CRC-32C of the bytes it copied, taken
   // in the same pass as the copy (util::CopyCrc32c): a reader that verifies what
   // it received, or a writer that must report the checksum of what it wrote, needs no second
-  // pass over the buffer. Left untouched otherwise (a transport moved the bytes, or the op
-  // failed). Must stay valid until the batch is final.
+  // pass over the buffer. An op on host memory that a transport with KVB_TCAP_OP_CRC32C moved
+  // gets the checksum the transport took as the bytes moved (tcp does; TransportChecksumsOpsTo
+  // says whether a peer's preferred path is such a transport). Left untouched otherwise (a
+  // transport without the cap, or the op failed). Must stay valid until the batch is final.
   OpChecksum* checksum = nullptr;
 };
 

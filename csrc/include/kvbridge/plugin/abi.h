@@ -39,7 +39,7 @@ extern "C" {
  *      device-memory services (dev_stream_create ... pinned_free), KVB_ERR_UNKNOWN_MEMORY.
  * 1.3: transport instance_caps (an instance narrows its descriptor's caps), KVB_TCAP_CUDA_DIRECT.
  * 1.4: kvb_xfer_op_t.flags (was reserved) and .crc, KVB_TCAP_OP_CRC32C: a transport takes the
- *      checksum of a READ's bytes as they land.
+ *      checksum of an op's bytes as they move.
  */
 #define KVB_ABI_MINOR 4
 

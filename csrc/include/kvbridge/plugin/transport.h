@@ -108,8 +108,7 @@ typedef struct kvb_peer_info {
 
 /* 1.4: where a transport with KVB_TCAP_OP_CRC32C leaves the checksum of an op's bytes. */
 typedef struct kvb_op_crc {
-  uint32_t
-      crc32c; /* CRC-32C (Castagnoli) of the bytes the op moved, as they were in local memory */
+  uint32_t crc32c;   /* CRC-32C (Castagnoli) of the bytes the op moved, as in local memory */
   uint32_t computed; /* set to 1 by the transport once crc32c holds them; the host posts 0 */
 } kvb_op_crc_t;
 
