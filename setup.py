@@ -9,6 +9,7 @@ kvbridge/ directory:
     kvbridge/_C.<abi>.so  kvbridge/libkvbridge.so  kvbridge/libkvbridge_store.so
     kvbridge/plugins/libkvb_transport_tcp.so  kvbridge/plugins/libkvb_transport_nccl.so
     kvbridge/plugins/libkvb_storage_dram.so   kvbridge/plugins/libkvb_storage_ssd.so
+    kvbridge/plugins/libkvb_transport_ucx.so  (where the build found libucx-dev, which it links)
     kvbridge/bin/kvbridge   (the daemon `kvbridge master|node|status` runs, python/kvbridge/cli.py)
 
 All with $ORIGIN rpaths, so the plugin loader finds the plugins next to the library with no

@@ -280,7 +280,9 @@ fi
 # nccl: the loader and probe (NCCL with a GPU: the probe must answer OK), the transport on its
 # fake NCCL/CUDA, and the NcclGpu.* cases on the real NCCL and driver (KVBRIDGE_REQUIRE_GPU: they
 # fail rather than skip without a usable GPU; the two-instance transfer needs two GPUs and
-# skips on one, saying so). verbs: the plugin is not built yet; its device discovery is.
+# skips on one, saying so). verbs: the plugin and its parts on the fake fabric, and device
+# discovery (a machine with an RDMA NIC lists its devices; without one the cases that need it
+# skip with the probe's reason).
 if [[ $main_ok == 1 && -x "$main_build/tests/kvb_nccl_tests" ]]; then
   gtest_stage nccl "loader, probe, transport on fake NCCL, real-GPU cases" \
     env KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" "$main_build/tests/kvb_nccl_tests" || merge 1
@@ -288,10 +290,10 @@ else
   record nccl skipped "not built (main build)"
 fi
 if [[ $main_ok == 1 && -x "$main_build/tests/kvb_verbs_tests" ]]; then
-  gtest_stage verbs "discovery, rails, MR cache (the plugin is not built yet)" \
+  gtest_stage verbs "discovery, rails, MR cache, the plugin on the fake fabric" \
     "$main_build/tests/kvb_verbs_tests" || merge 1
 else
-  record verbs skipped "not built (needs libibverbs-dev; the plugin itself is not built yet)"
+  record verbs skipped "not built (needs libibverbs-dev)"
 fi
 
 # ---- summary -----------------------------------------------------------------------------------

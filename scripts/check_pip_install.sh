@@ -50,6 +50,10 @@ plugins = sorted(os.listdir(os.path.join(pkg, "plugins")))
 for so in ("libkvb_transport_tcp.so", "libkvb_transport_nccl.so", "libkvb_storage_dram.so",
            "libkvb_storage_ssd.so"):
     assert so in plugins, plugins
+# ucx is bundled where the build found libucx-dev (scripts/setup.sh installs it); verbs is not
+# (docs/transports/verbs.md says why).
+assert ("libkvb_transport_ucx.so" in plugins) == os.path.exists("/usr/include/ucp/api/ucp.h"), plugins
+assert "libkvb_transport_verbs.so" not in plugins, plugins
 with kvbridge.Cluster(nodes=2, dram_bytes_per_node=32 << 20, replica_num=2) as c:
     store = c.client()
     if has_torch:
@@ -79,12 +83,26 @@ try:
 except kvbridge.KvbError as e:
     assert "nccl" in str(e), str(e)
     nccl = "unavailable here"
+# ucx (opt-in) runs from the package's plugins directory: one WRITE between two engines over it.
+ucx = "not built"
+if "libkvb_transport_ucx.so" in plugins:
+    a = kvbridge.TransferEngine(transports=["ucx"], node_id="wheel-ucx-a")
+    b = kvbridge.TransferEngine(transports=["ucx"], node_id="wheel-ucx-b")
+    src, dst = bytearray(os.urandom(1 << 20)), bytearray(1 << 20)
+    a.register(src)
+    seg = b.register(dst)
+    a.add_peer(b.descriptor())
+    a.write(src, "wheel-ucx-b", seg, 0)
+    assert dst == src, "a WRITE over the bundled ucx plugin did not land"
+    a.close(); b.close()
+    ucx = "ok"
 if has_torch:
     import kvbridge.ops as ops
     flavour = "torch " + torch.__version__ + ", CUDA kernels: " + str(ops.cuda_available())
 else:
     flavour = "no torch"
-print("check_pip_install:", flavour, "- nccl plugin", nccl, "- import, plugins from", pkg,
+print("check_pip_install:", flavour, "- nccl plugin", nccl, "- ucx write", ucx,
+      "- import, plugins from", pkg,
       "and an embedded-cluster round trip: OK")
 PY
 }

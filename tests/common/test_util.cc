@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <sstream>
@@ -92,8 +93,28 @@ unsigned LoadedUcxMinor() {
   return major == 1 ? minor : 0;
 }
 
-bool OneSidedSameHostRma(const std::string& param) {
-  return param == "ucx" && LoadedUcxMinor() >= 22;
+bool OneSidedRma(const std::string& param) {
+  return (param == "ucx" && LoadedUcxMinor() >= 22) || param == "verbs";
+}
+
+uint64_t RdmaPorts() {
+  std::error_code ec;
+  uint64_t n = 0;
+  for (const auto& dev : std::filesystem::directory_iterator("/sys/class/infiniband", ec)) {
+    for (const auto& port [[maybe_unused]] :
+         std::filesystem::directory_iterator(dev.path() / "ports", ec)) {
+      ++n;
+    }
+  }
+  return n;
+}
+
+std::string HostMemoryRefused(const std::string& param, const Status& st) {
+  if (st.code() != StatusCode::kUnsupported) return "";
+  const std::string t = ParseTransportParam(param).transport;
+  std::string why = "transport '" + param + "' takes no host memory (" + st.ToString() + ")";
+  if (t == "nccl") why += "; its device-memory cases are kvb_nccl_tests (tests/nccl)";
+  return why;
 }
 
 uint16_t FreePort() {

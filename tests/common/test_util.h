@@ -49,9 +49,19 @@ TransportParam ParseTransportParam(const std::string& param);
 // PyPI's 1.22 with KVBRIDGE_PLUGIN_PATH=build/plugins_ucx_pypi); 0 when none is loaded.
 unsigned LoadedUcxMinor();
 
-// True for the "ucx" parameter (same-host endpoints) when the loaded UCX moves same-host RMA
-// one-sided through cma (1.22): a frozen peer then does not stall a transfer to it at all.
-bool OneSidedSameHostRma(const std::string& param);
+// True where the target's CPU takes no part in RMA, so a frozen (SIGSTOPped) peer does not
+// stall a transfer to it at all: the "ucx" parameter (same-host endpoints) when the loaded UCX
+// moves same-host RMA through cma (1.22), and "verbs" (the target's NIC serves RDMA).
+bool OneSidedRma(const std::string& param);
+
+// The RDMA ports this machine has (/sys/class/infiniband/<device>/ports/<n>); 0 without any.
+uint64_t RdmaPorts();
+
+// Non-empty when `st`, a host buffer's registration with an engine over the parameter's
+// transport, was refused UNSUPPORTED, as a device-memory-only transport (nccl) refuses it: the
+// reason a per-transport case that moves host memory skips, naming where that transport's
+// device-memory cases are.
+std::string HostMemoryRefused(const std::string& param, const Status& st);
 
 EngineOptions ParamLoopbackOptions(const std::string& param, const std::string& node_id);
 // kvb_test_peer flags that make the peer use the parameter's transport and config.
