@@ -49,7 +49,16 @@
 #
 # Until a stage has passed on a GPU machine, the paths it covers are unverified.
 #
-# Environment: BUILD_DIR (default build-gpu, the kernels/ project), MAIN_BUILD_DIR (default
+# KIT=<file>: for a GPU machine that cannot build the main project (no gRPC, protobuf, OpenSSL
+# headers or googletest, no network): the file benchmarks/gpu_kit.sh wrote on a machine that
+# can (this repository's build tree, its shared libraries, PyPI's CUDA-enabled UCX). It is
+# unpacked into the repository root, the kit's build-tree path is linked to this copy when it
+# does not exist here, and every stage runs the kit's binaries instead of building: only the
+# Python extension is compiled here, for $PYTHON, from csrc/bindings against the kit's
+# libraries and pybind11 headers (needs a C++20 compiler, Python.h and the CUDA toolkit's
+# static runtime). No nvcc, CMake or googletest is needed then.
+#
+# Environment: KIT, BUILD_DIR (default build-gpu, the kernels/ project), MAIN_BUILD_DIR (default
 # build-gpu-main), UCX_ROOT, PYTHON, CUDA_ARCHS
 # (default: the GPU's compute capability from nvidia-smi, else "80;90"), JOBS (default: all
 # cores), BENCH_FLAGS (default --quick), REQUIRE_GPU (default 1; 0 lets the CUDA tests skip, for
@@ -85,10 +94,37 @@ gtest_stage() {
   return "$rc"
 }
 
+kit="${KIT:-}"
+if [[ -n "$kit" ]]; then
+  [[ -f "$kit" ]] || { log "KIT=$kit: no such file"; exit 2; }
+  log "unpacking the kit $kit into $here"
+  if command -v xz >/dev/null; then
+    xz -dc "$kit" | tar -C "$here" -xf - || { log "the kit does not unpack"; exit 2; }
+  else  # no xz: Python's lzma
+    "${PYTHON:-python3}" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+      "$kit" "$here" || { log "the kit does not unpack"; exit 2; }
+  fi
+  kit_root="$(cat "$here/build/gpu-kit-root.txt")"
+  # The kit's binaries name their libraries and plugins by the path of the tree they were built
+  # in: that path must lead here.
+  if [[ "$(readlink -f "$kit_root" 2>/dev/null)" != "$(readlink -f "$here")" ]]; then
+    if [[ -e "$kit_root" || -L "$kit_root" ]]; then
+      log "the kit was built in $kit_root, which exists here and is not this copy"
+      exit 2
+    fi
+    mkdir -p "$(dirname "$kit_root")" && ln -s "$here" "$kit_root" || exit 2
+    log "linked $kit_root -> $here (the kit's build-tree path)"
+  fi
+  export LD_LIBRARY_PATH="$here/build/gpu-kit-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export KVBRIDGE_PLUGIN_PATH="$here/build/plugins"
+  build="$here/build"
+fi
 if ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
   export PATH="/usr/local/cuda/bin:$PATH"
 fi
-command -v nvcc >/dev/null || { log "no nvcc on PATH or in /usr/local/cuda/bin"; exit 2; }
+if [[ -z "$kit" ]]; then
+  command -v nvcc >/dev/null || { log "no nvcc on PATH or in /usr/local/cuda/bin"; exit 2; }
+fi
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader >&2 ||
     true
@@ -112,13 +148,16 @@ done
 
 generator="Unix Makefiles"
 command -v ninja >/dev/null && generator="Ninja"
+have_tests=0
+if [[ -n "$kit" ]]; then
+  [[ -x "$build/tests/kvb_kernel_tests" ]] && have_tests=1
+else
 log "configuring $build (CUDA architectures $archs, googletest ${gtest_src:-from an installed package if any})"
 cmake -S "$here/kernels" -B "$build" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
   -DKVBRIDGE_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$archs" \
   ${gtest_src:+"-DKVBRIDGE_GTEST_SOURCE_DIR=$gtest_src"} >&2 || { log "configure failed"; exit 2; }
 
 targets=(kvb_bench_kernels)
-have_tests=0
 if [[ -d "$build/tests/kernels" ]]; then  # configured only when googletest was found
   targets+=(kvb_kernel_tests)
   have_tests=1
@@ -126,6 +165,7 @@ fi
 start=$(date +%s)
 cmake --build "$build" -j "$jobs" --target "${targets[@]}" >&2 || { log "build failed"; exit 2; }
 log "built ${targets[*]} in $(($(date +%s) - start)) s"
+fi
 
 status=0
 if [[ $have_tests == 1 ]]; then
@@ -173,7 +213,15 @@ want_tcp="${TCP_DEVICE:-1}"
 want_ucx="${UCX_DEVICE:-1}"
 want_py="${PYTHON_GPU:-1}"
 ucx_root=""
-if [[ $want_ucx == 1 ]]; then
+# Where the ucx-device stage finds a ucx plugin built on a CUDA-enabled UCX.
+ucx_plugins=""
+if [[ $want_ucx == 1 && -n "$kit" ]]; then
+  ucx_plugins="$here/build/plugins_ucx_pypi"
+  if [[ ! -f "$ucx_plugins/libkvb_transport_ucx.so" ]]; then
+    record ucx-device skipped "the kit has no ucx plugin on PyPI's UCX"
+    want_ucx=0
+  fi
+elif [[ $want_ucx == 1 ]]; then
   ucx_root="${UCX_ROOT:-}"
   if [[ -z "$ucx_root" ]]; then
     ucx_root="$(python3 -c 'import libucx, os; print(os.path.dirname(libucx.__file__))' \
@@ -188,8 +236,14 @@ if [[ $want_ucx == 1 ]]; then
 fi
 py="${PYTHON:-python3}"
 if [[ $want_py == 1 ]]; then
-  why="$("$py" -c 'import torch, pytest, pybind11
-print("" if torch.cuda.is_available() else "torch sees no CUDA device")' 2>&1 | tail -n 1)"
+  # pybind11 builds the extension in the main build; a kit brings its headers. A dry run
+  # (REQUIRE_GPU=0) runs the stage without a GPU too: its tests skip, the build is exercised.
+  need="import torch, pytest"
+  [[ -z "$kit" ]] && need+=", pybind11"
+  why="$(REQUIRE_GPU="${REQUIRE_GPU:-1}" "$py" -c "$need
+import os
+ok = torch.cuda.is_available() or os.environ['REQUIRE_GPU'] == '0'
+print('' if ok else 'torch sees no CUDA device')" 2>&1 | tail -n 1)"
   if [[ -n "$why" ]]; then
     log "stage python-gpu: skipped: $py cannot run it ($why)"
     record python-gpu skipped "$py: $why"
@@ -198,7 +252,51 @@ print("" if torch.cuda.is_available() else "torch sees no CUDA device")' 2>&1 | 
 fi
 main_build="${MAIN_BUILD_DIR:-$here/build-gpu-main}"
 main_ok=0
-if [[ $want_tcp == 1 || $want_ucx == 1 || $want_py == 1 ]]; then
+# The Python extension for $py, compiled here against the kit's libraries (KIT mode).
+build_extension() {
+  local suffix inc flags cudalib tmp s pids=() objs=() rc=0
+  suffix="$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+  inc="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+  [[ -f "$inc/Python.h" ]] || { log "no Python.h for $py in $inc"; return 1; }
+  flags="$(sed -n 's/^CXXFLAGS=//p' "$main_build/gpu-kit-extension.txt")"
+  cudalib="$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")/../lib64"
+  [[ -f "$cudalib/libcudart_static.a" ]] || { log "no libcudart_static.a in $cudalib"; return 1; }
+  tmp="$(mktemp -d)"
+  for s in $(sed -n 's/^SOURCES=//p' "$main_build/gpu-kit-extension.txt"); do
+    # shellcheck disable=SC2086
+    c++ $flags -O2 -I"$here/csrc" -I"$here/csrc/include" -I"$here/kernels/include" \
+      -isystem "$inc" -isystem "$main_build/gpu-kit-pybind11/include" \
+      -c "$here/csrc/bindings/$s" -o "$tmp/$s.o" >&2 &
+    pids+=($!)
+    objs+=("$tmp/$s.o")
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  if [[ $rc == 0 ]]; then
+    rm -f "$main_build"/python/kvbridge/_C.*.so
+    c++ -shared -o "$main_build/python/kvbridge/_C$suffix" "${objs[@]}" \
+      "-Wl,-rpath,$kit_root/build/csrc/store:$kit_root/build/csrc" \
+      "$main_build/csrc/store/libkvbridge_store.so" "$main_build/kernels/libkvbridge_kernels.a" \
+      "$main_build/csrc/libkvbridge.so" -L"$cudalib" -lcudadevrt -lcudart_static -lrt -lpthread \
+      -ldl >&2 || rc=1
+  fi
+  rm -rf "$tmp"
+  return $rc
+}
+if [[ -n "$kit" ]]; then
+  main_build="$here/build"
+  main_ok=1
+  if [[ $want_py == 1 ]]; then
+    start=$(date +%s)
+    if build_extension; then
+      log "python extension compiled for $py in $(($(date +%s) - start)) s"
+    else
+      log "stage python-gpu: the extension did not compile for $py"
+      record python-gpu FAILED "extension build for $py"
+      want_py=0
+      merge 2
+    fi
+  fi
+elif [[ $want_tcp == 1 || $want_ucx == 1 || $want_py == 1 ]]; then
   cfg=(-DCMAKE_BUILD_TYPE=Release -DKVBRIDGE_BUILD_BENCHMARKS=OFF)
   targets=(kvb_gpu_fake_tests kvb_transport_tcp kvbtest_fake_cuda kvb_nccl_tests)
   if [[ $want_ucx == 1 ]]; then
@@ -253,6 +351,7 @@ if [[ $want_ucx == 1 && $main_ok == 1 ]]; then
   log "stage ucx-device: running the tcp + ucx device test on the real driver"
   if ! gtest_stage ucx-device "tcp + ucx device test, KVBTEST_REQUIRE_UCX_CUDA=1" env \
     KVBTEST_REAL_CUDA=1 KVBTEST_REQUIRE_UCX_CUDA=1 KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" \
+    KVBRIDGE_PLUGIN_PATH="${ucx_plugins:-$main_build/plugins}${KVBRIDGE_PLUGIN_PATH:+:$KVBRIDGE_PLUGIN_PATH}" \
     "$main_build/tests/kvb_gpu_fake_tests" \
     --gtest_filter='TcpDeviceData.DeviceMemoryGoesDirectOverUcx*'; then
     log "stage ucx-device: FAILED"
@@ -283,9 +382,16 @@ fi
 # skips on one, saying so). verbs: the plugin and its parts on the fake fabric, and device
 # discovery (a machine with an RDMA NIC lists its devices; without one the cases that need it
 # skip with the probe's reason).
+# The NCCL of $PYTHON's nvidia-nccl-cu* wheel (torch's) is put on the library path, where the
+# loader's "libnccl.so.2" finds it when no other is given.
+nccl_dir="$("$py" -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' \
+  2>/dev/null || true)"
+[[ -n "$nccl_dir" && -f "$nccl_dir/libnccl.so.2" ]] || nccl_dir=""
 if [[ $main_ok == 1 && -x "$main_build/tests/kvb_nccl_tests" ]]; then
   gtest_stage nccl "loader, probe, transport on fake NCCL, real-GPU cases" \
-    env KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" "$main_build/tests/kvb_nccl_tests" || merge 1
+    env KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" \
+    LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}${nccl_dir:+:$nccl_dir}" \
+    "$main_build/tests/kvb_nccl_tests" || merge 1
 else
   record nccl skipped "not built (main build)"
 fi
