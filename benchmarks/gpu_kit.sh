@@ -35,11 +35,11 @@ case "$build" in
   *) log "BUILD_DIR must be inside the repository ($here)"; exit 1 ;;
 esac
 
-grep -q '^CMAKE_CUDA_COMPILER:[A-Z]*=/' "$build/CMakeCache.txt" 2>/dev/null &&
-  ! grep -q '^KVBRIDGE_CUDA:STRING=OFF' "$build/CMakeCache.txt" || {
+if ! grep -q '^CMAKE_CUDA_COMPILER:[A-Z]*=/' "$build/CMakeCache.txt" 2>/dev/null ||
+  grep -q '^KVBRIDGE_CUDA:STRING=OFF' "$build/CMakeCache.txt"; then
   log "$build has no CUDA kernels (configure with -DKVBRIDGE_CUDA=ON; nvcc is needed here)"
   exit 2
-}
+fi
 ucx_dir="$(sed -n 's/^KVBRIDGE_UCX_PYPI_PLUGIN_DIR:INTERNAL=//p' "$build/CMakeCache.txt")"
 targets=(kvb_kernel_tests kvb_bench_kernels kvb_gpu_fake_tests kvbtest_fake_cuda kvb_nccl_tests
   kvb_transport_tcp kvb_transport_nccl kvbridge_python kvbridge_kernels)
