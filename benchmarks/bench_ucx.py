@@ -13,6 +13,8 @@ endpoints; "tcp": tcp with PEER-mode endpoints, ucx.same_host=off) and each bloc
 build/plugins_ucx_pypi) is PyPI's libucx-cu13 (UCX 1.22: the plugin built on it, selected with
 KVBRIDGE_PLUGIN_PATH, and that wheel's own ucx_perftest); "system" is Debian's UCX 1.13 (the
 build's plugins/ and /usr/bin/ucx_perftest).
+Per block, kvbridge and ucx_perftest run back to back; --rounds N repeats that, alternating
+which goes first, and a cell reports the medians of its rounds.
 Progress goes to stderr; the last stdout line is one JSON object. Goals are reported, never
 asserted: the exit status is non-zero only when a measurement could not be taken.
 """
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from benchlib import emit, free_port, gbps, int_list, parser, ratio, rnd
+from benchlib import emit, free_port, gbps, int_list, median, parser, ratio, rnd
 
 # perftest_flags: the endpoint error mode kvbridge uses for that set, given to ucx_perftest too
 # ("-e": UCP_ERR_HANDLING_MODE_PEER, which kvbridge needs to notice a dead remote peer; with it
@@ -123,9 +125,17 @@ def memcpy_gbps(size, seconds=0.3):
     return gbps(n * size, time.perf_counter() - t0)
 
 
+def median_ratio(pairs):
+    """The median of value/baseline over (value, baseline) pairs with a baseline."""
+    return median(q for q in (ratio(v, b) for v, b in pairs) if q is not None)
+
+
 def main():
     ap = parser(__doc__, quick="64 KiB and 1 MiB, 1 s each (unless given)",
-                seconds="seconds per point (default 2)")
+                seconds="seconds per point (default 2)",
+                rounds="measurements of each block (default 1): per round kvbridge and "
+                       "ucx_perftest run back to back, their order alternating; a cell reports "
+                       "the median of its rounds")
     ap.add_argument("--blocks", type=int_list, default=None,
                     help="block sizes in bytes (default 65536,262144,1048576,4194304)")
     ap.add_argument("--sets", default="sm,tcp", help="UCX_TLS sets: sm, tcp or both")
@@ -157,25 +167,56 @@ def main():
     if unknown or not sets:
         ap.error(f"argument --sets: {a.sets!r}: each set is one of {', '.join(TLS_SETS)}")
 
-    log("ucx bench: kvbridge tcp plugin ...")
-    tcp = kvb_bench(a.build, "tcp", blocks, seconds, [], a.shape, a.window)
+    rounds = a.rounds or 1
+    ops = (("write", "ucp_put_bw"), ("read", "ucp_get"))
+    # One cell is measured per (set, block) and round, kvbridge and ucx_perftest back to back
+    # (this VM's speed drifts over tens of seconds: measuring every kvbridge point first and
+    # every perftest point after them skewed whole runs' ratios by 0.6x or 1.8x), their order
+    # alternating by round. samples[(set, op, block)]: per round (kvb, perftest, tcp, failures).
+    samples = {}
+    for rnd_i in range(rounds):
+        for block in blocks:
+            log(f"ucx bench: round {rnd_i + 1}/{rounds}, {block} B: kvbridge tcp plugin ...")
+            tcp = kvb_bench(a.build, "tcp", [block], seconds, [], a.shape, a.window)
+            for set_name in sets:
+                tls = TLS_SETS[set_name]
+                iters = max(200, min(20000, int(2e9 * seconds / 4 / block)))
+
+                def run_kvb():
+                    log(f"ucx bench: kvbridge ucx, set {set_name} (ucx.tls={tls['tls']}) ...")
+                    return kvb_bench(a.build, "ucx", [block], seconds,
+                                     [f"ucx.tls={tls['tls']}",
+                                      f"ucx.same_host={tls['same_host']}"],
+                                     a.shape, a.window, kvb_env)
+
+                def run_perftest():
+                    out = {}
+                    for op, test in ops:
+                        log(f"ucx bench: ucx_perftest {test} {block} B, UCX_TLS={tls['tls']} ...")
+                        out[op] = perftest(pt_bin, pt_env, test, block, iters, tls["tls"],
+                                           tls["perftest_flags"])
+                    return out
+
+                if rnd_i % 2 == 0:
+                    kvb, pt = run_kvb(), run_perftest()
+                else:
+                    pt = run_perftest()
+                    kvb = run_kvb()
+                for op, _ in ops:
+                    k_gbps, k_fail = kvb[(op, block)]
+                    samples.setdefault((set_name, op, block), []).append(
+                        (k_gbps, pt[op], tcp[(op, block)][0], k_fail))
     results, failures = {}, 0
     for set_name in sets:
-        tls = TLS_SETS[set_name]
-        log(f"ucx bench: kvbridge ucx, set {set_name} (ucx.tls={tls['tls']}) ...")
-        kvb = kvb_bench(a.build, "ucx", blocks, seconds,
-                        [f"ucx.tls={tls['tls']}", f"ucx.same_host={tls['same_host']}"],
-                        a.shape, a.window, kvb_env)
         results[set_name] = {}
-        for op, test in (("write", "ucp_put_bw"), ("read", "ucp_get")):
+        for op, _ in ops:
             results[set_name][op] = {}
             for block in blocks:
-                iters = max(200, min(20000, int(2e9 * seconds / 4 / block)))
-                log(f"ucx bench: ucx_perftest {test} {block} B, UCX_TLS={tls['tls']} ...")
-                pt = perftest(pt_bin, pt_env, test, block, iters, tls["tls"],
-                              tls["perftest_flags"])
-                k_gbps, k_fail = kvb[(op, block)]
-                t_gbps, _ = tcp[(op, block)]
+                rs = samples[(set_name, op, block)]
+                k_gbps = median(r[0] for r in rs)
+                pt = median(r[1] for r in rs)
+                t_gbps = median(r[2] for r in rs)
+                k_fail = sum(r[3] for r in rs)
                 failures += k_fail
                 mc = memcpy_gbps(block)
                 row = {
@@ -183,9 +224,11 @@ def main():
                     "kvb_ucx_gbps": rnd(k_gbps),
                     "kvb_tcp_gbps": rnd(t_gbps),
                     "memcpy_gbps": rnd(mc),
-                    "ratio_vs_perftest": ratio(k_gbps, pt),
-                    "ratio_vs_tcp": ratio(k_gbps, t_gbps),
+                    # the median of the rounds' own ratios (each a back-to-back pair)
+                    "ratio_vs_perftest": rnd(median_ratio((r[0], r[1]) for r in rs)),
+                    "ratio_vs_tcp": rnd(median_ratio((r[0], r[2]) for r in rs)),
                     "ratio_vs_memcpy": ratio(k_gbps, mc),
+                    "ratios_vs_perftest_per_round": [ratio(r[0], r[1]) for r in rs],
                     "kvb_ucx_failures": k_fail,
                 }
                 results[set_name][op][str(block)] = row
@@ -208,7 +251,8 @@ def main():
         "baseline_name": "ucx_perftest ucp_put_bw (writes) / ucp_get (reads) with the same "
                          "UCX_TLS, same run",
         "ratio": worst["ratio_vs_perftest"] if worst else None, "goal": 0.9}
-    emit({"benchmark": "ucx", "quick": a.quick, "seconds": seconds, "ucx": a.ucx,
+    emit({"benchmark": "ucx", "quick": a.quick, "seconds": seconds, "rounds": rounds,
+          "ucx": a.ucx,
           "ucx_version": ucx_version,
           "shape": a.shape,
           "shape_detail": f"kvbridge: 1 thread, batches of 16 ops, {a.window} in flight, "
