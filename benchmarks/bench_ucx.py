@@ -125,6 +125,21 @@ def memcpy_gbps(size, seconds=0.3):
     return gbps(n * size, time.perf_counter() - t0)
 
 
+def kvb_ucx(set_name, tls, kvb_args):
+    log(f"ucx bench: kvbridge ucx, set {set_name} (ucx.tls={tls['tls']}) ...")
+    return kvb_bench(*kvb_args)
+
+
+def perftest_ops(binary, extra_env, ops, block, iters, tls):
+    """{op: GB/s} of ucx_perftest for each (op, perftest test) of `ops` at one block size."""
+    out = {}
+    for op, test in ops:
+        log(f"ucx bench: ucx_perftest {test} {block} B, UCX_TLS={tls['tls']} ...")
+        out[op] = perftest(binary, extra_env, test, block, iters, tls["tls"],
+                           tls["perftest_flags"])
+    return out
+
+
 def median_ratio(pairs):
     """The median of value/baseline over (value, baseline) pairs with a baseline."""
     return median(q for q in (ratio(v, b) for v, b in pairs) if q is not None)
@@ -181,27 +196,15 @@ def main():
             for set_name in sets:
                 tls = TLS_SETS[set_name]
                 iters = max(200, min(20000, int(2e9 * seconds / 4 / block)))
-
-                def run_kvb():
-                    log(f"ucx bench: kvbridge ucx, set {set_name} (ucx.tls={tls['tls']}) ...")
-                    return kvb_bench(a.build, "ucx", [block], seconds,
-                                     [f"ucx.tls={tls['tls']}",
-                                      f"ucx.same_host={tls['same_host']}"],
-                                     a.shape, a.window, kvb_env)
-
-                def run_perftest():
-                    out = {}
-                    for op, test in ops:
-                        log(f"ucx bench: ucx_perftest {test} {block} B, UCX_TLS={tls['tls']} ...")
-                        out[op] = perftest(pt_bin, pt_env, test, block, iters, tls["tls"],
-                                           tls["perftest_flags"])
-                    return out
-
+                kvb_args = (a.build, "ucx", [block], seconds,
+                            [f"ucx.tls={tls['tls']}", f"ucx.same_host={tls['same_host']}"],
+                            a.shape, a.window, kvb_env)
+                pt_args = (pt_bin, pt_env, ops, block, iters, tls)
                 if rnd_i % 2 == 0:
-                    kvb, pt = run_kvb(), run_perftest()
+                    kvb, pt = kvb_ucx(set_name, tls, kvb_args), perftest_ops(*pt_args)
                 else:
-                    pt = run_perftest()
-                    kvb = run_kvb()
+                    pt = perftest_ops(*pt_args)
+                    kvb = kvb_ucx(set_name, tls, kvb_args)
                 for op, _ in ops:
                     k_gbps, k_fail = kvb[(op, block)]
                     samples.setdefault((set_name, op, block), []).append(
