@@ -42,7 +42,8 @@ build: configure
 # Lint (formatting, ruff, the plugin seam), the C++ suites (ctest), then the Python suites against the build tree's package, the Mooncake
 # compatibility suites against kvbridge and (in .venv-mooncake) the real Mooncake wheel, the
 # end-to-end suites with the real SGLang and vLLM, then `pip install .` from a fresh clone
-# into a fresh venv and into the engines' venv (scripts/check_pip_install.sh).
+# into a fresh venv and into the engines' venv (scripts/check_pip_install.sh), then a dry run
+# of the GPU check from the GPU kit (scripts/check_gpu_kit.sh).
 test: setup setup-engines
 	$(MAKE) lint
 	$(MAKE) build
@@ -52,6 +53,7 @@ test: setup setup-engines
 	$(MAKE) engines-pytest
 	$(MAKE) asan
 	scripts/check_pip_install.sh
+	BUILD_DIR=$(abspath $(BUILD_DIR)) PYTHON=$(PYTHON) scripts/check_gpu_kit.sh
 
 # The Python suites alone (tests/python), against $(BUILD_DIR)/python.
 pytest:

@@ -53,6 +53,7 @@ stage="$out/stage"
 rm -rf "$stage"
 mkdir -p "$stage"
 rel() { echo "${1#"$here"/}"; }
+is_elf() { [[ -f "$1" && ! "$1" =~ \.a$ ]] && readelf -h "$1" >/dev/null 2>&1; }
 # Copies a file of this tree to the same path under the stage; ELF files lose their debug
 # information.
 pack() {
@@ -60,7 +61,7 @@ pack() {
   dst="$stage/$(rel "$src")"
   mkdir -p "$(dirname "$dst")"
   cp -P "$src" "$dst"
-  if [[ ! -L "$dst" ]] && file -b "$dst" | grep -q '^ELF'; then strip --strip-debug "$dst"; fi
+  if [[ ! -L "$dst" ]] && is_elf "$dst"; then strip --strip-debug "$dst"; fi
 }
 programs=("$build/tests/kvb_kernel_tests" "$build/benchmarks/kvb_bench_kernels"
   "$build/tests/kvb_gpu_fake_tests" "$build/tests/kvb_nccl_tests")
@@ -110,7 +111,7 @@ runtime='^(linux-vdso|ld-linux|libc|libm|libdl|librt|libpthread|libstdc\+\+|libg
 # says of them alone; the system's UCX must never enter the kit's library path.
 elves=()
 while IFS= read -r f; do
-  file -b "$f" | grep -q '^ELF.*shared object\|^ELF.*executable' && elves+=("$f")
+  is_elf "$f" && elves+=("$f")
 done < <(find "$stage" -type f ! -name '*.a' ! -path '*/libucx/lib/ucx/*')
 for f in "${elves[@]}"; do
   ldd "$f" 2>/dev/null | awk '/=> \//{print $1, $3}' | while read -r name path; do

@@ -10,6 +10,7 @@ PACKAGES=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   python3 python3-venv
   iproute2 nftables procps
+  xz-utils util-linux  # the GPU kit (benchmarks/gpu_kit.sh) and its check's mount namespace
   clang-format
   libucx-dev ucx-utils
   libibverbs-dev librdmacm-dev
