@@ -64,8 +64,8 @@ class TransportFailures : public ::testing::TestWithParam<std::string> {
 
   // UCX 1.22 moves same-host RMA through cma, reading and writing a stopped process's memory
   // without it, and an RDMA NIC serves verbs without the target's CPU: a frozen peer stalls
-  // nothing, so the op must succeed before `bound_ms` (the
-  // timer that would otherwise have ended it). True when that case applied and was checked.
+  // nothing, so the op must succeed before `bound_ms` (the timer that would otherwise have
+  // ended it). True when that case applied and was checked.
   bool EndedOneSided(const Status& st, double ms, double bound_ms) {
     if (!testing::OneSidedRma(param())) return false;
     EXPECT_TRUE(st.ok()) << "one-sided RMA: " << st.ToString();
