@@ -55,8 +55,8 @@
 # unpacked into the repository root, the kit's build-tree path is linked to this copy when it
 # does not exist here, and every stage runs the kit's binaries instead of building: only the
 # Python extension is compiled here, for $PYTHON, from csrc/bindings against the kit's
-# libraries and pybind11 headers (needs a C++20 compiler, Python.h and the CUDA toolkit's
-# static runtime). No nvcc, CMake or googletest is needed then.
+# libraries, CUDA runtime and pybind11 headers (needs a C++20 compiler, c++ or g++ or $CXX, and
+# Python.h). No nvcc, CUDA toolkit, CMake or googletest is needed then.
 #
 # Environment: KIT, BUILD_DIR (default build-gpu, the kernels/ project), MAIN_BUILD_DIR (default
 # build-gpu-main), UCX_ROOT, PYTHON, CUDA_ARCHS
@@ -254,17 +254,19 @@ main_build="${MAIN_BUILD_DIR:-$here/build-gpu-main}"
 main_ok=0
 # The Python extension for $py, compiled here against the kit's libraries (KIT mode).
 build_extension() {
-  local suffix inc flags cudalib tmp s pids=() objs=() rc=0
+  local suffix inc flags cudalib tmp s cxx pids=() objs=() rc=0
   suffix="$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
   inc="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
   [[ -f "$inc/Python.h" ]] || { log "no Python.h for $py in $inc"; return 1; }
   flags="$(sed -n 's/^CXXFLAGS=//p' "$main_build/gpu-kit-extension.txt")"
-  cudalib="$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")/../lib64"
+  cudalib="$main_build/gpu-kit-cuda"  # the CUDA runtime the kit's kernels were compiled against
   [[ -f "$cudalib/libcudart_static.a" ]] || { log "no libcudart_static.a in $cudalib"; return 1; }
+  cxx="${CXX:-$(command -v c++ || command -v g++ || true)}"
+  [[ -n "$cxx" ]] || { log "no C++ compiler (c++, g++ or \$CXX)"; return 1; }
   tmp="$(mktemp -d)"
   for s in $(sed -n 's/^SOURCES=//p' "$main_build/gpu-kit-extension.txt"); do
     # shellcheck disable=SC2086
-    c++ $flags -O2 -I"$here/csrc" -I"$here/csrc/include" -I"$here/kernels/include" \
+    "$cxx" $flags -O2 -I"$here/csrc" -I"$here/csrc/include" -I"$here/kernels/include" \
       -isystem "$inc" -isystem "$main_build/gpu-kit-pybind11/include" \
       -c "$here/csrc/bindings/$s" -o "$tmp/$s.o" >&2 &
     pids+=($!)
@@ -273,7 +275,7 @@ build_extension() {
   for p in "${pids[@]}"; do wait "$p" || rc=1; done
   if [[ $rc == 0 ]]; then
     rm -f "$main_build"/python/kvbridge/_C.*.so
-    c++ -shared -o "$main_build/python/kvbridge/_C$suffix" "${objs[@]}" \
+    "$cxx" -shared -o "$main_build/python/kvbridge/_C$suffix" "${objs[@]}" \
       "-Wl,-rpath,$kit_root/build/csrc/store:$kit_root/build/csrc" \
       "$main_build/csrc/store/libkvbridge_store.so" "$main_build/kernels/libkvbridge_kernels.a" \
       "$main_build/csrc/libkvbridge.so" -L"$cudalib" -lcudadevrt -lcudart_static -lrt -lpthread \

@@ -12,8 +12,8 @@
 # the real driver), kvb_nccl_tests and kvb_verbs_tests, libkvbridge, libkvbridge_store, the
 # plugins (tcp, nccl, verbs, and ucx built on PyPI's CUDA-enabled UCX with that UCX's
 # libraries, for the ucx-device stage), the staged Python package without its extension, the
-# kernels' static library and pybind11's headers (gpu_check compiles the extension there for
-# that machine's Python), and every shared library these need beyond the C and C++ runtimes
+# kernels' static library, the CUDA runtime they were compiled against and pybind11's headers
+# (gpu_check compiles the extension there for that machine's Python), and every shared library these need beyond the C and C++ runtimes
 # (gRPC, protobuf, abseil, OpenSSL, ...) in build/gpu-kit-lib. The binaries keep the absolute
 # paths of this tree (rpaths, the test binaries' plugin directory): gpu_check links this tree's
 # root to the copy's when that path does not exist there.
@@ -85,6 +85,12 @@ fi
 (cd "$build/python" && find kvbridge -name '__pycache__' -prune -o \( -type f -o -type l \) \
   ! -name '_C.*' -print) |
   while IFS= read -r f; do pack "$build/python/$f"; done
+# The CUDA runtime the kernels were compiled against (static: the extension links it), so the
+# extension built there needs no CUDA toolkit of the same version.
+nvcc="$(sed -n 's/^CMAKE_CUDA_COMPILER:[A-Z]*=//p' "$build/CMakeCache.txt")"
+mkdir -p "$stage/build/gpu-kit-cuda"
+cp "$(dirname "$nvcc")/../lib64/libcudart_static.a" "$(dirname "$nvcc")/../lib64/libcudadevrt.a" \
+  "$stage/build/gpu-kit-cuda/"
 pybind_inc="$("$here/.venv/bin/python" -c 'import pybind11; print(pybind11.get_include())')"
 mkdir -p "$stage/build/gpu-kit-pybind11"
 cp -r "$pybind_inc" "$stage/build/gpu-kit-pybind11/"
