@@ -22,18 +22,20 @@
 # needs must resolve to the kit itself or to the C/C++ runtimes (ldd with the kit's library
 # path); a library left to the system fails the script, naming it.
 #
-# Environment: BUILD_DIR (default build, the `make build` tree; it must have the CUDA kernels,
-# nvcc found and KVBRIDGE_CUDA not OFF; the PyPI UCX plugin is packed when it was built), OUT (default build-gpu-kit).
+# Environment: BUILD_DIR (only the repository's build/, the `make build` tree; it must have the
+# CUDA kernels: nvcc found and KVBRIDGE_CUDA not OFF; the PyPI UCX plugin is packed when it was
+# built), OUT (default build-gpu-kit).
 # Exit status: 0 written, 1 a check failed, 2 a build failed.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="$(cd "${BUILD_DIR:-$here/build}" && pwd)"
 out="${OUT:-$here/build-gpu-kit}"
 log() { echo "gpu_kit: $*" >&2; }
-case "$build" in
-  "$here"/*) ;;
-  *) log "BUILD_DIR must be inside the repository ($here)"; exit 1 ;;
-esac
+# gpu_check's KIT mode runs the kit from build/ of the repository: the kit is made from that tree.
+if [[ "$build" != "$here/build" ]]; then
+  log "BUILD_DIR must be the repository's build/ ($here/build), where gpu_check runs the kit from"
+  exit 1
+fi
 
 if ! grep -q '^CMAKE_CUDA_COMPILER:[A-Z]*=/' "$build/CMakeCache.txt" 2>/dev/null ||
   grep -q '^KVBRIDGE_CUDA:STRING=OFF' "$build/CMakeCache.txt"; then
@@ -96,13 +98,13 @@ mkdir -p "$stage/build/gpu-kit-pybind11"
 cp -r "$pybind_inc" "$stage/build/gpu-kit-pybind11/"
 # How the extension is compiled and linked here, for gpu_check to repeat there.
 python3 - "$build" >"$stage/build/gpu-kit-extension.txt" <<'PY'
-import json, re, sys
+import json, sys
 build = sys.argv[1]
-flags = None
-for e in json.load(open(f"{build}/compile_commands.json")):
-    if e["file"].endswith("csrc/bindings/module.cc"):
-        args = e["command"].split()
-        flags = [a for a in args[1:] if a.startswith(("-D", "-std=", "-f"))]
+flags = [a for e in json.load(open(f"{build}/compile_commands.json"))
+         if e["file"].endswith("csrc/bindings/module.cc")
+         for a in e["command"].split()[1:] if a.startswith(("-D", "-std=", "-f"))]
+if not flags:
+    sys.exit(f"gpu_kit: {build}/compile_commands.json has no csrc/bindings/module.cc")
 print("CXXFLAGS=" + " ".join(flags))
 print("SOURCES=module.cc engine_bindings.cc store_bindings.cc kernels_bindings.cc pd_bindings.cc")
 PY
