@@ -60,6 +60,9 @@ struct LocalRegion {
   // published in the segment's descriptor entry (version 3).
   int device_id = -1;
   std::map<std::string, std::string> rkeys;  // transport name -> remote key
+  // Transports that registered the region for this process's ops only (KVB_REG_LOCAL_ONLY):
+  // their keys are left out of the descriptor, so peers reach the region over other paths.
+  std::set<std::string> local_only;
 };
 
 using SegmentMap = std::unordered_map<uint64_t, SegmentDesc>;
@@ -997,13 +1000,14 @@ Result<SegmentId> TransferEngine::RegisterMemory(void* addr, uint64_t length, Me
   std::vector<TransportInstance*> done;
   for (auto& t : impl_->transports) {
     if (!takes(*t)) continue;
-    Result<std::string> rkey =
+    Result<TransportInstance::Registration> reg =
         t->RegisterMemory(region.id, addr, length, static_cast<kvb_mem_kind_t>(kind), device_id);
-    if (!rkey.ok()) {
+    if (!reg.ok()) {
       for (TransportInstance* d : done) (void)d->DeregisterMemory(region.id);
-      return rkey.status();
+      return reg.status();
     }
-    region.rkeys[t->name()] = std::move(rkey).value();
+    region.rkeys[t->name()] = std::move(reg->rkey);
+    if (reg->local_only) region.local_only.insert(t->name());
     done.push_back(t.get());
   }
   if (done.empty()) {
@@ -1078,6 +1082,7 @@ std::string TransferEngine::LocalDescriptor() const {
     s.mem_kind = static_cast<uint32_t>(r.kind);
     s.device_id = r.device_id;
     s.rkeys = r.rkeys;
+    for (const std::string& t : r.local_only) s.rkeys.erase(t);
     d.segments.push_back(std::move(s));
   }
   return core::EncodeDescriptor(d, impl_->options.cluster_token);
@@ -1125,19 +1130,20 @@ Result<PeerId> TransferEngine::AddPeer(std::string_view blob, const AddPeerOptio
   for (const auto& s : d.segments) {
     segments->emplace(s.id, s);
   }
-  // What one transport is told of the peer: its endpoints, and each segment with that
-  // transport's key. `psegs` points into *segments, which stays put while it is moved into
-  // the record below.
+  // What one transport is told of the peer: its endpoints, and each segment the peer published
+  // a key of that transport for, with the key (a segment the peer's transport did not register,
+  // or registered for its own ops only, is not reachable over it; path choice never posts
+  // there). `psegs` points into *segments, which stays put while it is moved into the record.
   std::vector<TransportInstance::PeerSegment> psegs;
   auto view_for = [&](const Shared& sh) {
     psegs.clear();
     for (const auto& [sid, s] : *segments) {
       auto it = s.rkeys.find(sh.transport->name());
-      psegs.push_back(
-          {.id = s.id,
-           .mem_kind = s.mem_kind,
-           .length = s.length,
-           .rkey = it != s.rkeys.end() ? std::string_view(it->second) : std::string_view()});
+      if (it == s.rkeys.end()) continue;
+      psegs.push_back({.id = s.id,
+                       .mem_kind = s.mem_kind,
+                       .length = s.length,
+                       .rkey = std::string_view(it->second)});
     }
     return TransportInstance::PeerView{.node_id = d.node_id,
                                        .incarnation = d.incarnation,

@@ -112,15 +112,16 @@ TransportInstance::~TransportInstance() {
   if (inst_ != nullptr) ops_->destroy(inst_);
 }
 
-Result<std::string> TransportInstance::RegisterMemory(uint64_t segment_id, void* addr,
-                                                      uint64_t length, kvb_mem_kind_t kind,
-                                                      int32_t device_id) {
+Result<TransportInstance::Registration> TransportInstance::RegisterMemory(
+    uint64_t segment_id, void* addr, uint64_t length, kvb_mem_kind_t kind, int32_t device_id) {
+  uint32_t flags = 0;
   kvb_region_t r{.struct_size = sizeof(kvb_region_t),
                  .mem_kind = static_cast<uint32_t>(kind),
                  .segment_id = segment_id,
                  .addr = addr,
                  .length = length,
-                 .device_id = device_id};
+                 .device_id = device_id,
+                 .reg_flags = &flags};
   uint8_t rkey[kMaxDescriptorRkey];
   uint32_t rkey_len = 0;
   kvb_status_t st = ops_->register_memory(inst_, &r, rkey, sizeof(rkey), &rkey_len);
@@ -133,7 +134,8 @@ Result<std::string> TransportInstance::RegisterMemory(uint64_t segment_id, void*
                             std::to_string(rkey_len) + " bytes (at most " +
                             std::to_string(sizeof(rkey)) + ")");
   }
-  return std::string(reinterpret_cast<const char*>(rkey), rkey_len);
+  return Registration{.rkey = std::string(reinterpret_cast<const char*>(rkey), rkey_len),
+                      .local_only = (flags & KVB_REG_LOCAL_ONLY) != 0};
 }
 
 Status TransportInstance::DeregisterMemory(uint64_t segment_id) {

@@ -87,9 +87,15 @@ class TransportInstance {
   // The endpoints peers dial (get_endpoints, read once at create).
   const std::string& endpoints() const { return endpoints_; }
 
-  // Makes [addr, addr+length) reachable under `segment_id`; returns the remote key bytes.
-  Result<std::string> RegisterMemory(uint64_t segment_id, void* addr, uint64_t length,
-                                     kvb_mem_kind_t kind, int32_t device_id);
+  // What register_memory gave: the remote key bytes, and whether peers cannot reach the region
+  // over this transport (KVB_REG_LOCAL_ONLY: the key is not to be published).
+  struct Registration {
+    std::string rkey;
+    bool local_only = false;
+  };
+  // Makes [addr, addr+length) usable under `segment_id` (and reachable, unless local_only).
+  Result<Registration> RegisterMemory(uint64_t segment_id, void* addr, uint64_t length,
+                                      kvb_mem_kind_t kind, int32_t device_id);
   // NOT_FOUND when the segment is unknown to the transport.
   Status DeregisterMemory(uint64_t segment_id);
 

@@ -11,6 +11,10 @@
 //
 // "mock.instance_caps" (a number) at create is what instance_caps (ABI 1.3) returns; unset, it
 // returns every bit (the descriptor's caps stand).
+// "mock.local_only=1" at create registers every region KVB_REG_LOCAL_ONLY (ABI 1.5; refused
+// UNSUPPORTED on a host that takes no reg_flags), as the verbs transport does with CUDA memory
+// it stages: the instance's own ops use such a region, a peer's delivery into it is refused
+// NOT_REGISTERED.
 //
 // Faults (per initiating instance): config keys "mock.fail_code" (a number or a name such as
 // PEER_UNREACHABLE), "mock.fail_count" (default -1 = forever) and "mock.delay_ms" at create, and
@@ -27,6 +31,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -59,6 +64,7 @@ struct Node {
   std::shared_mutex mu;  // guards alive and regions; deliveries hold it shared while copying
   bool alive = true;
   std::map<uint64_t, kvb_region_t> regions;
+  std::set<uint64_t> local_only;  // segments peers may not reach (mock.local_only)
   std::atomic<uint64_t> frames_rejected{0};
 };
 
@@ -167,6 +173,7 @@ struct kvb_transport {
   const kvb_host_services_t* host = nullptr;
   std::shared_ptr<Node> self;
   uint64_t instance_caps = ~uint64_t{0};
+  bool local_only = false;  // mock.local_only
 
   std::mutex mu;  // guards everything below up to the worker section
   Fault fault;
@@ -251,7 +258,7 @@ void Deliver(kvb_transport* t, Request* r) {
           continue;
         }
         auto it = peer->regions.find(op.remote_segment);
-        if (it == peer->regions.end()) {
+        if (it == peer->regions.end() || peer->local_only.count(op.remote_segment) != 0) {
           codes[i] = KVB_ERR_NOT_REGISTERED;
         } else if (op.remote_offset > it->second.length ||
                    op.length > it->second.length - op.remote_offset) {
@@ -375,6 +382,7 @@ kvb_status_t MockCreate(const kvb_host_services_t* host, const kvb_transport_par
     t->fault = fault;
     std::string caps = ConfigString(host, KVB_MOCK_NAME ".instance_caps");
     if (!caps.empty()) t->instance_caps = std::strtoull(caps.c_str(), nullptr, 0);
+    t->local_only = ConfigString(host, KVB_MOCK_NAME ".local_only") == "1";
     t->self = std::make_shared<Node>();
     t->self->node_id = params->node_id;
     t->self->incarnation = params->incarnation;
@@ -411,6 +419,7 @@ void MockDestroy(kvb_transport_t* t) {
     std::unique_lock<std::shared_mutex> lk(t->self->mu);
     t->self->alive = false;
     t->self->regions.clear();
+    t->self->local_only.clear();
   }
   CancelLive(t, 0);
   {
@@ -437,10 +446,18 @@ kvb_status_t MockRegisterMemory(kvb_transport_t* t, const kvb_region_t* region, 
     return KVB_ERR_INVALID_ARGUMENT;
   }
   if (region->mem_kind != KVB_MEM_HOST) return KVB_ERR_UNSUPPORTED;
+  const bool has_flags =
+      region->struct_size >= offsetof(kvb_region_t, reg_flags) + sizeof(region->reg_flags) &&
+      region->reg_flags != nullptr;
+  if (t->local_only && !has_flags) return KVB_ERR_UNSUPPORTED;
   try {
     std::unique_lock<std::shared_mutex> lk(t->self->mu);
     if (!t->self->regions.emplace(region->segment_id, *region).second) {
       return KVB_ERR_ALREADY_EXISTS;
+    }
+    if (t->local_only) {
+      t->self->local_only.insert(region->segment_id);
+      *region->reg_flags |= KVB_REG_LOCAL_ONLY;
     }
   } catch (...) {
     return KVB_ERR_INTERNAL;
@@ -451,6 +468,7 @@ kvb_status_t MockRegisterMemory(kvb_transport_t* t, const kvb_region_t* region, 
 
 kvb_status_t MockDeregisterMemory(kvb_transport_t* t, uint64_t segment_id) {
   std::unique_lock<std::shared_mutex> lk(t->self->mu);
+  t->self->local_only.erase(segment_id);
   return t->self->regions.erase(segment_id) != 0 ? KVB_OK : KVB_ERR_NOT_FOUND;
 }
 

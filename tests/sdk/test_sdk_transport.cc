@@ -472,7 +472,7 @@ TEST_F(SdkTransport, PeerSegmentsAreReadBySegmentSizeAndTheirOwnStructSize) {
 TEST_F(SdkTransport, RegionFieldsBeyondStructSizeKeepTheirDefaults) {
   Made<Plain> m(fake_.table());
   int buf = 0;
-  kvb_region_t r{offsetof(kvb_region_t, device_id), KVB_MEM_HOST, 7, &buf, sizeof(buf), 5};
+  kvb_region_t r{offsetof(kvb_region_t, device_id), KVB_MEM_HOST, 7, &buf, sizeof(buf), 5, nullptr};
   uint8_t rkey[8];
   uint32_t rkey_len = 0;
   ASSERT_EQ(m.ops()->register_memory(m.get(), &r, rkey, sizeof(rkey), &rkey_len), KVB_OK);
@@ -481,6 +481,29 @@ TEST_F(SdkTransport, RegionFieldsBeyondStructSizeKeepTheirDefaults) {
   EXPECT_EQ(g_rec.region.length, sizeof(buf));
   EXPECT_EQ(g_rec.region.device_id, -1) << "read device_id beyond struct_size";
   EXPECT_EQ(g_rec.region.raw, &r);
+}
+
+// ABI 1.5: a region's reg_flags reach the plugin when the host's struct covers them, and
+// MarkLocalOnly sets KVB_REG_LOCAL_ONLY there; a 1.4 host's region (no reg_flags) says it
+// cannot keep a key local, and marking it writes nothing.
+TEST_F(SdkTransport, RegionRegFlagsAreTheHostsWhenItOffersThem) {
+  Made<Plain> m(fake_.table());
+  int buf = 0;
+  uint32_t flags = 0;
+  kvb_region_t r{sizeof(r), KVB_MEM_HOST, 7, &buf, sizeof(buf), -1, &flags};
+  uint8_t rkey[8];
+  uint32_t rkey_len = 0;
+  ASSERT_EQ(m.ops()->register_memory(m.get(), &r, rkey, sizeof(rkey), &rkey_len), KVB_OK);
+  EXPECT_TRUE(g_rec.region.CanBeLocalOnly());
+  g_rec.region.MarkLocalOnly();
+  EXPECT_EQ(flags, KVB_REG_LOCAL_ONLY);
+
+  flags = 0;
+  r.struct_size = offsetof(kvb_region_t, reg_flags);
+  ASSERT_EQ(m.ops()->register_memory(m.get(), &r, rkey, sizeof(rkey), &rkey_len), KVB_OK);
+  EXPECT_FALSE(g_rec.region.CanBeLocalOnly()) << "read reg_flags beyond struct_size";
+  g_rec.region.MarkLocalOnly();
+  EXPECT_EQ(flags, 0u);
 }
 
 // A plugin built with KVB_TRANSPORT_PLUGIN as its own .so (sdk_test_plugin.cc), through the real

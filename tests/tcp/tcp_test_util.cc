@@ -187,7 +187,8 @@ uint64_t Instance::Register(void* addr, size_t len) {
                  .segment_id = seg,
                  .addr = addr,
                  .length = len,
-                 .device_id = -1};
+                 .device_id = -1,
+                 .reg_flags = nullptr};
   uint8_t rkey[64];
   uint32_t rkey_len = 99;
   EXPECT_EQ(Ops()->register_memory(t_, &r, rkey, sizeof(rkey), &rkey_len), KVB_OK);

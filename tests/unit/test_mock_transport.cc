@@ -89,8 +89,7 @@ class MockTransportTest : public ::testing::Test {
       return nullptr;
     }
     inst->t = std::move(t).value();
-    Result<std::string> rkey =
-        inst->t->RegisterMemory(1, inst->mem.data(), inst->mem.size(), KVB_MEM_HOST, -1);
+    auto rkey = inst->t->RegisterMemory(1, inst->mem.data(), inst->mem.size(), KVB_MEM_HOST, -1);
     EXPECT_TRUE(rkey.ok()) << rkey.status().ToString();
     instances_.push_back(std::move(inst));
     return instances_.back().get();
@@ -435,7 +434,7 @@ TEST_F(MockTransportTest, UpdatePeerKeepsTheHandle) {
 
 TEST_F(MockTransportTest, RegisterRefusalIsAStatusNamingTheTransport) {
   // Segment 1 is registered already: the mock refuses it again.
-  Result<std::string> again = a_->t->RegisterMemory(1, a_->mem.data(), 64, KVB_MEM_HOST, -1);
+  auto again = a_->t->RegisterMemory(1, a_->mem.data(), 64, KVB_MEM_HOST, -1);
   ASSERT_FALSE(again.ok());
   EXPECT_NE(again.status().message().find("transport 'mock'"), std::string::npos)
       << again.status().ToString();

@@ -478,6 +478,63 @@ TEST_F(MultipathTest, AKnownIncarnationMovesOnNoPath) {
   Must(a_->AddPeer(b_->LocalDescriptor()));  // the same routes: an update
 }
 
+// A region a transport registered KVB_REG_LOCAL_ONLY (ABI 1.5; the verbs transport does this
+// with CUDA memory it stages through host buffers) is the local memory of its own engine's ops
+// over that transport, but its key stays out of the descriptor: peers reach it over another
+// path, and a peer with no other path is told so before anything is posted.
+TEST(MultipathLocalOnly, LocalOnlyKeysStayOutOfTheDescriptor) {
+  EngineOptions oa = TwoPathOptions("lo-a");
+  oa.plugin_config["mock.local_only"] = "1";
+  auto a = Must(TransferEngine::Create(oa));
+  auto b = Must(TransferEngine::Create(TwoPathOptions("lo-b")));
+  EngineOptions oc = TwoPathOptions("lo-c");
+  oc.transports = {"mock"};
+  auto c = Must(TransferEngine::Create(oc));
+  Buffer mem_a(1 << 16), mem_b(1 << 16), mem_c(1 << 16);
+  const SegmentId seg_a = Must(a->RegisterMemory(mem_a.data(), mem_a.size()));
+  const SegmentId seg_b = Must(b->RegisterMemory(mem_b.data(), mem_b.size()));
+  Must(c->RegisterMemory(mem_c.data(), mem_c.size()));
+
+  const core::Descriptor da = Must(core::DecodeDescriptor(a->LocalDescriptor()));
+  ASSERT_EQ(da.segments.size(), 1u);
+  EXPECT_EQ(da.segments[0].rkeys.count("mock"), 0u) << "a local-only key was published";
+  EXPECT_EQ(da.segments[0].rkeys.count("mock_b"), 1u);
+  const core::Descriptor db = Must(core::DecodeDescriptor(b->LocalDescriptor()));
+  EXPECT_EQ(db.segments.at(0).rkeys.count("mock"), 1u);
+
+  Must(a->AddPeer(b->LocalDescriptor()));
+  Must(b->AddPeer(a->LocalDescriptor()));
+  Must(c->AddPeer(a->LocalDescriptor()));
+
+  // A's own op: its local-only region is the local memory of a WRITE over mock.
+  mem_a.Fill(21, 0, 4096);
+  Status st =
+      a->Transfer(std::vector<TransferOp>{{OpCode::kWrite, mem_a.data(), 4096, "lo-b", seg_b, 0}});
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_TRUE(mem_b.Matches(21, 0, 4096, 0));
+  EXPECT_EQ(a->GetPeerHealth("lo-b")->paths.at(0).transport, "mock");
+  EXPECT_EQ(a->GetPeerHealth("lo-b")->paths.at(0).ops_ok, 1u);
+
+  // B's ops to A's region: not over mock (no key for it), over mock_b, READ and WRITE.
+  mem_b.Fill(22, 0, 4096);
+  st = b->Transfer(
+      std::vector<TransferOp>{{OpCode::kWrite, mem_b.data(), 4096, "lo-a", seg_a, 4096},
+                              {OpCode::kRead, mem_b.data() + 8192, 4096, "lo-a", seg_a, 0}});
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_TRUE(mem_a.Matches(22, 4096, 4096, 0));
+  EXPECT_TRUE(mem_b.Matches(21, 8192, 4096, 0));
+  const PeerHealth hb = *b->GetPeerHealth("lo-a");
+  ASSERT_EQ(hb.paths.size(), 2u);
+  EXPECT_EQ(hb.paths[0].ops_ok + hb.paths[0].ops_failed, 0u) << "mock was tried";
+  EXPECT_EQ(hb.paths[1].ops_ok, 2u);
+
+  // C speaks only mock: no path reaches A's region, and C says so without posting.
+  st = c->Transfer(std::vector<TransferOp>{{OpCode::kWrite, mem_c.data(), 4096, "lo-a", seg_a, 0}});
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported) << st.ToString();
+  EXPECT_EQ(c->GetPeerHealth("lo-a")->paths.at(0).ops_failed, 0u);
+  EXPECT_TRUE(mem_a.Matches(21, 0, 4096, 0)) << "bytes reached a local-only region";
+}
+
 // The fixture with one of engine A's boolean options turned off.
 template <bool EngineOptions::*kOff>
 class MultipathWithout : public MultipathTest {

@@ -40,8 +40,10 @@ extern "C" {
  * 1.3: transport instance_caps (an instance narrows its descriptor's caps), KVB_TCAP_CUDA_DIRECT.
  * 1.4: kvb_xfer_op_t.flags (was reserved) and .crc, KVB_TCAP_OP_CRC32C: a transport takes the
  *      checksum of an op's bytes as they move.
+ * 1.5: kvb_region_t.reg_flags and KVB_REG_LOCAL_ONLY: a transport can register a region that
+ *      only this process's ops use (its key is not published).
  */
-#define KVB_ABI_MINOR 4
+#define KVB_ABI_MINOR 5
 
 /* Name of the one symbol every plugin exports. */
 #define KVB_PLUGIN_QUERY_SYMBOL "kvb_plugin_query"

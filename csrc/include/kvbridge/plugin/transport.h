@@ -81,7 +81,18 @@ typedef struct kvb_region {
   void* addr;
   uint64_t length;
   int32_t device_id; /* CUDA device for KVB_MEM_CUDA, -1 otherwise */
+  /* 1.5: where register_memory may set KVB_REG_* bits (the host zeroes *reg_flags first). NULL,
+   * or beyond struct_size, on a host that takes none: a transport then must not register a
+   * region in a way that needs one. */
+  uint32_t* reg_flags;
 } kvb_region_t;
+
+/* kvb_region_t.reg_flags bits (1.5). */
+/* Peers cannot reach the region through this transport (the verbs transport stages CUDA memory
+ * its NIC cannot address through host buffers: its own ops can use the region, a peer's RDMA
+ * cannot). The host keeps the key out of its descriptor, so peers choose another path to the
+ * region; its own ops may still use the region as their local memory over this transport. */
+#define KVB_REG_LOCAL_ONLY ((uint32_t)1 << 0)
 
 /* One remote segment as published in the peer's descriptor. */
 typedef struct kvb_peer_segment {

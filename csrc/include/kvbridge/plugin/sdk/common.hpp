@@ -382,6 +382,21 @@ class Host {
 
   // ---- ABI 1.2: device memory ---------------------------------------------------------------
 
+  // Whether the host offers every device service (ABI 1.2 dev_* and pinned_*). They may still
+  // answer UNAVAILABLE: a host without a CUDA driver offers them and refuses every call.
+  bool HasDeviceServices() const {
+    return Has(&kvb_host_services_t::dev_stream_create,
+               offsetof(kvb_host_services_t, dev_stream_create)) &&
+           Has(&kvb_host_services_t::dev_stream_destroy,
+               offsetof(kvb_host_services_t, dev_stream_destroy)) &&
+           Has(&kvb_host_services_t::dev_copy_async,
+               offsetof(kvb_host_services_t, dev_copy_async)) &&
+           Has(&kvb_host_services_t::dev_copy_done, offsetof(kvb_host_services_t, dev_copy_done)) &&
+           Has(&kvb_host_services_t::dev_copy_wait, offsetof(kvb_host_services_t, dev_copy_wait)) &&
+           Has(&kvb_host_services_t::pinned_alloc, offsetof(kvb_host_services_t, pinned_alloc)) &&
+           Has(&kvb_host_services_t::pinned_free, offsetof(kvb_host_services_t, pinned_free));
+  }
+
   // A copy queue on CUDA device `device_id`. UNSUPPORTED on a host older than 1.2 (or one that
   // leaves a dev_* service NULL); UNAVAILABLE, naming libcuda, on a host without a CUDA driver.
   Result<DevStream> CreateDevStream(int32_t device_id) const {

@@ -169,7 +169,15 @@ struct Region {
   void* addr = nullptr;
   uint64_t length = 0;
   int32_t device_id = -1;
+  uint32_t* reg_flags = nullptr;      // 1.5: null on a host that takes no KVB_REG_* bits
   const kvb_region_t* raw = nullptr;  // for a backend that takes the ABI struct
+
+  // 1.5: whether the host can keep this region's key to itself (KVB_REG_LOCAL_ONLY).
+  bool CanBeLocalOnly() const { return reg_flags != nullptr; }
+  // Marks the region as one peers cannot reach over this transport (only when CanBeLocalOnly).
+  void MarkLocalOnly() const {
+    if (reg_flags != nullptr) *reg_flags |= KVB_REG_LOCAL_ONLY;
+  }
 
   static Region From(const kvb_region_t* r) {
     Region out;
@@ -182,6 +190,7 @@ struct Region {
     KVB_SDK_READ_FIELD(out, p, avail, kvb_region_t, addr);
     KVB_SDK_READ_FIELD(out, p, avail, kvb_region_t, length);
     KVB_SDK_READ_FIELD(out, p, avail, kvb_region_t, device_id);
+    KVB_SDK_READ_FIELD(out, p, avail, kvb_region_t, reg_flags);
     return out;
   }
 };
