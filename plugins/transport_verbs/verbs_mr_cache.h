@@ -2,7 +2,7 @@
 // with the NIC (ibv_reg_mr, ibv_reg_dmabuf_mr) pins pages and costs milliseconds, so the
 // transport registers a range once and hands out reference-counted MrRefs to it for every op
 // that touches it. The registration itself is done by a Registrar (the ibverbs one tries
-// dma-buf, then nvidia-peermem, then host staging for device memory; tests use a fake), so this
+// dma-buf, then nvidia-peermem for device memory; tests use a fake), so this
 // file needs neither libibverbs nor a device.
 //
 // Rules:
@@ -51,6 +51,7 @@ enum class RegPath {
   kDmaBuf,       // GPU memory by dma-buf, ibv_reg_dmabuf_mr
   kPeerMem,      // GPU memory by nvidia-peermem, ibv_reg_mr on the device pointer
   kHostStaging,  // GPU memory the NIC cannot reach, staged through registered host buffers
+                 // (counted by the transport; never a Registrar's answer)
 };
 inline constexpr size_t kRegPathCount = 4;
 

@@ -20,13 +20,15 @@ class VerbsPlugin {
  public:
   static constexpr const char* kName = "verbs";
   static constexpr const char* kVersion = "0.1.0";
-  // Not OPT_IN: where a NIC exists it is the fast path. InstanceCaps drops CUDA_* where no
-  // GPUDirect registration path exists.
+  // Not OPT_IN: where a NIC exists it is the fast path. InstanceCaps drops CUDA_DIRECT where no
+  // GPUDirect registration path exists (CUDA memory is then staged), and CUDA_MEM as well where
+  // staging is off or impossible.
   static constexpr uint64_t kCaps =
       KVB_TCAP_READ | KVB_TCAP_WRITE | KVB_TCAP_HOST_MEM | KVB_TCAP_CUDA_MEM | KVB_TCAP_CUDA_DIRECT;
   // The side channel authenticates with the host's handshake services (ABI 1.2); instance_caps
-  // is 1.3.
-  static constexpr uint16_t kMinHostMinor = 3;
+  // is 1.3; host staging registers CUDA memory KVB_REG_LOCAL_ONLY (1.5), and the caps say it
+  // takes CUDA memory wherever the host has device services.
+  static constexpr uint16_t kMinHostMinor = 5;
   using Peer = verbs::Transport::Peer;
   using Request = verbs::Transport::Request;
 

@@ -76,7 +76,7 @@ class IbvRegistrar final : public Registrar {
     ibv_mr* mr = ibv_reg_mr(pd_, p, len, kAccess);
     if (mr != nullptr) return Keys(mr, RegPath::kPeerMem);
     why += std::string("; nvidia-peermem: ibv_reg_mr: ") + std::strerror(errno);
-    return sdk::Status(KVB_ERR_UNSUPPORTED, why + "; host staging: not implemented");
+    return sdk::Status(KVB_ERR_UNSUPPORTED, why);
   }
 
   void Deregister(const MrKeys& keys) override {

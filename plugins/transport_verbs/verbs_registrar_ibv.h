@@ -1,8 +1,9 @@
 // kvbridge::verbs::MakeIbvRegistrar: the Registrar (verbs_mr_cache.h) of the real plugin, on one
 // ibv_pd. Host memory: ibv_reg_mr. CUDA memory, in this order: dma-buf (the CUDA driver's
 // cuMemGetHandleForAddressRange, from libcuda.so.1 loaded at run time, then ibv_reg_dmabuf_mr),
-// nvidia-peermem (ibv_reg_mr on the device pointer); host staging is not implemented, so when
-// both fail Register returns UNSUPPORTED naming each path and why. CudaDirectAvailable says
+// nvidia-peermem (ibv_reg_mr on the device pointer). When both fail Register returns
+// UNSUPPORTED naming each path and why, and the transport stages that region through host
+// memory instead (verbs_transport.h, "Host staging"). CudaDirectAvailable says
 // whether either GPU path can exist here (a CUDA driver, and dma-buf or the nvidia_peermem
 // module); CudaPciBusId places a GPU for rail choice. Thread-safety: MrCache calls a Registrar
 // under its mutex; the CUDA entry points are resolved once, thread-safely.

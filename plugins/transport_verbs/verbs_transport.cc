@@ -47,7 +47,9 @@ struct Transport::Region {
   uint64_t addr = 0;
   uint64_t length = 0;
   bool cuda = false;
-  std::vector<MrRef> mrs;       // per device
+  bool staged = false;          // CUDA memory moved through bounce buffers (no MRs)
+  int device_id = -1;           // its CUDA device
+  std::vector<MrRef> mrs;       // per device; empty when staged
   std::vector<uint32_t> rails;  // local NICs closest to the memory, closest first
 };
 
@@ -85,6 +87,44 @@ struct Slice {
   uint32_t posted_rail = 0;
   bool ended = false;
   uint32_t tries = 0;
+  // Host staging: the local memory is CUDA memory of `device` moved through bounce buffer
+  // `bounce` of the peer's ring. A WRITE's bytes are copied in (kCopyIn) before it is posted
+  // (then `filled`); a READ's are copied out (kCopyOut) once its RDMA completed.
+  bool staged = false;
+  int device = -1;
+  int32_t bounce = -1;
+  bool filled = false;
+  enum class Copy { kNone, kIn, kOut } copy = Copy::kNone;
+  uint64_t ticket = 0;
+};
+
+// A peer's host staging: `count` pinned bounce buffers of `buffer_bytes` in one allocation,
+// registered (host memory) on every local device, and one copy queue per CUDA device. Made at
+// the first staged op to the peer, so that a peer that stalls holds only its own buffers.
+// Destroyed with the peer, after its rails are closed: waits for queued copies, releases and
+// invalidates its MRs (so no cached MR outlives the memory), frees the memory.
+struct StagingRing {
+  sdk::Host host;
+  uint8_t* base = nullptr;
+  uint64_t buffer_bytes = 0;
+  uint32_t count = 0;
+  std::vector<MrCache*> caches;  // per local device
+  std::vector<MrRef> mrs;        // per local device
+  std::vector<int32_t> free;     // buffer indices
+  std::map<int, sdk::DevStream> streams;
+
+  StagingRing() = default;
+  StagingRing(const StagingRing&) = delete;
+  StagingRing& operator=(const StagingRing&) = delete;
+  ~StagingRing() {
+    streams.clear();
+    for (size_t i = 0; i < mrs.size(); ++i) {
+      mrs[i].Release();
+      caches[i]->Invalidate(reinterpret_cast<uint64_t>(base), buffer_bytes * count);
+    }
+    host.PinnedFree(base);
+  }
+  uint8_t* buffer(int32_t i) const { return base + static_cast<uint64_t>(i) * buffer_bytes; }
 };
 
 struct Request {
@@ -123,11 +163,15 @@ struct Peer {
   uint64_t incarnation = 0;
   verbs::Endpoints ep;
   std::unordered_map<uint64_t, RemoteSegment> segments;
+  // Host staging, made at the first staged op; declared before `rails` so that it outlives
+  // their QPs.
+  std::unique_ptr<StagingRing> staging;
   std::vector<RailConn> rails;  // per local NIC
   std::shared_ptr<ConnectJob> job;
   std::thread job_thread;
   sdk::Status fatal;  // STALE_PEER or UNAUTHENTICATED: every later post fails with it
   std::deque<Slice*> queue;
+  std::vector<Slice*> copying_out;  // staged READs whose copy-out runs
   uint64_t queued_bytes = 0;
   uint64_t queued_ops = 0;
   std::set<Request*> requests;  // not final
@@ -249,6 +293,10 @@ sdk::Result<Config> LoadConfig(const sdk::Host& host) {
   KVB_VERBS_KEY("rail_retry_ms", rail_retry_ms, 0u, 3600000u);
   KVB_VERBS_KEY("max_inbound_qps", max_inbound_qps, 1u, 1000000u);
   KVB_VERBS_KEY("max_handshakes", max_handshakes, 1u, 4096u);
+  KVB_VERBS_KEY("host_staging", host_staging, 0u, 1u);
+  KVB_VERBS_KEY("staging_buffer_bytes", staging_buffer_bytes, uint64_t{4096},
+                uint64_t{kMaxOpLength});
+  KVB_VERBS_KEY("staging_buffers", staging_buffers, 1u, 1024u);
 #undef KVB_VERBS_KEY
   return c;
 }
@@ -275,6 +323,7 @@ sdk::Result<std::unique_ptr<Transport>> Transport::Create(sdk::Host host,
   std::unique_ptr<Transport> t(new Transport(host, std::move(*config), std::move(fabric)));
   t->node_id_ = *node;
   t->incarnation_ = *inc;
+  t->staging_possible_ = t->config_.host_staging != 0 && host.HasDeviceServices();
   if (auto st = t->OpenNics(); !st.ok()) return st;
   if (auto st = t->Listen(params.listen); !st.ok()) return st;
   t->counters_.wrs_per_nic.assign(t->nics_.size(), 0);
@@ -810,11 +859,6 @@ sdk::Status Transport::RegisterMemory(const sdk::Region& r, sdk::RkeyBuffer& key
     return sdk::Status(KVB_ERR_INVALID_ARGUMENT,
                        "verbs: register_memory: NULL address, length 0 or unknown memory kind");
   }
-  if (cuda && !fabric_.cuda_direct) {
-    return sdk::Status(KVB_ERR_UNSUPPORTED,
-                       "verbs: CUDA memory needs dma-buf or nvidia-peermem here (neither is "
-                       "available) and host staging is not implemented");
-  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (regions_.count(r.segment_id) != 0) {
@@ -822,16 +866,29 @@ sdk::Status Transport::RegisterMemory(const sdk::Region& r, sdk::RkeyBuffer& key
                          "verbs: segment " + std::to_string(r.segment_id) + " is registered");
     }
   }
+  if (cuda && !fabric_.cuda_direct) {
+    return RegisterStaged(r, "neither dma-buf nor nvidia-peermem is available here");
+  }
   auto region = std::make_unique<Region>();
   region->addr = reinterpret_cast<uint64_t>(r.addr);
   region->length = r.length;
   region->cuda = cuda;
+  region->device_id = cuda ? r.device_id : -1;
   for (auto& d : devices_) {
     auto ref = d->mrs->Acquire(region->addr, r.length, cuda, r.device_id);
     if (!ref.ok()) {
-      return sdk::Status(ref.status().code(), "verbs: registering segment " +
-                                                  std::to_string(r.segment_id) + " on " + d->name +
-                                                  ": " + ref.status().message());
+      const std::string why = "registering segment " + std::to_string(r.segment_id) + " on " +
+                              d->name + ": " + ref.status().message();
+      if (cuda && ref.status().code() == KVB_ERR_UNSUPPORTED) {
+        // Staged instead: the MRs made on the devices before this one go.
+        region->mrs.clear();
+        for (auto& prev : devices_) {
+          if (prev.get() == d.get()) break;
+          prev->mrs->Invalidate(region->addr, r.length);
+        }
+        return RegisterStaged(r, why);
+      }
+      return sdk::Status(ref.status().code(), "verbs: " + why);
     }
     host_.Log(KVB_LOG_DEBUG,
               "verbs: segment %" PRIu64 " (%" PRIu64 " bytes of %s memory) on %s: %s", r.segment_id,
@@ -895,10 +952,45 @@ sdk::Status Transport::DeregisterMemory(uint64_t segment_id) {
     region = std::move(it->second);
     regions_.erase(it);
   }
+  if (region->staged) return {};  // no MRs: its bytes only ever passed through bounce buffers
   for (size_t i = 0; i < devices_.size(); ++i) {
     region->mrs[i].Release();
     devices_[i]->mrs->Invalidate(region->addr, region->length);
   }
+  return {};
+}
+
+sdk::Status Transport::RegisterStaged(const sdk::Region& r, const std::string& why_direct) {
+  const std::string seg = "verbs: segment " + std::to_string(r.segment_id) + " (CUDA memory)";
+  if (!staging_possible_) {
+    return sdk::Status(KVB_ERR_UNSUPPORTED,
+                       seg + ": no GPUDirect path (" + why_direct + ") and host staging is " +
+                           (config_.host_staging == 0 ? "off (verbs.host_staging=0)"
+                                                      : "impossible: the host offers no device "
+                                                        "services (dev_copy_*, pinned_alloc)"));
+  }
+  if (!r.CanBeLocalOnly()) {
+    return sdk::Status(KVB_ERR_UNSUPPORTED,
+                       seg + ": no GPUDirect path (" + why_direct +
+                           "), and host staging needs a host that keeps the region's key local "
+                           "(kvb_region_t.reg_flags, ABI 1.5)");
+  }
+  auto region = std::make_unique<Region>();
+  region->addr = reinterpret_cast<uint64_t>(r.addr);
+  region->length = r.length;
+  region->cuda = true;
+  region->staged = true;
+  region->device_id = r.device_id;
+  for (uint32_t i = 0; i < nics_.size(); ++i) region->rails.push_back(i);
+  r.MarkLocalOnly();
+  host_.Log(KVB_LOG_INFO,
+            "%s, %" PRIu64
+            " bytes on device %d: host staging (%s); peers reach it over "
+            "another transport",
+            seg.c_str(), r.length, r.device_id, why_direct.c_str());
+  std::lock_guard<std::mutex> lock(mu_);
+  ++counters_.registrations[static_cast<size_t>(RegPath::kHostStaging)];
+  regions_[r.segment_id] = std::move(region);
   return {};
 }
 
@@ -1050,6 +1142,11 @@ sdk::Result<Request*> Transport::Post(Peer* peer, const sdk::Ops& ops,
                              std::to_string(op.remote_segment) + " of " +
                              std::to_string(remote->second.length) + " bytes");
     }
+    if (local->second->staged && peer->staging == nullptr) {
+      if (auto st = EnsureStaging(*peer); !st.ok()) {
+        return sdk::Status(st.code(), what + st.message());
+      }
+    }
     bytes += op.length;
     req->rails[i] = local->second->rails;
     if (config_.max_rails != 0 && req->rails[i].size() > config_.max_rails) {
@@ -1081,10 +1178,15 @@ sdk::Result<Request*> Transport::Post(Peer* peer, const sdk::Ops& ops,
   for (uint32_t i = 0; i < ops.size(); ++i) {
     const kvb_xfer_op_t op = ops[i];
     const auto& rails = r->rails[i];
+    const Region& local = *regions_.at(op.local_segment);
+    // A staged op's work requests each fit one bounce buffer.
+    const uint64_t wr_bytes = local.staged
+                                  ? std::min(config_.max_wr_bytes, config_.staging_buffer_bytes)
+                                  : config_.max_wr_bytes;
     const std::vector<Stripe> stripes =
         PlanStripes(op.length, static_cast<uint32_t>(rails.size()), config_.stripe_min_bytes);
     for (const Stripe& st : stripes) {
-      for (uint64_t off = 0; off < st.length; off += config_.max_wr_bytes) {
+      for (uint64_t off = 0; off < st.length; off += wr_bytes) {
         auto s = std::make_unique<Slice>();
         s->req = r;
         s->op = i;
@@ -1093,8 +1195,9 @@ sdk::Result<Request*> Transport::Post(Peer* peer, const sdk::Ops& ops,
         s->local_segment = op.local_segment;
         s->remote_segment = op.remote_segment;
         s->remote_offset = op.remote_offset + st.offset + off;
-        s->length =
-            static_cast<uint32_t>(std::min<uint64_t>(config_.max_wr_bytes, st.length - off));
+        s->length = static_cast<uint32_t>(std::min<uint64_t>(wr_bytes, st.length - off));
+        s->staged = local.staged;
+        s->device = local.device_id;
         s->rail = rails[st.rail];
         s->allowed = &r->rails[i];
         peer->queue.push_back(s.get());
@@ -1189,6 +1292,7 @@ void Transport::PumpPeer(Peer& p, uint64_t now, Done* done) {
       FailRail(p, i, rail.conn->first_error(), now, done);
     }
   }
+  if (!p.copying_out.empty()) PollCopiesOut(p, now, done);
   // Request deadlines and progress timeouts (posted work also has its own, in RcConnection).
   std::vector<Request*> late;
   for (Request* r : p.requests) {
@@ -1224,6 +1328,10 @@ void Transport::PumpPeer(Peer& p, uint64_t now, Done* done) {
     Slice* s = p.queue.front();
     p.queue.pop_front();
     if (s->ended) continue;
+    if (s->staged && !StageReady(p, *s, now, done)) {
+      if (!s->ended) keep.push_back(s);
+      continue;
+    }
     auto usable = [&](uint32_t i) {
       const RailConn& rc = p.rails[i];
       return rc.conn && rc.conn->state() == RcState::kRts &&
@@ -1284,8 +1392,13 @@ void Transport::PumpPeer(Peer& p, uint64_t now, Done* done) {
     RdmaOp op;
     op.cookie = reinterpret_cast<uint64_t>(s);
     op.opcode = s->opcode;
-    op.local_addr = s->local_addr;
-    op.lkey = local->second->mrs[nics_[rail]->device].lkey();
+    if (s->staged) {
+      op.local_addr = reinterpret_cast<uint64_t>(p.staging->buffer(s->bounce));
+      op.lkey = p.staging->mrs[nics_[rail]->device].lkey();
+    } else {
+      op.local_addr = s->local_addr;
+      op.lkey = local->second->mrs[nics_[rail]->device].lkey();
+    }
     op.remote_addr = rk.base + s->remote_offset;
     op.rkey = rk.rkey;
     op.length = s->length;
@@ -1387,6 +1500,10 @@ void Transport::HandleEnds(Peer& p, uint32_t rail, std::vector<OpEnd>& ends, uin
       } else {
         stats_.bytes_written += s->length;
       }
+      if (s->staged && s->opcode == WrOpcode::kRdmaRead) {
+        StartCopyOut(p, *s, done);  // ends the slice when its bytes are in device memory
+        continue;
+      }
       EndSlice(*s, e.status, done);
       continue;
     }
@@ -1432,6 +1549,7 @@ void Transport::FailPeer(Peer& p, const sdk::Status& why, Done* done) {
 void Transport::EndSlice(Slice& s, const sdk::Status& st, Done* done) {
   if (s.ended) return;
   s.ended = true;
+  DropBounce(s);
   Request& r = *s.req;
   OpState& op = r.ops[s.op];
   if (!st.ok() && op.first_error.ok()) op.first_error = st;
@@ -1460,8 +1578,12 @@ void Transport::FailRequest(Request& r, const sdk::Status& why, Done* done) {
   }
   const uint64_t now = host_.NowNs();
   for (uint32_t i : rails) FailRail(p, i, why, now, done);
-  for (auto& s : r.slices) s->ended = true;
+  for (auto& s : r.slices) {
+    s->ended = true;
+    DropBounce(*s);  // waits for a device copy still using it: none runs once this returns
+  }
   std::erase_if(p.queue, [&](Slice* s) { return s->req == &r; });
+  std::erase_if(p.copying_out, [&](Slice* s) { return s->req == &r; });
   r.slices_left = 0;
   r.final = false;
   Finalize(r, done);
@@ -1482,6 +1604,171 @@ void Transport::Finalize(Request& r, Done* done) {
     if (rp->on_complete != nullptr) rp->on_complete(rp->user);
     rp->reported.store(true);
   });
+}
+
+// ---- host staging ----------------------------------------------------------------------------
+
+namespace {
+
+// The ring's copy queue on CUDA device `device`, made on first use.
+sdk::Result<sdk::DevStream*> StreamOf(const sdk::Host& host, StagingRing& ring, int device) {
+  auto it = ring.streams.find(device);
+  if (it == ring.streams.end()) {
+    auto made = host.CreateDevStream(device);
+    if (!made.ok()) return made.status();
+    it = ring.streams.emplace(device, std::move(*made)).first;
+  }
+  return &it->second;
+}
+
+}  // namespace
+
+sdk::Status Transport::EnsureStaging(Peer& p) {
+  if (p.staging != nullptr) return {};
+  auto ring = std::make_unique<StagingRing>();
+  ring->host = host_;
+  ring->buffer_bytes = config_.staging_buffer_bytes;
+  ring->count = config_.staging_buffers;
+  const uint64_t total = ring->buffer_bytes * ring->count;
+  auto mem = host_.PinnedAlloc(total);
+  if (!mem.ok()) {
+    return sdk::Status(mem.status().code(),
+                       "cannot allocate the host staging ring for " +
+                           Who(p.node_id, p.incarnation) + " (verbs.staging_buffers x " +
+                           "verbs.staging_buffer_bytes = " + std::to_string(total) +
+                           " bytes of pinned memory): " + mem.status().message());
+  }
+  ring->base = static_cast<uint8_t*>(*mem);
+  for (auto& d : devices_) {
+    auto ref = d->mrs->Acquire(reinterpret_cast<uint64_t>(ring->base), total, false, -1);
+    if (!ref.ok()) {
+      return sdk::Status(ref.status().code(), "cannot register the host staging ring on " +
+                                                  d->name + ": " + ref.status().message());
+    }
+    ring->caches.push_back(d->mrs.get());
+    ring->mrs.push_back(std::move(*ref));
+  }
+  for (uint32_t i = ring->count; i > 0; --i) ring->free.push_back(static_cast<int32_t>(i - 1));
+  ++counters_.staging_rings;
+  host_.Log(KVB_LOG_DEBUG, "verbs: host staging ring for %s: %u x %" PRIu64 " bytes",
+            Who(p.node_id, p.incarnation).c_str(), ring->count, ring->buffer_bytes);
+  p.staging = std::move(ring);
+  return {};
+}
+
+bool Transport::StageReady(Peer& p, Slice& s, uint64_t now, Done* done) {
+  StagingRing& ring = *p.staging;
+  if (s.bounce < 0) {
+    if (ring.free.empty()) return false;  // waits for a buffer of this peer's ring
+    s.bounce = ring.free.back();
+    ring.free.pop_back();
+  }
+  if (s.opcode == WrOpcode::kRdmaRead || s.filled) return true;
+  const std::string what = "verbs: staging " + std::to_string(s.length) + " bytes of CUDA device " +
+                           std::to_string(s.device) + " memory for a WRITE to " +
+                           Who(p.node_id, p.incarnation) + ": ";
+  if (s.copy == Slice::Copy::kNone) {
+    auto stream = StreamOf(host_, ring, s.device);
+    if (!stream.ok()) {
+      EndSlice(s, sdk::Status(stream.status().code(), what + stream.status().message()), done);
+      return false;
+    }
+    auto ticket = (*stream)->CopyAsync(ring.buffer(s.bounce),
+                                       reinterpret_cast<const void*>(s.local_addr), s.length);
+    if (!ticket.ok()) {
+      ++counters_.staging_copy_failures;
+      EndSlice(s, sdk::Status(ticket.status().code(), what + ticket.status().message()), done);
+      return false;
+    }
+    s.ticket = *ticket;
+    s.copy = Slice::Copy::kIn;
+    return false;
+  }
+  const sdk::Status st = ring.streams.at(s.device).Done(s.ticket);
+  if (st.code() == KVB_IN_PROGRESS) return false;
+  s.copy = Slice::Copy::kNone;
+  if (!st.ok()) {
+    ++counters_.staging_copy_failures;
+    EndSlice(s, sdk::Status(st.code(), what + st.message()), done);
+    return false;
+  }
+  ++counters_.staging_copies;
+  s.filled = true;
+  s.req->last_progress_ns = now;
+  return true;
+}
+
+void Transport::StartCopyOut(Peer& p, Slice& s, Done* done) {
+  StagingRing& ring = *p.staging;
+  const std::string what = "verbs: copying " + std::to_string(s.length) + " bytes read from " +
+                           Who(p.node_id, p.incarnation) + " into CUDA device " +
+                           std::to_string(s.device) + " memory: ";
+  auto stream = StreamOf(host_, ring, s.device);
+  if (!stream.ok()) {
+    EndSlice(s, sdk::Status(stream.status().code(), what + stream.status().message()), done);
+    return;
+  }
+  auto ticket =
+      (*stream)->CopyAsync(reinterpret_cast<void*>(s.local_addr), ring.buffer(s.bounce), s.length);
+  if (!ticket.ok()) {
+    ++counters_.staging_copy_failures;
+    EndSlice(s, sdk::Status(ticket.status().code(), what + ticket.status().message()), done);
+    return;
+  }
+  s.ticket = *ticket;
+  s.copy = Slice::Copy::kOut;
+  p.copying_out.push_back(&s);
+}
+
+void Transport::PollCopiesOut(Peer& p, uint64_t now, Done* done) {
+  std::vector<Slice*> still;
+  for (Slice* s : p.copying_out) {
+    const sdk::Status st = p.staging->streams.at(s->device).Done(s->ticket);
+    if (st.code() == KVB_IN_PROGRESS) {
+      still.push_back(s);
+      continue;
+    }
+    s->copy = Slice::Copy::kNone;
+    if (st.ok()) {
+      ++counters_.staging_copies;
+      s->req->last_progress_ns = now;
+      EndSlice(*s, st, done);
+    } else {
+      ++counters_.staging_copy_failures;
+      EndSlice(*s,
+               sdk::Status(st.code(), "verbs: copying " + std::to_string(s->length) +
+                                          " bytes read from " + Who(p.node_id, p.incarnation) +
+                                          " into CUDA device " + std::to_string(s->device) +
+                                          " memory: " + st.message()),
+               done);
+    }
+  }
+  p.copying_out = std::move(still);
+}
+
+void Transport::DropBounce(Slice& s) {
+  if (s.bounce < 0) return;
+  StagingRing& ring = *s.req->peer->staging;
+  if (s.copy != Slice::Copy::kNone) {
+    // The copy still uses the buffer (and the op's device memory): wait for its answer, however
+    // long, so that no copy touches either once the op is final.
+    sdk::DevStream& stream = ring.streams.at(s.device);
+    bool logged = false;
+    while (stream.Wait(s.ticket, host_.NowNs() + config_.progress_timeout_ms * kMsNs).code() ==
+           KVB_ERR_DEADLINE_EXCEEDED) {
+      if (!logged) {
+        host_.Log(KVB_LOG_WARN,
+                  "verbs: a staging copy has not finished after %u ms; waiting for it before "
+                  "its bounce buffer is reused",
+                  config_.progress_timeout_ms);
+        logged = true;
+      }
+    }
+    s.copy = Slice::Copy::kNone;
+  }
+  ring.free.push_back(s.bounce);
+  s.bounce = -1;
+  s.filled = false;
 }
 
 // ---- stats -----------------------------------------------------------------------------------
@@ -1505,7 +1792,9 @@ VerbsCounters Transport::Counters() {
 }
 
 uint64_t Transport::InstanceCaps() const {
-  return fabric_.cuda_direct ? ~uint64_t{0} : ~(KVB_TCAP_CUDA_MEM | KVB_TCAP_CUDA_DIRECT);
+  // Without GPUDirect, host staging still takes CUDA memory (not CUDA_DIRECT: it copies).
+  if (fabric_.cuda_direct) return ~uint64_t{0};
+  return staging_possible_ ? ~KVB_TCAP_CUDA_DIRECT : ~(KVB_TCAP_CUDA_MEM | KVB_TCAP_CUDA_DIRECT);
 }
 
 }  // namespace kvbridge::verbs

@@ -14,6 +14,11 @@
 //   whose QP errs is closed at once and its unfinished work requests are retried on the
 //   op's other rails within its deadline; the rail reconnects lazily (a new QP through the side
 //   channel) after verbs.rail_retry_ms, if its port is ACTIVE.
+// - Host staging: CUDA memory that no GPUDirect path registers (no dma-buf, no nvidia-peermem,
+//   or both refused it) is registered KVB_REG_LOCAL_ONLY, without an MR. This process's ops
+//   move its bytes through the pinned bounce buffers of the peer's staging ring (the host's
+//   dev_copy_* services copy device <-> bounce, the NIC bounce <-> peer); peers reach such a
+//   region over another transport. verbs.host_staging=0 refuses the memory instead.
 // - One progress thread polls every CQ, posts queued work within each QP's max_outstanding,
 //   and enforces deadlines and progress timeouts; connection setup runs on a short-lived thread
 //   per peer, and each inbound side-channel exchange on its own (at most
@@ -59,12 +64,15 @@ struct Config {
   uint32_t max_outstanding_wr = 128;  // per QP
   uint64_t max_queued_bytes_per_peer = 256u << 20;
   uint64_t max_queued_ops_per_peer = 65536;
-  uint32_t progress_timeout_ms = 2000;  // used when post opts give 0
-  uint32_t connect_timeout_ms = 2000;   // the side-channel exchange, connect to RTS
-  uint32_t gid_index = 0;               // RoCE source GID index
-  uint32_t rail_retry_ms = 1000;        // a failed rail stays out this long, then reconnects
-  uint32_t max_inbound_qps = 4096;      // server-side QPs kept, all peers
-  uint32_t max_handshakes = 64;         // side-channel exchanges served at once
+  uint32_t progress_timeout_ms = 2000;       // used when post opts give 0
+  uint32_t connect_timeout_ms = 2000;        // the side-channel exchange, connect to RTS
+  uint32_t gid_index = 0;                    // RoCE source GID index
+  uint32_t rail_retry_ms = 1000;             // a failed rail stays out this long, then reconnects
+  uint32_t max_inbound_qps = 4096;           // server-side QPs kept, all peers
+  uint32_t max_handshakes = 64;              // side-channel exchanges served at once
+  uint32_t host_staging = 1;                 // 1: stage CUDA memory no GPUDirect path registers
+  uint64_t staging_buffer_bytes = 1u << 20;  // one bounce buffer (and the largest staged WR)
+  uint32_t staging_buffers = 8;              // bounce buffers per peer
 };
 
 plugin::sdk::Result<Config> LoadConfig(const plugin::sdk::Host& host);
@@ -92,12 +100,16 @@ struct VerbsCounters {
   uint64_t side_channel_refused = 0;
   std::array<uint64_t, kRegPathCount> registrations{};  // by RegPath
   std::vector<uint64_t> wrs_per_nic;                    // work requests posted, by local NIC
+  uint64_t staging_copies = 0;                          // device <-> bounce copies that ended OK
+  uint64_t staging_copy_failures = 0;  // ... that failed (the slice's op failed IO_ERROR)
+  uint64_t staging_rings = 0;          // per-peer staging rings made
 };
 
 struct Request;
 struct Peer;
 struct Slice;
 struct ConnectJob;
+struct StagingRing;
 
 class Transport {
  public:
@@ -154,6 +166,16 @@ class Transport {
   void FailRequest(Request& r, const plugin::sdk::Status& why,
                    std::vector<std::function<void()>>* done);
   void Finalize(Request& r, std::vector<std::function<void()>>* done);
+  // Host staging (under mu_): the peer's ring, made on first use; whether a staged slice is
+  // ready to post (a WRITE's bytes are in its bounce buffer), starting its copy if not; the
+  // READ copy-out of a slice whose RDMA completed; the copies-out that ended; giving a
+  // slice's bounce buffer back (after waiting for a copy still using it).
+  plugin::sdk::Status EnsureStaging(Peer& p);
+  bool StageReady(Peer& p, Slice& s, uint64_t now, std::vector<std::function<void()>>* done);
+  void StartCopyOut(Peer& p, Slice& s, std::vector<std::function<void()>>* done);
+  void PollCopiesOut(Peer& p, uint64_t now, std::vector<std::function<void()>>* done);
+  void DropBounce(Slice& s);
+  plugin::sdk::Status RegisterStaged(const plugin::sdk::Region& r, const std::string& why_direct);
   static void Run(std::vector<std::function<void()>>& done);
 
   plugin::sdk::Host host_;
@@ -193,6 +215,7 @@ class Transport {
   std::vector<Orphan> orphans_;
   VerbsCounters counters_;
   kvb_transport_stats_t stats_{};
+  bool staging_possible_ = false;  // host_staging on and the host has device services
 
   std::mutex inbound_mu_;
   std::map<std::tuple<std::string, uint64_t, uint8_t, uint8_t>, std::unique_ptr<RcConnection>>

@@ -83,6 +83,13 @@ uint64_t LoopbackFabric::WrsPosted(const std::string& device) {
   return devices_.at(device)->wrs_posted;
 }
 
+size_t LoopbackFabric::LiveMrs(const std::string& device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (auto& [key, mr] : mrs_) n += mr.device->name == device && mr.valid;
+  return n;
+}
+
 size_t LoopbackFabric::LiveQps(const std::string& device) {
   std::lock_guard<std::mutex> lock(mu_);
   size_t n = 0;

@@ -8,7 +8,7 @@
 // Faults: FailNextWrs (the next work requests on a device's QPs complete with a chosen error),
 // SetPortState, Stall (work requests get no completion until Unstall; an errored QP flushes
 // them). Device limits (kLimits, smaller than RcOptions' defaults) are enforced like a NIC's.
-// Counters: work requests posted per device.
+// Counters: work requests posted per device; live QPs and MRs per device.
 // Also FakeSysfsTree: a sysfs root listing fake devices, each one ACTIVE RoCE port.
 // Thread-safety: every VerbsApi call and every test hook takes one mutex.
 #pragma once
@@ -39,6 +39,8 @@ class LoopbackFabric final : public VerbsApi {
   uint64_t WrsPosted(const std::string& device);
   // QPs of `device` that are not destroyed.
   size_t LiveQps(const std::string& device);
+  // MRs of `device` that are registered (not deregistered).
+  size_t LiveMrs(const std::string& device);
 
   std::unique_ptr<Registrar> MakeRegistrar(const std::string& device);
 

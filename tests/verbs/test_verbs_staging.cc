@@ -1,0 +1,300 @@
+// VerbsStaging.*: host staging of CUDA memory in the verbs transport
+// (plugins/transport_verbs/verbs_transport.h, docs/transports/verbs.md "Host staging"): two
+// instances over the LoopbackFabric (tests/verbs/loopback_fabric.h) with the real side channel
+// and host services, where the fabric has no GPUDirect path, and the fake CUDA driver
+// (tests/fakes/fake_cuda.cc) behind the host's device services. Its device memory is guarded
+// (any CPU access by kvbridge faults) and its copies really move bytes on a worker thread, with
+// latency and injected errors on demand. What is shown: bytes of device memory written and read
+// through bounce buffers (more slices than buffers), the region kept out of the descriptor, the
+// caps and refusals, a failed copy failing only its op, cancel and deadline waiting for a copy
+// before they return, a rail failing mid-transfer, and the ring's MRs going with its peer.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tests/gpu/fake_cuda_env.h"
+#include "tests/verbs/verbs_nodes.h"
+
+namespace kvbridge::verbs {
+namespace {
+
+namespace sdk = kvbridge::plugin::sdk;
+using kvbridge::testing::Fake;
+using kvbridge::testing::FakeCopyRecord;
+using kvbridge::testing::FakeDeviceMemory;
+using testing::Node;
+using testing::NowNs;
+
+constexpr size_t kKiB = 1024;
+constexpr int kCudaErrorIllegalAddress = 700;
+
+class VerbsStagingTest : public testing::VerbsTransportTest {
+ protected:
+  void SetUp() override {
+    if (kvbridge::testing::RealCuda()) GTEST_SKIP() << "the fake CUDA driver's tests";
+    Fake().set_latency_us(0);
+    Fake().clear_copy_log();
+  }
+  void TearDown() override {
+    if (kvbridge::testing::RealCuda()) return;
+    Fake().set_latency_us(0);
+    Fake().fail_next_copy(0);
+    Fake().fail_next_copy_to_host(0);
+  }
+
+  // 64 KiB work requests and bounce buffers, four per peer.
+  static std::map<std::string, std::string> Config(std::map<std::string, std::string> more = {}) {
+    std::map<std::string, std::string> c = {{"verbs.max_wr_bytes", "65536"},
+                                            {"verbs.staging_buffer_bytes", "65536"},
+                                            {"verbs.staging_buffers", "4"}};
+    for (auto& [k, v] : more) c[k] = v;
+    return c;
+  }
+
+  static std::vector<uint8_t> Bytes(const FakeDeviceMemory& m, size_t off, size_t len) {
+    return std::vector<uint8_t>(m.view() + off, m.view() + off + len);
+  }
+};
+
+TEST_F(VerbsStagingTest, DeviceBytesMoveThroughBounceBuffersBothWays) {
+  auto a = Make({"node-a", 11, {"a0"}, "", Config()});
+  auto b = Make({"node-b", 22, {"b0"}, "", Config()});
+  ASSERT_TRUE(a && b);
+  EXPECT_NE(a->t->InstanceCaps() & KVB_TCAP_CUDA_MEM, 0u) << "staging takes CUDA memory";
+  EXPECT_EQ(a->t->InstanceCaps() & KVB_TCAP_CUDA_DIRECT, 0u) << "but copies it";
+
+  constexpr size_t kLen = 1 << 20;  // 16 slices through 4 bounce buffers
+  FakeDeviceMemory dev(kLen);
+  std::vector<uint8_t> remote(kLen, 0);
+  const auto src = Pattern(kLen, 3);
+  std::memcpy(dev.view(), src.data(), kLen);
+  ASSERT_TRUE(TryRegister(*a, 1, dev.data(), kLen, KVB_MEM_CUDA, 0).ok());
+  Register(*b, 9, remote.data(), kLen);
+  EXPECT_EQ(a->local_only.count(1), 1u) << "a staged region's key was not kept local";
+  EXPECT_EQ(a->segments.count(1), 0u);
+  EXPECT_EQ(a->t->Counters().registrations[static_cast<size_t>(RegPath::kHostStaging)], 1u);
+  EXPECT_TRUE(a->Logged("host staging")) << a->AllLogs();
+
+  Peer* peer = AddPeer(*a, *b);
+  const size_t mrs_before = fabric_.LiveMrs("a0");
+  sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), kLen, 9, 0)});
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_EQ(remote, src);
+  EXPECT_EQ(fabric_.LiveMrs("a0"), mrs_before + 1) << "one MR for the peer's staging ring";
+
+  // Read back into another part of the device memory, unaligned, from an offset.
+  std::memset(dev.view(), 0, kLen);
+  constexpr size_t kOff = 4096 + 100, kReadLen = 300 * kKiB + 7;
+  st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data() + kOff, kReadLen, 9, 512)});
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_EQ(Bytes(dev, kOff, kReadLen),
+            std::vector<uint8_t>(src.begin() + 512, src.begin() + 512 + kReadLen));
+  EXPECT_EQ(Bytes(dev, 0, kOff), std::vector<uint8_t>(kOff, 0)) << "bytes before the op moved";
+  const VerbsCounters c = a->t->Counters();
+  EXPECT_EQ(c.staging_rings, 1u);
+  EXPECT_EQ(c.staging_copies, 16u + 5u) << "16 slices in, 5 out";
+  EXPECT_EQ(c.staging_copy_failures, 0u);
+  std::vector<FakeCopyRecord> log(64);
+  log.resize(Fake().copy_log(log.data(), log.size()));
+  EXPECT_EQ(log.size(), 21u) << "every staged byte crossed by one device copy";
+}
+
+TEST_F(VerbsStagingTest, PeersDoNotSeeAStagedRegion) {
+  auto a = Make({"node-a", 11, {"a0"}, "", Config()});
+  auto b = Make({"node-b", 22, {"b0"}, "", Config()});
+  ASSERT_TRUE(a && b);
+  FakeDeviceMemory dev(256 * kKiB);
+  std::vector<uint8_t> mine(256 * kKiB, 5);
+  ASSERT_TRUE(TryRegister(*a, 1, dev.data(), dev.size(), KVB_MEM_CUDA, 0).ok());
+  Register(*b, 9, mine.data(), mine.size());
+  // B learns A's descriptor as the engine publishes it: without segment 1.
+  Peer* to_a = AddPeer(*b, *a);
+  const sdk::Status st = Transfer(*b, to_a, {Op(KVB_OP_WRITE, 9, mine.data(), 4096, 1, 0)});
+  EXPECT_EQ(st.code(), KVB_ERR_NOT_REGISTERED) << st.message();
+  EXPECT_HAS(st.message(), "segment 1 is not registered");
+  EXPECT_EQ(Bytes(dev, 0, 4096), std::vector<uint8_t>(4096, 0));
+}
+
+TEST_F(VerbsStagingTest, StagingOffOrAnOldHostIsANamedRefusal) {
+  auto off = Make({"node-off", 11, {"a0"}, "", Config({{"verbs.host_staging", "0"}})});
+  ASSERT_TRUE(off);
+  EXPECT_EQ(off->t->InstanceCaps() & (KVB_TCAP_CUDA_MEM | KVB_TCAP_CUDA_DIRECT), 0u);
+  FakeDeviceMemory dev(64 * kKiB);
+  sdk::Status st = TryRegister(*off, 1, dev.data(), dev.size(), KVB_MEM_CUDA, 0);
+  EXPECT_EQ(st.code(), KVB_ERR_UNSUPPORTED);
+  EXPECT_HAS(st.message(), "verbs.host_staging=0");
+  EXPECT_HAS(st.message(), "neither dma-buf nor nvidia-peermem");
+
+  // A host of ABI 1.4 hands a region without reg_flags: it could not keep the key local.
+  auto on = Make({"node-on", 12, {"a0"}, "", Config()});
+  ASSERT_TRUE(on);
+  kvb_region_t r{sizeof(r), KVB_MEM_CUDA, 2, dev.data(), dev.size(), 0, nullptr};
+  r.struct_size = offsetof(kvb_region_t, reg_flags);
+  std::vector<uint8_t> key(1024);
+  uint32_t key_len = 0;
+  sdk::RkeyBuffer buf(key.data(), static_cast<uint32_t>(key.size()), &key_len);
+  st = on->t->RegisterMemory(sdk::Region::From(&r), buf);
+  EXPECT_EQ(st.code(), KVB_ERR_UNSUPPORTED);
+  EXPECT_HAS(st.message(), "ABI 1.5");
+  EXPECT_EQ(on->t->Counters().registrations[static_cast<size_t>(RegPath::kHostStaging)], 0u);
+}
+
+TEST_F(VerbsStagingTest, AFailedCopyFailsOnlyItsOpAndLeaksNoBuffer) {
+  auto a = Make({"node-a", 11, {"a0"}, "", Config()});
+  auto b = Make({"node-b", 22, {"b0"}, "", Config()});
+  ASSERT_TRUE(a && b);
+  constexpr size_t kLen = 512 * kKiB;  // 8 slices: every buffer of the ring, twice
+  FakeDeviceMemory dev(kLen);
+  std::vector<uint8_t> remote(kLen, 0);
+  const auto src = Pattern(kLen, 7);
+  std::memcpy(dev.view(), src.data(), kLen);
+  ASSERT_TRUE(TryRegister(*a, 1, dev.data(), kLen, KVB_MEM_CUDA, 0).ok());
+  Register(*b, 9, remote.data(), kLen);
+  Peer* peer = AddPeer(*a, *b);
+
+  // A WRITE whose device-to-host copy fails.
+  Fake().fail_next_copy_to_host(kCudaErrorIllegalAddress);
+  sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), kLen, 9, 0)});
+  EXPECT_EQ(st.code(), KVB_ERR_IO) << st.message();
+  EXPECT_HAS(st.message(), "staging");
+  EXPECT_HAS(st.message(), "ILLEGAL_ADDRESS");
+  EXPECT_EQ(a->t->Counters().staging_copy_failures, 1u);
+
+  // A READ whose host-to-device copy fails: the op fails, the device memory keeps its bytes
+  // for that slice.
+  Fake().fail_next_copy(kCudaErrorIllegalAddress);
+  std::fill(remote.begin(), remote.end(), 0xab);
+  st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data(), 64 * kKiB, 9, 0)});
+  EXPECT_EQ(st.code(), KVB_ERR_IO) << st.message();
+  EXPECT_HAS(st.message(), "into CUDA device 0 memory");
+  EXPECT_EQ(a->t->Counters().staging_copy_failures, 2u);
+  EXPECT_EQ(Bytes(dev, 0, 64 * kKiB), std::vector<uint8_t>(src.begin(), src.begin() + 64 * kKiB));
+
+  // Every buffer came back: more ops than buffers still go through, both ways.
+  std::fill(remote.begin(), remote.end(), 0);
+  for (int i = 0; i < 3; ++i) {
+    st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), kLen, 9, 0)});
+    ASSERT_TRUE(st.ok()) << st.message();
+  }
+  EXPECT_EQ(remote, src);
+  std::memset(dev.view(), 0, kLen);
+  st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data(), kLen, 9, 0)});
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_EQ(Bytes(dev, 0, kLen), src);
+}
+
+TEST_F(VerbsStagingTest, CancelWaitsForARunningCopyAndNoCopyRunsAfterIt) {
+  auto a = Make({"node-a", 11, {"a0"}, "", Config()});
+  auto b = Make({"node-b", 22, {"b0"}, "", Config()});
+  ASSERT_TRUE(a && b);
+  FakeDeviceMemory dev(256 * kKiB);
+  std::vector<uint8_t> remote(256 * kKiB, 0);
+  ASSERT_TRUE(TryRegister(*a, 1, dev.data(), dev.size(), KVB_MEM_CUDA, 0).ok());
+  Register(*b, 9, remote.data(), remote.size());
+  Peer* peer = AddPeer(*a, *b);
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), 4096, 9, 0)}).ok());
+
+  Fake().set_latency_us(300 * 1000);
+  Fake().clear_copy_log();
+  Request* r = nullptr;
+  ASSERT_TRUE(Post(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), dev.size(), 9, 0)}, 0, 0, &r).ok());
+  std::vector<FakeCopyRecord> log(16);
+  ASSERT_TRUE(testing::Eventually([&] { return Fake().copy_log(log.data(), log.size()) > 0; }));
+  a->t->Cancel(r);
+  const uint64_t cancelled = NowNs();
+  EXPECT_EQ(a->t->Poll(r, {}).code(), KVB_ERR_CANCELLED);
+  a->t->Release(r);
+  log.resize(16);
+  log.resize(Fake().copy_log(log.data(), log.size()));
+  ASSERT_FALSE(log.empty());
+  for (const FakeCopyRecord& c : log) {
+    EXPECT_NE(c.end_ns, 0u) << "a copy still ran when cancel returned";
+    EXPECT_LE(c.end_ns, cancelled) << "a copy ended after cancel returned";
+  }
+  EXPECT_EQ(remote, std::vector<uint8_t>(remote.size(), 0)) << "a cancelled WRITE landed";
+}
+
+TEST_F(VerbsStagingTest, ASlowCopyEndsDeadlineExceeded) {
+  auto a = Make({"node-a", 11, {"a0"}, "", Config()});
+  auto b = Make({"node-b", 22, {"b0"}, "", Config()});
+  ASSERT_TRUE(a && b);
+  FakeDeviceMemory dev(128 * kKiB);
+  std::vector<uint8_t> remote(128 * kKiB, 0);
+  ASSERT_TRUE(TryRegister(*a, 1, dev.data(), dev.size(), KVB_MEM_CUDA, 0).ok());
+  Register(*b, 9, remote.data(), remote.size());
+  Peer* peer = AddPeer(*a, *b);
+  Fake().set_latency_us(400 * 1000);
+  const uint64_t deadline = NowNs() + 100 * 1000000ull;
+  const sdk::Status st =
+      Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data(), dev.size(), 9, 0)}, deadline);
+  EXPECT_EQ(st.code(), KVB_ERR_DEADLINE_EXCEEDED) << st.message();
+  Fake().set_latency_us(0);
+  // The peer is fine afterwards.
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data(), dev.size(), 9, 0)}).ok());
+}
+
+TEST_F(VerbsStagingTest, ARailFailingMidTransferRetriesFromTheSameBounceBuffers) {
+  const auto cfg = Config({{"verbs.stripe_min_bytes", "65536"},
+                           {"verbs.max_outstanding_wr", "2"},
+                           {"verbs.rail_retry_ms", "0"},
+                           {"verbs.staging_buffers", "8"}});
+  auto a = Make({"node-a", 11, {"a0", "a1"}, "", cfg});
+  auto b = Make({"node-b", 22, {"b0", "b1"}, "", cfg});
+  ASSERT_TRUE(a && b);
+  constexpr size_t kLen = 1 << 20;
+  FakeDeviceMemory dev(kLen);
+  std::vector<uint8_t> remote(kLen, 0);
+  const auto src = Pattern(kLen, 11);
+  std::memcpy(dev.view(), src.data(), kLen);
+  ASSERT_TRUE(TryRegister(*a, 1, dev.data(), kLen, KVB_MEM_CUDA, 0).ok());
+  Register(*b, 9, remote.data(), kLen);
+  Peer* peer = AddPeer(*a, *b);
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), 4096, 9, 0)}).ok());
+  std::fill(remote.begin(), remote.end(), 0);
+  fabric_.FailNextWrs("a0", WcStatus::kRetryExcErr);
+  sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), kLen, 9, 0)});
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_EQ(remote, src);
+  const VerbsCounters c = a->t->Counters();
+  EXPECT_GE(c.rails_failed, 1u);
+  EXPECT_GE(c.wrs_retried, 1u);
+  EXPECT_EQ(c.staging_copies, 1u + 16u) << "a retried slice was copied from the device again";
+
+  // Now the other rail fails under a READ (a0 has come back: rail_retry_ms 0).
+  fabric_.FailNextWrs("a1", WcStatus::kRetryExcErr);
+  std::memset(dev.view(), 0, kLen);
+  st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data(), kLen, 9, 0)});
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_EQ(Bytes(dev, 0, kLen), src);
+}
+
+TEST_F(VerbsStagingTest, TheRingGoesWithItsPeer) {
+  auto a = Make({"node-a", 11, {"a0"}, "", Config()});
+  auto b = Make({"node-b", 22, {"b0"}, "", Config()});
+  ASSERT_TRUE(a && b);
+  FakeDeviceMemory dev(128 * kKiB);
+  std::vector<uint8_t> remote(128 * kKiB, 0);
+  ASSERT_TRUE(TryRegister(*a, 1, dev.data(), dev.size(), KVB_MEM_CUDA, 0).ok());
+  Register(*b, 9, remote.data(), remote.size());
+  const size_t mrs = fabric_.LiveMrs("a0");
+  Peer* peer = AddPeer(*a, *b);
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), dev.size(), 9, 0)}).ok());
+  EXPECT_EQ(fabric_.LiveMrs("a0"), mrs + 1);
+  a->t->RemovePeer(peer);
+  EXPECT_EQ(fabric_.LiveMrs("a0"), mrs) << "the ring's MR outlived its peer";
+  // A new peer gets a new ring, and deregistering the staged region is clean.
+  peer = AddPeer(*a, *b);
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data(), dev.size(), 9, 0)}).ok());
+  EXPECT_EQ(a->t->Counters().staging_rings, 2u);
+  EXPECT_TRUE(a->t->DeregisterMemory(1).ok());
+  const sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data(), 4096, 9, 0)});
+  EXPECT_EQ(st.code(), KVB_ERR_NOT_REGISTERED) << st.message();
+}
+
+}  // namespace
+}  // namespace kvbridge::verbs
