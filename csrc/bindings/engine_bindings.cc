@@ -321,6 +321,9 @@ void BindEngine(py::module_& m) {
         d["bytes_read"] = s.bytes_read;
         d["frames_rejected"] = s.frames_rejected;
         d["queued_bytes"] = s.queued_bytes;
+        d["device_regions_direct"] = s.device_regions_direct;
+        d["device_regions_staged"] = s.device_regions_staged;
+        d["device_bytes_staged"] = s.device_bytes_staged;
         return d;
       });
 }

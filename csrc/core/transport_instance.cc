@@ -213,6 +213,10 @@ Result<TransportStats> TransportInstance::Stats() const {
   out.bytes_read = s.bytes_read;
   out.frames_rejected = s.frames_rejected;
   out.queued_bytes = s.queued_bytes;
+  // Zero (as initialized) when the plugin's struct ends before them.
+  out.device_regions_direct = s.device_regions_direct;
+  out.device_regions_staged = s.device_regions_staged;
+  out.device_bytes_staged = s.device_bytes_staged;
   return out;
 }
 

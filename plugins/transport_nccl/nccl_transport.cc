@@ -254,6 +254,7 @@ sdk::Status Transport::RegisterMemory(const sdk::Region& r, sdk::RkeyBuffer& key
   if (!regions_.emplace(r.segment_id, Region{static_cast<uint8_t*>(r.addr), r.length}).second) {
     return sdk::Status(KVB_ERR_ALREADY_EXISTS, "nccl: " + seg + " is already registered");
   }
+  ++counters_.device_regions_direct;
   return sdk::Status();
 }
 
@@ -454,6 +455,7 @@ sdk::Status Transport::Stats(kvb_transport_stats_t& s) {
   s.bytes_read = counters_.bytes_read;
   s.frames_rejected = counters_.frames_rejected;
   s.queued_bytes = counters_.queued_bytes;
+  s.device_regions_direct = counters_.device_regions_direct;
   return sdk::Status();
 }
 

@@ -136,6 +136,7 @@ struct Counters {
   std::atomic<uint64_t> comms_aborted{0};       // for tests: communicators aborted after a failure
   std::atomic<uint64_t> handshakes_active{0};   // inbound handshakes running now
   std::atomic<uint64_t> handshakes_refused{0};  // closed at once: nccl.max_handshakes running
+  std::atomic<uint64_t> device_regions_direct{0};  // every region: NCCL moves device memory
 };
 
 class Transport {

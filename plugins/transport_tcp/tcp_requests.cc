@@ -389,6 +389,8 @@ kvb_status_t Transport::GetStats(kvb_transport_stats_t* stats) const {
   s.bytes_read = counters_.bytes_read.load();
   s.frames_rejected = counters_.frames_rejected.load();
   s.queued_bytes = counters_.queued_bytes.load();
+  s.device_regions_staged = counters_.device_regions_staged.load();
+  s.device_bytes_staged = counters_.device_bytes_staged.load();
   const uint32_t size = stats->struct_size;
   std::memcpy(stats, &s, std::min<size_t>(size, sizeof(s)));
   stats->struct_size = size;

@@ -75,7 +75,11 @@ kvb_status_t DevStaging::Copy(kvb_dev_stream_t* s, void* dst, const void* src, u
   char buf[512] = {};
   const kvb_status_t st =
       h->dev_copy_async(h->host_ctx, s, dst, src, len, ticket, buf, sizeof(buf));
-  if (st != KVB_OK) *err = buf;
+  if (st != KVB_OK) {
+    *err = buf;
+  } else {
+    t_->counters().device_bytes_staged.fetch_add(len, std::memory_order_relaxed);
+  }
   return st;
 }
 

@@ -260,6 +260,7 @@ kvb_status_t Transport::RegisterMemory(const kvb_region_t* region, uint8_t* rkey
     }
   }
   if (rkey_len != nullptr) *rkey_len = 0;  // tcp needs no remote key
+  if (device >= 0) counters_.device_regions_staged.fetch_add(1, std::memory_order_relaxed);
   return KVB_OK;
 }
 

@@ -89,6 +89,8 @@ struct Counters {
   std::atomic<uint64_t> bytes_read{0};
   std::atomic<uint64_t> frames_rejected{0};
   std::atomic<uint64_t> queued_bytes{0};
+  std::atomic<uint64_t> device_regions_staged{0};  // CUDA regions registered (all are staged)
+  std::atomic<uint64_t> device_bytes_staged{0};    // bytes of device copies queued
 };
 
 // At most one log line per second per limiter; reports how many were suppressed.
@@ -148,7 +150,7 @@ class Transport {
   const Config& config() const { return config_; }
   uint64_t Now() const { return host_->now_ns(host_->host_ctx); }
   void Log(int32_t level, const char* fmt, ...) const __attribute__((format(printf, 3, 4)));
-  Counters& counters() { return counters_; }
+  Counters& counters() const { return counters_; }
   TokenBucket& idle_bucket() { return idle_bucket_; }
   const std::string& node_id() const { return node_id_; }
   uint64_t incarnation() const { return incarnation_; }
@@ -212,7 +214,7 @@ class Transport {
   uint64_t incarnation_ = 0;
   bool device_services_ = false;
   std::atomic<bool> stopping_{false};
-  Counters counters_;
+  mutable Counters counters_;  // atomics; DevStaging counts its copies through a const Transport
   TokenBucket idle_bucket_;
   mutable LogLimiter inbound_refusal_log_;
   mutable LogLimiter reject_log_;

@@ -288,6 +288,7 @@ kvb_status_t Transport::RegisterMemory(const kvb_region_t* region, uint32_t rkey
   std::lock_guard<std::mutex> lock(regions_mu_);
   regions_[region->segment_id] =
       Region{static_cast<uint8_t*>(region->addr), region->length, memh, cuda};
+  if (cuda) counters_.device_regions_direct.fetch_add(1, std::memory_order_relaxed);
   return KVB_OK;
 }
 
@@ -690,6 +691,7 @@ kvb_status_t Transport::GetStats(kvb_transport_stats_t* stats) const {
   s.bytes_read = counters_.bytes_read.load();
   s.frames_rejected = counters_.frames_rejected.load();
   s.queued_bytes = counters_.queued_bytes.load();
+  s.device_regions_direct = counters_.device_regions_direct.load();
   const uint32_t size = stats->struct_size;
   std::memcpy(stats, &s, std::min<size_t>(size, sizeof(s)));
   stats->struct_size = size;

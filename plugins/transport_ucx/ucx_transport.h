@@ -158,6 +158,7 @@ struct Counters {
   std::atomic<uint64_t> bytes_read{0};
   std::atomic<uint64_t> frames_rejected{0};
   std::atomic<uint64_t> queued_bytes{0};
+  std::atomic<uint64_t> device_regions_direct{0};  // CUDA regions mapped (UCX moves them itself)
 };
 
 class Worker;

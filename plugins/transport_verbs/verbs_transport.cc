@@ -936,6 +936,7 @@ sdk::Status Transport::RegisterMemory(const sdk::Region& r, sdk::RkeyBuffer& key
   if (auto st = key.Set(sdk::Bytes(blob)); !st.ok()) return st;
   std::lock_guard<std::mutex> lock(mu_);
   for (const MrRef& m : region->mrs) ++counters_.registrations[static_cast<size_t>(m.path())];
+  if (cuda) ++stats_.device_regions_direct;
   regions_[r.segment_id] = std::move(region);
   return {};
 }
@@ -990,6 +991,7 @@ sdk::Status Transport::RegisterStaged(const sdk::Region& r, const std::string& w
             seg.c_str(), r.length, r.device_id, why_direct.c_str());
   std::lock_guard<std::mutex> lock(mu_);
   ++counters_.registrations[static_cast<size_t>(RegPath::kHostStaging)];
+  ++stats_.device_regions_staged;
   regions_[r.segment_id] = std::move(region);
   return {};
 }
@@ -1682,6 +1684,7 @@ bool Transport::StageReady(Peer& p, Slice& s, uint64_t now, Done* done) {
     }
     s.ticket = *ticket;
     s.copy = Slice::Copy::kIn;
+    stats_.device_bytes_staged += s.length;
     return false;
   }
   const sdk::Status st = ring.streams.at(s.device).Done(s.ticket);
@@ -1717,6 +1720,7 @@ void Transport::StartCopyOut(Peer& p, Slice& s, Done* done) {
   }
   s.ticket = *ticket;
   s.copy = Slice::Copy::kOut;
+  stats_.device_bytes_staged += s.length;
   p.copying_out.push_back(&s);
 }
 

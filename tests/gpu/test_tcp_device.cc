@@ -316,6 +316,14 @@ TEST_F(TcpDeviceData, DeviceToHostAndBack) {
   if (!testing::RealCuda()) {
     EXPECT_GT(Fake().copies(), copies + 2 * kSizes.size()) << "the bytes went through the driver";
   }
+  // The stats say how: one staged region here, every byte of it copied, nothing on b's side.
+  uint64_t moved = 0;
+  for (uint64_t n : kSizes) moved += 2 * n;
+  const TransportStats sa = Must(a_->GetTransportStats("tcp"));
+  EXPECT_EQ(sa.device_regions_staged, 1u);
+  EXPECT_EQ(sa.device_regions_direct, 0u);
+  EXPECT_GE(sa.device_bytes_staged, moved);
+  EXPECT_EQ(Must(b_->GetTransportStats("tcp")).device_bytes_staged, 0u);
 }
 
 TEST_F(TcpDeviceData, HostToRemoteDeviceAndBack) {
@@ -326,6 +334,13 @@ TEST_F(TcpDeviceData, HostToRemoteDeviceAndBack) {
   const SegmentId seg = Reg(*b_, dev);
   Connect();
   RoundTrip(host, dev, seg, "local host, remote device");
+  // The serving side stages: its copies count there.
+  uint64_t moved = 0;
+  for (uint64_t n : kSizes) moved += 2 * n;
+  EXPECT_EQ(Must(a_->GetTransportStats("tcp")).device_bytes_staged, 0u);
+  const TransportStats sb = Must(b_->GetTransportStats("tcp"));
+  EXPECT_EQ(sb.device_regions_staged, 1u);
+  EXPECT_GE(sb.device_bytes_staged, moved);
 }
 
 TEST_F(TcpDeviceData, DeviceToDevice) {

@@ -80,6 +80,9 @@ def test_read_write_roundtrip(peer):
         assert peer_crc(proc) == zlib.crc32(expected)
         stats = eng.transport_stats("tcp")
         assert stats["bytes_read"] >= (1 << 20)
+        # Host memory only: nothing went through device staging.
+        assert stats["device_regions_staged"] == 0
+        assert stats["device_bytes_staged"] == 0
         assert eng.peer_health("py-peer")["breaker"] == "closed"
 
 

@@ -102,6 +102,11 @@ TEST_F(VerbsStagingTest, DeviceBytesMoveThroughBounceBuffersBothWays) {
   std::vector<FakeCopyRecord> log(64);
   log.resize(Fake().copy_log(log.data(), log.size()));
   EXPECT_EQ(log.size(), 21u) << "every staged byte crossed by one device copy";
+  kvb_transport_stats_t stats{};
+  ASSERT_TRUE(a->t->Stats(stats).ok());
+  EXPECT_EQ(stats.device_regions_staged, 1u);
+  EXPECT_EQ(stats.device_regions_direct, 0u);
+  EXPECT_EQ(stats.device_bytes_staged, kLen + kReadLen);
 }
 
 TEST_F(VerbsStagingTest, PeersDoNotSeeAStagedRegion) {

@@ -152,6 +152,12 @@ struct TransportStats {
   uint64_t bytes_read = 0;
   uint64_t frames_rejected = 0;
   uint64_t queued_bytes = 0;
+  // How CUDA memory moves (0 from a transport of ABI < 1.5): regions registered for moves
+  // without a host copy, regions whose bytes are copied through host buffers, and the bytes of
+  // those copies.
+  uint64_t device_regions_direct = 0;
+  uint64_t device_regions_staged = 0;
+  uint64_t device_bytes_staged = 0;
 };
 
 class KVBRIDGE_API TransferEngine {

@@ -41,7 +41,8 @@ extern "C" {
  * 1.4: kvb_xfer_op_t.flags (was reserved) and .crc, KVB_TCAP_OP_CRC32C: a transport takes the
  *      checksum of an op's bytes as they move.
  * 1.5: kvb_region_t.reg_flags and KVB_REG_LOCAL_ONLY: a transport can register a region that
- *      only this process's ops use (its key is not published).
+ *      only this process's ops use (its key is not published); kvb_transport_stats_t says how
+ *      device memory moves (device_regions_direct/_staged, device_bytes_staged).
  */
 #define KVB_ABI_MINOR 5
 

@@ -173,6 +173,13 @@ typedef struct kvb_transport_stats {
   uint64_t bytes_read;              /* payload bytes of completed READ ops (initiator side) */
   uint64_t frames_rejected;         /* inbound requests refused (bounds, malformed, auth) */
   uint64_t queued_bytes;            /* bytes posted and not yet final, all peers */
+  /* 1.5: how device memory is moved. CUDA regions registered so that the transport moves their
+   * bytes without a host copy (cuda_copy/cuda_ipc, dma-buf, nvidia-peermem), and so that it
+   * copies them through host buffers (staging); bytes of the device <-> host buffer copies
+   * queued (either side of an op). Counters since create. */
+  uint64_t device_regions_direct;
+  uint64_t device_regions_staged;
+  uint64_t device_bytes_staged;
 } kvb_transport_stats_t;
 
 typedef struct kvb_transport_ops {
