@@ -1502,8 +1502,10 @@ void Transport::HandleEnds(Peer& p, uint32_t rail, std::vector<OpEnd>& ends, uin
       } else {
         stats_.bytes_written += s->length;
       }
-      if (s->staged && s->opcode == WrOpcode::kRdmaRead) {
-        StartCopyOut(p, *s, done);  // ends the slice when its bytes are in device memory
+      // A staged READ ends when its bytes are in device memory; not copied for a request
+      // that is failing (FailRequest closes its rails first).
+      if (s->staged && s->opcode == WrOpcode::kRdmaRead && !r.final) {
+        StartCopyOut(p, *s, done);
         continue;
       }
       EndSlice(*s, e.status, done);
