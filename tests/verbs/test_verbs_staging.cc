@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -59,42 +60,75 @@ class VerbsStagingTest : public testing::VerbsTransportTest {
   static std::vector<uint8_t> Bytes(const FakeDeviceMemory& m, size_t off, size_t len) {
     return std::vector<uint8_t>(m.view() + off, m.view() + off + len);
   }
+
+  // Node a (NICs `a_nics`) with `len` bytes of fake device memory, holding Pattern(len, seed),
+  // registered as segment 1 (staged); node b (NICs `b_nics`) with `len` zeroed host bytes as
+  // segment 9; a's peer b. `peer` stays null when a step failed (the failure is reported).
+  struct Pair {
+    std::unique_ptr<Node> a, b;
+    std::unique_ptr<FakeDeviceMemory> dev;
+    std::vector<uint8_t> src, remote;
+    Peer* peer = nullptr;
+  };
+  Pair Setup(size_t len, uint8_t seed, const std::map<std::string, std::string>& cfg = Config(),
+             const std::vector<std::string>& a_nics = {"a0"},
+             const std::vector<std::string>& b_nics = {"b0"}) {
+    Pair x;
+    x.a = Make({"node-a", 11, a_nics, "", cfg});
+    x.b = Make({"node-b", 22, b_nics, "", cfg});
+    if (!x.a || !x.b) return x;
+    x.dev = std::make_unique<FakeDeviceMemory>(len);
+    x.src = Pattern(len, seed);
+    std::memcpy(x.dev->view(), x.src.data(), len);
+    x.remote.assign(len, 0);
+    const sdk::Status st = TryRegister(*x.a, 1, x.dev->data(), len, KVB_MEM_CUDA, 0);
+    if (!st.ok()) {
+      ADD_FAILURE() << st.message();
+      return x;
+    }
+    Register(*x.b, 9, x.remote.data(), len);
+    x.peer = AddPeer(*x.a, *x.b);
+    return x;
+  }
+
+  // Zeroes all of x's device memory and READs segment 9 back into it: OK once it holds x.src.
+  sdk::Status ReadAllBack(Pair& x) {
+    std::memset(x.dev->view(), 0, x.dev->size());
+    const sdk::Status st =
+        Transfer(*x.a, x.peer, {Op(KVB_OP_READ, 1, x.dev->data(), x.dev->size(), 9, 0)});
+    if (st.ok() && Bytes(*x.dev, 0, x.dev->size()) != x.src) {
+      return sdk::Status(KVB_ERR_INTERNAL, "test: the bytes read back differ");
+    }
+    return st;
+  }
 };
 
 TEST_F(VerbsStagingTest, DeviceBytesMoveThroughBounceBuffersBothWays) {
-  auto a = Make({"node-a", 11, {"a0"}, "", Config()});
-  auto b = Make({"node-b", 22, {"b0"}, "", Config()});
-  ASSERT_TRUE(a && b);
+  constexpr size_t kLen = 1 << 20;  // 16 slices through 4 bounce buffers
+  Pair x = Setup(kLen, 3);
+  ASSERT_NE(x.peer, nullptr);
+  auto& [a, b, dev, src, remote, peer] = x;
   EXPECT_NE(a->t->InstanceCaps() & KVB_TCAP_CUDA_MEM, 0u) << "staging takes CUDA memory";
   EXPECT_EQ(a->t->InstanceCaps() & KVB_TCAP_CUDA_DIRECT, 0u) << "but copies it";
-
-  constexpr size_t kLen = 1 << 20;  // 16 slices through 4 bounce buffers
-  FakeDeviceMemory dev(kLen);
-  std::vector<uint8_t> remote(kLen, 0);
-  const auto src = Pattern(kLen, 3);
-  std::memcpy(dev.view(), src.data(), kLen);
-  ASSERT_TRUE(TryRegister(*a, 1, dev.data(), kLen, KVB_MEM_CUDA, 0).ok());
-  Register(*b, 9, remote.data(), kLen);
   EXPECT_EQ(a->local_only.count(1), 1u) << "a staged region's key was not kept local";
   EXPECT_EQ(a->segments.count(1), 0u);
   EXPECT_EQ(a->t->Counters().registrations[static_cast<size_t>(RegPath::kHostStaging)], 1u);
   EXPECT_TRUE(a->Logged("host staging")) << a->AllLogs();
 
-  Peer* peer = AddPeer(*a, *b);
   const size_t mrs_before = fabric_.LiveMrs("a0");
-  sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), kLen, 9, 0)});
+  sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), kLen, 9, 0)});
   ASSERT_TRUE(st.ok()) << st.message();
   EXPECT_EQ(remote, src);
   EXPECT_EQ(fabric_.LiveMrs("a0"), mrs_before + 1) << "one MR for the peer's staging ring";
 
   // Read back into another part of the device memory, unaligned, from an offset.
-  std::memset(dev.view(), 0, kLen);
+  std::memset(dev->view(), 0, kLen);
   constexpr size_t kOff = 4096 + 100, kReadLen = 300 * kKiB + 7;
-  st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data() + kOff, kReadLen, 9, 512)});
+  st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev->data() + kOff, kReadLen, 9, 512)});
   ASSERT_TRUE(st.ok()) << st.message();
-  EXPECT_EQ(Bytes(dev, kOff, kReadLen),
+  EXPECT_EQ(Bytes(*dev, kOff, kReadLen),
             std::vector<uint8_t>(src.begin() + 512, src.begin() + 512 + kReadLen));
-  EXPECT_EQ(Bytes(dev, 0, kOff), std::vector<uint8_t>(kOff, 0)) << "bytes before the op moved";
+  EXPECT_EQ(Bytes(*dev, 0, kOff), std::vector<uint8_t>(kOff, 0)) << "bytes before the op moved";
   const VerbsCounters c = a->t->Counters();
   EXPECT_EQ(c.staging_rings, 1u);
   EXPECT_EQ(c.staging_copies, 16u + 5u) << "16 slices in, 5 out";
@@ -150,21 +184,14 @@ TEST_F(VerbsStagingTest, StagingOffOrAnOldHostIsANamedRefusal) {
 }
 
 TEST_F(VerbsStagingTest, AFailedCopyFailsOnlyItsOpAndLeaksNoBuffer) {
-  auto a = Make({"node-a", 11, {"a0"}, "", Config()});
-  auto b = Make({"node-b", 22, {"b0"}, "", Config()});
-  ASSERT_TRUE(a && b);
   constexpr size_t kLen = 512 * kKiB;  // 8 slices: every buffer of the ring, twice
-  FakeDeviceMemory dev(kLen);
-  std::vector<uint8_t> remote(kLen, 0);
-  const auto src = Pattern(kLen, 7);
-  std::memcpy(dev.view(), src.data(), kLen);
-  ASSERT_TRUE(TryRegister(*a, 1, dev.data(), kLen, KVB_MEM_CUDA, 0).ok());
-  Register(*b, 9, remote.data(), kLen);
-  Peer* peer = AddPeer(*a, *b);
+  Pair x = Setup(kLen, 7);
+  ASSERT_NE(x.peer, nullptr);
+  auto& [a, b, dev, src, remote, peer] = x;
 
   // A WRITE whose device-to-host copy fails.
   Fake().fail_next_copy_to_host(kCudaErrorIllegalAddress);
-  sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), kLen, 9, 0)});
+  sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), kLen, 9, 0)});
   EXPECT_EQ(st.code(), KVB_ERR_IO) << st.message();
   EXPECT_HAS(st.message(), "staging");
   EXPECT_HAS(st.message(), "ILLEGAL_ADDRESS");
@@ -174,40 +201,33 @@ TEST_F(VerbsStagingTest, AFailedCopyFailsOnlyItsOpAndLeaksNoBuffer) {
   // for that slice.
   Fake().fail_next_copy(kCudaErrorIllegalAddress);
   std::fill(remote.begin(), remote.end(), 0xab);
-  st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data(), 64 * kKiB, 9, 0)});
+  st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev->data(), 64 * kKiB, 9, 0)});
   EXPECT_EQ(st.code(), KVB_ERR_IO) << st.message();
   EXPECT_HAS(st.message(), "into CUDA device 0 memory");
   EXPECT_EQ(a->t->Counters().staging_copy_failures, 2u);
-  EXPECT_EQ(Bytes(dev, 0, 64 * kKiB), std::vector<uint8_t>(src.begin(), src.begin() + 64 * kKiB));
+  EXPECT_EQ(Bytes(*dev, 0, 64 * kKiB), std::vector<uint8_t>(src.begin(), src.begin() + 64 * kKiB));
 
   // Every buffer came back: more ops than buffers still go through, both ways.
   std::fill(remote.begin(), remote.end(), 0);
   for (int i = 0; i < 3; ++i) {
-    st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), kLen, 9, 0)});
+    st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), kLen, 9, 0)});
     ASSERT_TRUE(st.ok()) << st.message();
   }
   EXPECT_EQ(remote, src);
-  std::memset(dev.view(), 0, kLen);
-  st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data(), kLen, 9, 0)});
-  ASSERT_TRUE(st.ok()) << st.message();
-  EXPECT_EQ(Bytes(dev, 0, kLen), src);
+  st = ReadAllBack(x);
+  EXPECT_TRUE(st.ok()) << st.message();
 }
 
 TEST_F(VerbsStagingTest, CancelWaitsForARunningCopyAndNoCopyRunsAfterIt) {
-  auto a = Make({"node-a", 11, {"a0"}, "", Config()});
-  auto b = Make({"node-b", 22, {"b0"}, "", Config()});
-  ASSERT_TRUE(a && b);
-  FakeDeviceMemory dev(256 * kKiB);
-  std::vector<uint8_t> remote(256 * kKiB, 0);
-  ASSERT_TRUE(TryRegister(*a, 1, dev.data(), dev.size(), KVB_MEM_CUDA, 0).ok());
-  Register(*b, 9, remote.data(), remote.size());
-  Peer* peer = AddPeer(*a, *b);
-  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), 4096, 9, 0)}).ok());
+  Pair x = Setup(256 * kKiB, 1);
+  ASSERT_NE(x.peer, nullptr);
+  auto& [a, b, dev, src, remote, peer] = x;
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), 4096, 9, 0)}).ok());
 
   Fake().set_latency_us(300 * 1000);
   Fake().clear_copy_log();
   Request* r = nullptr;
-  ASSERT_TRUE(Post(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), dev.size(), 9, 0)}, 0, 0, &r).ok());
+  ASSERT_TRUE(Post(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), dev->size(), 9, 0)}, 0, 0, &r).ok());
   std::vector<FakeCopyRecord> log(16);
   ASSERT_TRUE(testing::Eventually([&] { return Fake().copy_log(log.data(), log.size()) > 0; }));
   a->t->Cancel(r);
@@ -221,26 +241,23 @@ TEST_F(VerbsStagingTest, CancelWaitsForARunningCopyAndNoCopyRunsAfterIt) {
     EXPECT_NE(c.end_ns, 0u) << "a copy still ran when cancel returned";
     EXPECT_LE(c.end_ns, cancelled) << "a copy ended after cancel returned";
   }
-  EXPECT_EQ(remote, std::vector<uint8_t>(remote.size(), 0)) << "a cancelled WRITE landed";
+  EXPECT_EQ(std::vector<uint8_t>(remote.begin() + 4096, remote.end()),
+            std::vector<uint8_t>(remote.size() - 4096, 0))
+      << "a cancelled WRITE landed";
 }
 
 TEST_F(VerbsStagingTest, ASlowCopyEndsDeadlineExceeded) {
-  auto a = Make({"node-a", 11, {"a0"}, "", Config()});
-  auto b = Make({"node-b", 22, {"b0"}, "", Config()});
-  ASSERT_TRUE(a && b);
-  FakeDeviceMemory dev(128 * kKiB);
-  std::vector<uint8_t> remote(128 * kKiB, 0);
-  ASSERT_TRUE(TryRegister(*a, 1, dev.data(), dev.size(), KVB_MEM_CUDA, 0).ok());
-  Register(*b, 9, remote.data(), remote.size());
-  Peer* peer = AddPeer(*a, *b);
+  Pair x = Setup(128 * kKiB, 1);
+  ASSERT_NE(x.peer, nullptr);
+  auto& [a, b, dev, src, remote, peer] = x;
   Fake().set_latency_us(400 * 1000);
   const uint64_t deadline = NowNs() + 100 * 1000000ull;
   const sdk::Status st =
-      Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data(), dev.size(), 9, 0)}, deadline);
+      Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev->data(), dev->size(), 9, 0)}, deadline);
   EXPECT_EQ(st.code(), KVB_ERR_DEADLINE_EXCEEDED) << st.message();
   Fake().set_latency_us(0);
   // The peer is fine afterwards.
-  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data(), dev.size(), 9, 0)}).ok());
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev->data(), dev->size(), 9, 0)}).ok());
 }
 
 TEST_F(VerbsStagingTest, ARailFailingMidTransferRetriesFromTheSameBounceBuffers) {
@@ -248,21 +265,14 @@ TEST_F(VerbsStagingTest, ARailFailingMidTransferRetriesFromTheSameBounceBuffers)
                            {"verbs.max_outstanding_wr", "2"},
                            {"verbs.rail_retry_ms", "0"},
                            {"verbs.staging_buffers", "8"}});
-  auto a = Make({"node-a", 11, {"a0", "a1"}, "", cfg});
-  auto b = Make({"node-b", 22, {"b0", "b1"}, "", cfg});
-  ASSERT_TRUE(a && b);
   constexpr size_t kLen = 1 << 20;
-  FakeDeviceMemory dev(kLen);
-  std::vector<uint8_t> remote(kLen, 0);
-  const auto src = Pattern(kLen, 11);
-  std::memcpy(dev.view(), src.data(), kLen);
-  ASSERT_TRUE(TryRegister(*a, 1, dev.data(), kLen, KVB_MEM_CUDA, 0).ok());
-  Register(*b, 9, remote.data(), kLen);
-  Peer* peer = AddPeer(*a, *b);
-  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), 4096, 9, 0)}).ok());
+  Pair x = Setup(kLen, 11, cfg, {"a0", "a1"}, {"b0", "b1"});
+  ASSERT_NE(x.peer, nullptr);
+  auto& [a, b, dev, src, remote, peer] = x;
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), 4096, 9, 0)}).ok());
   std::fill(remote.begin(), remote.end(), 0);
   fabric_.FailNextWrs("a0", WcStatus::kRetryExcErr);
-  sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), kLen, 9, 0)});
+  sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), kLen, 9, 0)});
   ASSERT_TRUE(st.ok()) << st.message();
   EXPECT_EQ(remote, src);
   const VerbsCounters c = a->t->Counters();
@@ -272,32 +282,25 @@ TEST_F(VerbsStagingTest, ARailFailingMidTransferRetriesFromTheSameBounceBuffers)
 
   // Now the other rail fails under a READ (a0 has come back: rail_retry_ms 0).
   fabric_.FailNextWrs("a1", WcStatus::kRetryExcErr);
-  std::memset(dev.view(), 0, kLen);
-  st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data(), kLen, 9, 0)});
-  ASSERT_TRUE(st.ok()) << st.message();
-  EXPECT_EQ(Bytes(dev, 0, kLen), src);
+  st = ReadAllBack(x);
+  EXPECT_TRUE(st.ok()) << st.message();
 }
 
 TEST_F(VerbsStagingTest, TheRingGoesWithItsPeer) {
-  auto a = Make({"node-a", 11, {"a0"}, "", Config()});
-  auto b = Make({"node-b", 22, {"b0"}, "", Config()});
-  ASSERT_TRUE(a && b);
-  FakeDeviceMemory dev(128 * kKiB);
-  std::vector<uint8_t> remote(128 * kKiB, 0);
-  ASSERT_TRUE(TryRegister(*a, 1, dev.data(), dev.size(), KVB_MEM_CUDA, 0).ok());
-  Register(*b, 9, remote.data(), remote.size());
+  Pair x = Setup(128 * kKiB, 1);
+  ASSERT_NE(x.peer, nullptr);
+  auto& [a, b, dev, src, remote, peer] = x;
   const size_t mrs = fabric_.LiveMrs("a0");
-  Peer* peer = AddPeer(*a, *b);
-  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev.data(), dev.size(), 9, 0)}).ok());
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), dev->size(), 9, 0)}).ok());
   EXPECT_EQ(fabric_.LiveMrs("a0"), mrs + 1);
   a->t->RemovePeer(peer);
   EXPECT_EQ(fabric_.LiveMrs("a0"), mrs) << "the ring's MR outlived its peer";
   // A new peer gets a new ring, and deregistering the staged region is clean.
-  peer = AddPeer(*a, *b);
-  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data(), dev.size(), 9, 0)}).ok());
+  peer = AddPeer(*a, *x.b);
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev->data(), dev->size(), 9, 0)}).ok());
   EXPECT_EQ(a->t->Counters().staging_rings, 2u);
   EXPECT_TRUE(a->t->DeregisterMemory(1).ok());
-  const sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev.data(), 4096, 9, 0)});
+  const sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev->data(), 4096, 9, 0)});
   EXPECT_EQ(st.code(), KVB_ERR_NOT_REGISTERED) << st.message();
 }
 

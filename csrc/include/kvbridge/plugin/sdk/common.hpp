@@ -385,14 +385,7 @@ class Host {
   // Whether the host offers every device service (ABI 1.2 dev_* and pinned_*). They may still
   // answer UNAVAILABLE: a host without a CUDA driver offers them and refuses every call.
   bool HasDeviceServices() const {
-    return Has(&kvb_host_services_t::dev_stream_create,
-               offsetof(kvb_host_services_t, dev_stream_create)) &&
-           Has(&kvb_host_services_t::dev_stream_destroy,
-               offsetof(kvb_host_services_t, dev_stream_destroy)) &&
-           Has(&kvb_host_services_t::dev_copy_async,
-               offsetof(kvb_host_services_t, dev_copy_async)) &&
-           Has(&kvb_host_services_t::dev_copy_done, offsetof(kvb_host_services_t, dev_copy_done)) &&
-           Has(&kvb_host_services_t::dev_copy_wait, offsetof(kvb_host_services_t, dev_copy_wait)) &&
+    return HasStreamServices() &&
            Has(&kvb_host_services_t::pinned_alloc, offsetof(kvb_host_services_t, pinned_alloc)) &&
            Has(&kvb_host_services_t::pinned_free, offsetof(kvb_host_services_t, pinned_free));
   }
@@ -400,15 +393,7 @@ class Host {
   // A copy queue on CUDA device `device_id`. UNSUPPORTED on a host older than 1.2 (or one that
   // leaves a dev_* service NULL); UNAVAILABLE, naming libcuda, on a host without a CUDA driver.
   Result<DevStream> CreateDevStream(int32_t device_id) const {
-    const bool all =
-        Has(&kvb_host_services_t::dev_stream_create,
-            offsetof(kvb_host_services_t, dev_stream_create)) &&
-        Has(&kvb_host_services_t::dev_stream_destroy,
-            offsetof(kvb_host_services_t, dev_stream_destroy)) &&
-        Has(&kvb_host_services_t::dev_copy_async, offsetof(kvb_host_services_t, dev_copy_async)) &&
-        Has(&kvb_host_services_t::dev_copy_done, offsetof(kvb_host_services_t, dev_copy_done)) &&
-        Has(&kvb_host_services_t::dev_copy_wait, offsetof(kvb_host_services_t, dev_copy_wait));
-    if (!all) return Missing("dev_stream_create ... dev_copy_wait");
+    if (!HasStreamServices()) return Missing("dev_stream_create ... dev_copy_wait");
     kvb_dev_stream_t* s = nullptr;
     char err[512] = "";
     const kvb_status_t st =
@@ -447,6 +432,18 @@ class Host {
   bool Has(F kvb_host_services_t::*field, size_t offset) const {
     return table_ != nullptr && table_->struct_size >= offset + sizeof(F) &&
            table_->*field != nullptr;
+  }
+
+  // dev_stream_create ... dev_copy_wait, all offered.
+  bool HasStreamServices() const {
+    return Has(&kvb_host_services_t::dev_stream_create,
+               offsetof(kvb_host_services_t, dev_stream_create)) &&
+           Has(&kvb_host_services_t::dev_stream_destroy,
+               offsetof(kvb_host_services_t, dev_stream_destroy)) &&
+           Has(&kvb_host_services_t::dev_copy_async,
+               offsetof(kvb_host_services_t, dev_copy_async)) &&
+           Has(&kvb_host_services_t::dev_copy_done, offsetof(kvb_host_services_t, dev_copy_done)) &&
+           Has(&kvb_host_services_t::dev_copy_wait, offsetof(kvb_host_services_t, dev_copy_wait));
   }
 
   std::string Prefix() const { return std::string(plugin_) + ": "; }
