@@ -47,6 +47,11 @@
 # Needs $PYTHON (default python3) with torch (CUDA), pytest and pybind11; without them the stage
 # is skipped with a printed reason. PYTHON_GPU=0 skips it.
 #
+# Stages nccl and verbs: what exists of those transports (below). Stage verbs-staging: the verbs
+# transport's host staging of CUDA memory (docs/transports/verbs.md "Host staging") on the fake
+# fabric with real device memory and the real driver's copies: kvb_verbs_staging_tests with
+# KVBTEST_REAL_CUDA=1 (the tests that need the fake driver's knobs skip).
+#
 # Until a stage has passed on a GPU machine, the paths it covers are unverified.
 #
 # KIT=<file>: for a GPU machine that cannot build the main project (no gRPC, protobuf, OpenSSL
@@ -322,7 +327,7 @@ elif [[ $want_tcp == 1 || $want_ucx == 1 || $want_py == 1 ]]; then
     # The verbs parts exist only where libibverbs' headers were found.
     if [[ ${targets[0]} != all ]] &&
       grep -q '^KVBRIDGE_HAVE_VERBS:INTERNAL=ON' "$main_build/CMakeCache.txt"; then
-      targets+=(kvb_verbs_tests)
+      targets+=(kvb_verbs_tests kvb_verbs_staging_tests)
     fi
     cmake --build "$main_build" -j "$jobs" --target "${targets[@]}" >&2
   }; then
@@ -402,6 +407,16 @@ if [[ $main_ok == 1 && -x "$main_build/tests/kvb_verbs_tests" ]]; then
     "$main_build/tests/kvb_verbs_tests" || merge 1
 else
   record verbs skipped "not built (needs libibverbs-dev)"
+fi
+# verbs-staging: the verbs transport's host staging of CUDA memory (no GPUDirect path on the
+# fake fabric) with the real driver's copies and real device memory: the tests that move and
+# check bytes (KVBRIDGE_REQUIRE_GPU: fail rather than skip without a usable driver).
+if [[ $main_ok == 1 && -x "$main_build/tests/kvb_verbs_staging_tests" ]]; then
+  gtest_stage verbs-staging "host staging of device memory, real copies, fake fabric" \
+    env KVBTEST_REAL_CUDA=1 KVBRIDGE_REQUIRE_GPU="${REQUIRE_GPU:-1}" \
+    "$main_build/tests/kvb_verbs_staging_tests" || merge 1
+else
+  record verbs-staging skipped "not built (needs libibverbs-dev)"
 fi
 
 # ---- summary -----------------------------------------------------------------------------------

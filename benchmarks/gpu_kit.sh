@@ -9,7 +9,8 @@
 #
 # The kit holds, under their paths in this tree (build/...), stripped of debug information:
 # the CUDA kernel tests and benchmark, kvb_gpu_fake_tests (its TcpDeviceData.* cases run on
-# the real driver), kvb_nccl_tests and kvb_verbs_tests, libkvbridge, libkvbridge_store, the
+# the real driver), kvb_nccl_tests, kvb_verbs_tests and kvb_verbs_staging_tests, libkvbridge,
+# libkvbridge_store, the
 # plugins (tcp, nccl, verbs, and ucx built on PyPI's CUDA-enabled UCX with that UCX's
 # libraries, for the ucx-device stage), the staged Python package without its extension, the
 # kernels' static library, the CUDA runtime they were compiled against and pybind11's headers
@@ -46,7 +47,7 @@ ucx_dir="$(sed -n 's/^KVBRIDGE_UCX_PYPI_PLUGIN_DIR:INTERNAL=//p' "$build/CMakeCa
 targets=(kvb_kernel_tests kvb_bench_kernels kvb_gpu_fake_tests kvbtest_fake_cuda kvb_nccl_tests
   kvb_transport_tcp kvb_transport_nccl kvbridge_python kvbridge_kernels)
 grep -q '^KVBRIDGE_HAVE_VERBS:INTERNAL=ON' "$build/CMakeCache.txt" &&
-  targets+=(kvb_verbs_tests kvb_transport_verbs)
+  targets+=(kvb_verbs_tests kvb_verbs_staging_tests kvb_transport_verbs)
 [[ -n "$ucx_dir" ]] && targets+=(kvb_transport_ucx_pypi)
 log "building ${targets[*]} in $build"
 cmake --build "$build" --target "${targets[@]}" >&2 || { log "build failed"; exit 2; }
@@ -68,6 +69,7 @@ pack() {
 programs=("$build/tests/kvb_kernel_tests" "$build/benchmarks/kvb_bench_kernels"
   "$build/tests/kvb_gpu_fake_tests" "$build/tests/kvb_nccl_tests")
 [[ -x "$build/tests/kvb_verbs_tests" ]] && programs+=("$build/tests/kvb_verbs_tests")
+[[ -x "$build/tests/kvb_verbs_staging_tests" ]] && programs+=("$build/tests/kvb_verbs_staging_tests")
 # build/plugins' ucx (built on the system's UCX, without CUDA) stays behind: its libucp would
 # land in the kit's library path, which comes before the PyPI plugin's RUNPATH.
 for f in "${programs[@]}" "$build"/tests/libkvbtest_fake_cuda.so "$build"/csrc/libkvbridge.so* \

@@ -26,6 +26,7 @@
 #include "kvbridge/plugin/transport.h"
 #include "tests/common/test_util.h"
 #include "tests/gpu/fake_cuda_env.h"
+#include "tests/gpu/test_memory.h"
 
 namespace kvbridge {
 namespace {
@@ -49,146 +50,10 @@ uint64_t SteadyNs() {
                                    .count());
 }
 
-bool GpuRequired() {
-  const char* v = std::getenv("KVBRIDGE_REQUIRE_GPU");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}
-
-// The real driver's allocation and synchronous copy calls, for KVBTEST_REAL_CUDA=1 (the engine
-// loads the driver; these are looked up in the same library). nullptr with *why otherwise.
-struct RealDriver {
-  const core::cuda::Driver* d = nullptr;
-  int devices = 0;
-  core::cuda::CUresult (*alloc)(core::cuda::CUdeviceptr*, size_t) = nullptr;
-  core::cuda::CUresult (*free)(core::cuda::CUdeviceptr) = nullptr;
-  core::cuda::CUresult (*htod)(core::cuda::CUdeviceptr, const void*, size_t) = nullptr;
-  core::cuda::CUresult (*dtoh)(void*, core::cuda::CUdeviceptr, size_t) = nullptr;
-};
-const RealDriver* Real(std::string* why) {
-  static std::string error;
-  static const RealDriver* real = []() -> const RealDriver* {
-    Result<const core::cuda::Driver*> d = core::cuda::GetDriver();
-    if (!d.ok()) {
-      error = d.status().ToString();
-      return nullptr;
-    }
-    static RealDriver r;
-    r.d = d.value();
-    void* lib = dlopen(core::cuda::DriverLibraryPath().c_str(), RTLD_NOW | RTLD_NOLOAD);
-    if (lib != nullptr) {
-      r.alloc = reinterpret_cast<decltype(r.alloc)>(dlsym(lib, "cuMemAlloc_v2"));
-      r.free = reinterpret_cast<decltype(r.free)>(dlsym(lib, "cuMemFree_v2"));
-      r.htod = reinterpret_cast<decltype(r.htod)>(dlsym(lib, "cuMemcpyHtoD_v2"));
-      r.dtoh = reinterpret_cast<decltype(r.dtoh)>(dlsym(lib, "cuMemcpyDtoH_v2"));
-    }
-    if (r.alloc == nullptr || r.free == nullptr || r.htod == nullptr || r.dtoh == nullptr) {
-      error = core::cuda::DriverLibraryPath() + " lacks cuMemAlloc_v2/cuMemFree_v2/cuMemcpy*_v2";
-      return nullptr;
-    }
-    if (r.d->cuDeviceGetCount(&r.devices) != 0 || r.devices < 1) {
-      error = "the CUDA driver sees no device";
-      return nullptr;
-    }
-    return &r;
-  }();
-  if (real == nullptr) *why = error;
-  return real;
-}
-
-// Test memory: host memory, or device memory (the fake driver's, guarded: kvbridge faults if it
-// touches it on the CPU, and the test reads and writes it through the fake's host view; or, with
-// KVBTEST_REAL_CUDA=1, real device memory read and written with the driver's synchronous
-// copies).
-class Mem {
- public:
-  Mem(MemoryKind kind, size_t len, int device = 0) : kind_(kind), n_(len), device_(device) {
-    if (kind == MemoryKind::kHost) {
-      host_ = std::make_unique<testing::Buffer>(len);
-      p_ = host_->data();
-    } else if (!testing::RealCuda()) {
-      p_ = GuardedAlloc(device, len);
-    } else {
-      std::string why;
-      const RealDriver* r = Real(&why);
-      core::cuda::ScopedDeviceContext ctx(*r->d, device);
-      core::cuda::CUdeviceptr dp = 0;
-      if (r->alloc(&dp, len) != 0) std::abort();
-      p_ = reinterpret_cast<uint8_t*>(dp);
-    }
-  }
-  ~Mem() {
-    if (kind_ == MemoryKind::kHost) return;
-    if (!testing::RealCuda()) {
-      Fake().free(p_);
-      return;
-    }
-    std::string why;
-    const RealDriver* r = Real(&why);
-    core::cuda::ScopedDeviceContext ctx(*r->d, device_);
-    (void)r->free(reinterpret_cast<core::cuda::CUdeviceptr>(p_));
-  }
-  Mem(const Mem&) = delete;
-  Mem& operator=(const Mem&) = delete;
-  uint8_t* data() const { return p_; }
-  size_t size() const { return n_; }
-  MemoryKind kind() const { return kind_; }
-  int device() const { return device_; }
-
-  void Put(size_t off, const uint8_t* src, size_t n) {
-    if (!Staged()) {
-      std::memcpy(View() + off, src, n);
-      return;
-    }
-    std::string why;
-    const RealDriver* r = Real(&why);
-    core::cuda::ScopedDeviceContext ctx(*r->d, device_);
-    if (r->htod(reinterpret_cast<core::cuda::CUdeviceptr>(p_ + off), src, n) != 0) std::abort();
-  }
-  std::vector<uint8_t> Get(size_t off, size_t n) const {
-    std::vector<uint8_t> out(n);
-    if (!Staged()) {
-      std::memcpy(out.data(), View() + off, n);
-      return out;
-    }
-    std::string why;
-    const RealDriver* r = Real(&why);
-    core::cuda::ScopedDeviceContext ctx(*r->d, device_);
-    if (r->dtoh(out.data(), reinterpret_cast<core::cuda::CUdeviceptr>(p_ + off), n) != 0) {
-      std::abort();
-    }
-    return out;
-  }
-  // Bytes PatternByte(seed, 0 .. n) at [off, off + n).
-  void Fill(uint64_t seed, size_t off, size_t n) {
-    std::vector<uint8_t> b(n);
-    for (size_t i = 0; i < n; ++i) b[i] = PatternByte(seed, i);
-    Put(off, b.data(), n);
-  }
-  void Zero() {
-    std::vector<uint8_t> z(n_, 0);
-    Put(0, z.data(), n_);
-  }
-  // The first i in [0, n) where the byte at off + i is not PatternByte(seed, i); n if none.
-  size_t FirstBad(uint64_t seed, size_t off, size_t n) const {
-    const std::vector<uint8_t> b = Get(off, n);
-    for (size_t i = 0; i < n; ++i) {
-      if (b[i] != PatternByte(seed, i)) return i;
-    }
-    return n;
-  }
-
- private:
-  bool Staged() const { return kind_ == MemoryKind::kCuda && testing::RealCuda(); }
-  // Where the test touches the bytes: the fake's host view of its device memory.
-  uint8_t* View() const {
-    return kind_ == MemoryKind::kCuda ? static_cast<uint8_t*>(Fake().host_view(p_)) : p_;
-  }
-  MemoryKind kind_;
-  size_t n_;
-  int device_;
-  std::unique_ptr<testing::Buffer> host_;
-  uint8_t* p_ = nullptr;
-};
+using testing::GpuRequired;
+using testing::Real;
+using testing::RealDriver;
+using Mem = testing::TestMemory;
 
 using DevMem = testing::FakeDeviceMemory;
 

@@ -8,6 +8,9 @@
 // through bounce buffers (more slices than buffers), the region kept out of the descriptor, the
 // caps and refusals, a failed copy failing only its op, cancel and deadline waiting for a copy
 // before they return, a rail failing mid-transfer, and the ring's MRs going with its peer.
+// With KVBTEST_REAL_CUDA=1 (benchmarks/gpu_check.sh, stage verbs-staging) the tests that only
+// move and check bytes run on real device memory and the real driver's copies; those that need
+// the fake's knobs skip.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -19,6 +22,7 @@
 #include <vector>
 
 #include "tests/gpu/fake_cuda_env.h"
+#include "tests/gpu/test_memory.h"
 #include "tests/verbs/verbs_nodes.h"
 
 namespace kvbridge::verbs {
@@ -27,7 +31,8 @@ namespace {
 namespace sdk = kvbridge::plugin::sdk;
 using kvbridge::testing::Fake;
 using kvbridge::testing::FakeCopyRecord;
-using kvbridge::testing::FakeDeviceMemory;
+using kvbridge::testing::RealCuda;
+using kvbridge::testing::TestMemory;
 using testing::Node;
 using testing::NowNs;
 
@@ -37,12 +42,19 @@ constexpr int kCudaErrorIllegalAddress = 700;
 class VerbsStagingTest : public testing::VerbsTransportTest {
  protected:
   void SetUp() override {
-    if (kvbridge::testing::RealCuda()) GTEST_SKIP() << "the fake CUDA driver's tests";
+    if (RealCuda()) {
+      std::string why;
+      if (kvbridge::testing::Real(&why) == nullptr) {
+        if (kvbridge::testing::GpuRequired()) FAIL() << "KVBRIDGE_REQUIRE_GPU is set: " << why;
+        GTEST_SKIP() << "no usable CUDA driver: " << why;
+      }
+      return;
+    }
     Fake().set_latency_us(0);
     Fake().clear_copy_log();
   }
   void TearDown() override {
-    if (kvbridge::testing::RealCuda()) return;
+    if (RealCuda()) return;
     Fake().set_latency_us(0);
     Fake().fail_next_copy(0);
     Fake().fail_next_copy_to_host(0);
@@ -57,8 +69,11 @@ class VerbsStagingTest : public testing::VerbsTransportTest {
     return c;
   }
 
-  static std::vector<uint8_t> Bytes(const FakeDeviceMemory& m, size_t off, size_t len) {
-    return std::vector<uint8_t>(m.view() + off, m.view() + off + len);
+  static std::vector<uint8_t> Bytes(const TestMemory& m, size_t off, size_t len) {
+    return m.Get(off, len);
+  }
+  static std::unique_ptr<TestMemory> DeviceMemory(size_t len) {
+    return std::make_unique<TestMemory>(MemoryKind::kCuda, len, 0);
   }
 
   // Node a (NICs `a_nics`) with `len` bytes of fake device memory, holding Pattern(len, seed),
@@ -66,7 +81,7 @@ class VerbsStagingTest : public testing::VerbsTransportTest {
   // segment 9; a's peer b. `peer` stays null when a step failed (the failure is reported).
   struct Pair {
     std::unique_ptr<Node> a, b;
-    std::unique_ptr<FakeDeviceMemory> dev;
+    std::unique_ptr<TestMemory> dev;
     std::vector<uint8_t> src, remote;
     Peer* peer = nullptr;
   };
@@ -77,9 +92,9 @@ class VerbsStagingTest : public testing::VerbsTransportTest {
     x.a = Make({"node-a", 11, a_nics, "", cfg});
     x.b = Make({"node-b", 22, b_nics, "", cfg});
     if (!x.a || !x.b) return x;
-    x.dev = std::make_unique<FakeDeviceMemory>(len);
+    x.dev = DeviceMemory(len);
     x.src = Pattern(len, seed);
-    std::memcpy(x.dev->view(), x.src.data(), len);
+    x.dev->Put(0, x.src.data(), len);
     x.remote.assign(len, 0);
     const sdk::Status st = TryRegister(*x.a, 1, x.dev->data(), len, KVB_MEM_CUDA, 0);
     if (!st.ok()) {
@@ -93,7 +108,7 @@ class VerbsStagingTest : public testing::VerbsTransportTest {
 
   // Zeroes all of x's device memory and READs segment 9 back into it: OK once it holds x.src.
   sdk::Status ReadAllBack(Pair& x) {
-    std::memset(x.dev->view(), 0, x.dev->size());
+    x.dev->Zero();
     const sdk::Status st =
         Transfer(*x.a, x.peer, {Op(KVB_OP_READ, 1, x.dev->data(), x.dev->size(), 9, 0)});
     if (st.ok() && Bytes(*x.dev, 0, x.dev->size()) != x.src) {
@@ -122,7 +137,7 @@ TEST_F(VerbsStagingTest, DeviceBytesMoveThroughBounceBuffersBothWays) {
   EXPECT_EQ(fabric_.LiveMrs("a0"), mrs_before + 1) << "one MR for the peer's staging ring";
 
   // Read back into another part of the device memory, unaligned, from an offset.
-  std::memset(dev->view(), 0, kLen);
+  dev->Zero();
   constexpr size_t kOff = 4096 + 100, kReadLen = 300 * kKiB + 7;
   st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev->data() + kOff, kReadLen, 9, 512)});
   ASSERT_TRUE(st.ok()) << st.message();
@@ -133,9 +148,11 @@ TEST_F(VerbsStagingTest, DeviceBytesMoveThroughBounceBuffersBothWays) {
   EXPECT_EQ(c.staging_rings, 1u);
   EXPECT_EQ(c.staging_copies, 16u + 5u) << "16 slices in, 5 out";
   EXPECT_EQ(c.staging_copy_failures, 0u);
-  std::vector<FakeCopyRecord> log(64);
-  log.resize(Fake().copy_log(log.data(), log.size()));
-  EXPECT_EQ(log.size(), 21u) << "every staged byte crossed by one device copy";
+  if (!RealCuda()) {
+    std::vector<FakeCopyRecord> log(64);
+    log.resize(Fake().copy_log(log.data(), log.size()));
+    EXPECT_EQ(log.size(), 21u) << "every staged byte crossed by one device copy";
+  }
   kvb_transport_stats_t stats{};
   ASSERT_TRUE(a->t->Stats(stats).ok());
   EXPECT_EQ(stats.device_regions_staged, 1u);
@@ -147,7 +164,8 @@ TEST_F(VerbsStagingTest, PeersDoNotSeeAStagedRegion) {
   auto a = Make({"node-a", 11, {"a0"}, "", Config()});
   auto b = Make({"node-b", 22, {"b0"}, "", Config()});
   ASSERT_TRUE(a && b);
-  FakeDeviceMemory dev(256 * kKiB);
+  TestMemory dev(MemoryKind::kCuda, 256 * kKiB, 0);
+  dev.Zero();
   std::vector<uint8_t> mine(256 * kKiB, 5);
   ASSERT_TRUE(TryRegister(*a, 1, dev.data(), dev.size(), KVB_MEM_CUDA, 0).ok());
   Register(*b, 9, mine.data(), mine.size());
@@ -163,7 +181,7 @@ TEST_F(VerbsStagingTest, StagingOffOrAnOldHostIsANamedRefusal) {
   auto off = Make({"node-off", 11, {"a0"}, "", Config({{"verbs.host_staging", "0"}})});
   ASSERT_TRUE(off);
   EXPECT_EQ(off->t->InstanceCaps() & (KVB_TCAP_CUDA_MEM | KVB_TCAP_CUDA_DIRECT), 0u);
-  FakeDeviceMemory dev(64 * kKiB);
+  TestMemory dev(MemoryKind::kCuda, 64 * kKiB, 0);
   sdk::Status st = TryRegister(*off, 1, dev.data(), dev.size(), KVB_MEM_CUDA, 0);
   EXPECT_EQ(st.code(), KVB_ERR_UNSUPPORTED);
   EXPECT_HAS(st.message(), "verbs.host_staging=0");
@@ -184,6 +202,7 @@ TEST_F(VerbsStagingTest, StagingOffOrAnOldHostIsANamedRefusal) {
 }
 
 TEST_F(VerbsStagingTest, AFailedCopyFailsOnlyItsOpAndLeaksNoBuffer) {
+  if (RealCuda()) GTEST_SKIP() << "needs the fake CUDA driver's injected copy errors";
   constexpr size_t kLen = 512 * kKiB;  // 8 slices: every buffer of the ring, twice
   Pair x = Setup(kLen, 7);
   ASSERT_NE(x.peer, nullptr);
@@ -219,6 +238,7 @@ TEST_F(VerbsStagingTest, AFailedCopyFailsOnlyItsOpAndLeaksNoBuffer) {
 }
 
 TEST_F(VerbsStagingTest, CancelWaitsForARunningCopyAndNoCopyRunsAfterIt) {
+  if (RealCuda()) GTEST_SKIP() << "needs the fake CUDA driver's copy latency and copy log";
   Pair x = Setup(256 * kKiB, 1);
   ASSERT_NE(x.peer, nullptr);
   auto& [a, b, dev, src, remote, peer] = x;
@@ -247,6 +267,7 @@ TEST_F(VerbsStagingTest, CancelWaitsForARunningCopyAndNoCopyRunsAfterIt) {
 }
 
 TEST_F(VerbsStagingTest, ASlowCopyEndsDeadlineExceeded) {
+  if (RealCuda()) GTEST_SKIP() << "needs the fake CUDA driver's copy latency";
   Pair x = Setup(128 * kKiB, 1);
   ASSERT_NE(x.peer, nullptr);
   auto& [a, b, dev, src, remote, peer] = x;
