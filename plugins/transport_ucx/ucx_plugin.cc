@@ -94,7 +94,11 @@ class UcxPlugin {
   void Release(Request* req) { t_->Release(req); }
   sdk::Status Stats(kvb_transport_stats_t& stats) { return t_->GetStats(&stats); }
   uint64_t InstanceCaps() {
-    return t_->cuda_memory() ? ~uint64_t{0} : ~(KVB_TCAP_CUDA_MEM | KVB_TCAP_CUDA_DIRECT);
+    uint64_t caps = ~uint64_t{0};
+    if (!t_->cuda_memory()) caps &= ~(KVB_TCAP_CUDA_MEM | KVB_TCAP_CUDA_DIRECT);
+    // Ranked first for same-host peers only where it reaches them through shared memory.
+    if (!t_->same_host_shm()) caps &= ~KVB_TCAP_LOCAL_SHM;
+    return caps;
   }
 
  private:

@@ -5,9 +5,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <future>
+#include <sstream>
+#include <string>
 
 #include "host_config.h"
 #include "ucx_worker.h"
@@ -227,6 +230,26 @@ void Transport::RunCompletions(const Completions& done) {
 
 bool Transport::cuda_memory() const {
   return (worker_->memory_types() & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+}
+
+bool Transport::same_host_shm() const {
+  if (!config_.same_host_auto) return false;
+  std::string tls = config_.tls;
+  if (tls.empty()) {
+    const char* env = std::getenv("UCX_TLS");
+    tls = env != nullptr ? env : "";
+  }
+  if (tls.empty()) return true;  // UCX's own choice includes them
+  // "^a,b" means every transport but a and b: only excluding the whole shared-memory family
+  // ("sm" or "shm") rules it out. Otherwise one of its members must be named.
+  const bool except = tls[0] == '^';
+  std::stringstream list(except ? tls.substr(1) : tls);
+  bool family = false, member = false;
+  for (std::string t; std::getline(list, t, ',');) {
+    family = family || t == "sm" || t == "shm" || t == "all";
+    member = member || t == "posix" || t == "sysv" || t == "cma" || t == "knem" || t == "xpmem";
+  }
+  return except ? !family : family || member;
 }
 
 std::string Transport::memory_types() const {

@@ -196,6 +196,10 @@ class Transport {
   // Whether the loaded UCX moves CUDA device memory here (ucp_context memory types, read at
   // create): false for a UCX built without CUDA, or with no GPU or driver on the machine.
   bool cuda_memory() const;
+  // Whether a same-host peer is reached through shared memory or cma (KVB_TCAP_LOCAL_SHM): not
+  // with ucx.same_host=off, nor when the transports this context may use (ucx.tls, else the
+  // UCX_TLS variable) name none of them.
+  bool same_host_shm() const;
   // "host, cuda, ..." from the same query, for messages.
   std::string memory_types() const;
   // Ends one slice; finalizes its request when it was the last one.

@@ -386,6 +386,34 @@ TEST(UcxSameHost, APeerOnThisHostIsTriedOverSharedMemoryFirst) {
   EXPECT_EQ(h->paths[1].transport, "ucx");
 }
 
+// The same-host ranking holds only where ucx reaches the peer through shared memory: with
+// ucx.same_host=off, or a ucx.tls without any shared-memory transport, the instance drops
+// KVB_TCAP_LOCAL_SHM and a same-host peer keeps the local order (tcp first, the faster path
+// then). A tls naming one of them keeps it.
+TEST(UcxSameHost, WithoutSharedMemoryUcxIsNotRankedFirst) {
+  auto make = [](const std::string& id, const std::string& key, const std::string& value) {
+    EngineOptions o = testing::LoopbackOptions("tcp", id);
+    o.transports = {"tcp", "ucx"};
+    if (!key.empty()) o.plugin_config[key] = value;
+    return TransferEngine::Create(o);
+  };
+  auto b = make("shm-b", "", "");
+  if (!b.ok()) GTEST_SKIP() << "tcp + ucx not usable here: " << b.status().ToString();
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"ucx.same_host", "off"}, {"ucx.tls", "tcp,self"}, {"ucx.tls", "^sm"}};
+  int n = 0;
+  for (const auto& [key, value] : cases) {
+    auto a = Must(make("shm-a" + std::to_string(n++), key, value));
+    Must(a->AddPeer((*b)->LocalDescriptor()));
+    const std::optional<PeerHealth> h = a->GetPeerHealth("shm-b");
+    ASSERT_TRUE(h && h->paths.size() == 2) << key << "=" << value;
+    EXPECT_EQ(h->paths[0].transport, "tcp") << key << "=" << value;
+  }
+  auto kept = Must(make("shm-a-cma", "ucx.tls", "tcp,cma,self"));
+  Must(kept->AddPeer((*b)->LocalDescriptor()));
+  EXPECT_EQ(kept->GetPeerHealth("shm-b")->paths.at(0).transport, "ucx");
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, UcxFaultTest, kModes, ModeName);
 INSTANTIATE_TEST_SUITE_P(Modes, UcxBackpressureTest, kModes, ModeName);
 INSTANTIATE_TEST_SUITE_P(Modes, UcxTokenTest, kModes, ModeName);
