@@ -10,12 +10,12 @@
 # The kit holds, under their paths in this tree (build/...), stripped of debug information:
 # the CUDA kernel tests and benchmark, kvb_gpu_fake_tests (its TcpDeviceData.* cases run on
 # the real driver), kvb_nccl_tests, kvb_verbs_tests and kvb_verbs_staging_tests, libkvbridge,
-# libkvbridge_store, the
-# plugins (tcp, nccl, verbs, and ucx built on PyPI's CUDA-enabled UCX with that UCX's
-# libraries, for the ucx-device stage), the staged Python package without its extension, the
-# kernels' static library, the CUDA runtime they were compiled against and pybind11's headers
-# (gpu_check compiles the extension there for that machine's Python), and every shared library these need beyond the C and C++ runtimes
-# (gRPC, protobuf, abseil, OpenSSL, ...) in build/gpu-kit-lib. The binaries keep the absolute
+# libkvbridge_store, the plugins (tcp, nccl, verbs, and ucx built on PyPI's CUDA-enabled UCX
+# with that UCX's libraries, for the ucx-device stage), the staged Python package without its
+# extension, the kernels' static library, the CUDA runtime they were compiled against and
+# pybind11's headers (gpu_check compiles the extension there for that machine's Python), and
+# every shared library these need beyond the C and C++ runtimes (gRPC, protobuf, abseil,
+# OpenSSL, ...) in build/gpu-kit-lib. The binaries keep the absolute
 # paths of this tree (rpaths, the test binaries' plugin directory): gpu_check links this tree's
 # root to the copy's when that path does not exist there.
 #

@@ -17,6 +17,7 @@
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include "core/plugin_host.h"
 #include "core/storage_instance.h"
@@ -1539,14 +1540,13 @@ void StorageNode::Impl::Collect(obs::MetricWriter& w) {
             t->connections_open);
     w.Gauge("kvbridge_node_transport_queued_bytes", "Bytes queued on a transport to be sent.", l,
             t->queued_bytes);
-    w.Counter("kvbridge_node_transport_device_regions_total",
-              "CUDA regions a transport registered, by how it moves them (direct: no host "
-              "copy; staged: through host buffers).",
-              {{"transport", name}, {"path", "direct"}}, t->device_regions_direct);
-    w.Counter("kvbridge_node_transport_device_regions_total",
-              "CUDA regions a transport registered, by how it moves them (direct: no host "
-              "copy; staged: through host buffers).",
-              {{"transport", name}, {"path", "staged"}}, t->device_regions_staged);
+    for (const auto& [path, n] : {std::pair{"direct", t->device_regions_direct},
+                                  std::pair{"staged", t->device_regions_staged}}) {
+      w.Counter("kvbridge_node_transport_device_regions_total",
+                "CUDA regions a transport registered, by how it moves them (direct: no host "
+                "copy; staged: through host buffers).",
+                {{"transport", name}, {"path", path}}, n);
+    }
     w.Counter("kvbridge_node_transport_device_bytes_staged_total",
               "Bytes a transport copied between CUDA memory and host staging buffers.", l,
               t->device_bytes_staged);

@@ -1107,6 +1107,29 @@ sdk::Result<Request*> Transport::Post(Peer* peer, const sdk::Ops& ops,
   req->user = opts.user;
   req->ops.resize(ops.size());
   req->rails.resize(ops.size());
+  // A staged op needs the peer's staging ring. It is made without mu_ (pinned memory and its
+  // registration on every NIC take milliseconds), so neither the progress thread nor other
+  // posts wait for it; one made by a concurrent post first goes unused (freed on return, after
+  // mu_ is released).
+  std::unique_ptr<StagingRing> ring;
+  {
+    std::string who;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (peers_.count(peer) != 0 && peer->staging == nullptr) {
+        for (uint32_t i = 0; i < ops.size() && who.empty(); ++i) {
+          auto it = regions_.find(ops[i].local_segment);
+          if (it != regions_.end() && it->second->staged)
+            who = Who(peer->node_id, peer->incarnation);
+        }
+      }
+    }
+    if (!who.empty()) {
+      auto made = MakeStagingRing(who);
+      if (!made.ok()) return made.status();
+      ring = std::move(*made);
+    }
+  }
   Done done;
   std::unique_lock<std::mutex> lock(mu_);
   if (peers_.count(peer) == 0) return sdk::Status(KVB_ERR_NOT_FOUND, "verbs: post: unknown peer");
@@ -1145,9 +1168,13 @@ sdk::Result<Request*> Transport::Post(Peer* peer, const sdk::Ops& ops,
                              std::to_string(remote->second.length) + " bytes");
     }
     if (local->second->staged && peer->staging == nullptr) {
-      if (auto st = EnsureStaging(*peer); !st.ok()) {
-        return sdk::Status(st.code(), what + st.message());
+      if (ring == nullptr) {  // the region was registered since the first look: made here
+        auto made = MakeStagingRing(Who(peer->node_id, peer->incarnation));
+        if (!made.ok()) return made.status();
+        ring = std::move(*made);
       }
+      peer->staging = std::move(ring);
+      ++counters_.staging_rings;
     }
     bytes += op.length;
     req->rails[i] = local->second->rails;
@@ -1627,8 +1654,7 @@ sdk::Result<sdk::DevStream*> StreamOf(const sdk::Host& host, StagingRing& ring, 
 
 }  // namespace
 
-sdk::Status Transport::EnsureStaging(Peer& p) {
-  if (p.staging != nullptr) return {};
+sdk::Result<std::unique_ptr<StagingRing>> Transport::MakeStagingRing(const std::string& who) {
   auto ring = std::make_unique<StagingRing>();
   ring->host = host_;
   ring->buffer_bytes = config_.staging_buffer_bytes;
@@ -1637,8 +1663,8 @@ sdk::Status Transport::EnsureStaging(Peer& p) {
   auto mem = host_.PinnedAlloc(total);
   if (!mem.ok()) {
     return sdk::Status(mem.status().code(),
-                       "cannot allocate the host staging ring for " +
-                           Who(p.node_id, p.incarnation) + " (verbs.staging_buffers x " +
+                       "verbs: cannot allocate the host staging ring for " + who +
+                           " (verbs.staging_buffers x " +
                            "verbs.staging_buffer_bytes = " + std::to_string(total) +
                            " bytes of pinned memory): " + mem.status().message());
   }
@@ -1646,18 +1672,16 @@ sdk::Status Transport::EnsureStaging(Peer& p) {
   for (auto& d : devices_) {
     auto ref = d->mrs->Acquire(reinterpret_cast<uint64_t>(ring->base), total, false, -1);
     if (!ref.ok()) {
-      return sdk::Status(ref.status().code(), "cannot register the host staging ring on " +
+      return sdk::Status(ref.status().code(), "verbs: cannot register the host staging ring on " +
                                                   d->name + ": " + ref.status().message());
     }
     ring->caches.push_back(d->mrs.get());
     ring->mrs.push_back(std::move(*ref));
   }
   for (uint32_t i = ring->count; i > 0; --i) ring->free.push_back(static_cast<int32_t>(i - 1));
-  ++counters_.staging_rings;
-  host_.Log(KVB_LOG_DEBUG, "verbs: host staging ring for %s: %u x %" PRIu64 " bytes",
-            Who(p.node_id, p.incarnation).c_str(), ring->count, ring->buffer_bytes);
-  p.staging = std::move(ring);
-  return {};
+  host_.Log(KVB_LOG_DEBUG, "verbs: host staging ring for %s: %u x %" PRIu64 " bytes", who.c_str(),
+            ring->count, ring->buffer_bytes);
+  return ring;
 }
 
 bool Transport::StageReady(Peer& p, Slice& s, uint64_t now, Done* done) {

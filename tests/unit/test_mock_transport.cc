@@ -432,6 +432,38 @@ TEST_F(MockTransportTest, UpdatePeerKeepsTheHandle) {
   EXPECT_EQ(PostAndWait(KVB_OP_WRITE, 0, 64, 0), KVB_OK) << err_;
 }
 
+// mock.local_only=1 (ABI 1.5): the wrapper reports the registration local-only; a peer's op into
+// such a region is refused NOT_REGISTERED and lands nothing, while the owner's own op from it
+// goes through.
+TEST_F(MockTransportTest, LocalOnlyRegionsServeTheirOwnerOnly) {
+  Instance* c = Create("mt-lo", 33, {{"mock.local_only", "1"}});
+  ASSERT_NE(c, nullptr);
+  auto reg = c->t->RegisterMemory(2, c->mem.data() + 4096, 4096, KVB_MEM_HOST, -1);
+  ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+  EXPECT_TRUE(reg->local_only);
+  auto plain = a_->t->RegisterMemory(2, a_->mem.data(), 64, KVB_MEM_HOST, -1);
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_FALSE(plain->local_only);
+
+  std::unique_ptr<Peer> to_c = AddPeer(*a_, *c);
+  ASSERT_NE(to_c, nullptr);
+  std::memset(a_->mem.data(), 7, 64);
+  kvb_xfer_op_t into_c = Op(KVB_OP_WRITE, 0, 64, 0, 1);
+  auto r = a_->t->Post(*to_c, {&into_c, 1}, {});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(Wait(**r), KVB_ERR_NOT_REGISTERED) << err_;
+  EXPECT_EQ(c->mem[0], 0) << "a peer's WRITE landed in a local-only region";
+
+  std::unique_ptr<Peer> to_b = AddPeer(*c, *b_);
+  ASSERT_NE(to_b, nullptr);
+  std::memset(c->mem.data(), 9, 64);
+  kvb_xfer_op_t from_c = {KVB_OP_WRITE, 0, 1, c->mem.data(), 64, 1, 128, nullptr};
+  auto w = c->t->Post(*to_b, {&from_c, 1}, {});
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_EQ(Wait(*c->t, **w), KVB_OK) << err_;
+  EXPECT_EQ(b_->mem[128], 9);
+}
+
 TEST_F(MockTransportTest, RegisterRefusalIsAStatusNamingTheTransport) {
   // Segment 1 is registered already: the mock refuses it again.
   auto again = a_->t->RegisterMemory(1, a_->mem.data(), 64, KVB_MEM_HOST, -1);

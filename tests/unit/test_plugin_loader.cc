@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -84,6 +85,35 @@ TEST(PluginLoader, LoadsMockTransport) {
   ASSERT_NE(info.descriptor, nullptr);
   EXPECT_NE(info.transport_ops(), nullptr);
   EXPECT_EQ(info.storage_ops(), nullptr);
+}
+
+// ABI 1.5 through the raw table: with mock.local_only=1 the mock marks what it registers
+// KVB_REG_LOCAL_ONLY, and refuses (UNSUPPORTED, nothing registered) a region of a 1.4 host,
+// which has no reg_flags and so could not keep the key local.
+TEST(PluginLoader, MockLocalOnlyNeedsRegFlagsFromTheHost) {
+  PluginRegistry reg;
+  const PluginInfo& info = reg.LoadFile(TestPlugin("libkvb_transport_mock.so"));
+  ASSERT_EQ(info.state, PluginState::kLoaded) << info.reason;
+  const kvb_transport_ops_t* ops = info.transport_ops();
+  ASSERT_NE(ops, nullptr);
+  HostServices host(std::map<std::string, std::string>{{"mock.local_only", "1"}});
+  kvb_transport_params_t params{sizeof(params), "lo-raw", 5, nullptr, nullptr};
+  kvb_transport_t* t = nullptr;
+  char err[256] = "";
+  ASSERT_EQ(ops->create(host.table(), &params, &t, err, sizeof(err)), KVB_OK) << err;
+  std::vector<uint8_t> mem(4096);
+  uint32_t flags = 0;
+  kvb_region_t r{sizeof(r), KVB_MEM_HOST, 1, mem.data(), mem.size(), -1, &flags};
+  uint8_t key[16];
+  uint32_t key_len = 0;
+  r.struct_size = offsetof(kvb_region_t, reg_flags);  // a 1.4 host's region
+  EXPECT_EQ(ops->register_memory(t, &r, key, sizeof(key), &key_len), KVB_ERR_UNSUPPORTED);
+  EXPECT_EQ(ops->deregister_memory(t, 1), KVB_ERR_NOT_FOUND) << "registered all the same";
+  r.struct_size = sizeof(r);
+  EXPECT_EQ(ops->register_memory(t, &r, key, sizeof(key), &key_len), KVB_OK);
+  EXPECT_EQ(flags, KVB_REG_LOCAL_ONLY);
+  EXPECT_EQ(ops->deregister_memory(t, 1), KVB_OK);
+  ops->destroy(t);
 }
 
 TEST(PluginLoader, LoadsMockStorageAndItWorks) {

@@ -69,9 +69,6 @@ class VerbsStagingTest : public testing::VerbsTransportTest {
     return c;
   }
 
-  static std::vector<uint8_t> Bytes(const TestMemory& m, size_t off, size_t len) {
-    return m.Get(off, len);
-  }
   static std::unique_ptr<TestMemory> DeviceMemory(size_t len) {
     return std::make_unique<TestMemory>(MemoryKind::kCuda, len, 0);
   }
@@ -111,7 +108,7 @@ class VerbsStagingTest : public testing::VerbsTransportTest {
     x.dev->Zero();
     const sdk::Status st =
         Transfer(*x.a, x.peer, {Op(KVB_OP_READ, 1, x.dev->data(), x.dev->size(), 9, 0)});
-    if (st.ok() && Bytes(*x.dev, 0, x.dev->size()) != x.src) {
+    if (st.ok() && x.dev->Get(0, x.dev->size()) != x.src) {
       return sdk::Status(KVB_ERR_INTERNAL, "test: the bytes read back differ");
     }
     return st;
@@ -141,9 +138,9 @@ TEST_F(VerbsStagingTest, DeviceBytesMoveThroughBounceBuffersBothWays) {
   constexpr size_t kOff = 4096 + 100, kReadLen = 300 * kKiB + 7;
   st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev->data() + kOff, kReadLen, 9, 512)});
   ASSERT_TRUE(st.ok()) << st.message();
-  EXPECT_EQ(Bytes(*dev, kOff, kReadLen),
+  EXPECT_EQ(dev->Get(kOff, kReadLen),
             std::vector<uint8_t>(src.begin() + 512, src.begin() + 512 + kReadLen));
-  EXPECT_EQ(Bytes(*dev, 0, kOff), std::vector<uint8_t>(kOff, 0)) << "bytes before the op moved";
+  EXPECT_EQ(dev->Get(0, kOff), std::vector<uint8_t>(kOff, 0)) << "bytes before the op moved";
   const VerbsCounters c = a->t->Counters();
   EXPECT_EQ(c.staging_rings, 1u);
   EXPECT_EQ(c.staging_copies, 16u + 5u) << "16 slices in, 5 out";
@@ -174,7 +171,7 @@ TEST_F(VerbsStagingTest, PeersDoNotSeeAStagedRegion) {
   const sdk::Status st = Transfer(*b, to_a, {Op(KVB_OP_WRITE, 9, mine.data(), 4096, 1, 0)});
   EXPECT_EQ(st.code(), KVB_ERR_NOT_REGISTERED) << st.message();
   EXPECT_HAS(st.message(), "segment 1 is not registered");
-  EXPECT_EQ(Bytes(dev, 0, 4096), std::vector<uint8_t>(4096, 0));
+  EXPECT_EQ(dev.Get(0, 4096), std::vector<uint8_t>(4096, 0));
 }
 
 TEST_F(VerbsStagingTest, StagingOffOrAnOldHostIsANamedRefusal) {
@@ -224,7 +221,7 @@ TEST_F(VerbsStagingTest, AFailedCopyFailsOnlyItsOpAndLeaksNoBuffer) {
   EXPECT_EQ(st.code(), KVB_ERR_IO) << st.message();
   EXPECT_HAS(st.message(), "into CUDA device 0 memory");
   EXPECT_EQ(a->t->Counters().staging_copy_failures, 2u);
-  EXPECT_EQ(Bytes(*dev, 0, 64 * kKiB), std::vector<uint8_t>(src.begin(), src.begin() + 64 * kKiB));
+  EXPECT_EQ(dev->Get(0, 64 * kKiB), std::vector<uint8_t>(src.begin(), src.begin() + 64 * kKiB));
 
   // Every buffer came back: more ops than buffers still go through, both ways.
   std::fill(remote.begin(), remote.end(), 0);
@@ -305,6 +302,48 @@ TEST_F(VerbsStagingTest, ARailFailingMidTransferRetriesFromTheSameBounceBuffers)
   fabric_.FailNextWrs("a1", WcStatus::kRetryExcErr);
   st = ReadAllBack(x);
   EXPECT_TRUE(st.ok()) << st.message();
+}
+
+// The first staged op to a peer makes its ring; pinned memory the host refuses fails that post
+// (nothing queued), naming the keys that size the ring, and the peer's host-memory ops go on.
+TEST_F(VerbsStagingTest, ARingThatCannotBeAllocatedFailsThePostNamingItsKeys) {
+  if (RealCuda()) GTEST_SKIP() << "would ask the real driver for 2 TiB of pinned memory";
+  const auto cfg =
+      Config({{"verbs.staging_buffer_bytes", "2147483648"}, {"verbs.staging_buffers", "1024"}});
+  Pair x = Setup(64 * kKiB, 1, cfg);
+  ASSERT_NE(x.peer, nullptr);
+  auto& [a, b, dev, src, remote, peer] = x;
+  Request* r = nullptr;
+  const sdk::Status st = Post(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), 4096, 9, 0)}, 0, 0, &r);
+  ASSERT_FALSE(st.ok());
+  EXPECT_HAS(st.message(), "verbs.staging_buffers x verbs.staging_buffer_bytes");
+  EXPECT_HAS(st.message(), "2199023255552 bytes of pinned memory");
+  EXPECT_EQ(a->t->Counters().staging_rings, 0u);
+  std::vector<uint8_t> host(4096, 3);
+  Register(*a, 2, host.data(), host.size());
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 2, host.data(), 4096, 9, 0)}).ok());
+  EXPECT_EQ(remote[0], 3);
+}
+
+// A device the driver refuses a copy queue on fails each op that needs one, naming the device
+// and the CUDA error, for a WRITE (copy in) and a READ (copy out); their buffers come back.
+TEST_F(VerbsStagingTest, ACopyQueueThatCannotBeMadeFailsTheOpNamingTheDevice) {
+  if (RealCuda()) GTEST_SKIP() << "needs the fake driver's device count";
+  Pair x = Setup(64 * kKiB, 1);
+  ASSERT_NE(x.peer, nullptr);
+  auto& [a, b, dev, src, remote, peer] = x;
+  // The same memory registered as device 7's: the fake driver has two devices.
+  ASSERT_TRUE(TryRegister(*a, 2, dev->data(), dev->size(), KVB_MEM_CUDA, 7).ok());
+  for (uint32_t opcode : {KVB_OP_WRITE, KVB_OP_READ}) {
+    const sdk::Status st = Transfer(*a, peer, {Op(opcode, 2, dev->data(), dev->size(), 9, 0)});
+    EXPECT_FALSE(st.ok()) << opcode;
+    EXPECT_HAS(st.message(), "CUDA device 7");
+    EXPECT_HAS(st.message(), "INVALID_DEVICE");
+  }
+  EXPECT_EQ(remote, std::vector<uint8_t>(remote.size(), 0)) << "a failed WRITE landed";
+  // Their buffers are free again: a WRITE from device 0 goes through.
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), dev->size(), 9, 0)}).ok());
+  EXPECT_EQ(remote, src);
 }
 
 TEST_F(VerbsStagingTest, TheRingGoesWithItsPeer) {
