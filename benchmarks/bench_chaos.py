@@ -289,16 +289,31 @@ class KvbridgeCluster(Cluster):
     def wait_nodes(self, n: int, timeout_s: float) -> None:
         import kvbridge
         deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
         while True:
             try:
                 st = kvbridge.cluster_status(self.address, 1000)
                 if len(st["nodes"]) >= n:
                     return
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
+                last = f"{len(st['nodes'])} of {n} nodes registered"
+            except Exception as e:  # noqa: BLE001 - not up yet
+                last = f"cluster_status: {e}"
             if time.monotonic() > deadline:
-                raise RuntimeError(f"kvbridge: {n} nodes not registered within {timeout_s} s")
+                raise RuntimeError(f"kvbridge: {n} nodes not registered within {timeout_s} s "
+                                   f"(last seen: {last})\n{self.log_tails()}")
             time.sleep(0.1)
+
+    def log_tails(self, lines: int = 8) -> str:
+        """The last `lines` lines of every process log in logdir, for an error message."""
+        out = []
+        for name in sorted(os.listdir(self.logdir)):
+            path = os.path.join(self.logdir, name)
+            if not name.endswith(".log") or not os.path.isfile(path):
+                continue
+            with open(path, "rb") as f:
+                tail = f.read()[-4096:].decode(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path}\n" + "\n".join(tail))
+        return "\n".join(out)
 
 
 class MooncakeCluster(Cluster):

@@ -373,6 +373,10 @@ TEST_P(TransportFailures, RestartOnTheSameAddressIsStaleWithZeroBytesLanded) {
   }
   EXPECT_EQ(st.code(), StatusCode::kStalePeer) << st.ToString();
   EXPECT_EQ(second->Command("CRC"), crc) << "bytes landed in the restarted process";
+  // With its own descriptor the new incarnation is reached, and the write lands.
+  Must(client_->AddPeer(second->descriptor()));
+  ASSERT_TRUE(client_->Transfer(std::vector{Op(OpCode::kWrite, "restarts", 0, 1 << 20)}).ok());
+  EXPECT_NE(second->Command("CRC"), crc) << "the write to the new incarnation did not land";
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, TransportFailures,

@@ -525,6 +525,11 @@ TEST_P(AuthFaultTest, PeerWithWrongTokenIsRefused) {
   Status st = engine_->Transfer(std::vector{Op(OpCode::kWrite, "intruder", 0, 4096)});
   EXPECT_EQ(st.code(), StatusCode::kUnauthenticated) << st.ToString();
   EXPECT_EQ(peer->Command("CRC"), crc);
+  // A peer holding the right token is served.
+  auto friendly = StartPeer("friend", 0, 2, {"--token", "right-token"}, 1 << 20);
+  ASSERT_TRUE(friendly);
+  Must(engine_->AddPeer(friendly->descriptor()));
+  EXPECT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kWrite, "friend", 0, 4096)}).ok());
 }
 
 // Seed 003: a node reachable over several NICs, none of them its "host" address. The peer lives
