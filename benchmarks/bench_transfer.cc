@@ -62,6 +62,9 @@ struct Args {
   // "plain": zeroed heap memory (4 KiB pages); "thp": anonymous memory with MADV_HUGEPAGE, as
   // the DRAM pool allocates its segments (plugins/storage_dram/dram_pool.cc).
   std::string memory = "plain";
+  // Which ops the rows measure, in this order ("write", "read" or both, comma-separated).
+  std::string ops = "write,read";
+  std::vector<OpCode> codes;  // parsed from `ops`
 };
 
 // A benchmark region, zeroed (every page faulted in before measuring).
@@ -340,7 +343,7 @@ int RunInitiator(const Args& a, const char* self_exe) {
       const size_t batch_bytes = block * mode.batch;
       const size_t area = a.region / mode.threads;
       if (batch_bytes > area) continue;
-      for (OpCode code : {OpCode::kWrite, OpCode::kRead}) {
+      for (OpCode code : a.codes) {
         const char* name = code == OpCode::kWrite ? "write" : "read";
         std::cerr << "transfer: " << mode.name << " " << name << " block " << block << " B ..."
                   << std::flush;
@@ -474,6 +477,7 @@ int main(int argc, char** argv) {
          "every op of a batch uses the same local and remote block (one block's footprint)");
   f.String("memory", &a.memory,
            "plain (heap, 4 KiB pages) or thp (MADV_HUGEPAGE, as the DRAM pool allocates)");
+  f.String("ops", &a.ops, "which ops to measure, in order: write, read or write,read");
   f.String("role", &a.role, "");  // internal: the re-executed target
   f.ParseOrExit(argc, argv);
   for (uint64_t b : a.blocks) {
@@ -486,6 +490,17 @@ int main(int argc, char** argv) {
     std::cerr << "kvb_bench_transfer: bad value for --memory: '" << a.memory
               << "' (plain or thp)\n";
     return 2;
+  }
+  for (size_t at = 0; at <= a.ops.size();) {
+    const size_t comma = std::min(a.ops.find(',', at), a.ops.size());
+    const std::string op = a.ops.substr(at, comma - at);
+    if (op != "write" && op != "read") {
+      std::cerr << "kvb_bench_transfer: bad value for --ops: '" << a.ops
+                << "' (write, read or both, comma-separated)\n";
+      return 2;
+    }
+    a.codes.push_back(op == "write" ? OpCode::kWrite : OpCode::kRead);
+    at = comma + 1;
   }
   if (a.quick) a.seconds = std::min(a.seconds, 0.6);
   if (a.role == "target") return RunTarget(a);

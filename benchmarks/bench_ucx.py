@@ -13,7 +13,7 @@ endpoints; "tcp": tcp with PEER-mode endpoints, ucx.same_host=off) and each bloc
 build/plugins_ucx_pypi) is PyPI's libucx-cu13 (UCX 1.22: the plugin built on it, selected with
 KVBRIDGE_PLUGIN_PATH, and that wheel's own ucx_perftest); "system" is Debian's UCX 1.13 (the
 build's plugins/ and /usr/bin/ucx_perftest).
-Per block, kvbridge and ucx_perftest run back to back; --rounds N repeats that, alternating
+Per op and block, kvbridge and ucx_perftest run back to back; --rounds N repeats that, alternating
 which goes first, and a cell reports the medians of its rounds.
 Progress goes to stderr; the last stdout line is one JSON object. Goals are reported, never
 asserted: the exit status is non-zero only when a measurement could not be taken.
@@ -95,8 +95,10 @@ SHAPES = {
 }
 
 
-def kvb_bench(build, transport, blocks, seconds, config, shape, window, extra_env=None):
+def kvb_bench(build, transport, blocks, seconds, config, shape, window, extra_env=None,
+              ops="write,read"):
     cmd = [os.path.join(build, "benchmarks", "kvb_bench_transfer"), "--transport", transport,
+           "--ops", ops,
            "--threads", "1", "--batch", "16", "--window", str(window),
            "--seconds", str(seconds), "--no-raw",
            "--no-latency", "--region", str(max(64 * MIB, 16 * max(blocks) * 2)),
@@ -125,19 +127,16 @@ def memcpy_gbps(size, seconds=0.3):
     return gbps(n * size, time.perf_counter() - t0)
 
 
-def kvb_ucx(set_name, tls, kvb_args):
-    log(f"ucx bench: kvbridge ucx, set {set_name} (ucx.tls={tls['tls']}) ...")
-    return kvb_bench(*kvb_args)
+def kvb_ucx(set_name, tls, op, block, kvb_args):
+    """(GB/s, failures) of kvbridge over ucx for one op at one block size."""
+    log(f"ucx bench: kvbridge ucx {op} {block} B, set {set_name} (ucx.tls={tls['tls']}) ...")
+    return kvb_bench(*kvb_args, ops=op)[(op, block)]
 
 
-def perftest_ops(binary, extra_env, ops, block, iters, tls):
-    """{op: GB/s} of ucx_perftest for each (op, perftest test) of `ops` at one block size."""
-    out = {}
-    for op, test in ops:
-        log(f"ucx bench: ucx_perftest {test} {block} B, UCX_TLS={tls['tls']} ...")
-        out[op] = perftest(binary, extra_env, test, block, iters, tls["tls"],
-                           tls["perftest_flags"])
-    return out
+def perftest_op(binary, extra_env, test, block, iters, tls):
+    """GB/s of ucx_perftest's `test` at one block size."""
+    log(f"ucx bench: ucx_perftest {test} {block} B, UCX_TLS={tls['tls']} ...")
+    return perftest(binary, extra_env, test, block, iters, tls["tls"], tls["perftest_flags"])
 
 
 def median_ratio(pairs):
@@ -184,10 +183,12 @@ def main():
 
     rounds = a.rounds or 1
     ops = (("write", "ucp_put_bw"), ("read", "ucp_get"))
-    # One cell is measured per (set, block) and round, kvbridge and ucx_perftest back to back
-    # (this VM's speed drifts over tens of seconds: measuring every kvbridge point first and
-    # every perftest point after them skewed whole runs' ratios by 0.6x or 1.8x), their order
-    # alternating by round. samples[(set, op, block)]: per round (kvb, perftest, tcp, failures).
+    # One cell is measured per (set, op, block) and round, kvbridge and ucx_perftest back to
+    # back on that one op (this VM's speed shifts between a fast and a slow mode every few tens
+    # of seconds, for both programs alike: a pair measured seconds apart can straddle a shift,
+    # and measuring every kvbridge point first and every perftest point after them skewed whole
+    # runs' ratios by 0.6x or 1.8x), their order alternating by round.
+    # samples[(set, op, block)]: per round (kvb, perftest, tcp, failures).
     samples = {}
     for rnd_i in range(rounds):
         for block in blocks:
@@ -199,16 +200,15 @@ def main():
                 kvb_args = (a.build, "ucx", [block], seconds,
                             [f"ucx.tls={tls['tls']}", f"ucx.same_host={tls['same_host']}"],
                             a.shape, a.window, kvb_env)
-                pt_args = (pt_bin, pt_env, ops, block, iters, tls)
-                if rnd_i % 2 == 0:
-                    kvb, pt = kvb_ucx(set_name, tls, kvb_args), perftest_ops(*pt_args)
-                else:
-                    pt = perftest_ops(*pt_args)
-                    kvb = kvb_ucx(set_name, tls, kvb_args)
-                for op, _ in ops:
-                    k_gbps, k_fail = kvb[(op, block)]
+                for op, test in ops:
+                    if rnd_i % 2 == 0:
+                        k_gbps, k_fail = kvb_ucx(set_name, tls, op, block, kvb_args)
+                        pt = perftest_op(pt_bin, pt_env, test, block, iters, tls)
+                    else:
+                        pt = perftest_op(pt_bin, pt_env, test, block, iters, tls)
+                        k_gbps, k_fail = kvb_ucx(set_name, tls, op, block, kvb_args)
                     samples.setdefault((set_name, op, block), []).append(
-                        (k_gbps, pt[op], tcp[(op, block)][0], k_fail))
+                        (k_gbps, pt, tcp[(op, block)][0], k_fail))
     results, failures = {}, 0
     for set_name in sets:
         results[set_name] = {}

@@ -205,7 +205,7 @@ void Worker::Loop() {
     // and over tcp: the target must drain them. Keep progressing for ucx.spin_us after the last
     // sign of activity, so a stream of incoming fragments never waits for a sleep to end.
     // `now` is this round's clock: reading it again each round cost a busy target about 5 % of
-    // its time in clock_gettime (docs/transports/ucx.md, "Where the time goes").
+    // its time in clock_gettime (perf record of a target under 64 KiB writes).
     if (now - last_activity_ns_ < uint64_t(cfg_->spin_us) * 1000) continue;
     if (Busy()) {
       // Spin a little: a completion usually follows within microseconds.
