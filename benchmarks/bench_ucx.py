@@ -8,6 +8,9 @@ endpoints; "tcp": tcp with PEER-mode endpoints, ucx.same_host=off) and each bloc
   - kvb_bench_transfer --transport ucx with ucx.tls set to the same list (1 thread, batches of
     16 ops), writes and reads;
   - kvb_bench_transfer --transport tcp at the same sizes and shape;
+  - kvb_bench_ucp: plain UCP, the same batches and window as kvbridge, a put batch ending with
+    an endpoint flush (remote completion, what a kvbridge WRITE waits for; ucx_perftest's
+    ucp_put_bw flushes once at the end), one block as perftest;
   - memcpy of the same block in this process (the ceiling for a same-host copy).
 --ucx picks the UCX on both sides: "pypi" (the default when the build has
 build/plugins_ucx_pypi) is PyPI's libucx-cu13 (UCX 1.22: the plugin built on it, selected with
@@ -59,6 +62,26 @@ def ucx_choice(name, build):
     lib_env = {"LD_LIBRARY_PATH": os.path.join(root, "lib")}
     perftest_bin = os.path.join(root, "bin", "ucx_perftest")
     return perftest_bin, lib_env, {"KVBRIDGE_PLUGIN_PATH": plugins}, version
+
+
+def ucp_binary(name, build):
+    """kvb_bench_ucp built on the UCX that --ucx names, or None when the build has none."""
+    path = os.path.join(build, "benchmarks", "kvb_bench_ucp" + ("_pypi" if name == "pypi" else ""))
+    return path if os.access(path, os.X_OK) else None
+
+
+def ucp_op(binary, extra_env, op, block, seconds, window, tls):
+    """GB/s of plain UCP batches (kvb_bench_ucp) for one op at one block size; None without it."""
+    if binary is None:
+        return None
+    log(f"ucx bench: plain UCP {op} {block} B, UCX_TLS={tls['tls']} ...")
+    cmd = [binary, "--op", op, "--block", str(block), "--batch", "16", "--window", str(window),
+           "--seconds", str(seconds)] + (["--peer-mode"] if "-e" in tls["perftest_flags"] else [])
+    env = dict(os.environ, UCX_TLS=tls["tls"], **extra_env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])["gbps"]
 
 
 def perftest(binary, extra_env, test, size, iters, tls, flags):
@@ -173,6 +196,9 @@ def main():
                                                "libkvb_transport_ucx.so"))
         a.ucx = "pypi" if has_pypi else "system"
     pt_bin, pt_env, kvb_env, ucx_version = ucx_choice(a.ucx, a.build)
+    ucp_bin = ucp_binary(a.ucx, a.build)
+    if ucp_bin is None:
+        log(f"ucx bench: no kvb_bench_ucp for --ucx {a.ucx} in {a.build}: no plain-UCP column")
     log(f"ucx bench: UCX {ucx_version} ({a.ucx})")
     blocks = a.blocks or ([65536, MIB] if a.quick else [65536, 262144, MIB, 4 * MIB])
     seconds = a.seconds or (1.0 if a.quick else 2.0)
@@ -188,7 +214,8 @@ def main():
     # of seconds, for both programs alike: a pair measured seconds apart can straddle a shift,
     # and measuring every kvbridge point first and every perftest point after them skewed whole
     # runs' ratios by 0.6x or 1.8x), their order alternating by round.
-    # samples[(set, op, block)]: per round (kvb, perftest, tcp, failures).
+    # Plain UCP is measured in the same pair, third (or first, in odd rounds).
+    # samples[(set, op, block)]: per round (kvb, perftest, tcp, failures, plain UCP).
     samples = {}
     for rnd_i in range(rounds):
         for block in blocks:
@@ -204,11 +231,13 @@ def main():
                     if rnd_i % 2 == 0:
                         k_gbps, k_fail = kvb_ucx(set_name, tls, op, block, kvb_args)
                         pt = perftest_op(pt_bin, pt_env, test, block, iters, tls)
+                        ucp = ucp_op(ucp_bin, pt_env, op, block, seconds, a.window, tls)
                     else:
+                        ucp = ucp_op(ucp_bin, pt_env, op, block, seconds, a.window, tls)
                         pt = perftest_op(pt_bin, pt_env, test, block, iters, tls)
                         k_gbps, k_fail = kvb_ucx(set_name, tls, op, block, kvb_args)
                     samples.setdefault((set_name, op, block), []).append(
-                        (k_gbps, pt, tcp[(op, block)][0], k_fail))
+                        (k_gbps, pt, tcp[(op, block)][0], k_fail, ucp))
     results, failures = {}, 0
     for set_name in sets:
         results[set_name] = {}
@@ -232,6 +261,10 @@ def main():
                     "ratio_vs_tcp": rnd(median_ratio((r[0], r[2]) for r in rs)),
                     "ratio_vs_memcpy": ratio(k_gbps, mc),
                     "ratios_vs_perftest_per_round": [ratio(r[0], r[1]) for r in rs],
+                    # plain UCP with kvbridge's completion rule (None without kvb_bench_ucp)
+                    "ucp_flushed_gbps": rnd(median(r[4] for r in rs if r[4] is not None)),
+                    "ratio_vs_ucp_flushed": rnd(median_ratio((r[0], r[4]) for r in rs)),
+                    "ucp_flushed_vs_perftest": rnd(median_ratio((r[4], r[1]) for r in rs)),
                     "kvb_ucx_failures": k_fail,
                 }
                 results[set_name][op][str(block)] = row
@@ -259,7 +292,9 @@ def main():
           "ucx_version": ucx_version,
           "shape": a.shape,
           "shape_detail": f"kvbridge: 1 thread, batches of 16 ops, {a.window} in flight, "
-                          + " ".join(SHAPES[a.shape]) + "; ucx_perftest: its defaults",
+                          + " ".join(SHAPES[a.shape]) + "; ucx_perftest: its defaults; plain "
+                          f"UCP (kvb_bench_ucp): batches of 16 ops of one block, {a.window} in "
+                          "flight, a put batch ending with an endpoint flush",
           "headline": headline, "results": results, "goals": goals})
     return 1 if failures else 0
 
