@@ -228,9 +228,12 @@ int RunInitiator(const Args& a) {
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   ucp_rkey_destroy(rkey);
+  // Every batch completed: a flush close. FORCE is defined only for PEER-mode endpoints.
   ucp_request_param_t cp{};
-  cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  if (a.peer_mode) {
+    cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  }
   ucs_status_ptr_t cr = ucp_ep_close_nbx(e, &cp);
   if (UCS_PTR_IS_PTR(cr)) {
     while (ucp_request_check_status(cr) == UCS_INPROGRESS) ucp_worker_progress(s.worker);
