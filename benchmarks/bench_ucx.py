@@ -199,6 +199,10 @@ def main():
     ucp_bin = ucp_binary(a.ucx, a.build)
     if ucp_bin is None:
         log(f"ucx bench: no kvb_bench_ucp for --ucx {a.ucx} in {a.build}: no plain-UCP column")
+    elif a.shape != "perftest":
+        # kvb_bench_ucp moves one hot block, the perftest shape only
+        log(f"ucx bench: --shape {a.shape}: no plain-UCP column (it moves one block)")
+        ucp_bin = None
     log(f"ucx bench: UCX {ucx_version} ({a.ucx})")
     blocks = a.blocks or ([65536, MIB] if a.quick else [65536, 262144, MIB, 4 * MIB])
     seconds = a.seconds or (1.0 if a.quick else 2.0)
