@@ -231,7 +231,10 @@ class KvbridgeCluster(Cluster):
                 self.start_master(m)
             for i in range(NODES):
                 self.start_node(i)
-            self.wait_nodes(NODES, 30)
+            # 60 s: once, on a loaded 2-core CI machine, an HA start (etcd, election, three
+            # registrations) did not finish within 30 s; if it fails again, the error has
+            # every process's log tail.
+            self.wait_nodes(NODES, 60)
         except BaseException:
             self.close()
             raise
