@@ -141,6 +141,10 @@ struct Request {
   uint64_t charged_bytes = 0;
   uint64_t charged_ops = 0;
   bool final = false;
+  // Failed (cancel, deadline, peer failure) while device copies of its staged slices still ran:
+  // not final until the last of them ended (`draining` of them left, Peer::draining).
+  bool failing = false;
+  uint32_t draining = 0;
   std::atomic<bool> reported{false};  // on_complete has returned
 };
 
@@ -172,6 +176,8 @@ struct Peer {
   sdk::Status fatal;  // STALE_PEER or UNAUTHENTICATED: every later post fails with it
   std::deque<Slice*> queue;
   std::vector<Slice*> copying_out;  // staged READs whose copy-out runs
+  std::vector<Slice*> draining;     // slices of failing requests whose device copy runs
+  uint64_t drain_warned_ns = 0;     // when a long-running draining copy was last logged
   uint64_t queued_bytes = 0;
   uint64_t queued_ops = 0;
   std::set<Request*> requests;  // not final
@@ -521,6 +527,9 @@ Transport::~Transport() {
       peers.emplace_back(p);
     }
     peers_.clear();
+  }
+  for (auto& p : peers) {
+    if (!p->draining.empty()) DrainAll(*p, &done);
   }
   Run(done);
   for (Orphan& o : orphans_) o.thread.join();
@@ -1091,6 +1100,8 @@ void Transport::RemovePeer(Peer* peer) {
       orphans_.push_back(Orphan{std::move(owned->job_thread), owned->job});
     }
   }
+  // Its ring and copy queues go with it: its requests' running device copies end first.
+  if (!owned->draining.empty()) DrainAll(*owned, &done);
   Run(done);
 }
 
@@ -1267,8 +1278,15 @@ void Transport::Cancel(Request* r) {
     if (!r->final) FailRequest(*r, sdk::Status(KVB_ERR_CANCELLED, "verbs: cancelled"), &done);
   }
   Run(done);
-  // Another thread may be running on_complete for it: final only once it returned.
-  while (!r->reported.load()) std::this_thread::yield();
+  // Final only once on_complete returned: on another thread, or on the progress thread once
+  // the request's running device copies ended (DrainCopies); no lock is held meanwhile.
+  for (uint32_t spins = 0; !r->reported.load(); ++spins) {
+    if (spins < 1000) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
 }
 
 void Transport::Release(Request* r) { delete r; }
@@ -1322,6 +1340,7 @@ void Transport::PumpPeer(Peer& p, uint64_t now, Done* done) {
     }
   }
   if (!p.copying_out.empty()) PollCopiesOut(p, now, done);
+  if (!p.draining.empty()) DrainCopies(p, now, done);
   // Request deadlines and progress timeouts (posted work also has its own, in RcConnection).
   std::vector<Request*> late;
   for (Request* r : p.requests) {
@@ -1332,7 +1351,7 @@ void Transport::PumpPeer(Peer& p, uint64_t now, Done* done) {
     }
   }
   for (Request* r : late) {
-    if (r->final) continue;
+    if (r->final || r->failing) continue;
     const bool deadline = r->deadline_ns != 0 && now >= r->deadline_ns;
     FailRequest(
         *r,
@@ -1531,14 +1550,14 @@ void Transport::HandleEnds(Peer& p, uint32_t rail, std::vector<OpEnd>& ends, uin
       }
       // A staged READ ends when its bytes are in device memory; not copied for a request
       // that is failing (FailRequest closes its rails first).
-      if (s->staged && s->opcode == WrOpcode::kRdmaRead && !r.final) {
+      if (s->staged && s->opcode == WrOpcode::kRdmaRead && !r.final && !r.failing) {
         StartCopyOut(p, *s, done);
         continue;
       }
       EndSlice(*s, e.status, done);
       continue;
     }
-    if (!r.final && IsRetryable(e) && (r.deadline_ns == 0 || now < r.deadline_ns)) {
+    if (!r.final && !r.failing && IsRetryable(e) && (r.deadline_ns == 0 || now < r.deadline_ns)) {
       ++s->tries;
       p.queue.push_front(s);
       continue;
@@ -1570,7 +1589,7 @@ void Transport::FailPeer(Peer& p, const sdk::Status& why, Done* done) {
   if (why.code() == KVB_ERR_STALE_PEER || why.code() == KVB_ERR_UNAUTHENTICATED) p.fatal = why;
   const std::vector<Request*> reqs(p.requests.begin(), p.requests.end());
   for (Request* r : reqs) {
-    if (!r->final) FailRequest(*r, why, done);
+    if (!r->final && !r->failing) FailRequest(*r, why, done);
   }
   const uint64_t now = host_.NowNs();
   for (uint32_t i = 0; i < p.rails.size(); ++i) FailRail(p, i, why, now, done);
@@ -1592,7 +1611,7 @@ void Transport::EndSlice(Slice& s, const sdk::Status& st, Done* done) {
 }
 
 void Transport::FailRequest(Request& r, const sdk::Status& why, Done* done) {
-  if (r.final) return;
+  if (r.final || r.failing) return;
   Peer& p = *r.peer;
   for (OpState& op : r.ops) {
     if (op.code == KVB_IN_PROGRESS) {
@@ -1611,13 +1630,82 @@ void Transport::FailRequest(Request& r, const sdk::Status& why, Done* done) {
   for (uint32_t i : rails) FailRail(p, i, why, now, done);
   for (auto& s : r.slices) {
     s->ended = true;
-    DropBounce(*s);  // waits for a device copy still using it: none runs once this returns
+    if (s->bounce >= 0 && s->copy != Slice::Copy::kNone) {
+      // Its device copy still uses the bounce buffer and the op's device memory: the request
+      // becomes final once that copy ended (DrainCopies), and nobody waits for it here, under
+      // mu_ (a copy that never returns would stall every peer of this instance).
+      p.draining.push_back(s.get());
+      ++r.draining;
+    } else {
+      DropBounce(*s);
+    }
   }
   std::erase_if(p.queue, [&](Slice* s) { return s->req == &r; });
   std::erase_if(p.copying_out, [&](Slice* s) { return s->req == &r; });
   r.slices_left = 0;
   r.final = false;
+  if (r.draining > 0) {
+    r.failing = true;
+    return;
+  }
   Finalize(r, done);
+}
+
+void Transport::DrainCopies(Peer& p, uint64_t now, Done* done) {
+  std::vector<Slice*> still;
+  std::vector<Slice*> ended;
+  for (Slice* s : p.draining) {
+    if (p.staging->streams.at(s->device).Done(s->ticket).code() == KVB_IN_PROGRESS) {
+      still.push_back(s);
+    } else {
+      ended.push_back(s);
+    }
+  }
+  p.draining = std::move(still);
+  for (Slice* s : ended) EndDrain(*s, done);
+  const uint64_t every = uint64_t(config_.progress_timeout_ms) * kMsNs;
+  if (!p.draining.empty() && now - p.drain_warned_ns >= every) {
+    if (p.drain_warned_ns != 0) {
+      host_.Log(KVB_LOG_WARN,
+                "verbs: %zu staging copies of failed requests to %s still run after %u ms; "
+                "those requests end when they do, other work goes on",
+                p.draining.size(), Who(p.node_id, p.incarnation).c_str(),
+                config_.progress_timeout_ms);
+    }
+    p.drain_warned_ns = now;
+  }
+  if (p.draining.empty()) p.drain_warned_ns = 0;
+}
+
+void Transport::DrainAll(Peer& p, Done* done) {
+  // `p` left peers_: no other thread adds to or polls its draining list.
+  bool logged = false;
+  for (Slice* s : p.draining) {
+    sdk::DevStream& stream = p.staging->streams.at(s->device);
+    while (stream.Wait(s->ticket, host_.NowNs() + config_.progress_timeout_ms * kMsNs).code() ==
+           KVB_ERR_DEADLINE_EXCEEDED) {
+      if (!logged) {
+        host_.Log(KVB_LOG_WARN,
+                  "verbs: %s is going, and a staging copy of a failed request has not finished "
+                  "after %u ms; waiting for it before its ring is freed",
+                  Who(p.node_id, p.incarnation).c_str(), config_.progress_timeout_ms);
+        logged = true;
+      }
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (Slice* s : p.draining) EndDrain(*s, done);
+  p.draining.clear();
+}
+
+void Transport::EndDrain(Slice& s, Done* done) {
+  s.copy = Slice::Copy::kNone;  // ended: DropBounce does not wait
+  DropBounce(s);
+  Request& r = *s.req;
+  if (--r.draining == 0) {
+    r.failing = false;
+    Finalize(r, done);
+  }
 }
 
 void Transport::Finalize(Request& r, Done* done) {
@@ -1818,7 +1906,11 @@ sdk::Status Transport::Stats(kvb_transport_stats_t& out) {
 
 VerbsCounters Transport::Counters() {
   std::lock_guard<std::mutex> lock(mu_);
-  return counters_;
+  VerbsCounters c = counters_;
+  for (const Peer* p : peers_) {
+    if (p->staging) c.staging_buffers_busy += p->staging->count - p->staging->free.size();
+  }
+  return c;
 }
 
 uint64_t Transport::InstanceCaps() const {

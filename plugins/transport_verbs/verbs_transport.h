@@ -103,6 +103,7 @@ struct VerbsCounters {
   uint64_t staging_copies = 0;                          // device <-> bounce copies that ended OK
   uint64_t staging_copy_failures = 0;  // ... that failed (the slice's op failed IO_ERROR)
   uint64_t staging_rings = 0;          // per-peer staging rings made
+  uint64_t staging_buffers_busy = 0;   // bounce buffers not free now, over every peer's ring
 };
 
 struct Request;
@@ -175,6 +176,13 @@ class Transport {
   bool StageReady(Peer& p, Slice& s, uint64_t now, std::vector<std::function<void()>>* done);
   void StartCopyOut(Peer& p, Slice& s, std::vector<std::function<void()>>* done);
   void PollCopiesOut(Peer& p, uint64_t now, std::vector<std::function<void()>>* done);
+  // A failed request's slices whose device copy still ran (Peer::draining): the copies that
+  // ended give their buffers back, and a request whose last one ended becomes final. Polled by
+  // the progress thread; DrainAll waits for every one of a peer that left peers_ (remove_peer,
+  // destroy), without mu_, then takes it.
+  void DrainCopies(Peer& p, uint64_t now, std::vector<std::function<void()>>* done);
+  void DrainAll(Peer& p, std::vector<std::function<void()>>* done);
+  void EndDrain(Slice& s, std::vector<std::function<void()>>* done);
   void DropBounce(Slice& s);
   plugin::sdk::Status RegisterStaged(const plugin::sdk::Region& r, const std::string& why_direct);
   static void Run(std::vector<std::function<void()>>& done);

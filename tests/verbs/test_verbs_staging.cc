@@ -224,6 +224,7 @@ TEST_F(VerbsStagingTest, AFailedCopyFailsOnlyItsOpAndLeaksNoBuffer) {
   EXPECT_EQ(dev->Get(0, 64 * kKiB), std::vector<uint8_t>(src.begin(), src.begin() + 64 * kKiB));
 
   // Every buffer came back: more ops than buffers still go through, both ways.
+  EXPECT_EQ(a->t->Counters().staging_buffers_busy, 0u);
   std::fill(remote.begin(), remote.end(), 0);
   for (int i = 0; i < 3; ++i) {
     st = Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), kLen, 9, 0)});
@@ -276,6 +277,59 @@ TEST_F(VerbsStagingTest, ASlowCopyEndsDeadlineExceeded) {
   Fake().set_latency_us(0);
   // The peer is fine afterwards.
   ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev->data(), dev->size(), 9, 0)}).ok());
+}
+
+// A request that fails (here its deadline) while its device copies run becomes final only once
+// they ended, and nobody waits for them under the transport's lock: another peer's transfer
+// completes meanwhile, and so does a second request to the same peer's host memory.
+TEST_F(VerbsStagingTest, ARunningCopyOfAFailedRequestHoldsOnlyThatRequest) {
+  if (RealCuda()) GTEST_SKIP() << "needs the fake CUDA driver's copy latency and copy log";
+  Pair x = Setup(128 * kKiB, 1);
+  ASSERT_NE(x.peer, nullptr);
+  auto& [a, b, dev, src, remote, peer] = x;
+  auto c = Make({"node-c", 33, {"c0"}, "", Config()});
+  ASSERT_TRUE(c);
+  std::vector<uint8_t> c_mem(64 * kKiB, 0);
+  Register(*c, 9, c_mem.data(), c_mem.size());
+  Peer* to_c = AddPeer(*a, *c);
+  ASSERT_NE(to_c, nullptr);
+  std::vector<uint8_t> host(64 * kKiB, 0x5c);
+  Register(*a, 2, host.data(), host.size());
+  ASSERT_TRUE(Transfer(*a, to_c, {Op(KVB_OP_WRITE, 2, host.data(), 4096, 9, 0)}).ok());
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), 4096, 9, 0)}).ok());
+
+  Fake().set_latency_us(800 * 1000);
+  Fake().clear_copy_log();
+  Request* r = nullptr;
+  const uint64_t t0 = NowNs();
+  ASSERT_TRUE(Post(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), dev->size(), 9, 0)},
+                   t0 + 100 * 1000000ull, 0, &r)
+                  .ok());
+  std::vector<FakeCopyRecord> log(16);
+  ASSERT_TRUE(testing::Eventually([&] { return Fake().copy_log(log.data(), log.size()) > 0; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));  // past the deadline
+  // The instance is not held: host transfers to c and to b complete while the copies run.
+  const uint64_t t1 = NowNs();
+  EXPECT_TRUE(Transfer(*a, to_c, {Op(KVB_OP_WRITE, 2, host.data(), host.size(), 9, 0)}).ok());
+  EXPECT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 2, host.data(), 4096, 9, 8192)}).ok());
+  EXPECT_LT(NowNs() - t1, 300 * 1000000ull) << "a transfer waited for another request's copy";
+  EXPECT_EQ(c_mem, host);
+  EXPECT_EQ(a->t->Poll(r, {}).code(), KVB_IN_PROGRESS) << "final while its copies still ran";
+  const sdk::Status st = Wait(*a, r);
+  const uint64_t final_ns = NowNs();
+  EXPECT_EQ(st.code(), KVB_ERR_DEADLINE_EXCEEDED) << st.message();
+  log.resize(16);
+  log.resize(Fake().copy_log(log.data(), log.size()));
+  ASSERT_FALSE(log.empty());
+  for (const FakeCopyRecord& c : log) {
+    EXPECT_NE(c.end_ns, 0u) << "a copy still ran when the request was final";
+    EXPECT_LE(c.end_ns, final_ns) << "a copy ended after the request was final";
+  }
+  Fake().set_latency_us(0);
+  // Its bounce buffers came back, and the peer's staged transfers go on.
+  EXPECT_EQ(a->t->Counters().staging_buffers_busy, 0u);
+  ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), dev->size(), 9, 0)}).ok());
+  EXPECT_EQ(std::vector<uint8_t>(remote.begin(), remote.begin() + dev->size()), src);
 }
 
 TEST_F(VerbsStagingTest, ARailFailingMidTransferRetriesFromTheSameBounceBuffers) {
@@ -362,6 +416,40 @@ TEST_F(VerbsStagingTest, TheRingGoesWithItsPeer) {
   EXPECT_TRUE(a->t->DeregisterMemory(1).ok());
   const sdk::Status st = Transfer(*a, peer, {Op(KVB_OP_READ, 1, dev->data(), 4096, 9, 0)});
   EXPECT_EQ(st.code(), KVB_ERR_NOT_REGISTERED) << st.message();
+}
+
+// Removing a peer while a failed request's device copies run: remove_peer returns once they
+// ended (the ring and its copy queues go with the peer), with the request final and its ring's
+// MR gone.
+TEST_F(VerbsStagingTest, RemovingAPeerWaitsForItsFailedRequestsCopies) {
+  if (RealCuda()) GTEST_SKIP() << "needs the fake CUDA driver's copy latency and copy log";
+  Pair x = Setup(128 * kKiB, 1);
+  ASSERT_NE(x.peer, nullptr);
+  auto& [a, b, dev, src, remote, peer] = x;
+  const size_t mrs = fabric_.LiveMrs("a0");
+  Fake().set_latency_us(400 * 1000);
+  Fake().clear_copy_log();
+  Request* r = nullptr;
+  ASSERT_TRUE(Post(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), dev->size(), 9, 0)},
+                   NowNs() + 50 * 1000000ull, 0, &r)
+                  .ok());
+  std::vector<FakeCopyRecord> log(16);
+  ASSERT_TRUE(testing::Eventually([&] { return Fake().copy_log(log.data(), log.size()) > 0; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // failed, copies running
+  EXPECT_EQ(a->t->Poll(r, {}).code(), KVB_IN_PROGRESS);
+  a->t->RemovePeer(peer);
+  const uint64_t removed = NowNs();
+  log.resize(16);
+  log.resize(Fake().copy_log(log.data(), log.size()));
+  ASSERT_FALSE(log.empty());
+  for (const FakeCopyRecord& c : log) {
+    EXPECT_NE(c.end_ns, 0u) << "a copy still ran when remove_peer returned";
+    EXPECT_LE(c.end_ns, removed) << "a copy ended after remove_peer returned";
+  }
+  EXPECT_EQ(a->t->Poll(r, {}).code(), KVB_ERR_DEADLINE_EXCEEDED);
+  a->t->Release(r);
+  EXPECT_EQ(fabric_.LiveMrs("a0"), mrs) << "the ring's MR outlived its peer";
+  Fake().set_latency_us(0);
 }
 
 }  // namespace
