@@ -418,9 +418,9 @@ TEST_F(VerbsStagingTest, TheRingGoesWithItsPeer) {
   EXPECT_EQ(st.code(), KVB_ERR_NOT_REGISTERED) << st.message();
 }
 
-// Removing a peer while a failed request's device copies run: remove_peer returns once they
-// ended (the ring and its copy queues go with the peer), with the request final and its ring's
-// MR gone.
+// Removing a peer while a failed request's device copies run (a READ's, buffer -> device):
+// remove_peer returns once they ended (the ring and its copy queues go with the peer), with the
+// request final and its ring's MR gone.
 TEST_F(VerbsStagingTest, RemovingAPeerWaitsForItsFailedRequestsCopies) {
   if (RealCuda()) GTEST_SKIP() << "needs the fake CUDA driver's copy latency and copy log";
   Pair x = Setup(128 * kKiB, 1);
@@ -430,7 +430,7 @@ TEST_F(VerbsStagingTest, RemovingAPeerWaitsForItsFailedRequestsCopies) {
   Fake().set_latency_us(400 * 1000);
   Fake().clear_copy_log();
   Request* r = nullptr;
-  ASSERT_TRUE(Post(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), dev->size(), 9, 0)},
+  ASSERT_TRUE(Post(*a, peer, {Op(KVB_OP_READ, 1, dev->data(), dev->size(), 9, 0)},
                    NowNs() + 50 * 1000000ull, 0, &r)
                   .ok());
   std::vector<FakeCopyRecord> log(16);
