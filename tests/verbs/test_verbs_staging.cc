@@ -103,6 +103,17 @@ class VerbsStagingTest : public testing::VerbsTransportTest {
     return x;
   }
 
+  // Every copy the fake driver logged since clear_copy_log() had ended by `by_ns`, when `what`.
+  static void ExpectCopiesEndedBy(uint64_t by_ns, const std::string& what) {
+    std::vector<FakeCopyRecord> log(16);
+    log.resize(Fake().copy_log(log.data(), log.size()));
+    ASSERT_FALSE(log.empty()) << "no copy was logged";
+    for (const FakeCopyRecord& c : log) {
+      EXPECT_NE(c.end_ns, 0u) << "a copy still ran when " << what;
+      EXPECT_LE(c.end_ns, by_ns) << "a copy ended after " << what;
+    }
+  }
+
   // Zeroes all of x's device memory and READs segment 9 back into it: OK once it holds x.src.
   sdk::Status ReadAllBack(Pair& x) {
     x.dev->Zero();
@@ -252,13 +263,7 @@ TEST_F(VerbsStagingTest, CancelWaitsForARunningCopyAndNoCopyRunsAfterIt) {
   const uint64_t cancelled = NowNs();
   EXPECT_EQ(a->t->Poll(r, {}).code(), KVB_ERR_CANCELLED);
   a->t->Release(r);
-  log.resize(16);
-  log.resize(Fake().copy_log(log.data(), log.size()));
-  ASSERT_FALSE(log.empty());
-  for (const FakeCopyRecord& c : log) {
-    EXPECT_NE(c.end_ns, 0u) << "a copy still ran when cancel returned";
-    EXPECT_LE(c.end_ns, cancelled) << "a copy ended after cancel returned";
-  }
+  ExpectCopiesEndedBy(cancelled, "cancel returned");
   EXPECT_EQ(std::vector<uint8_t>(remote.begin() + 4096, remote.end()),
             std::vector<uint8_t>(remote.size() - 4096, 0))
       << "a cancelled WRITE landed";
@@ -318,13 +323,7 @@ TEST_F(VerbsStagingTest, ARunningCopyOfAFailedRequestHoldsOnlyThatRequest) {
   const sdk::Status st = Wait(*a, r);
   const uint64_t final_ns = NowNs();
   EXPECT_EQ(st.code(), KVB_ERR_DEADLINE_EXCEEDED) << st.message();
-  log.resize(16);
-  log.resize(Fake().copy_log(log.data(), log.size()));
-  ASSERT_FALSE(log.empty());
-  for (const FakeCopyRecord& c : log) {
-    EXPECT_NE(c.end_ns, 0u) << "a copy still ran when the request was final";
-    EXPECT_LE(c.end_ns, final_ns) << "a copy ended after the request was final";
-  }
+  ExpectCopiesEndedBy(final_ns, "the request was final");
   Fake().set_latency_us(0);
   // Its bounce buffers came back, and the peer's staged transfers go on.
   EXPECT_EQ(a->t->Counters().staging_buffers_busy, 0u);
@@ -439,13 +438,7 @@ TEST_F(VerbsStagingTest, RemovingAPeerWaitsForItsFailedRequestsCopies) {
   EXPECT_EQ(a->t->Poll(r, {}).code(), KVB_IN_PROGRESS);
   a->t->RemovePeer(peer);
   const uint64_t removed = NowNs();
-  log.resize(16);
-  log.resize(Fake().copy_log(log.data(), log.size()));
-  ASSERT_FALSE(log.empty());
-  for (const FakeCopyRecord& c : log) {
-    EXPECT_NE(c.end_ns, 0u) << "a copy still ran when remove_peer returned";
-    EXPECT_LE(c.end_ns, removed) << "a copy ended after remove_peer returned";
-  }
+  ExpectCopiesEndedBy(removed, "remove_peer returned");
   EXPECT_EQ(a->t->Poll(r, {}).code(), KVB_ERR_DEADLINE_EXCEEDED);
   a->t->Release(r);
   EXPECT_EQ(fabric_.LiveMrs("a0"), mrs) << "the ring's MR outlived its peer";
