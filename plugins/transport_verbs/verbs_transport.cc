@@ -142,10 +142,12 @@ struct Request {
   uint64_t charged_ops = 0;
   bool final = false;
   // Failed (cancel, deadline, peer failure) while device copies of its staged slices still ran:
-  // not final until the last of them ended (`draining` of them left, Peer::draining).
-  bool failing = false;
+  // how many of those copies have not ended (its slices in Peer::draining). Not final until 0.
   uint32_t draining = 0;
   std::atomic<bool> reported{false};  // on_complete has returned
+
+  // Final, or failed and waiting only for its copies: nothing more is done for it.
+  bool Closed() const { return final || draining != 0; }
 };
 
 struct RemoteSegment {
@@ -176,7 +178,7 @@ struct Peer {
   sdk::Status fatal;  // STALE_PEER or UNAUTHENTICATED: every later post fails with it
   std::deque<Slice*> queue;
   std::vector<Slice*> copying_out;  // staged READs whose copy-out runs
-  std::vector<Slice*> draining;     // slices of failing requests whose device copy runs
+  std::vector<Slice*> draining;     // slices of failed requests whose device copy runs
   uint64_t drain_warned_ns = 0;     // when a long-running draining copy was last logged
   uint64_t queued_bytes = 0;
   uint64_t queued_ops = 0;
@@ -1351,7 +1353,7 @@ void Transport::PumpPeer(Peer& p, uint64_t now, Done* done) {
     }
   }
   for (Request* r : late) {
-    if (r->final || r->failing) continue;
+    if (r->Closed()) continue;
     const bool deadline = r->deadline_ns != 0 && now >= r->deadline_ns;
     FailRequest(
         *r,
@@ -1550,14 +1552,14 @@ void Transport::HandleEnds(Peer& p, uint32_t rail, std::vector<OpEnd>& ends, uin
       }
       // A staged READ ends when its bytes are in device memory; not copied for a request
       // that is failing (FailRequest closes its rails first).
-      if (s->staged && s->opcode == WrOpcode::kRdmaRead && !r.final && !r.failing) {
+      if (s->staged && s->opcode == WrOpcode::kRdmaRead && !r.Closed()) {
         StartCopyOut(p, *s, done);
         continue;
       }
       EndSlice(*s, e.status, done);
       continue;
     }
-    if (!r.final && !r.failing && IsRetryable(e) && (r.deadline_ns == 0 || now < r.deadline_ns)) {
+    if (!r.Closed() && IsRetryable(e) && (r.deadline_ns == 0 || now < r.deadline_ns)) {
       ++s->tries;
       p.queue.push_front(s);
       continue;
@@ -1589,7 +1591,7 @@ void Transport::FailPeer(Peer& p, const sdk::Status& why, Done* done) {
   if (why.code() == KVB_ERR_STALE_PEER || why.code() == KVB_ERR_UNAUTHENTICATED) p.fatal = why;
   const std::vector<Request*> reqs(p.requests.begin(), p.requests.end());
   for (Request* r : reqs) {
-    if (!r->final && !r->failing) FailRequest(*r, why, done);
+    if (!r->Closed()) FailRequest(*r, why, done);
   }
   const uint64_t now = host_.NowNs();
   for (uint32_t i = 0; i < p.rails.size(); ++i) FailRail(p, i, why, now, done);
@@ -1611,7 +1613,7 @@ void Transport::EndSlice(Slice& s, const sdk::Status& st, Done* done) {
 }
 
 void Transport::FailRequest(Request& r, const sdk::Status& why, Done* done) {
-  if (r.final || r.failing) return;
+  if (r.Closed()) return;
   Peer& p = *r.peer;
   for (OpState& op : r.ops) {
     if (op.code == KVB_IN_PROGRESS) {
@@ -1644,11 +1646,7 @@ void Transport::FailRequest(Request& r, const sdk::Status& why, Done* done) {
   std::erase_if(p.copying_out, [&](Slice* s) { return s->req == &r; });
   r.slices_left = 0;
   r.final = false;
-  if (r.draining > 0) {
-    r.failing = true;
-    return;
-  }
-  Finalize(r, done);
+  if (r.draining == 0) Finalize(r, done);
 }
 
 void Transport::DrainCopies(Peer& p, uint64_t now, Done* done) {
@@ -1699,13 +1697,10 @@ void Transport::DrainAll(Peer& p, Done* done) {
 }
 
 void Transport::EndDrain(Slice& s, Done* done) {
-  s.copy = Slice::Copy::kNone;  // ended: DropBounce does not wait
+  s.copy = Slice::Copy::kNone;  // it ended
   DropBounce(s);
   Request& r = *s.req;
-  if (--r.draining == 0) {
-    r.failing = false;
-    Finalize(r, done);
-  }
+  if (--r.draining == 0) Finalize(r, done);
 }
 
 void Transport::Finalize(Request& r, Done* done) {
@@ -1866,24 +1861,9 @@ void Transport::PollCopiesOut(Peer& p, uint64_t now, Done* done) {
 
 void Transport::DropBounce(Slice& s) {
   if (s.bounce < 0) return;
+  // No copy uses the buffer: every caller ended it (PollCopiesOut, StageReady, EndDrain) or
+  // never started one; a failed request's running copies go to DrainCopies instead.
   StagingRing& ring = *s.req->peer->staging;
-  if (s.copy != Slice::Copy::kNone) {
-    // The copy still uses the buffer (and the op's device memory): wait for its answer, however
-    // long, so that no copy touches either once the op is final.
-    sdk::DevStream& stream = ring.streams.at(s.device);
-    bool logged = false;
-    while (stream.Wait(s.ticket, host_.NowNs() + config_.progress_timeout_ms * kMsNs).code() ==
-           KVB_ERR_DEADLINE_EXCEEDED) {
-      if (!logged) {
-        host_.Log(KVB_LOG_WARN,
-                  "verbs: a staging copy has not finished after %u ms; waiting for it before "
-                  "its bounce buffer is reused",
-                  config_.progress_timeout_ms);
-        logged = true;
-      }
-    }
-    s.copy = Slice::Copy::kNone;
-  }
   ring.free.push_back(s.bounce);
   s.bounce = -1;
   s.filled = false;

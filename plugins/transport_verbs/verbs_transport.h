@@ -170,8 +170,8 @@ class Transport {
   // Host staging. A staging ring for the peer `who` (no lock needed: it reads only what Create
   // set). Under mu_: whether a staged slice is ready to post (a WRITE's bytes are in its
   // bounce buffer), starting its copy if not; the READ copy-out of a slice whose RDMA
-  // completed; the copies-out that ended; giving a slice's bounce buffer back (after waiting
-  // for a copy still using it).
+  // completed; the copies-out that ended; giving a slice's bounce buffer back (no copy may
+  // still use it).
   plugin::sdk::Result<std::unique_ptr<StagingRing>> MakeStagingRing(const std::string& who);
   bool StageReady(Peer& p, Slice& s, uint64_t now, std::vector<std::function<void()>>* done);
   void StartCopyOut(Peer& p, Slice& s, std::vector<std::function<void()>>* done);
