@@ -118,28 +118,6 @@ EngineOptions BaseOptions(const Args& a, const char* node_id) {
   return o;
 }
 
-bool SendAll(int fd, const void* p, size_t n) {
-  auto* c = static_cast<const char*>(p);
-  while (n > 0) {
-    ssize_t k = send(fd, c, n, MSG_NOSIGNAL);
-    if (k <= 0) return false;
-    c += k;
-    n -= static_cast<size_t>(k);
-  }
-  return true;
-}
-
-bool RecvAll(int fd, void* p, size_t n) {
-  auto* c = static_cast<char*>(p);
-  while (n > 0) {
-    ssize_t k = recv(fd, c, n, 0);
-    if (k <= 0) return false;
-    c += k;
-    n -= static_cast<size_t>(k);
-  }
-  return true;
-}
-
 // Raw baseline request: {op (1 = client sends `bytes`, 2 = server sends `bytes`), bytes}.
 struct RawRequest {
   uint32_t op;
@@ -151,14 +129,14 @@ void ServeRaw(int fd, char* region, size_t region_len) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   RawRequest rq;
-  while (RecvAll(fd, &rq, sizeof(rq))) {
+  while (bl::RecvAll(fd, &rq, sizeof(rq))) {
     if (rq.bytes > region_len) break;
     if (rq.op == 1) {
-      if (!RecvAll(fd, region, rq.bytes)) break;
+      if (!bl::RecvAll(fd, region, rq.bytes)) break;
       uint8_t ack = 1;
-      if (!SendAll(fd, &ack, 1)) break;
+      if (!bl::SendAll(fd, &ack, 1)) break;
     } else {
-      if (!SendAll(fd, region, rq.bytes)) break;
+      if (!bl::SendAll(fd, region, rq.bytes)) break;
     }
   }
   close(fd);
@@ -373,12 +351,12 @@ int RunInitiator(const Args& a, const char* self_exe) {
           r = RunLoops(mode.threads, a.seconds, batch_bytes, [&](int t) {
             RawRequest rq{code == OpCode::kWrite ? 1u : 2u, 0, batch_bytes};
             char* p = local.data() + t * area;
-            if (!SendAll(raw_fds[t], &rq, sizeof(rq))) return false;
+            if (!bl::SendAll(raw_fds[t], &rq, sizeof(rq))) return false;
             if (code == OpCode::kWrite) {
               uint8_t ack;
-              return SendAll(raw_fds[t], p, batch_bytes) && RecvAll(raw_fds[t], &ack, 1);
+              return bl::SendAll(raw_fds[t], p, batch_bytes) && bl::RecvAll(raw_fds[t], &ack, 1);
             }
-            return RecvAll(raw_fds[t], p, batch_bytes);
+            return bl::RecvAll(raw_fds[t], p, batch_bytes);
           });
         std::cerr << " " << e.gbps << " GB/s, p50 " << e.p50_us() << " us, p99 " << e.p99_us()
                   << " us";

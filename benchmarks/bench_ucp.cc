@@ -49,37 +49,15 @@ void Check(ucs_status_t st, const char* what) {
   if (st != UCS_OK) Die(what, st);
 }
 
-bool WriteAll(int fd, const void* p, size_t n) {
-  auto* c = static_cast<const char*>(p);
-  while (n > 0) {
-    const ssize_t w = write(fd, c, n);
-    if (w <= 0) return false;
-    c += w;
-    n -= size_t(w);
-  }
-  return true;
-}
-
-bool ReadAll(int fd, void* p, size_t n) {
-  auto* c = static_cast<char*>(p);
-  while (n > 0) {
-    const ssize_t r = read(fd, c, n);
-    if (r <= 0) return false;
-    c += r;
-    n -= size_t(r);
-  }
-  return true;
-}
-
 void SendBlob(int fd, const void* p, uint64_t n) {
-  if (!WriteAll(fd, &n, sizeof(n)) || !WriteAll(fd, p, n)) Die("socketpair write failed");
+  if (!bl::SendAll(fd, &n, sizeof(n)) || !bl::SendAll(fd, p, n)) Die("socketpair write failed");
 }
 
 std::string RecvBlob(int fd) {
   uint64_t n = 0;
-  if (!ReadAll(fd, &n, sizeof(n)) || n > (64u << 20)) Die("socketpair read failed");
+  if (!bl::RecvAll(fd, &n, sizeof(n)) || n > (64u << 20)) Die("socketpair read failed");
   std::string s(n, '\0');
-  if (!ReadAll(fd, s.data(), n)) Die("socketpair read failed");
+  if (!bl::RecvAll(fd, s.data(), n)) Die("socketpair read failed");
   return s;
 }
 

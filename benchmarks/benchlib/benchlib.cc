@@ -2,6 +2,8 @@
 // benchmarks (benchlib.h, docs/benchmarks.md).
 #include "benchlib.h"
 
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -522,6 +524,28 @@ Json& Json::Raw(std::string_view json) {
 const std::string& Json::str() const {
   if (!stack_.empty()) Misuse("str() with an open object or array");
   return out_;
+}
+
+bool SendAll(int fd, const void* p, size_t n) {
+  auto* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t k = send(fd, c, n, MSG_NOSIGNAL);
+    if (k <= 0) return false;
+    c += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+bool RecvAll(int fd, void* p, size_t n) {
+  auto* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t k = recv(fd, c, n, 0);
+    if (k <= 0) return false;
+    c += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
 }
 
 void PrintResult(const Json& json) {

@@ -119,6 +119,14 @@ double Gbps(double bytes, double seconds);
 // value / baseline; NaN (null in JSON) when the baseline is not > 0 or either is NaN.
 double Ratio(double value, double baseline);
 
+// ------------------------------------------------------------------------------ sockets
+
+// Blocking send/recv of exactly n bytes on a connected stream socket (a benchmark's own
+// connections: raw-socket baselines, a child's descriptor); false on error or a closed peer.
+// send uses MSG_NOSIGNAL, so a closed peer is an error, not a SIGPIPE.
+bool SendAll(int fd, const void* p, size_t n);
+bool RecvAll(int fd, void* p, size_t n);
+
 // ------------------------------------------------------------------------------- JSON
 
 // Writes one JSON text, compact with ", " and ": " separators (as Python's json.dumps does).

@@ -1,12 +1,16 @@
 // benchlib (benchmarks/benchlib/benchlib.h): the nearest-rank percentile on known samples,
-// flag parsing and its errors, rates, and the JSON writer's output and escaping.
+// flag parsing and its errors, rates, whole-buffer socket I/O, and the JSON writer's output and
+// escaping.
 #include "benchlib.h"
 
 #include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace kvbridge::benchlib {
@@ -313,6 +317,25 @@ TEST(BenchlibJsonDeathTest, MisuseAborts) {
   EXPECT_DEATH(StrOfAnOpenObject(), "open object");
   EXPECT_DEATH(EndObjectInAnArray(), "EndObject without an open object");
   EXPECT_DEATH(TwoTopLevelValues(), "after the top-level value");
+}
+
+// SendAll/RecvAll move a buffer larger than the socket's buffers whole; a closed peer is false
+// (no SIGPIPE), never a short count taken for success.
+TEST(SocketIo, WholeBuffersMoveAndAClosedPeerIsFalse) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  std::vector<char> out(4 << 20), in(out.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<char>(i * 7);
+  bool sent = false;
+  std::thread writer([&] { sent = SendAll(sv[0], out.data(), out.size()); });
+  EXPECT_TRUE(RecvAll(sv[1], in.data(), in.size()));
+  writer.join();
+  EXPECT_TRUE(sent);
+  EXPECT_EQ(in, out);
+  close(sv[1]);
+  EXPECT_FALSE(SendAll(sv[0], out.data(), out.size())) << "sent to a closed peer";
+  EXPECT_FALSE(RecvAll(sv[0], in.data(), 1)) << "read from a closed peer";
+  close(sv[0]);
 }
 
 }  // namespace
