@@ -53,14 +53,12 @@ class UcxFaultTest : public ::testing::TestWithParam<std::string> {
     o.progress_timeout_ms = kProgressMs;
     o.plugin_config["ucx.progress_timeout_ms"] = std::to_string(kProgressMs);
     o.plugin_config["ucx.connect_timeout_ms"] = "1000";
-    Configure(o);
     auto e = TransferEngine::Create(o);
     if (!e.ok()) GTEST_SKIP() << "ucx transport not usable here: " << e.status().ToString();
     engine_ = std::move(e).value();
     local_ = std::make_unique<Buffer>(kPeerBytes);
     Must(engine_->RegisterMemory(local_->data(), local_->size()));
   }
-  virtual void Configure(EngineOptions&) {}
 
   std::unique_ptr<PeerProcess> StartPeer(const std::string& node, uint64_t seed,
                                          std::vector<std::string> extra = {}) {
