@@ -10,6 +10,7 @@
 //            NaN, which the JSON writer prints as null.
 //   Gbps     throughput in GB/s, 1 GB = 1e9 bytes.
 //   Ratio    value / baseline, NaN (null in JSON) when the baseline is not a positive number.
+//   SendAll/RecvAll  a whole buffer over a stream socket; false on error or a closed peer.
 //   Json     a small JSON writer for the result line (the last stdout line, one object).
 #pragma once
 
