@@ -84,14 +84,23 @@ engines-pytest:
 # pending puts of a same-host (NONE-mode) endpoint first (docs/transports/ucx.md, "Known limits").
 ASAN_DIR ?= build-asan
 ASAN_GTESTS := kvb_unit_tests kvb_fault_tests
+# Run with LeakSanitizer on as well: what a transport frees at destroy (requests the host never
+# released, tests/conformance/test_transport_lifetime.cc, and nccl's and verbs' own cases) and
+# verbs host staging's buffers.
+ASAN_LEAK_GTESTS := kvb_transport_lifetime_tests kvb_verbs_staging_tests kvb_nccl_tests
 asan: setup
 	cmake -G Ninja -B $(ASAN_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVBRIDGE_SANITIZE=address \
 	  -DKVBRIDGE_CUDA=OFF -DKVBRIDGE_BUILD_BENCHMARKS=OFF -DPython_EXECUTABLE=$(PYTHON)
 	ninja -C $(ASAN_DIR) -j$(JOBS) $(ASAN_GTESTS) kvb_test_peer kvbridge_python kvbridge_python_stage kvbridge_cli \
-	  kvb_transport_tcp kvb_testing_plugins
+	  kvb_transport_tcp kvb_testing_plugins $(ASAN_LEAK_GTESTS)
 	set -e; for t in $(ASAN_GTESTS); do \
 	  echo "== $$t (AddressSanitizer)"; \
 	  UCX_LOG_LEVEL=error ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 \
+	    $(ASAN_DIR)/tests/$$t --gtest_brief=1; \
+	done
+	set -e; for t in $(ASAN_LEAK_GTESTS); do \
+	  echo "== $$t (AddressSanitizer, LeakSanitizer)"; \
+	  UCX_LOG_LEVEL=error ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1 \
 	    $(ASAN_DIR)/tests/$$t --gtest_brief=1; \
 	done
 	ASAN_OPTIONS=detect_leaks=0 \

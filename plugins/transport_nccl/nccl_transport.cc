@@ -414,7 +414,7 @@ sdk::Result<RequestHandle*> Transport::Post(Peer* peer, const sdk::Ops& ops,
   cmd->peer = peer;
   cmd->ops = std::move(list);
   Submit(cmd, false);
-  return new RequestHandle{req};
+  return handles_.Adopt(std::make_unique<RequestHandle>(RequestHandle{req}));
 }
 
 sdk::Status Transport::Poll(RequestHandle* h, std::span<kvb_status_t> op_status) {
@@ -443,7 +443,7 @@ void Transport::Cancel(RequestHandle* h) {
   Submit(cmd, true);
 }
 
-void Transport::Release(RequestHandle* h) { delete h; }
+void Transport::Release(RequestHandle* h) { handles_.Free(h); }
 
 sdk::Status Transport::Stats(kvb_transport_stats_t& s) {
   s.connections_open = counters_.connections_open;

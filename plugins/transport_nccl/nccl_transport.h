@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "kvbridge/plugin/sdk/transport.hpp"
+#include "live_requests.h"
 #include "nccl_cuda.h"
 #include "nccl_loader.h"
 #include "nccl_wire.h"
@@ -244,6 +245,8 @@ class Transport {
   // Joins a dropped link's connector once it ended (now, when `wait`); closes what it opened.
   bool ReapConnector(Connector& c, bool wait);
 
+  // Requests handed out and not yet released; first, so it goes last (it frees what is left).
+  plugin::LiveRequests<RequestHandle> handles_;
   sdk::Host host_;
   Config config_;
   const Nccl* nccl_;

@@ -306,7 +306,7 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
   } else if (deadline_ns != 0) {
     WakeHousekeeper(deadline_ns);
   }
-  *out = handle.release();
+  *out = handles_.Adopt(std::move(handle));
   return KVB_OK;
 }
 
@@ -374,7 +374,7 @@ void Transport::Cancel(RequestHandle* h) {
 void Transport::Release(RequestHandle* h) {
   if (h == nullptr) return;
   CancelRequest(h->req);  // a no-op for a final request; keeps a host bug from going unseen
-  delete h;
+  handles_.Free(h);
 }
 
 kvb_status_t Transport::GetStats(kvb_transport_stats_t* stats) const {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "kvbridge/plugin/transport.h"
+#include "live_requests.h"
 
 namespace kvbridge::tcp {
 
@@ -208,6 +209,8 @@ class Transport {
   void CancelRequest(const std::shared_ptr<Request>& req);
   void Finalize(Request& req, Completions* done);
 
+  // Requests handed out and not yet released; first, so it goes last (it frees what is left).
+  plugin::LiveRequests<RequestHandle> handles_;
   const kvb_host_services_t* host_;
   const Config config_;
   std::string node_id_;

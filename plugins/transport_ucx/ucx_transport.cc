@@ -638,7 +638,7 @@ kvb_status_t Transport::Post(Peer* peer, const kvb_xfer_op_t* ops, uint32_t op_s
                 prefailed = std::move(prefailed)]() mutable {
     w->Enqueue(peer, std::move(slices), std::move(prefailed));
   });
-  *out = handle.release();
+  *out = handles_.Adopt(std::move(handle));
   return KVB_OK;
 }
 
@@ -700,7 +700,7 @@ void Transport::Release(RequestHandle* h) {
   // memory stays valid until the host deregisters it. A request released unfinished (a host
   // bug) is cancelled first.
   if (!final) Cancel(h);
-  delete h;
+  handles_.Free(h);
 }
 
 kvb_status_t Transport::GetStats(kvb_transport_stats_t* stats) const {

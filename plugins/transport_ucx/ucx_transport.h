@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "kvbridge/plugin/transport.h"
+#include "live_requests.h"
 
 namespace kvbridge::ucx {
 
@@ -215,6 +216,8 @@ class Transport {
                      int* pidfd, bool* exited) const;
   void Finalize(Request& r, Completions* done);
 
+  // Requests handed out and not yet released; first, so it goes last (it frees what is left).
+  plugin::LiveRequests<RequestHandle> handles_;
   const kvb_host_services_t* host_;
   Config config_;
   std::string host_key_;

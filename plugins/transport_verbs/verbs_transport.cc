@@ -1208,7 +1208,7 @@ sdk::Result<Request*> Transport::Post(Peer* peer, const sdk::Ops& ops,
                                                  std::to_string(config_.max_queued_ops_per_peer) +
                                                  ")");
   }
-  Request* r = req.release();
+  Request* r = requests_.Adopt(std::move(req));
   r->peer = peer;
   r->charged_bytes = bytes;
   r->charged_ops = ops.size();
@@ -1291,7 +1291,7 @@ void Transport::Cancel(Request* r) {
   }
 }
 
-void Transport::Release(Request* r) { delete r; }
+void Transport::Release(Request* r) { requests_.Free(r); }
 
 // ---- the progress thread ---------------------------------------------------------------------
 

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "kvbridge/plugin/sdk/transport.hpp"
+#include "live_requests.h"
 #include "verbs_api.h"
 #include "verbs_mr_cache.h"
 #include "verbs_qp.h"
@@ -187,6 +188,8 @@ class Transport {
   plugin::sdk::Status RegisterStaged(const plugin::sdk::Region& r, const std::string& why_direct);
   static void Run(std::vector<std::function<void()>>& done);
 
+  // Requests handed out and not yet released; first, so it goes last (it frees what is left).
+  plugin::LiveRequests<Request> requests_;
   plugin::sdk::Host host_;
   const Config config_;
   Fabric fabric_;

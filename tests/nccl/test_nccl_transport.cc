@@ -412,6 +412,22 @@ TEST_F(NcclPair, RemovePeerCancelsItsOps) {
   EXPECT_EQ(a_->Stats().connections_open, 0u);
 }
 
+// destroy with a request the host never released, its send hung: destroy aborts the
+// communicator and returns (the ABI's destroy frees the request too; `make asan` runs this
+// binary with LeakSanitizer on).
+TEST_F(NcclPair, DestroyEndsARequestNeverReleased) {
+  ASSERT_EQ(a_->Run(peer_, KVB_OP_WRITE, 1, abuf_.data(), 64, 1, 0).status, KVB_OK);
+  const uint64_t sends_before = fake::GetCounts().sends;
+  fake::HangNextSends(1);
+  auto req = a_->Post(peer_, KVB_OP_WRITE, 1, abuf_.data(), 4096, 1, 0, 0, 10000);
+  ASSERT_TRUE(req.ok()) << req.status().message();
+  ASSERT_TRUE(SendIssued(sends_before));
+  const auto t0 = std::chrono::steady_clock::now();
+  a_.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(3))
+      << "destroy waited on the hung send";
+}
+
 TEST(NcclDeregister, WaitsForTheTargetsQueuedCallThenClosesItsConnection) {
   fake::ResetFaults();
   auto a = Node::Make(Opts("a", 1));

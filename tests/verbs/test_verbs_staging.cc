@@ -7,7 +7,8 @@
 // latency and injected errors on demand. What is shown: bytes of device memory written and read
 // through bounce buffers (more slices than buffers), the region kept out of the descriptor, the
 // caps and refusals, a failed copy failing only its op, cancel and deadline waiting for a copy
-// before they return, a rail failing mid-transfer, and the ring's MRs going with its peer.
+// before they return, a rail failing mid-transfer, the ring's MRs going with its peer, and
+// remove_peer and destroy waiting for the copies of a failed request.
 // With KVBTEST_REAL_CUDA=1 (benchmarks/gpu_check.sh, stage verbs-staging) the tests that only
 // move and check bytes run on real device memory and the real driver's copies; those that need
 // the fake's knobs skip.
@@ -442,6 +443,32 @@ TEST_F(VerbsStagingTest, RemovingAPeerWaitsForItsFailedRequestsCopies) {
   EXPECT_EQ(a->t->Poll(r, {}).code(), KVB_ERR_DEADLINE_EXCEEDED);
   a->t->Release(r);
   EXPECT_EQ(fabric_.LiveMrs("a0"), mrs) << "the ring's MR outlived its peer";
+  Fake().set_latency_us(0);
+}
+
+// Destroying the transport while a request's device copies run (a WRITE's, device -> buffer,
+// never released by its caller): destroy fails the request and returns only once the copies
+// ended, freeing the request and the ring's MR with the instance.
+TEST_F(VerbsStagingTest, DestroyingTheTransportWaitsForRunningCopies) {
+  if (RealCuda()) GTEST_SKIP() << "needs the fake CUDA driver's copy latency and copy log";
+  Pair x = Setup(128 * kKiB, 1);
+  ASSERT_NE(x.peer, nullptr);
+  auto& [a, b, dev, src, remote, peer] = x;
+  const size_t mrs_before_ring = fabric_.LiveMrs("a0");
+  Fake().set_latency_us(400 * 1000);
+  Fake().clear_copy_log();
+  Request* r = nullptr;
+  ASSERT_TRUE(Post(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), dev->size(), 9, 0)}, 0, 0, &r).ok());
+  std::vector<FakeCopyRecord> log(16);
+  ASSERT_TRUE(testing::Eventually([&] { return Fake().copy_log(log.data(), log.size()) > 0; }));
+  EXPECT_EQ(a->t->Poll(r, {}).code(), KVB_IN_PROGRESS);
+  EXPECT_EQ(fabric_.LiveMrs("a0"), mrs_before_ring + 1) << "no ring was made";
+  a->t.reset();
+  ExpectCopiesEndedBy(NowNs(), "destroy returned");
+  EXPECT_EQ(fabric_.LiveMrs("a0"), 0u) << "an MR outlived its transport";
+  EXPECT_EQ(std::vector<uint8_t>(remote.begin(), remote.begin() + dev->size()),
+            std::vector<uint8_t>(dev->size(), 0))
+      << "a slice was sent after destroy failed its request";
   Fake().set_latency_us(0);
 }
 

@@ -78,14 +78,14 @@ struct Node {
 };
 
 struct NodeSpec {
-  std::string node_id;
+  std::string node_id{};
   uint64_t incarnation = 1;
-  std::vector<std::string> devices;
-  std::string token;
-  std::map<std::string, std::string> config;
+  std::vector<std::string> devices{};
+  std::string token{};
+  std::map<std::string, std::string> config{};
   std::string listen = "127.0.0.1:0";
-  std::vector<int> numa;  // per device
-  std::function<Location(uint64_t, bool, int)> locate;
+  std::vector<int> numa{};  // per device
+  std::function<Location(uint64_t, bool, int)> locate{};
 };
 
 class VerbsTransportTest : public ::testing::Test {
