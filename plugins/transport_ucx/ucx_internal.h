@@ -18,8 +18,12 @@ constexpr unsigned kAmId = 0x4b56;  // one AM id for both directions of the hell
 constexpr uint32_t kHelloToServer = 1;
 constexpr uint32_t kHelloToClient = 2;
 // Grants (payload: the u64 segment id): an initiator asks before its first RMA to a segment on
-// an endpoint; the target revokes before its deregister_memory returns.
+// an endpoint; the target revokes before its deregister_memory returns. A grant request goes on
+// with the initiator's error mode (u8, 1 = PEER) and endpoints text, where the target sends the
+// revocation from an endpoint of its own (Worker::BackEndpoint); one of 8 bytes (no address)
+// is still served, its revocation bounded by the progress timeout.
 constexpr uint32_t kGrantRequest = 3;
+constexpr uint32_t kMaxGrantRequest = 16384;
 constexpr uint32_t kGrantReply = 4;  // status KVB_OK or KVB_ERR_NOT_REGISTERED
 constexpr uint32_t kRevoke = 5;
 constexpr uint32_t kRevokeAck = 6;

@@ -1,10 +1,12 @@
 // Endpoints and the peer-facing protocol: endpoint life (creation, close, liveness), the
 // hello on both sides, grants and revocations.
 #include <poll.h>
+#include <signal.h>
 #include <sys/epoll.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 #include "ucx_internal.h"
@@ -113,11 +115,39 @@ void Worker::Abort(const std::shared_ptr<Request>& req) {
     std::lock_guard<std::mutex> lock(req->mu);
     in_ucx = req->in_ucx > 0;
   }
-  // RMA cannot be cancelled: a PEER-mode endpoint is force-closed (UCX then completes its
-  // operations CANCELED, and other requests' slices go back to the queue). A NONE-mode
-  // endpoint may not be force-closed; its issued slices finish on their own.
-  if (in_ucx && peer->ep && peer->ep->peer_mode) {
-    CloseEndpoint(*peer, KVB_ERR_CANCELLED, "cancelled", true);
+  // RMA cannot be cancelled. A NONE-mode endpoint may not be force-closed; its issued slices
+  // finish on their own. A PEER-mode endpoint whose peer is moving bytes gets up to
+  // ucx.cancel_drain_ms for the request's operations to finish (DrainTimers): UCX's software
+  // RMA (tcp) aborts a target process whose reply to a GET, or completion of a PUT, fails to
+  // send, which a force close in mid-reply causes. Otherwise, or past that, the endpoint is
+  // force-closed (UCX then completes its operations CANCELED, and other requests' slices go
+  // back to the queue).
+  if (!in_ucx || !peer->ep || !peer->ep->peer_mode) return;
+  Endpoint& ep = *peer->ep;
+  const uint64_t now = t_->Now();
+  const uint64_t window = uint64_t(cfg_->cancel_drain_ms) * 1'000'000ull;
+  if (window > 0 && ep.state == Endpoint::State::kReady && ep.error == UCS_OK &&
+      now - ep.last_progress_ns < window) {
+    if (ep.draining.empty()) ep.drain_until_ns = now + window;
+    ep.draining.push_back(req);
+    return;
+  }
+  CloseEndpoint(*peer, KVB_ERR_CANCELLED, "cancelled", true);
+}
+
+void Worker::DrainTimers(uint64_t now) {
+  for (Peer* p : peers_) {
+    if (!p->ep || p->ep->draining.empty()) continue;
+    Endpoint& ep = *p->ep;
+    std::erase_if(ep.draining, [](const std::shared_ptr<Request>& r) {
+      std::lock_guard<std::mutex> lock(r->mu);
+      return r->in_ucx == 0;
+    });
+    if (ep.draining.empty() || now < ep.drain_until_ns) continue;
+    t_->Log(KVB_LOG_INFO, "ucx: cancelled RMA to peer '" + p->node_id + "' did not finish within " +
+                              std::to_string(cfg_->cancel_drain_ms) +
+                              " ms (ucx.cancel_drain_ms); endpoint force-closed");
+    CloseEndpoint(*p, KVB_ERR_CANCELLED, "cancelled", true);
   }
 }
 
@@ -166,20 +196,12 @@ void Worker::CloseEndpoint(Peer& peer, kvb_status_t code, const std::string& msg
   sessions_.erase(ep->session);
   if (ep->state == Endpoint::State::kHello) --hellos_;
   ep->peer = nullptr;
-  ep->state = Endpoint::State::kClosing;
   t_->counters().connections_open.fetch_sub(1);
   if (code != KVB_OK && code != KVB_ERR_CANCELLED) t_->counters().connections_evicted.fetch_add(1);
-  if (ep->peer_mode) {
-    // Force close: UCX completes the endpoint's operations (CANCELED) and stops touching memory.
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    void* r = ucp_ep_close_nbx(ep->ep, &p);
-    ep->close_started = true;
-    if (UCS_PTR_IS_PTR(r)) ep->close_req = r;
-  }
-  // NONE mode: never force-closed (undefined there); ReapClosing closes it once idle.
-  closing_.push_back(std::move(ep));
+  // PEER mode: force close; UCX completes the endpoint's operations (CANCELED) and stops
+  // touching memory. NONE mode: never force-closed (undefined there); ReapClosing closes it
+  // once idle.
+  Retire(std::move(ep));
 }
 
 void Worker::ReapClosing() {
@@ -326,13 +348,14 @@ ucs_status_t Worker::OnAm(void* arg, const void* header, size_t header_length, v
                           size_t length, const ucp_am_recv_param_t* param) {
   auto* w = static_cast<Worker*>(arg);
   HelloHeader h;
-  if (header_length != sizeof(h) || length > KVB_AUTH_MAX_MESSAGE ||
+  if (header_length == sizeof(h)) std::memcpy(&h, header, sizeof(h));
+  if (header_length != sizeof(h) ||
+      length > (h.kind == kGrantRequest ? kMaxGrantRequest : KVB_AUTH_MAX_MESSAGE) ||
       (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
     w->t_->counters().frames_rejected.fetch_add(1);
     w->t_->Log(KVB_LOG_WARN, "ucx: dropped a malformed hello message");
     return UCS_OK;
   }
-  std::memcpy(&h, header, sizeof(h));
   ucp_ep_h reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : nullptr;
   if (h.kind == kHelloToServer && reply == nullptr) {
     w->t_->counters().frames_rejected.fetch_add(1);
@@ -396,7 +419,10 @@ void Worker::ServeHello(ucp_ep_h reply_ep, uint64_t session, const std::string& 
 void Worker::HandleAm(const AmMessage& m) {
   uint64_t seg = 0;
   if (m.kind >= kGrantRequest) {
-    if (m.data.size() != sizeof(seg)) {
+    // A grant request may go on with the holder's error mode and endpoints (kGrantRequest).
+    if (m.data.size() < sizeof(seg) ||
+        (m.data.size() != sizeof(seg) &&
+         (m.kind != kGrantRequest || m.data.size() < sizeof(seg) + 1))) {
       t_->counters().frames_rejected.fetch_add(1);
       return;
     }
@@ -416,8 +442,14 @@ void Worker::HandleAm(const AmMessage& m) {
       break;
     case kGrantRequest: {
       auto it = published_.find(seg);
-      if (it != published_.end() && m.reply_ep != nullptr)
-        it->second.insert({m.reply_ep, m.session});
+      if (it != published_.end() && m.reply_ep != nullptr) {
+        Grantee g{m.session, false, {}};
+        if (m.data.size() > sizeof(seg)) {
+          g.peer_mode = m.data[sizeof(seg)] != 0;
+          g.endpoints = m.data.substr(sizeof(seg) + 1);
+        }
+        it->second.insert(std::move(g));
+      }
       if (m.reply_ep != nullptr) {
         SendAm(m.reply_ep, nullptr, kGrantReply, m.session,
                it != published_.end() ? KVB_OK : KVB_ERR_NOT_REGISTERED,
@@ -477,18 +509,94 @@ void Worker::Published(uint64_t segment_id) { published_[segment_id]; }
 
 void Worker::Revoke(uint64_t segment_id, ucp_mem_h memh, uint8_t* base, uint64_t length,
                     std::function<void()> done) {
-  Revocation r{segment_id, memh, base, length, {}, 0, std::move(done)};
+  Revocation r{segment_id, memh, base, length, {}, 0, std::move(done), {}};
   r.deadline_ns = t_->Now() + uint64_t(cfg_->progress_timeout_ms) * 1'000'000ull;
   if (auto it = published_.find(segment_id); it != published_.end()) {
     for (const Grantee& g : it->second) {
-      if (SendAm(g.reply_ep, nullptr, kRevoke, g.session, KVB_OK,
-                 reinterpret_cast<const uint8_t*>(&segment_id), sizeof(segment_id), true)) {
-        r.waiting.insert(g.session);
-      }
+      bool gone = false;
+      Endpoint* back = BackEndpoint(g, &gone);
+      if (gone) continue;
+      // Unreachable, or no address: not acknowledged, so the progress timeout bounds the wait.
+      r.waiting.insert(g.session);
+      if (back == nullptr) continue;
+      ++back->back_users;
+      r.back.push_back(back);
+      // With the reply flag, a holder whose endpoint is gone answers at once on this one.
+      SendAm(back->ep, back, kRevoke, g.session, KVB_OK,
+             reinterpret_cast<const uint8_t*>(&segment_id), sizeof(segment_id), true);
     }
     published_.erase(it);
   }
   revocations_.push_back(std::move(r));
+}
+
+Endpoint* Worker::BackEndpoint(const Grantee& g, bool* gone) {
+  *gone = false;
+  PeerAddress address;
+  std::string err;
+  if (g.endpoints.empty() || !ParseEndpoints(g.endpoints, &address, &err)) return nullptr;
+  const bool same_host = address.host_key == t_->host_key();
+  if (same_host && kill(address.pid, 0) != 0 && errno == ESRCH) {
+    *gone = true;
+    return nullptr;
+  }
+  const auto key = std::make_pair(g.endpoints, g.peer_mode);
+  if (auto it = back_eps_.find(key); it != back_eps_.end()) {
+    if (it->second->error == UCS_OK) return it->second.get();
+    // Failed: the revocations that sent on it keep their pointer until they end.
+    if (it->second->back_users != 0) return nullptr;
+    Retire(std::move(it->second));
+    back_eps_.erase(it);
+  }
+  auto ep = std::make_unique<Endpoint>();
+  ep->peer_mode = g.peer_mode;
+  ep->state = Endpoint::State::kReady;
+  ep->back_pid = same_host ? address.pid : 0;
+  ucp_ep_params_t params{};
+  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  params.address = reinterpret_cast<const ucp_address_t*>(address.worker_address.data());
+  params.err_mode = g.peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  if (g.peer_mode) {
+    params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.err_handler.cb = OnEpError;
+    params.err_handler.arg = ep.get();
+  }
+  const ucs_status_t st = ucp_ep_create(worker_, &params, &ep->ep);
+  if (st != UCS_OK) {
+    t_->Log(KVB_LOG_WARN, "ucx: cannot reach a grant holder (pid " + std::to_string(address.pid) +
+                              ") to revoke its grant: " + UcsText(st));
+    return nullptr;
+  }
+  Endpoint* raw = ep.get();
+  back_eps_[key] = std::move(ep);
+  return raw;
+}
+
+void Worker::SweepBackEndpoints() {
+  for (auto it = back_eps_.begin(); it != back_eps_.end();) {
+    Endpoint& ep = *it->second;
+    const bool gone =
+        ep.error != UCS_OK || (ep.back_pid != 0 && kill(ep.back_pid, 0) != 0 && errno == ESRCH);
+    if (ep.back_users == 0 && gone) {
+      Retire(std::move(it->second));
+      it = back_eps_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Worker::Retire(std::unique_ptr<Endpoint> ep) {
+  ep->state = Endpoint::State::kClosing;
+  if (ep->peer_mode) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* r = ucp_ep_close_nbx(ep->ep, &p);
+    ep->close_started = true;
+    if (UCS_PTR_IS_PTR(r)) ep->close_req = r;
+  }
+  closing_.push_back(std::move(ep));
 }
 
 }  // namespace kvbridge::ucx

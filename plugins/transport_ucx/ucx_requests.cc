@@ -64,9 +64,16 @@ bool Worker::Issue(Endpoint& ep, const SlicePtr& s) {
   auto grant = ep.grants.find(s->segment);
   if (grant == ep.grants.end()) {
     ep.grants[s->segment] = Endpoint::Grant::kAsked;
+    // [u64 segment][u8 PEER mode][our endpoints]: where the target sends its revocation later.
     const uint64_t seg = s->segment;
-    SendAm(ep.ep, &ep, kGrantRequest, ep.session, KVB_OK, reinterpret_cast<const uint8_t*>(&seg),
-           sizeof(seg), true);
+    std::string msg(reinterpret_cast<const char*>(&seg), sizeof(seg));
+    const std::string ours = t_->EndpointsText();
+    if (sizeof(seg) + 1 + ours.size() <= kMaxGrantRequest) {
+      msg.push_back(ep.peer_mode ? 1 : 0);
+      msg += ours;
+    }
+    SendAm(ep.ep, &ep, kGrantRequest, ep.session, KVB_OK,
+           reinterpret_cast<const uint8_t*>(msg.data()), static_cast<uint32_t>(msg.size()), true);
     return false;
   }
   if (grant->second == Endpoint::Grant::kAsked) return false;

@@ -69,6 +69,7 @@ bool LoadConfig(const kvb_host_services_t* host, Config* out, std::string* err) 
       read("ucx.max_queued_slices_per_peer", 1, 1ull << 40, &c.max_queued_slices_per_peer) &&
       read("ucx.connect_timeout_ms", 1, 600000, &c.connect_timeout_ms) &&
       read("ucx.progress_timeout_ms", 1, 3600000, &c.progress_timeout_ms) &&
+      read("ucx.cancel_drain_ms", 0, 60000, &c.cancel_drain_ms) &&
       read("ucx.spin_us", 0, 1000000, &c.spin_us) &&
       read("ucx.idle_poll_ms", 1, 1000, &c.idle_poll_ms) &&
       read("ucx.max_handshakes", 1, 1000000, &c.max_handshakes);

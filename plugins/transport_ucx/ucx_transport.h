@@ -51,6 +51,7 @@ struct Config {
   uint64_t max_queued_slices_per_peer = 65536;
   uint32_t connect_timeout_ms = 1000;   // the hello, from endpoint creation to OK
   uint32_t progress_timeout_ms = 2000;  // used when post opts give 0
+  uint32_t cancel_drain_ms = 250;       // cancel/deadline: how long a live PEER-mode ep may drain
   uint32_t spin_us = 200;               // busy progress after the last activity before sleeping
   uint32_t idle_poll_ms = 1;            // longest sleep of the progress thread
   uint32_t max_handshakes = 256;        // inbound hellos in progress at once

@@ -112,7 +112,10 @@ Worker::~Worker() {
     Run([this] { stop_ = true; });
     thread_.join();
   }
-  // The thread is gone: this thread may call UCX now. Endpoints left are closing ones.
+  // The thread is gone: this thread may call UCX now. Endpoints left are closing ones, and
+  // those made to send revocations.
+  for (auto& [key, ep] : back_eps_) closing_.push_back(std::move(ep));
+  back_eps_.clear();
   for (auto& ep : closing_) {
     for (auto& [seg, key] : ep->rkeys) ucp_rkey_destroy(key.rkey);
     ep->rkeys.clear();
@@ -292,6 +295,11 @@ void Worker::Timers(uint64_t now) {
       if (p->same_host && p->ep && !p->ep->records.empty()) CheckPeerExited(*p);
     }
   }
+  DrainTimers(now);
+  if (now >= next_back_sweep_ns_) {
+    next_back_sweep_ns_ = now + 1'000'000'000;
+    SweepBackEndpoints();
+  }
   while (!deadlines_.empty() && deadlines_.top().at <= now) {
     DeadlineEntry e = deadlines_.top();
     deadlines_.pop();
@@ -355,6 +363,7 @@ void Worker::Timers(uint64_t now) {
                                 " peer(s) did not acknowledge the revocation within "
                                 "ucx.progress_timeout_ms");
     }
+    for (Endpoint* back : it->back) --back->back_users;
     UnmapWhenIdle(it->memh, it->base, it->length, std::move(it->done));
     it = revocations_.erase(it);
   }

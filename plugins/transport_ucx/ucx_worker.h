@@ -60,6 +60,15 @@ struct Endpoint {
   int pidfd = -1;                    // NONE mode: the peer process (a dup of the peer's)
   void* close_req = nullptr;         // ucp_ep_close_nbx's request while closing
   bool close_started = false;
+  // PEER mode: requests cancelled (or past their deadline) whose RMA on this endpoint is left
+  // to finish, until drain_until_ns; then the endpoint is force-closed (Worker::Abort).
+  std::vector<std::shared_ptr<Request>> draining;
+  uint64_t drain_until_ns = 0;
+  // A target's own endpoint to a grant holder, made to send it revocations (not to a peer of
+  // ours; no hello, no RMA): the revocations in progress that sent on it, and the holder's
+  // process when it is on this host (0 otherwise).
+  uint32_t back_users = 0;
+  int back_pid = 0;
 };
 
 class Worker {
@@ -121,6 +130,8 @@ class Worker {
   void Flush(Endpoint& ep);
   void OnDone(Record* rec, ucs_status_t status);
   void Timers(uint64_t now);
+  // Force-closes the endpoints whose cancelled RMA did not drain in time (see Abort).
+  void DrainTimers(uint64_t now);
   // Fails every slice queued for the peer with code.
   void FailQueue(Peer& peer, kvb_status_t code, const std::string& msg);
   // Takes the endpoint away from its peer. Slices it still holds fail with `code` (or, when
@@ -131,6 +142,19 @@ class Worker {
   struct AmMessage;
   void HandleAm(const AmMessage& m);
   void AckRevokes(Endpoint& ep);
+  struct Grantee;
+  // The endpoint revocations to `g` go over: this worker's own, to the address its grant request
+  // carried, kept in back_eps_ for later ones. Null, with *gone set, when `g` is a process of
+  // this host that has exited (it can touch nothing any more); null without when its address
+  // is unknown or unusable (it is left to the progress timeout).
+  Endpoint* BackEndpoint(const Grantee& g, bool* gone);
+  // Closes the back endpoints no revocation uses whose holder is gone: UCX's error handler
+  // fired (PEER mode), or its process on this host exited. A live holder's is kept: UCX may
+  // have matched it with the endpoint UCX made for the holder's own connection to us, and
+  // closing it would close that connection under the holder's RMA.
+  void SweepBackEndpoints();
+  // Into closing_: force-closed now in PEER mode, by ReapClosing once idle in NONE mode.
+  void Retire(std::unique_ptr<Endpoint> ep);
   void CheckPeerExited(Peer& peer);
   // The endpoint's peer process is gone: its RMA stops counting as touching request memory.
   void DetachRecords(Endpoint& ep);
@@ -167,14 +191,19 @@ class Worker {
     uint64_t expires_ns = 0;
   };
   std::map<std::pair<uintptr_t, uint64_t>, InboundHello> inbound_;  // by (reply ep, session)
+  // Who holds a grant: the session of its endpoint, and where to reach it later, as its grant
+  // request said (its endpoints text and error mode; empty from a peer that did not say). A
+  // reply endpoint is never kept: UCX frees the endpoints it made for a peer's connection when
+  // that connection fails, with no callback to say so.
   struct Grantee {
-    ucp_ep_h reply_ep;
     uint64_t session;
-    bool operator<(const Grantee& o) const {
-      return reply_ep != o.reply_ep ? reply_ep < o.reply_ep : session < o.session;
-    }
+    bool peer_mode;
+    std::string endpoints;
+    bool operator<(const Grantee& o) const { return session < o.session; }
   };
   std::map<uint64_t, std::set<Grantee>> published_;  // registered segments and who holds grants
+  // This worker's own endpoints to grant holders, by (endpoints text, PEER mode).
+  std::map<std::pair<std::string, bool>, std::unique_ptr<Endpoint>> back_eps_;
   struct Revocation {
     uint64_t segment;
     ucp_mem_h memh;
@@ -183,6 +212,7 @@ class Worker {
     std::set<uint64_t> waiting;  // sessions not yet acknowledged
     uint64_t deadline_ns;
     std::function<void()> done;
+    std::vector<Endpoint*> back;  // the back endpoints it sent on (released when it ends)
   };
   std::vector<Revocation> revocations_;
   struct AmMessage {
@@ -210,6 +240,7 @@ class Worker {
   uint64_t next_session_ = 0;
   uint32_t hellos_ = 0;  // endpoints in the hello state
   uint64_t next_liveness_ns_ = 0;
+  uint64_t next_back_sweep_ns_ = 0;
   uint64_t last_activity_ns_ = 0;  // when progress, a command or a completion last did something
   uint32_t records_ = 0;           // all outstanding UCX operations
 };

@@ -5,6 +5,13 @@
 //   FILL <seed>  -> refills the region, "OK"
 //   DESC         -> "DESC <hex>"
 //   ADD <hex>    -> AddPeer(descriptor), "OK" or "ERR <status>"
+//   WRITE <node> <segment> <len> -> writes the region's first len bytes to offset 0 of the
+//                   peer's segment, "OK" or "ERR <status>" (this process as the initiator)
+//   READ <node> <segment> <len> -> the same, reading the peer's bytes into the region
+//   SUBMIT WRITE|READ <node> <segment> <len> -> submits it and answers "OK" without waiting (a
+//                   QUIT then destroys the engine with the batch in flight)
+//   CONNS <transport> -> "CONNS <opened> <evicted>": the transport's connections_opened and
+//                   connections_evicted
 // Flags: --node-id, --listen, --size, --seed, --token; --transport <name>[,<name>...] (default
 // tcp; the engine's transports in preference order) and --config <key>=<value>, repeatable
 // (EngineOptions::plugin_config, e.g. ucx.same_host=off), so the per-transport suites
@@ -15,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <span>
 #include <string>
 
 #include "kvbridge/engine.h"
@@ -94,11 +102,46 @@ int main(int argc, char** argv) {
     } else if (line.rfind("ADD ", 0) == 0) {
       auto r = engine.value()->AddPeer(testing::HexDecode(line.substr(4)));
       std::cout << (r.ok() ? std::string("OK") : "ERR " + r.status().ToString()) << std::endl;
+    } else if (line.rfind("WRITE ", 0) == 0 || line.rfind("READ ", 0) == 0 ||
+               line.rfind("SUBMIT ", 0) == 0) {
+      const bool submit = line[0] == 'S';
+      if (submit) line = line.substr(7);
+      const bool write = line[0] == 'W';
+      char node[256] = "";
+      unsigned long long segment = 0, len = 0;
+      if (std::sscanf(line.c_str() + (write ? 6 : 5), "%255s %llu %llu", node, &segment, &len) !=
+              3 ||
+          len == 0 || len > region.size()) {
+        std::cout << "ERR malformed " << (write ? "WRITE" : "READ") << " ("
+                  << (write ? "WRITE" : "READ")
+                  << " <node> <segment> <len>, len <= " << region.size() << ")" << std::endl;
+        continue;
+      }
+      const TransferOp op{
+          write ? OpCode::kWrite : OpCode::kRead, region.data(), len, node, segment, 0};
+      if (submit) {
+        auto id = engine.value()->Submit(std::span<const TransferOp>(&op, 1));
+        std::cout << (id.ok() ? std::string("OK") : "ERR " + id.status().ToString()) << std::endl;
+        continue;
+      }
+      const Status st = engine.value()->Transfer(std::span<const TransferOp>(&op, 1));
+      std::cout << (st.ok() ? std::string("OK") : "ERR " + st.ToString()) << std::endl;
+    } else if (line.rfind("CONNS ", 0) == 0) {
+      auto st = engine.value()->GetTransportStats(line.substr(6));
+      if (st.ok()) {
+        std::cout << "CONNS " << st->connections_opened << " " << st->connections_evicted
+                  << std::endl;
+      } else {
+        std::cout << "ERR " << st.status().ToString() << std::endl;
+      }
     } else if (line == "QUIT") {
       break;
     } else {
       std::cout << "ERR unknown command" << std::endl;
     }
   }
+  // The engine goes before the region: a batch still in flight (SUBMIT) moves bytes into it
+  // until the engine's shutdown cancels it.
+  engine.value().reset();
   return 0;
 }

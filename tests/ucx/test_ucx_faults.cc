@@ -1,7 +1,8 @@
 // Fault tests of what only the ucx transport does (docs/transports/ucx.md), with real processes
 // (tests/fault/peer_main.cc) and real UCX: how a killed peer is noticed (pidfd or UCX's error
 // handler), a frozen peer against UCX's one-sided cma, a peer that never answers the hello,
-// cancel with RMA issued (force close), the same-host ranking, CUDA caps and ucx.* settings.
+// cancel with RMA issued (force close), revoking the grant of a live writer and of one that is
+// gone, the same-host ranking, CUDA caps and ucx.* settings.
 // The failures every transport shares (a peer killed under load, deadline, BACKPRESSURE,
 // restart -> STALE_PEER, bounds, a wrong token) are tests/conformance's TransportFailures and
 // TransportConformance and tests/fault's FaultTest, which run ucx in both endpoint modes too.
@@ -12,6 +13,7 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -208,6 +210,123 @@ TEST_P(UcxFaultTest, CancelReturnsPromptlyWithRmaIssued) {
   EXPECT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kRead, "cancelled", 0, 4096)}).ok());
 }
 
+// Deregistering a segment revokes the grant of a live holder (the writer) from an endpoint of
+// the target's own. That leaves the holder's connection alone: its writes to another segment
+// go on over the same connection (no new one, none evicted), and the revoked segment is
+// refused, NOT_REGISTERED, with nothing written.
+TEST_P(UcxFaultTest, RevokingAGrantLeavesTheHoldersConnectionAlone) {
+  Buffer first(1 << 20), second(1 << 20);
+  const SegmentId seg1 = Must(engine_->RegisterMemory(first.data(), first.size()));
+  const SegmentId seg2 = Must(engine_->RegisterMemory(second.data(), second.size()));
+  auto writer = StartPeer("holder", 9);
+  ASSERT_TRUE(writer);
+  ASSERT_EQ(writer->Command("ADD " + testing::HexEncode(engine_->LocalDescriptor())), "OK");
+  ASSERT_EQ(writer->Command("WRITE client " + std::to_string(seg1) + " 4096"), "OK");
+  ASSERT_EQ(writer->Command("WRITE client " + std::to_string(seg2) + " 4096"), "OK");
+  ASSERT_EQ(writer->Command("CONNS ucx"), "CONNS 1 0");
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(engine_->DeregisterMemory(seg1).ok());
+  EXPECT_LT(MsSince(t0), kProgressMs) << "the live holder's acknowledgement did not come";
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(writer->Command("WRITE client " + std::to_string(seg2) + " 65536"), "OK");
+  }
+  EXPECT_TRUE(second.Matches(9, 0, 65536, 0));
+  std::memset(first.data(), 0, first.size());
+  const std::string refused = writer->Command("WRITE client " + std::to_string(seg1) + " 4096");
+  EXPECT_NE(refused.find("NOT_REGISTERED"), std::string::npos) << refused;
+  EXPECT_EQ(std::count(first.data(), first.data() + first.size(), uint8_t{0}),
+            static_cast<ptrdiff_t>(first.size()))
+      << "a revoked segment was written";
+  EXPECT_EQ(writer->Command("CONNS ucx"), "CONNS 1 0") << "the holder's connection was broken";
+  ASSERT_TRUE(engine_->DeregisterMemory(seg2).ok());
+}
+
+// A peer reading 64 MiB from us closes its engine mid-read (its cancel lets the GETs it issued
+// finish, ucx.cancel_drain_ms, rather than force-closing under our replies), or, on this host,
+// is killed mid-read: we, the target, keep serving, and another peer reads from us at once.
+// Over tcp (net) a reader killed while our UCX sends it a GET reply aborts this process: UCX's
+// software RMA treats a failed reply send as fatal (docs/transports/ucx.md, "Known limits"),
+// so net mode has no kill round here.
+TEST_P(UcxFaultTest, AReaderKilledMidReadLeavesTheTargetServing) {
+  constexpr size_t kLen = 64u << 20;
+  Buffer source(kLen);
+  source.Fill(5);
+  const SegmentId seg = Must(engine_->RegisterMemory(source.data(), source.size()));
+  for (int round = 0; round < 4; ++round) {
+    auto reader = StartPeer("reader-" + std::to_string(round), 7);
+    ASSERT_TRUE(reader);
+    ASSERT_EQ(reader->Command("ADD " + testing::HexEncode(engine_->LocalDescriptor())), "OK");
+    ASSERT_EQ(reader->Command("READ client " + std::to_string(seg) + " 4096"), "OK");
+    // Not waited for: killed, or its engine destroyed, while the 64 MiB READ moves.
+    ASSERT_EQ(
+        reader->Command("SUBMIT READ client " + std::to_string(seg) + " " + std::to_string(kLen)),
+        "OK");
+    std::this_thread::sleep_for(std::chrono::milliseconds(5 + 10 * round));
+    if (round % 2 == 0 && !net()) {
+      reader->Kill();
+    } else {
+      reader->Command("QUIT", 100);  // no answer: it exits
+      EXPECT_EQ(reader->Wait(5000), 0);
+    }
+  }
+  auto other = StartPeer("reader-after", 8);
+  ASSERT_TRUE(other);
+  ASSERT_EQ(other->Command("ADD " + testing::HexEncode(engine_->LocalDescriptor())), "OK");
+  EXPECT_EQ(other->Command("READ client " + std::to_string(seg) + " " + std::to_string(kLen)),
+            "OK");
+  ASSERT_TRUE(engine_->DeregisterMemory(seg).ok());
+}
+
+// A peer that wrote into our memory holds a grant for that segment. Once it is gone (kill -9,
+// or its engine closed: its endpoints closed), deregistering the segment returns within about
+// the progress timeout (the revocation it can no longer answer), touches no endpoint UCX freed
+// with the connection, and the engine serves other peers afterwards.
+// In a pid namespace of its own the writer is "another host" to us (its host key differs):
+// its death is not seen from here, only through UCX, and the revocation waits out the progress
+// timeout.
+TEST_P(UcxFaultTest, DeregisteringASegmentWhoseWriterIsGoneReturns) {
+  enum class Gone { kKilled, kQuit, kKilledElsewhere };
+  for (const Gone how : {Gone::kKilled, Gone::kQuit, Gone::kKilledElsewhere}) {
+    const bool kill = how != Gone::kQuit;
+    const std::string node = how == Gone::kKilled ? "writer-killed"
+                             : how == Gone::kQuit ? "writer-quit"
+                                                  : "writer-elsewhere";
+    SCOPED_TRACE(node);
+    Buffer target(1 << 20);
+    const SegmentId seg = Must(engine_->RegisterMemory(target.data(), target.size()));
+    std::unique_ptr<PeerProcess> writer;
+    if (how == Gone::kKilledElsewhere) {
+      // unshare passes SIGKILL on to the writer (--kill-child); it is pid 1 in its namespace.
+      writer = PeerProcess::Start({"--node-id", node, "--transport", "ucx", "--size",
+                                   std::to_string(kPeerBytes), "--seed", "7"},
+                                  {"unshare", "--pid", "--kill-child=SIGKILL"});
+    } else {
+      writer = StartPeer(node, 7);
+    }
+    ASSERT_TRUE(writer);
+    ASSERT_EQ(writer->Command("ADD " + testing::HexEncode(engine_->LocalDescriptor())), "OK");
+    ASSERT_EQ(writer->Command("WRITE client " + std::to_string(seg) + " 65536"), "OK");
+    EXPECT_TRUE(target.Matches(7, 0, 65536, 0)) << "the writer's bytes did not land";
+    if (kill) {
+      writer->Kill();
+    } else {
+      writer->Command("QUIT", 100);  // no answer: it exits
+      EXPECT_EQ(writer->Wait(5000), 0);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // UCX sees the connection go
+    const auto t0 = Clock::now();
+    const Status st = engine_->DeregisterMemory(seg);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    EXPECT_LT(MsSince(t0), 2 * kProgressMs + 500) << "deregister waited past the progress timeout";
+  }
+  auto other = StartPeer("after-writers", 3);
+  ASSERT_TRUE(other);
+  Must(engine_->AddPeer(other->descriptor()));
+  const Status st = engine_->Transfer(std::vector{Op(OpCode::kRead, "after-writers", 0, 1 << 20)});
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_TRUE(local_->Matches(3, 0, 1 << 20, 0));
+}
+
 const auto kModes = ::testing::Values("same_host", "net");
 auto ModeName = [](const auto& info) { return info.param; };
 // Same-host ranking (descriptor version 3): with transports {"tcp", "ucx"}, a peer whose
@@ -316,8 +435,10 @@ TEST(UcxDeviceMemory, WithoutCudaInUcxTheCapsDropItAndARegionIsRefused) {
 
 // A malformed ucx.* setting stops the engine from starting, with the key and value named.
 TEST(UcxConfig, MalformedSettingsAreNamed) {
-  const std::pair<const char*, const char*> bad[] = {
-      {"ucx.same_host", "sometimes"}, {"ucx.slice_bytes", "0"}, {"ucx.connect_timeout_ms", "soon"}};
+  const std::pair<const char*, const char*> bad[] = {{"ucx.same_host", "sometimes"},
+                                                     {"ucx.slice_bytes", "0"},
+                                                     {"ucx.connect_timeout_ms", "soon"},
+                                                     {"ucx.cancel_drain_ms", "60001"}};
   for (const auto& [key, value] : bad) {
     EngineOptions o = testing::LoopbackOptions("ucx", "cfg");
     o.plugin_config[key] = value;
