@@ -115,6 +115,28 @@ class VerbsStagingTest : public testing::VerbsTransportTest {
     }
   }
 
+  // With every device copy taking `copy_ms`, posts `opcode` over all of x's device memory (with
+  // `deadline_ns`, 0 for none) and returns the request once its first copy started; null (the
+  // failure reported) otherwise. The copy log starts with that post.
+  static Request* PostUnderSlowCopies(Pair& x, uint32_t opcode, uint32_t copy_ms,
+                                      uint64_t deadline_ns) {
+    Fake().set_latency_us(copy_ms * 1000);
+    Fake().clear_copy_log();
+    Request* r = nullptr;
+    const sdk::Status st =
+        Post(*x.a, x.peer, {Op(opcode, 1, x.dev->data(), x.dev->size(), 9, 0)}, deadline_ns, 0, &r);
+    if (!st.ok()) {
+      ADD_FAILURE() << st.message();
+      return nullptr;
+    }
+    std::vector<FakeCopyRecord> log(16);
+    if (!testing::Eventually([&] { return Fake().copy_log(log.data(), log.size()) > 0; })) {
+      ADD_FAILURE() << "no device copy started";
+      return nullptr;
+    }
+    return r;
+  }
+
   // Zeroes all of x's device memory and READs segment 9 back into it: OK once it holds x.src.
   sdk::Status ReadAllBack(Pair& x) {
     x.dev->Zero();
@@ -304,15 +326,8 @@ TEST_F(VerbsStagingTest, ARunningCopyOfAFailedRequestHoldsOnlyThatRequest) {
   ASSERT_TRUE(Transfer(*a, to_c, {Op(KVB_OP_WRITE, 2, host.data(), 4096, 9, 0)}).ok());
   ASSERT_TRUE(Transfer(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), 4096, 9, 0)}).ok());
 
-  Fake().set_latency_us(800 * 1000);
-  Fake().clear_copy_log();
-  Request* r = nullptr;
-  const uint64_t t0 = NowNs();
-  ASSERT_TRUE(Post(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), dev->size(), 9, 0)},
-                   t0 + 100 * 1000000ull, 0, &r)
-                  .ok());
-  std::vector<FakeCopyRecord> log(16);
-  ASSERT_TRUE(testing::Eventually([&] { return Fake().copy_log(log.data(), log.size()) > 0; }));
+  Request* r = PostUnderSlowCopies(x, KVB_OP_WRITE, 800, NowNs() + 100 * 1000000ull);
+  ASSERT_NE(r, nullptr);
   std::this_thread::sleep_for(std::chrono::milliseconds(150));  // past the deadline
   // The instance is not held: host transfers to c and to b complete while the copies run.
   const uint64_t t1 = NowNs();
@@ -427,14 +442,8 @@ TEST_F(VerbsStagingTest, RemovingAPeerWaitsForItsFailedRequestsCopies) {
   ASSERT_NE(x.peer, nullptr);
   auto& [a, b, dev, src, remote, peer] = x;
   const size_t mrs = fabric_.LiveMrs("a0");
-  Fake().set_latency_us(400 * 1000);
-  Fake().clear_copy_log();
-  Request* r = nullptr;
-  ASSERT_TRUE(Post(*a, peer, {Op(KVB_OP_READ, 1, dev->data(), dev->size(), 9, 0)},
-                   NowNs() + 50 * 1000000ull, 0, &r)
-                  .ok());
-  std::vector<FakeCopyRecord> log(16);
-  ASSERT_TRUE(testing::Eventually([&] { return Fake().copy_log(log.data(), log.size()) > 0; }));
+  Request* r = PostUnderSlowCopies(x, KVB_OP_READ, 400, NowNs() + 50 * 1000000ull);
+  ASSERT_NE(r, nullptr);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));  // failed, copies running
   EXPECT_EQ(a->t->Poll(r, {}).code(), KVB_IN_PROGRESS);
   a->t->RemovePeer(peer);
@@ -455,12 +464,8 @@ TEST_F(VerbsStagingTest, DestroyingTheTransportWaitsForRunningCopies) {
   ASSERT_NE(x.peer, nullptr);
   auto& [a, b, dev, src, remote, peer] = x;
   const size_t mrs_before_ring = fabric_.LiveMrs("a0");
-  Fake().set_latency_us(400 * 1000);
-  Fake().clear_copy_log();
-  Request* r = nullptr;
-  ASSERT_TRUE(Post(*a, peer, {Op(KVB_OP_WRITE, 1, dev->data(), dev->size(), 9, 0)}, 0, 0, &r).ok());
-  std::vector<FakeCopyRecord> log(16);
-  ASSERT_TRUE(testing::Eventually([&] { return Fake().copy_log(log.data(), log.size()) > 0; }));
+  Request* r = PostUnderSlowCopies(x, KVB_OP_WRITE, 400, 0);
+  ASSERT_NE(r, nullptr);
   EXPECT_EQ(a->t->Poll(r, {}).code(), KVB_IN_PROGRESS);
   EXPECT_EQ(fabric_.LiveMrs("a0"), mrs_before_ring + 1) << "no ring was made";
   a->t.reset();
