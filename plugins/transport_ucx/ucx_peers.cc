@@ -75,7 +75,7 @@ std::vector<std::shared_ptr<Request>> Worker::RemovePeer(Peer* peer) {
   }
   for (auto& r : reqs) t_->FailRequest(*r, KVB_ERR_CANCELLED, "cancelled: peer removed", &done_);
   peer->queue.clear();
-  if (peer->ep) CloseEndpoint(*peer, KVB_ERR_CANCELLED, "peer removed", false);
+  if (peer->ep) CloseEndpoint(*peer, KVB_ERR_CANCELLED, "peer removed", false, true);
   if (peer->pidfd >= 0 && !peer->exited) epoll_ctl(epfd_, EPOLL_CTL_DEL, peer->pidfd, nullptr);
   peers_.erase(peer);
   return reqs;
@@ -157,8 +157,14 @@ void Worker::FailQueue(Peer& peer, kvb_status_t code, const std::string& msg) {
   for (auto& s : q) t_->EndSlice(*s, code, msg, &done_);
 }
 
-void Worker::CloseEndpoint(Peer& peer, kvb_status_t code, const std::string& msg, bool requeue) {
+void Worker::CloseEndpoint(Peer& peer, kvb_status_t code, const std::string& msg, bool requeue,
+                           bool gentle) {
+  gentle = gentle && peer.ep->peer_mode && peer.ep->state == Endpoint::State::kReady &&
+           peer.ep->error == UCS_OK && cfg_->cancel_drain_ms > 0;
+  // The peer's UCX owes completions for the puts issued: ask for them before the close.
+  if (gentle && !peer.ep->unflushed.empty()) Flush(*peer.ep);
   std::unique_ptr<Endpoint> ep = std::move(peer.ep);
+  if (gentle) ep->force_at_ns = t_->Now() + uint64_t(cfg_->cancel_drain_ms) * 1'000'000ull;
   std::vector<SlicePtr> held;
   for (Record* r : ep->records) {
     if (r->slice) held.push_back(r->slice);
@@ -204,13 +210,24 @@ void Worker::CloseEndpoint(Peer& peer, kvb_status_t code, const std::string& msg
   Retire(std::move(ep));
 }
 
+bool Worker::ClosingIdle() const {
+  for (const auto& ep : closing_) {
+    if (!ep->records.empty() && !ep->close_started) return false;
+  }
+  return true;
+}
+
 void Worker::ReapClosing() {
+  const uint64_t now = t_->Now();
   for (auto it = closing_.begin(); it != closing_.end();) {
     Endpoint& ep = **it;
-    if (!ep.close_started && ep.records.empty()) {
+    // A gently closed PEER-mode endpoint: force-closed once idle, or when its time is up.
+    const bool force_due = ep.peer_mode && (ep.records.empty() || ep.error != UCS_OK ||
+                                            (ep.force_at_ns != 0 && now >= ep.force_at_ns));
+    if (!ep.close_started && (ep.records.empty() || force_due)) {
       ucp_request_param_t p{};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      p.flags = 0;
+      p.flags = ep.peer_mode ? UCP_EP_CLOSE_FLAG_FORCE : 0;
       void* r = ucp_ep_close_nbx(ep.ep, &p);
       ep.close_started = true;
       if (UCS_PTR_IS_PTR(r)) ep.close_req = r;
@@ -588,7 +605,7 @@ void Worker::SweepBackEndpoints() {
 
 void Worker::Retire(std::unique_ptr<Endpoint> ep) {
   ep->state = Endpoint::State::kClosing;
-  if (ep->peer_mode) {
+  if (ep->peer_mode && ep->force_at_ns == 0) {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_EP_CLOSE_FLAG_FORCE;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -212,6 +213,13 @@ Transport::~Transport() {
     peers.assign(peers_.begin(), peers_.end());
   }
   for (Peer* p : peers) RemovePeer(p);
+  // Gently closed endpoints (RemovePeer) may still await the peers' completions: give them
+  // ucx.cancel_drain_ms before the worker force-closes what is left.
+  const uint64_t until = Now() + uint64_t(config_.cancel_drain_ms) * 1'000'000ull;
+  for (bool idle = false; !idle && Now() < until;) {
+    worker_->RunSync([&] { idle = worker_->ClosingIdle(); });
+    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   std::vector<uint64_t> segments;
   {
     std::lock_guard<std::mutex> lock(regions_mu_);

@@ -60,6 +60,8 @@ struct Endpoint {
   int pidfd = -1;                    // NONE mode: the peer process (a dup of the peer's)
   void* close_req = nullptr;         // ucp_ep_close_nbx's request while closing
   bool close_started = false;
+  // Closing in PEER mode: force-closed once its operations ended, or at this time (0: at once).
+  uint64_t force_at_ns = 0;
   // PEER mode: requests cancelled (or past their deadline) whose RMA on this endpoint is left
   // to finish, until drain_until_ns; then the endpoint is force-closed (Worker::Abort).
   std::vector<std::shared_ptr<Request>> draining;
@@ -135,9 +137,20 @@ class Worker {
   // Fails every slice queued for the peer with code.
   void FailQueue(Peer& peer, kvb_status_t code, const std::string& msg);
   // Takes the endpoint away from its peer. Slices it still holds fail with `code` (or, when
-  // requeue is true, go back to the front of the peer's queue for a fresh endpoint).
-  void CloseEndpoint(Peer& peer, kvb_status_t code, const std::string& msg, bool requeue);
+  // requeue is true, go back to the front of the peer's queue for a fresh endpoint). `gentle`
+  // (remove_peer, destroy: nothing is wrong with the peer): a PEER-mode endpoint that is up
+  // flushes its puts and is force-closed only once its operations ended, or after
+  // ucx.cancel_drain_ms, so that the peer's UCX is not cut off in mid-reply (see Abort).
+  void CloseEndpoint(Peer& peer, kvb_status_t code, const std::string& msg, bool requeue,
+                     bool gentle = false);
   void ReapClosing();
+
+ public:
+  // True once no closing endpoint has an operation in flight (the destructor waits for it,
+  // bounded, before stopping the thread). Progress thread only: call through RunSync.
+  bool ClosingIdle() const;
+
+ private:
   void ServeHello(ucp_ep_h reply_ep, uint64_t session, const std::string& msg);
   struct AmMessage;
   void HandleAm(const AmMessage& m);
@@ -153,7 +166,8 @@ class Worker {
   // have matched it with the endpoint UCX made for the holder's own connection to us, and
   // closing it would close that connection under the holder's RMA.
   void SweepBackEndpoints();
-  // Into closing_: force-closed now in PEER mode, by ReapClosing once idle in NONE mode.
+  // Into closing_. PEER mode: force-closed now, or by ReapClosing once idle or at
+  // ep->force_at_ns when that is set. NONE mode: closed by ReapClosing once idle.
   void Retire(std::unique_ptr<Endpoint> ep);
   void CheckPeerExited(Peer& peer);
   // The endpoint's peer process is gone: its RMA stops counting as touching request memory.

@@ -1,7 +1,8 @@
 // Multi-process fault tests of the transfer engine, once per transport the build produced
 // (tcp; ucx / ucx_net when the ucx plugin is built; verbs when built; nccl: the list is generated
 // by tests/fault/CMakeLists.txt): peers killed, frozen, restarted on the same port or given a
-// wrong token, made to happen with real processes on loopback (docs/transfer-engine.md says
+// wrong token, and peers reading or writing our memory that die mid-transfer, made to happen
+// with real processes on loopback (docs/transfer-engine.md says
 // what each must cost). The peer (peer_main.cc) runs over the same transport and config. Cases
 // that are about one transport's mechanics (tcp's lanes and TIME_WAIT, tcp's multi-address
 // listen) skip the others with the reason printed.
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -154,6 +156,55 @@ TEST_P(FaultTest, PeerKilledMidTransferFailsFastWithNamedCode) {
   auto health = engine_->GetPeerHealth("victim");
   ASSERT_TRUE(health.has_value());
   EXPECT_GT(health->fast_failed_ops, 0u) << "circuit breaker never opened";
+}
+
+// The other way round: we are the target, and peers reading or writing 64 MiB of our memory
+// die mid-transfer, killed or closing their engine with the batch in flight. We keep serving:
+// a fresh peer reads and writes all of it, and the region deregisters on time. ucx_net has no
+// kill rounds: UCX's software RMA over tcp can abort a target whose initiator dies while it
+// sends reply data (docs/transports/ucx.md, "Known limits"); a closing initiator lets its
+// operations finish first (ucx.cancel_drain_ms), which ucx_net does test.
+TEST_P(FaultTest, InitiatorsDyingMidTransferLeaveTheTargetServing) {
+  constexpr size_t kLen = 64u << 20;
+  Buffer region(kLen);
+  region.Fill(21);
+  const SegmentId seg = Must(engine_->RegisterMemory(region.data(), region.size()));
+  const std::string desc = "ADD " + testing::HexEncode(engine_->LocalDescriptor());
+  const bool kills = GetParam() != "ucx_net";
+  if (!kills) std::printf("ucx_net: closing initiators only (UCX's software RMA, see above)\n");
+  int round = 0;
+  for (const char* op : {"READ", "WRITE"}) {
+    for (const bool kill : {false, true}) {
+      if (kill && !kills) continue;
+      SCOPED_TRACE(std::string(op) + (kill ? ", killed" : ", engine closed"));
+      auto peer = StartPeer("initiator-" + std::to_string(round), 0, 30 + round);
+      ASSERT_TRUE(peer);
+      ASSERT_EQ(peer->Command(desc), "OK");
+      const std::string what = std::string(op) + " client " + std::to_string(seg) + " ";
+      ASSERT_EQ(peer->Command(what + "4096"), "OK");  // connected
+      ASSERT_EQ(peer->Command("SUBMIT " + what + std::to_string(kLen)), "OK");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10 + 5 * round));
+      if (kill) {
+        peer->Kill();
+      } else {
+        peer->Command("QUIT", 100);  // no answer: it exits
+        EXPECT_EQ(peer->Wait(10000), 0) << "the initiator did not exit cleanly";
+      }
+      ++round;
+    }
+  }
+  auto fresh = StartPeer("initiator-after", 0, 40);
+  ASSERT_TRUE(fresh);
+  ASSERT_EQ(fresh->Command(desc), "OK");
+  region.Fill(22);
+  ASSERT_EQ(fresh->Command("READ client " + std::to_string(seg) + " " + std::to_string(kLen)),
+            "OK");
+  ASSERT_EQ(fresh->Command("WRITE client " + std::to_string(seg) + " " + std::to_string(kLen)),
+            "OK");
+  EXPECT_TRUE(region.Matches(22, 0, kLen, 0)) << "the fresh peer's write did not land whole";
+  const auto t0 = Clock::now();
+  EXPECT_TRUE(engine_->DeregisterMemory(seg).ok());
+  EXPECT_LT(MsSince(t0), 3000) << "deregister waited on a dead initiator";
 }
 
 TEST_P(FaultTest, FrozenPeerTripsProgressTimeoutLongBeforeDeadline) {
