@@ -8,7 +8,6 @@
 // Thread-safety: Adopt and Free may be called concurrently from any thread.
 #pragma once
 
-#include <cstddef>
 #include <memory>
 #include <mutex>
 #include <unordered_set>
@@ -42,13 +41,8 @@ class LiveRequests {
     delete r;
   }
 
-  size_t size() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return live_.size();
-  }
-
  private:
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::unordered_set<T*> live_;
 };
 

@@ -114,9 +114,13 @@ class Worker {
   };
   // Queues a request's slices; the prefailed ones (refused before any I/O) end here.
   void Enqueue(Peer* peer, std::vector<SlicePtr> slices, std::vector<Prefailed> prefailed);
-  // The request became final on an API thread (cancel): drop its queued slices and, when UCX
-  // still holds its memory on a PEER-mode endpoint, force-close that endpoint.
+  // The request became final (cancel, deadline): drop its queued slices and, when UCX still
+  // holds its memory on a PEER-mode endpoint, force-close that endpoint: at once, or, for a
+  // peer that is moving bytes, unless its operations finish within ucx.cancel_drain_ms.
   void Abort(const std::shared_ptr<Request>& req);
+  // True once no closing endpoint has an operation in flight (the transport's destructor waits
+  // for it, bounded, before the worker goes). Progress thread only: call through RunSync.
+  bool ClosingIdle() const;
 
  private:
   explicit Worker(Transport* t) : t_(t) {}
@@ -144,13 +148,6 @@ class Worker {
   void CloseEndpoint(Peer& peer, kvb_status_t code, const std::string& msg, bool requeue,
                      bool gentle = false);
   void ReapClosing();
-
- public:
-  // True once no closing endpoint has an operation in flight (the destructor waits for it,
-  // bounded, before stopping the thread). Progress thread only: call through RunSync.
-  bool ClosingIdle() const;
-
- private:
   void ServeHello(ucp_ep_h reply_ep, uint64_t session, const std::string& msg);
   struct AmMessage;
   void HandleAm(const AmMessage& m);
@@ -205,7 +202,8 @@ class Worker {
     uint64_t expires_ns = 0;
   };
   std::map<std::pair<uintptr_t, uint64_t>, InboundHello> inbound_;  // by (reply ep, session)
-  // Who holds a grant: the session of its endpoint, and where to reach it later, as its grant
+  // Who holds a grant: the session of its endpoint (unique across initiators: each worker
+  // starts its counter at a random 64-bit value), and where to reach it later, as its grant
   // request said (its endpoints text and error mode; empty from a peer that did not say). A
   // reply endpoint is never kept: UCX frees the endpoints it made for a peer's connection when
   // that connection fails, with no callback to say so.

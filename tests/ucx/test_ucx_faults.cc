@@ -241,6 +241,33 @@ TEST_P(UcxFaultTest, RevokingAGrantLeavesTheHoldersConnectionAlone) {
   ASSERT_TRUE(engine_->DeregisterMemory(seg2).ok());
 }
 
+// Destroying the engine while a peer is frozen and our WRITE to it waits for its completions
+// (net: PEER mode; 4 KiB, so the put itself is done and only the flush is outstanding). The
+// cancel has nothing to drain, remove_peer closes the endpoint gently, and the peer cannot
+// answer: after ucx.cancel_drain_ms the endpoint is force-closed, so destroy returns on time,
+// and the peer, resumed, is alive. Same host: NONE-mode endpoints cannot be force-closed, so
+// this waits for the peer (docs/transports/ucx.md, Known limits).
+TEST_P(UcxFaultTest, DestroyWithAFrozenPeersCompletionsOutstandingReturnsOnTime) {
+  if (!net()) GTEST_SKIP() << "same host: closing a frozen peer's endpoint waits for it";
+  auto peer = StartPeer("frozen-at-exit", 6);
+  ASSERT_TRUE(peer);
+  Must(engine_->AddPeer(peer->descriptor()));
+  ASSERT_TRUE(engine_->Transfer(std::vector{Op(OpCode::kWrite, "frozen-at-exit", 0, 4096)}).ok());
+  peer->Signal(SIGSTOP);
+  SubmitOptions so;
+  so.deadline_ms = 20000;
+  so.progress_timeout_ms = 10000;
+  Must(engine_->Submit(std::vector{Op(OpCode::kWrite, "frozen-at-exit", 0, 4096)}, so));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the put is out
+  const auto t0 = Clock::now();
+  engine_.reset();
+  const double ms = MsSince(t0);
+  EXPECT_LT(ms, 1500) << "destroy waited on the frozen peer";
+  EXPECT_GT(ms, 200) << "the endpoint was not given ucx.cancel_drain_ms to finish";
+  peer->Signal(SIGCONT);
+  EXPECT_EQ(peer->Command("CRC").rfind("CRC ", 0), 0u) << "the peer did not survive";
+}
+
 // A peer reading 64 MiB from us closes its engine mid-read (its cancel lets the GETs it issued
 // finish, ucx.cancel_drain_ms, rather than force-closing under our replies), or, on this host,
 // is killed mid-read: we, the target, keep serving, and another peer reads from us at once.
